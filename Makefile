@@ -1,0 +1,35 @@
+# Two commands on a fresh machine:
+#   make quickstart   set up .venv, prepare Shakespeare, train (CPU config, or the baby GPT on a GPU), sample
+#   make test         set up .venv with the test dependencies and run the suite
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+SHAKESPEARE_TXT ?= $(wildcard ../shared/data/tinyshakespeare/input.txt)
+
+.PHONY: quickstart test venv clean
+
+venv: $(VENV)/.installed
+
+# re-install only when the requirement files change
+$(VENV)/.installed: requirements.txt requirements-dev.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt -r requirements-dev.txt
+	touch $@
+
+quickstart: venv
+	$(PY) data/shakespeare_char/prepare.py $(if $(SHAKESPEARE_TXT),--input $(SHAKESPEARE_TXT))
+	@if $(PY) -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then \
+		$(PY) train.py config/train_shakespeare_char.py && \
+		$(PY) sample.py --out_dir=out-shakespeare-char --num_samples=1 --max_new_tokens=500; \
+	else \
+		$(PY) train.py config/train_shakespeare_char_cpu.py && \
+		$(PY) sample.py --out_dir=out-shakespeare-char-cpu --num_samples=1 --max_new_tokens=500; \
+	fi
+
+test: venv
+	SHAKESPEARE_TXT=$(abspath $(SHAKESPEARE_TXT)) $(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) out-shakespeare-char out-shakespeare-char-cpu

@@ -1,0 +1,259 @@
+"""Typed configuration: defaults in one dataclass, then config files, then --key=value.
+
+    python train.py config/train_shakespeare_char.py --device=cpu --compile=False
+    python train.py --help          # every key, its default and what it does
+    python sample.py --help
+
+A config file is plain Python assignments (`batch_size = 32`), run in a namespace of
+its own. Values on the command line parse as Python literals, so `--dropout=0`,
+`--compile=False` and `--device=cpu` all mean what they say. Mistakes stop the
+program with one line naming the key or file and exit code 2, never a traceback.
+"""
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import re
+import sys
+import traceback
+import types
+import typing
+from dataclasses import dataclass
+from typing import Optional, Union
+
+
+class UserError(Exception):
+    """A mistake in the user's input: reported in one line, no traceback."""
+
+    exit_code = 2
+
+
+def run_main(main):
+    """Run an entry point; a UserError becomes one line on stderr and a non-zero exit."""
+    try:
+        return main()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+
+
+@dataclass
+class TrainConfig:
+    # I/O
+    out_dir: str = "out"  # checkpoints, config.json and metrics.jsonl are written here
+    eval_interval: int = 2000  # evaluate (and maybe checkpoint) every this many iterations
+    log_interval: int = 1  # print and record training metrics every this many iterations
+    eval_iters: int = 200  # batches per split in each evaluation (the same batches every time)
+    eval_only: bool = False  # evaluate once, then exit
+    always_save_checkpoint: bool = True  # write ckpt.pt at every eval, not only when val improves
+    init_from: str = "scratch"  # 'scratch' or 'resume' (from out_dir/ckpt.pt)
+    # wandb (imported only when wandb_log=True)
+    wandb_log: bool = False  # send metrics to Weights & Biases
+    wandb_project: str = "owt"  # wandb project name
+    wandb_run_name: str = "gpt2"  # wandb run name
+    # data
+    dataset: str = "openwebtext"  # reads data/<dataset>/train.bin and val.bin
+    gradient_accumulation_steps: int = 5 * 8  # micro-steps per optimizer step, summed over all ranks
+    batch_size: int = 12  # micro-batch size per rank
+    block_size: int = 1024  # context length in tokens
+    data_mode: str = "auto"  # 'ram', 'memmap', or 'auto' (RAM when the files are small against free memory)
+    seed: int = 1337  # seeds init, dropout and the batch order; a resumed run keeps its own RNG state
+    # model
+    n_layer: int = 12  # transformer blocks
+    n_head: int = 12  # attention heads
+    n_embd: int = 768  # model width
+    dropout: float = 0.0  # 0 for pretraining; try 0.1+ for finetuning
+    bias: bool = False  # biases in Linear and LayerNorm layers (GPT-2 had them)
+    # AdamW
+    learning_rate: float = 6e-4  # peak learning rate
+    max_iters: int = 600000  # total optimizer steps
+    weight_decay: float = 1e-1  # applied to matrices and embeddings only
+    beta1: float = 0.9  # AdamW beta1
+    beta2: float = 0.95  # AdamW beta2
+    grad_clip: float = 1.0  # clip the global gradient norm to this; 0 disables
+    # learning-rate schedule
+    decay_lr: bool = True  # cosine decay after a linear warmup; False keeps learning_rate fixed
+    warmup_iters: int = 2000  # linear warmup steps
+    lr_decay_iters: int = 600000  # step at which the cosine reaches min_lr (usually max_iters)
+    min_lr: float = 6e-5  # floor of the schedule (about learning_rate / 10)
+    # system
+    backend: str = "auto"  # torch.distributed backend: 'nccl', 'gloo', or 'auto' (nccl on CUDA, else gloo)
+    device: str = "auto"  # 'auto' (cuda, else mps, else cpu), 'cpu', 'cuda', 'cuda:1', 'mps'
+    dtype: str = "auto"  # 'auto', 'float32', 'bfloat16' or 'float16' (float16 uses a GradScaler)
+    compile: bool = True  # torch.compile the model (slow to start, faster per step on GPUs)
+
+    def __post_init__(self):
+        for key in ("batch_size", "block_size", "n_layer", "n_head", "n_embd", "gradient_accumulation_steps",
+                    "eval_interval", "log_interval", "eval_iters"):
+            _require(getattr(self, key) >= 1, f"{key}={getattr(self, key)} must be at least 1")
+        _require(self.max_iters >= 0, f"max_iters={self.max_iters} must not be negative")
+        _require(self.n_embd % self.n_head == 0,
+                 f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; each head gets n_embd/n_head dims")
+        _require(0 <= self.dropout < 1, f"dropout={self.dropout} must be in [0, 1)")
+        _require(self.learning_rate > 0 and self.min_lr >= 0, "learning_rate must be > 0 and min_lr >= 0")
+        _require(self.grad_clip >= 0, f"grad_clip={self.grad_clip} must be >= 0 (0 disables clipping)")
+        _require(not self.decay_lr or self.lr_decay_iters > self.warmup_iters >= 0,
+                 f"lr_decay_iters={self.lr_decay_iters} must be larger than warmup_iters={self.warmup_iters}")
+        _require_choice("init_from", self.init_from, ("scratch", "resume"))
+        _require_choice("data_mode", self.data_mode, ("auto", "ram", "memmap"))
+        _require_choice("backend", self.backend, ("auto", "nccl", "gloo"))
+
+
+@dataclass
+class SampleConfig:
+    init_from: str = "resume"  # 'resume' loads a checkpoint from out_dir
+    out_dir: str = "out"  # where the checkpoint is
+    checkpoint: str = "best"  # 'best' (ckpt_best.pt when present) or 'latest' (ckpt.pt)
+    start: str = "\n"  # the prompt, or FILE:path to read it from a file
+    num_samples: int = 10  # how many samples to draw
+    max_new_tokens: int = 500  # tokens generated per sample
+    temperature: float = 0.8  # <1 sharper, >1 more random
+    top_k: Optional[int] = 200  # keep only the k most likely tokens; None keeps all
+    seed: int = 1337  # the same seed gives the same samples
+    device: str = "auto"  # 'auto', 'cpu', 'cuda', 'cuda:1', 'mps'
+    dtype: str = "auto"  # 'auto', 'float32', 'bfloat16', 'float16'
+    compile: bool = False  # torch.compile the model
+
+    def __post_init__(self):
+        _require_choice("init_from", self.init_from, ("resume",))
+        _require_choice("checkpoint", self.checkpoint, ("best", "latest"))
+        _require(self.num_samples >= 1 and self.max_new_tokens >= 1, "num_samples and max_new_tokens must be at least 1")
+        _require(self.temperature > 0, f"temperature={self.temperature} must be > 0")
+        _require(self.top_k is None or self.top_k >= 1, f"top_k={self.top_k} must be at least 1, or None")
+
+
+def _require(ok, message):
+    if not ok:
+        raise UserError(message)
+
+
+def _require_choice(key, value, choices):
+    _require(value in choices, f"{key}={value!r} is not one of {', '.join(map(repr, choices))}")
+
+
+def parse(cls, argv=None):
+    """Build a `cls` from the defaults, the config files in argv, then its --key=value overrides."""
+    argv = sys.argv[1:] if argv is None else argv
+    if "--help" in argv or "-h" in argv:
+        print(usage(cls))
+        sys.exit(0)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values = {}
+    files = [a for a in argv if not a.startswith("-")]
+    flags = [a for a in argv if a.startswith("-")]
+    for path in files:
+        for key, value in _run_config_file(path).items():
+            _check_known(key, fields, where=f"in {path}")
+            values[key] = _coerce(key, value, fields[key].type, source=path)
+    for flag in flags:
+        key, sep, text = flag.lstrip("-").partition("=")
+        _check_known(key, fields, where="on the command line")
+        if not sep:
+            if fields[key].type is not bool:
+                raise UserError(f"--{key} needs a value: write --{key}=VALUE")
+            text = "True"  # a bare --flag switches a bool key on
+        values[key] = _coerce(key, _literal(text), fields[key].type, source="command line", text=text)
+    return cls(**values)
+
+
+def as_dict(cfg):
+    return dataclasses.asdict(cfg)
+
+
+def usage(cls):
+    help_text = _field_comments(cls)
+    lines = [f"keys (set in a config file or as --key=value; defaults shown):"]
+    for f in dataclasses.fields(cls):
+        lines.append(f"  --{f.name}={f.default!r:<14} {help_text.get(f.name, '')}")
+    return "\n".join(lines)
+
+
+def _field_comments(cls):
+    # The trailing comment on each field is its documentation; read it from the source
+    # so the dataclass stays the one place where keys are described.
+    comments = {}
+    for line in inspect.getsource(cls).splitlines():
+        m = re.match(r"\s+(\w+)\s*:[^#]*#\s*(.*)$", line)
+        if m:
+            comments[m.group(1)] = m.group(2)
+    return comments
+
+
+def _run_config_file(path):
+    """Execute a config file in a fresh namespace and return the keys it assigned."""
+    try:
+        with open(path) as f:
+            source = f.read()
+    except OSError as e:
+        raise UserError(f"config file {path} cannot be read ({e.strerror}); check the path")
+    namespace = {}
+    try:
+        exec(compile(source, path, "exec"), namespace)
+    except SyntaxError as e:
+        raise UserError(f"{path}:{e.lineno}: syntax error: {e.msg}")
+    except Exception as e:
+        line = next((fr.lineno for fr in reversed(traceback.extract_tb(e.__traceback__)) if fr.filename == path), "?")
+        raise UserError(f"{path}:{line}: {type(e).__name__}: {e}")
+    # imports, helper functions and _private names are the file's own business, not keys
+    return {
+        k: v
+        for k, v in namespace.items()
+        if not k.startswith("_") and not isinstance(v, (types.ModuleType, types.FunctionType, type))
+    }
+
+
+def _check_known(key, fields, where):
+    if key in fields:
+        return
+    close = difflib.get_close_matches(key, fields, n=1)
+    hint = f"did you mean {close[0]}?" if close else "see --help for the known keys"
+    raise UserError(f"unknown config key '{key}' {where}; {hint}")
+
+
+def _literal(text):
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return text  # a bare word such as cpu or out-shakespeare is a string
+
+
+def _coerce(key, value, typ, source, text=None):
+    options = typing.get_args(typ) if typing.get_origin(typ) is Union else (typ,)
+    for option in options:
+        ok, converted = _convert(value, option, text)
+        if ok:
+            return converted
+    names = " or ".join("None" if o is type(None) else o.__name__ for o in options)
+    raise UserError(f"{key}={text if text is not None else value!r} ({source}) is not a valid {names}")
+
+
+def _convert(value, typ, text):
+    if typ is type(None):
+        return value is None, None
+    if typ is bool:
+        if isinstance(value, bool):
+            return True, value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return True, value.lower() == "true"
+        return False, None
+    if isinstance(value, bool):  # bool is an int subclass; True is not a batch size
+        return False, None
+    if typ is int:
+        if isinstance(value, int):
+            return True, value
+        if isinstance(value, float) and value.is_integer():
+            return True, int(value)  # --max_iters=5e3
+        return False, None
+    if typ is float:
+        return isinstance(value, (int, float)), float(value) if isinstance(value, (int, float)) else None
+    if typ is str:
+        if isinstance(value, str):
+            return True, value
+        if text is not None and isinstance(value, (int, float)):
+            return True, text  # --wandb_run_name=2024 is the name "2024"
+        return False, None
+    return isinstance(value, typ), value

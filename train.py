@@ -1,0 +1,383 @@
+"""Train a GPT, on one device or many.
+
+    python train.py config/train_shakespeare_char.py
+    python train.py config/train_shakespeare_char.py --device=cpu --compile=False --max_iters=2000
+    python train.py config/train_shakespeare_char.py --init_from=resume      # continue where it stopped
+    torchrun --standalone --nproc_per_node=8 train.py config/train_gpt2.py   # DDP on one node
+    python train.py --help                                                   # every key
+
+The pieces (get_lr, TrainBatches, train_step, evaluate) are importable; bench.py and
+the tests use them. main() wires them into the loop.
+"""
+
+import json
+import math
+import os
+import textwrap
+import time
+from contextlib import nullcontext
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import checkpoint
+import runtime
+import tokenizer
+from configurator import TrainConfig, UserError, as_dict, parse, run_main
+from model import GPT, GPTConfig
+
+# keys that fix the shapes of the weights: a checkpoint only resumes under the same values
+SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size")
+
+
+# ---------------------------------------------------------------------------- data
+
+
+def load_split(data_dir, split, mode="auto", share=1):
+    """A split's token ids as a 1-D uint16 array: memory-mapped, or read into RAM when
+    mode='ram' or ('auto' and the file is small against free memory, split `share` ways
+    between the ranks on this machine)."""
+    path = os.path.join(data_dir, f"{split}.bin")
+    if not os.path.exists(path):
+        raise UserError(f"{path} not found: run python {os.path.join(data_dir, 'prepare.py')} first")
+    if os.path.getsize(path) < 2:
+        raise UserError(f"{path} is empty: run python {os.path.join(data_dir, 'prepare.py')} again")
+    data = np.memmap(path, dtype=np.uint16, mode="r")
+    if mode == "ram" or (mode == "auto" and data.nbytes * share < _free_memory() / 4):
+        data = np.array(data)  # random windows from RAM avoid page faults on every batch
+    return data
+
+
+def _free_memory():
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0  # unknown: stay with the memmap
+
+
+def get_batch(data, offsets, block_size, rt):
+    """Windows starting at `offsets` (B,) -> x, y (B, T) on the device, y = x shifted by one.
+    One vectorized gather of (B, T+1) ids and one host-to-device copy."""
+    rows = data[offsets[:, None] + np.arange(block_size + 1)]
+    t = torch.from_numpy(rows.astype(np.int64))
+    if rt.device_type == "cuda":
+        t = t.pin_memory().to(rt.device, non_blocking=True)  # the copy overlaps queued GPU work
+    else:
+        t = t.to(rt.device)
+    return t[:, :-1], t[:, 1:]
+
+
+class TrainBatches:
+    """Random training windows from a generator of their own, so the order is reproducible
+    and resumable. Every rank draws the whole global batch from the same generator and keeps
+    its own slice: ranks see disjoint windows and the state to checkpoint is one value."""
+
+    def __init__(self, data, batch_size, block_size, seed, rt):
+        self.data, self.batch_size, self.block_size, self.rt = data, batch_size, block_size, rt
+        self.rng = np.random.default_rng(seed)
+
+    def __call__(self):
+        B, rank = self.batch_size, self.rt.rank
+        offsets = self.rng.integers(0, len(self.data) - self.block_size, size=B * self.rt.world_size)
+        return get_batch(self.data, offsets[rank * B : (rank + 1) * B], self.block_size, self.rt)
+
+
+def eval_offsets(data, eval_iters, batch_size, block_size, seed):
+    """The fixed (eval_iters, B) window starts evaluated at every eval, so curves compare."""
+    return np.random.default_rng(seed).integers(0, len(data) - block_size, size=(eval_iters, batch_size))
+
+
+# ---------------------------------------------------------------------------- optimization
+
+
+def get_lr(it, cfg):
+    """Linear warmup to learning_rate, cosine decay to min_lr at lr_decay_iters, then flat."""
+    if not cfg.decay_lr:
+        return cfg.learning_rate
+    if it < cfg.warmup_iters:
+        return cfg.learning_rate * (it + 1) / (cfg.warmup_iters + 1)
+    if it >= cfg.lr_decay_iters:
+        return cfg.min_lr
+    progress = (it - cfg.warmup_iters) / (cfg.lr_decay_iters - cfg.warmup_iters)
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.learning_rate - cfg.min_lr)
+
+
+def train_step(model, optimizer, scaler, next_batch, lr, accum_steps, grad_clip, rt):
+    """One optimizer step over accum_steps micro-batches. Returns this rank's mean loss as a
+    device tensor (reading it would wait for the device, so the caller decides when)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    total = torch.zeros((), device=rt.device)
+    x, y = next_batch()
+    for micro in range(accum_steps):
+        last = micro == accum_steps - 1
+        # DDP all-reduces gradients in backward; only the last micro-step needs it
+        with model.no_sync() if rt.ddp and not last else nullcontext():
+            with rt.autocast():
+                _, loss = model(x, y)
+            # each micro-batch's mean loss, scaled so the accumulated gradient is that of the mean
+            # over the whole batch, not the sum
+            loss = loss / accum_steps
+            if not last:
+                x, y = next_batch()  # gathered while the device still runs the forward pass
+            scaler.scale(loss).backward()
+        total += loss.detach()
+    if grad_clip > 0:
+        scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return total
+
+
+@torch.no_grad()
+def evaluate(model, splits, block_size, rt):
+    """Mean loss on each split's fixed batches; {name: (data, offsets)} -> {name: loss}.
+    Under DDP the batches are shared out between the ranks and the sums all-reduced."""
+    model.eval()
+    losses = {}
+    for name, (data, offsets) in splits.items():
+        total = torch.zeros(2, device=rt.device)  # (sum of batch losses, number of batches)
+        for i in range(rt.rank, len(offsets), rt.world_size):
+            x, y = get_batch(data, offsets[i], block_size, rt)
+            with rt.autocast():
+                _, loss = model(x, y)
+            total[0] += loss.float()
+            total[1] += 1
+        if rt.ddp:
+            dist.all_reduce(total)
+        losses[name] = (total[0] / total[1]).item()
+    model.train()
+    return losses
+
+
+# ---------------------------------------------------------------------------- checkpoints and logs
+
+
+def make_checkpoint(raw_model, optimizer, scaler, cfg, model_args, tok_spec, iter_num, best_val_loss, batches, rt):
+    """Everything needed to continue exactly; a collective call under DDP (RNG states are gathered)."""
+    rng = {"torch": [torch.get_rng_state()], "batches": batches.rng.bit_generator.state}
+    if rt.device_type == "cuda":
+        rng["cuda"] = [torch.cuda.get_rng_state(rt.device)]
+    if rt.ddp:  # every rank's dropout stream, so each one resumes its own
+        for key in ("torch", "cuda"):
+            if key in rng:
+                gathered = [None] * rt.world_size
+                dist.all_gather_object(gathered, rng[key][0].cpu())
+                rng[key] = gathered
+    return {
+        "model": raw_model.state_dict(),  # the plain module's: no DDP or torch.compile prefixes
+        "optimizer": optimizer.state_dict(),
+        "scaler": scaler.state_dict() if scaler.is_enabled() else None,
+        "model_args": model_args,
+        "config": as_dict(cfg),
+        "tokenizer": tok_spec,
+        "iter_num": iter_num,
+        "best_val_loss": best_val_loss,
+        "rng": rng,
+    }
+
+
+def restore_rng(state, batches, rt):
+    rng = state["rng"]
+    if len(rng["torch"]) == rt.world_size:
+        torch.set_rng_state(rng["torch"][rt.rank])
+        if "cuda" in rng and rt.device_type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"][rt.rank], rt.device)
+    elif rt.master:
+        print(f"note: checkpoint was written by {len(rng['torch'])} rank(s), this run has {rt.world_size}: dropout RNG reseeded")
+    batches.rng.bit_generator.state = rng["batches"]
+
+
+def check_resumable(saved, wanted):
+    differ = [f"{k} {saved.get(k)} -> {wanted[k]}" for k in SHAPE_KEYS if k in saved and saved[k] != wanted[k]]
+    if differ:
+        raise UserError(f"cannot resume: the checkpoint's model differs in {', '.join(differ)}; use the config it was trained with")
+
+
+class MetricsLog:
+    """out_dir/metrics.jsonl, one JSON object per line; wandb fed from the same records."""
+
+    def __init__(self, path, resume_iter, cfg):
+        self.path = path
+        if resume_iter is None:
+            open(path, "w").close()
+        else:
+            self._truncate(resume_iter)
+        self.wandb = None
+        if cfg.wandb_log:
+            import wandb  # optional dependency, only needed when asked for
+
+            self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=as_dict(cfg))
+
+    def _truncate(self, resume_iter):
+        # a run that died after its last checkpoint logged steps the resumed run will redo
+        if not os.path.exists(self.path):
+            return
+        with open(self.path) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        keep = [r for r in records if r["iter"] < resume_iter or ("val_loss" in r and r["iter"] == resume_iter)]
+        with open(self.path + ".tmp", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in keep)
+        os.replace(self.path + ".tmp", self.path)
+
+    def write(self, record):
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")  # json keeps every digit of a float
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in record.items() if k != "iter" and v is not None}, step=record["iter"])
+
+
+def format_duration(seconds):
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def main(argv=None):
+    cfg = parse(TrainConfig, argv)
+    rt = runtime.setup(cfg.device, cfg.dtype, cfg.backend)
+    try:
+        train(cfg, rt)
+    finally:
+        runtime.teardown(rt)
+
+
+def train(cfg, rt):
+    if cfg.gradient_accumulation_steps % rt.world_size:
+        raise UserError(
+            f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} does not divide among "
+            f"{rt.world_size} processes; make it a multiple of {rt.world_size}"
+        )
+    accum_steps = cfg.gradient_accumulation_steps // rt.world_size
+    tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
+    torch.manual_seed(cfg.seed + rt.rank)
+
+    # data and tokenizer
+    data_dir = os.path.join("data", cfg.dataset)  # an absolute dataset path is used as it is
+    share = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    train_data = load_split(data_dir, "train", cfg.data_mode, share)
+    val_data = load_split(data_dir, "val", cfg.data_mode, share)
+    for name, data in (("train", train_data), ("val", val_data)):
+        if len(data) <= cfg.block_size:
+            raise UserError(f"block_size={cfg.block_size} is longer than {data_dir}/{name}.bin ({len(data)} tokens); lower block_size")
+    tok_spec = tokenizer.describe(data_dir)
+    model_args = {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "bias", "dropout")}
+    model_args["vocab_size"] = tokenizer.vocab_size(tok_spec) or 50304  # GPT-2's 50257, padded as nanoGPT does
+
+    state = None
+    if cfg.init_from == "resume":
+        state = checkpoint.load(os.path.join(cfg.out_dir, "ckpt.pt"))
+        check_resumable(state["model_args"], model_args)
+
+    raw_model = GPT(GPTConfig(**model_args)).to(rt.device)
+    optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), rt.device_type)
+    scaler = torch.amp.GradScaler(rt.device_type, enabled=rt.dtype == torch.float16)
+    batches = TrainBatches(train_data, cfg.batch_size, cfg.block_size, cfg.seed, rt)
+    iter_num, best_val_loss = 0, float("inf")
+    if state is not None:
+        raw_model.load_state_dict(checkpoint.model_state(state))
+        optimizer.load_state_dict(state["optimizer"])
+        if state.get("scaler") and scaler.is_enabled():
+            scaler.load_state_dict(state["scaler"])
+        restore_rng(state, batches, rt)
+        iter_num, best_val_loss = state["iter_num"], state["best_val_loss"]
+        del state  # free the host copy of the weights
+    eval_splits = {
+        split: (data, eval_offsets(data, cfg.eval_iters, cfg.batch_size, cfg.block_size, cfg.seed + i + 1))
+        for i, (split, data) in enumerate((("train", train_data), ("val", val_data)))
+    }
+
+    model = torch.compile(raw_model) if cfg.compile else raw_model
+    train_model = DDP(model, device_ids=[rt.local_rank] if rt.device_type == "cuda" else None) if rt.ddp else model
+
+    metrics = None
+    if rt.master:
+        _prepare_out_dir(cfg)
+        metrics = MetricsLog(os.path.join(cfg.out_dir, "metrics.jsonl"), iter_num if cfg.init_from == "resume" else None, cfg)
+        print(textwrap.fill("config: " + " ".join(f"{k}={v!r}" for k, v in as_dict(cfg).items()), 120, subsequent_indent="  "))
+        print(
+            f"{raw_model.num_params() / 1e6:.2f}M parameters | {tokens_per_iter:,} tokens/iter "
+            f"({rt.world_size} rank(s) x {accum_steps} micro-steps x {cfg.batch_size} x {cfg.block_size}) | "
+            f"{rt.device} {str(rt.dtype).removeprefix('torch.')}"
+            + (f" | resuming at iter {iter_num}" if cfg.init_from == "resume" else "")
+        )
+
+    flops_per_iter = raw_model.flops_per_token() * tokens_per_iter
+    peak = runtime.peak_flops(rt)
+    resumed_at = iter_num if cfg.init_from == "resume" else None
+    window_start, window_iters, warm = None, 0, False
+
+    def save(path):
+        state = make_checkpoint(raw_model, optimizer, scaler, cfg, model_args, tok_spec, iter_num, best_val_loss, batches, rt)
+        if rt.master:
+            checkpoint.save(state, path)
+        return path
+
+    # The loop runs once more after the last step, so the final eval and save live in one place.
+    while True:
+        last = iter_num >= cfg.max_iters
+        saved_now = False
+        if cfg.eval_only or ((iter_num % cfg.eval_interval == 0 or last) and iter_num != resumed_at):
+            losses = evaluate(model, eval_splits, cfg.block_size, rt)
+            if rt.master:
+                print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+                metrics.write({"iter": iter_num, "train_loss": losses["train"], "val_loss": losses["val"]})
+            if cfg.eval_only:
+                break
+            improved = losses["val"] < best_val_loss
+            best_val_loss = min(best_val_loss, losses["val"])
+            if iter_num > 0 and (improved or cfg.always_save_checkpoint):
+                ckpt_path = save(os.path.join(cfg.out_dir, "ckpt.pt"))
+                saved_now = True
+                if improved and rt.master:
+                    checkpoint.link_or_copy(ckpt_path, os.path.join(cfg.out_dir, "ckpt_best.pt"))
+            window_start = None  # evaluation time is not training time
+        if last:
+            if not saved_now and iter_num != resumed_at:
+                save(os.path.join(cfg.out_dir, "ckpt.pt"))
+            break
+
+        if window_start is None:
+            runtime.synchronize(rt)
+            window_start, window_iters = time.perf_counter(), 0
+        lr = get_lr(iter_num, cfg)
+        loss = train_step(train_model, optimizer, scaler, batches, lr, accum_steps, cfg.grad_clip, rt)
+        window_iters += 1
+        if iter_num % cfg.log_interval == 0:
+            if rt.ddp:
+                dist.all_reduce(loss)
+                loss = loss / rt.world_size
+            loss_value = loss.item()  # waits for the device: the window's time below is real
+            runtime.synchronize(rt)
+            now = time.perf_counter()
+            dt = (now - window_start) / window_iters
+            # the first window of a process holds compilation and allocator warm-up: no MFU from it
+            mfu = flops_per_iter / dt / (peak * rt.world_size) if (peak and warm) else None
+            warm, window_start, window_iters = True, now, 0
+            if rt.master:
+                eta = format_duration(dt * (cfg.max_iters - iter_num - 1))
+                mfu_text = f"{mfu:.1%}" if mfu is not None else "n/a"
+                print(f"iter {iter_num}: loss {loss_value:.4f}, lr {lr:.2e}, {dt * 1000:.1f} ms/iter, "
+                      f"{tokens_per_iter / dt:,.0f} tok/s, mfu {mfu_text}, eta {eta}")
+                metrics.write({"iter": iter_num, "loss": loss_value, "lr": lr, "dt_ms": dt * 1000,
+                               "tokens_per_s": tokens_per_iter / dt, "mfu": mfu})
+        iter_num += 1
+
+
+def _prepare_out_dir(cfg):
+    try:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
+            json.dump(as_dict(cfg), f, indent=2)
+    except OSError as e:
+        raise UserError(f"cannot write to out_dir={cfg.out_dir} ({e.strerror}); choose a writable --out_dir")
+
+
+if __name__ == "__main__":
+    run_main(main)
