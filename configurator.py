@@ -166,9 +166,10 @@ def as_dict(cfg):
 
 def usage(cls):
     help_text = _field_comments(cls)
-    lines = [f"keys (set in a config file or as --key=value; defaults shown):"]
-    for f in dataclasses.fields(cls):
-        lines.append(f"  --{f.name}={f.default!r:<14} {help_text.get(f.name, '')}")
+    flags = {f.name: f"--{f.name}={f.default!r}" for f in dataclasses.fields(cls)}
+    width = max(map(len, flags.values()))
+    lines = ["keys (set in a config file or as --key=value; defaults shown):"]
+    lines += [f"  {flag:<{width}}  {help_text.get(name, '')}" for name, flag in flags.items()]
     return "\n".join(lines)
 
 
@@ -186,10 +187,12 @@ def _field_comments(cls):
 def _run_config_file(path):
     """Execute a config file in a fresh namespace and return the keys it assigned."""
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             source = f.read()
     except OSError as e:
         raise UserError(f"config file {path} cannot be read ({e.strerror}); check the path")
+    except UnicodeDecodeError:
+        raise UserError(f"config file {path} is not UTF-8 text")
     namespace = {}
     try:
         exec(compile(source, path, "exec"), namespace)
@@ -198,12 +201,8 @@ def _run_config_file(path):
     except Exception as e:
         line = next((fr.lineno for fr in reversed(traceback.extract_tb(e.__traceback__)) if fr.filename == path), "?")
         raise UserError(f"{path}:{line}: {type(e).__name__}: {e}")
-    # imports, helper functions and _private names are the file's own business, not keys
-    return {
-        k: v
-        for k, v in namespace.items()
-        if not k.startswith("_") and not isinstance(v, (types.ModuleType, types.FunctionType, type))
-    }
+    # imports, functions, classes and _private names are the file's own business, not keys
+    return {k: v for k, v in namespace.items() if not k.startswith("_") and not isinstance(v, types.ModuleType) and not callable(v)}
 
 
 def _check_known(key, fields, where):
@@ -228,10 +227,16 @@ def _coerce(key, value, typ, source, text=None):
         if ok:
             return converted
     names = " or ".join("None" if o is type(None) else o.__name__ for o in options)
-    raise UserError(f"{key}={text if text is not None else value!r} ({source}) is not a valid {names}")
+    shown = text if text is not None else repr(value)
+    raise UserError(f"{key}={shown} ({source}) is not a valid {names}")
 
 
 def _convert(value, typ, text):
+    if typ is str:
+        if isinstance(value, str):
+            return True, value
+        # on the command line any text is a valid string: --wandb_run_name=2024, --out_dir=None
+        return (True, text) if text is not None else (False, None)
     if typ is type(None):
         return value is None, None
     if typ is bool:
@@ -250,10 +255,4 @@ def _convert(value, typ, text):
         return False, None
     if typ is float:
         return isinstance(value, (int, float)), float(value) if isinstance(value, (int, float)) else None
-    if typ is str:
-        if isinstance(value, str):
-            return True, value
-        if text is not None and isinstance(value, (int, float)):
-            return True, text  # --wandb_run_name=2024 is the name "2024"
-        return False, None
     return isinstance(value, typ), value

@@ -18,7 +18,7 @@ def describe(data_dir):
     for character-level data, else GPT-2 BPE."""
     json_path, pkl_path = os.path.join(data_dir, "meta.json"), os.path.join(data_dir, "meta.pkl")
     if os.path.exists(json_path):
-        with open(json_path) as f:
+        with open(json_path, encoding="utf-8") as f:
             meta = json.load(f)
         return {"kind": "char", "chars": meta["chars"]}
     if os.path.exists(pkl_path):

@@ -241,6 +241,12 @@ def format_duration(seconds):
 
 def main(argv=None):
     cfg = parse(TrainConfig, argv)
+    world_size = int(os.environ.get("WORLD_SIZE", 1))  # checked before joining the process group
+    if cfg.gradient_accumulation_steps % world_size:
+        raise UserError(
+            f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} does not divide among "
+            f"{world_size} processes; make it a multiple of {world_size}"
+        )
     rt = runtime.setup(cfg.device, cfg.dtype, cfg.backend)
     try:
         train(cfg, rt)
@@ -249,11 +255,6 @@ def main(argv=None):
 
 
 def train(cfg, rt):
-    if cfg.gradient_accumulation_steps % rt.world_size:
-        raise UserError(
-            f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} does not divide among "
-            f"{rt.world_size} processes; make it a multiple of {rt.world_size}"
-        )
     accum_steps = cfg.gradient_accumulation_steps // rt.world_size
     tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
     torch.manual_seed(cfg.seed + rt.rank)

@@ -58,7 +58,7 @@ def prepare(text, out_dir):
     n_train = int(len(ids) * 0.9)
     for name, part in (("train", ids[:n_train]), ("val", ids[n_train:])):
         part.tofile(os.path.join(out_dir, f"{name}.bin"))
-    with open(os.path.join(out_dir, "meta.json"), "w") as f:
+    with open(os.path.join(out_dir, "meta.json"), "w", encoding="utf-8") as f:
         json.dump({"vocab_size": len(chars), "chars": chars}, f, ensure_ascii=False)
     return len(chars), n_train, len(ids) - n_train
 

@@ -1,0 +1,123 @@
+"""Bad input: every case exits non-zero with one line that names the problem, no traceback,
+and nothing already written is lost."""
+
+import pytest
+
+from conftest import run_script, tiny_args
+
+
+def assert_one_line_error(result, *expected):
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    for text in expected:
+        assert text in lines[0], lines[0]
+
+
+@pytest.fixture
+def trained(char_data, tmp_path):
+    """An out_dir holding a finished tiny run."""
+    out = tmp_path / "out"
+    result = run_script("train.py", *tiny_args(char_data, out, max_iters=4, lr_decay_iters=4, eval_interval=2))
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def train_with(char_data, tmp_path, *extra, **overrides):
+    return run_script("train.py", *tiny_args(char_data, tmp_path / "out", **overrides), *extra)
+
+
+CONFIG_CASES = [
+    (["--learnig_rate=1e-3"], ["learnig_rate", "did you mean learning_rate"]),
+    (["--batch_size=abc"], ["batch_size=abc", "int"]),
+    (["--compile=maybe"], ["compile=maybe", "bool"]),
+    (["config/does_not_exist.py"], ["config/does_not_exist.py"]),
+    (["--n_embd=30", "--n_head=4"], ["n_embd=30", "n_head=4"]),
+    (["--device=tpu"], ["device='tpu'"]),
+    (["--device=cuda"], ["no CUDA GPU"]),
+    (["--dtype=fp8"], ["dtype='fp8'"]),
+    (["--init_from=gpt7"], ["init_from='gpt7'"]),
+    (["--dropout=1.5"], ["dropout=1.5"]),
+]
+
+
+@pytest.mark.parametrize("argv, expected", CONFIG_CASES, ids=[" ".join(a) for a, _ in CONFIG_CASES])
+def test_train_config_errors(argv, expected):
+    assert_one_line_error(run_script("train.py", *argv), *expected)
+
+
+def test_config_file_with_an_error(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("batch_size = 8\nn_layer = = 3\n")
+    assert_one_line_error(run_script("train.py", bad), "bad.py:2")
+    bad.write_text("batch_size = 8\nn_layer = undefined_name\n")
+    assert_one_line_error(run_script("train.py", bad), "bad.py:2", "NameError")
+
+
+def test_missing_dataset_names_the_prepare_script(tmp_path):
+    result = run_script("train.py", "--dataset=shakespeare_nope", "--device=cpu", "--compile=False", f"--out_dir={tmp_path}")
+    assert_one_line_error(result, "data/shakespeare_nope/train.bin not found", "prepare.py")
+
+
+def test_block_size_longer_than_the_data(char_data, tmp_path):
+    # 18,000 train tokens but only 2,000 val tokens: the val split is the one too short
+    assert_one_line_error(train_with(char_data, tmp_path, block_size=5000), "block_size=5000", "val.bin (2000 tokens)")
+
+
+def test_gradient_accumulation_must_divide_among_ranks(char_data, tmp_path):
+    result = run_script("train.py", *tiny_args(char_data, tmp_path / "out", gradient_accumulation_steps=3),
+                        env={"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"})
+    assert_one_line_error(result, "gradient_accumulation_steps=3", "multiple of 2")
+
+
+def test_resume_without_a_checkpoint(char_data, tmp_path):
+    assert_one_line_error(train_with(char_data, tmp_path, init_from="resume"), "no checkpoint", "ckpt.pt")
+
+
+def test_resume_with_a_different_model(trained, char_data, tmp_path):
+    before = (trained / "ckpt.pt").read_bytes()
+    result = run_script("train.py", *tiny_args(char_data, trained, init_from="resume", n_layer=3))
+    assert_one_line_error(result, "n_layer 2 -> 3")
+    assert (trained / "ckpt.pt").read_bytes() == before
+
+
+def test_corrupt_checkpoint(trained, char_data):
+    (trained / "ckpt.pt").write_bytes(b"not a checkpoint at all")
+    result = run_script("train.py", *tiny_args(char_data, trained, init_from="resume"))
+    assert_one_line_error(result, "ckpt.pt", "not a readable checkpoint")
+    result = run_script("sample.py", f"--out_dir={trained}", "--checkpoint=latest", "--device=cpu")
+    assert_one_line_error(result, "ckpt.pt", "not a readable checkpoint")
+
+
+def test_unwritable_out_dir(char_data, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    result = run_script("train.py", *tiny_args(char_data, blocker / "out"))
+    assert_one_line_error(result, "cannot write to out_dir")
+
+
+SAMPLE_CASES = [
+    (["--out_dir=/nonexistent/run"], ["/nonexistent/run does not exist"]),
+    (["--temperature=-1"], ["temperature=-1"]),
+    (["--top_k=0"], ["top_k=0"]),
+    (["--num_samples=two"], ["num_samples=two"]),
+]
+
+
+@pytest.mark.parametrize("argv, expected", SAMPLE_CASES, ids=[" ".join(a) for a, _ in SAMPLE_CASES])
+def test_sample_errors(argv, expected):
+    assert_one_line_error(run_script("sample.py", "--device=cpu", *argv), *expected)
+
+
+def test_sample_prompt_problems(trained):
+    base = [f"--out_dir={trained}", "--device=cpu", "--max_new_tokens=5", "--num_samples=1"]
+    assert_one_line_error(run_script("sample.py", *base, "--start=FILE:/no/such/prompt.txt"), "/no/such/prompt.txt")
+    assert_one_line_error(run_script("sample.py", *base, "--start="), "prompt is empty")
+    assert_one_line_error(run_script("sample.py", *base, "--start=§§"), "never saw")
+
+
+def test_prepare_with_a_missing_input(tmp_path):
+    result = run_script("data/shakespeare_char/prepare.py", "--input", tmp_path / "nope.txt", "--out_dir", tmp_path)
+    assert_one_line_error(result, "nope.txt")
+    assert list(tmp_path.iterdir()) == []  # nothing written

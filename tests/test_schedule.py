@@ -1,0 +1,131 @@
+"""The learning-rate schedule, and gradient accumulation being the same step as one big batch."""
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import runtime
+import train
+from configurator import TrainConfig
+from model import GPT, GPTConfig
+
+# ---------------------------------------------------------------------------- get_lr
+
+
+def schedule_cfg(**overrides):
+    args = dict(learning_rate=1e-3, min_lr=1e-4, warmup_iters=10, lr_decay_iters=110, max_iters=150)
+    return TrainConfig(**{**args, **overrides})
+
+
+def test_warmup_is_linear_from_above_zero_to_learning_rate():
+    cfg = schedule_cfg()
+    warm = [train.get_lr(it, cfg) for it in range(cfg.warmup_iters + 1)]
+    assert warm[0] > 0  # the first step moves the weights
+    assert warm[-1] == pytest.approx(cfg.learning_rate)  # reached at the end of warmup
+    steps = np.diff(warm)
+    np.testing.assert_allclose(steps, steps[0], rtol=1e-9)  # equal increments
+    assert steps[0] > 0
+
+
+def test_cosine_decay():
+    cfg = schedule_cfg()
+    mid = (cfg.warmup_iters + cfg.lr_decay_iters) // 2
+    assert train.get_lr(mid, cfg) == pytest.approx((cfg.learning_rate + cfg.min_lr) / 2)
+    quarter = cfg.warmup_iters + (cfg.lr_decay_iters - cfg.warmup_iters) // 4
+    expected = cfg.min_lr + (cfg.learning_rate - cfg.min_lr) * (1 + math.cos(math.pi / 4)) / 2
+    assert train.get_lr(quarter, cfg) == pytest.approx(expected)
+    for it in (cfg.lr_decay_iters, cfg.lr_decay_iters + 1, cfg.max_iters, 10**6):
+        assert train.get_lr(it, cfg) == pytest.approx(cfg.min_lr)
+    after = [train.get_lr(it, cfg) for it in range(cfg.warmup_iters, cfg.max_iters)]
+    assert all(b <= a for a, b in zip(after, after[1:]))
+    assert all(cfg.min_lr <= lr <= cfg.learning_rate for lr in after)
+
+
+def test_no_warmup():
+    cfg = schedule_cfg(warmup_iters=0)
+    assert train.get_lr(0, cfg) == pytest.approx(cfg.learning_rate)
+    assert train.get_lr(cfg.lr_decay_iters, cfg) == pytest.approx(cfg.min_lr)
+
+
+def test_constant_without_decay():
+    cfg = schedule_cfg(decay_lr=False)
+    assert {train.get_lr(it, cfg) for it in (0, 5, 10, 60, 110, 10**6)} == {cfg.learning_rate}
+
+
+# ---------------------------------------------------------------------------- gradient accumulation
+
+
+CPU = runtime.Runtime("cpu", "cpu", torch.float32)
+MODEL = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=65, dropout=0.0, bias=True)
+
+
+def make_optimizer(model, kind):
+    # SGD's update is the gradient itself, so it checks the gradient's scale (a missing
+    # /accum_steps) which Adam's first, nearly sign-like step would hide; AdamW is the real one.
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=1.0)
+    return model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu")
+
+
+def one_step(model, optimizer, rows, accum_steps, grad_clip, lr):
+    x, y = rows
+    micro = len(x) // accum_steps
+    calls = []
+
+    def next_batch():
+        i = len(calls)
+        calls.append(i)
+        return x[i * micro : (i + 1) * micro], y[i * micro : (i + 1) * micro]
+
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    loss = train.train_step(model, optimizer, scaler, next_batch, lr, accum_steps, grad_clip, CPU)
+    assert len(calls) == accum_steps
+    return loss
+
+
+def total_grad_norm(model, rows):
+    model.zero_grad()
+    model(*rows)[1].backward()
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    model.zero_grad(set_to_none=True)
+    return norm.item()
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+@pytest.mark.parametrize("grad_clip", [0.0, 1.0, 0.25])
+def test_accumulation_equals_one_big_batch(kind, grad_clip):
+    k, b, T = 4, 2, 16
+    lr = 1e-3 if kind == "adamw" else 1.0
+    g = torch.Generator().manual_seed(1)
+    warm_rows, rows = [(torch.randint(0, 65, (k * b, T), generator=g), torch.randint(0, 65, (k * b, T), generator=g))
+                       for _ in range(2)]
+    torch.manual_seed(0)
+    big = GPT(GPTConfig(**MODEL))
+    opt_big = make_optimizer(big, kind)
+    one_step(big, opt_big, warm_rows, 1, grad_clip, lr=1e-3)  # so AdamW has moments to carry over
+    small = copy.deepcopy(big)
+    opt_small = make_optimizer(small, kind)
+    opt_small.load_state_dict(copy.deepcopy(opt_big.state_dict()))  # load_state_dict shares tensors
+    if grad_clip:
+        # the clip must bind on the whole batch's gradient, so a per-micro-batch clip would differ
+        assert total_grad_norm(big, rows) > grad_clip
+    before = copy.deepcopy(big.state_dict())
+
+    loss_big = one_step(big, opt_big, rows, 1, grad_clip, lr)
+    loss_small = one_step(small, opt_small, rows, k, grad_clip, lr)
+
+    torch.testing.assert_close(loss_small, loss_big, atol=1e-6, rtol=1e-6)  # the mean loss over the batch
+    moved = 0.0
+    for (name, p_big), p_small in zip(big.named_parameters(), small.parameters()):
+        torch.testing.assert_close(p_small, p_big, atol=1e-6, rtol=0, msg=lambda m: f"{name}: {m}")
+        moved = max(moved, (p_big - before[name]).abs().max().item())
+    assert moved > lr / 100  # the step did something to compare
+    if kind == "sgd" and grad_clip:  # SGD's step is the clipped gradient itself
+        step = torch.cat([(p - before[name]).flatten() for name, p in big.named_parameters()])
+        assert torch.linalg.vector_norm(step).item() == pytest.approx(grad_clip, rel=1e-4)
+    for state_big, state_small in zip(opt_big.state.values(), opt_small.state.values()):
+        for key in state_big:
+            torch.testing.assert_close(state_small[key], state_big[key], atol=1e-6, rtol=1e-5)
