@@ -10,6 +10,7 @@ import os
 import torch
 
 from configurator import UserError
+from model import GPTConfig
 
 
 def save(state, path):
@@ -61,6 +62,13 @@ def load(path, map_location="cpu"):
 
 
 def model_state(state):
-    """The model's state_dict, without the '_orig_mod.' prefix that checkpoints saved from a
-    torch.compile'd model (by nanoGPT) carry."""
-    return {k.removeprefix("_orig_mod."): v for k, v in state["model"].items()}
+    """The model's state_dict from a checkpoint of ours or of nanoGPT: without the
+    '_orig_mod.' prefix of a torch.compile'd model, and with the token embedding padded to
+    the multiple of 64 rows our GPT allocates (nanoGPT's char models have exactly 65)."""
+    weights = {k.removeprefix("_orig_mod."): v for k, v in state["model"].items()}
+    rows = GPTConfig(vocab_size=state["model_args"]["vocab_size"]).padded_vocab_size
+    for key in ("transformer.wte.weight", "lm_head.weight"):
+        w = weights.get(key)
+        if w is not None and w.size(0) < rows:
+            weights[key] = torch.cat([w, w.new_zeros(rows - w.size(0), w.size(1))])
+    return weights

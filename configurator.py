@@ -20,7 +20,7 @@ import traceback
 import types
 import typing
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Literal, Optional, Union
 
 
 class UserError(Exception):
@@ -58,7 +58,9 @@ class TrainConfig:
     # data
     dataset: str = "openwebtext"  # reads data/<dataset>/train.bin and val.bin
     gradient_accumulation_steps: int = 5 * 8  # micro-steps per optimizer step, summed over all ranks
-    batch_size: int = 12  # micro-batch size per rank
+    batch_size: Union[int, Literal["auto"]] = 12  # micro-batch per rank, or 'auto': the largest that fits (needs total_batch_size)
+    total_batch_size: int = 0  # tokens per optimizer step that batch_size='auto' keeps fixed (0: not used)
+    memory_budget_gb: float = 0.0  # memory batch_size='auto' may fill; 0: the GPU's memory, or half the free RAM on CPU
     block_size: int = 1024  # context length in tokens
     data_mode: str = "auto"  # 'ram', 'memmap', or 'auto' (RAM when the files are small against free memory)
     seed: int = 1337  # seeds init, dropout and the batch order; a resumed run keeps its own RNG state
@@ -85,11 +87,18 @@ class TrainConfig:
     device: str = "auto"  # 'auto' (cuda, else mps, else cpu), 'cpu', 'cuda', 'cuda:1', 'mps'
     dtype: str = "auto"  # 'auto', 'float32', 'bfloat16' or 'float16' (float16 uses a GradScaler)
     compile: bool = True  # torch.compile the model (slow to start, faster per step on GPUs)
+    peak_flops: float = 0.0  # the device's dense peak FLOP/s for MFU (e.g. 989e12); 0: look it up by GPU name
 
     def __post_init__(self):
-        for key in ("batch_size", "block_size", "n_layer", "n_head", "n_embd", "gradient_accumulation_steps",
+        for key in ("block_size", "n_layer", "n_head", "n_embd", "gradient_accumulation_steps",
                     "eval_interval", "log_interval", "eval_iters"):
             _require(getattr(self, key) >= 1, f"{key}={getattr(self, key)} must be at least 1")
+        if self.batch_size == "auto":
+            _require(self.total_batch_size > 0 and self.total_batch_size % self.block_size == 0,
+                     "batch_size='auto' keeps the tokens per optimizer step fixed: set total_batch_size "
+                     f"to a multiple of block_size={self.block_size}, e.g. --total_batch_size={40 * 12 * self.block_size}")
+        else:
+            _require(self.batch_size >= 1, f"batch_size={self.batch_size} must be at least 1, or 'auto'")
         _require(self.max_iters >= 0, f"max_iters={self.max_iters} must not be negative")
         _require(self.n_embd % self.n_head == 0,
                  f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; each head gets n_embd/n_head dims")
@@ -104,16 +113,38 @@ class TrainConfig:
 
 
 @dataclass
+class BenchConfig(TrainConfig):
+    # every train.py key, plus what bench.py measures and how
+    data: str = "synthetic"  # 'synthetic' (random tokens, no files needed) or 'real' (data/<dataset>/train.bin)
+    bench_iters: int = 20  # timed optimizer steps
+    bench_warmup: int = 5  # untimed steps first: compilation, autotuning, allocator warm-up
+    sweep: str = ""  # 'key=v1,v2,...', e.g. 'batch_size=4,8,16,32' (same tokens per step: accumulation adjusts)
+    profile: bool = False  # write a torch.profiler trace (TensorBoard, Chrome) to out_dir/profile
+    profile_wait: int = 1  # profiler schedule: steps skipped,
+    profile_warmup: int = 1  # steps traced but discarded,
+    profile_active: int = 3  # and steps recorded
+    json: bool = False  # print the results as one JSON object on the last line
+    estimate_params: float = 0.0  # time-to-train: parameters of the model to train (0: this config's model)
+    estimate_tokens: float = 0.0  # time-to-train: its training tokens (0: 20 per parameter)
+
+
+@dataclass
 class SampleConfig:
     init_from: str = "resume"  # 'resume' loads a checkpoint from out_dir
     out_dir: str = "out"  # where the checkpoint is
     checkpoint: str = "best"  # 'best' (ckpt_best.pt when present) or 'latest' (ckpt.pt)
     start: str = "\n"  # the prompt, or FILE:path to read it from a file
-    num_samples: int = 10  # how many samples to draw
+    prompts_file: Optional[str] = None  # a file of prompts, one per line (blank lines skipped); replaces start
+    num_samples: int = 10  # samples per prompt, generated together as one batch
     max_new_tokens: int = 500  # tokens generated per sample
-    temperature: float = 0.8  # <1 sharper, >1 more random
+    temperature: float = 0.8  # <1 sharper, >1 more random; 0 is greedy (always the most likely token)
     top_k: Optional[int] = 200  # keep only the k most likely tokens; None keeps all
+    top_p: float = 1.0  # nucleus: keep the most likely tokens until their probabilities add up to top_p; 1.0 keeps all
+    stop_at_eot: bool = True  # BPE models: end a sample at <|endoftext|>; False generates through it
     seed: int = 1337  # the same seed gives the same samples
+    kv_cache: bool = True  # reuse each token's keys/values instead of recomputing the whole context per token
+    window_shift: int = 1  # past block_size tokens, slide the context this many at once; 1 is exact, more is faster
+    stream: Optional[bool] = None  # print tokens as they come; None: only when stdout is a terminal
     device: str = "auto"  # 'auto', 'cpu', 'cuda', 'cuda:1', 'mps'
     dtype: str = "auto"  # 'auto', 'float32', 'bfloat16', 'float16'
     compile: bool = False  # torch.compile the model
@@ -122,8 +153,10 @@ class SampleConfig:
         _require_choice("init_from", self.init_from, ("resume",))
         _require_choice("checkpoint", self.checkpoint, ("best", "latest"))
         _require(self.num_samples >= 1 and self.max_new_tokens >= 1, "num_samples and max_new_tokens must be at least 1")
-        _require(self.temperature > 0, f"temperature={self.temperature} must be > 0")
+        _require(self.temperature >= 0, f"temperature={self.temperature} must be >= 0 (0 means greedy)")
         _require(self.top_k is None or self.top_k >= 1, f"top_k={self.top_k} must be at least 1, or None")
+        _require(0 < self.top_p <= 1, f"top_p={self.top_p} must be in (0, 1]; 1.0 turns nucleus sampling off")
+        _require(self.window_shift >= 1, f"window_shift={self.window_shift} must be at least 1")
 
 
 def _require(ok, message):
@@ -160,6 +193,13 @@ def parse(cls, argv=None):
     return cls(**values)
 
 
+def override(cfg, key, text):
+    """cfg with one key set from command-line text, parsed and validated as parse() does."""
+    fields = {f.name: f for f in dataclasses.fields(cfg)}
+    _check_known(key, fields, where="to override")
+    return dataclasses.replace(cfg, **{key: _coerce(key, _literal(text), fields[key].type, source="override", text=text)})
+
+
 def as_dict(cfg):
     return dataclasses.asdict(cfg)
 
@@ -177,10 +217,11 @@ def _field_comments(cls):
     # The trailing comment on each field is its documentation; read it from the source
     # so the dataclass stays the one place where keys are described.
     comments = {}
-    for line in inspect.getsource(cls).splitlines():
-        m = re.match(r"\s+(\w+)\s*:[^#]*#\s*(.*)$", line)
-        if m:
-            comments[m.group(1)] = m.group(2)
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):  # base classes' keys too
+        for line in inspect.getsource(klass).splitlines():
+            m = re.match(r"\s+(\w+)\s*:[^#]*#\s*(.*)$", line)
+            if m:
+                comments[m.group(1)] = m.group(2)
     return comments
 
 
@@ -226,12 +267,22 @@ def _coerce(key, value, typ, source, text=None):
         ok, converted = _convert(value, option, text)
         if ok:
             return converted
-    names = " or ".join("None" if o is type(None) else o.__name__ for o in options)
+    names = " or ".join(_type_name(o) for o in options)
     shown = text if text is not None else repr(value)
     raise UserError(f"{key}={shown} ({source}) is not a valid {names}")
 
 
+def _type_name(typ):
+    if typ is type(None):
+        return "None"
+    if typing.get_origin(typ) is Literal:
+        return " or ".join(map(repr, typing.get_args(typ)))
+    return typ.__name__
+
+
 def _convert(value, typ, text):
+    if typing.get_origin(typ) is Literal:  # e.g. batch_size's 'auto'
+        return value in typing.get_args(typ), value
     if typ is str:
         if isinstance(value, str):
             return True, value

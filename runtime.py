@@ -103,26 +103,48 @@ def synchronize(rt):
         torch.mps.synchronize()
 
 
-# Dense (not 2:4-sparse) tensor-core peaks in FLOP/s for 16-bit training, from the vendors'
-# datasheets; looked up by the substring torch.cuda.get_device_name() reports.
-PEAK_FLOPS_16BIT = [
-    ("H200", 989e12),
-    ("H100 NVL", 835e12),
-    ("H100 PCIe", 756e12),
-    ("H100", 989e12),  # SXM; checked after the PCIe/NVL names
-    ("A100", 312e12),
-    ("L40S", 362e12),
-    ("A10G", 70e12),
-    ("A10", 125e12),
-    ("L4", 121e12),
-    ("RTX 4090", 165e12),
-    ("RTX 3090", 71e12),
+# Dense (never 2:4-sparse) tensor-core peaks in TFLOP/s from the vendors' datasheets, as
+# (bf16/fp16 with fp32 accumulation, tf32). float32 training uses the TF32 column because setup()
+# turns TF32 matmuls on. Matched in order against torch.cuda.get_device_name(); the patterns keep
+# 'A10' from matching 'A100' and 'L4' from matching 'L40S'.
+PEAK_TFLOPS = [
+    (r"H200 NVL", 835.5, 417.5),
+    (r"H200", 989.4, 494.7),
+    (r"H100 NVL", 835.5, 417.5),
+    (r"H100 PCIe", 756.5, 378.0),
+    (r"H100", 989.4, 494.7),  # SXM (reported as e.g. "NVIDIA H100 80GB HBM3")
+    (r"A100", 312.0, 156.0),
+    (r"A10\b", 125.0, 62.5),
+    (r"L40S", 362.1, 183.0),
+    (r"L4\b", 121.0, 60.0),
+    (r"RTX 3090", 71.0, 35.6),  # GeForce: fp32 accumulation runs at half the fp16-accumulate rate
+    (r"RTX 4090", 165.2, 82.6),
+    (r"RTX 5090", 209.5, 104.8),
 ]
 
 
-def peak_flops(rt):
-    """The GPU's dense bf16/fp16 peak for one device, or None when we do not know it."""
-    if rt.device_type != "cuda" or rt.dtype == torch.float32:
+def peak_flops(device_name, dtype):
+    """Dense peak FLOP/s of one GPU for training in `dtype`, or None when unknown (then MFU
+    is reported as n/a rather than against a wrong number)."""
+    for pattern, bf16, tf32 in PEAK_TFLOPS:
+        if re.search(pattern, device_name):
+            return (tf32 if dtype == torch.float32 else bf16) * 1e12
+    return None
+
+
+def device_peak_flops(rt, override=0.0):
+    """The peak for this run's device: the `peak_flops` key when set, else the table (CUDA only;
+    CPUs have no meaningful single peak, so their MFU is n/a and achieved TFLOPS is shown)."""
+    if override > 0:
+        return override
+    if rt.device_type != "cuda":
         return None
-    name = torch.cuda.get_device_name(rt.device)
-    return next((peak for key, peak in PEAK_FLOPS_16BIT if key in name), None)
+    return peak_flops(torch.cuda.get_device_name(rt.device), rt.dtype)
+
+
+def mfu(flops_per_iter, seconds_per_iter, peak, world_size=1):
+    """Model FLOPs utilization: achieved over peak. The work of one iteration is spread over
+    world_size devices, so the peak is theirs together (without this, 8 GPUs show 8x MFU)."""
+    if not peak:
+        return None
+    return flops_per_iter / seconds_per_iter / (peak * world_size)

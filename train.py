@@ -10,6 +10,7 @@ The pieces (get_lr, TrainBatches, train_step, evaluate) are importable; bench.py
 the tests use them. main() wires them into the loop.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -134,24 +135,109 @@ def train_step(model, optimizer, scaler, next_batch, lr, accum_steps, grad_clip,
 
 
 @torch.no_grad()
-def evaluate(model, splits, block_size, rt):
+def evaluate(model, splits, block_size, rt, group=1):
     """Mean loss on each split's fixed batches; {name: (data, offsets)} -> {name: loss}.
-    Under DDP the batches are shared out between the ranks and the sums all-reduced."""
+    `group` batches go through the model together (the batches are equal-sized, so the mean is
+    the same; small models run much faster on bigger matmuls). Under DDP the batches are shared
+    out between the ranks and the sums all-reduced."""
     model.eval()
     losses = {}
     for name, (data, offsets) in splits.items():
+        mine = offsets[rt.rank :: rt.world_size]  # (n, B)
         total = torch.zeros(2, device=rt.device)  # (sum of batch losses, number of batches)
-        for i in range(rt.rank, len(offsets), rt.world_size):
-            x, y = get_batch(data, offsets[i], block_size, rt)
+        for i in range(0, len(mine), group):
+            chunk = mine[i : i + group]
+            x, y = get_batch(data, chunk.reshape(-1), block_size, rt)
             with rt.autocast():
                 _, loss = model(x, y)
-            total[0] += loss.float()
-            total[1] += 1
+            total[0] += loss.float() * len(chunk)
+            total[1] += len(chunk)
         if rt.ddp:
             dist.all_reduce(total)
         losses[name] = (total[0] / total[1]).item()
     model.train()
     return losses
+
+
+def eval_group(cfg, padded_vocab_size, budget_bytes=64 * 2**20):
+    """How many eval batches fit in one forward pass with their float32 logits (the largest
+    tensor of an eval forward) under `budget_bytes`; 1 for GPT-2-sized vocabularies and contexts."""
+    logits_bytes = cfg.batch_size * cfg.block_size * padded_vocab_size * 4
+    return max(1, min(cfg.eval_iters, budget_bytes // logits_bytes))
+
+
+def make_model_args(cfg, vocab_size):
+    return {**{k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "bias", "dropout")},
+            "vocab_size": vocab_size}
+
+
+def build(raw_model, cfg, rt, state=None):
+    """The optimizer and GradScaler for raw_model, the weights and their state restored from a
+    checkpoint `state` when resuming, and the two forms the loop calls: `model` (compiled when
+    asked; evaluation uses it) and `train_model` (also DDP-wrapped under torchrun)."""
+    optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), rt.device_type)
+    scaler = torch.amp.GradScaler(rt.device_type, enabled=rt.dtype == torch.float16)  # loss scaling only for fp16
+    if state is not None:
+        raw_model.load_state_dict(checkpoint.model_state(state))
+        optimizer.load_state_dict(state["optimizer"])
+        if state.get("scaler") and scaler.is_enabled():
+            scaler.load_state_dict(state["scaler"])
+    model = torch.compile(raw_model) if cfg.compile else raw_model
+    train_model = DDP(model, device_ids=[rt.local_rank] if rt.device_type == "cuda" else None) if rt.ddp else model
+    return model, train_model, optimizer, scaler
+
+
+def with_batch_size(cfg, batch_size, tokens_per_step):
+    """cfg with micro-batch `batch_size` and the gradient accumulation that keeps tokens_per_step."""
+    return dataclasses.replace(cfg, batch_size=batch_size, gradient_accumulation_steps=tokens_per_step // (batch_size * cfg.block_size))
+
+
+def saved_activation_bytes(model, block_size, rt):
+    """Bytes autograd keeps for backward for one sequence of block_size tokens: measured by
+    watching what the forward pass saves (weights excluded), not modelled."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen, total = set(), 0
+
+    def pack(t):
+        nonlocal total
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params and ptr not in seen:
+            seen.add(ptr)
+            total += t.untyped_storage().nbytes()
+        return t
+
+    x = torch.zeros(1, block_size, dtype=torch.long, device=rt.device)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), rt.autocast():
+        model(x, x)
+    return total
+
+
+def auto_batch_size(model, cfg, rt, safety=0.85):
+    """The largest micro-batch whose weights, gradients, AdamW state and saved activations fit
+    in `safety` of the memory budget, among those that divide total_batch_size evenly."""
+    if cfg.memory_budget_gb > 0:
+        budget, source = cfg.memory_budget_gb * 2**30, "memory_budget_gb"
+    elif rt.device_type == "cuda":
+        budget, source = torch.cuda.get_device_properties(rt.device).total_memory, "GPU memory"
+    else:
+        budget, source = _free_memory() / 2, "half the free RAM"
+    fixed = 16 * sum(p.numel() for p in model.parameters())  # fp32 weights, grads, Adam m and v
+    per_row = saved_activation_bytes(model, cfg.block_size, rt)
+    rows_per_rank = cfg.total_batch_size // cfg.block_size // rt.world_size
+    fits = int((safety * budget - fixed) // per_row)
+    candidates = [b for b in range(min(fits, rows_per_rank), 0, -1) if rows_per_rank % b == 0]
+    if not candidates or cfg.total_batch_size % (cfg.block_size * rt.world_size):
+        raise UserError(
+            f"batch_size='auto': not even one sequence fits in {budget / 2**30:.3g} GB ({source}) with "
+            f"total_batch_size={cfg.total_batch_size} over {rt.world_size} rank(s); raise memory_budget_gb or shrink the model"
+        )
+    batch_size = candidates[0]
+    if rt.master:
+        print(f"batch_size=auto: {batch_size} ({fixed / 2**30:.3g} GB weights+grads+AdamW, {per_row / 2**20:.1f} MB "
+              f"activations per sequence, {safety:.0%} of {budget / 2**30:.3g} GB {source}); "
+              f"gradient_accumulation_steps={cfg.total_batch_size // (batch_size * cfg.block_size)} keeps "
+              f"{cfg.total_batch_size:,} tokens per step")
+    return batch_size
 
 
 # ---------------------------------------------------------------------------- checkpoints and logs
@@ -233,6 +319,8 @@ class MetricsLog:
 
 def format_duration(seconds):
     seconds = int(seconds)
+    if seconds >= 2 * 86400:
+        return f"{seconds / 86400:,.1f} days"
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
@@ -242,7 +330,7 @@ def format_duration(seconds):
 def main(argv=None):
     cfg = parse(TrainConfig, argv)
     world_size = int(os.environ.get("WORLD_SIZE", 1))  # checked before joining the process group
-    if cfg.gradient_accumulation_steps % world_size:
+    if cfg.batch_size != "auto" and cfg.gradient_accumulation_steps % world_size:
         raise UserError(
             f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} does not divide among "
             f"{world_size} processes; make it a multiple of {world_size}"
@@ -255,8 +343,6 @@ def main(argv=None):
 
 
 def train(cfg, rt):
-    accum_steps = cfg.gradient_accumulation_steps // rt.world_size
-    tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
     torch.manual_seed(cfg.seed + rt.rank)
 
     # data and tokenizer
@@ -268,8 +354,7 @@ def train(cfg, rt):
         if len(data) <= cfg.block_size:
             raise UserError(f"block_size={cfg.block_size} is longer than {data_dir}/{name}.bin ({len(data)} tokens); lower block_size")
     tok_spec = tokenizer.describe(data_dir)
-    model_args = {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "bias", "dropout")}
-    model_args["vocab_size"] = tokenizer.vocab_size(tok_spec) or 50304  # GPT-2's 50257, padded as nanoGPT does
+    model_args = make_model_args(cfg, tokenizer.vocab_size(tok_spec) or 50304)  # GPT-2's 50257, padded as nanoGPT does
 
     state = None
     if cfg.init_from == "resume":
@@ -277,15 +362,16 @@ def train(cfg, rt):
         check_resumable(state["model_args"], model_args)
 
     raw_model = GPT(GPTConfig(**model_args)).to(rt.device)
-    optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), rt.device_type)
-    scaler = torch.amp.GradScaler(rt.device_type, enabled=rt.dtype == torch.float16)
+    if cfg.batch_size == "auto":
+        # a resumed run keeps the micro-batch it started with, so its data order stays the same
+        batch_size = state["config"]["batch_size"] if state is not None else auto_batch_size(raw_model, cfg, rt)
+        cfg = with_batch_size(cfg, batch_size, cfg.total_batch_size)
+    accum_steps = cfg.gradient_accumulation_steps // rt.world_size
+    tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
+    model, train_model, optimizer, scaler = build(raw_model, cfg, rt, state)
     batches = TrainBatches(train_data, cfg.batch_size, cfg.block_size, cfg.seed, rt)
     iter_num, best_val_loss = 0, float("inf")
     if state is not None:
-        raw_model.load_state_dict(checkpoint.model_state(state))
-        optimizer.load_state_dict(state["optimizer"])
-        if state.get("scaler") and scaler.is_enabled():
-            scaler.load_state_dict(state["scaler"])
         restore_rng(state, batches, rt)
         iter_num, best_val_loss = state["iter_num"], state["best_val_loss"]
         del state  # free the host copy of the weights
@@ -293,9 +379,6 @@ def train(cfg, rt):
         split: (data, eval_offsets(data, cfg.eval_iters, cfg.batch_size, cfg.block_size, cfg.seed + i + 1))
         for i, (split, data) in enumerate((("train", train_data), ("val", val_data)))
     }
-
-    model = torch.compile(raw_model) if cfg.compile else raw_model
-    train_model = DDP(model, device_ids=[rt.local_rank] if rt.device_type == "cuda" else None) if rt.ddp else model
 
     metrics = None
     if rt.master:
@@ -310,7 +393,7 @@ def train(cfg, rt):
         )
 
     flops_per_iter = raw_model.flops_per_token() * tokens_per_iter
-    peak = runtime.peak_flops(rt)
+    peak = runtime.device_peak_flops(rt, cfg.peak_flops)
     resumed_at = iter_num if cfg.init_from == "resume" else None
     window_start, window_iters, warm = None, 0, False
 
@@ -325,7 +408,7 @@ def train(cfg, rt):
         last = iter_num >= cfg.max_iters
         saved_now = False
         if cfg.eval_only or ((iter_num % cfg.eval_interval == 0 or last) and iter_num != resumed_at):
-            losses = evaluate(model, eval_splits, cfg.block_size, rt)
+            losses = evaluate(model, eval_splits, cfg.block_size, rt, eval_group(cfg, raw_model.config.padded_vocab_size))
             if rt.master:
                 print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
                 metrics.write({"iter": iter_num, "train_loss": losses["train"], "val_loss": losses["val"]})
@@ -359,13 +442,14 @@ def train(cfg, rt):
             now = time.perf_counter()
             dt = (now - window_start) / window_iters
             # the first window of a process holds compilation and allocator warm-up: no MFU from it
-            mfu = flops_per_iter / dt / (peak * rt.world_size) if (peak and warm) else None
+            mfu = runtime.mfu(flops_per_iter, dt, peak, rt.world_size) if warm else None
             warm, window_start, window_iters = True, now, 0
             if rt.master:
                 eta = format_duration(dt * (cfg.max_iters - iter_num - 1))
                 mfu_text = f"{mfu:.1%}" if mfu is not None else "n/a"
                 print(f"iter {iter_num}: loss {loss_value:.4f}, lr {lr:.2e}, {dt * 1000:.1f} ms/iter, "
-                      f"{tokens_per_iter / dt:,.0f} tok/s, mfu {mfu_text}, eta {eta}")
+                      f"{tokens_per_iter / dt:,.0f} tok/s, {flops_per_iter / dt / 1e12 / rt.world_size:.3g} TFLOPS/device, "
+                      f"mfu {mfu_text}, eta {eta}")
                 metrics.write({"iter": iter_num, "loss": loss_value, "lr": lr, "dt_ms": dt * 1000,
                                "tokens_per_s": tokens_per_iter / dt, "mfu": mfu})
         iter_num += 1

@@ -215,7 +215,7 @@ def test_config_file_error_raised_in_a_library_names_the_files_line(tmp_path):
         (["--batch_size=0"], TrainConfig, "batch_size"),
         (["--grad_clip=-1"], TrainConfig, "grad_clip"),
         (["--warmup_iters=10", "--lr_decay_iters=5"], TrainConfig, "lr_decay_iters"),
-        (["--temperature=0"], SampleConfig, "temperature"),
+        (["--temperature=-0.5"], SampleConfig, "temperature"),
         (["--top_k=0"], SampleConfig, "top_k"),
         (["--checkpoint=newest"], SampleConfig, "checkpoint"),
     ],

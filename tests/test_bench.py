@@ -1,0 +1,181 @@
+"""MFU accounting (peaks, world size, never above 100%), bench.py's modes, batch_size='auto'."""
+
+import json
+import time
+
+import pytest
+import torch
+
+import runtime
+import train
+from configurator import BenchConfig, TrainConfig
+from conftest import read_metrics, run_script, tiny_args
+from model import GPT, GPTConfig
+
+import bench
+
+# names exactly as torch.cuda.get_device_name() reports them
+DEVICE_PEAKS = [
+    ("NVIDIA H100 80GB HBM3", 989.4, 494.7),
+    ("NVIDIA H100 PCIe", 756.5, 378.0),
+    ("NVIDIA H100 NVL", 835.5, 417.5),
+    ("NVIDIA H200", 989.4, 494.7),
+    ("NVIDIA H200 NVL", 835.5, 417.5),
+    ("NVIDIA A100-SXM4-80GB", 312.0, 156.0),
+    ("NVIDIA A100-PCIE-40GB", 312.0, 156.0),
+    ("NVIDIA A100 80GB PCIe", 312.0, 156.0),
+    ("NVIDIA A10", 125.0, 62.5),
+    ("NVIDIA L4", 121.0, 60.0),
+    ("NVIDIA L40S", 362.1, 183.0),
+    ("NVIDIA GeForce RTX 3090", 71.0, 35.6),
+    ("NVIDIA GeForce RTX 4090", 165.2, 82.6),
+    ("NVIDIA GeForce RTX 5090", 209.5, 104.8),
+]
+
+
+@pytest.mark.parametrize("name, bf16, tf32", DEVICE_PEAKS, ids=[d[0] for d in DEVICE_PEAKS])
+def test_peak_lookup_by_reported_name(name, bf16, tf32):
+    assert runtime.peak_flops(name, torch.bfloat16) == bf16 * 1e12
+    assert runtime.peak_flops(name, torch.float16) == bf16 * 1e12
+    assert runtime.peak_flops(name, torch.float32) == tf32 * 1e12  # TF32 matmuls are on under CUDA
+
+
+@pytest.mark.parametrize("name", ["NVIDIA A10G", "Tesla T4", "NVIDIA L40", "AMD Instinct MI300X", "NVIDIA B200"])
+def test_unknown_devices_have_no_peak(name):
+    # no number is better than a wrong one: MFU shows n/a, and peak_flops= can supply it
+    assert runtime.peak_flops(name, torch.bfloat16) is None
+
+
+def test_peak_override_and_cpu():
+    cpu = runtime.Runtime("cpu", "cpu", torch.float32)
+    assert runtime.device_peak_flops(cpu) is None
+    assert runtime.device_peak_flops(cpu, override=123e12) == 123e12
+
+
+def test_mfu_scales_with_world_size():
+    one = runtime.mfu(1e15, 2.0, 989e12, world_size=1)
+    assert one == pytest.approx(1e15 / 2.0 / 989e12)
+    assert runtime.mfu(1e15, 2.0, 989e12, world_size=8) == pytest.approx(one / 8)
+    assert runtime.mfu(1e15, 2.0, None) is None
+
+
+def best_gemm_flops():
+    """This CPU's best float32 matmul throughput: no training step can do better."""
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    best = 0.0
+    for _ in range(10):
+        start = time.perf_counter()
+        a @ b
+        best = max(best, 2 * 1024**3 / (time.perf_counter() - start))
+    return best
+
+
+def test_mfu_never_above_100_percent_in_training(char_data, tmp_path):
+    peak = best_gemm_flops()
+    result = run_script("train.py", *tiny_args(char_data, tmp_path / "out", max_iters=12, peak_flops=peak))
+    assert result.returncode == 0, result.stderr
+    mfus = [r["mfu"] for r in read_metrics(tmp_path / "out") if "mfu" in r]
+    assert mfus[0] is None  # the first window holds warm-up
+    assert all(0 < m <= 1 for m in mfus[1:]), mfus
+
+
+def test_bench_json_and_mfu_bound(tmp_path):
+    peak = best_gemm_flops()
+    result = run_script("bench.py", "--device=cpu", "--compile=False", "--n_layer=2", "--n_head=2", "--n_embd=64",
+                        "--block_size=32", "--batch_size=8", "--gradient_accumulation_steps=2", "--bench_iters=4",
+                        "--bench_warmup=1", f"--peak_flops={peak}", "--json=True")
+    assert result.returncode == 0, result.stderr
+    r = json.loads(result.stdout.strip().splitlines()[-1])
+    assert {"ms_per_iter", "tokens_per_s", "tflops", "mfu", "peak_mem_mb"} <= r.keys()
+    assert r["tokens_per_s"] == pytest.approx(2 * 8 * 32 / (r["ms_per_iter"] / 1000))
+    assert r["tflops"] == pytest.approx(r["flops_per_token"] * r["tokens_per_s"] / 1e12)
+    assert 0 < r["mfu"] <= 1
+    assert r["peak_mem_mb"] > 0
+
+
+def test_bench_json_mfu_is_null_without_a_peak():
+    result = run_script("bench.py", "--device=cpu", "--compile=False", "--n_layer=1", "--n_head=2", "--n_embd=32",
+                        "--block_size=16", "--batch_size=2", "--gradient_accumulation_steps=1", "--bench_iters=2",
+                        "--bench_warmup=1", "--json=True")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.strip().splitlines()[-1])["mfu"] is None
+
+
+def test_sweep_keeps_tokens_per_step_and_marks_the_best(tmp_path):
+    result = run_script("bench.py", "--device=cpu", "--compile=False", "--n_layer=1", "--n_head=2", "--n_embd=32",
+                        "--block_size=16", "--batch_size=8", "--gradient_accumulation_steps=2", "--bench_iters=2",
+                        "--bench_warmup=1", "--sweep=batch_size=2,4,16,3", "--json=True")
+    assert result.returncode == 0, result.stderr
+    assert "skipping batch_size=3" in result.stdout  # 3 does not divide 16 sequences per step
+    assert result.stdout.count("<- best") == 1
+    r = json.loads(result.stdout.strip().splitlines()[-1])
+    rows = r["rows"]
+    assert [row["setting"] for row in rows] == ["batch_size=2", "batch_size=4", "batch_size=16"]
+    assert {row["batch_size"] * row["gradient_accumulation_steps"] for row in rows} == {16}
+    assert r["best"] == max(rows, key=lambda row: row["tokens_per_s"])["setting"]
+
+
+def test_profile_writes_a_trace(tmp_path):
+    result = run_script("bench.py", "--device=cpu", "--compile=False", "--n_layer=1", "--n_head=2", "--n_embd=32",
+                        "--block_size=16", "--batch_size=2", "--bench_iters=1", "--bench_warmup=0", "--profile=True",
+                        "--profile_wait=1", "--profile_warmup=1", "--profile_active=2", f"--out_dir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    traces = list((tmp_path / "profile").glob("*.pt.trace.json"))
+    assert len(traces) == 1
+    events = json.loads(traces[0].read_text())["traceEvents"]
+    assert any("aten::mm" in e.get("name", "") for e in events)  # the matmuls of the step were recorded
+    assert "ProfilerStep#" in traces[0].read_text()
+
+
+def test_time_to_train_arithmetic():
+    cfg = BenchConfig(estimate_params=1e9)
+    rt = runtime.Runtime("cpu", "cpu", torch.float32, world_size=8)
+    measured = {"params": 1e8, "flops_per_token": 6.5e8, "tflops": 400.0}
+    est = bench.time_to_train(measured, cfg, rt)
+    assert est["estimate_tokens"] == 20e9  # 20 tokens per parameter by default
+    flops = 6.5 * 1e9 * 20e9  # FLOPs per token scaled with the parameters, times the tokens
+    assert est["estimate_flops"] == pytest.approx(flops)
+    assert est["estimate_hours"] == pytest.approx(flops / (400e12 * 8) / 3600)
+    assert est["estimate_device_hours"] == pytest.approx(est["estimate_hours"] * 8)
+
+
+def auto_cfg(**overrides):
+    args = dict(batch_size="auto", block_size=32, total_batch_size=32 * 64, n_layer=2, n_head=2, n_embd=64)
+    return TrainConfig(**{**args, **overrides})
+
+
+def test_auto_batch_size_fits_the_budget_and_keeps_tokens_per_step():
+    rt = runtime.Runtime("cpu", "cpu", torch.float32)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=65))
+    fixed = 16 * sum(p.numel() for p in model.parameters())
+    per_row = train.saved_activation_bytes(model, 32, rt)
+    assert per_row > 0
+    chosen = []
+    for rows_fitting in (3, 10, 40, 1000):
+        budget = (fixed + rows_fitting * per_row) / 0.85
+        b = train.auto_batch_size(model, auto_cfg(memory_budget_gb=budget / 2**30), rt)
+        assert 64 % b == 0  # divides the 64 sequences of a step
+        assert b <= rows_fitting  # within the budget
+        assert b == max(d for d in range(1, min(rows_fitting, 64) + 1) if 64 % d == 0)  # and the largest such
+        cfg = train.with_batch_size(auto_cfg(), b, 32 * 64)
+        assert cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size == 32 * 64
+        chosen.append(b)
+    assert chosen == sorted(chosen) and chosen[-1] == 64
+
+
+def test_saved_activations_grow_linearly_with_context():
+    rt = runtime.Runtime("cpu", "cpu", torch.float32)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=64, vocab_size=65))
+    short, long = train.saved_activation_bytes(model, 16, rt), train.saved_activation_bytes(model, 64, rt)
+    assert 3.5 < long / short < 4.5
+
+
+def test_train_with_auto_batch_size(char_data, tmp_path):
+    out = tmp_path / "out"
+    result = run_script("train.py", *tiny_args(char_data, out, batch_size="auto", total_batch_size=16 * 8,
+                                               memory_budget_gb=0.05, max_iters=4, lr_decay_iters=4))
+    assert result.returncode == 0, result.stderr
+    assert "batch_size=auto:" in result.stdout
+    saved = json.loads((out / "config.json").read_text())  # what ran, not the word 'auto'
+    assert isinstance(saved["batch_size"], int)
+    assert saved["batch_size"] * saved["gradient_accumulation_steps"] * 16 == 16 * 8
