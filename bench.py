@@ -59,7 +59,7 @@ def measure(cfg, rt, data, vocab_size, profiler=None):
     accum_steps = cfg.gradient_accumulation_steps // rt.world_size
 
     def step():
-        return train.train_step(train_model, optimizer, scaler, batches, cfg.learning_rate, accum_steps, cfg.grad_clip, rt)
+        return train.train_step(train_model, optimizer, scaler, batches, cfg.learning_rate, accum_steps, cfg.grad_clip, rt).loss
 
     if profiler is not None:
         with profiler:

@@ -30,15 +30,17 @@ class UserError(Exception):
 
 
 def run_main(main):
-    """Run an entry point; a UserError becomes one line on stderr and a non-zero exit."""
+    """Run an entry point and exit with its return code; a UserError becomes one line on stderr
+    and a non-zero exit."""
     try:
-        return main()
+        code = main()
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+    sys.exit(code or 0)
 
 
 @dataclass
@@ -51,6 +53,8 @@ class TrainConfig:
     eval_only: bool = False  # evaluate once, then exit
     always_save_checkpoint: bool = True  # write ckpt.pt at every eval, not only when val improves
     init_from: str = "scratch"  # 'scratch' or 'resume' (from out_dir/ckpt.pt)
+    max_minutes: float = 0.0  # stop after this many minutes with a checkpoint (exit code 75); 0: no limit
+    max_bad_steps: int = 10  # stop when this many steps in a row have a non-finite loss or gradient norm
     # wandb (imported only when wandb_log=True)
     wandb_log: bool = False  # send metrics to Weights & Biases
     wandb_project: str = "owt"  # wandb project name
@@ -100,6 +104,7 @@ class TrainConfig:
         else:
             _require(self.batch_size >= 1, f"batch_size={self.batch_size} must be at least 1, or 'auto'")
         _require(self.max_iters >= 0, f"max_iters={self.max_iters} must not be negative")
+        _require(self.max_minutes >= 0 and self.max_bad_steps >= 1, "max_minutes must be >= 0 and max_bad_steps >= 1")
         _require(self.n_embd % self.n_head == 0,
                  f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; each head gets n_embd/n_head dims")
         _require(0 <= self.dropout < 1, f"dropout={self.dropout} must be in [0, 1)")

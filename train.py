@@ -16,7 +16,9 @@ import math
 import os
 import textwrap
 import time
+import signal
 from contextlib import nullcontext
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -28,6 +30,8 @@ import runtime
 import tokenizer
 from configurator import TrainConfig, UserError, as_dict, parse, run_main
 from model import GPT, GPTConfig
+
+EXIT_STOPPED = 75  # stopped early (SIGTERM, SIGINT, max_minutes) with a checkpoint: resume to go on
 
 # keys that fix the shapes of the weights: a checkpoint only resumes under the same values
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size")
@@ -105,9 +109,16 @@ def get_lr(it, cfg):
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.learning_rate - cfg.min_lr)
 
 
-def train_step(model, optimizer, scaler, next_batch, lr, accum_steps, grad_clip, rt):
-    """One optimizer step over accum_steps micro-batches. Returns this rank's mean loss as a
-    device tensor (reading it would wait for the device, so the caller decides when)."""
+class StepResult(NamedTuple):
+    loss: torch.Tensor  # this rank's mean loss over the micro-steps (on the device: reading it syncs)
+    grad_norm: torch.Tensor  # global gradient norm before clipping (the same on every rank)
+    stepped: bool  # False: the step was non-finite and did not touch the weights
+
+
+def train_step(model, optimizer, scaler, next_batch, lr, accum_steps, grad_clip, rt, poison=False):
+    """One optimizer step over accum_steps micro-batches. A step whose gradient norm is not
+    finite is skipped: the weights and optimizer state stay as they were. (`poison` turns the
+    loss into NaN, for the tests of that path.)"""
     for group in optimizer.param_groups:
         group["lr"] = lr
     total = torch.zeros((), device=rt.device)
@@ -121,17 +132,29 @@ def train_step(model, optimizer, scaler, next_batch, lr, accum_steps, grad_clip,
             # each micro-batch's mean loss, scaled so the accumulated gradient is that of the mean
             # over the whole batch, not the sum
             loss = loss / accum_steps
+            if poison:
+                loss = loss * float("nan")
             if not last:
                 x, y = next_batch()  # gathered while the device still runs the forward pass
             scaler.scale(loss).backward()
         total += loss.detach()
+    scaler.unscale_(optimizer)  # clip and check the true gradients, not the fp16-scaled ones
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     if grad_clip > 0:
-        scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    scaler.step(optimizer)
+        torch.nn.utils.clip_grads_with_norm_(params, grad_clip, norm)
+    if scaler.is_enabled():
+        # fp16: GradScaler skips overflowing steps itself (and lowers the scale); that is routine
+        scaler.step(optimizer)
+        stepped = bool(torch.isfinite(total))
+    else:
+        # the gradients are already all-reduced, so every rank takes the same decision
+        stepped = bool(torch.isfinite(norm))
+        if stepped:
+            optimizer.step()
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    return total
+    return StepResult(total, norm, stepped)
 
 
 @torch.no_grad()
@@ -317,6 +340,40 @@ class MetricsLog:
             self.wandb.log({k: v for k, v in record.items() if k != "iter" and v is not None}, step=record["iter"])
 
 
+class Diverged(UserError):
+    exit_code = 3
+
+
+class StopRequest:
+    """SIGTERM (a scheduler's preemption notice) or SIGINT (Ctrl-C) only set a flag; the loop
+    reads it between steps, writes a checkpoint and exits. A second Ctrl-C quits at once."""
+
+    def __init__(self, max_minutes=0.0):
+        self.reason = None
+        self.deadline = time.monotonic() + 60 * max_minutes if max_minutes > 0 else None
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def _handle(self, signum, frame):
+        if self.reason is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.reason = signal.Signals(signum).name
+
+    def check(self, rt):
+        """True when this process should stop now; under DDP, when any rank should, so all agree."""
+        if self.reason is None and self.deadline is not None and time.monotonic() > self.deadline:
+            self.reason = "max_minutes"
+        stop = self.reason is not None
+        if rt.ddp:
+            flag = torch.tensor(float(stop), device=rt.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            stop = bool(flag.item())
+        return stop
+
+    def restore(self):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
 def format_duration(seconds):
     seconds = int(seconds)
     if seconds >= 2 * 86400:
@@ -336,13 +393,16 @@ def main(argv=None):
             f"{world_size} processes; make it a multiple of {world_size}"
         )
     rt = runtime.setup(cfg.device, cfg.dtype, cfg.backend)
+    stop = StopRequest(cfg.max_minutes)
     try:
-        train(cfg, rt)
+        return train(cfg, rt, stop)
     finally:
+        stop.restore()
         runtime.teardown(rt)
 
 
-def train(cfg, rt):
+def train(cfg, rt, stop):
+    """The training loop; returns the process exit code (0, or EXIT_STOPPED)."""
     torch.manual_seed(cfg.seed + rt.rank)
 
     # data and tokenizer
@@ -396,6 +456,8 @@ def train(cfg, rt):
     peak = runtime.device_peak_flops(rt, cfg.peak_flops)
     resumed_at = iter_num if cfg.init_from == "resume" else None
     window_start, window_iters, warm = None, 0, False
+    bad_in_a_row = 0
+    nan_iters = {int(i) for i in os.environ.get("TRAIN_TEST_NAN_ITERS", "").split(",") if i}  # test-only fault injection
 
     def save(path):
         state = make_checkpoint(raw_model, optimizer, scaler, cfg, model_args, tok_spec, iter_num, best_val_loss, batches, rt)
@@ -413,7 +475,7 @@ def train(cfg, rt):
                 print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
                 metrics.write({"iter": iter_num, "train_loss": losses["train"], "val_loss": losses["val"]})
             if cfg.eval_only:
-                break
+                return 0
             improved = losses["val"] < best_val_loss
             best_val_loss = min(best_val_loss, losses["val"])
             if iter_num > 0 and (improved or cfg.always_save_checkpoint):
@@ -426,12 +488,28 @@ def train(cfg, rt):
             if not saved_now and iter_num != resumed_at:
                 save(os.path.join(cfg.out_dir, "ckpt.pt"))
             break
+        if stop.check(rt):
+            if not saved_now and iter_num != resumed_at:
+                save(os.path.join(cfg.out_dir, "ckpt.pt"))
+            if rt.master:
+                print(f"stopped at iter {iter_num} ({stop.reason or 'another rank'}); {cfg.out_dir}/ckpt.pt is current: "
+                      f"continue with --init_from=resume")
+            return EXIT_STOPPED
 
         if window_start is None:
             runtime.synchronize(rt)
             window_start, window_iters = time.perf_counter(), 0
         lr = get_lr(iter_num, cfg)
-        loss = train_step(train_model, optimizer, scaler, batches, lr, accum_steps, cfg.grad_clip, rt)
+        loss, _, stepped = train_step(train_model, optimizer, scaler, batches, lr, accum_steps, cfg.grad_clip, rt,
+                                      poison=iter_num in nan_iters)
+        bad_in_a_row = 0 if stepped else bad_in_a_row + 1
+        if not stepped:
+            if rt.master:
+                print(f"iter {iter_num}: non-finite loss or gradient norm, step skipped ({bad_in_a_row} in a row)")
+            if bad_in_a_row >= cfg.max_bad_steps:
+                raise Diverged(f"{bad_in_a_row} steps in a row had a non-finite loss or gradient norm (max_bad_steps="
+                               f"{cfg.max_bad_steps}); {cfg.out_dir}/ckpt.pt is the last good checkpoint: lower "
+                               f"learning_rate or check the data, then --init_from=resume")
         window_iters += 1
         if iter_num % cfg.log_interval == 0:
             if rt.ddp:
@@ -453,6 +531,7 @@ def train(cfg, rt):
                 metrics.write({"iter": iter_num, "loss": loss_value, "lr": lr, "dt_ms": dt * 1000,
                                "tokens_per_s": tokens_per_iter / dt, "mfu": mfu})
         iter_num += 1
+    return 0
 
 
 def _prepare_out_dir(cfg):

@@ -81,7 +81,7 @@ def one_step(model, optimizer, rows, accum_steps, grad_clip, lr):
         return x[i * micro : (i + 1) * micro], y[i * micro : (i + 1) * micro]
 
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    loss = train.train_step(model, optimizer, scaler, next_batch, lr, accum_steps, grad_clip, CPU)
+    loss = train.train_step(model, optimizer, scaler, next_batch, lr, accum_steps, grad_clip, CPU).loss
     assert len(calls) == accum_steps
     return loss
 

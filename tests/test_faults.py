@@ -1,0 +1,107 @@
+"""Runs that survive: preemption signals, time budgets, non-finite steps. Real processes,
+real signals; the losses of a stopped-and-resumed run must equal an uninterrupted one."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+import checkpoint
+from conftest import REPO, read_metrics, run_script, tiny_args
+
+EXIT_STOPPED = 75
+
+
+def untimed(records):
+    return [{k: v for k, v in r.items() if k not in ("dt_ms", "tokens_per_s", "mfu")} for r in records]
+
+
+def start(args, env=None, module_args=None):
+    cmd = [sys.executable, *(module_args or []), *([] if module_args else [str(REPO / "train.py")]), *map(str, args)]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+
+
+def wait_for_steps(out_dir, n, proc, timeout=300):
+    """Block until metrics.jsonl shows n logged steps (the run is well into training)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        path = out_dir / "metrics.jsonl"
+        if path.exists() and sum('"loss"' in line for line in path.read_text().splitlines()) >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError("training did not get going")
+
+
+def test_sigterm_checkpoints_and_resume_is_exact(char_data, tmp_path):
+    common = dict(max_iters=400, lr_decay_iters=400, eval_interval=100, dropout=0.1)
+    straight = run_script("train.py", *tiny_args(char_data, tmp_path / "straight", **common), timeout=900)
+    assert straight.returncode == 0, straight.stderr
+
+    out = tmp_path / "stopped"
+    proc = start(tiny_args(char_data, out, **common))
+    wait_for_steps(out, 30, proc)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_STOPPED, stderr
+    stopped_at = checkpoint.load(str(out / "ckpt.pt"))["iter_num"]
+    assert 30 <= stopped_at < 400 and f"stopped at iter {stopped_at} (SIGTERM)" in stdout
+
+    resumed = run_script("train.py", *tiny_args(char_data, out, **common, init_from="resume"), timeout=900)
+    assert resumed.returncode == 0, resumed.stderr
+    assert untimed(read_metrics(out)) == untimed(read_metrics(tmp_path / "straight"))
+
+
+def test_time_budget_stops_with_a_checkpoint(char_data, tmp_path):
+    out = tmp_path / "out"
+    result = run_script("train.py", *tiny_args(char_data, out, max_iters=100_000, lr_decay_iters=100_000,
+                                               eval_interval=100_000, max_minutes=0.05))
+    assert result.returncode == EXIT_STOPPED, result.stderr
+    assert "(max_minutes)" in result.stdout
+    assert checkpoint.load(str(out / "ckpt.pt"))["iter_num"] > 0
+
+
+def test_a_non_finite_step_leaves_the_weights_alone(char_data, tmp_path):
+    """Step 5 is poisoned: the weights after steps 0-5 equal those after steps 0-4."""
+    five = run_script("train.py", *tiny_args(char_data, tmp_path / "five", max_iters=5, eval_interval=1000))
+    poisoned = run_script("train.py", *tiny_args(char_data, tmp_path / "six", max_iters=6, eval_interval=1000),
+                          env={"TRAIN_TEST_NAN_ITERS": "5"})
+    assert five.returncode == 0 and poisoned.returncode == 0, poisoned.stderr
+    assert "iter 5: non-finite loss or gradient norm, step skipped (1 in a row)" in poisoned.stdout
+    a = checkpoint.load(str(tmp_path / "five" / "ckpt.pt"))
+    b = checkpoint.load(str(tmp_path / "six" / "ckpt.pt"))
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert all(torch.equal(x, y) for x, y in zip(a["optimizer"]["state"][0].values(), b["optimizer"]["state"][0].values()))
+
+
+def test_too_many_bad_steps_stop_the_run_with_the_last_good_checkpoint(char_data, tmp_path):
+    out = tmp_path / "out"
+    result = run_script("train.py", *tiny_args(char_data, out, max_iters=50, eval_interval=4, max_bad_steps=3,
+                                               always_save_checkpoint=True),
+                        env={"TRAIN_TEST_NAN_ITERS": "9,10,11,12"})
+    assert result.returncode == 3
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert "3 steps in a row" in result.stderr
+    state = checkpoint.load(str(out / "ckpt.pt"))
+    assert state["iter_num"] == 8  # the eval at 8 wrote it; nothing after the bad steps began
+    assert all(torch.isfinite(v).all() for v in state["model"].values())
+
+
+def test_ddp_sigterm_to_the_launcher_stops_both_ranks_with_one_checkpoint(char_data, tmp_path):
+    out = tmp_path / "out"
+    args = tiny_args(char_data, out, gradient_accumulation_steps=2, max_iters=100_000, lr_decay_iters=100_000,
+                     eval_interval=100_000)
+    proc = start(args, env={"OMP_NUM_THREADS": "1"},
+                 module_args=["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(REPO / "train.py")])
+    wait_for_steps(out, 20, proc)
+    proc.send_signal(signal.SIGTERM)  # to torchrun, which passes it on to both ranks
+    stdout, stderr = proc.communicate(timeout=300)  # no hang: both ranks agreed to stop
+    assert "stopped at iter" in stdout, stderr[-2000:]
+    assert stdout.count("stopped at iter") == 1  # printed by rank 0 only
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("ckpt")) == ["ckpt.pt"]
+    state = checkpoint.load(str(out / "ckpt.pt"))
+    assert state["iter_num"] >= 20 and len(state["rng"]["torch"]) == 2  # both ranks' RNG states inside
