@@ -3,10 +3,10 @@
     from model import GPT, GPTConfig
     model = GPT(GPTConfig(n_layer=6, n_head=6, n_embd=384, block_size=256, vocab_size=65))
     logits, loss = model(idx, targets)          # idx, targets: (B, T) int64
-    out = model.generate(idx, max_new_tokens=100, temperature=0.8, top_k=200)
+    out = model.generate(idx, max_new_tokens=100, temperature=0.8, top_k=200, top_p=0.95)
 
 Reads top to bottom: attention, MLP, block, then the GPT with its init, optimizer
-groups, FLOPs count and sampling.
+groups, FLOPs count and sampling; last, the key/value cache that makes sampling fast.
 """
 
 import math
@@ -44,12 +44,21 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x):
+    def forward(self, x, kv=None):
+        """x (B, T, C). kv, when generating with a KVCache: a function that stores this
+        layer's new keys/values after the cached ones and returns them all."""
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        causal = True  # training, and several new tokens filling an empty cache
+        if kv is not None:
+            k, v = kv(k, v)  # (B, nh, cached + T, hs)
+            if T == 1:  # one new token sees every cached key: no mask (is_causal would leave it only the first)
+                causal = False
+            else:
+                assert k.size(2) == T, "several new tokens after cached ones would need an explicit mask"
         # flash attention where the device has it; is_causal masks the future without building a mask
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=causal)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
         return self.resid_dropout(self.c_proj(y))
 
@@ -74,9 +83,9 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x):
+    def forward(self, x, kv=None):
         # pre-norm: the residual stream itself is never normalized, which keeps deep stacks trainable
-        x = x + self.attn(self.ln_1(x))
+        x = x + self.attn(self.ln_1(x), kv)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -116,17 +125,21 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.transformer.wpe.weight.numel() if non_embedding else n
 
-    def forward(self, idx, targets=None, all_logits=False):
+    def forward(self, idx, targets=None, all_logits=False, cache=None):
         """idx (B, T) -> (logits, loss). With targets, logits cover every position and loss
         is the mean cross-entropy; without, only the last position's logits are computed
-        (all that sampling needs) unless all_logits=True."""
+        (all that sampling needs) unless all_logits=True. With a KVCache, idx continues the
+        tokens already in it (at positions cache.length onward) and is added to it."""
         B, T = idx.size()
-        if T > self.config.block_size:
-            raise ValueError(f"sequence of length {T} is longer than block_size {self.config.block_size}")
-        pos = torch.arange(T, dtype=torch.long, device=idx.device)
+        start = 0 if cache is None else cache.length
+        if start + T > self.config.block_size:
+            raise ValueError(f"sequence of length {start + T} is longer than block_size {self.config.block_size}")
+        pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
-        for block in self.transformer.h:
-            x = block(x)
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, None if cache is None else cache.layer(i))
+        if cache is not None:
+            cache.length += T
         x = self.transformer.ln_f(x)
         if targets is None and not all_logits:
             x = x[:, [-1], :]  # (B, 1, C)
@@ -163,16 +176,93 @@ class GPT(nn.Module):
         return 6 * self.num_params() + 12 * L * H * Q * T
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
-        """Extend idx (B, T) by max_new_tokens sampled tokens; the context is cropped to
-        the last block_size tokens. Call model.eval() first."""
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, **options):
+        """Extend idx (B, T) by max_new_tokens sampled tokens -> (B, T + max_new_tokens),
+        fewer when every row has met stop_token. Options as for generate_tokens. Call
+        model.eval() first."""
+        new = list(self.generate_tokens(idx, max_new_tokens, temperature, top_k, **options))
+        return torch.cat([idx, *new], dim=1)
+
+    @torch.no_grad()
+    def generate_tokens(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=1.0, kv_cache=True,
+                        window_shift=1, stop_token=None):
+        """Yield the next token of every row of idx (B, T), as a (B, 1) tensor, max_new_tokens
+        times. temperature 0 is greedy; otherwise sample from the softmax of logits/temperature
+        restricted to the top_k tokens and then to the top_p nucleus. A row that has produced
+        stop_token goes on producing it, and the generator ends once every row has.
+
+        The model sees at most the last block_size tokens. Without the cache each token runs
+        the whole (cropped) context through the model. With it (kv_cache=True) only the new
+        token is run, attending to the cached keys/values of the others, until the cache holds
+        block_size tokens. Positions are absolute, so past that point every key changes as
+        the window slides: the window moves window_shift tokens at once and the last
+        block_size - window_shift + 1 tokens are run again to refill the cache. With
+        window_shift=1 (the default) that happens for every token: each token sees the last
+        block_size tokens, as without the cache, at the cost of no cache. A larger shift
+        recomputes that often less, and each token then sees between block_size -
+        window_shift + 1 and block_size tokens."""
+        block_size = self.config.block_size
+        assert 1 <= window_shift < block_size or not kv_cache, "window_shift must be in [1, block_size)"
+        cache = KVCache(self.config, idx.size(0)) if kv_cache else None
+        pending = idx[:, -block_size:]  # the tokens the model has not seen yet
+        done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)  # rows that produced stop_token
         for _ in range(max_new_tokens):
-            context = idx[:, -self.config.block_size :]
-            logits, _ = self(context)
-            logits = logits[:, -1, :] / temperature
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-                logits[logits < kth] = -float("inf")
-            next_id = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
-            idx = torch.cat((idx, next_id), dim=1)
-        return idx
+            if cache is None:
+                logits, _ = self(idx[:, -block_size:])
+            else:
+                if cache.length + pending.size(1) > block_size:  # no position left: slide the window
+                    cache.length = 0
+                    pending = idx[:, -(block_size - window_shift + 1) :]
+                logits, _ = self(pending, cache=cache)
+            next_id = sample_next(logits[:, -1, :], temperature, top_k, top_p)  # (B, 1)
+            if stop_token is not None:
+                next_id = next_id.masked_fill(done[:, None], stop_token)
+                done |= next_id[:, 0] == stop_token
+            yield next_id
+            if stop_token is not None and done.all():
+                return
+            idx, pending = torch.cat((idx, next_id), dim=1), next_id
+
+
+def sample_next(logits, temperature=1.0, top_k=None, top_p=1.0):
+    """One token id per row of logits (B, V): (B, 1). temperature 0 is greedy (argmax)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+        logits = logits.masked_fill(logits < kth, -float("inf"))
+    probs = F.softmax(logits, dim=-1)
+    if top_p is not None and top_p < 1.0:
+        # The nucleus: the most likely tokens, in order, until their mass reaches top_p.
+        # A token is dropped when the tokens ranked above it already reach it; the most
+        # likely token always stays (stable sort: ties keep argmax's choice first).
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        above = sorted_probs.cumsum(dim=-1) - sorted_probs
+        probs = probs.scatter(-1, order, sorted_probs.masked_fill(above >= top_p, 0.0))
+    return torch.multinomial(probs, num_samples=1)
+
+
+class KVCache:
+    """Keys and values of the tokens generated so far, for every layer, so a new token
+    costs one position's work instead of the whole context's. Room for block_size tokens;
+    the first `length` positions are filled (GPT.forward advances it; setting it to 0
+    empties the cache)."""
+
+    def __init__(self, config, batch_size):
+        self.shape = (config.n_layer, batch_size, config.n_head, config.block_size, config.n_embd // config.n_head)
+        self.k = self.v = None  # (L, B, nh, block_size, hs), made on first use in the dtype attention computes in
+        self.length = 0
+
+    def layer(self, i):
+        """The `kv` function CausalSelfAttention calls for layer i."""
+
+        def store_and_get(k, v):  # (B, nh, T, hs) each -> (B, nh, length + T, hs) each
+            if self.k is None:
+                self.k, self.v = (k.new_empty(self.shape) for _ in range(2))
+            end = self.length + k.size(2)
+            self.k[i, :, :, self.length : end] = k
+            self.v[i, :, :, self.length : end] = v
+            return self.k[i, :, :, :end], self.v[i, :, :, :end]
+
+        return store_and_get

@@ -1,0 +1,252 @@
+"""Generation: the key/value cache against full recomputation, the sampling controls, and
+sample.py's batches, prompts file and streaming."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import load_script, make_text, run_script, tiny_args
+
+import sample
+from model import GPT, GPTConfig, KVCache, sample_next
+from test_model import TINY  # block_size 16
+
+
+def tiny_model(seed=0):
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(**TINY)).eval()
+    with torch.no_grad():  # weights far from the init, so the next-token distributions are far from flat
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    return model
+
+
+def prompts(B=3, T=5, seed=1):
+    return torch.randint(0, 65, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def reference(model, idx, steps, pick, window=None):
+    """nanoGPT's loop, written out: run the whole context every step. The context is the
+    last block_size tokens or, given window(start, length) -> start, idx[start:]."""
+    start = 0
+    for _ in range(steps):
+        start = window(start, idx.size(1)) if window else max(0, idx.size(1) - model.config.block_size)
+        logits, _ = model(idx[:, start:])
+        idx = torch.cat([idx, pick(logits[:, -1])], dim=1)
+    return idx
+
+
+greedy = lambda logits: logits.argmax(-1, keepdim=True)
+
+# ---------------------------------------------------------------------------- the cache
+
+
+def test_cached_step_logits_equal_a_full_forward():
+    model = tiny_model()
+    idx = prompts(T=6)
+    cache = KVCache(model.config, idx.size(0))
+    logits, _ = model(idx, cache=cache)  # prefill: causal attention into an empty cache
+    for _ in range(9):
+        full, _ = model(idx)
+        torch.testing.assert_close(logits, full, atol=1e-5, rtol=1e-5)
+        idx = torch.cat([idx, greedy(full[:, -1])], dim=1)
+        logits, _ = model(idx[:, -1:], cache=cache)  # one new token attending to every cached key
+    assert cache.length == 15
+
+
+def test_cached_greedy_equals_uncached_past_block_size():
+    model = tiny_model()
+    idx = prompts()
+    uncached = model.generate(idx, 60, temperature=0, kv_cache=False)  # 65 tokens, block_size 16
+    assert torch.equal(uncached, reference(model, idx, 60, greedy))
+    assert torch.equal(model.generate(idx, 60, temperature=0), uncached)
+
+
+def test_a_prompt_longer_than_block_size_is_cropped_the_same_way():
+    model = tiny_model()
+    idx = prompts(T=40)
+    cached = model.generate(idx, 10, temperature=0)
+    assert torch.equal(cached[:, :40], idx)
+    assert torch.equal(cached, model.generate(idx, 10, temperature=0, kv_cache=False))
+
+
+@pytest.mark.parametrize("shift", [4, 15])
+def test_window_shift_slides_the_context_as_documented(shift):
+    # when the next token has no position left, the window restarts at the last
+    # block_size - shift + 1 tokens, so every context holds between that many and block_size
+    def window(start, length):
+        return length - (16 - shift + 1) if length - start > 16 else start
+
+    model = tiny_model()
+    idx = prompts()
+    assert torch.equal(model.generate(idx, 60, temperature=0, window_shift=shift), reference(model, idx, 60, greedy, window))
+
+
+def test_prefill_equals_the_plain_forward_and_a_full_cache_takes_no_more():
+    model = tiny_model()
+    idx = prompts(T=16)
+    cache = KVCache(model.config, 3)
+    cached, _ = model(idx, cache=cache)
+    torch.testing.assert_close(cached, model(idx)[0], atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="block_size"):
+        model(idx[:, :1], cache=cache)  # position 16 does not exist
+
+
+# ---------------------------------------------------------------------------- sampling controls
+
+
+def test_same_seed_same_samples():
+    model = tiny_model()
+    runs = []
+    for seed in (7, 7, 8):
+        torch.manual_seed(seed)
+        runs.append(model.generate(prompts(), 40, temperature=1.0, top_k=20, top_p=0.9))
+    assert torch.equal(runs[0], runs[1])
+    assert not torch.equal(runs[0], runs[2])
+
+
+def test_top_p_1_and_no_top_k_is_plain_sampling():
+    model = tiny_model()
+    plain = lambda logits: torch.multinomial(F.softmax(logits / 0.9, dim=-1), 1)
+    torch.manual_seed(3)
+    expected = reference(model, prompts(), 40, plain)
+    torch.manual_seed(3)
+    assert torch.equal(model.generate(prompts(), 40, temperature=0.9, top_k=None, top_p=1.0), expected)
+
+
+def test_top_k_1_and_a_tiny_top_p_are_greedy():
+    model = tiny_model()
+    greedy_out = model.generate(prompts(), 30, temperature=0)
+    assert torch.equal(model.generate(prompts(), 30, temperature=1.0, top_k=1), greedy_out)
+    # a nucleus of mass 1e-6 holds only the most likely token
+    assert torch.equal(model.generate(prompts(), 30, temperature=1.5, top_p=1e-6), greedy_out)
+
+
+def test_top_p_keeps_the_smallest_set_that_reaches_p():
+    probs = torch.tensor([0.05, 0.5, 0.15, 0.3])
+    logits = probs.log().expand(20000, 4)
+    torch.manual_seed(0)
+    for top_p, support in [(0.4, {1}), (0.75, {1, 3}), (0.85, {1, 2, 3}), (1.0, {0, 1, 2, 3})]:
+        drawn = sample_next(logits, top_p=top_p)[:, 0]
+        assert set(drawn.tolist()) == support, top_p
+    # renormalized inside the nucleus: 0.5 / (0.5 + 0.3)
+    drawn = sample_next(logits, top_p=0.75)[:, 0]
+    assert abs((drawn == 1).float().mean().item() - 0.625) < 0.02
+
+
+def test_a_batch_is_the_same_as_single_rows():
+    model = tiny_model()
+    one = prompts(B=1)
+    batch = model.generate(one.repeat(4, 1), 40, temperature=0)
+    assert torch.equal(batch, model.generate(one, 40, temperature=0).repeat(4, 1))
+    torch.manual_seed(0)
+    sampled = model.generate(one.repeat(4, 1), 40, temperature=1.0)
+    assert len({tuple(row.tolist()) for row in sampled}) == 4  # each row its own sample, not copies
+
+
+def test_stop_token_ends_each_row_and_then_the_batch():
+    model = tiny_model()
+    idx = prompts(B=2)
+    free = model.generate(idx, 30, temperature=0)[:, 5:]
+    stop = free[0, 3].item()
+    first = [row.tolist().index(stop) if stop in row else None for row in free]
+    out = model.generate(idx, 30, temperature=0, stop_token=stop)[:, 5:]
+    ends = [30 if f is None else f + 1 for f in first]
+    assert out.size(1) == max(ends)
+    for row, free_row, end in zip(out, free, ends):
+        assert torch.equal(row[:end], free_row[:end])
+        assert (row[end:] == stop).all()  # a finished row only repeats the stop token
+
+
+# ---------------------------------------------------------------------------- sample.py
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny character model trained for a few steps (block_size 16)."""
+    root = tmp_path_factory.mktemp("sample")
+    data_dir = root / "chars"
+    data_dir.mkdir()
+    load_script("data/shakespeare_char/prepare.py").prepare(make_text(), str(data_dir))
+    result = run_script("train.py", *tiny_args(data_dir, root / "out", max_iters=30, lr_decay_iters=30, eval_interval=30))
+    assert result.returncode == 0, result.stderr
+    return root / "out"
+
+
+def run_sample(trained, capsys, *args):
+    sample.main([f"--out_dir={trained}", "--device=cpu", "--max_new_tokens=40", *args])
+    out, err = capsys.readouterr()
+    samples = out.split(sample.SEPARATOR + "\n")
+    assert samples[0].startswith("loaded ") and samples[-1] == ""
+    samples[0] = samples[0].split("\n", 1)[1]
+    return samples[:-1], err
+
+
+def test_sample_py_cached_and_uncached_print_the_same(trained, capsys):
+    for args in (["--temperature=0", "--num_samples=1", "--max_new_tokens=60"], ["--num_samples=3", "--top_p=0.9"]):
+        cached, err = run_sample(trained, capsys, *args)
+        uncached, _ = run_sample(trained, capsys, *args, "--kv_cache=False")
+        assert cached == uncached
+        assert "tokens/s" in err and "kv_cache=True" in err
+
+
+def test_sample_py_streaming_prints_the_same_text(trained, capsys):
+    plain, _ = run_sample(trained, capsys, "--num_samples=2", "--stream=False")
+    streamed, _ = run_sample(trained, capsys, "--num_samples=2", "--stream=True")
+    assert streamed == plain
+
+
+def test_sample_py_greedy_batch_rows_agree(trained, capsys):
+    samples, err = run_sample(trained, capsys, "--temperature=0", "--num_samples=3", "--start=The king")
+    assert len(samples) == 3 and len(set(samples)) == 1 and samples[0].startswith("The king")
+    assert err.startswith("120 tokens in ")  # 3 samples x 40 tokens
+
+
+def test_sample_py_prompts_file(trained, capsys, tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_text("The king\n\nMy lord\n")
+    samples, err = run_sample(trained, capsys, f"--prompts_file={path}", "--num_samples=2")
+    assert [s.split(" ")[0] for s in samples] == ["The", "The", "My", "My"]
+    assert samples[0] != samples[1]  # two samples of one prompt, not copies
+    assert "2 prompt(s) x 2 samples" in err
+
+
+class Chunks(list):
+    """A stdout that records each write."""
+
+    write = list.append
+
+    def flush(self):
+        pass
+
+
+def test_stream_holds_back_a_partial_character():
+    written = Chunks()
+    stream = sample.Stream(lambda ids: bytes(ids).decode("utf-8", errors="replace"), written)  # one token per byte
+    data = list("a é!".encode())  # é is two bytes
+    for n in range(1, len(data) + 1):
+        stream.update(data[:n])
+    assert written == ["a", " ", "é", "!"]
+
+
+def test_an_empty_prompt_starts_a_bpe_model_after_endoftext():
+    assert sample.encode_prompt("", lambda text: [], eot=50256, block_size=8) == [50256]
+
+
+@pytest.mark.skipif(not os.environ.get("SHAKESPEARE_TXT"), reason="set SHAKESPEARE_TXT to the tiny Shakespeare text")
+def test_real_shakespeare_cached_equals_uncached_for_500_greedy_tokens(tmp_path):
+    data_dir = tmp_path / "shakespeare_char"
+    prepared = run_script("data/shakespeare_char/prepare.py", "--input", os.environ["SHAKESPEARE_TXT"], "--out_dir", data_dir)
+    assert prepared.returncode == 0, prepared.stderr
+    out = tmp_path / "out"
+    trained = run_script("train.py", *tiny_args(data_dir, out, n_layer=2, n_head=4, n_embd=128, block_size=64,
+                                                batch_size=12, max_iters=300, lr_decay_iters=300, warmup_iters=50,
+                                                learning_rate=5e-3, min_lr=5e-4, eval_interval=300, eval_iters=5))
+    assert trained.returncode == 0, trained.stderr
+    args = [f"--out_dir={out}", "--device=cpu", "--temperature=0", "--num_samples=1", "--max_new_tokens=500",
+            "--start=ROMEO:"]
+    cached, uncached = run_script("sample.py", *args), run_script("sample.py", *args, "--kv_cache=False")
+    assert cached.returncode == 0, cached.stderr
+    assert len(cached.stdout) > 500 and cached.stdout == uncached.stdout

@@ -1,0 +1,61 @@
+"""sample.py's bad input: one line on stderr and a non-zero exit, or a documented behaviour."""
+
+import pytest
+
+from conftest import load_script, make_text, run_script, tiny_args
+from test_errors import assert_one_line_error
+
+CONFIG_CASES = [
+    (["--top_p=0"], ["top_p=0", "(0, 1]"]),
+    (["--top_p=1.5"], ["top_p=1.5", "(0, 1]"]),
+    (["--temperature=-0.5"], ["temperature=-0.5", ">= 0"]),
+    (["--window_shift=0"], ["window_shift=0"]),
+    (["--stream=maybe"], ["stream=maybe"]),
+]
+
+
+@pytest.mark.parametrize("argv, expected", CONFIG_CASES, ids=[" ".join(a) for a, _ in CONFIG_CASES])
+def test_sample_config_errors(argv, expected):
+    assert_one_line_error(run_script("sample.py", "--device=cpu", *argv), *expected)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny character model (block_size 16) trained for a few steps."""
+    root = tmp_path_factory.mktemp("sample_errors")
+    data_dir = root / "chars"
+    data_dir.mkdir()
+    load_script("data/shakespeare_char/prepare.py").prepare(make_text(), str(data_dir))
+    result = run_script("train.py", *tiny_args(data_dir, root / "out", max_iters=4, lr_decay_iters=4, eval_interval=2))
+    assert result.returncode == 0, result.stderr
+    return root / "out"
+
+
+def sample_with(trained, *args):
+    return run_script("sample.py", f"--out_dir={trained}", "--device=cpu", "--max_new_tokens=5", "--num_samples=1", *args)
+
+
+def test_prompts_file_problems(trained, tmp_path):
+    assert_one_line_error(sample_with(trained, "--prompts_file=/no/such/prompts.txt"), "/no/such/prompts.txt")
+    blank = tmp_path / "blank.txt"
+    blank.write_text("\n  \n\n")
+    assert_one_line_error(sample_with(trained, f"--prompts_file={blank}"), "no prompts")
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("the king é\n".encode("latin-1"))
+    assert_one_line_error(sample_with(trained, f"--prompts_file={latin1}"), "not UTF-8")
+
+
+def test_window_shift_must_be_shorter_than_the_context(trained):
+    assert_one_line_error(sample_with(trained, "--window_shift=16"), "window_shift=16", "block_size=16")
+
+
+def test_a_prompt_longer_than_block_size_is_cropped_with_a_note(trained):
+    # documented: the whole prompt is printed, the model conditions on its last block_size tokens
+    long_prompt = "The king shall not be my lord now what is love"  # 46 characters, block_size 16
+    result = sample_with(trained, f"--start={long_prompt}", "--temperature=0", "--max_new_tokens=10")
+    assert result.returncode == 0, result.stderr
+    assert "note: the prompt is 46 tokens, more than block_size=16" in result.stderr
+    assert "Traceback" not in result.stderr
+    cropped = sample_with(trained, f"--start={long_prompt[-16:]}", "--temperature=0", "--max_new_tokens=10")
+    text, text_cropped = (r.stdout.split("\n", 1)[1] for r in (result, cropped))
+    assert text.startswith(long_prompt) and text[len(long_prompt):] == text_cropped[16:]
