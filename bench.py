@@ -66,9 +66,11 @@ def measure(cfg, rt, data, vocab_size, profiler=None):
             for _ in range(cfg.profile_wait + cfg.profile_warmup + cfg.profile_active):
                 step()
                 profiler.step()
+    warmup_start = time.perf_counter()
     for _ in range(cfg.bench_warmup):
         step()
     runtime.synchronize(rt)  # the clock starts with the device idle...
+    warmup_seconds = time.perf_counter() - warmup_start
     if rt.device_type == "cuda":
         torch.cuda.reset_peak_memory_stats(rt.device)
     start = time.perf_counter()
@@ -88,6 +90,7 @@ def measure(cfg, rt, data, vocab_size, profiler=None):
         "tflops": flops / seconds / rt.world_size / 1e12,  # per device
         "mfu": runtime.mfu(flops, seconds, peak, rt.world_size),
         "peak_mem_mb": peak_memory_mb(rt),
+        "warmup_s": warmup_seconds,  # the untimed steps, compilation included
         "params": raw_model.num_params(),
         "flops_per_token": raw_model.flops_per_token(),
     }
@@ -113,7 +116,7 @@ def sweep_configs(cfg, spec):
     return key, out
 
 
-HEADER = f"{'':<20} batch x accum   ms/iter     tokens/s   TFLOPS    MFU   mem (MB)"
+HEADER = f"{'':<20} batch x accum   ms/iter     tokens/s   TFLOPS    MFU   mem (MB)  warm-up (s)"
 
 
 def format_row(label, r):
@@ -121,7 +124,7 @@ def format_row(label, r):
         return f"{label:<20} out of memory"
     mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
     return (f"{label:<20} {r['batch_size']:>5} x {r['gradient_accumulation_steps']:<5} {r['ms_per_iter']:9.1f} "
-            f"{r['tokens_per_s']:12,.0f} {r['tflops']:8.3g} {mfu:>6} {r['peak_mem_mb']:10,.0f}")
+            f"{r['tokens_per_s']:12,.0f} {r['tflops']:8.3g} {mfu:>6} {r['peak_mem_mb']:10,.0f} {r['warmup_s']:12.1f}")
 
 
 def time_to_train(result, cfg, rt):

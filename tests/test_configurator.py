@@ -281,8 +281,13 @@ def test_run_main_turns_user_error_into_exit_2(capsys):
     assert len(err.strip().splitlines()) == 1
 
 
-def test_run_main_returns_the_result_and_lets_bugs_through():
-    assert configurator.run_main(lambda: 42) == 42
+def test_run_main_exits_with_the_result_and_lets_bugs_through():
+    with pytest.raises(SystemExit) as info:  # train.py returns 75 when it stopped early
+        configurator.run_main(lambda: 75)
+    assert info.value.code == 75
+    with pytest.raises(SystemExit) as info:
+        configurator.run_main(lambda: None)
+    assert info.value.code == 0
     with pytest.raises(ZeroDivisionError):  # our own bugs keep their traceback
         configurator.run_main(lambda: 1 // 0)
 
