@@ -148,7 +148,9 @@ def train_step(model, optimizer, scaler, next_batch, lr, accum_steps, grad_clip,
         scaler.step(optimizer)
         stepped = bool(torch.isfinite(total))
     else:
-        # the gradients are already all-reduced, so every rank takes the same decision
+        # the gradients are already all-reduced, so every rank takes the same decision. Reading
+        # the norm waits for the device once per optimizer step (not per micro-step): a bubble of
+        # a few kernel launches, the price of a NaN never reaching the weights
         stepped = bool(torch.isfinite(norm))
         if stepped:
             optimizer.step()
