@@ -96,7 +96,7 @@ def measure(cfg, rt, data, vocab_size, profiler=None):
     }
 
 
-def sweep_configs(cfg, spec):
+def sweep_configs(cfg, spec, world_size):
     """'key=v1,v2' -> [(value text, cfg)]. Sweeping batch_size keeps the tokens per optimizer
     step of the base config and adjusts gradient accumulation; sizes that do not divide it are skipped."""
     key, sep, values = spec.partition("=")
@@ -108,7 +108,7 @@ def sweep_configs(cfg, spec):
         swept = override(cfg, key, text)
         if key == "batch_size":
             rows = tokens_per_step // cfg.block_size
-            if rows % (swept.batch_size * int(os.environ.get("WORLD_SIZE", 1))):
+            if rows % (swept.batch_size * world_size):
                 print(f"skipping batch_size={text}: does not divide {rows} sequences per step")
                 continue
             swept = train.with_batch_size(swept, swept.batch_size, tokens_per_step)
@@ -155,7 +155,7 @@ def run(cfg, rt):
         f"{cfg.n_layer} layers x {cfg.n_embd} wide, block {cfg.block_size}; {cfg.bench_iters} timed steps after {cfg.bench_warmup}")
 
     if cfg.sweep:
-        key, configs = sweep_configs(cfg, cfg.sweep)
+        key, configs = sweep_configs(cfg, cfg.sweep, rt.world_size)
         rows = []
         for text, swept in configs:
             torch._dynamo.reset()  # compile each configuration afresh, not with shapes left from the last

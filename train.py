@@ -246,12 +246,15 @@ def auto_batch_size(model, cfg, rt, safety=0.85):
         budget, source = torch.cuda.get_device_properties(rt.device).total_memory, "GPU memory"
     else:
         budget, source = _free_memory() / 2, "half the free RAM"
+    if cfg.total_batch_size % (cfg.block_size * rt.world_size):
+        raise UserError(f"total_batch_size={cfg.total_batch_size} does not split into whole sequences of block_size="
+                        f"{cfg.block_size} over {rt.world_size} rank(s); make it a multiple of {cfg.block_size * rt.world_size}")
     fixed = 16 * sum(p.numel() for p in model.parameters())  # fp32 weights, grads, Adam m and v
     per_row = saved_activation_bytes(model, cfg.block_size, rt)
     rows_per_rank = cfg.total_batch_size // cfg.block_size // rt.world_size
     fits = int((safety * budget - fixed) // per_row)
     candidates = [b for b in range(min(fits, rows_per_rank), 0, -1) if rows_per_rank % b == 0]
-    if not candidates or cfg.total_batch_size % (cfg.block_size * rt.world_size):
+    if not candidates:
         raise UserError(
             f"batch_size='auto': not even one sequence fits in {budget / 2**30:.3g} GB ({source}) with "
             f"total_batch_size={cfg.total_batch_size} over {rt.world_size} rank(s); raise memory_budget_gb or shrink the model"
