@@ -1,11 +1,16 @@
-"""The GPT: GPT-2's architecture, attention through scaled_dot_product_attention.
+"""The GPT: GPT-2's architecture by default, Llama's ingredients by config key; attention
+through scaled_dot_product_attention.
 
     from model import GPT, GPTConfig
     model = GPT(GPTConfig(n_layer=6, n_head=6, n_embd=384, block_size=256, vocab_size=65))
+    llama = GPT(GPTConfig(n_layer=16, n_head=32, n_kv_head=8, n_embd=2048, block_size=4096, vocab_size=128256,
+                          pos_encoding="rope", rope_theta=500000.0, norm="rmsnorm", mlp="swiglu",
+                          mlp_hidden=8192, bias=False))   # Llama-3.2-1B's shapes
     logits, loss = model(idx, targets)          # idx, targets: (B, T) int64
     out = model.generate(idx, max_new_tokens=100, temperature=0.8, top_k=200, top_p=0.95)
 
-Reads top to bottom: attention, MLP, block, then the GPT with its init, optimizer
+Reads top to bottom: the config, the small pieces the options choose between (norms,
+rotary position embedding), attention, MLP, block, then the GPT with its init, optimizer
 groups, FLOPs count and sampling; last, the key/value cache that makes sampling fast.
 """
 
@@ -15,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass
@@ -26,6 +32,28 @@ class GPTConfig:
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = True  # biases in Linear and LayerNorm, as GPT-2 had
+    # the options below default to GPT-2; Llama 3 is rope, rmsnorm, swiglu, n_kv_head < n_head, bias=False
+    pos_encoding: str = "learned"  # 'learned' (a wpe table, GPT-2) or 'rope' (rotary, on q and k)
+    rope_theta: float = 10000.0  # RoPE base: the longest wavelength (Llama 3: 500000)
+    norm: str = "layernorm"  # 'layernorm' or 'rmsnorm' (no mean subtraction, no bias)
+    mlp: str = "gelu"  # 'gelu', 'gelu_tanh' (GPT-2's released weights' approximation) or 'swiglu'
+    mlp_hidden: int = 0  # MLP width; 0: 4*n_embd, or for swiglu 8/3*n_embd rounded up to a multiple of 64
+    n_kv_head: int = 0  # key/value heads (grouped-query attention); 0: n_head (plain multi-head)
+    qk_norm: bool = False  # RMSNorm q and k per head before attention
+    tie_embeddings: bool = True  # lm_head shares the token embedding matrix
+
+    def __post_init__(self):
+        # resolve the "0 means the usual" keys once, so every reader sees real sizes
+        if self.n_kv_head == 0:
+            self.n_kv_head = self.n_head
+        if self.mlp_hidden == 0:
+            # SwiGLU has three matrices instead of two: 2/3 of the width keeps the parameter
+            # count (and FLOPs) of the 4*n_embd GELU MLP, rounded up to suit the GPU's tiles
+            self.mlp_hidden = 4 * self.n_embd if self.mlp != "swiglu" else -(-8 * self.n_embd // 3 // 64) * 64
+        assert self.pos_encoding in ("learned", "rope") and self.norm in ("layernorm", "rmsnorm")
+        assert self.mlp in ("gelu", "gelu_tanh", "swiglu")
+        assert self.n_embd % self.n_head == 0 and self.n_head % self.n_kv_head == 0
+        assert self.pos_encoding != "rope" or (self.n_embd // self.n_head) % 2 == 0, "RoPE rotates pairs: even head size"
 
     @property
     def padded_vocab_size(self):
@@ -34,31 +62,72 @@ class GPTConfig:
         return (self.vocab_size + 63) // 64 * 64
 
 
+def make_norm(config, dim):
+    """The pre-norm of a block (and the final one): LayerNorm as GPT-2, or RMSNorm as Llama
+    (x / rms(x) * weight: cheaper, and as good in practice)."""
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(dim, eps=1e-5)
+    return nn.LayerNorm(dim, bias=config.bias)
+
+
+def rope_tables(head_size, length, theta):
+    """cos and sin (length, head_size/2) of RoPE's angles: position p turns dims (i, i + hs/2)
+    by p * theta^(-2i/hs), fast rotations for the first pairs, slow ones for the last."""
+    inv_freq = theta ** -(torch.arange(0, head_size, 2, dtype=torch.float32) / head_size)  # (hs/2,)
+    angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)  # (length, hs/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    """Rotate x (B, nh, T, hs) by the angles of its positions (T, hs/2). Pairs are (i, i + hs/2),
+    the layout of Hugging Face's Llama weights. A rotation of q by m and k by n leaves q.k
+    depending on m - n only: attention sees relative positions."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
         assert config.n_embd % config.n_head == 0
-        self.n_head = config.n_head
+        self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
+        self.head_size = config.n_embd // config.n_head
         self.dropout = config.dropout
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v in one matmul
+        kv_size = self.n_kv_head * self.head_size  # grouped-query attention: fewer k/v heads, each shared by a group of q heads
+        self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * kv_size, bias=config.bias)  # q, k, v in one matmul
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
+        if config.qk_norm:
+            # RMSNorm of each head's q and k (as nanochat and modded-nanogpt do, here with a
+            # learned gain): the attention logits stay bounded, which steadies high learning rates
+            self.q_norm = nn.RMSNorm(self.head_size, eps=1e-5)
+            self.k_norm = nn.RMSNorm(self.head_size, eps=1e-5)
 
-    def forward(self, x, kv=None):
-        """x (B, T, C). kv, when generating with a KVCache: a function that stores this
-        layer's new keys/values after the cached ones and returns them all."""
+    def forward(self, x, rope=None, kv=None):
+        """x (B, T, C). rope: the (cos, sin) tables of these T positions, when the model uses
+        RoPE. kv, when generating with a KVCache: a function that stores this layer's new
+        keys/values after the cached ones and returns them all."""
         B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        hs = self.head_size
+        q, k, v = self.c_attn(x).split([C, self.n_kv_head * hs, self.n_kv_head * hs], dim=2)
+        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k, v = (t.view(B, T, self.n_kv_head, hs).transpose(1, 2) for t in (k, v))  # (B, n_kv, T, hs)
+        if hasattr(self, "q_norm"):  # before the rotation, as in Qwen3 and OLMo 2
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         causal = True  # training, and several new tokens filling an empty cache
         if kv is not None:
-            k, v = kv(k, v)  # (B, nh, cached + T, hs)
+            k, v = kv(k, v)  # (B, n_kv, cached + T, hs)
             if T == 1:  # one new token sees every cached key: no mask (is_causal would leave it only the first)
                 causal = False
             else:
                 assert k.size(2) == T, "several new tokens after cached ones would need an explicit mask"
-        # flash attention where the device has it; is_causal masks the future without building a mask
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=causal)
+        # flash attention where the device has it; is_causal masks the future without building a
+        # mask; enable_gqa lets each k/v head serve n_head/n_kv_head q heads without copying it
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=causal,
+                                           enable_gqa=self.n_kv_head != self.n_head)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
         return self.resid_dropout(self.c_proj(y))
 
@@ -66,26 +135,33 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.gelu = nn.GELU()
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.kind, hidden = config.mlp, config.mlp_hidden
+        # SwiGLU's gate and up projections are one matmul (c_fc), its down projection is c_proj
+        self.c_fc = nn.Linear(config.n_embd, 2 * hidden if self.kind == "swiglu" else hidden, bias=config.bias)
+        self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
-        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+        h = self.c_fc(x)  # (B, T, hidden), for SwiGLU (B, T, 2 * hidden): gate then up
+        if self.kind == "swiglu":
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up  # (B, T, hidden)
+        else:
+            h = F.gelu(h, approximate="tanh" if self.kind == "gelu_tanh" else "none")
+        return self.dropout(self.c_proj(h))
 
 
 class Block(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_1 = make_norm(config, config.n_embd)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_2 = make_norm(config, config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x, kv=None):
+    def forward(self, x, rope=None, kv=None):
         # pre-norm: the residual stream itself is never normalized, which keeps deep stacks trainable
-        x = x + self.attn(self.ln_1(x), kv)
+        x = x + self.attn(self.ln_1(x), rope, kv)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -93,25 +169,33 @@ class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(
-            dict(
-                wte=nn.Embedding(config.padded_vocab_size, config.n_embd),
-                wpe=nn.Embedding(config.block_size, config.n_embd),
-                drop=nn.Dropout(config.dropout),
-                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
-            )
-        )
-        self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
-        self.transformer.wte.weight = self.lm_head.weight  # tied: one matrix embeds and un-embeds
+        C = config.n_embd
+        layers = dict(wte=nn.Embedding(config.padded_vocab_size, C))
+        if config.pos_encoding == "learned":
+            layers["wpe"] = nn.Embedding(config.block_size, C)
+        layers.update(drop=nn.Dropout(config.dropout), h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                      ln_f=make_norm(config, C))
+        self.transformer = nn.ModuleDict(layers)
+        self.lm_head = nn.Linear(C, config.padded_vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.transformer.wte.weight = self.lm_head.weight  # one matrix embeds and un-embeds
+        if config.pos_encoding == "rope":
+            # computed, not learned: kept out of checkpoints and parameter counts (persistent=False)
+            cos, sin = rope_tables(C // config.n_head, config.block_size, config.rope_theta)
+            self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, hs/2)
+            self.register_buffer("rope_sin", sin, persistent=False)
         self.apply(self._init_weights)
-        # GPT-2: each block adds two projections to the residual stream, so scale them down
-        # to keep its variance from growing with depth
+        # GPT-2: each block adds two projections to the residual stream (SwiGLU's down projection
+        # is one), so scale them down to keep its variance from growing with depth
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        # recompute each block's activations in backward instead of keeping them: less memory for
+        # long contexts, about a third more compute (train.py sets it from activation_checkpointing)
+        self.activation_checkpointing = False
 
     def _init_weights(self, module):
+        # norms keep their own init: weight 1, bias 0
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
             if module.bias is not None:
@@ -120,10 +204,17 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def num_params(self, non_embedding=True):
-        """Parameters, counting the tied matrix once; without the position embeddings by
-        default, since they do no matmul work (this is the N in the FLOPs count)."""
+        """Parameters, counting a tied matrix once. non_embedding (the default) leaves out the
+        lookup tables, which do no matmul work: this is the N of the FLOPs count. That drops the
+        position embeddings, and the token embedding when it is not tied (lm_head, a matmul,
+        always counts; tied, it is the same matrix)."""
         n = sum(p.numel() for p in self.parameters())
-        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+        if non_embedding:
+            if "wpe" in self.transformer:
+                n -= self.transformer.wpe.weight.numel()
+            if not self.config.tie_embeddings:
+                n -= self.transformer.wte.weight.numel()
+        return n
 
     def forward(self, idx, targets=None, all_logits=False, cache=None):
         """idx (B, T) -> (logits, loss). With targets, logits cover every position and loss
@@ -134,10 +225,17 @@ class GPT(nn.Module):
         start = 0 if cache is None else cache.length
         if start + T > self.config.block_size:
             raise ValueError(f"sequence of length {start + T} is longer than block_size {self.config.block_size}")
-        pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        x, rope = self.transformer.wte(idx), None  # (B, T, C)
+        if "wpe" in self.transformer:
+            x = x + self.transformer.wpe(torch.arange(start, start + T, dtype=torch.long, device=idx.device))
+        else:
+            rope = (self.rope_cos[start : start + T], self.rope_sin[start : start + T])  # (T, hs/2) each
+        x = self.transformer.drop(x)
         for i, block in enumerate(self.transformer.h):
-            x = block(x, None if cache is None else cache.layer(i))
+            if self.activation_checkpointing and self.training and cache is None:
+                x = checkpoint(block, x, rope, use_reentrant=False)  # dropout masks replay exactly
+            else:
+                x = block(x, rope, None if cache is None else cache.layer(i))
         if cache is not None:
             cache.length += T
         x = self.transformer.ln_f(x)
@@ -153,7 +251,10 @@ class GPT(nn.Module):
         """Shorten the context (e.g. to finetune a 1024-token model on 256-token blocks)."""
         assert block_size <= self.config.block_size
         self.config.block_size = block_size
-        self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
+        if "wpe" in self.transformer:
+            self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
+        else:
+            self.rope_cos, self.rope_sin = self.rope_cos[:block_size], self.rope_sin[:block_size]
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         """AdamW with weight decay on matrices and embeddings only: decaying biases and
@@ -169,8 +270,10 @@ class GPT(nn.Module):
 
     def flops_per_token(self):
         """Training FLOPs per token: 6N for the matmuls with the weights (2 forward, 4
-        backward), N excluding the position embeddings, plus 12*L*H*Q*T for attention's
-        two (T x Q) score and value matmuls per head."""
+        backward), N from num_params() (so GQA's smaller k/v projections, SwiGLU's three
+        matrices and an untied lm_head are counted as they are), plus 12*L*H*Q*T for
+        attention's two (T x Q) score and value matmuls per query head: shared k/v heads
+        save no attention FLOPs."""
         c = self.config
         L, H, Q, T = c.n_layer, c.n_head, c.n_embd // c.n_head, c.block_size
         return 6 * self.num_params() + 12 * L * H * Q * T
@@ -194,8 +297,9 @@ class GPT(nn.Module):
         The model sees at most the last block_size tokens. Without the cache each token runs
         the whole (cropped) context through the model. With it (kv_cache=True) only the new
         token is run, attending to the cached keys/values of the others, until the cache holds
-        block_size tokens. Positions are absolute, so past that point every key changes as
-        the window slides: the window moves window_shift tokens at once and the last
+        block_size tokens. Positions count from the window's start (the learned embedding is
+        absolute, and a RoPE key is rotated by its position when cached), so past that point
+        every key changes as the window slides: the window moves window_shift tokens at once and the last
         block_size - window_shift + 1 tokens are run again to refill the cache. With
         window_shift=1 (the default) that happens for every token: each token sees the last
         block_size tokens, as without the cache, at the cost of no cache. A larger shift
@@ -250,14 +354,15 @@ class KVCache:
     empties the cache)."""
 
     def __init__(self, config, batch_size):
-        self.shape = (config.n_layer, batch_size, config.n_head, config.block_size, config.n_embd // config.n_head)
-        self.k = self.v = None  # (L, B, nh, block_size, hs), made on first use in the dtype attention computes in
+        # n_kv_head heads: grouped-query attention shrinks the cache by n_head / n_kv_head
+        self.shape = (config.n_layer, batch_size, config.n_kv_head, config.block_size, config.n_embd // config.n_head)
+        self.k = self.v = None  # (L, B, n_kv, block_size, hs), made on first use in the dtype attention computes in
         self.length = 0
 
     def layer(self, i):
         """The `kv` function CausalSelfAttention calls for layer i."""
 
-        def store_and_get(k, v):  # (B, nh, T, hs) each -> (B, nh, length + T, hs) each
+        def store_and_get(k, v):  # (B, n_kv, T, hs) each -> (B, n_kv, length + T, hs) each
             if self.k is None:
                 self.k, self.v = (k.new_empty(self.shape) for _ in range(2))
             end = self.length + k.size(2)
