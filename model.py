@@ -49,7 +49,7 @@ class GPTConfig:
         if self.mlp_hidden == 0:
             # SwiGLU has three matrices instead of two: 2/3 of the width keeps the parameter
             # count (and FLOPs) of the 4*n_embd GELU MLP, rounded up to suit the GPU's tiles
-            self.mlp_hidden = 4 * self.n_embd if self.mlp != "swiglu" else -(-8 * self.n_embd // 3 // 64) * 64
+            self.mlp_hidden = 4 * self.n_embd if self.mlp != "swiglu" else math.ceil(8 * self.n_embd / 3 / 64) * 64
         assert self.pos_encoding in ("learned", "rope") and self.norm in ("layernorm", "rmsnorm")
         assert self.mlp in ("gelu", "gelu_tanh", "swiglu")
         assert self.n_embd % self.n_head == 0 and self.n_head % self.n_kv_head == 0
