@@ -1,0 +1,207 @@
+"""Token files: one format for every dataset, and a split read as one sequence over its shards.
+
+A token file is a 24-byte little-endian header, then the token ids:
+    magic   8 bytes  b"GPTTOKEN"
+    version uint32   1
+    width   uint32   bytes per token id: 2 (uint16, vocabularies up to 65,536) or 4 (uint32)
+    count   uint64   number of token ids that follow
+The count makes a truncated file (an interrupted write, a partial copy) detectable. Files
+without the magic are nanoGPT's headerless uint16 .bin files and load as before.
+
+A split is `<split>.bin`, or shards `<split>_000000.bin`, `<split>_000001.bin`, ... read in
+order as one sequence; a window may cross from one shard into the next.
+"""
+
+import glob
+import os
+import re
+import struct
+
+import numpy as np
+
+from configurator import UserError
+
+MAGIC = b"GPTTOKEN"
+VERSION = 1
+HEADER = struct.Struct("<8sIIQ")  # magic, version, width, count
+DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
+CHECK_CHUNK = 1 << 24  # tokens per step of the vocabulary check: bounded memory on a memmapped split
+
+
+def dtype_for(vocab_size):
+    """The narrowest token dtype that holds every id below vocab_size."""
+    return DTYPES[2] if vocab_size <= 1 << 16 else DTYPES[4]
+
+
+def write(path, tokens):
+    """Write a token file atomically: to path.tmp, fsynced, then renamed, so a file under its
+    final name is always complete."""
+    tokens = np.asarray(tokens)
+    dtype = DTYPES.get(tokens.dtype.itemsize)
+    if dtype is None or tokens.dtype.kind != "u":
+        raise TypeError(f"token ids must be uint16 or uint32, not {tokens.dtype}")
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(HEADER.pack(MAGIC, VERSION, dtype.itemsize, len(tokens)))
+        f.write(tokens.astype(dtype, copy=False).tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path) or ".")
+
+
+def fsync_dir(path):
+    """Make renames in a directory durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_header(path):
+    """(dtype, count, offset of the first token) of a token file; for a headerless nanoGPT file,
+    uint16 from offset 0. A file whose size disagrees with its header is an error."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(HEADER.size)
+    if head[: len(MAGIC)] != MAGIC:
+        if size % 2:
+            raise UserError(f"{path} has no token-file header and an odd size ({size} bytes): it is not uint16 "
+                            f"token ids; prepare the data again")
+        return DTYPES[2], size // 2, 0
+    if len(head) < HEADER.size:
+        raise UserError(f"{path} is cut off inside its header: an interrupted write; prepare the data again")
+    _, version, width, count = HEADER.unpack(head)
+    if version != VERSION:
+        raise UserError(f"{path} is token-file version {version}; this code reads version {VERSION}: update the code "
+                        f"or prepare the data again")
+    if width not in DTYPES:
+        raise UserError(f"{path} says its tokens are {width}-byte integers; only 2 and 4 exist: the file is damaged")
+    expected = HEADER.size + width * count
+    if size != expected:
+        raise UserError(f"{path} should hold {count:,} tokens ({expected:,} bytes) but has {size:,} bytes: "
+                        f"a truncated or interrupted file; prepare the data again")
+    return DTYPES[width], count, HEADER.size
+
+
+def read(path):
+    """A token file's ids, memory-mapped (a 1-D array of its dtype)."""
+    dtype, count, offset = read_header(path)
+    if count == 0:
+        return np.empty(0, dtype)
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(count,))
+
+
+def split_paths(data_dir, split):
+    """The files of a split in order: [<split>.bin] or its numbered shards."""
+    single = os.path.join(data_dir, f"{split}.bin")
+    pattern = re.compile(re.escape(split) + r"_(\d{6})\.bin$")
+    shards = sorted(p for p in glob.glob(os.path.join(glob.escape(data_dir), f"{split}_*.bin"))
+                    if pattern.search(os.path.basename(p)))
+    prepare = f"python {os.path.join(data_dir, 'prepare.py')}"
+    if os.path.exists(single) and shards:
+        raise UserError(f"{data_dir} has both {split}.bin and {split}_000000.bin...: two preparations mixed; "
+                        f"keep one of them")
+    if os.path.exists(single):
+        return [single]
+    if not shards:
+        raise UserError(f"{single} not found (nor {split}_000000.bin): run {prepare} first")
+    numbers = [int(pattern.search(os.path.basename(p)).group(1)) for p in shards]
+    missing = sorted(set(range(max(numbers) + 1)) - set(numbers))
+    if missing:
+        raise UserError(f"{data_dir} lacks shard {split}_{missing[0]:06d}.bin of {len(shards) + len(missing)}: "
+                        f"run {prepare} again (it resumes)")
+    return shards
+
+
+class Tokens:
+    """A split's token ids as one 1-D sequence over its files: len(), data[a:b] and
+    data[index array] (any shape, e.g. (B, T+1) windows) give numpy arrays, as indexing one
+    array would. The ids stay memory-mapped, or are read into one array by in_ram()."""
+
+    def __init__(self, paths, parts, file_starts=None):
+        self.paths, self.parts = list(paths), list(parts)
+        self.dtype = np.result_type(*[p.dtype for p in self.parts])
+        self.starts = np.cumsum([0] + [len(p) for p in self.parts])  # (n_parts + 1,): part i is [starts[i], starts[i+1])
+        self.file_starts = self.starts if file_starts is None else file_starts  # the same, per file
+
+    @classmethod
+    def open(cls, data_dir, split):
+        paths = split_paths(data_dir, split)
+        parts = [read(p) for p in paths]
+        data = cls(paths, parts)
+        if len(data) == 0:
+            raise UserError(f"{paths[0]} is empty: run python {os.path.join(data_dir, 'prepare.py')} again")
+        return data
+
+    def in_ram(self):
+        """The same tokens read into one array: random windows then cost no page faults."""
+        whole = np.empty(len(self), self.dtype)
+        for part, start in zip(self.parts, self.starts):
+            whole[start : start + len(part)] = part
+        return Tokens(self.paths, [whole], self.file_starts)  # errors still name the file a token came from
+
+    @property
+    def memmapped(self):
+        return any(isinstance(p, np.memmap) for p in self.parts)
+
+    @property
+    def nbytes(self):
+        return sum(p.nbytes for p in self.parts)
+
+    def __len__(self):
+        return int(self.starts[-1])
+
+    def __array__(self, dtype=None, copy=None):
+        whole = self[0 : len(self)]
+        return whole if dtype is None else whole.astype(dtype)
+
+    def __getitem__(self, key):
+        if len(self.parts) == 1:
+            return np.asarray(self.parts[0][key])
+        if isinstance(key, slice):
+            start, stop, step = key.indices(len(self))
+            if step != 1:
+                raise IndexError("token sequences slice with step 1 only")
+            stop = max(start, stop)
+            first = np.searchsorted(self.starts, start, side="right") - 1
+            pieces = []
+            for i in range(first, len(self.parts)):
+                if self.starts[i] >= stop:
+                    break
+                pieces.append(self.parts[i][max(start - self.starts[i], 0) : stop - self.starts[i]])
+            return np.concatenate(pieces) if pieces else np.empty(0, self.dtype)
+        index = np.asarray(key)
+        if index.dtype.kind not in "iu":
+            raise IndexError(f"token sequences take integer indices or slices, not {index.dtype}")
+        if ((index < 0) | (index >= len(self))).any():
+            raise IndexError(f"index out of range for {len(self)} tokens")
+        flat = index.reshape(-1)
+        part = np.searchsorted(self.starts, flat, side="right") - 1
+        out = np.empty(flat.shape, self.dtype)
+        for i in np.unique(part):  # one vectorized gather per shard touched
+            mask = part == i
+            out[mask] = self.parts[i][flat[mask] - self.starts[i]]
+        return out.reshape(index.shape)
+
+    def check_vocab(self, vocab_size):
+        """Raise a UserError naming the file, the id and vocab_size when any id is >= vocab_size.
+        Reads the split once, in chunks, so a memory-mapped split stays out of RAM."""
+        if np.iinfo(self.dtype).max < vocab_size:
+            return  # no id this dtype can hold is out of range
+        for part, start in zip(self.parts, self.starts):
+            for lo in range(0, len(part), CHECK_CHUNK):
+                chunk = part[lo : lo + CHECK_CHUNK]
+                if chunk.max() >= vocab_size:
+                    at = int(np.argmax(chunk >= vocab_size))
+                    self._bad_token(int(chunk[at]), start + lo + at, vocab_size)
+
+    def _bad_token(self, token, position, vocab_size):
+        i = int(np.searchsorted(self.file_starts, position, side="right") - 1)
+        raise UserError(f"{self.paths[i]} holds token id {token} (token {position - self.file_starts[i]:,} of the file) but "
+                        f"the model's vocab_size is {vocab_size}: the data was made with another tokenizer than its "
+                        f"meta.json says; prepare it again")

@@ -1,0 +1,190 @@
+"""The token-file format (data/tokens.py): header, uint16/uint32, nanoGPT files, splits over
+shards, windows across shard boundaries, the vocabulary check, and the errors."""
+
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+import runtime
+import train
+from configurator import UserError
+from conftest import run_script, tiny_args
+from data import tokens
+
+CPU = runtime.Runtime("cpu", "cpu", torch.float32)
+
+
+def write_shards(data_dir, split, ids, sizes):
+    """ids cut into shards of the given sizes: <split>_000000.bin, ..."""
+    data_dir.mkdir(exist_ok=True)
+    bounds = np.cumsum([0] + sizes)
+    assert bounds[-1] == len(ids)
+    for i in range(len(sizes)):
+        tokens.write(str(data_dir / f"{split}_{i:06d}.bin"), ids[bounds[i] : bounds[i + 1]])
+
+
+def one_line_error(excinfo, *fragments):
+    message = str(excinfo.value)
+    assert "\n" not in message
+    for fragment in fragments:
+        assert fragment in message, message
+
+
+# ---------------------------------------------------------------------------- one file
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.uint32])
+def test_write_then_read(tmp_path, dtype):
+    ids = np.random.default_rng(0).integers(0, np.iinfo(dtype).max, size=1000, dtype=np.int64).astype(dtype)
+    path = str(tmp_path / "x.bin")
+    tokens.write(path, ids)
+    raw = open(path, "rb").read()
+    # the header, byte by byte: magic, version 1, bytes per token, count; then the ids, little-endian
+    assert raw[:8] == b"GPTTOKEN"
+    assert struct.unpack("<IIQ", raw[8:24]) == (1, np.dtype(dtype).itemsize, 1000)
+    assert raw[24:] == ids.astype(np.dtype(dtype).newbyteorder("<")).tobytes()
+    read = tokens.read(path)
+    assert read.dtype == dtype and isinstance(read, np.memmap)
+    np.testing.assert_array_equal(read, ids)
+    assert not (tmp_path / "x.bin.tmp").exists()
+
+
+def test_dtype_for_vocab_size():
+    assert tokens.dtype_for(65) == tokens.dtype_for(50257) == tokens.dtype_for(65536) == np.uint16
+    assert tokens.dtype_for(65537) == tokens.dtype_for(128256) == np.uint32
+
+
+def test_headerless_nanogpt_file_reads_as_uint16(tmp_path):
+    ids = np.arange(500, dtype=np.uint16)
+    ids.tofile(tmp_path / "train.bin")
+    np.testing.assert_array_equal(tokens.read(str(tmp_path / "train.bin")), ids)
+
+
+def damaged(tmp_path, name, header=None, body=b""):
+    path = tmp_path / name
+    path.write_bytes((header if header is not None else b"") + body)
+    return str(path)
+
+
+def test_damaged_files_are_one_line_errors(tmp_path):
+    good = struct.pack("<8sIIQ", b"GPTTOKEN", 1, 2, 10)
+    cases = [
+        (damaged(tmp_path, "a.bin", good, bytes(12)), ("a.bin", "10 tokens (44 bytes)", "has 36 bytes", "truncated")),  # interrupted
+        (damaged(tmp_path, "b.bin", good, bytes(40)), ("b.bin", "10 tokens", "64 bytes")),  # too long
+        (damaged(tmp_path, "c.bin", struct.pack("<8sIIQ", b"GPTTOKEN", 2, 2, 1), bytes(2)), ("c.bin", "version 2")),
+        (damaged(tmp_path, "d.bin", struct.pack("<8sIIQ", b"GPTTOKEN", 1, 3, 1), bytes(3)), ("d.bin", "3-byte")),
+        (damaged(tmp_path, "e.bin", b"GPTTOKEN\x01\x00"), ("e.bin", "cut off inside its header")),
+        (damaged(tmp_path, "f.bin", b"", bytes(7)), ("f.bin", "odd size")),  # headerless but not uint16
+    ]
+    for path, fragments in cases:
+        with pytest.raises(UserError) as e:
+            tokens.read(path)
+        one_line_error(e, *fragments)
+
+
+# ---------------------------------------------------------------------------- splits
+
+
+def test_split_over_shards_reads_as_one_sequence(tmp_path):
+    ids = np.arange(1000, dtype=np.uint16) * 7 % 65521
+    write_shards(tmp_path, "train", ids, [300, 1, 299, 400])
+    data = tokens.Tokens.open(str(tmp_path), "train")
+    assert len(data) == 1000 and data.memmapped and data.dtype == np.uint16
+    for a, b in [(0, 1000), (250, 350), (299, 302), (300, 301), (10, 10), (990, 2000), (-5, None)]:
+        np.testing.assert_array_equal(data[a:b], ids[a:b])
+    windows = np.array([0, 295, 299, 300, 301, 598, 983])[:, None] + np.arange(17)  # (B, T+1), several across shards
+    np.testing.assert_array_equal(data[windows], ids[windows])
+    ram = data.in_ram()
+    assert not ram.memmapped and len(ram.parts) == 1
+    np.testing.assert_array_equal(ram[windows], ids[windows])
+    # train.py's batches read the same windows from shards as from one array
+    x, y = train.get_batch(data, windows[:, 0], 16, CPU)
+    x1, y1 = train.get_batch(ids, windows[:, 0], 16, CPU)
+    assert torch.equal(x, x1) and torch.equal(y, y1)
+    with pytest.raises(IndexError):
+        data[np.array([1000])]
+
+
+def test_load_split_modes_give_the_same_tokens(tmp_path):
+    ids = np.random.default_rng(1).integers(0, 100_000, size=3000).astype(np.uint32)
+    write_shards(tmp_path, "val", ids, [1000, 1000, 1000])
+    for mode in ("ram", "memmap", "auto"):
+        data = train.load_split(str(tmp_path), "val", mode)
+        assert data.dtype == np.uint32
+        np.testing.assert_array_equal(np.asarray(data), ids)
+    assert not train.load_split(str(tmp_path), "val", "ram").memmapped
+    assert train.load_split(str(tmp_path), "val", "memmap").memmapped
+
+
+def test_split_errors(tmp_path):
+    with pytest.raises(UserError) as e:
+        tokens.Tokens.open(str(tmp_path), "train")
+    one_line_error(e, "train.bin not found", "prepare.py")
+    write_shards(tmp_path, "train", np.arange(30, dtype=np.uint16), [10, 10, 10])
+    (tmp_path / "train_000001.bin").unlink()
+    with pytest.raises(UserError) as e:
+        tokens.Tokens.open(str(tmp_path), "train")
+    one_line_error(e, "train_000001.bin", "again")
+    np.arange(5, dtype=np.uint16).tofile(tmp_path / "train.bin")
+    with pytest.raises(UserError) as e:
+        tokens.Tokens.open(str(tmp_path), "train")
+    one_line_error(e, "both train.bin and train_000000.bin")
+    tokens.write(str(tmp_path / "val.bin"), np.zeros(0, np.uint16))
+    with pytest.raises(UserError) as e:
+        tokens.Tokens.open(str(tmp_path), "val")
+    one_line_error(e, "empty")
+
+
+def test_vocab_check_names_the_file_and_the_id(tmp_path, monkeypatch):
+    monkeypatch.setattr(tokens, "CHECK_CHUNK", 64)  # several chunks per shard
+    ids = np.random.default_rng(2).integers(0, 1000, size=900).astype(np.uint32)
+    ids[650] = 1000
+    write_shards(tmp_path, "train", ids, [300, 300, 300])
+    for data in (tokens.Tokens.open(str(tmp_path), "train"), tokens.Tokens.open(str(tmp_path), "train").in_ram()):
+        data.check_vocab(1001)  # 1000 is a valid id of a 1001-token vocabulary
+        with pytest.raises(UserError) as e:
+            data.check_vocab(1000)
+        one_line_error(e, "train_000002.bin", "token id 1000", "token 50 of the file", "vocab_size is 1000")
+
+
+def test_uint16_data_passes_any_vocab_above_its_range():
+    data = tokens.Tokens(["x.bin"], [np.full(10, 65535, np.uint16)])
+    data.check_vocab(65536)
+    with pytest.raises(UserError):
+        data.check_vocab(65535)
+
+
+# ---------------------------------------------------------------------------- train.py
+
+
+def test_train_stops_on_a_token_beyond_the_vocabulary(char_data, tmp_path):
+    """A character dataset whose val split holds an id past its 65-character vocabulary: one
+    line naming the file before any step, and nothing written to out_dir."""
+    val = np.fromfile(char_data / "val.bin", dtype=np.uint16)
+    val[100] = 70
+    val.tofile(char_data / "val.bin")
+    out_dir = tmp_path / "out"
+    result = run_script("train.py", *tiny_args(char_data, out_dir))
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "val.bin" in lines[0] and "token id 70" in lines[0] and "vocab_size is" in lines[0]
+    assert not out_dir.exists()
+
+
+def test_train_reads_sharded_uint32_data_and_stops_on_a_truncated_shard(tmp_path):
+    """Sharded data in the new format trains; cutting a shard short is a one-line error."""
+    data_dir = tmp_path / "d"
+    rng = np.random.default_rng(3)
+    write_shards(data_dir, "train", rng.integers(0, 70_000, size=3000).astype(np.uint32), [1000, 1000, 1000])
+    write_shards(data_dir, "val", rng.integers(0, 70_000, size=500).astype(np.uint32), [500])
+    (data_dir / "meta.json").write_text('{"kind": "tiktoken", "name": "gpt2", "vocab_size": 70000}')
+    args = tiny_args(data_dir, tmp_path / "out", max_iters=2, eval_interval=2, eval_iters=1, n_embd=16, n_head=1)
+    assert train.main(args) == 0
+    shard = data_dir / "train_000001.bin"
+    shard.write_bytes(shard.read_bytes()[:-4])
+    with pytest.raises(UserError) as e:
+        train.main(args)
+    one_line_error(e, "train_000001.bin", "truncated")
