@@ -37,6 +37,9 @@ def describe(data_dir):
             meta = json.load(f)
         if "chars" in meta:  # written by data/shakespeare_char/prepare.py
             return {"kind": "char", "chars": meta["chars"]}
+        if meta.get("kind") not in ("tiktoken", "tokenizers"):
+            raise UserError(f"{json_path} describes no tokenizer this code knows (no 'chars', 'kind' is "
+                            f"{meta.get('kind')!r}); prepare the data again")
         return meta
     if os.path.exists(pkl_path):
         with open(pkl_path, "rb") as f:

@@ -44,7 +44,7 @@ from data import tokens
 
 SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz", ".parquet")
 SPLITS = ("val", "test", "train")  # in stream order: the held-out splits come first, so --tokens never moves them
-BATCH_CHARS = 1 << 20  # text per task sent to a worker process: ~250k GPT-2 tokens
+BATCH_CHARS = 1 << 18  # text per task sent to a worker process: ~60k GPT-2 tokens, small enough to share out evenly
 
 
 # ---------------------------------------------------------------------------- command line

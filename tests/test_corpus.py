@@ -10,6 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 import sample
 import tokenizer
@@ -239,7 +240,7 @@ def test_128k_vocabulary_gives_uint32_files_that_train(tmp_path, capsys):
     out_dir = tmp_path / "out"
     args = tiny_args(data_dir, out_dir, max_iters=2, eval_interval=2, eval_iters=1, n_embd=16, n_head=1)
     assert train.main(args) == 0
-    state = __import__("torch").load(out_dir / "ckpt.pt", weights_only=True)
+    state = torch.load(out_dir / "ckpt.pt", weights_only=True)
     assert state["model_args"]["vocab_size"] == 128256 and state["tokenizer"]["kind"] == "tokenizers"
     capsys.readouterr()
     sample.main([f"--out_dir={out_dir}", "--device=cpu", "--num_samples=1", "--max_new_tokens=4", "--start=w70000 w5",

@@ -120,6 +120,10 @@ def test_describe(tmp_path):
         pickle.dump({"vocab_size": 2, "itos": {0: "x", 1: "y"}, "stoi": {"x": 0, "y": 1}}, f)
     assert tokenizer.describe(str(tmp_path)) == {"kind": "char", "chars": "xy"}
     assert tokenizer.eot({"kind": "char", "chars": "xy"}) is None
+    (tmp_path / "meta.json").write_text(json.dumps({"vocab_size": 50257}))
+    with pytest.raises(UserError) as e:
+        tokenizer.describe(str(tmp_path))
+    assert "meta.json describes no tokenizer" in str(e.value)
 
 
 def test_unknown_tiktoken_name_is_one_line():
