@@ -34,7 +34,7 @@ class GPTConfig:
     bias: bool = True  # biases in Linear and LayerNorm, as GPT-2 had
     # the options below default to GPT-2; Llama 3 is rope, rmsnorm, swiglu, n_kv_head < n_head, bias=False
     pos_encoding: str = "learned"  # 'learned' (a wpe table, GPT-2) or 'rope' (rotary, on q and k)
-    rope_theta: float = 10000.0  # RoPE base: the longest wavelength (Llama 3: 500000)
+    rope_theta: float = 10000.0  # RoPE base: the slowest pair turns once in ~2*pi*theta positions (Llama 3: 500000)
     norm: str = "layernorm"  # 'layernorm' or 'rmsnorm' (no mean subtraction, no bias)
     mlp: str = "gelu"  # 'gelu', 'gelu_tanh' (GPT-2's released weights' approximation) or 'swiglu'
     mlp_hidden: int = 0  # MLP width; 0: 4*n_embd, or for swiglu 8/3*n_embd rounded up to a multiple of 64
@@ -100,7 +100,8 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
         if config.qk_norm:
             # RMSNorm of each head's q and k (as nanochat and modded-nanogpt do, here with a
-            # learned gain): the attention logits stay bounded, which steadies high learning rates
+            # learned gain): the attention logits cannot grow with the weights, which steadies
+            # training at high learning rates
             self.q_norm = nn.RMSNorm(self.head_size, eps=1e-5)
             self.k_norm = nn.RMSNorm(self.head_size, eps=1e-5)
 
@@ -124,10 +125,15 @@ class CausalSelfAttention(nn.Module):
                 causal = False
             else:
                 assert k.size(2) == T, "several new tokens after cached ones would need an explicit mask"
+        groups = self.n_head // self.n_kv_head
+        if groups > 1 and q.dtype == torch.float32 and q.device.type != "cpu":
+            # GPU kernels share k/v heads in half precision only; in float32 SDPA would fall back
+            # to its unfused path (T x T scores in memory), so give it whole heads instead
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         # flash attention where the device has it; is_causal masks the future without building a
-        # mask; enable_gqa lets each k/v head serve n_head/n_kv_head q heads without copying it
+        # mask; enable_gqa lets each k/v head serve its group of q heads without copying it
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=causal,
-                                           enable_gqa=self.n_kv_head != self.n_head)
+                                           enable_gqa=k.size(1) != self.n_head)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
         return self.resid_dropout(self.c_proj(y))
 
