@@ -5,9 +5,11 @@ Four launches of two processes each, shared by the tests (torchrun's start-up is
   ddp       standalone, DDP, 8 steps
   two_node  two torchrun agents (--nnodes=2, c10d rendezvous on localhost), FSDP, 8 steps
   split     standalone, FSDP, 4 steps, then resumed to 8
-FSDP runs also use activation checkpointing, so its composition with FSDP is under test too."""
+Every run also uses activation checkpointing, so its composition with DDP and FSDP is under test
+too, and has a NaN loss injected at step 5, which all ranks must skip (the gradient norm decides)."""
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -17,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import REPO, load_script, make_text, read_metrics
+from conftest import REPO, load_script, make_text, read_metrics, run_script
 
 from model import GPT, GPTConfig
 
@@ -27,13 +29,15 @@ TRAIN_ARGS = [
     "config/train_llama_tiny.py", "--block_size=32", "--batch_size=4", "--gradient_accumulation_steps=4",
     "--max_iters=8", "--lr_decay_iters=8", "--warmup_iters=2", "--eval_interval=4", "--eval_iters=2", "--log_interval=1",
     "--dropout=0.1",  # so each rank's RNG stream must be the same under both, and restored on resume
+    "--activation_checkpointing=True",  # under DDP and FSDP alike
 ]
-FSDP = ["--parallelism=fsdp", "--activation_checkpointing=True"]
+FSDP = "--parallelism=fsdp"
+NAN_STEP = 5
 
 
 def torchrun(launch, out_dir, data_dir, *extra):
     """Start `torchrun <launch> train.py ...`; returns the Popen."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TRAIN_TEST_NAN_ITERS": str(NAN_STEP)}
     cmd = [sys.executable, "-m", "torch.distributed.run", *launch, "train.py", *TRAIN_ARGS,
            f"--dataset={data_dir}", f"--out_dir={out_dir}", *extra]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -63,31 +67,36 @@ def runs(tmp_path_factory):
     # two "nodes" of one process each, meeting at a c10d rendezvous as separate machines would
     node = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=localhost:{free_port()}",
             "--rdzv_id=test-two-nodes"]
-    stdouts = finish(*(torchrun(node, root / "two_node", data, *FSDP) for _ in range(2)))
-    finish(torchrun(standalone, root / "split", data, *FSDP, "--max_iters=4"))
-    finish(torchrun(standalone, root / "split", data, *FSDP, "--init_from=resume"))
+    stdouts = finish(*(torchrun(node, root / "two_node", data, FSDP) for _ in range(2)))
+    finish(torchrun(standalone, root / "split", data, FSDP, "--max_iters=4"))
+    finish(torchrun(standalone, root / "split", data, FSDP, "--init_from=resume"))
     return root, stdouts
 
 
 def losses(out_dir):
-    """Every logged loss in order: training steps and evaluations."""
-    return [r[k] for r in read_metrics(out_dir) for k in ("loss", "train_loss", "val_loss") if k in r]
+    """Every logged loss in order, training steps and evaluations, and the poisoned step's."""
+    records = read_metrics(out_dir)
+    poisoned = [r["loss"] for r in records if r["iter"] == NAN_STEP and "loss" in r]
+    return [r[k] for r in records if r["iter"] != NAN_STEP for k in ("loss", "train_loss", "val_loss") if k in r], poisoned
 
 
 def test_fsdp_trains_like_ddp(runs):
     root, _ = runs
-    ddp, fsdp = losses(root / "ddp"), losses(root / "two_node")
-    assert len(ddp) == len(fsdp) == 8 + 3 * 2
+    (ddp, ddp_nan), (fsdp, fsdp_nan) = losses(root / "ddp"), losses(root / "two_node")
+    assert len(ddp) == len(fsdp) == 7 + 3 * 2
     # the same model, data and dropout streams: only the order of float additions in the gradient
     # reductions differs (all-reduce against reduce-scatter)
     assert fsdp == pytest.approx(ddp, rel=1e-5, abs=1e-6)
     assert ddp[-1] < ddp[1] - 0.3  # and both learned
+    # the NaN step was skipped on every rank (a rank stepping alone would make the losses differ)
+    assert math.isnan(ddp_nan[0]) and math.isnan(fsdp_nan[0])
 
 
 def test_fsdp_checkpoint_has_the_one_format_and_resumes_exactly(runs):
     root, _ = runs
     straight, split = read_metrics(root / "two_node"), read_metrics(root / "split")
-    untimed = lambda records: [{k: v for k, v in r.items() if k not in ("dt_ms", "tokens_per_s")} for r in records]
+    # as JSON text, so the NaN of the poisoned step compares equal to itself
+    untimed = lambda records: [json.dumps({k: v for k, v in r.items() if k not in ("dt_ms", "tokens_per_s")}) for r in records]
     assert untimed(split) == untimed(straight)  # every loss and eval bit for bit, no step lost or repeated
     a, b, ddp = (torch.load(root / d / "ckpt.pt", weights_only=True) for d in ("two_node", "split", "ddp"))
     assert a["iter_num"] == b["iter_num"] == 8
@@ -114,3 +123,12 @@ def test_two_nodes_train_together(runs):
     state = torch.load(root / "two_node" / "ckpt.pt", weights_only=True)
     assert len(state["rng"]["torch"]) == 2  # both ranks' dropout streams were gathered into it
     assert json.loads((root / "two_node" / "config.json").read_text())["parallelism"] == "fsdp"
+
+
+def test_fsdp_eval_batches_must_split_evenly_over_the_ranks():
+    # under FSDP every forward is a collective: a rank with one batch more would wait forever
+    result = run_script("train.py", "--parallelism=fsdp", "--eval_iters=5", env={"WORLD_SIZE": "2"})
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "error: eval_iters=5: with parallelism='fsdp' each of the 2 ranks must evaluate as many batches as the "
+        "others; make it a multiple of 2"]
