@@ -94,7 +94,8 @@ class CausalSelfAttention(nn.Module):
         self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
         self.head_size = config.n_embd // config.n_head
         self.dropout = config.dropout
-        kv_size = self.n_kv_head * self.head_size  # grouped-query attention: fewer k/v heads, each shared by a group of q heads
+        # grouped-query attention: fewer k/v heads, each shared by a group of q heads
+        kv_size = self.n_kv_head * self.head_size
         self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * kv_size, bias=config.bias)  # q, k, v in one matmul
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)

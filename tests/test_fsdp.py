@@ -23,7 +23,8 @@ from conftest import REPO, load_script, make_text, read_metrics, run_script
 
 from model import GPT, GPTConfig
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="needs torch.distributed with gloo")
 
 TRAIN_ARGS = [
     "config/train_llama_tiny.py", "--block_size=32", "--batch_size=4", "--gradient_accumulation_steps=4",
@@ -96,7 +97,8 @@ def test_fsdp_checkpoint_has_the_one_format_and_resumes_exactly(runs):
     root, _ = runs
     straight, split = read_metrics(root / "two_node"), read_metrics(root / "split")
     # as JSON text, so the NaN of the poisoned step compares equal to itself
-    untimed = lambda records: [json.dumps({k: v for k, v in r.items() if k not in ("dt_ms", "tokens_per_s")}) for r in records]
+    untimed = lambda records: [json.dumps({k: v for k, v in r.items() if k not in ("dt_ms", "tokens_per_s")})
+                               for r in records]
     assert untimed(split) == untimed(straight)  # every loss and eval bit for bit, no step lost or repeated
     a, b, ddp = (torch.load(root / d / "ckpt.pt", weights_only=True) for d in ("two_node", "split", "ddp"))
     assert a["iter_num"] == b["iter_num"] == 8
@@ -111,7 +113,8 @@ def test_fsdp_checkpoint_has_the_one_format_and_resumes_exactly(runs):
     optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu")
     optimizer.load_state_dict(a["optimizer"])
     assert a["optimizer"]["param_groups"][0]["params"] == ddp["optimizer"]["param_groups"][0]["params"]
-    assert {k: v.shape for k, v in a["optimizer"]["state"][0].items()} == {k: v.shape for k, v in ddp["optimizer"]["state"][0].items()}
+    shapes = lambda optimizer_state: {k: v.shape for k, v in optimizer_state["state"][0].items()}
+    assert shapes(a["optimizer"]) == shapes(ddp["optimizer"])
 
 
 def test_two_nodes_train_together(runs):

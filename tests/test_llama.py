@@ -129,7 +129,8 @@ def test_gqa_equals_multi_head_attention_with_kv_heads_repeated():
     C, hs = 32, 8
     wq, wk, wv = gqa.c_attn.weight.split([C, 2 * hs, 2 * hs])  # (out, in) rows per head
     with torch.no_grad():
-        mha.c_attn.weight.copy_(torch.cat([wq, *(w.view(2, hs, C).repeat_interleave(2, 0).reshape(4 * hs, C) for w in (wk, wv))]))
+        repeated = (w.view(2, hs, C).repeat_interleave(2, dim=0).reshape(4 * hs, C) for w in (wk, wv))
+        mha.c_attn.weight.copy_(torch.cat([wq, *repeated]))
         mha.c_proj.weight.copy_(gqa.c_proj.weight)
         x = torch.randn(2, 16, C)
         torch.testing.assert_close(gqa(x), mha(x), atol=1e-6, rtol=1e-5)
