@@ -1,17 +1,20 @@
 # A 1.24B-parameter dense model with Llama-3.2-1B's architecture, trained from scratch on ~20B
 # FineWeb-Edu tokens with ~1M tokens per step.
 #
+#   python data/fineweb_edu/prepare.py --name=sample-100BT --tokens=21e9 \
+#       --tokenizer=path/to/Llama-3.2-1B/tokenizer.json --out_dir=data/fineweb_edu_llama3
 #   python bench.py config/train_llama_1b.py --bench_iters=3 --bench_warmup=1   # speed and MFU first
 #   python train.py config/train_llama_1b.py                                      # one H100: ~5 days
 #   torchrun --standalone --nproc_per_node=8 train.py config/train_llama_1b.py    # 8 GPUs, DDP
 #   torchrun --standalone --nproc_per_node=8 train.py config/train_llama_1b.py --parallelism=fsdp
 #
 # The vocabulary comes from the data (data/<dataset>/meta.json). Llama-3.2-1B's is 128,256 tokens
-# (tied, 1,235,814,400 parameters): prepare FineWeb-Edu with the Llama 3 tokenizer for that. With
-# GPT-2's BPE (50,304 padded) the same shapes make a 1.07B model.
+# (tied, 1,235,814,400 parameters), hence the Llama 3 tokenizer above. Prepared with GPT-2's BPE
+# instead (--dataset=fineweb_edu), the same shapes make a 1.07B model (50,304 rows, padded).
+# ~9.0 GFLOPs per token: 20B tokens are ~5.3 days on one H100 at 40% MFU, ~16 hours on eight.
 
 out_dir = "out-llama-1b"
-dataset = "fineweb_edu"
+dataset = "fineweb_edu_llama3"
 wandb_project = "llama-1b"
 wandb_run_name = "llama-1b-fineweb-edu-20b"
 
