@@ -24,6 +24,7 @@ import runtime
 import tokenizer
 import train
 from configurator import BenchConfig, UserError, override, parse, run_main
+from data import tokens
 from model import GPT, GPTConfig
 
 
@@ -33,11 +34,13 @@ def bench_data(cfg):
     data_dir = os.path.join("data", cfg.dataset)
     vocab_size = tokenizer.vocab_size(tokenizer.describe(data_dir)) or 50304
     if cfg.data == "real":
-        return train.load_split(data_dir, "train", cfg.data_mode), vocab_size
+        data = train.load_split(data_dir, "train", cfg.data_mode)
+        data.check_vocab(vocab_size)
+        return data, vocab_size
     if cfg.data != "synthetic":
         raise UserError(f"data='{cfg.data}' is not 'synthetic' or 'real'")
     size = max(1_000_000, 4 * cfg.block_size)
-    return np.random.default_rng(0).integers(0, vocab_size, size=size).astype(np.uint16), vocab_size
+    return np.random.default_rng(0).integers(0, vocab_size, size=size).astype(tokens.dtype_for(vocab_size)), vocab_size
 
 
 def peak_memory_mb(rt):

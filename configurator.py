@@ -14,6 +14,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import os
 import re
 import sys
 import traceback
@@ -52,13 +53,15 @@ class TrainConfig:
     eval_iters: int = 200  # batches per split in each evaluation (the same batches every time)
     eval_only: bool = False  # evaluate once, then exit
     always_save_checkpoint: bool = True  # write ckpt.pt at every eval, not only when val improves
-    init_from: str = "scratch"  # 'scratch' or 'resume' (from out_dir/ckpt.pt)
+    keep_last: int = 1  # checkpoints kept: ckpt.pt is the newest; with N > 1 the N newest also stay as ckpt_<iter>.pt
+    init_from: str = "scratch"  # 'scratch', 'resume' (from out_dir/ckpt.pt), 'gpt2'/'gpt2-medium'/'gpt2-large'/'gpt2-xl' or a Hugging Face GPT-2 directory
     max_minutes: float = 0.0  # stop after this many minutes with a checkpoint (exit code 75); 0: no limit
     max_bad_steps: int = 10  # stop when this many steps in a row have a non-finite loss or gradient norm
     # wandb (imported only when wandb_log=True)
     wandb_log: bool = False  # send metrics to Weights & Biases
     wandb_project: str = "owt"  # wandb project name
     wandb_run_name: str = "gpt2"  # wandb run name
+    tensorboard_log: bool = False  # also write TensorBoard event files to out_dir/tensorboard
     # data
     dataset: str = "openwebtext"  # reads data/<dataset>/train.bin and val.bin
     gradient_accumulation_steps: int = 5 * 8  # micro-steps per optimizer step, summed over all ranks
@@ -74,6 +77,14 @@ class TrainConfig:
     n_embd: int = 768  # model width
     dropout: float = 0.0  # 0 for pretraining; try 0.1+ for finetuning
     bias: bool = False  # biases in Linear and LayerNorm layers (GPT-2 had them)
+    pos_encoding: str = "learned"  # 'learned' position embedding (GPT-2) or 'rope' (rotary, Llama)
+    rope_theta: float = 10000.0  # RoPE base: the slowest rotation turns once in ~2*pi*theta tokens (Llama 3: 500000)
+    norm: str = "layernorm"  # 'layernorm' (GPT-2) or 'rmsnorm' (Llama)
+    mlp: str = "gelu"  # 'gelu', 'gelu_tanh' (GPT-2's released weights) or 'swiglu' (Llama)
+    mlp_hidden: int = 0  # MLP width; 0: 4*n_embd, or for swiglu 8/3*n_embd rounded up to a multiple of 64
+    n_kv_head: int = 0  # key/value heads for grouped-query attention; 0 (or n_head): plain multi-head
+    qk_norm: bool = False  # RMSNorm each head's queries and keys before attention
+    tie_embeddings: bool = True  # lm_head shares the token embedding matrix (False: two matrices)
     # AdamW
     learning_rate: float = 6e-4  # peak learning rate
     max_iters: int = 600000  # total optimizer steps
@@ -91,6 +102,8 @@ class TrainConfig:
     device: str = "auto"  # 'auto' (cuda, else mps, else cpu), 'cpu', 'cuda', 'cuda:1', 'mps'
     dtype: str = "auto"  # 'auto', 'float32', 'bfloat16' or 'float16' (float16 uses a GradScaler)
     compile: bool = True  # torch.compile the model (slow to start, faster per step on GPUs)
+    parallelism: str = "ddp"  # under torchrun: 'ddp' (a full copy per rank) or 'fsdp' (weights, grads, AdamW state sharded)
+    activation_checkpointing: bool = False  # recompute each block's activations in backward: less memory, ~1/3 more compute
     peak_flops: float = 0.0  # the device's dense peak FLOP/s for MFU (e.g. 989e12); 0: look it up by GPU name
 
     def __post_init__(self):
@@ -105,14 +118,25 @@ class TrainConfig:
             _require(self.batch_size >= 1, f"batch_size={self.batch_size} must be at least 1, or 'auto'")
         _require(self.max_iters >= 0, f"max_iters={self.max_iters} must not be negative")
         _require(self.max_minutes >= 0 and self.max_bad_steps >= 1, "max_minutes must be >= 0 and max_bad_steps >= 1")
+        _require(self.keep_last >= 1, f"keep_last={self.keep_last} must be at least 1 (ckpt.pt is always kept)")
         _require(self.n_embd % self.n_head == 0,
                  f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; each head gets n_embd/n_head dims")
         _require(0 <= self.dropout < 1, f"dropout={self.dropout} must be in [0, 1)")
+        _require(0 <= self.n_kv_head <= self.n_head and self.n_head % (self.n_kv_head or self.n_head) == 0,
+                 f"n_kv_head={self.n_kv_head} must divide n_head={self.n_head} (each k/v head serves a whole group "
+                 f"of query heads); 0 means n_head")
+        _require(self.pos_encoding != "rope" or self.n_embd // self.n_head % 2 == 0,
+                 f"pos_encoding='rope' rotates pairs of dims: the head size n_embd/n_head={self.n_embd // self.n_head} must be even")
+        _require(self.rope_theta > 0 and self.mlp_hidden >= 0, "rope_theta must be > 0 and mlp_hidden >= 0 (0: the usual width)")
+        _require_choice("pos_encoding", self.pos_encoding, ("learned", "rope"))
+        _require_choice("norm", self.norm, ("layernorm", "rmsnorm"))
+        _require_choice("mlp", self.mlp, ("gelu", "gelu_tanh", "swiglu"))
+        _require_choice("parallelism", self.parallelism, ("ddp", "fsdp"))
         _require(self.learning_rate > 0 and self.min_lr >= 0, "learning_rate must be > 0 and min_lr >= 0")
         _require(self.grad_clip >= 0, f"grad_clip={self.grad_clip} must be >= 0 (0 disables clipping)")
         _require(not self.decay_lr or self.lr_decay_iters > self.warmup_iters >= 0,
                  f"lr_decay_iters={self.lr_decay_iters} must be larger than warmup_iters={self.warmup_iters}")
-        _require_choice("init_from", self.init_from, ("scratch", "resume"))
+        _require_init_from(self.init_from, ("scratch", "resume"))
         _require_choice("data_mode", self.data_mode, ("auto", "ram", "memmap"))
         _require_choice("backend", self.backend, ("auto", "nccl", "gloo"))
 
@@ -133,9 +157,12 @@ class BenchConfig(TrainConfig):
     estimate_tokens: float = 0.0  # time-to-train: its training tokens (0: 20 per parameter)
 
 
+GPT2_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # released weights init_from can name (hf.py)
+
+
 @dataclass
 class SampleConfig:
-    init_from: str = "resume"  # 'resume' loads a checkpoint from out_dir
+    init_from: str = "resume"  # 'resume' (a checkpoint from out_dir), 'gpt2'/'gpt2-medium'/'gpt2-large'/'gpt2-xl' or a Hugging Face GPT-2 directory
     out_dir: str = "out"  # where the checkpoint is
     checkpoint: str = "best"  # 'best' (ckpt_best.pt when present) or 'latest' (ckpt.pt)
     start: str = "\n"  # the prompt, or FILE:path to read it from a file
@@ -148,20 +175,30 @@ class SampleConfig:
     stop_at_eot: bool = True  # BPE models: end a sample at <|endoftext|>; False generates through it
     seed: int = 1337  # the same seed gives the same samples
     kv_cache: bool = True  # reuse each token's keys/values instead of recomputing the whole context per token
-    window_shift: int = 1  # past block_size tokens, slide the context this many at once; 1 is exact, more is faster
+    window_shift: Optional[int] = None  # once the context is full, slide it this many tokens at once; None: block_size // 8; 1: nanoGPT's exact last-block_size context (slow)
     stream: Optional[bool] = None  # print tokens as they come; None: only when stdout is a terminal
     device: str = "auto"  # 'auto', 'cpu', 'cuda', 'cuda:1', 'mps'
     dtype: str = "auto"  # 'auto', 'float32', 'bfloat16', 'float16'
     compile: bool = False  # torch.compile the model
 
     def __post_init__(self):
-        _require_choice("init_from", self.init_from, ("resume",))
+        _require_init_from(self.init_from, ("resume",))
         _require_choice("checkpoint", self.checkpoint, ("best", "latest"))
         _require(self.num_samples >= 1 and self.max_new_tokens >= 1, "num_samples and max_new_tokens must be at least 1")
         _require(self.temperature >= 0, f"temperature={self.temperature} must be >= 0 (0 means greedy)")
         _require(self.top_k is None or self.top_k >= 1, f"top_k={self.top_k} must be at least 1, or None")
         _require(0 < self.top_p <= 1, f"top_p={self.top_p} must be in (0, 1]; 1.0 turns nucleus sampling off")
-        _require(self.window_shift >= 1, f"window_shift={self.window_shift} must be at least 1")
+        _require(self.window_shift is None or self.window_shift >= 1, f"window_shift={self.window_shift} must be at least 1, or None")
+
+
+@dataclass
+class ExportConfig:
+    out_dir: str = "out"  # the training run whose checkpoint is exported
+    checkpoint: str = "best"  # 'best' (ckpt_best.pt when present) or 'latest' (ckpt.pt)
+    export_dir: str = ""  # where the Hugging Face GPT-2 directory is written; '': out_dir/hf
+
+    def __post_init__(self):
+        _require_choice("checkpoint", self.checkpoint, ("best", "latest"))
 
 
 def _require(ok, message):
@@ -171,6 +208,13 @@ def _require(ok, message):
 
 def _require_choice(key, value, choices):
     _require(value in choices, f"{key}={value!r} is not one of {', '.join(map(repr, choices))}")
+
+
+def _require_init_from(value, own):
+    # a directory is checked for a GPT-2 inside when it is loaded (hf.py)
+    _require(value in own + GPT2_MODELS or os.path.isdir(value),
+             f"init_from={value!r} is not one of {', '.join(map(repr, own + GPT2_MODELS))}, "
+             f"nor a directory (a Hugging Face GPT-2 model)")
 
 
 def parse(cls, argv=None):

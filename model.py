@@ -201,6 +201,14 @@ class GPT(nn.Module):
         # long contexts, about a third more compute (train.py sets it from activation_checkpointing)
         self.activation_checkpointing = False
 
+    @classmethod
+    def from_pretrained(cls, name_or_path, dropout=0.0):
+        """Released GPT-2 weights: 'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl', or a local
+        Hugging Face GPT-2 directory. Needs transformers (imported only here, through hf.py)."""
+        import hf  # here, not at the top: hf.py imports this module
+
+        return hf.from_pretrained(cls, name_or_path, dropout)
+
     def _init_weights(self, module):
         # norms keep their own init: weight 1, bias 0
         if isinstance(module, nn.Linear):
@@ -295,36 +303,40 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate_tokens(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=1.0, kv_cache=True,
-                        window_shift=1, stop_token=None):
+                        window_shift=None, stop_token=None):
         """Yield the next token of every row of idx (B, T), as a (B, 1) tensor, max_new_tokens
         times. temperature 0 is greedy; otherwise sample from the softmax of logits/temperature
         restricted to the top_k tokens and then to the top_p nucleus. A row that has produced
         stop_token goes on producing it, and the generator ends once every row has.
 
-        The model sees at most the last block_size tokens. Without the cache each token runs
-        the whole (cropped) context through the model. With it (kv_cache=True) only the new
-        token is run, attending to the cached keys/values of the others, until the cache holds
-        block_size tokens. Positions count from the window's start (the learned embedding is
-        absolute, and a RoPE key is rotated by its position when cached), so past that point
-        every key changes as the window slides: the window moves window_shift tokens at once and the last
-        block_size - window_shift + 1 tokens are run again to refill the cache. With
-        window_shift=1 (the default) that happens for every token: each token sees the last
-        block_size tokens, as without the cache, at the cost of no cache. A larger shift
-        recomputes that often less, and each token then sees between block_size -
-        window_shift + 1 and block_size tokens."""
+        The model sees a window of at most block_size tokens. With the cache (kv_cache=True)
+        only each new token is run, attending to the cached keys/values of the others; without
+        it the whole window is run for every token. Positions count from the window's start
+        (the learned embedding is absolute, and a RoPE key is rotated by its position when
+        cached), so once the window is full every cached key is stale: the window then slides
+        window_shift tokens at once and its last block_size - window_shift + 1 tokens are run
+        again to refill the cache. Each token so sees between block_size - window_shift + 1 and
+        block_size tokens, with or without the cache (the two give the same tokens).
+        window_shift=1 is nanoGPT's context (always the last block_size tokens) but costs a
+        full recompute per token past block_size; the default, block_size // 8, recomputes
+        once every block_size // 8 tokens."""
         block_size = self.config.block_size
-        assert 1 <= window_shift < block_size or not kv_cache, "window_shift must be in [1, block_size)"
+        window_shift = window_shift or max(1, block_size // 8)
+        assert 1 <= window_shift < block_size, "window_shift must be in [1, block_size)"
         cache = KVCache(self.config, idx.size(0)) if kv_cache else None
-        pending = idx[:, -block_size:]  # the tokens the model has not seen yet
+        start = max(0, idx.size(1) - block_size)  # the window is idx[:, start:]
+        seen = start  # tokens before this are in the cache
         done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)  # rows that produced stop_token
         for _ in range(max_new_tokens):
+            if idx.size(1) - start > block_size:  # the window is full: slide it
+                start = idx.size(1) - (block_size - window_shift + 1)
+                if cache is not None:
+                    cache.length, seen = 0, start
             if cache is None:
-                logits, _ = self(idx[:, -block_size:])
+                logits, _ = self(idx[:, start:])
             else:
-                if cache.length + pending.size(1) > block_size:  # no position left: slide the window
-                    cache.length = 0
-                    pending = idx[:, -(block_size - window_shift + 1) :]
-                logits, _ = self(pending, cache=cache)
+                logits, _ = self(idx[:, seen:], cache=cache)
+                seen = idx.size(1)
             next_id = sample_next(logits[:, -1, :], temperature, top_k, top_p)  # (B, 1)
             if stop_token is not None:
                 next_id = next_id.masked_fill(done[:, None], stop_token)
@@ -332,7 +344,7 @@ class GPT(nn.Module):
             yield next_id
             if stop_token is not None and done.all():
                 return
-            idx, pending = torch.cat((idx, next_id), dim=1), next_id
+            idx = torch.cat((idx, next_id), dim=1)
 
 
 def sample_next(logits, temperature=1.0, top_k=None, top_p=1.0):

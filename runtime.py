@@ -90,8 +90,12 @@ def setup(device="auto", dtype="auto", backend="auto"):
     return Runtime(device, device_type, pick_dtype(dtype, device_type), rank, local_rank, world_size)
 
 
-def teardown(rt):
+def teardown(rt, all_finished=False):
+    """Leave the process group. When every rank finished normally they first wait for each
+    other: a rank that exits while another still talks to it over gloo can abort the other."""
     if rt.ddp and dist.is_initialized():
+        if all_finished:
+            dist.barrier()
         dist.destroy_process_group()
 
 

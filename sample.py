@@ -5,7 +5,8 @@ to a terminal, tokens/s on stderr at the end.
     python sample.py --out_dir=out-shakespeare-char --start="ROMEO:" --num_samples=3 --max_new_tokens=200
     python sample.py --out_dir=out-shakespeare-char --start=FILE:prompt.txt --temperature=0.6 --top_k=50
     python sample.py --out_dir=out-shakespeare-char --prompts_file=prompts.txt --top_k=None --top_p=0.9
-    python sample.py --out_dir=out-shakespeare-char --temperature=0 --max_new_tokens=2000 --window_shift=64
+    python sample.py --out_dir=out-shakespeare-char --temperature=0 --max_new_tokens=2000 --window_shift=1  # nanoGPT's exact context
+    python sample.py --init_from=gpt2 --start="Hello, I'm a language model,"   # released GPT-2 (transformers)
     python sample.py --help
 
 Each sample is printed as its prompt and continuation, then a line of dashes. The
@@ -19,6 +20,7 @@ import time
 import torch
 
 import checkpoint
+import hf
 import runtime
 import tokenizer
 from configurator import SampleConfig, UserError, parse, run_main
@@ -28,7 +30,15 @@ SEPARATOR = "---------------"
 
 
 def load_model(cfg, rt):
-    """The model and tokenizer description from out_dir's best (or latest) checkpoint."""
+    """The model and tokenizer description from out_dir's best (or latest) checkpoint, or GPT-2's
+    weights (init_from a released name or a Hugging Face directory) with GPT-2's tokenizer."""
+    if cfg.init_from != "resume":
+        model, _ = hf.load_gpt2(cfg.init_from)
+        if model.config.vocab_size < hf.GPT2_VOCAB:
+            raise UserError(f"{cfg.init_from} has {model.config.vocab_size} tokens, not GPT-2's {hf.GPT2_VOCAB}: its "
+                            f"tokenizer is unknown here; sample from its training run with --out_dir")
+        print(f"loaded {cfg.init_from} ({model.num_params(non_embedding=False) / 1e6:.1f}M parameters)")
+        return model, hf.GPT2_TOKENIZER
     if not os.path.isdir(cfg.out_dir):
         raise UserError(f"out_dir={cfg.out_dir} does not exist; point --out_dir at a training run's directory")
     path = os.path.join(cfg.out_dir, "ckpt.pt")
@@ -119,12 +129,12 @@ def main(argv=None):
     model, tok_spec = load_model(cfg, rt)
     model.eval().to(rt.device)
     block_size = model.config.block_size
-    if cfg.kv_cache and cfg.window_shift >= block_size:
+    if cfg.window_shift is not None and cfg.window_shift >= block_size:
         raise UserError(f"window_shift={cfg.window_shift} must be less than this model's block_size={block_size}")
     if cfg.compile:
         model.compile()  # in place, so generate's calls to the model run the compiled forward
     encode, decode = tokenizer.load(tok_spec)
-    eot = encode("<|endoftext|>")[0] if tok_spec["kind"] == "tiktoken" else None
+    eot = tokenizer.eot(tok_spec)
     stop = eot if cfg.stop_at_eot else None
     prompts = [(text, encode_prompt(text, encode, eot, block_size)) for text in read_prompts(cfg)]
     streaming = sys.stdout.isatty() if cfg.stream is None else cfg.stream

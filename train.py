@@ -17,6 +17,7 @@ import os
 import textwrap
 import time
 import signal
+import warnings
 from contextlib import nullcontext
 from typing import NamedTuple
 
@@ -26,32 +27,30 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
+import hf
 import runtime
 import tokenizer
 from configurator import TrainConfig, UserError, as_dict, parse, run_main
+from data import tokens
 from model import GPT, GPTConfig
 
 EXIT_STOPPED = 75  # stopped early (SIGTERM, SIGINT, max_minutes) with a checkpoint: resume to go on
 
 # keys that fix the shapes of the weights: a checkpoint only resumes under the same values
-SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size")
+SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "pos_encoding", "rope_theta", "norm",
+              "mlp", "mlp_hidden", "n_kv_head", "qk_norm", "tie_embeddings")
 
 
 # ---------------------------------------------------------------------------- data
 
 
 def load_split(data_dir, split, mode="auto", share=1):
-    """A split's token ids as a 1-D uint16 array: memory-mapped, or read into RAM when
-    mode='ram' or ('auto' and the file is small against free memory, split `share` ways
-    between the ranks on this machine)."""
-    path = os.path.join(data_dir, f"{split}.bin")
-    if not os.path.exists(path):
-        raise UserError(f"{path} not found: run python {os.path.join(data_dir, 'prepare.py')} first")
-    if os.path.getsize(path) < 2:
-        raise UserError(f"{path} is empty: run python {os.path.join(data_dir, 'prepare.py')} again")
-    data = np.memmap(path, dtype=np.uint16, mode="r")
+    """A split's token ids (data/tokens.py: one file or many shards, read as one sequence):
+    memory-mapped, or read into RAM when mode='ram' or ('auto' and the files are small against
+    free memory, split `share` ways between the ranks on this machine)."""
+    data = tokens.Tokens.open(data_dir, split)
     if mode == "ram" or (mode == "auto" and data.nbytes * share < _free_memory() / 4):
-        data = np.array(data)  # random windows from RAM avoid page faults on every batch
+        data = data.in_ram()  # random windows from RAM avoid page faults on every batch
     return data
 
 
@@ -125,8 +124,9 @@ def train_step(model, optimizer, scaler, next_batch, lr, accum_steps, grad_clip,
     x, y = next_batch()
     for micro in range(accum_steps):
         last = micro == accum_steps - 1
-        # DDP all-reduces gradients in backward; only the last micro-step needs it
-        with model.no_sync() if rt.ddp and not last else nullcontext():
+        # DDP all-reduces gradients in backward; only the last micro-step needs it. (FSDP
+        # reduce-scatters every micro-step: holding whole gradients would undo its memory saving)
+        with model.no_sync() if isinstance(model, DDP) and not last else nullcontext():
             with rt.autocast():
                 _, loss = model(x, y)
             # each micro-batch's mean loss, scaled so the accumulated gradient is that of the mean
@@ -143,6 +143,8 @@ def train_step(model, optimizer, scaler, next_batch, lr, accum_steps, grad_clip,
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     if grad_clip > 0:
         torch.nn.utils.clip_grads_with_norm_(params, grad_clip, norm)
+    if hasattr(norm, "full_tensor"):  # a DTensor, from FSDP's sharded gradients: already reduced, the same on every rank
+        norm = norm.full_tensor()
     if scaler.is_enabled():
         # fp16: GradScaler skips overflowing steps itself (and lowers the scale); that is routine
         scaler.step(optimizer)
@@ -191,25 +193,60 @@ def eval_group(cfg, padded_vocab_size, budget_bytes=64 * 2**20):
     return max(1, min(cfg.eval_iters, budget_bytes // logits_bytes))
 
 
+MODEL_KEYS = tuple(k for k in SHAPE_KEYS if k != "vocab_size") + ("dropout",)  # GPTConfig's keys that TrainConfig has
+
+
 def make_model_args(cfg, vocab_size):
-    return {**{k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "bias", "dropout")},
-            "vocab_size": vocab_size}
+    return {**{k: getattr(cfg, k) for k in MODEL_KEYS}, "vocab_size": vocab_size}
 
 
 def build(raw_model, cfg, rt, state=None):
     """The optimizer and GradScaler for raw_model, the weights and their state restored from a
     checkpoint `state` when resuming, and the two forms the loop calls: `model` (compiled when
-    asked; evaluation uses it) and `train_model` (also DDP-wrapped under torchrun)."""
+    asked; evaluation uses it) and `train_model` (also DDP-wrapped under torchrun). With
+    parallelism='fsdp' under torchrun, raw_model itself is sharded in place instead."""
+    raw_model.activation_checkpointing = cfg.activation_checkpointing
+    fsdp = uses_fsdp(cfg, rt)
+    if fsdp:
+        shard(raw_model, rt)  # before the optimizer is made: it must hold the sharded parameters
+    elif cfg.parallelism == "fsdp" and rt.master:
+        print("note: parallelism='fsdp' in a single process has nothing to shard over; training unsharded")
     optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), rt.device_type)
     scaler = torch.amp.GradScaler(rt.device_type, enabled=rt.dtype == torch.float16)  # loss scaling only for fp16
     if state is not None:
-        raw_model.load_state_dict(checkpoint.model_state(state))
-        optimizer.load_state_dict(state["optimizer"])
+        load_full_state(raw_model, optimizer, checkpoint.model_state(state), state["optimizer"], fsdp)
         if state.get("scaler") and scaler.is_enabled():
             scaler.load_state_dict(state["scaler"])
     model = torch.compile(raw_model) if cfg.compile else raw_model
-    train_model = DDP(model, device_ids=[rt.local_rank] if rt.device_type == "cuda" else None) if rt.ddp else model
+    train_model = DDP(model, device_ids=[rt.local_rank] if rt.device_type == "cuda" else None) if rt.ddp and not fsdp else model
     return model, train_model, optimizer, scaler
+
+
+def uses_fsdp(cfg, rt):
+    return rt.ddp and cfg.parallelism == "fsdp"
+
+
+def shard(raw_model, rt):
+    """FSDP2: every parameter, its gradient and its AdamW state split over the ranks. Each block
+    is one unit, gathered whole just before its forward and backward and freed after; the root
+    unit holds the rest (embeddings, lm_head, ln_f)."""
+    # imported here: torch.distributed's FSDP and DTensor modules take ~1 s to import
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    for t in raw_model.state_dict().values():  # ranks init with their own seeds: take rank 0's weights, as DDP does
+        dist.broadcast(t, src=0)
+    mesh = init_device_mesh(rt.device_type, (rt.world_size,))
+    # bf16/fp16 runs gather the weights in that dtype (half the traffic and memory) and reduce
+    # the gradients in fp32; the fp32 shards are what AdamW updates. train_step's autocast stays
+    # on, so norms, softmax and the loss run in fp32 as they do under DDP.
+    policy = MixedPrecisionPolicy(param_dtype=rt.dtype, reduce_dtype=torch.float32)
+    # FSDP warns that the root returns a view (the logits cut to the real vocabulary); harmless
+    # here, since nothing modifies the logits in place
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    for block in raw_model.transformer.h:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(raw_model, mesh=mesh, mp_policy=policy)
 
 
 def with_batch_size(cfg, batch_size, tokens_per_step):
@@ -282,9 +319,10 @@ def make_checkpoint(raw_model, optimizer, scaler, cfg, model_args, tok_spec, ite
                 gathered = [None] * rt.world_size
                 dist.all_gather_object(gathered, rng[key][0].cpu())
                 rng[key] = gathered
+    weights, optimizer_state = full_state(raw_model, optimizer, uses_fsdp(cfg, rt))
     return {
-        "model": raw_model.state_dict(),  # the plain module's: no DDP or torch.compile prefixes
-        "optimizer": optimizer.state_dict(),
+        "model": weights,  # the plain module's: no DDP or torch.compile prefixes
+        "optimizer": optimizer_state,
         "scaler": scaler.state_dict() if scaler.is_enabled() else None,
         "model_args": model_args,
         "config": as_dict(cfg),
@@ -293,6 +331,45 @@ def make_checkpoint(raw_model, optimizer, scaler, cfg, model_args, tok_spec, ite
         "best_val_loss": best_val_loss,
         "rng": rng,
     }
+
+
+# One checkpoint format whatever the parallelism: the plain module's whole state_dict and torch's
+# own optimizer state_dict (state keyed by parameter index). Under FSDP both are gathered into
+# rank 0's CPU memory with torch.distributed.checkpoint's state_dict API, and on resume every rank
+# keeps its own shards of the whole state. So sample.py, nanoGPT's scripts, and a resume under DDP
+# or another world size all read the same file. The price: rank 0 holds everything in host memory
+# (16 bytes per parameter with AdamW, ~20 GB at 1.2B parameters), fine up to a few billion
+# parameters; past that, torch.distributed.checkpoint's sharded directories are the format to add.
+def full_state(raw_model, optimizer, fsdp):
+    """(model state_dict, optimizer state_dict), whole. Under FSDP a collective call, after
+    which only rank 0's are filled."""
+    if not fsdp:
+        return raw_model.state_dict(), optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    weights, by_name = get_state_dict(raw_model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not by_name:  # ranks other than 0
+        return weights, by_name
+    # the API names parameters; torch's Optimizer.state_dict numbers them in param_groups order
+    index = {name: i for i, name in enumerate(name for group in by_name["param_groups"] for name in group["params"])}
+    return weights, {"state": {index[name]: s for name, s in by_name["state"].items()},
+                     "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in by_name["param_groups"]]}
+
+
+def load_full_state(raw_model, optimizer, weights, optimizer_state, fsdp):
+    """Load a whole model and optimizer state_dict; under FSDP each rank keeps its own shards."""
+    if not fsdp:
+        raw_model.load_state_dict(weights)
+        optimizer.load_state_dict(optimizer_state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    names = {p: name for name, p in raw_model.named_parameters()}
+    order = [names[p] for group in optimizer.param_groups for p in group["params"]]  # index -> name
+    by_name = {"state": {order[i]: s for i, s in optimizer_state["state"].items()},
+               "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in optimizer_state["param_groups"]]}
+    set_state_dict(raw_model, optimizer, model_state_dict=weights, optim_state_dict=by_name,
+                   options=StateDictOptions(full_state_dict=True))
 
 
 def restore_rng(state, batches, rt):
@@ -307,28 +384,42 @@ def restore_rng(state, batches, rt):
 
 
 def check_resumable(saved, wanted):
-    differ = [f"{k} {saved.get(k)} -> {wanted[k]}" for k in SHAPE_KEYS if k in saved and saved[k] != wanted[k]]
+    # through GPTConfig: a key older checkpoints lack takes its default, as it had then, and
+    # "0 means the usual" keys compare by the sizes they stand for
+    saved_cfg, wanted_cfg = GPTConfig(**saved), GPTConfig(**wanted)
+    differ = [f"{k} {getattr(saved_cfg, k)} -> {getattr(wanted_cfg, k)}" for k in SHAPE_KEYS
+              if getattr(saved_cfg, k) != getattr(wanted_cfg, k)]
     if differ:
         raise UserError(f"cannot resume: the checkpoint's model differs in {', '.join(differ)}; use the config it was trained with")
 
 
 class MetricsLog:
-    """out_dir/metrics.jsonl, one JSON object per line; wandb fed from the same records."""
+    """out_dir/metrics.jsonl, one JSON object per line; wandb and TensorBoard, when asked
+    for, are fed the same records. On resume, records past the checkpoint are dropped from
+    all three, since the resumed run logs those steps again."""
 
-    def __init__(self, path, resume_iter, cfg):
-        self.path = path
+    def __init__(self, out_dir, resume_iter, cfg, wandb_run_id=None):
+        self.path = os.path.join(out_dir, "metrics.jsonl")
         if resume_iter is None:
-            open(path, "w").close()
+            open(self.path, "w").close()
         else:
             self._truncate(resume_iter)
-        self.wandb = None
+        self.wandb = self.tensorboard = self.wandb_run_id = None
         if cfg.wandb_log:
-            import wandb  # optional dependency, only needed when asked for
+            import wandb  # optional dependencies, imported only when asked for
 
-            self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=as_dict(cfg))
+            # the run id travels in the checkpoint, so a resumed run continues the same wandb run
+            self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=as_dict(cfg),
+                                    id=wandb_run_id, resume="allow", dir=out_dir)
+            self.wandb_run_id = self.wandb.id
+        if cfg.tensorboard_log:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step drops events a run that died after its last checkpoint wrote past it
+            self.tensorboard = SummaryWriter(os.path.join(out_dir, "tensorboard"),
+                                             purge_step=None if resume_iter is None else resume_iter + 1)
 
     def _truncate(self, resume_iter):
-        # a run that died after its last checkpoint logged steps the resumed run will redo
         if not os.path.exists(self.path):
             return
         with open(self.path) as f:
@@ -341,8 +432,13 @@ class MetricsLog:
     def write(self, record):
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")  # json keeps every digit of a float
+        values = {k: v for k, v in record.items() if k != "iter" and v is not None}
         if self.wandb is not None:
-            self.wandb.log({k: v for k, v in record.items() if k != "iter" and v is not None}, step=record["iter"])
+            self.wandb.log(values, step=record["iter"])
+        if self.tensorboard is not None:
+            for key, value in values.items():
+                self.tensorboard.add_scalar(key, value, record["iter"])
+            self.tensorboard.flush()  # a preempted run keeps what it logged
 
 
 class Diverged(UserError):
@@ -397,13 +493,19 @@ def main(argv=None):
             f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} does not divide among "
             f"{world_size} processes; make it a multiple of {world_size}"
         )
+    if cfg.parallelism == "fsdp" and cfg.eval_iters % world_size:  # under FSDP every forward is a collective
+        raise UserError(f"eval_iters={cfg.eval_iters}: with parallelism='fsdp' each of the {world_size} ranks must "
+                        f"evaluate as many batches as the others; make it a multiple of {world_size}")
     rt = runtime.setup(cfg.device, cfg.dtype, cfg.backend)
     stop = StopRequest(cfg.max_minutes)
+    finished = False
     try:
-        return train(cfg, rt, stop)
+        code = train(cfg, rt, stop)
+        finished = True
+        return code
     finally:
         stop.restore()
-        runtime.teardown(rt)
+        runtime.teardown(rt, all_finished=finished)
 
 
 def train(cfg, rt, stop):
@@ -415,18 +517,28 @@ def train(cfg, rt, stop):
     share = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     train_data = load_split(data_dir, "train", cfg.data_mode, share)
     val_data = load_split(data_dir, "val", cfg.data_mode, share)
+    tok_spec = tokenizer.describe(data_dir)
+    model_args = make_model_args(cfg, tokenizer.vocab_size(tok_spec) or 50304)  # no meta: GPT-2 padded, as nanoGPT did
     for name, data in (("train", train_data), ("val", val_data)):
         if len(data) <= cfg.block_size:
-            raise UserError(f"block_size={cfg.block_size} is longer than {data_dir}/{name}.bin ({len(data)} tokens); lower block_size")
-    tok_spec = tokenizer.describe(data_dir)
-    model_args = make_model_args(cfg, tokenizer.vocab_size(tok_spec) or 50304)  # GPT-2's 50257, padded as nanoGPT does
+            where = data.paths[0] if len(data.paths) == 1 else os.path.join(data_dir, f"{name}_*.bin")
+            raise UserError(f"block_size={cfg.block_size} is longer than {where} ({len(data)} tokens); lower block_size")
+        data.check_vocab(model_args["vocab_size"])  # an id past the embedding table would fail mid-run, or worse on GPU
 
     state = None
     if cfg.init_from == "resume":
-        state = checkpoint.load(os.path.join(cfg.out_dir, "ckpt.pt"))
+        state = checkpoint.load_newest(cfg.out_dir, report=print if rt.master else lambda message: None)
+        if all(state["config"].get(k) == getattr(cfg, k) for k in SHAPE_KEYS if hasattr(cfg, k)):
+            # the config it was trained with: the model is the checkpoint's, also when GPT-2's
+            # weights (init_from='gpt2...') gave it a shape other than these keys say
+            model_args = {**state["model_args"], "dropout": cfg.dropout}
         check_resumable(state["model_args"], model_args)
 
-    raw_model = GPT(GPTConfig(**model_args)).to(rt.device)
+    if cfg.init_from in ("scratch", "resume"):
+        raw_model = GPT(GPTConfig(**model_args)).to(rt.device)
+    else:  # GPT-2's weights, by name or from a Hugging Face directory; they fix the model's shape
+        raw_model, model_args = hf.load_for_training(cfg, tok_spec, report=print if rt.master else lambda message: None)
+        raw_model = raw_model.to(rt.device)
     if cfg.batch_size == "auto":
         # a resumed run keeps the micro-batch it started with, so its data order stays the same
         batch_size = state["config"]["batch_size"] if state is not None else auto_batch_size(raw_model, cfg, rt)
@@ -435,10 +547,10 @@ def train(cfg, rt, stop):
     tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
     model, train_model, optimizer, scaler = build(raw_model, cfg, rt, state)
     batches = TrainBatches(train_data, cfg.batch_size, cfg.block_size, cfg.seed, rt)
-    iter_num, best_val_loss = 0, float("inf")
+    iter_num, best_val_loss, wandb_run_id = 0, float("inf"), None
     if state is not None:
         restore_rng(state, batches, rt)
-        iter_num, best_val_loss = state["iter_num"], state["best_val_loss"]
+        iter_num, best_val_loss, wandb_run_id = state["iter_num"], state["best_val_loss"], state.get("wandb_run_id")
         del state  # free the host copy of the weights
     eval_splits = {
         split: (data, eval_offsets(data, cfg.eval_iters, cfg.batch_size, cfg.block_size, cfg.seed + i + 1))
@@ -448,7 +560,7 @@ def train(cfg, rt, stop):
     metrics = None
     if rt.master:
         _prepare_out_dir(cfg)
-        metrics = MetricsLog(os.path.join(cfg.out_dir, "metrics.jsonl"), iter_num if cfg.init_from == "resume" else None, cfg)
+        metrics = MetricsLog(cfg.out_dir, iter_num if cfg.init_from == "resume" else None, cfg, wandb_run_id)
         print(textwrap.fill("config: " + " ".join(f"{k}={v!r}" for k, v in as_dict(cfg).items()), 120, subsequent_indent="  "))
         print(
             f"{raw_model.num_params() / 1e6:.2f}M parameters | {tokens_per_iter:,} tokens/iter "
@@ -464,11 +576,24 @@ def train(cfg, rt, stop):
     bad_in_a_row = 0
     nan_iters = {int(i) for i in os.environ.get("TRAIN_TEST_NAN_ITERS", "").split(",") if i}  # test-only fault injection
 
-    def save(path):
+    def save():
+        """ckpt.pt (and the keep_last history); every rank learns whether rank 0's write failed."""
         state = make_checkpoint(raw_model, optimizer, scaler, cfg, model_args, tok_spec, iter_num, best_val_loss, batches, rt)
+        error = None
         if rt.master:
-            checkpoint.save(state, path)
-        return path
+            state["wandb_run_id"] = metrics.wandb_run_id  # a resumed run continues the same wandb run
+            try:
+                checkpoint.save_rotating(state, cfg.out_dir, cfg.keep_last)
+            except UserError as e:
+                error = e
+        if rt.ddp:  # the other ranks would otherwise wait forever in the next collective
+            failed = torch.tensor(float(error is not None), device=rt.device)
+            dist.broadcast(failed, src=0)
+            if failed.item() and error is None:
+                error = UserError("rank 0 could not write the checkpoint (see its message)")
+        if error is not None:
+            raise error
+        return os.path.join(cfg.out_dir, "ckpt.pt")
 
     # The loop runs once more after the last step, so the final eval and save live in one place.
     while True:
@@ -484,18 +609,18 @@ def train(cfg, rt, stop):
             improved = losses["val"] < best_val_loss
             best_val_loss = min(best_val_loss, losses["val"])
             if iter_num > 0 and (improved or cfg.always_save_checkpoint):
-                ckpt_path = save(os.path.join(cfg.out_dir, "ckpt.pt"))
+                ckpt_path = save()
                 saved_now = True
                 if improved and rt.master:
                     checkpoint.link_or_copy(ckpt_path, os.path.join(cfg.out_dir, "ckpt_best.pt"))
             window_start = None  # evaluation time is not training time
         if last:
             if not saved_now and iter_num != resumed_at:
-                save(os.path.join(cfg.out_dir, "ckpt.pt"))
+                save()
             break
         if stop.check(rt):
             if not saved_now and iter_num != resumed_at:
-                save(os.path.join(cfg.out_dir, "ckpt.pt"))
+                save()
             if rt.master:
                 print(f"stopped at iter {iter_num} ({stop.reason or 'another rank'}); {cfg.out_dir}/ckpt.pt is current: "
                       f"continue with --init_from=resume")

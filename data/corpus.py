@@ -356,8 +356,9 @@ def encoder_pool(spec, workers):
         encode = Encoder(spec)
         yield lambda batches: map(encode, batches)
         return
-    # the processes start before any input is opened: no threads (HTTP, tqdm) exist yet to fork
-    with multiprocessing.get_context().Pool(workers, _start_worker, (spec,)) as pool:
+    # forkserver, not fork: the workers start from a clean process, so no lock held by one of
+    # this process's threads (torch's, a tokenizer library's, HTTP) can be copied into them locked
+    with multiprocessing.get_context("forkserver").Pool(workers, _start_worker, (spec,)) as pool:
 
         def run(batches):
             pending = deque()

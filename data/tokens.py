@@ -1,12 +1,14 @@
 """Token files: one format for every dataset, and a split read as one sequence over its shards.
 
-A token file is a 24-byte little-endian header, then the token ids:
+A token file is a 32-byte little-endian header, then the token ids:
     magic   8 bytes  b"GPTTOKEN"
     version uint32   1
     width   uint32   bytes per token id: 2 (uint16, vocabularies up to 65,536) or 4 (uint32)
     count   uint64   number of token ids that follow
-The count makes a truncated file (an interrupted write, a partial copy) detectable. Files
-without the magic are nanoGPT's headerless uint16 .bin files and load as before.
+    max_id  uint64   the largest id in the file
+The count makes a truncated file (an interrupted write, a partial copy) detectable; max_id
+lets the trainer check the ids against its vocabulary without reading billions of them.
+Files without the magic are nanoGPT's headerless uint16 .bin files and load as before.
 
 A split is `<split>.bin`, or shards `<split>_000000.bin`, `<split>_000001.bin`, ... read in
 order as one sequence; a window may cross from one shard into the next.
@@ -23,7 +25,7 @@ from configurator import UserError
 
 MAGIC = b"GPTTOKEN"
 VERSION = 1
-HEADER = struct.Struct("<8sIIQ")  # magic, version, width, count
+HEADER = struct.Struct("<8sIIQQ")  # magic, version, width, count, max_id
 DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
 CHECK_CHUNK = 1 << 24  # tokens per step of the vocabulary check: bounded memory on a memmapped split
 
@@ -42,7 +44,7 @@ def write(path, tokens):
         raise TypeError(f"token ids must be uint16 or uint32, not {tokens.dtype}")
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
-        f.write(HEADER.pack(MAGIC, VERSION, dtype.itemsize, len(tokens)))
+        f.write(HEADER.pack(MAGIC, VERSION, dtype.itemsize, len(tokens), int(tokens.max()) if len(tokens) else 0))
         f.write(tokens.astype(dtype, copy=False).tobytes())
         f.flush()
         os.fsync(f.fileno())
@@ -63,8 +65,9 @@ def fsync_dir(path):
 
 
 def read_header(path):
-    """(dtype, count, offset of the first token) of a token file; for a headerless nanoGPT file,
-    uint16 from offset 0. A file whose size disagrees with its header is an error."""
+    """(dtype, count, offset of the first token, max_id) of a token file; for a headerless
+    nanoGPT file, uint16 from offset 0 and max_id None (unknown). A file whose size disagrees
+    with its header is an error."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(HEADER.size)
@@ -72,10 +75,10 @@ def read_header(path):
         if size % 2:
             raise UserError(f"{path} has no token-file header and an odd size ({size} bytes): it is not uint16 "
                             f"token ids; prepare the data again")
-        return DTYPES[2], size // 2, 0
+        return DTYPES[2], size // 2, 0, None
     if len(head) < HEADER.size:
         raise UserError(f"{path} is cut off inside its header: an interrupted write; prepare the data again")
-    _, version, width, count = HEADER.unpack(head)
+    _, version, width, count, max_id = HEADER.unpack(head)
     if version != VERSION:
         raise UserError(f"{path} is token-file version {version}; this code reads version {VERSION}: update the code "
                         f"or prepare the data again")
@@ -85,12 +88,12 @@ def read_header(path):
     if size != expected:
         raise UserError(f"{path} should hold {count:,} tokens ({expected:,} bytes) but has {size:,} bytes: "
                         f"a truncated or interrupted file; prepare the data again")
-    return DTYPES[width], count, HEADER.size
+    return DTYPES[width], count, HEADER.size, max_id
 
 
 def read(path):
     """A token file's ids, memory-mapped (a 1-D array of its dtype)."""
-    dtype, count, offset = read_header(path)
+    dtype, count, offset, _ = read_header(path)
     if count == 0:
         return np.empty(0, dtype)
     return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(count,))
@@ -123,8 +126,9 @@ class Tokens:
     data[index array] (any shape, e.g. (B, T+1) windows) give numpy arrays, as indexing one
     array would. The ids stay memory-mapped, or are read into one array by in_ram()."""
 
-    def __init__(self, paths, parts, file_starts=None):
+    def __init__(self, paths, parts, file_starts=None, max_ids=None):
         self.paths, self.parts = list(paths), list(parts)
+        self.max_ids = max_ids or [None] * len(self.paths)  # per file, from its header; None: unknown
         self.dtype = np.result_type(*[p.dtype for p in self.parts])
         self.starts = np.cumsum([0] + [len(p) for p in self.parts])  # (n_parts + 1,): part i is [starts[i], starts[i+1])
         self.file_starts = self.starts if file_starts is None else file_starts  # the same, per file
@@ -133,7 +137,7 @@ class Tokens:
     def open(cls, data_dir, split):
         paths = split_paths(data_dir, split)
         parts = [read(p) for p in paths]
-        data = cls(paths, parts)
+        data = cls(paths, parts, max_ids=[read_header(p)[3] for p in paths])
         if len(data) == 0:
             raise UserError(f"{paths[0]} is empty: run python {os.path.join(data_dir, 'prepare.py')} again")
         return data
@@ -143,7 +147,7 @@ class Tokens:
         whole = np.empty(len(self), self.dtype)
         for part, start in zip(self.parts, self.starts):
             whole[start : start + len(part)] = part
-        return Tokens(self.paths, [whole], self.file_starts)  # errors still name the file a token came from
+        return Tokens(self.paths, [whole], self.file_starts, self.max_ids)  # errors still name the file a token came from
 
     @property
     def memmapped(self):
@@ -193,6 +197,8 @@ class Tokens:
         Reads the split once, in chunks, so a memory-mapped split stays out of RAM."""
         if np.iinfo(self.dtype).max < vocab_size:
             return  # no id this dtype can hold is out of range
+        if all(m is not None and m < vocab_size for m in self.max_ids):
+            return  # every file's header vouches for its ids: nothing to read
         for part, start in zip(self.parts, self.starts):
             for lo in range(0, len(part), CHECK_CHUNK):
                 chunk = part[lo : lo + CHECK_CHUNK]

@@ -38,6 +38,7 @@ CONFIG_CASES = [
     (["--device=cuda"], ["no CUDA GPU"]),
     (["--dtype=fp8"], ["dtype='fp8'"]),
     (["--init_from=gpt7"], ["init_from='gpt7'"]),
+    (["--keep_last=0"], ["keep_last=0"]),
     (["--dropout=1.5"], ["dropout=1.5"]),
 ]
 
@@ -115,6 +116,22 @@ def test_sample_prompt_problems(trained):
     assert_one_line_error(run_script("sample.py", *base, "--start=FILE:/no/such/prompt.txt"), "/no/such/prompt.txt")
     assert_one_line_error(run_script("sample.py", *base, "--start="), "prompt is empty")
     assert_one_line_error(run_script("sample.py", *base, "--start=§§"), "never saw")
+
+
+BENCH_CASES = [
+    (["--sweep=batch_size"], ["sweep='batch_size'", "batch_size=4,8,16,32"]),
+    (["--sweep=batch_sise=4,8"], ["batch_sise", "did you mean batch_size"]),
+    (["--data=real", "--dataset=/nonexistent/data"], ["/nonexistent/data/train.bin not found"]),
+    (["--data=fake"], ["data='fake'"]),
+    (["--bench_iters=abc"], ["bench_iters=abc", "int"]),
+]
+
+
+@pytest.mark.parametrize("argv, expected", BENCH_CASES, ids=[" ".join(a) for a, _ in BENCH_CASES])
+def test_bench_errors(argv, expected):
+    tiny = ["--device=cpu", "--compile=False", "--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=16",
+            "--batch_size=2", "--gradient_accumulation_steps=1", "--bench_iters=2", "--bench_warmup=1"]
+    assert_one_line_error(run_script("bench.py", *tiny, *argv), *expected)
 
 
 def test_prepare_with_a_missing_input(tmp_path):

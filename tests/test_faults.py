@@ -1,5 +1,6 @@
-"""Runs that survive: preemption signals, time budgets, non-finite steps. Real processes,
-real signals; the losses of a stopped-and-resumed run must equal an uninterrupted one."""
+"""Runs that survive: preemption signals, time budgets, non-finite steps, checkpoint rotation
+and a full disk. Real processes, real signals; the losses of a stopped-and-resumed run must
+equal an uninterrupted one."""
 
 import os
 import signal
@@ -7,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 import checkpoint
@@ -105,3 +107,39 @@ def test_ddp_sigterm_to_the_launcher_stops_both_ranks_with_one_checkpoint(char_d
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("ckpt")) == ["ckpt.pt"]
     state = checkpoint.load(str(out / "ckpt.pt"))
     assert state["iter_num"] >= 20 and len(state["rng"]["torch"]) == 2  # both ranks' RNG states inside
+
+
+def test_keep_last_rotates_and_resume_takes_the_newest_complete(char_data, tmp_path):
+    out = tmp_path / "out"
+    result = run_script("train.py", *tiny_args(char_data, out, max_iters=40, lr_decay_iters=40, eval_interval=10, keep_last=2))
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in out.glob("ckpt*.pt")) == ["ckpt.pt", "ckpt_0000030.pt", "ckpt_0000040.pt", "ckpt_best.pt"]
+    assert os.path.samefile(out / "ckpt.pt", out / "ckpt_0000040.pt")  # a link, not a second copy
+    vals = {r["iter"]: r["val_loss"] for r in read_metrics(out) if "val_loss" in r and r["iter"] > 0}
+    assert checkpoint.load(str(out / "ckpt_best.pt"))["iter_num"] == min(vals, key=vals.get)  # kept apart from the rotation
+
+    # the newest files are damaged (a copy cut short): resume falls back to the newest one that loads whole
+    (out / "ckpt.pt").unlink()
+    (out / "ckpt.pt").write_bytes(b"half a checkpoint")
+    whole = (out / "ckpt_0000040.pt").read_bytes()
+    (out / "ckpt_0000040.pt").write_bytes(whole[: len(whole) // 2])
+    resumed = run_script("train.py", *tiny_args(char_data, out, max_iters=40, lr_decay_iters=40, eval_interval=10,
+                                                keep_last=2, init_from="resume"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from" in resumed.stdout and "ckpt_0000030.pt (iter 30)" in resumed.stdout
+    assert checkpoint.load(str(out / "ckpt.pt"))["iter_num"] == 40
+    assert os.path.samefile(out / "ckpt.pt", out / "ckpt_0000040.pt")
+
+
+def test_a_full_disk_stops_with_one_line_and_the_old_checkpoint(char_data, tmp_path):
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here to make writes fail with ENOSPC")
+    out = tmp_path / "out"
+    first = run_script("train.py", *tiny_args(char_data, out, max_iters=10))
+    assert first.returncode == 0, first.stderr
+    before = (out / "ckpt.pt").read_bytes()
+    os.symlink("/dev/full", out / "ckpt.pt.tmp")  # the next checkpoint write hits a full disk
+    result = run_script("train.py", *tiny_args(char_data, out, max_iters=20, init_from="resume"))
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "No space left on device" in result.stderr
+    assert (out / "ckpt.pt").read_bytes() == before and not os.path.lexists(out / "ckpt.pt.tmp")

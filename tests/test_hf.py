@@ -73,7 +73,7 @@ def test_import_gives_transformers_logits(options):
 def test_from_pretrained_reads_a_directory(tmp_path):
     reference = randomize(GPT2LMHeadModel(GPT2Config(**SMALL)))
     reference.save_pretrained(tmp_path / "gpt2")
-    model = hf.from_pretrained(GPT, str(tmp_path / "gpt2"))
+    model = GPT.from_pretrained(str(tmp_path / "gpt2"))
     assert isinstance(model, GPT)
     idx = tokens()
     assert max_diff(our_logits(model, idx), their_logits(reference, idx)) <= TOL

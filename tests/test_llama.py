@@ -268,7 +268,7 @@ def test_cached_step_logits_equal_a_full_forward_for_a_llama_model():
 def test_cached_generation_equals_uncached_past_block_size(window_shift):
     model = llama()
     prompt = idx(3, 5)
-    uncached = model.generate(prompt, 40, temperature=0, kv_cache=False)  # 45 tokens, block_size 16
+    uncached = model.generate(prompt, 40, temperature=0, kv_cache=False, window_shift=window_shift)  # 45 tokens, block_size 16
     # by hand: the last block_size tokens (or the window a larger shift keeps) through the whole model
     out, start = prompt, 0
     for _ in range(40):
@@ -276,8 +276,7 @@ def test_cached_generation_equals_uncached_past_block_size(window_shift):
             start = out.size(1) - (16 - window_shift + 1)
         logits, _ = model(out[:, start:])
         out = torch.cat([out, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    if window_shift == 1:
-        assert torch.equal(uncached, out)
+    assert torch.equal(uncached, out)
     assert torch.equal(model.generate(prompt, 40, temperature=0, window_shift=window_shift), out)
 
 

@@ -59,9 +59,9 @@ def test_cached_step_logits_equal_a_full_forward():
 def test_cached_greedy_equals_uncached_past_block_size():
     model = tiny_model()
     idx = prompts()
-    uncached = model.generate(idx, 60, temperature=0, kv_cache=False)  # 65 tokens, block_size 16
-    assert torch.equal(uncached, reference(model, idx, 60, greedy))
-    assert torch.equal(model.generate(idx, 60, temperature=0), uncached)
+    uncached = model.generate(idx, 60, temperature=0, kv_cache=False, window_shift=1)  # 65 tokens, block_size 16
+    assert torch.equal(uncached, reference(model, idx, 60, greedy))  # nanoGPT's context, token for token
+    assert torch.equal(model.generate(idx, 60, temperature=0, window_shift=1), uncached)
 
 
 def test_a_prompt_longer_than_block_size_is_cropped_the_same_way():
@@ -72,16 +72,19 @@ def test_a_prompt_longer_than_block_size_is_cropped_the_same_way():
     assert torch.equal(cached, model.generate(idx, 10, temperature=0, kv_cache=False))
 
 
-@pytest.mark.parametrize("shift", [4, 15])
+@pytest.mark.parametrize("shift", [None, 4, 15])
 def test_window_shift_slides_the_context_as_documented(shift):
     # when the next token has no position left, the window restarts at the last
-    # block_size - shift + 1 tokens, so every context holds between that many and block_size
+    # block_size - shift + 1 tokens, so every context holds between that many and block_size;
+    # the default shift is block_size // 8
     def window(start, length):
-        return length - (16 - shift + 1) if length - start > 16 else start
+        return length - (16 - (shift or 2) + 1) if length - start > 16 else start
 
     model = tiny_model()
     idx = prompts()
-    assert torch.equal(model.generate(idx, 60, temperature=0, window_shift=shift), reference(model, idx, 60, greedy, window))
+    expected = reference(model, idx, 60, greedy, window)
+    assert torch.equal(model.generate(idx, 60, temperature=0, window_shift=shift), expected)
+    assert torch.equal(model.generate(idx, 60, temperature=0, window_shift=shift, kv_cache=False), expected)
 
 
 def test_prefill_equals_the_plain_forward_and_a_full_cache_takes_no_more():
@@ -113,7 +116,7 @@ def test_top_p_1_and_no_top_k_is_plain_sampling():
     torch.manual_seed(3)
     expected = reference(model, prompts(), 40, plain)
     torch.manual_seed(3)
-    assert torch.equal(model.generate(prompts(), 40, temperature=0.9, top_k=None, top_p=1.0), expected)
+    assert torch.equal(model.generate(prompts(), 40, temperature=0.9, top_k=None, top_p=1.0, window_shift=1), expected)
 
 
 def test_top_k_1_and_a_tiny_top_p_are_greedy():

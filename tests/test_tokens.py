@@ -43,8 +43,8 @@ def test_write_then_read(tmp_path, dtype):
     raw = open(path, "rb").read()
     # the header, byte by byte: magic, version 1, bytes per token, count; then the ids, little-endian
     assert raw[:8] == b"GPTTOKEN"
-    assert struct.unpack("<IIQ", raw[8:24]) == (1, np.dtype(dtype).itemsize, 1000)
-    assert raw[24:] == ids.astype(np.dtype(dtype).newbyteorder("<")).tobytes()
+    assert struct.unpack("<IIQQ", raw[8:32]) == (1, np.dtype(dtype).itemsize, 1000, ids.max())
+    assert raw[32:] == ids.astype(np.dtype(dtype).newbyteorder("<")).tobytes()
     read = tokens.read(path)
     assert read.dtype == dtype and isinstance(read, np.memmap)
     np.testing.assert_array_equal(read, ids)
@@ -69,12 +69,12 @@ def damaged(tmp_path, name, header=None, body=b""):
 
 
 def test_damaged_files_are_one_line_errors(tmp_path):
-    good = struct.pack("<8sIIQ", b"GPTTOKEN", 1, 2, 10)
+    good = struct.pack("<8sIIQQ", b"GPTTOKEN", 1, 2, 10, 0)
     cases = [
-        (damaged(tmp_path, "a.bin", good, bytes(12)), ("a.bin", "10 tokens (44 bytes)", "has 36 bytes", "truncated")),  # interrupted
-        (damaged(tmp_path, "b.bin", good, bytes(40)), ("b.bin", "10 tokens", "64 bytes")),  # too long
-        (damaged(tmp_path, "c.bin", struct.pack("<8sIIQ", b"GPTTOKEN", 2, 2, 1), bytes(2)), ("c.bin", "version 2")),
-        (damaged(tmp_path, "d.bin", struct.pack("<8sIIQ", b"GPTTOKEN", 1, 3, 1), bytes(3)), ("d.bin", "3-byte")),
+        (damaged(tmp_path, "a.bin", good, bytes(12)), ("a.bin", "10 tokens (52 bytes)", "has 44 bytes", "truncated")),  # interrupted
+        (damaged(tmp_path, "b.bin", good, bytes(40)), ("b.bin", "10 tokens", "72 bytes")),  # too long
+        (damaged(tmp_path, "c.bin", struct.pack("<8sIIQQ", b"GPTTOKEN", 2, 2, 1, 0), bytes(2)), ("c.bin", "version 2")),
+        (damaged(tmp_path, "d.bin", struct.pack("<8sIIQQ", b"GPTTOKEN", 1, 3, 1, 0), bytes(3)), ("d.bin", "3-byte")),
         (damaged(tmp_path, "e.bin", b"GPTTOKEN\x01\x00"), ("e.bin", "cut off inside its header")),
         (damaged(tmp_path, "f.bin", b"", bytes(7)), ("f.bin", "odd size")),  # headerless but not uint16
     ]
@@ -147,6 +147,22 @@ def test_vocab_check_names_the_file_and_the_id(tmp_path, monkeypatch):
         with pytest.raises(UserError) as e:
             data.check_vocab(1000)
         one_line_error(e, "train_000002.bin", "token id 1000", "token 50 of the file", "vocab_size is 1000")
+
+
+def test_the_header_max_id_spares_reading_the_ids(tmp_path):
+    ids = np.arange(500, dtype=np.uint32)
+    write_shards(tmp_path, "train", ids, [250, 250])
+    data = tokens.Tokens.open(str(tmp_path), "train")
+    assert data.max_ids == [249, 499]
+
+    class Unreadable(np.ndarray):
+        def __getitem__(self, key):
+            raise AssertionError("the vocabulary check read token ids")
+
+    data.parts = [p.view(Unreadable) for p in data.parts]
+    data.check_vocab(500)  # the headers say 499 is the largest id
+    with pytest.raises(AssertionError):
+        data.check_vocab(499)  # a header over the limit: the ids are read to name the bad one
 
 
 def test_uint16_data_passes_any_vocab_above_its_range():

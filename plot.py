@@ -1,0 +1,90 @@
+"""Plot runs side by side from their metrics.jsonl: loss, learning rate and throughput
+against iterations, one colour per run.
+
+    python plot.py out-shakespeare-char                        # writes out-shakespeare-char/metrics.png
+    python plot.py out-a out-b --out=compare.png               # two runs on the same axes
+    python plot.py out-a/metrics.jsonl out-b/metrics.jsonl --out=compare.png
+"""
+
+import argparse
+import json
+import os
+import sys
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not argparse's usage block
+        sys.exit(f"error: {message}; see --help")
+
+
+def metrics_file(path):
+    """An out_dir's metrics.jsonl, or the path itself when it names a file."""
+    return os.path.join(path, "metrics.jsonl") if os.path.isdir(path) else path
+
+
+def read_run(path):
+    """(label, records): the run's directory name and its metrics."""
+    file = metrics_file(path)
+    if not os.path.isfile(file):
+        sys.exit(f"error: {file} not found: pass an out_dir of train.py or its metrics.jsonl")
+    records = []
+    with open(file) as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError:
+                    sys.exit(f"error: {file}:{n} is not a JSON line; is this a train.py metrics.jsonl?")
+    if not any("iter" in r for r in records):
+        sys.exit(f"error: {file} has no records with an 'iter'; is this a train.py metrics.jsonl?")
+    label = os.path.basename(os.path.dirname(os.path.abspath(file)))
+    return label, records
+
+
+def series(records, key):
+    points = [(r["iter"], r[key]) for r in records if r.get(key) is not None]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def plot(runs, out):
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    loss_ax, lr_ax, speed_ax = axes
+    for i, (label, records) in enumerate(runs):
+        color = f"C{i}"
+        x, y = series(records, "loss")
+        loss_ax.plot(x, y, color=color, alpha=0.35, linewidth=0.8, label=f"{label} train (batch)")
+        x, y = series(records, "val_loss")
+        loss_ax.plot(x, y, color=color, marker="o", markersize=3, label=f"{label} val")
+        lr_ax.plot(*series(records, "lr"), color=color, label=label)
+        speed_ax.plot(*series(records, "tokens_per_s"), color=color, label=label)
+    for ax, title in zip(axes, ("loss", "learning rate", "tokens/s")):
+        ax.set_title(title)
+        ax.set_xlabel("iteration")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    parser = Parser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", help="out_dirs of train.py, or metrics.jsonl files")
+    parser.add_argument("--out", help="PNG to write (default: metrics.png in the first run's directory)")
+    args = parser.parse_args(argv)
+    runs = [read_run(path) for path in args.runs]
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(metrics_file(args.runs[0]))), "metrics.png")
+    try:
+        plot(runs, out)
+    except OSError as e:
+        sys.exit(f"error: cannot write {out} ({e.strerror or e}); choose another --out")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

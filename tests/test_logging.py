@@ -1,0 +1,67 @@
+"""Seeing a run: metrics.jsonl, wandb (offline) and TensorBoard fed the same records, and
+plot.py turning metrics.jsonl files into a PNG."""
+
+import struct
+
+import checkpoint
+from conftest import read_metrics, run_script, tiny_args
+
+
+def test_wandb_offline_run_continues_the_same_run_after_resume(char_data, tmp_path):
+    out = tmp_path / "out"
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    first = run_script("train.py", *tiny_args(char_data, out, max_iters=10, wandb_log=True), env=env)
+    assert first.returncode == 0, first.stderr
+    run_id = checkpoint.load(str(out / "ckpt.pt"))["wandb_run_id"]
+    assert run_id
+
+    resumed = run_script("train.py", *tiny_args(char_data, out, max_iters=20, wandb_log=True, init_from="resume"), env=env)
+    assert resumed.returncode == 0, resumed.stderr
+    assert checkpoint.load(str(out / "ckpt.pt"))["wandb_run_id"] == run_id
+    runs = sorted(p.name for p in (out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(name.endswith(f"-{run_id}") for name in runs), runs
+    # each offline run holds its own records: the first up to iter 10, the resumed one from 10 on
+    assert all((out / "wandb" / name / f"run-{run_id}.wandb").stat().st_size > 0 for name in runs)
+
+
+def test_tensorboard_gets_the_same_scalars_as_metrics_jsonl(char_data, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "out"
+    result = run_script("train.py", *tiny_args(char_data, out, max_iters=10, tensorboard_log=True))
+    assert result.returncode == 0, result.stderr
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    records = read_metrics(out)
+    for key in ("loss", "lr", "val_loss", "train_loss"):
+        logged = [(r["iter"], r[key]) for r in records if r.get(key) is not None]
+        scalars = [(e.step, e.value) for e in events.Scalars(key)]
+        assert [s for s, _ in scalars] == [i for i, _ in logged]
+        assert all(abs(a - b) <= 1e-6 * max(1.0, abs(b)) for (_, a), (_, b) in zip(scalars, logged))  # stored as float32
+
+
+def png_size(path):
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_plot_two_runs_into_one_png(char_data, tmp_path):
+    for name, lr in (("a", 1e-2), ("b", 3e-3)):
+        result = run_script("train.py", *tiny_args(char_data, tmp_path / name, max_iters=10, learning_rate=lr, min_lr=lr / 10))
+        assert result.returncode == 0, result.stderr
+    result = run_script("plot.py", tmp_path / "a", tmp_path / "b" / "metrics.jsonl", f"--out={tmp_path / 'cmp.png'}")
+    assert result.returncode == 0, result.stderr
+    width, height = png_size(tmp_path / "cmp.png")
+    assert width > 1000 and height > 300
+
+    alone = run_script("plot.py", tmp_path / "a")  # default: beside the run's metrics
+    assert alone.returncode == 0 and (tmp_path / "a" / "metrics.png").exists()
+
+
+def test_plot_refuses_what_is_not_a_run(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello\n")
+    for path in (tmp_path / "missing", tmp_path / "notes.txt"):
+        result = run_script("plot.py", path)
+        assert result.returncode != 0 and "Traceback" not in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and str(path.name) in result.stderr
