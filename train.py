@@ -528,7 +528,8 @@ def train(cfg, rt, stop):
     state = None
     if cfg.init_from == "resume":
         state = checkpoint.load_newest(cfg.out_dir, report=print if rt.master else lambda message: None)
-        if all(state["config"].get(k) == getattr(cfg, k) for k in SHAPE_KEYS if hasattr(cfg, k)):
+        trained_with = {**as_dict(TrainConfig()), **state["config"]}  # a key an older checkpoint lacks had its default
+        if all(trained_with[k] == getattr(cfg, k) for k in SHAPE_KEYS if hasattr(cfg, k)):
             # the config it was trained with: the model is the checkpoint's, also when GPT-2's
             # weights (init_from='gpt2...') gave it a shape other than these keys say
             model_args = {**state["model_args"], "dropout": cfg.dropout}
