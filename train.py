@@ -511,6 +511,7 @@ def main(argv=None):
 def train(cfg, rt, stop):
     """The training loop; returns the process exit code (0, or EXIT_STOPPED)."""
     torch.manual_seed(cfg.seed + rt.rank)
+    say = print if rt.master else (lambda message: None)  # notes from the pieces below: rank 0 prints them
 
     # data and tokenizer
     data_dir = os.path.join("data", cfg.dataset)  # an absolute dataset path is used as it is
@@ -527,7 +528,7 @@ def train(cfg, rt, stop):
 
     state = None
     if cfg.init_from == "resume":
-        state = checkpoint.load_newest(cfg.out_dir, report=print if rt.master else lambda message: None)
+        state = checkpoint.load_newest(cfg.out_dir, report=say)
         trained_with = {**as_dict(TrainConfig()), **state["config"]}  # a key an older checkpoint lacks had its default
         if all(trained_with[k] == getattr(cfg, k) for k in SHAPE_KEYS if hasattr(cfg, k)):
             # the config it was trained with: the model is the checkpoint's, also when GPT-2's
@@ -538,7 +539,7 @@ def train(cfg, rt, stop):
     if cfg.init_from in ("scratch", "resume"):
         raw_model = GPT(GPTConfig(**model_args)).to(rt.device)
     else:  # GPT-2's weights, by name or from a Hugging Face directory; they fix the model's shape
-        raw_model, model_args = hf.load_for_training(cfg, tok_spec, report=print if rt.master else lambda message: None)
+        raw_model, model_args = hf.load_for_training(cfg, tok_spec, report=say)
         raw_model = raw_model.to(rt.device)
     if cfg.batch_size == "auto":
         # a resumed run keeps the micro-batch it started with, so its data order stays the same

@@ -42,6 +42,16 @@ def char_data(tmp_path):
     return data_dir
 
 
+def train_tiny_run(root, **overrides):
+    """root/out: a tiny character model trained on root/chars for a few steps (block_size 16)."""
+    data_dir = root / "chars"
+    data_dir.mkdir()
+    load_script("data/shakespeare_char/prepare.py").prepare(make_text(), str(data_dir))
+    result = run_script("train.py", *tiny_args(data_dir, root / "out", **overrides))
+    assert result.returncode == 0, result.stderr
+    return root / "out"
+
+
 def tiny_args(data_dir, out_dir, **overrides):
     """train.py flags for a model that trains in seconds on a CPU."""
     args = dict(

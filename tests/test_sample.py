@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import load_script, make_text, run_script, tiny_args
+from conftest import run_script, tiny_args, train_tiny_run
 
 import sample
 from model import GPT, GPTConfig, KVCache, sample_next
@@ -168,14 +168,7 @@ def test_stop_token_ends_each_row_and_then_the_batch():
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A tiny character model trained for a few steps (block_size 16)."""
-    root = tmp_path_factory.mktemp("sample")
-    data_dir = root / "chars"
-    data_dir.mkdir()
-    load_script("data/shakespeare_char/prepare.py").prepare(make_text(), str(data_dir))
-    result = run_script("train.py", *tiny_args(data_dir, root / "out", max_iters=30, lr_decay_iters=30, eval_interval=30))
-    assert result.returncode == 0, result.stderr
-    return root / "out"
+    return train_tiny_run(tmp_path_factory.mktemp("sample"), max_iters=30, lr_decay_iters=30, eval_interval=30)
 
 
 def run_sample(trained, capsys, *args):

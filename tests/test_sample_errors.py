@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import load_script, make_text, run_script, tiny_args
+from conftest import run_script, train_tiny_run
 from test_errors import assert_one_line_error
 
 CONFIG_CASES = [
@@ -21,14 +21,7 @@ def test_sample_config_errors(argv, expected):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A tiny character model (block_size 16) trained for a few steps."""
-    root = tmp_path_factory.mktemp("sample_errors")
-    data_dir = root / "chars"
-    data_dir.mkdir()
-    load_script("data/shakespeare_char/prepare.py").prepare(make_text(), str(data_dir))
-    result = run_script("train.py", *tiny_args(data_dir, root / "out", max_iters=4, lr_decay_iters=4, eval_interval=2))
-    assert result.returncode == 0, result.stderr
-    return root / "out"
+    return train_tiny_run(tmp_path_factory.mktemp("sample_errors"), max_iters=4, lr_decay_iters=4, eval_interval=2)
 
 
 def sample_with(trained, *args):
