@@ -10,8 +10,9 @@ import re
 
 import torch
 
+import tokenizer
 from configurator import UserError
-from model import GPTConfig
+from model import GPT, GPTConfig
 
 
 def save(state, path):
@@ -115,6 +116,24 @@ def load(path, map_location="cpu", mmap=False):
     if not isinstance(state, dict) or "model" not in state or "model_args" not in state:
         raise UserError(f"{path} is not a checkpoint of this trainer (no model/model_args inside)")
     return state
+
+
+def load_model(out_dir, which="best", map_location="cpu", report=print):
+    """(model, tokenizer description) from a training run's checkpoint: ckpt_best.pt when
+    which='best' and it exists, else ckpt.pt. The model is in float32 on map_location."""
+    if not os.path.isdir(out_dir):
+        raise UserError(f"out_dir={out_dir} does not exist; point --out_dir at a training run's directory")
+    path = os.path.join(out_dir, "ckpt.pt")
+    best = os.path.join(out_dir, "ckpt_best.pt")
+    if which == "best" and os.path.exists(best):
+        path = best
+    state = load(path, map_location=map_location)
+    model = GPT(GPTConfig(**state["model_args"]))
+    model.load_state_dict(model_state(state))
+    # checkpoints from nanoGPT carry no tokenizer: look in their data directory, as it did
+    tok_spec = state.get("tokenizer") or tokenizer.describe(os.path.join("data", state["config"].get("dataset", "")))
+    report(f"loaded {path} (iter {state.get('iter_num', '?')}, best val loss {state.get('best_val_loss', float('nan')):.4f})")
+    return model, tok_spec
 
 
 def model_state(state):

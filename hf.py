@@ -29,7 +29,8 @@ import shutil
 
 import torch
 
-from configurator import GPT2_MODELS, ExportConfig, SampleConfig, UserError, parse, run_main
+import checkpoint
+from configurator import GPT2_MODELS, ExportConfig, UserError, parse, run_main
 from model import GPT, GPTConfig
 
 GPT2_VOCAB = 50257  # GPT-2's BPE tokens; <|endoftext|> is the last one
@@ -123,11 +124,11 @@ def model_args_from_hf(config, dropout=0.0):
     )
 
 
-def gpt_from_hf(hf_model, dropout=0.0, cls=GPT):
+def gpt_from_hf(hf_model, dropout=0.0):
     """Our GPT with a GPT2LMHeadModel's weights -> (model, model_args); the logits agree
     to float32 rounding."""
     model_args = model_args_from_hf(hf_model.config, dropout)
-    model = cls(GPTConfig(**model_args))
+    model = GPT(GPTConfig(**model_args))
     theirs = {k: v for k, v in hf_model.state_dict().items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
     ours = model.state_dict()
     _check_same_keys(ours.keys(), theirs.keys())
@@ -154,9 +155,21 @@ def load_gpt2(name_or_path, dropout=0.0):
     return gpt_from_hf(load_hf(name_or_path), dropout)
 
 
-def from_pretrained(cls, name_or_path, dropout=0.0):
-    """GPT.from_pretrained('gpt2' | 'gpt2-medium' | 'gpt2-large' | 'gpt2-xl' | directory)."""
-    return gpt_from_hf(load_hf(name_or_path), dropout, cls)[0]
+def from_pretrained(name_or_path, dropout=0.0):
+    """Our GPT with released weights: from_pretrained('gpt2' | 'gpt2-medium' | 'gpt2-large' |
+    'gpt2-xl' | directory). (nanoGPT's GPT.from_pretrained; here, so model.py needs no hf.)"""
+    return gpt_from_hf(load_hf(name_or_path), dropout)[0]
+
+
+def load_pretrained(name_or_path):
+    """(model, tokenizer description) for sample.py and eval.py: released weights or a local
+    Hugging Face directory, with its tokenizer."""
+    model, _ = load_gpt2(name_or_path)
+    if model.config.vocab_size < GPT2_VOCAB:
+        raise UserError(f"{name_or_path} has {model.config.vocab_size} tokens, not GPT-2's {GPT2_VOCAB}: its "
+                        f"tokenizer is unknown here; sample from its training run with --out_dir")
+    print(f"loaded {name_or_path} ({model.num_params(non_embedding=False) / 1e6:.1f}M parameters)")
+    return model, GPT2_TOKENIZER
 
 
 def load_for_training(cfg, tok_spec, report=print):
@@ -260,13 +273,9 @@ def write_tokenizer(tok_spec, export_dir):
 
 
 def main(argv=None):
-    import runtime
-    import sample  # here, not at the top: sample.py imports this module
-
     cfg = parse(ExportConfig, argv)
     export_dir = cfg.export_dir or os.path.join(cfg.out_dir, "hf")
-    rt = runtime.setup("cpu", "float32")
-    model, tok_spec = sample.load_model(SampleConfig(out_dir=cfg.out_dir, checkpoint=cfg.checkpoint), rt)
+    model, tok_spec = checkpoint.load_model(cfg.out_dir, cfg.checkpoint)
     export(model, tok_spec, export_dir)
     print(f"wrote {export_dir}: GPT2LMHeadModel.from_pretrained({export_dir!r}) loads it")
 

@@ -201,14 +201,6 @@ class GPT(nn.Module):
         # long contexts, about a third more compute (train.py sets it from activation_checkpointing)
         self.activation_checkpointing = False
 
-    @classmethod
-    def from_pretrained(cls, name_or_path, dropout=0.0):
-        """Released GPT-2 weights: 'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl', or a local
-        Hugging Face GPT-2 directory. Needs transformers (imported only here, through hf.py)."""
-        import hf  # here, not at the top: hf.py imports this module
-
-        return hf.from_pretrained(cls, name_or_path, dropout)
-
     def _init_weights(self, module):
         # norms keep their own init: weight 1, bias 0
         if isinstance(module, nn.Linear):

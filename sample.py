@@ -24,34 +24,8 @@ import hf
 import runtime
 import tokenizer
 from configurator import SampleConfig, UserError, parse, run_main
-from model import GPT, GPTConfig
 
 SEPARATOR = "---------------"
-
-
-def load_model(cfg, rt):
-    """The model and tokenizer description from out_dir's best (or latest) checkpoint, or GPT-2's
-    weights (init_from a released name or a Hugging Face directory) with GPT-2's tokenizer."""
-    if cfg.init_from != "resume":
-        model, _ = hf.load_gpt2(cfg.init_from)
-        if model.config.vocab_size < hf.GPT2_VOCAB:
-            raise UserError(f"{cfg.init_from} has {model.config.vocab_size} tokens, not GPT-2's {hf.GPT2_VOCAB}: its "
-                            f"tokenizer is unknown here; sample from its training run with --out_dir")
-        print(f"loaded {cfg.init_from} ({model.num_params(non_embedding=False) / 1e6:.1f}M parameters)")
-        return model, hf.GPT2_TOKENIZER
-    if not os.path.isdir(cfg.out_dir):
-        raise UserError(f"out_dir={cfg.out_dir} does not exist; point --out_dir at a training run's directory")
-    path = os.path.join(cfg.out_dir, "ckpt.pt")
-    best = os.path.join(cfg.out_dir, "ckpt_best.pt")
-    if cfg.checkpoint == "best" and os.path.exists(best):
-        path = best
-    state = checkpoint.load(path, map_location=rt.device)
-    model = GPT(GPTConfig(**state["model_args"]))
-    model.load_state_dict(checkpoint.model_state(state))
-    # checkpoints from nanoGPT carry no tokenizer: look in their data directory, as it did
-    tok_spec = state.get("tokenizer") or tokenizer.describe(os.path.join("data", state["config"].get("dataset", "")))
-    print(f"loaded {path} (iter {state.get('iter_num', '?')}, best val loss {state.get('best_val_loss', float('nan')):.4f})")
-    return model, tok_spec
 
 
 def read_text(path, what):
@@ -126,7 +100,10 @@ def sample_prompt(model, cfg, ids, stop, device, stream=None):
 def main(argv=None):
     cfg = parse(SampleConfig, argv)
     rt = runtime.setup(cfg.device, cfg.dtype)
-    model, tok_spec = load_model(cfg, rt)
+    if cfg.init_from == "resume":
+        model, tok_spec = checkpoint.load_model(cfg.out_dir, cfg.checkpoint, map_location=rt.device)
+    else:  # released GPT-2 weights, or a Hugging Face directory
+        model, tok_spec = hf.load_pretrained(cfg.init_from)
     model.eval().to(rt.device)
     block_size = model.config.block_size
     if cfg.window_shift is not None and cfg.window_shift >= block_size:

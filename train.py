@@ -119,7 +119,7 @@ def train_step(model, optimizer, scaler, next_batch, lr, accum_steps, grad_clip,
     finite is skipped: the weights and optimizer state stay as they were. (`poison` turns the
     loss into NaN, for the tests of that path.)"""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)  # a group with its own peak (e.g. Muon's) scales with the schedule
     total = torch.zeros((), device=rt.device)
     x, y = next_batch()
     for micro in range(accum_steps):

@@ -11,8 +11,8 @@ from conftest import make_text, run_script
 transformers = pytest.importorskip("transformers")
 from transformers import GPT2Config, GPT2LMHeadModel, GPT2Tokenizer  # noqa: E402
 
+import checkpoint  # noqa: E402
 import hf  # noqa: E402
-import runtime  # noqa: E402
 import sample  # noqa: E402
 import tokenizer  # noqa: E402
 from configurator import TrainConfig, UserError, parse  # noqa: E402
@@ -73,7 +73,7 @@ def test_import_gives_transformers_logits(options):
 def test_from_pretrained_reads_a_directory(tmp_path):
     reference = randomize(GPT2LMHeadModel(GPT2Config(**SMALL)))
     reference.save_pretrained(tmp_path / "gpt2")
-    model = GPT.from_pretrained(str(tmp_path / "gpt2"))
+    model = hf.from_pretrained(str(tmp_path / "gpt2"))
     assert isinstance(model, GPT)
     idx = tokens()
     assert max_diff(our_logits(model, idx), their_logits(reference, idx)) <= TOL
@@ -198,7 +198,7 @@ def test_a_finetuned_run_resumes_with_the_same_command(finetuned):
 def test_export_of_the_finetuned_checkpoint_matches_it(finetuned, capsys):
     root, _, _ = finetuned
     hf.main([f"--out_dir={root / 'out'}", "--checkpoint=latest", f"--export_dir={root / 'export'}"])
-    model, _ = sample.load_model(sample.SampleConfig(out_dir=str(root / "out"), checkpoint="latest"), runtime.setup("cpu"))
+    model, _ = checkpoint.load_model(str(root / "out"), "latest")
     exported = GPT2LMHeadModel.from_pretrained(root / "export")
     idx = tokens(T=32)
     assert max_diff(their_logits(exported, idx), our_logits(model, idx)) <= TOL
