@@ -1,18 +1,36 @@
-"""Checkpoints that never corrupt: written atomically, loaded without unpickling code.
+"""Checkpoints that never corrupt and scale past one host's memory, in two formats:
 
-A checkpoint is a dict of tensors and plain values (see train.py's make_checkpoint):
-model, optimizer, scaler, iter_num, best_val_loss, config, model_args, tokenizer, rng.
-The key names match nanoGPT's, so its notebooks and scripts can read ours.
+  full     out_dir/ckpt.pt, one file: the whole state gathered on rank 0 and written atomically.
+           nanoGPT's key names, so its notebooks and scripts read ours.
+  sharded  out_dir/ckpt_<iter>/, a torch.distributed.checkpoint (DCP) directory: every rank
+           writes its own shards of the weights and optimizer state and its RNG states;
+           checkpoint.json (iter, data position, config, scaler) is written last by rank 0 and
+           marks the directory complete. DCP reshards on load, so any world size resumes it.
+
+Either is written synchronously or in the background (Checkpointer, which train.py drives).
+Nothing is unpickled on load: torch.load(weights_only=True), DCP's tensors and JSON.
+
+    python checkpoint.py out/ckpt_0000200 out/ckpt_0000200.pt   # a sharded checkpoint as one full file
 """
 
+import concurrent.futures
+import json
 import os
 import re
+import shutil
+import sys
 
 import torch
+import torch.distributed as dist
 
 import tokenizer
-from configurator import UserError
+from configurator import UserError, run_main
 from model import GPT, GPTConfig
+
+COMMIT = "checkpoint.json"  # in a sharded directory, written last: without it the directory is incomplete
+
+
+# ---------------------------------------------------------------------------- the full format (one file)
 
 
 def save(state, path):
@@ -28,9 +46,17 @@ def save(state, path):
     except OSError as e:  # disk full, permission, quota: the old checkpoint is still whole
         if os.path.lexists(tmp):
             os.remove(tmp)
-        raise UserError(f"could not write checkpoint {path} ({e.strerror or e}); the previous checkpoint is untouched: "
-                        f"free space or fix the permissions, then --init_from=resume")
-    # make the rename itself durable
+        raise UserError(_write_failed(path, e))
+    _fsync_dir(path)
+
+
+def _write_failed(path, e):
+    return (f"could not write checkpoint {path} ({getattr(e, 'strerror', None) or e}); the previous checkpoint is "
+            f"untouched: free space or fix the permissions, then --init_from=resume")
+
+
+def _fsync_dir(path):
+    """Make a rename (or a new file) in path's directory durable."""
     dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
     try:
         os.fsync(dir_fd)
@@ -68,68 +94,280 @@ def save_rotating(state, out_dir, keep_last=1):
     return latest
 
 
-def _numbered(out_dir):
-    """{iter: path} of the ckpt_<iter>.pt files in out_dir."""
+def _numbered(out_dir, pattern=r"ckpt_(\d+)\.pt"):
+    """{iter: path} of the ckpt_<iter>.pt files (or, with pattern, directories) in out_dir."""
     found = {}
     for name in os.listdir(out_dir) if os.path.isdir(out_dir) else []:
-        m = re.fullmatch(r"ckpt_(\d+)\.pt", name)
+        m = re.fullmatch(pattern, name)
         if m:
             found[int(m.group(1))] = os.path.join(out_dir, name)
     return found
 
 
-def load_newest(out_dir, map_location="cpu", report=print):
-    """The checkpoint in out_dir with the highest iter_num among those that load whole:
-    ckpt.pt, or a ckpt_<iter>.pt when ckpt.pt is missing, damaged or older. Files are
-    memory-mapped, so looking at several costs no more memory than loading one."""
-    latest = os.path.join(out_dir, "ckpt.pt")
-    candidates = [latest] + [p for _, p in sorted(_numbered(out_dir).items(), reverse=True)]
-    candidates = [p for p in candidates if os.path.isfile(p)]
-    if not candidates:
-        return load(latest, map_location)  # its one-line "no checkpoint" error
-    best, problems = None, []
-    for path in candidates:
-        try:
-            state = load(path, map_location, mmap=True)
-        except UserError as e:
-            problems.append(str(e))
-            continue
-        if best is None or state["iter_num"] > best[1]["iter_num"]:
-            best = (path, state)
-    if best is None:
-        raise UserError(problems[0] if len(problems) == 1 else f"no readable checkpoint in {out_dir}: {'; '.join(problems)}")
-    for problem in problems:
-        report(f"note: skipped {problem}")
-    if best[0] != latest:
-        report(f"note: resuming from {best[0]} (iter {best[1]['iter_num']}), the newest complete checkpoint")
-    return best[1]
-
-
 def load(path, map_location="cpu", mmap=False):
+    """A checkpoint of either format as one dict (a sharded directory is read whole)."""
+    if os.path.isdir(path):
+        return read_sharded(path)
     if not os.path.isfile(path):
         raise UserError(f"no checkpoint at {path}; train one first (python train.py ...) or check --out_dir")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
-    except Exception as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{path} is not a readable checkpoint ({reason[:200]})")
+    except Exception:
+        with open(path, "rb") as f:
+            zipped = f.read(4) == b"PK\x03\x04"  # torch.save's files are zip archives
+        raise UserError(damaged(path, "cut short or corrupted" if zipped else "not a PyTorch file"))
     if not isinstance(state, dict) or "model" not in state or "model_args" not in state:
-        raise UserError(f"{path} is not a checkpoint of this trainer (no model/model_args inside)")
+        raise UserError(damaged(path, "a PyTorch file without model/model_args inside"))
     return state
 
 
+def damaged(path, what):
+    return (f"{path} is damaged or not a checkpoint of this trainer ({what}); copy it again if it came from "
+            f"elsewhere, or resume from an earlier checkpoint in its directory (keep_last)")
+
+
+# ---------------------------------------------------------------------------- what a checkpoint holds
+
+
+def make_checkpoint(raw_model, optimizer, scaler, fsdp, info, batches, rt):
+    """The full format's dict: everything needed to continue exactly. A collective call under
+    DDP/FSDP (RNG states and FSDP's shards are gathered); only rank 0's is complete."""
+    weights, optimizer_state = full_state(raw_model, optimizer, fsdp)
+    return {
+        "model": weights,  # the plain module's: no DDP or torch.compile prefixes
+        "optimizer": optimizer_state,
+        "scaler": scaler.state_dict() if scaler.is_enabled() else None,
+        **info,  # model_args, config, tokenizer, iter_num, best_val_loss, wandb_run_id
+        "rng": {**gather_rng(rt), "batches": batches.rng.bit_generator.state},
+    }
+
+
+def gather_rng(rt):
+    """{'torch': [each rank's CPU RNG state], 'cuda': [...]}: each rank resumes its own dropout stream."""
+    rng = {"torch": [torch.get_rng_state()]}
+    if rt.device_type == "cuda":
+        rng["cuda"] = [torch.cuda.get_rng_state(rt.device)]
+    if rt.ddp:
+        for key in rng:
+            gathered = [None] * rt.world_size
+            dist.all_gather_object(gathered, rng[key][0].cpu())
+            rng[key] = gathered
+    return rng
+
+
+# The full format whatever the parallelism: the plain module's whole state_dict and torch's own
+# optimizer state_dict (state keyed by parameter index). Under FSDP both are gathered into rank
+# 0's CPU memory with torch.distributed.checkpoint's state_dict API, and on resume every rank keeps
+# its own shards of the whole state. The price: rank 0 holds everything in host memory (16 bytes
+# per parameter with AdamW, ~20 GB at 1.2B parameters); the sharded format never gathers.
+def full_state(raw_model, optimizer, fsdp):
+    """(model state_dict, optimizer state_dict), whole. Under FSDP a collective call, after
+    which only rank 0's are filled."""
+    if not fsdp:
+        return raw_model.state_dict(), optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    weights, by_name = get_state_dict(raw_model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return weights, (_indexed(by_name) if by_name else by_name)  # ranks other than 0 get nothing
+
+
+def _indexed(by_name):
+    """An optimizer state_dict keyed by parameter name (the DCP API's) as torch's Optimizer.state_dict
+    numbers them: in param_groups order."""
+    index = {name: i for i, name in enumerate(name for group in by_name["param_groups"] for name in group["params"])}
+    return {"state": {index[name]: s for name, s in by_name["state"].items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in by_name["param_groups"]]}
+
+
+def load_full_state(raw_model, optimizer, weights, optimizer_state, fsdp):
+    """Load a whole model and optimizer state_dict; under FSDP each rank keeps its own shards."""
+    if not fsdp:
+        raw_model.load_state_dict(weights)
+        optimizer.load_state_dict(optimizer_state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    names = {p: name for name, p in raw_model.named_parameters()}
+    order = [names[p] for group in optimizer.param_groups for p in group["params"]]  # index -> name
+    by_name = {"state": {order[i]: s for i, s in optimizer_state["state"].items()},
+               "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in optimizer_state["param_groups"]]}
+    set_state_dict(raw_model, optimizer, model_state_dict=weights, optim_state_dict=by_name,
+                   options=StateDictOptions(full_state_dict=True))
+
+
+def restore(state, raw_model, optimizer, scaler, fsdp):
+    """Put a checkpoint from load_newest into the model, optimizer and scaler (before compile/DDP
+    wrapping, after FSDP sharding). A collective call under DDP/FSDP for a sharded one."""
+    if state["format"] == "sharded":
+        _load_sharded_into(state, raw_model, optimizer)
+    else:
+        load_full_state(raw_model, optimizer, model_state(state), state["optimizer"], fsdp)
+    if state.get("scaler") and scaler.is_enabled():
+        scaler.load_state_dict(state["scaler"])
+
+
+def restore_rng(state, batches, rt):
+    """Each rank's dropout stream, when the world size is the checkpoint's, and the data position.
+    The data order depends only on the one batch stream, so it stays exact across world sizes
+    as long as the global batch does."""
+    rng = state["rng"]
+    if len(rng["torch"]) == rt.world_size:
+        torch.set_rng_state(rng["torch"][rt.rank])
+        if "cuda" in rng and rt.device_type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"][rt.rank], rt.device)
+    elif rt.master:
+        print(f"note: checkpoint was written by {len(rng['torch'])} rank(s), this run has {rt.world_size}: dropout RNG reseeded")
+    batches.rng.bit_generator.state = rng["batches"]
+
+
+# ---------------------------------------------------------------------------- the sharded format (a DCP directory)
+
+
+def sharded_state(raw_model, optimizer, rt):
+    """(tensors for DCP, optimizer param_groups for checkpoint.json). The state_dict API names
+    parameters the same way whatever the wrapping, so any world size can load them; under FSDP
+    the values are this rank's DTensor shards. Only tensors go to DCP: it would pickle the rest."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    weights, optim = get_state_dict(raw_model, getattr(optimizer, "optimizers", [optimizer]))
+    rng = {f"torch_{rt.rank}": torch.get_rng_state()}  # each rank writes its own (distinct keys are not deduplicated)
+    if rt.device_type == "cuda":
+        rng[f"cuda_{rt.rank}"] = torch.cuda.get_rng_state(rt.device)
+    return {"model": weights, "optimizer": optim["state"], "rng": rng}, optim["param_groups"]
+
+
+def sharded_meta(scaler, info, batches, param_groups, rt):
+    """checkpoint.json's content: the small, plain part of the state."""
+    return {**info, "format": "sharded", "world_size": rt.world_size, "cuda_rng": rt.device_type == "cuda",
+            "scaler": scaler.state_dict() if scaler.is_enabled() else None,
+            "batches": batches.rng.bit_generator.state, "param_groups": param_groups}
+
+
+def _check_sharded(path):
+    """checkpoint.json of a complete sharded directory, after checking every shard DCP's
+    .metadata names is there whole; one line otherwise."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not os.path.isfile(os.path.join(path, COMMIT)):
+        raise UserError(f"{path} is incomplete (no {COMMIT}: its write was cut short); resume from an earlier checkpoint")
+    try:
+        with open(os.path.join(path, COMMIT)) as f:
+            meta = json.load(f)
+        storage = FileSystemReader(path).read_metadata().storage_data
+    except Exception:
+        raise UserError(damaged(path, f"unreadable {COMMIT} or .metadata"))
+    ends = {}
+    for info in storage.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        shard = os.path.join(path, name)
+        if not os.path.isfile(shard):
+            raise UserError(f"{path} is missing its shard {name} (every rank writes one); copy the whole directory, "
+                            f"or resume from an earlier checkpoint")
+        if os.path.getsize(shard) < end:
+            raise UserError(damaged(path, f"shard {name} is cut short"))
+    return meta
+
+
+def read_sharded(path):
+    """A sharded checkpoint whole, in the full format's layout, in one process (no process group)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    meta = _check_sharded(path)
+    tensors = {}
+    _load_state_dict(tensors, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    rng = {"torch": [tensors["rng"][f"torch_{r}"] for r in range(meta["world_size"])], "batches": meta["batches"]}
+    if meta["cuda_rng"]:
+        rng["cuda"] = [tensors["rng"][f"cuda_{r}"] for r in range(meta["world_size"])]
+    state = {k: v for k, v in meta.items() if k not in ("format", "world_size", "cuda_rng", "batches", "param_groups")}
+    return {**state, "model": tensors["model"], "rng": rng,
+            "optimizer": _indexed({"state": tensors["optimizer"], "param_groups": meta["param_groups"]})}
+
+
+def _load_sharded_into(state, raw_model, optimizer):
+    """DCP reads each rank's part of the weights, optimizer state and every rank's RNG states
+    straight into the (possibly sharded) model and optimizer, resharding when the world size changed."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict, get_state_dict
+
+    optimizers = getattr(optimizer, "optimizers", [optimizer])
+    weights, optim = get_state_dict(raw_model, optimizers)  # the API takes a zero step to create empty AdamW state
+    n = state["world_size"]
+    rng = {f"{kind}_{r}": torch.get_rng_state() if kind == "torch" else torch.cuda.get_rng_state()
+           for kind in ("torch", "cuda") if kind == "torch" or state["cuda_rng"] for r in range(n)}
+    dcp.load({"model": weights, "optimizer": optim["state"], "rng": rng}, checkpoint_id=state["path"],
+             no_dist=not (dist.is_available() and dist.is_initialized()))
+    set_state_dict(raw_model, optimizers, model_state_dict=weights,
+                   optim_state_dict={"state": optim["state"], "param_groups": state["param_groups"]})
+    state["rng"] = {kind: [rng[f"{kind}_{r}"] for r in range(n)] for kind in ("torch", "cuda") if f"{kind}_0" in rng}
+    state["rng"]["batches"] = state["batches"]
+
+
+def _sharded_dirs(out_dir):
+    return _numbered(out_dir, r"ckpt_(\d+)")
+
+
+# ---------------------------------------------------------------------------- finding the newest
+
+
+def load_newest(out_dir, map_location="cpu", report=print):
+    """The checkpoint in out_dir with the highest iter_num among those whole, of either format:
+    ckpt.pt, a ckpt_<iter>.pt, or a complete ckpt_<iter>/ directory. A full one is loaded (memory-
+    mapped); a sharded one is its checkpoint.json plus 'path', for restore() to read into the model."""
+    latest = os.path.join(out_dir, "ckpt.pt")
+    files = [latest] + [p for _, p in sorted(_numbered(out_dir).items(), reverse=True)]
+    files = [p for p in files if os.path.isfile(p)]
+    dirs = [p for _, p in sorted(_sharded_dirs(out_dir).items(), reverse=True)]
+    if not files and not dirs:
+        return load(latest, map_location)  # its one-line "no checkpoint" error
+    best, problems = None, []
+    for path in files + dirs:
+        try:
+            if os.path.isdir(path):
+                state = {**_check_sharded(path), "path": path}
+            else:
+                state = {**load(path, map_location, mmap=True), "format": "full", "path": path}
+        except UserError as e:
+            problems.append(str(e))
+            continue
+        if best is None or state["iter_num"] > best["iter_num"]:
+            best = state
+    if best is None:
+        raise UserError(problems[0] if len(problems) == 1 else f"no readable checkpoint in {out_dir}: {'; '.join(problems)}")
+    for problem in problems:
+        report(f"note: skipped {problem}")
+    if problems or (best["format"] == "full" and best["path"] != latest):
+        report(f"note: resuming from {best['path']} (iter {best['iter_num']}), the newest complete checkpoint")
+    return best
+
+
 def load_model(out_dir, which="best", map_location="cpu", report=print):
-    """(model, tokenizer description) from a training run's checkpoint: ckpt_best.pt when
-    which='best' and it exists, else ckpt.pt. The model is in float32 on map_location."""
+    """(model, tokenizer description) from a training run's checkpoint of either format:
+    ckpt_best.pt / ckpt_best when which='best' and it exists, else the newest. The model is in
+    float32 on map_location. A sharded checkpoint is read in this one process, weights only."""
     if not os.path.isdir(out_dir):
         raise UserError(f"out_dir={out_dir} does not exist; point --out_dir at a training run's directory")
-    path = os.path.join(out_dir, "ckpt.pt")
-    best = os.path.join(out_dir, "ckpt_best.pt")
-    if which == "best" and os.path.exists(best):
-        path = best
-    state = load(path, map_location=map_location)
-    model = GPT(GPTConfig(**state["model_args"]))
-    model.load_state_dict(model_state(state))
+    best = [p for p in (os.path.join(out_dir, "ckpt_best.pt"), os.path.join(out_dir, "ckpt_best")) if os.path.exists(p)]
+    if which == "best" and best:
+        path = max(best, key=lambda p: os.lstat(p).st_mtime)  # the newer, should a run have changed format
+    else:
+        path = os.path.join(out_dir, "ckpt.pt")
+        dirs = _sharded_dirs(out_dir)
+        if dirs and (not os.path.exists(path) or os.path.getmtime(dirs[max(dirs)]) > os.path.getmtime(path)):
+            path = dirs[max(dirs)]
+    if os.path.isdir(path):
+        import torch.distributed.checkpoint as dcp
+
+        state = _check_sharded(path)
+        model = GPT(GPTConfig(**state["model_args"]))
+        dcp.load({"model": model.state_dict()}, checkpoint_id=path, no_dist=True)  # into the model's own tensors
+        model.to(map_location)
+    else:
+        state = load(path, map_location=map_location)
+        model = GPT(GPTConfig(**state["model_args"]))
+        model.load_state_dict(model_state(state))
     # checkpoints from nanoGPT carry no tokenizer: look in their data directory, as it did
     tok_spec = state.get("tokenizer") or tokenizer.describe(os.path.join("data", state["config"].get("dataset", "")))
     report(f"loaded {path} (iter {state.get('iter_num', '?')}, best val loss {state.get('best_val_loss', float('nan')):.4f})")
@@ -147,3 +385,174 @@ def model_state(state):
         if w is not None and w.size(0) < rows:
             weights[key] = torch.cat([w, w.new_zeros(rows - w.size(0), w.size(1))])
     return weights
+
+
+# ---------------------------------------------------------------------------- writing during training
+
+
+class Checkpointer:
+    """train.py's saves, in either format, synchronously or in the background. At most one save
+    is in flight: poll() at every step boundary commits it once every rank's part is written
+    (it never waits, and touches only host memory), and wait() blocks for it (before the next
+    save, at the end, on a stop). A failed write is one UserError on every rank, and the previous
+    complete checkpoint stays. `latest` is the newest committed checkpoint's path."""
+
+    def __init__(self, out_dir, fmt, keep_last, asynchronous, rt):
+        self.out_dir, self.fmt, self.keep_last, self.asynchronous, self.rt = out_dir, fmt, keep_last, asynchronous, rt
+        self.latest = os.path.join(out_dir, "ckpt.pt")
+        self.pending = None  # (future, path, best, checkpoint.json's content or None)
+        # gloo groups of their own, so host-side checks and DCP's background thread never
+        # interleave with the training's collectives, or with each other's
+        self.status = dist.new_group(backend="gloo") if rt.ddp else None
+        self.dcp_group = dist.new_group(backend="gloo") if rt.ddp and fmt == "sharded" else None
+        self.writer = concurrent.futures.ThreadPoolExecutor(1) if asynchronous and fmt == "full" else None
+
+    def save(self, raw_model, optimizer, scaler, fsdp, info, batches, best=False):
+        """Stage the state (a collective call under DDP/FSDP) and write it; `best` links
+        ckpt_best to it once it is complete. info: model_args, config, tokenizer, iter_num,
+        best_val_loss, wandb_run_id."""
+        self.wait()
+        meta, future = None, None
+        if self.fmt == "full":
+            path = os.path.join(self.out_dir, "ckpt.pt")
+            state = make_checkpoint(raw_model, optimizer, scaler, fsdp, info, batches, self.rt)
+            if self.rt.master and self.asynchronous:
+                future = self.writer.submit(save_rotating, _to_host(state), self.out_dir, self.keep_last)
+            elif self.rt.master:
+                future = _done(save_rotating, state, self.out_dir, self.keep_last)
+        else:
+            import torch.distributed.checkpoint as dcp
+
+            path = os.path.join(self.out_dir, f"ckpt_{info['iter_num']:07d}")
+            if self.rt.master and os.path.exists(os.path.join(path, COMMIT)):
+                os.remove(os.path.join(path, COMMIT))  # a directory being rewritten is not complete
+            tensors, param_groups = sharded_state(raw_model, optimizer, self.rt)
+            meta = sharded_meta(scaler, info, batches, param_groups, self.rt)
+            if self.asynchronous:  # copies the tensors to host memory now, writes them in a thread
+                future = dcp.async_save(tensors, checkpoint_id=path, process_group=self.dcp_group, no_dist=not self.rt.ddp)
+            else:
+                future = _done(dcp.save, tensors, checkpoint_id=path, process_group=self.dcp_group, no_dist=not self.rt.ddp)
+        self.pending = (future, path, best, meta)
+        if not self.asynchronous:
+            self.wait()
+
+    def poll(self):
+        """Commit the save in flight if every rank's part is written; raise if it failed."""
+        if self.pending is None:
+            return
+        future = self.pending[0]
+        if self._agree(future is not None and not future.done()):  # a concurrent.futures check: no device sync
+            return
+        self._finish()
+
+    def wait(self):
+        if self.pending is not None:
+            if self.pending[0] is not None:
+                concurrent.futures.wait([self.pending[0]])
+            self._finish()
+
+    def _agree(self, flag):
+        """True when `flag` is true on any rank (a CPU all-reduce on our own gloo group)."""
+        if self.status is None:
+            return flag
+        t = torch.tensor([float(flag)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.status)
+        return bool(t.item())
+
+    def _finish(self):
+        future, path, best, meta = self.pending
+        self.pending = None
+        error = future.exception() if future is not None else None
+        if self._agree(error is not None):
+            if error is None:
+                raise UserError(f"another rank could not write checkpoint {path} (see its message); the previous "
+                                f"checkpoint is untouched: free space or fix the permissions, then --init_from=resume")
+            raise UserError(str(error) if isinstance(error, UserError) else _write_failed(path, _cause(error)))
+        if self.rt.master:
+            if meta is not None:
+                _write_json(os.path.join(path, COMMIT), meta)  # last: from here on the directory is complete
+            if best:
+                _link_best(path)
+            if meta is not None:
+                self._rotate_sharded()
+        self.latest = path
+
+    def _rotate_sharded(self):
+        """Keep the keep_last newest complete directories and ckpt_best's; remove the rest,
+        incomplete ones included (what a crash left)."""
+        best = os.path.realpath(os.path.join(self.out_dir, "ckpt_best"))
+        dirs = sorted(_sharded_dirs(self.out_dir).items(), reverse=True)
+        complete = [p for _, p in dirs if os.path.isfile(os.path.join(p, COMMIT))]
+        for _, p in dirs:
+            if p not in complete[: self.keep_last] and os.path.realpath(p) != best:
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def _done(fn, *args, **kwargs):
+    """A finished Future holding fn's result or exception: the synchronous path looks like the other."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    future = concurrent.futures.Future()
+    try:
+        future.set_result(fn(*args, **kwargs))
+    except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+        future.set_exception(e)
+    return future
+
+
+def _cause(error):
+    """The first OSError (or whatever) behind DCP's CheckpointException, which wraps every rank's."""
+    for exc, _ in getattr(error, "failures", {}).values():
+        return exc
+    return error
+
+
+def _to_host(obj):
+    """A copy of a checkpoint dict with every tensor in (unshared) host memory: the background
+    write must not see the weights the next steps change."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_host(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_host(v) for v in obj)
+    return obj
+
+
+def _write_json(path, obj):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path)
+
+
+def _link_best(path):
+    """ckpt_best.pt, a hard link to the file, or ckpt_best, a relative symlink to the directory."""
+    if os.path.isdir(path):
+        link = os.path.join(os.path.dirname(path), "ckpt_best")
+        if os.path.lexists(link + ".tmp"):
+            os.remove(link + ".tmp")
+        os.symlink(os.path.basename(path), link + ".tmp")
+        os.replace(link + ".tmp", link)
+    else:
+        link_or_copy(path, os.path.join(os.path.dirname(path), "ckpt_best.pt"))
+
+
+# ---------------------------------------------------------------------------- conversion
+
+
+def main(argv=None):
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2 or not os.path.isdir(args[0]):
+        raise UserError("usage: python checkpoint.py out/ckpt_<iter> out/ckpt_<iter>.pt (a sharded checkpoint "
+                        "directory, then the single file to write)")
+    state = read_sharded(args[0])
+    save(state, args[1])
+    print(f"wrote {args[1]} (iter {state['iter_num']}): the full format, as checkpoint_format='full' writes it")
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -54,6 +54,8 @@ class TrainConfig:
     eval_only: bool = False  # evaluate once, then exit
     always_save_checkpoint: bool = True  # write ckpt.pt at every eval, not only when val improves
     keep_last: int = 1  # checkpoints kept: ckpt.pt is the newest; with N > 1 the N newest also stay as ckpt_<iter>.pt
+    checkpoint_format: str = "auto"  # 'full' (one file, ckpt.pt), 'sharded' (a directory ckpt_<iter>/ of per-rank shards) or 'auto' (sharded under FSDP, else full)
+    async_checkpoint: bool = False  # write checkpoints in the background while training goes on (state copied to host memory first)
     init_from: str = "scratch"  # 'scratch', 'resume' (from out_dir/ckpt.pt), 'gpt2'/'gpt2-medium'/'gpt2-large'/'gpt2-xl' or a Hugging Face GPT-2 directory
     max_minutes: float = 0.0  # stop after this many minutes with a checkpoint (exit code 75); 0: no limit
     max_bad_steps: int = 10  # stop when this many steps in a row have a non-finite loss or gradient norm
@@ -132,6 +134,7 @@ class TrainConfig:
         _require_choice("norm", self.norm, ("layernorm", "rmsnorm"))
         _require_choice("mlp", self.mlp, ("gelu", "gelu_tanh", "swiglu"))
         _require_choice("parallelism", self.parallelism, ("ddp", "fsdp"))
+        _require_choice("checkpoint_format", self.checkpoint_format, ("auto", "full", "sharded"))
         _require(self.learning_rate > 0 and self.min_lr >= 0, "learning_rate must be > 0 and min_lr >= 0")
         _require(self.grad_clip >= 0, f"grad_clip={self.grad_clip} must be >= 0 (0 disables clipping)")
         _require(not self.decay_lr or self.lr_decay_iters > self.warmup_iters >= 0,

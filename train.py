@@ -214,9 +214,7 @@ def build(raw_model, cfg, rt, state=None):
     optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), rt.device_type)
     scaler = torch.amp.GradScaler(rt.device_type, enabled=rt.dtype == torch.float16)  # loss scaling only for fp16
     if state is not None:
-        load_full_state(raw_model, optimizer, checkpoint.model_state(state), state["optimizer"], fsdp)
-        if state.get("scaler") and scaler.is_enabled():
-            scaler.load_state_dict(state["scaler"])
+        checkpoint.restore(state, raw_model, optimizer, scaler, fsdp)
     model = torch.compile(raw_model) if cfg.compile else raw_model
     train_model = DDP(model, device_ids=[rt.local_rank] if rt.device_type == "cuda" else None) if rt.ddp and not fsdp else model
     return model, train_model, optimizer, scaler
@@ -306,81 +304,6 @@ def auto_batch_size(model, cfg, rt, safety=0.85):
 
 
 # ---------------------------------------------------------------------------- checkpoints and logs
-
-
-def make_checkpoint(raw_model, optimizer, scaler, cfg, model_args, tok_spec, iter_num, best_val_loss, batches, rt):
-    """Everything needed to continue exactly; a collective call under DDP (RNG states are gathered)."""
-    rng = {"torch": [torch.get_rng_state()], "batches": batches.rng.bit_generator.state}
-    if rt.device_type == "cuda":
-        rng["cuda"] = [torch.cuda.get_rng_state(rt.device)]
-    if rt.ddp:  # every rank's dropout stream, so each one resumes its own
-        for key in ("torch", "cuda"):
-            if key in rng:
-                gathered = [None] * rt.world_size
-                dist.all_gather_object(gathered, rng[key][0].cpu())
-                rng[key] = gathered
-    weights, optimizer_state = full_state(raw_model, optimizer, uses_fsdp(cfg, rt))
-    return {
-        "model": weights,  # the plain module's: no DDP or torch.compile prefixes
-        "optimizer": optimizer_state,
-        "scaler": scaler.state_dict() if scaler.is_enabled() else None,
-        "model_args": model_args,
-        "config": as_dict(cfg),
-        "tokenizer": tok_spec,
-        "iter_num": iter_num,
-        "best_val_loss": best_val_loss,
-        "rng": rng,
-    }
-
-
-# One checkpoint format whatever the parallelism: the plain module's whole state_dict and torch's
-# own optimizer state_dict (state keyed by parameter index). Under FSDP both are gathered into
-# rank 0's CPU memory with torch.distributed.checkpoint's state_dict API, and on resume every rank
-# keeps its own shards of the whole state. So sample.py, nanoGPT's scripts, and a resume under DDP
-# or another world size all read the same file. The price: rank 0 holds everything in host memory
-# (16 bytes per parameter with AdamW, ~20 GB at 1.2B parameters), fine up to a few billion
-# parameters; past that, torch.distributed.checkpoint's sharded directories are the format to add.
-def full_state(raw_model, optimizer, fsdp):
-    """(model state_dict, optimizer state_dict), whole. Under FSDP a collective call, after
-    which only rank 0's are filled."""
-    if not fsdp:
-        return raw_model.state_dict(), optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    weights, by_name = get_state_dict(raw_model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if not by_name:  # ranks other than 0
-        return weights, by_name
-    # the API names parameters; torch's Optimizer.state_dict numbers them in param_groups order
-    index = {name: i for i, name in enumerate(name for group in by_name["param_groups"] for name in group["params"])}
-    return weights, {"state": {index[name]: s for name, s in by_name["state"].items()},
-                     "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in by_name["param_groups"]]}
-
-
-def load_full_state(raw_model, optimizer, weights, optimizer_state, fsdp):
-    """Load a whole model and optimizer state_dict; under FSDP each rank keeps its own shards."""
-    if not fsdp:
-        raw_model.load_state_dict(weights)
-        optimizer.load_state_dict(optimizer_state)
-        return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-    names = {p: name for name, p in raw_model.named_parameters()}
-    order = [names[p] for group in optimizer.param_groups for p in group["params"]]  # index -> name
-    by_name = {"state": {order[i]: s for i, s in optimizer_state["state"].items()},
-               "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in optimizer_state["param_groups"]]}
-    set_state_dict(raw_model, optimizer, model_state_dict=weights, optim_state_dict=by_name,
-                   options=StateDictOptions(full_state_dict=True))
-
-
-def restore_rng(state, batches, rt):
-    rng = state["rng"]
-    if len(rng["torch"]) == rt.world_size:
-        torch.set_rng_state(rng["torch"][rt.rank])
-        if "cuda" in rng and rt.device_type == "cuda":
-            torch.cuda.set_rng_state(rng["cuda"][rt.rank], rt.device)
-    elif rt.master:
-        print(f"note: checkpoint was written by {len(rng['torch'])} rank(s), this run has {rt.world_size}: dropout RNG reseeded")
-    batches.rng.bit_generator.state = rng["batches"]
 
 
 def check_resumable(saved, wanted):
@@ -551,7 +474,7 @@ def train(cfg, rt, stop):
     batches = TrainBatches(train_data, cfg.batch_size, cfg.block_size, cfg.seed, rt)
     iter_num, best_val_loss, wandb_run_id = 0, float("inf"), None
     if state is not None:
-        restore_rng(state, batches, rt)
+        checkpoint.restore_rng(state, batches, rt)
         iter_num, best_val_loss, wandb_run_id = state["iter_num"], state["best_val_loss"], state.get("wandb_run_id")
         del state  # free the host copy of the weights
     eval_splits = {
@@ -578,29 +501,20 @@ def train(cfg, rt, stop):
     bad_in_a_row = 0
     nan_iters = {int(i) for i in os.environ.get("TRAIN_TEST_NAN_ITERS", "").split(",") if i}  # test-only fault injection
 
-    def save():
-        """ckpt.pt (and the keep_last history); every rank learns whether rank 0's write failed."""
-        state = make_checkpoint(raw_model, optimizer, scaler, cfg, model_args, tok_spec, iter_num, best_val_loss, batches, rt)
-        error = None
-        if rt.master:
-            state["wandb_run_id"] = metrics.wandb_run_id  # a resumed run continues the same wandb run
-            try:
-                checkpoint.save_rotating(state, cfg.out_dir, cfg.keep_last)
-            except UserError as e:
-                error = e
-        if rt.ddp:  # the other ranks would otherwise wait forever in the next collective
-            failed = torch.tensor(float(error is not None), device=rt.device)
-            dist.broadcast(failed, src=0)
-            if failed.item() and error is None:
-                error = UserError("rank 0 could not write the checkpoint (see its message)")
-        if error is not None:
-            raise error
-        return os.path.join(cfg.out_dir, "ckpt.pt")
+    fmt = cfg.checkpoint_format if cfg.checkpoint_format != "auto" else "sharded" if uses_fsdp(cfg, rt) else "full"
+    saver = checkpoint.Checkpointer(cfg.out_dir, fmt, cfg.keep_last, cfg.async_checkpoint, rt)
+
+    def save(best=False):
+        """A checkpoint of this step (the keep_last history, ckpt_best when best), written now or in the background."""
+        info = {"model_args": model_args, "config": as_dict(cfg), "tokenizer": tok_spec, "iter_num": iter_num,
+                "best_val_loss": best_val_loss, "wandb_run_id": metrics.wandb_run_id if rt.master else None}
+        saver.save(raw_model, optimizer, scaler, uses_fsdp(cfg, rt), info, batches, best)
 
     # The loop runs once more after the last step, so the final eval and save live in one place.
     while True:
         last = iter_num >= cfg.max_iters
         saved_now = False
+        saver.poll()  # a background save that finished is committed here; one that failed stops the run
         if cfg.eval_only or ((iter_num % cfg.eval_interval == 0 or last) and iter_num != resumed_at):
             losses = evaluate(model, eval_splits, cfg.block_size, rt, eval_group(cfg, raw_model.config.padded_vocab_size))
             if rt.master:
@@ -611,20 +525,20 @@ def train(cfg, rt, stop):
             improved = losses["val"] < best_val_loss
             best_val_loss = min(best_val_loss, losses["val"])
             if iter_num > 0 and (improved or cfg.always_save_checkpoint):
-                ckpt_path = save()
+                save(best=improved)
                 saved_now = True
-                if improved and rt.master:
-                    checkpoint.link_or_copy(ckpt_path, os.path.join(cfg.out_dir, "ckpt_best.pt"))
             window_start = None  # evaluation time is not training time
         if last:
             if not saved_now and iter_num != resumed_at:
                 save()
+            saver.wait()
             break
         if stop.check(rt):
             if not saved_now and iter_num != resumed_at:
                 save()
+            saver.wait()
             if rt.master:
-                print(f"stopped at iter {iter_num} ({stop.reason or 'another rank'}); {cfg.out_dir}/ckpt.pt is current: "
+                print(f"stopped at iter {iter_num} ({stop.reason or 'another rank'}); {saver.latest} is current: "
                       f"continue with --init_from=resume")
             return EXIT_STOPPED
 

@@ -86,9 +86,9 @@ def test_resume_with_a_different_model(trained, char_data, tmp_path):
 def test_corrupt_checkpoint(trained, char_data):
     (trained / "ckpt.pt").write_bytes(b"not a checkpoint at all")
     result = run_script("train.py", *tiny_args(char_data, trained, init_from="resume"))
-    assert_one_line_error(result, "ckpt.pt", "not a readable checkpoint")
+    assert_one_line_error(result, "ckpt.pt", "is damaged or not a checkpoint of this trainer")
     result = run_script("sample.py", f"--out_dir={trained}", "--checkpoint=latest", "--device=cpu")
-    assert_one_line_error(result, "ckpt.pt", "not a readable checkpoint")
+    assert_one_line_error(result, "ckpt.pt", "is damaged or not a checkpoint of this trainer")
 
 
 def test_unwritable_out_dir(char_data, tmp_path):

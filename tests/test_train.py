@@ -115,7 +115,7 @@ DDP_DRIVER = textwrap.dedent("""
     sys.path.insert(0, {repo!r})
     import checkpoint, train
     rank, out = os.environ["RANK"], sys.argv[1]
-    save, make = checkpoint.save, train.make_checkpoint
+    save, make = checkpoint.save, checkpoint.make_checkpoint
 
     def recording_save(state, path):
         with open(os.path.join(out, "writers.txt"), "a") as f:
@@ -127,7 +127,7 @@ DDP_DRIVER = textwrap.dedent("""
         torch.save(state["model"], os.path.join(out, f"weights-rank{{rank}}.pt"))
         return state
 
-    checkpoint.save, train.make_checkpoint = recording_save, make_and_keep
+    checkpoint.save, checkpoint.make_checkpoint = recording_save, make_and_keep
     train.main(sys.argv[2:])
 """)
 
