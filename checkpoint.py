@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,11 @@ from configurator import UserError, run_main
 from model import GPT, GPTConfig
 
 COMMIT = "checkpoint.json"  # in a sharded directory, written last: without it the directory is incomplete
+
+
+def _single_process_is_meant():
+    # DCP warns on every call without a process group; a single process is a supported case here
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 # ---------------------------------------------------------------------------- the full format (one file)
@@ -276,6 +282,7 @@ def read_sharded(path):
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     meta = _check_sharded(path)
+    _single_process_is_meant()
     tensors = {}
     _load_state_dict(tensors, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     rng = {"torch": [tensors["rng"][f"torch_{r}"] for r in range(meta["world_size"])], "batches": meta["batches"]}
@@ -292,6 +299,7 @@ def _load_sharded_into(state, raw_model, optimizer):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict, get_state_dict
 
+    _single_process_is_meant()
     optimizers = getattr(optimizer, "optimizers", [optimizer])
     weights, optim = get_state_dict(raw_model, optimizers)  # the API takes a zero step to create empty AdamW state
     n = state["world_size"]
@@ -361,6 +369,7 @@ def load_model(out_dir, which="best", map_location="cpu", report=print):
         import torch.distributed.checkpoint as dcp
 
         state = _check_sharded(path)
+        _single_process_is_meant()
         model = GPT(GPTConfig(**state["model_args"]))
         dcp.load({"model": model.state_dict()}, checkpoint_id=path, no_dist=True)  # into the model's own tensors
         model.to(map_location)
@@ -406,6 +415,7 @@ class Checkpointer:
         self.status = dist.new_group(backend="gloo") if rt.ddp else None
         self.dcp_group = dist.new_group(backend="gloo") if rt.ddp and fmt == "sharded" else None
         self.writer = concurrent.futures.ThreadPoolExecutor(1) if asynchronous and fmt == "full" else None
+        _single_process_is_meant()
 
     def save(self, raw_model, optimizer, scaler, fsdp, info, batches, best=False):
         """Stage the state (a collective call under DDP/FSDP) and write it; `best` links

@@ -553,8 +553,9 @@ def train(cfg, rt, stop):
             if rt.master:
                 print(f"iter {iter_num}: non-finite loss or gradient norm, step skipped ({bad_in_a_row} in a row)")
             if bad_in_a_row >= cfg.max_bad_steps:
+                saver.wait()  # a save in flight holds good weights: let it complete
                 raise Diverged(f"{bad_in_a_row} steps in a row had a non-finite loss or gradient norm (max_bad_steps="
-                               f"{cfg.max_bad_steps}); {cfg.out_dir}/ckpt.pt is the last good checkpoint: lower "
+                               f"{cfg.max_bad_steps}); {saver.latest} is the last good checkpoint: lower "
                                f"learning_rate or check the data, then --init_from=resume")
         window_iters += 1
         if iter_num % cfg.log_interval == 0:

@@ -31,6 +31,7 @@ TRAIN_ARGS = [
     "--max_iters=8", "--lr_decay_iters=8", "--warmup_iters=2", "--eval_interval=4", "--eval_iters=2", "--log_interval=1",
     "--dropout=0.1",  # so each rank's RNG stream must be the same under both, and restored on resume
     "--activation_checkpointing=True",  # under DDP and FSDP alike
+    "--checkpoint_format=full",  # FSDP's default is sharded (test_checkpoint_format.py); this is the one-file format
 ]
 FSDP = "--parallelism=fsdp"
 NAN_STEP = 5
