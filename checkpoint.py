@@ -362,9 +362,9 @@ def load_model(out_dir, which="best", map_location="cpu", report=print):
         path = max(best, key=lambda p: os.lstat(p).st_mtime)  # the newer, should a run have changed format
     else:
         path = os.path.join(out_dir, "ckpt.pt")
-        dirs = _sharded_dirs(out_dir)
-        if dirs and (not os.path.exists(path) or os.path.getmtime(dirs[max(dirs)]) > os.path.getmtime(path)):
-            path = dirs[max(dirs)]
+        complete = [p for _, p in sorted(_sharded_dirs(out_dir).items()) if os.path.exists(os.path.join(p, COMMIT))]
+        if complete and (not os.path.exists(path) or os.path.getmtime(complete[-1]) > os.path.getmtime(path)):
+            path = complete[-1]
     if os.path.isdir(path):
         import torch.distributed.checkpoint as dcp
 

@@ -56,7 +56,7 @@ class TrainConfig:
     keep_last: int = 1  # checkpoints kept: ckpt.pt is the newest; with N > 1 the N newest also stay as ckpt_<iter>.pt
     checkpoint_format: str = "auto"  # 'full' (one file, ckpt.pt), 'sharded' (a directory ckpt_<iter>/ of per-rank shards) or 'auto' (sharded under FSDP, else full)
     async_checkpoint: bool = False  # write checkpoints in the background while training goes on (state copied to host memory first)
-    init_from: str = "scratch"  # 'scratch', 'resume' (from out_dir/ckpt.pt), 'gpt2'/'gpt2-medium'/'gpt2-large'/'gpt2-xl' or a Hugging Face GPT-2 directory
+    init_from: str = "scratch"  # 'scratch', 'resume' (the newest complete checkpoint in out_dir), 'gpt2'/'gpt2-medium'/'gpt2-large'/'gpt2-xl' or a Hugging Face GPT-2 directory
     max_minutes: float = 0.0  # stop after this many minutes with a checkpoint (exit code 75); 0: no limit
     max_bad_steps: int = 10  # stop when this many steps in a row have a non-finite loss or gradient norm
     # wandb (imported only when wandb_log=True)
@@ -167,7 +167,7 @@ GPT2_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # released weigh
 class SampleConfig:
     init_from: str = "resume"  # 'resume' (a checkpoint from out_dir), 'gpt2'/'gpt2-medium'/'gpt2-large'/'gpt2-xl' or a Hugging Face GPT-2 directory
     out_dir: str = "out"  # where the checkpoint is
-    checkpoint: str = "best"  # 'best' (ckpt_best.pt when present) or 'latest' (ckpt.pt)
+    checkpoint: str = "best"  # 'best' (ckpt_best.pt or ckpt_best/ when present) or 'latest' (ckpt.pt or the newest ckpt_<iter>/)
     start: str = "\n"  # the prompt, or FILE:path to read it from a file
     prompts_file: Optional[str] = None  # a file of prompts, one per line (blank lines skipped); replaces start
     num_samples: int = 10  # samples per prompt, generated together as one batch
@@ -197,7 +197,7 @@ class SampleConfig:
 @dataclass
 class ExportConfig:
     out_dir: str = "out"  # the training run whose checkpoint is exported
-    checkpoint: str = "best"  # 'best' (ckpt_best.pt when present) or 'latest' (ckpt.pt)
+    checkpoint: str = "best"  # 'best' (ckpt_best.pt or ckpt_best/ when present) or 'latest' (ckpt.pt or the newest ckpt_<iter>/)
     export_dir: str = ""  # where the Hugging Face GPT-2 directory is written; '': out_dir/hf
 
     def __post_init__(self):
