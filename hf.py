@@ -22,8 +22,8 @@ rows, so the extra rows are zeros on the way in and dropped on the way out. GPT-
 through transformers, an optional dependency: only those functions import it.
 
 Llama: read and written as files (config.json, safetensors, tokenizer.json) with the
-safetensors package, no transformers needed. Our fused matrices are Llama's stacked by rows
-(see LLAMA_BLOCK), and Llama's RoPE layout is ours: see llama_layout.
+safetensors package, no transformers needed. Our fused matrices are Llama's stacked by rows,
+and Hugging Face's Llama RoPE layout is already ours: see llama_layout.
 """
 
 import dataclasses
@@ -266,15 +266,13 @@ def read_safetensors(path):
     else:
         raise UserError(f"{path} has no model.safetensors nor model.safetensors.index.json; only safetensors weights "
                         f"are read: download them, or save the model with save_pretrained()")
-    weights = {}
+    load_file, weights = _safetensors().load_file, {}
     for name in files:
         file = os.path.join(path, name)
         if not os.path.isfile(file):
             raise UserError(f"{file} is missing (model.safetensors.index.json lists it); download it again")
         try:
-            weights.update(_safetensors().load_file(file))
-        except UserError:
-            raise
+            weights.update(load_file(file))
         except Exception as e:
             raise UserError(f"{file} is not a readable safetensors file ({_first_line(e)})")
     return weights
@@ -449,6 +447,8 @@ def hf_config(config, vocab_size):
         bos_token_id=GPT2_VOCAB - 1 if bpe else None, eos_token_id=GPT2_VOCAB - 1 if bpe else None,
         architectures=["GPT2LMHeadModel"],
     )
+
+
 def hf_from_gpt(model, vocab_size=None):
     """A GPT2LMHeadModel with our GPT's weights and its first vocab_size tokens (default: all
     of them); its logits agree with ours to float32 rounding."""

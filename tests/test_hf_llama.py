@@ -214,11 +214,11 @@ def finetuned(tmp_path_factory):
            "--block_size=40", "--batch_size=4", "--gradient_accumulation_steps=1", "--eval_iters=2", "--eval_interval=4",
            "--learning_rate=1e-4", "--warmup_iters=1", "--lr_decay_iters=4", "--min_lr=1e-5", "--max_iters=4"]
     assert train.main([*run, f"--init_from={root / 'llama'}"]) == 0
-    return root, theirs, vocab
+    return root, theirs, vocab, run
 
 
 def test_finetuning_starts_from_the_llama_weights(finetuned):
-    root, theirs, vocab = finetuned
+    root, theirs, vocab, _ = finetuned
     state = torch.load(root / "out" / "ckpt.pt", weights_only=True)
     assert state["iter_num"] == 4
     args = state["model_args"]
@@ -233,7 +233,7 @@ def test_finetuning_starts_from_the_llama_weights(finetuned):
 
 
 def test_sample_py_from_the_llama_directory_is_transformers_greedy(finetuned, capsys):
-    root, theirs, _ = finetuned
+    root, theirs, _, _ = finetuned
     sample.main([f"--init_from={root / 'llama'}", "--device=cpu", "--temperature=0", "--num_samples=1",
                  "--max_new_tokens=8", "--start=The king", "--stream=False", "--stop_at_eot=False"])
     out = capsys.readouterr().out
@@ -248,7 +248,7 @@ def test_sample_py_from_the_llama_directory_is_transformers_greedy(finetuned, ca
 
 
 def test_export_of_the_finetuned_run_loads_in_transformers(finetuned, capsys):
-    root, _, _ = finetuned
+    root, _, _, _ = finetuned
     hf.main([f"--out_dir={root / 'out'}", "--checkpoint=latest"])
     assert "LlamaForCausalLM.from_pretrained" in capsys.readouterr().out
     export = root / "out" / "hf"
@@ -268,8 +268,15 @@ def test_export_of_the_finetuned_run_loads_in_transformers(finetuned, capsys):
     assert exported.config.bos_token_id == theirs.convert_tokens_to_ids("<|begin_of_text|>")
 
 
+def test_a_finetuned_llama_run_resumes_with_the_same_command(finetuned):
+    root, _, _, run = finetuned
+    assert train.main([*run, "--init_from=resume", "--max_iters=6"]) == 0
+    state = torch.load(root / "out" / "ckpt.pt", weights_only=True)
+    assert state["iter_num"] == 6 and state["model_args"]["rope_scaling"]["factor"] == 8.0
+
+
 def test_finetuning_needs_data_from_the_directorys_tokenizer(finetuned, tmp_path):
-    root, _, _ = finetuned
+    root, _, _, _ = finetuned
     cfg = parse(TrainConfig, [f"--init_from={root / 'llama'}", "--dataset=shakespeare"])
     with pytest.raises(UserError, match="needs data tokenized with its .*tokenizer.json.*--tokenizer="):
         hf.load_for_training(cfg, hf.GPT2_TOKENIZER)
