@@ -56,7 +56,7 @@ class TrainConfig:
     keep_last: int = 1  # checkpoints kept: ckpt.pt is the newest; with N > 1 the N newest also stay as ckpt_<iter>.pt
     checkpoint_format: str = "auto"  # 'full' (one file, ckpt.pt), 'sharded' (a directory ckpt_<iter>/ of per-rank shards) or 'auto' (sharded under FSDP, else full)
     async_checkpoint: bool = False  # write checkpoints in the background while training goes on (state copied to host memory first)
-    init_from: str = "scratch"  # 'scratch', 'resume' (the newest complete checkpoint in out_dir), 'gpt2'/'gpt2-medium'/'gpt2-large'/'gpt2-xl' or a Hugging Face GPT-2 directory
+    init_from: str = "scratch"  # 'scratch', 'resume' (the newest complete checkpoint in out_dir), 'gpt2'/'gpt2-medium'/'gpt2-large'/'gpt2-xl' or a Hugging Face GPT-2 or Llama directory
     max_minutes: float = 0.0  # stop after this many minutes with a checkpoint (exit code 75); 0: no limit
     max_bad_steps: int = 10  # stop when this many steps in a row have a non-finite loss or gradient norm
     # wandb (imported only when wandb_log=True)
@@ -81,7 +81,9 @@ class TrainConfig:
     bias: bool = False  # biases in Linear and LayerNorm layers (GPT-2 had them)
     pos_encoding: str = "learned"  # 'learned' position embedding (GPT-2) or 'rope' (rotary, Llama)
     rope_theta: float = 10000.0  # RoPE base: the slowest rotation turns once in ~2*pi*theta tokens (Llama 3: 500000)
+    rope_scaling: Optional[dict] = None  # Llama 3's RoPE frequency scaling, e.g. {'factor': 32.0, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0, 'original_max_position_embeddings': 8192} (Llama 3.2); None: plain RoPE
     norm: str = "layernorm"  # 'layernorm' (GPT-2) or 'rmsnorm' (Llama)
+    norm_eps: float = 1e-5  # epsilon of every norm (Hugging Face's layer_norm_epsilon / rms_norm_eps)
     mlp: str = "gelu"  # 'gelu', 'gelu_tanh' (GPT-2's released weights) or 'swiglu' (Llama)
     mlp_hidden: int = 0  # MLP width; 0: 4*n_embd, or for swiglu 8/3*n_embd rounded up to a multiple of 64
     n_kv_head: int = 0  # key/value heads for grouped-query attention; 0 (or n_head): plain multi-head
@@ -131,6 +133,8 @@ class TrainConfig:
                  f"pos_encoding='rope' rotates pairs of dims: the head size n_embd/n_head={self.n_embd // self.n_head} must be even")
         _require(self.rope_theta > 0 and self.mlp_hidden >= 0, "rope_theta must be > 0 and mlp_hidden >= 0 (0: the usual width)")
         _require_choice("pos_encoding", self.pos_encoding, ("learned", "rope"))
+        _require_rope_scaling(self.rope_scaling, self.pos_encoding)
+        _require(self.norm_eps > 0, f"norm_eps={self.norm_eps} must be > 0")
         _require_choice("norm", self.norm, ("layernorm", "rmsnorm"))
         _require_choice("mlp", self.mlp, ("gelu", "gelu_tanh", "swiglu"))
         _require_choice("parallelism", self.parallelism, ("ddp", "fsdp"))
@@ -165,7 +169,7 @@ GPT2_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # released weigh
 
 @dataclass
 class SampleConfig:
-    init_from: str = "resume"  # 'resume' (a checkpoint from out_dir), 'gpt2'/'gpt2-medium'/'gpt2-large'/'gpt2-xl' or a Hugging Face GPT-2 directory
+    init_from: str = "resume"  # 'resume' (a checkpoint from out_dir), 'gpt2'/'gpt2-medium'/'gpt2-large'/'gpt2-xl' or a Hugging Face GPT-2 or Llama directory
     out_dir: str = "out"  # where the checkpoint is
     checkpoint: str = "best"  # 'best' (ckpt_best.pt or ckpt_best/ when present) or 'latest' (ckpt.pt or the newest ckpt_<iter>/)
     start: str = "\n"  # the prompt, or FILE:path to read it from a file
@@ -214,10 +218,26 @@ def _require_choice(key, value, choices):
 
 
 def _require_init_from(value, own):
-    # a directory is checked for a GPT-2 inside when it is loaded (hf.py)
+    # a directory is checked for a GPT-2 or Llama inside when it is loaded (hf.py)
     _require(value in own + GPT2_MODELS or os.path.isdir(value),
              f"init_from={value!r} is not one of {', '.join(map(repr, own + GPT2_MODELS))}, "
-             f"nor a directory (a Hugging Face GPT-2 model)")
+             f"nor a directory (a Hugging Face GPT-2 or Llama model)")
+
+
+ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _require_rope_scaling(scaling, pos_encoding):
+    if scaling is None:
+        return
+    example = "{'factor': 32.0, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0, 'original_max_position_embeddings': 8192}"
+    _require(pos_encoding == "rope", "rope_scaling scales RoPE's frequencies: it needs pos_encoding='rope'")
+    _require(sorted(scaling) == sorted(ROPE_SCALING_KEYS) and all(isinstance(v, (int, float)) for v in scaling.values()),
+             f"rope_scaling={scaling!r} must have exactly the numbers {', '.join(ROPE_SCALING_KEYS)}, e.g. {example}")
+    _require(scaling["factor"] >= 1 and 0 < scaling["low_freq_factor"] < scaling["high_freq_factor"]
+             and scaling["original_max_position_embeddings"] >= 1,
+             f"rope_scaling={scaling!r} needs factor >= 1, 0 < low_freq_factor < high_freq_factor and "
+             f"original_max_position_embeddings >= 1")
 
 
 def parse(cls, argv=None):

@@ -16,6 +16,7 @@ groups, FLOPs count and sampling; last, the key/value cache that makes sampling 
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -35,7 +36,9 @@ class GPTConfig:
     # the options below default to GPT-2; Llama 3 is rope, rmsnorm, swiglu, n_kv_head < n_head, bias=False
     pos_encoding: str = "learned"  # 'learned' (a wpe table, GPT-2) or 'rope' (rotary, on q and k)
     rope_theta: float = 10000.0  # RoPE base: the slowest pair turns once in ~2*pi*theta positions (Llama 3: 500000)
+    rope_scaling: Optional[dict] = None  # Llama 3's frequency scaling (see rope_tables); None: plain RoPE
     norm: str = "layernorm"  # 'layernorm' or 'rmsnorm' (no mean subtraction, no bias)
+    norm_eps: float = 1e-5  # added to the variance in every norm (Llama 3.2: 1e-5, Llama 2: 1e-6)
     mlp: str = "gelu"  # 'gelu', 'gelu_tanh' (GPT-2's released weights' approximation) or 'swiglu'
     mlp_hidden: int = 0  # MLP width; 0: 4*n_embd, or for swiglu 8/3*n_embd rounded up to a multiple of 64
     n_kv_head: int = 0  # key/value heads (grouped-query attention); 0: n_head (plain multi-head)
@@ -54,6 +57,7 @@ class GPTConfig:
         assert self.mlp in ("gelu", "gelu_tanh", "swiglu")
         assert self.n_embd % self.n_head == 0 and self.n_head % self.n_kv_head == 0
         assert self.pos_encoding != "rope" or (self.n_embd // self.n_head) % 2 == 0, "RoPE rotates pairs: even head size"
+        assert self.rope_scaling is None or self.pos_encoding == "rope"
 
     @property
     def padded_vocab_size(self):
@@ -66,14 +70,24 @@ def make_norm(config, dim):
     """The pre-norm of a block (and the final one): LayerNorm as GPT-2, or RMSNorm as Llama
     (x / rms(x) * weight: cheaper, and as good in practice)."""
     if config.norm == "rmsnorm":
-        return nn.RMSNorm(dim, eps=1e-5)
-    return nn.LayerNorm(dim, bias=config.bias)
+        return nn.RMSNorm(dim, eps=config.norm_eps)
+    return nn.LayerNorm(dim, eps=config.norm_eps, bias=config.bias)
 
 
-def rope_tables(head_size, length, theta):
+def rope_tables(head_size, length, theta, scaling=None):
     """cos and sin (length, head_size/2) of RoPE's angles: position p turns dims (i, i + hs/2)
-    by p * theta^(-2i/hs), fast rotations for the first pairs, slow ones for the last."""
+    by p * theta^(-2i/hs), fast rotations for the first pairs, slow ones for the last.
+
+    scaling, Llama 3's (3.1, 3.2) way to stretch a model trained on original_max_position_embeddings
+    tokens to a longer context: pairs that turn fewer than low_freq_factor times over the original
+    context turn `factor` times slower, pairs that turn more than high_freq_factor times are left
+    alone (they encode local order), and the ones in between move smoothly from one to the other."""
     inv_freq = theta ** -(torch.arange(0, head_size, 2, dtype=torch.float32) / head_size)  # (hs/2,)
+    if scaling is not None:
+        turns = scaling["original_max_position_embeddings"] * inv_freq / (2 * math.pi)  # over the original context
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        keep = ((turns - low) / (high - low)).clamp(0, 1)  # 0: slowed down fully, 1: unchanged
+        inv_freq = inv_freq * (keep + (1 - keep) / scaling["factor"])
     angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)  # (length, hs/2)
     return angles.cos(), angles.sin()
 
@@ -103,8 +117,8 @@ class CausalSelfAttention(nn.Module):
             # RMSNorm of each head's q and k (as nanochat and modded-nanogpt do, here with a
             # learned gain): the attention logits cannot grow with the weights, which steadies
             # training at high learning rates
-            self.q_norm = nn.RMSNorm(self.head_size, eps=1e-5)
-            self.k_norm = nn.RMSNorm(self.head_size, eps=1e-5)
+            self.q_norm = nn.RMSNorm(self.head_size, eps=config.norm_eps)
+            self.k_norm = nn.RMSNorm(self.head_size, eps=config.norm_eps)
 
     def forward(self, x, rope=None, kv=None):
         """x (B, T, C). rope: the (cos, sin) tables of these T positions, when the model uses
@@ -188,7 +202,7 @@ class GPT(nn.Module):
             self.transformer.wte.weight = self.lm_head.weight  # one matrix embeds and un-embeds
         if config.pos_encoding == "rope":
             # computed, not learned: kept out of checkpoints and parameter counts (persistent=False)
-            cos, sin = rope_tables(C // config.n_head, config.block_size, config.rope_theta)
+            cos, sin = rope_tables(C // config.n_head, config.block_size, config.rope_theta, config.rope_scaling)
             self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, hs/2)
             self.register_buffer("rope_sin", sin, persistent=False)
         self.apply(self._init_weights)
@@ -315,7 +329,9 @@ class GPT(nn.Module):
         block_size = self.config.block_size
         window_shift = window_shift or max(1, block_size // 8)
         assert 1 <= window_shift < block_size, "window_shift must be in [1, block_size)"
-        cache = KVCache(self.config, idx.size(0)) if kv_cache else None
+        # room for every token this call can see at once: a model with a long context (Llama 3.2's
+        # 131072) sampling a few hundred tokens needs a few hundred positions, not block_size
+        cache = KVCache(self.config, idx.size(0), min(block_size, idx.size(1) + max_new_tokens)) if kv_cache else None
         start = max(0, idx.size(1) - block_size)  # the window is idx[:, start:]
         seen = start  # tokens before this are in the cache
         done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)  # rows that produced stop_token
@@ -360,14 +376,14 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=1.0):
 
 class KVCache:
     """Keys and values of the tokens generated so far, for every layer, so a new token
-    costs one position's work instead of the whole context's. Room for block_size tokens;
-    the first `length` positions are filled (GPT.forward advances it; setting it to 0
+    costs one position's work instead of the whole context's. Room for `room` tokens (default
+    block_size); the first `length` positions are filled (GPT.forward advances it; setting it to 0
     empties the cache)."""
 
-    def __init__(self, config, batch_size):
+    def __init__(self, config, batch_size, room=None):
         # n_kv_head heads: grouped-query attention shrinks the cache by n_head / n_kv_head
-        self.shape = (config.n_layer, batch_size, config.n_kv_head, config.block_size, config.n_embd // config.n_head)
-        self.k = self.v = None  # (L, B, n_kv, block_size, hs), made on first use in the dtype attention computes in
+        self.shape = (config.n_layer, batch_size, config.n_kv_head, room or config.block_size, config.n_embd // config.n_head)
+        self.k = self.v = None  # (L, B, n_kv, room, hs), made on first use in the dtype attention computes in
         self.length = 0
 
     def layer(self, i):

@@ -38,7 +38,7 @@ EXIT_STOPPED = 75  # stopped early (SIGTERM, SIGINT, max_minutes) with a checkpo
 
 # keys that fix the shapes of the weights: a checkpoint only resumes under the same values
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "pos_encoding", "rope_theta", "norm",
-              "mlp", "mlp_hidden", "n_kv_head", "qk_norm", "tie_embeddings")
+              "mlp", "mlp_hidden", "n_kv_head", "qk_norm", "tie_embeddings", "rope_scaling", "norm_eps")
 
 
 # ---------------------------------------------------------------------------- data
@@ -461,7 +461,7 @@ def train(cfg, rt, stop):
 
     if cfg.init_from in ("scratch", "resume"):
         raw_model = GPT(GPTConfig(**model_args)).to(rt.device)
-    else:  # GPT-2's weights, by name or from a Hugging Face directory; they fix the model's shape
+    else:  # GPT-2's weights by name, or a Hugging Face GPT-2 or Llama directory; they fix the model's shape
         raw_model, model_args = hf.load_for_training(cfg, tok_spec, report=say)
         raw_model = raw_model.to(rt.device)
     if cfg.batch_size == "auto":

@@ -56,7 +56,7 @@ def their_logits(hf_model, idx):
 @pytest.mark.parametrize("options", [
     dict(activation_function="gelu"),  # exact GELU, our default
     dict(activation_function="gelu_new"),  # the released models' tanh approximation
-    dict(activation_function="gelu_new", n_inner=96, tie_word_embeddings=False),
+    dict(activation_function="gelu_new", n_inner=96, tie_word_embeddings=False, layer_norm_epsilon=1e-2),  # norm_eps
 ])
 def test_import_gives_transformers_logits(options):
     reference = randomize(GPT2LMHeadModel(GPT2Config(**SMALL, **options)))
@@ -80,8 +80,7 @@ def test_from_pretrained_reads_a_directory(tmp_path):
 
 
 def test_import_refuses_what_our_gpt_cannot_reproduce():
-    for options, named in [(dict(layer_norm_epsilon=1e-6), "layer_norm_epsilon"),
-                           (dict(activation_function="relu"), "activation_function"),
+    for options, named in [(dict(activation_function="relu"), "activation_function"),
                            (dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx")]:
         with pytest.raises(UserError, match=named):
             hf.gpt_from_hf(GPT2LMHeadModel(GPT2Config(**SMALL, **options)))
@@ -89,10 +88,13 @@ def test_import_refuses_what_our_gpt_cannot_reproduce():
 
 def test_a_directory_without_gpt2_is_a_one_line_error(tmp_path):
     with pytest.raises(UserError, match="no config.json"):
-        hf.load_hf(str(tmp_path))
-    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
-    with pytest.raises(UserError, match="'llama' model"):
-        hf.load_hf(str(tmp_path))
+        hf.from_pretrained(str(tmp_path))
+    (tmp_path / "config.json").write_text('{"model_type": "gpt_neox"}')
+    with pytest.raises(UserError, match="'gpt_neox' model; only GPT-2 and Llama"):
+        hf.from_pretrained(str(tmp_path))
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+    with pytest.raises(UserError, match="cannot load the GPT-2 model in"):  # no weights
+        hf.from_pretrained(str(tmp_path))
     with pytest.raises(UserError, match="init_from='gpt7' is not one of"):
         parse(TrainConfig, ["--init_from=gpt7"])
     assert parse(TrainConfig, ["--init_from=gpt2-xl"]).init_from == "gpt2-xl"
@@ -120,7 +122,7 @@ def test_an_unreachable_hub_is_a_one_line_error(tmp_path):
     dict(),  # GPT-2's shape, exact GELU
     dict(mlp="gelu_tanh"),
     dict(bias=False),  # exported as zero biases, which add nothing
-    dict(tie_embeddings=False, mlp_hidden=96),
+    dict(tie_embeddings=False, mlp_hidden=96, norm_eps=1e-2),  # as layer_norm_epsilon
     dict(vocab_size=50304),  # nanoGPT's padded vocabulary: the export keeps GPT-2's 50257 tokens
 ])
 def test_export_loads_in_transformers_with_our_logits(tmp_path, options):
