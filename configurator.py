@@ -105,6 +105,7 @@ class TrainConfig:
     parallelism: str = "ddp"  # under torchrun: 'ddp' (a full copy per rank) or 'fsdp' (weights, grads, AdamW state sharded)
     activation_checkpointing: bool = False  # recompute each block's activations in backward: less memory, ~1/3 more compute
     peak_flops: float = 0.0  # the device's dense peak FLOP/s for MFU (e.g. 989e12); 0: look it up by GPU name
+    attention: str = "auto"  # SDPA kernel: 'auto' (PyTorch's choice), 'flash', 'cudnn', 'efficient' or 'math'
 
     def __post_init__(self):
         for key in ("block_size", "n_layer", "n_head", "n_embd", "gradient_accumulation_steps",
@@ -132,6 +133,7 @@ class TrainConfig:
         _require_choice("norm", self.norm, ("layernorm", "rmsnorm"))
         _require_choice("mlp", self.mlp, ("gelu", "gelu_tanh", "swiglu"))
         _require_choice("parallelism", self.parallelism, ("ddp", "fsdp"))
+        _require_choice("attention", self.attention, ("auto", "flash", "cudnn", "efficient", "math"))
         _require(self.learning_rate > 0 and self.min_lr >= 0, "learning_rate must be > 0 and min_lr >= 0")
         _require(self.grad_clip >= 0, f"grad_clip={self.grad_clip} must be >= 0 (0 disables clipping)")
         _require(not self.decay_lr or self.lr_decay_iters > self.warmup_iters >= 0,
