@@ -30,6 +30,25 @@ DEVICE_PEAKS = [
     ("NVIDIA GeForce RTX 3090", 71.0, 35.6),
     ("NVIDIA GeForce RTX 4090", 165.2, 82.6),
     ("NVIDIA GeForce RTX 5090", 209.5, 104.8),
+    ("NVIDIA GeForce RTX 3090 Ti", 80.0, 40.0),
+    ("NVIDIA GeForce RTX 3060", 25.5, 12.7),
+    ("NVIDIA GeForce RTX 3060 Ti", 32.4, 16.2),
+    ("NVIDIA GeForce RTX 3070", 40.6, 20.3),
+    ("NVIDIA GeForce RTX 3080", 59.5, 29.8),
+    ("NVIDIA GeForce RTX 3080 Ti", 68.2, 34.1),
+    ("NVIDIA GeForce RTX 4060", 30.2, 15.1),
+    ("NVIDIA GeForce RTX 4070", 58.3, 29.1),
+    ("NVIDIA GeForce RTX 4070 Ti SUPER", 88.2, 44.1),
+    ("NVIDIA GeForce RTX 4080", 97.5, 48.7),
+    ("NVIDIA GeForce RTX 4080 SUPER", 104.4, 52.2),
+    ("NVIDIA RTX A6000", 154.8, 77.4),
+    ("NVIDIA RTX 6000 Ada Generation", 364.2, 182.1),
+    ("NVIDIA A40", 149.7, 74.8),
+    ("NVIDIA L40", 181.0, 90.5),
+    ("NVIDIA B200", 2250.0, 1125.0),
+    ("Tesla V100-SXM2-16GB", 125.0, 15.7),
+    ("Tesla V100-PCIE-32GB", 112.0, 14.0),
+    ("Tesla T4", 65.0, 8.1),
 ]
 
 
@@ -40,7 +59,7 @@ def test_peak_lookup_by_reported_name(name, bf16, tf32):
     assert runtime.peak_flops(name, torch.float32) == tf32 * 1e12  # TF32 matmuls are on under CUDA
 
 
-@pytest.mark.parametrize("name", ["NVIDIA A10G", "Tesla T4", "NVIDIA L40", "AMD Instinct MI300X", "NVIDIA B200"])
+@pytest.mark.parametrize("name", ["NVIDIA A10G", "NVIDIA GeForce RTX 3060 Laptop GPU", "AMD Instinct MI300X", "Tesla P100-PCIE-16GB"])
 def test_unknown_devices_have_no_peak(name):
     # no number is better than a wrong one: MFU shows n/a, and peak_flops= can supply it
     assert runtime.peak_flops(name, torch.bfloat16) is None
