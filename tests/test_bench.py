@@ -198,3 +198,39 @@ def test_train_with_auto_batch_size(char_data, tmp_path):
     saved = json.loads((out / "config.json").read_text())  # what ran, not the word 'auto'
     assert isinstance(saved["batch_size"], int)
     assert saved["batch_size"] * saved["gradient_accumulation_steps"] * 16 == 16 * 8
+
+
+def test_suite_runs_every_part_on_a_cpu_and_writes_its_reports(char_data, tmp_path):
+    """The whole battery at its CPU scale, shortened: every part, report.md and report.json."""
+    work = tmp_path / "work"
+    (work / "data").mkdir(parents=True)
+    char_data.rename(work / "data" / "shakespeare_char")  # the baby part trains on data/shakespeare_char
+    result = run_script("bench.py", "--suite=True", "--device=cpu", f"--out_dir={work / 'report'}", "--bench_iters=1",
+                        "--bench_warmup=1", "--suite_baby_iters=20", cwd=work)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((work / "report" / "report.json").read_text())
+    assert report["torch"] == torch.__version__ and report["device"].startswith("CPU")
+    assert report["parts"] == ["env", "attention", "sweep", "llama", "baby", "smoke"]
+    for row in report["rows"]:
+        assert {"label", "ms_per_iter", "tokens_per_s", "tflops", "mfu", "peak_mem_mb"} <= set(row), row
+        assert row["mfu"] is None and row["ms_per_iter"] > 0 and row["tokens_per_s"] > 0  # a CPU has no peak
+    by_part = {}
+    for row in report["rows"]:
+        by_part.setdefault(row["part"], []).append(row)
+    assert [r["label"] for r in by_part["attention"]] == ["attention=auto", "attention=flash", "attention=math"]
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in report["attention"]["default_kernels"]
+    assert len(report["attention"]["unavailable"]) == 2  # cudnn and efficient: CUDA only
+    sweep = by_part["sweep"]
+    assert len({r["batch_size"] * r["gradient_accumulation_steps"] for r in sweep}) == 1 and len(sweep) == 3
+    assert [r["label"] for r in by_part["llama"]] == ["activation_checkpointing=False", "activation_checkpointing=True"]
+    assert report["baby"]["iters"] == 20 and report["baby"]["final_val"] < 4.2  # below a uniform guess, ln(65)
+    assert all(check["ok"] for check in report["smoke"].values()), report["smoke"]
+    markdown = (work / "report" / "report.md").read_text()
+    for title in ("## Environment", "## Attention", "## GPT-2 sweep", "## config/train_llama_tiny.py", "## Baby GPT",
+                  "## Correctness smoke"):
+        assert title in markdown and title in result.stdout
+
+
+def test_suite_parts_are_checked():
+    with pytest.raises(Exception, match="suite_parts: 'speed' not among env, attention"):
+        BenchConfig(suite_parts="env,speed")
