@@ -7,6 +7,8 @@
     python bench.py config/train_shakespeare_char_cpu.py --profile=True        # trace in out_dir/profile
     python bench.py --estimate_params=1.24e9                                   # time-to-train at the measured speed
     python bench.py ... --json=True                                            # last line: one JSON object
+    python bench.py --suite=True --out_dir=suite                               # the standard battery: report.md, report.json
+    python bench.py --suite=True --suite_parts=env,attention --out_dir=suite   # some of its parts
 
 Every train.py key works here too (`python bench.py --help`). The step is train.py's
 train_step on the model train.py builds; data is random tokens unless --data=real.
