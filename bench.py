@@ -7,14 +7,20 @@
     python bench.py config/train_shakespeare_char_cpu.py --profile=True        # trace in out_dir/profile
     python bench.py --estimate_params=1.24e9                                   # time-to-train at the measured speed
     python bench.py ... --json=True                                            # last line: one JSON object
+    python bench.py --suite=True --out_dir=suite                               # the standard battery: report.md, report.json
+    python bench.py --suite=True --suite_parts=env,attention --out_dir=suite   # some of its parts
 
 Every train.py key works here too (`python bench.py --help`). The step is train.py's
 train_step on the model train.py builds; data is random tokens unless --data=real.
 """
 
+import dataclasses
 import json
 import os
+import re
 import resource
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -141,11 +147,309 @@ def time_to_train(result, cfg, rt):
             "estimate_hours": seconds / 3600, "estimate_device_hours": seconds / 3600 * rt.world_size}
 
 
+# ---------------------------------------------------------------------------- the suite: --suite=True
+
+REPO = os.path.dirname(os.path.abspath(__file__))
+TARGET_VAL = 1.47  # the baby GPT's goal: nanoGPT's val loss after its full run
+
+
+def suite_scale(rt):
+    """The battery's shapes: the real ones on a GPU; on anything else tiny ones, so that the same
+    code runs in seconds (tests, CI) and the report still has every section."""
+    if rt.device_type == "cuda":
+        return dict(
+            gpt2=dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, bias=False, dropout=0.0, compile=True),
+            vocab_size=50304, attention_batch=8, sweep=(8, 16, 32, 64), sweep_tokens=524_288,
+            llama_config="config/train_llama_1b.py", llama_vocab=128_256, llama_overrides=[],
+            baby_config="config/train_shakespeare_char.py", baby_overrides=[],
+            smoke=dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=16), smoke_steps=30,
+        )
+    return dict(
+        gpt2=dict(n_layer=2, n_head=4, n_embd=64, block_size=64, bias=False, dropout=0.0, compile=False),
+        vocab_size=512, attention_batch=4, sweep=(4, 8, 16), sweep_tokens=2048,
+        llama_config="config/train_llama_tiny.py", llama_vocab=512, llama_overrides=["--compile=False"],
+        baby_config="config/train_shakespeare_char_cpu.py", baby_overrides=["--eval_interval=100", "--eval_iters=10"],
+        smoke=dict(n_layer=2, n_head=4, n_embd=64, block_size=64, batch_size=4), smoke_steps=8,
+    )
+
+
+def synthetic(vocab_size, block_size, seed=0):
+    size = max(1_000_000, 4 * block_size)
+    return np.random.default_rng(seed).integers(0, vocab_size, size=size).astype(tokens.dtype_for(vocab_size))
+
+
+def learnable(vocab_size, period=997, repeats=1000):
+    """Random tokens repeated with a fixed period: a model learns them, so losses fall and greedy
+    decoding has real continuations to produce."""
+    return np.tile(np.random.default_rng(0).integers(0, vocab_size, size=period), repeats).astype(tokens.dtype_for(vocab_size))
+
+
+def suite_row(label, r, **extra):
+    """One report.json row: what measure() found, under a label."""
+    keys = ("ms_per_iter", "tokens_per_s", "tflops", "mfu", "peak_mem_mb", "batch_size", "gradient_accumulation_steps",
+            "warmup_s", "params")
+    return {"label": label, **({k: r[k] for k in keys} if r else {"error": "out of memory"}), **extra}
+
+
+def measure_or_oom(cfg, rt, data, vocab_size, profiler=None):
+    torch._dynamo.reset()  # each configuration compiles afresh
+    try:
+        return measure(cfg, rt, data, vocab_size, profiler)
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        if rt.device_type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def part_env(cfg, rt, scale, report):
+    env = {"device": report["device"], "torch": torch.__version__, "dtype": str(rt.dtype).removeprefix("torch."),
+           "threads": torch.get_num_threads()}
+    if rt.device_type == "cuda":
+        props = torch.cuda.get_device_properties(rt.device)
+        peak = runtime.device_peak_flops(rt, cfg.peak_flops)
+        env.update(memory_gb=round(props.total_memory / 2**30, 1), capability=f"{props.major}.{props.minor}",
+                   cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(), driver=nvidia_driver(),
+                   dense_peak_tflops=peak / 1e12 if peak else None)
+    report["env"] = env
+    return "## Environment\n\n" + table(["key", "value"], [[k, v] for k, v in env.items()])
+
+
+def nvidia_driver():
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return None
+
+
+# the profiler's names of the kernels (or on a CPU, the aten operators) that do attention's work,
+# without the dispatcher's and autograd's wrappers around them
+SDPA_KERNEL_NAMES = re.compile(r"flash|fmha|cudnn|sdpa|attention|efficient", re.IGNORECASE)
+DISPATCH = re.compile(r"^autograd::|Backward0$|^aten::scaled_dot_product_attention$")
+
+
+def part_attention(cfg, rt, scale, report):
+    """Which SDPA kernel runs by default for the GPT-2 shape (from the profiler's kernel, or on a
+    CPU operator, names), and ms/iter with each kernel this device has."""
+    base = dataclasses.replace(cfg, **scale["gpt2"], batch_size=scale["attention_batch"], gradient_accumulation_steps=1,
+                               profile_wait=1, profile_warmup=1, profile_active=1)
+    data = synthetic(scale["vocab_size"], base.block_size)
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if rt.device_type == "cuda" else [])
+    profiler = torch.profiler.profile(activities=activities, schedule=torch.profiler.schedule(wait=1, warmup=1, active=1))
+    rows, notes = [], []
+    for name in ("auto", "flash", "cudnn", "efficient", "math"):
+        if name == "math" and rt.device_type == "cuda":
+            continue  # T x T scores in memory: never the one to pick on a GPU
+        try:
+            r = measure_or_oom(dataclasses.replace(base, attention=name), rt, data, scale["vocab_size"],
+                               profiler if name == "auto" else None)
+        except UserError as e:
+            notes.append(f"{name}: unavailable ({e})")
+            continue
+        rows.append(suite_row(f"attention={name}", r, part="attention"))
+    kernels = sorted({e.key for e in profiler.key_averages() if SDPA_KERNEL_NAMES.search(e.key) and not DISPATCH.search(e.key)})
+    report["attention"] = {"default_kernels": kernels, "unavailable": notes}
+    report["rows"] += rows
+    fastest = min((r for r in rows if "ms_per_iter" in r), key=lambda r: r["ms_per_iter"])
+    return ("## Attention (GPT-2 shape, batch {}, T={})\n\nKernels that ran with attention=auto: {}\n\n".format(
+        base.batch_size, base.block_size, ", ".join(f"`{k[:90]}`" for k in kernels) or "none found")
+        + rows_table(rows) + "".join(f"\n- {n}" for n in notes) + f"\n\nFastest: {fastest['label']}\n")
+
+
+def part_sweep(cfg, rt, scale, report):
+    base = dataclasses.replace(cfg, **scale["gpt2"])
+    data = synthetic(scale["vocab_size"], base.block_size)
+    rows = []
+    for b in scale["sweep"]:
+        swept = train.with_batch_size(base, b, scale["sweep_tokens"])
+        rows.append(suite_row(f"micro-batch {b}", measure_or_oom(swept, rt, data, scale["vocab_size"]), part="sweep"))
+    report["rows"] += rows
+    return (f"## GPT-2 sweep ({base.n_layer} layers x {base.n_embd}, T={base.block_size}, compile={base.compile}, "
+            f"{scale['sweep_tokens']:,} tokens per step)\n\n" + rows_table(rows))
+
+
+def part_llama(cfg, rt, scale, report):
+    base = parse(BenchConfig, [os.path.join(REPO, scale["llama_config"]), *scale["llama_overrides"],
+                               f"--bench_iters={cfg.bench_iters}", f"--bench_warmup={cfg.bench_warmup}",
+                               f"--peak_flops={cfg.peak_flops}"])
+    data = synthetic(scale["llama_vocab"], base.block_size)
+    rows = []
+    for checkpointing in (False, True):
+        r = measure_or_oom(dataclasses.replace(base, activation_checkpointing=checkpointing), rt, data, scale["llama_vocab"])
+        rows.append(suite_row(f"activation_checkpointing={checkpointing}", r, part="llama"))
+    report["rows"] += rows
+    return f"## {scale['llama_config']} (one optimizer step, vocabulary {scale['llama_vocab']:,})\n\n" + rows_table(rows)
+
+
+def part_baby(cfg, rt, scale, report):
+    """The baby GPT trained by train.py itself: wall time (start-up and compilation included) to the
+    first eval with val <= TARGET_VAL, and the final val. Reads data/shakespeare_char."""
+    if not os.path.exists(os.path.join("data", "shakespeare_char", "train.bin")):
+        report["baby"] = {"skipped": "no data/shakespeare_char/train.bin"}
+        return "## Baby GPT\n\nskipped: run python data/shakespeare_char/prepare.py first\n"
+    iters = cfg.suite_baby_iters or (0 if rt.device_type == "cuda" else 300)
+    out_dir = os.path.join(cfg.out_dir, "baby")
+    args = [sys.executable, os.path.join(REPO, "train.py"), os.path.join(REPO, scale["baby_config"]), f"--out_dir={out_dir}",
+            f"--device={rt.device}", *scale["baby_overrides"]]
+    if iters:
+        warmup = min(parse(BenchConfig, [os.path.join(REPO, scale["baby_config"])]).warmup_iters, iters // 10)
+        args += [f"--max_iters={iters}", f"--lr_decay_iters={iters}", f"--warmup_iters={warmup}"]
+    evals, start = [], time.perf_counter()
+    with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
+        lines = []
+        for line in proc.stdout:  # timed as each eval's line appears
+            lines.append(line)
+            m = re.match(r"step (\d+): train loss [\d.]+, val loss ([\d.]+)", line)
+            if m:
+                evals.append((int(m[1]), float(m[2]), time.perf_counter() - start))
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise UserError(f"suite part baby: train.py exited with {proc.returncode}: {lines[-1].strip() if lines else ''}")
+    hit = next((e for e in evals if e[1] <= TARGET_VAL), None)
+    steps = [r for r in read_jsonl(os.path.join(out_dir, "metrics.jsonl")) if "dt_ms" in r][1:]  # past the first window
+    baby = {"config": scale["baby_config"], "iters": evals[-1][0], "final_val": evals[-1][1], "wall_s": wall,
+            "target_val": TARGET_VAL, "seconds_to_target": hit[2] if hit else None, "iter_at_target": hit[0] if hit else None,
+            "ms_per_iter": float(np.median([r["dt_ms"] for r in steps])) if steps else None}
+    report["baby"] = baby
+    reached = f"{hit[2]:.1f} s (iter {hit[0]})" if hit else "not reached"
+    return (f"## Baby GPT ({scale['baby_config']}, {baby['iters']} iters, trained by train.py)\n\n"
+            + table(["final val", f"time to val <= {TARGET_VAL}", "wall (s)", "ms/iter (median)"],
+                    [[f"{baby['final_val']:.4f}", reached, f"{wall:.1f}", fmt(baby["ms_per_iter"])]]))
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def part_smoke(cfg, rt, scale, report):
+    """Correctness on this device: bf16 autocast tracks fp32 over the first steps; greedy decoding
+    with the KV cache equals decoding without it (fp32); a resumed run continues with the same losses."""
+    shape = scale["smoke"]
+    base = dataclasses.replace(cfg, **shape, gradient_accumulation_steps=1, compile=False,
+                               dropout=0.0, bias=False, attention="auto", learning_rate=1e-3, grad_clip=1.0)
+    vocab = 65
+    data = learnable(vocab)
+    checks = {}
+
+    def losses(dtype):
+        rt_d = dataclasses.replace(rt, dtype=dtype)
+        torch.manual_seed(cfg.seed)
+        raw = GPT(GPTConfig(**train.make_model_args(base, vocab))).to(rt.device)
+        _, model, optimizer, scaler = train.build(raw, base, rt_d)
+        batches = train.TrainBatches(data, base.batch_size, base.block_size, cfg.seed, rt_d)
+        out = [train.train_step(model, optimizer, scaler, batches, base.learning_rate, 1, base.grad_clip, rt_d).loss
+               for _ in range(scale["smoke_steps"])]
+        return torch.stack(out).tolist(), raw
+
+    fp32, model = losses(torch.float32)
+    bf16, _ = losses(torch.bfloat16)
+    gap = max(abs(a - b) for a, b in zip(fp32, bf16))
+    checks["bf16_tracks_fp32"] = {"max_abs_loss_gap": gap, "tolerance": 0.05, "ok": gap <= 0.05}
+
+    model.eval()
+    prompt = torch.as_tensor(data[: base.block_size // 4].astype(np.int64), device=rt.device)[None]
+    new = min(2 * base.block_size, 200)  # past block_size: the window slides too
+    with torch.no_grad():
+        cached = model.generate(prompt, new, temperature=0, kv_cache=True)
+        uncached = model.generate(prompt, new, temperature=0, kv_cache=False)
+    same = int((cached == uncached).all(dim=0).long().cumprod(0).sum()) - prompt.size(1)
+    checks["kv_cache_greedy_equals_uncached"] = {"tokens": new, "identical_prefix": same, "ok": same == new}
+
+    checks["resume_same_losses"] = resume_check(cfg, rt, base, vocab)
+    report["smoke"] = checks
+    rows = [[name, "ok" if c["ok"] else "FAILED", ", ".join(f"{k}={fmt(v)}" for k, v in c.items() if k != "ok")]
+            for name, c in checks.items()]
+    return "## Correctness smoke\n\n" + table(["check", "result", "detail"], rows)
+
+
+def resume_check(cfg, rt, base, vocab):
+    """train.py straight for 2k steps, and for k steps then resumed to 2k: the logged losses agree
+    (bit-exactly on a CPU; on a GPU the embedding backward's atomic adds make the last bits vary)."""
+    root = os.path.join(cfg.out_dir, "resume")
+    data_dir = os.path.join(root, "data")
+    os.makedirs(data_dir, exist_ok=True)
+    ids = learnable(vocab)
+    for split, part in (("train", ids[: len(ids) * 9 // 10]), ("val", ids[len(ids) * 9 // 10 :])):
+        tokens.write(os.path.join(data_dir, f"{split}.bin"), part)
+    with open(os.path.join(data_dir, "meta.json"), "w") as f:
+        json.dump({"chars": "".join(chr(48 + i) for i in range(vocab))}, f)  # a character vocabulary of that size
+    k = 10
+    common = [f"--device={rt.device}", f"--dtype={str(rt.dtype).removeprefix('torch.')}", "--compile=False",
+              f"--dataset={os.path.abspath(data_dir)}", f"--n_layer={base.n_layer}", f"--n_head={base.n_head}",
+              f"--n_embd={base.n_embd}", f"--block_size={base.block_size}", f"--batch_size={base.batch_size}",
+              "--gradient_accumulation_steps=1", "--dropout=0.1", "--eval_interval=5", "--eval_iters=2", "--log_interval=1",
+              f"--lr_decay_iters={2 * k}", "--warmup_iters=2"]
+    runs = [("straight", 2 * k, []), ("split", k, []), ("split", 2 * k, ["--init_from=resume"])]
+    for name, iters, extra in runs:
+        result = subprocess.run([sys.executable, os.path.join(REPO, "train.py"), *common, f"--out_dir={os.path.join(root, name)}",
+                                 f"--max_iters={iters}", *extra], capture_output=True, text=True)
+        if result.returncode != 0:
+            return {"ok": False, "error": (result.stderr.strip().splitlines() or ["?"])[-1]}
+    loss_of = lambda name: {r["iter"]: r["loss"] for r in read_jsonl(os.path.join(root, name, "metrics.jsonl")) if "loss" in r}
+    straight, split = loss_of("straight"), loss_of("split")
+    gap = max(abs(straight[i] - split[i]) for i in straight) if straight.keys() == split.keys() else float("inf")
+    tolerance = 0.0 if rt.device_type == "cpu" else 1e-3
+    return {"steps": 2 * k, "resumed_at": k, "max_abs_loss_gap": gap, "tolerance": tolerance, "ok": gap <= tolerance}
+
+
+SUITE = {"env": part_env, "attention": part_attention, "sweep": part_sweep, "llama": part_llama, "baby": part_baby,
+         "smoke": part_smoke}
+
+
+def fmt(v):
+    if v is None:
+        return "n/a"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def table(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(fmt(c) for c in row) + " |" for row in rows]) + "\n"
+
+
+def rows_table(rows):
+    out = []
+    for r in rows:
+        if "error" in r:
+            out.append([r["label"], r["error"], "", "", "", "", ""])
+            continue
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
+        out.append([r["label"], f"{r['batch_size']} x {r['gradient_accumulation_steps']}", f"{r['ms_per_iter']:.1f}",
+                    f"{r['tokens_per_s']:,.0f}", f"{r['tflops']:.3g}", mfu, f"{r['peak_mem_mb']:,.0f}"])
+    return table(["", "batch x accum", "ms/iter", "tokens/s", "TFLOPS", "MFU", "peak mem (MB)"], out)
+
+
+def run_suite(cfg, rt):
+    """Every part in cfg.suite_parts, in order; report.md and report.json are rewritten after each
+    part, so a part that runs out of time leaves the others' results."""
+    device = torch.cuda.get_device_name(rt.device) if rt.device_type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+    report = {"device": device, "torch": torch.__version__, "parts": cfg.suite_parts.split(","), "rows": []}
+    scale = suite_scale(rt)
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    sections = [f"# bench.py --suite: {device}, torch {torch.__version__}\n"]
+    for part in report["parts"]:
+        start = time.perf_counter()
+        sections.append(SUITE[part](cfg, rt, scale, report))
+        report.setdefault("seconds", {})[part] = time.perf_counter() - start
+        print(sections[-1], flush=True)
+        with open(os.path.join(cfg.out_dir, "report.json"), "w") as f:
+            json.dump(report, f, indent=2)
+        with open(os.path.join(cfg.out_dir, "report.md"), "w") as f:
+            f.write("\n".join(sections))
+    print(f"wrote {cfg.out_dir}/report.md and report.json")
+    return report
+
+
 def main(argv=None):
     cfg = parse(BenchConfig, argv)
     rt = runtime.setup(cfg.device, cfg.dtype, cfg.backend)
     try:
-        run(cfg, rt)
+        run_suite(cfg, rt) if cfg.suite else run(cfg, rt)
     finally:
         runtime.teardown(rt)
 

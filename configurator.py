@@ -109,6 +109,7 @@ class TrainConfig:
     parallelism: str = "ddp"  # under torchrun: 'ddp' (a full copy per rank) or 'fsdp' (weights, grads, AdamW state sharded)
     activation_checkpointing: bool = False  # recompute each block's activations in backward: less memory, ~1/3 more compute
     peak_flops: float = 0.0  # the device's dense peak FLOP/s for MFU (e.g. 989e12); 0: look it up by GPU name
+    attention: str = "auto"  # SDPA kernel: 'auto' (PyTorch's choice), 'flash', 'cudnn', 'efficient' or 'math'
 
     def __post_init__(self):
         for key in ("block_size", "n_layer", "n_head", "n_embd", "gradient_accumulation_steps",
@@ -139,6 +140,7 @@ class TrainConfig:
         _require_choice("mlp", self.mlp, ("gelu", "gelu_tanh", "swiglu"))
         _require_choice("parallelism", self.parallelism, ("ddp", "fsdp"))
         _require_choice("checkpoint_format", self.checkpoint_format, ("auto", "full", "sharded"))
+        _require_choice("attention", self.attention, ("auto", "flash", "cudnn", "efficient", "math"))
         _require(self.learning_rate > 0 and self.min_lr >= 0, "learning_rate must be > 0 and min_lr >= 0")
         _require(self.grad_clip >= 0, f"grad_clip={self.grad_clip} must be >= 0 (0 disables clipping)")
         _require(not self.decay_lr or self.lr_decay_iters > self.warmup_iters >= 0,
@@ -162,6 +164,18 @@ class BenchConfig(TrainConfig):
     json: bool = False  # print the results as one JSON object on the last line
     estimate_params: float = 0.0  # time-to-train: parameters of the model to train (0: this config's model)
     estimate_tokens: float = 0.0  # time-to-train: its training tokens (0: 20 per parameter)
+    suite: bool = False  # run the standard battery for this device; report.md and report.json go to out_dir
+    suite_parts: str = "env,attention,sweep,llama,baby,smoke"  # the parts --suite runs, comma-separated (one 10-minute call each on an H100)
+    suite_baby_iters: int = 0  # part baby: train.py's steps; 0: the config's own on a GPU, 300 on a CPU
+
+    def __post_init__(self):
+        super().__post_init__()
+        unknown = [p for p in self.suite_parts.split(",") if p not in SUITE_PARTS]
+        _require(not unknown, f"suite_parts: {', '.join(map(repr, unknown))} not among {', '.join(SUITE_PARTS)}")
+        _require(self.suite_baby_iters >= 0, f"suite_baby_iters={self.suite_baby_iters} must be >= 0")
+
+
+SUITE_PARTS = ("env", "attention", "sweep", "llama", "baby", "smoke")  # bench.py --suite=True, in the order they run
 
 
 GPT2_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # released weights init_from can name (hf.py)

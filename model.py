@@ -15,13 +15,21 @@ groups, FLOPs count and sampling; last, the key/value cache that makes sampling 
 """
 
 import math
+import warnings
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
+
+# the `attention` key: which scaled_dot_product_attention kernel runs; 'auto' leaves it to PyTorch
+# (on CUDA: flash, then memory-efficient, then cuDNN, then math, the first that takes the inputs)
+SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                 "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 
 
 @dataclass
@@ -108,6 +116,7 @@ class CausalSelfAttention(nn.Module):
         self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
         self.head_size = config.n_embd // config.n_head
         self.dropout = config.dropout
+        self.attention = "auto"  # a key of SDPA_BACKENDS, or 'auto'; GPT.set_attention sets it
         # grouped-query attention: fewer k/v heads, each shared by a group of q heads
         kv_size = self.n_kv_head * self.head_size
         self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * kv_size, bias=config.bias)  # q, k, v in one matmul
@@ -147,8 +156,9 @@ class CausalSelfAttention(nn.Module):
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         # flash attention where the device has it; is_causal masks the future without building a
         # mask; enable_gqa lets each k/v head serve its group of q heads without copying it
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=causal,
-                                           enable_gqa=k.size(1) != self.n_head)
+        with sdpa_kernel(SDPA_BACKENDS[self.attention]) if self.attention != "auto" else nullcontext():
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+                                               is_causal=causal, enable_gqa=k.size(1) != self.n_head)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
         return self.resid_dropout(self.c_proj(y))
 
@@ -214,6 +224,38 @@ class GPT(nn.Module):
         # recompute each block's activations in backward instead of keeping them: less memory for
         # long contexts, about a third more compute (train.py sets it from activation_checkpointing)
         self.activation_checkpointing = False
+
+    def set_attention(self, name):
+        """Run every layer's attention with one SDPA kernel ('flash', 'cudnn', 'efficient', 'math'),
+        or let PyTorch choose ('auto'). A kernel that cannot take the inputs fails in forward;
+        attention_error() checks first."""
+        assert name == "auto" or name in SDPA_BACKENDS, name
+        for block in self.transformer.h:
+            block.attn.attention = name
+
+    def attention_error(self, name, device, dtype):
+        """None when SDPA kernel `name` runs this model's attention (its heads, dropout, GQA;
+        forward and backward) on `device` under autocast to `dtype`; else PyTorch's reason."""
+        if name == "auto":
+            return None
+        c = self.config
+        hs = c.n_embd // c.n_head
+        device_type = torch.device(device).type
+        q = torch.randn(1, c.n_head, 8, hs, device=device, dtype=dtype, requires_grad=True)
+        k, v = (torch.randn(1, c.n_kv_head, 8, hs, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+        if c.n_kv_head != c.n_head and dtype == torch.float32 and device_type != "cpu":
+            k, v = k.repeat_interleave(c.n_head // c.n_kv_head, dim=1), v.repeat_interleave(c.n_head // c.n_kv_head, dim=1)
+        with warnings.catch_warnings(record=True) as caught:  # on CUDA, PyTorch warns why each kernel declined
+            warnings.simplefilter("always")
+            try:
+                with torch.random.fork_rng(devices=[device] if device_type == "cuda" else []), sdpa_kernel(SDPA_BACKENDS[name]):
+                    y = F.scaled_dot_product_attention(q, k, v, dropout_p=c.dropout, is_causal=True,
+                                                       enable_gqa=k.size(1) != c.n_head)
+                    y.sum().backward()
+            except RuntimeError as e:
+                reasons = [str(w.message) for w in caught] + [str(e)]
+                return reasons[0].strip().splitlines()[0]
+        return None
 
     def _init_weights(self, module):
         # norms keep their own init: weight 1, bias 0

@@ -111,13 +111,14 @@ def get_lr(it, cfg):
 class StepResult(NamedTuple):
     loss: torch.Tensor  # this rank's mean loss over the micro-steps (on the device: reading it syncs)
     grad_norm: torch.Tensor  # global gradient norm before clipping (the same on every rank)
-    stepped: bool  # False: the step was non-finite and did not touch the weights
+    stepped: torch.Tensor  # () bool on the device; False: the step was non-finite and did not touch the weights
 
 
 def train_step(model, optimizer, scaler, next_batch, lr, accum_steps, grad_clip, rt, poison=False):
     """One optimizer step over accum_steps micro-batches. A step whose gradient norm is not
-    finite is skipped: the weights and optimizer state stay as they were. (`poison` turns the
-    loss into NaN, for the tests of that path.)"""
+    finite is skipped: the weights and optimizer state stay as they were. Nothing here waits
+    for the device (with fused AdamW): the caller reads the results when it logs. (`poison`
+    turns the loss into NaN, for the tests of that path.)"""
     for group in optimizer.param_groups:
         group["lr"] = lr * group.get("lr_scale", 1.0)  # a group with its own peak (e.g. Muon's) scales with the schedule
     total = torch.zeros((), device=rt.device)
@@ -142,19 +143,27 @@ def train_step(model, optimizer, scaler, next_batch, lr, accum_steps, grad_clip,
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     if grad_clip > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, grad_clip, norm)
+        torch.nn.utils.clip_grads_with_norm_(params, grad_clip, norm)  # a NaN norm makes NaN grads: the step is skipped anyway
     if hasattr(norm, "full_tensor"):  # a DTensor, from FSDP's sharded gradients: already reduced, the same on every rank
         norm = norm.full_tensor()
+    # the gradients are already all-reduced, so every rank takes the same decision
+    stepped = torch.isfinite(norm)
     if scaler.is_enabled():
-        # fp16: GradScaler skips overflowing steps itself (and lowers the scale); that is routine
+        # fp16: GradScaler skips overflowing steps itself (and lowers the scale); that is routine,
+        # so only a non-finite loss counts as a bad step
         scaler.step(optimizer)
-        stepped = bool(torch.isfinite(total))
+        stepped = torch.isfinite(total)
+    elif getattr(optimizer, "_step_supports_amp_scaling", False):
+        # fused AdamW takes GradScaler's found_inf tensor: where it is 1 the kernel leaves weights,
+        # moments and step count bit-unchanged, so the skip is decided on the device, with no sync
+        optimizer.grad_scale, optimizer.found_inf = None, (~stepped).float()
+        optimizer.step()
+        del optimizer.grad_scale, optimizer.found_inf
     else:
-        # the gradients are already all-reduced, so every rank takes the same decision. Reading
-        # the norm waits for the device once per optimizer step (not per micro-step): a bubble of
-        # a few kernel launches, the price of a NaN never reaching the weights
-        stepped = bool(torch.isfinite(norm))
-        if stepped:
+        # an optimizer without found_inf (e.g. a wrapper around several, as Muon + AdamW): the one
+        # host sync left in the step. bool() waits for the queued backward to finish before the
+        # update is launched: the device idles for a few kernel launches once per optimizer step
+        if bool(stepped):
             optimizer.step()
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
@@ -190,7 +199,10 @@ def eval_group(cfg, padded_vocab_size, budget_bytes=64 * 2**20):
     """How many eval batches fit in one forward pass with their float32 logits (the largest
     tensor of an eval forward) under `budget_bytes`; 1 for GPT-2-sized vocabularies and contexts."""
     logits_bytes = cfg.batch_size * cfg.block_size * padded_vocab_size * 4
-    return max(1, min(cfg.eval_iters, budget_bytes // logits_bytes))
+    fits = max(1, min(cfg.eval_iters, budget_bytes // logits_bytes))
+    # a divisor of eval_iters, so every forward has the same shape: a compiled model then adds
+    # one eval graph, not a second one for a shorter last group
+    return max(g for g in range(1, fits + 1) if cfg.eval_iters % g == 0)
 
 
 MODEL_KEYS = tuple(k for k in SHAPE_KEYS if k != "vocab_size") + ("dropout",)  # GPTConfig's keys that TrainConfig has
@@ -215,7 +227,13 @@ def build(raw_model, cfg, rt, state=None):
     scaler = torch.amp.GradScaler(rt.device_type, enabled=rt.dtype == torch.float16)  # loss scaling only for fp16
     if state is not None:
         checkpoint.restore(state, raw_model, optimizer, scaler, fsdp)
-    model = torch.compile(raw_model) if cfg.compile else raw_model
+    error = raw_model.attention_error(cfg.attention, rt.device, rt.dtype)
+    if error:
+        raise UserError(f"attention='{cfg.attention}' cannot run on {rt.device} in {str(rt.dtype).removeprefix('torch.')} "
+                        f"for this model ({error}); use --attention=auto")
+    raw_model.set_attention(cfg.attention)
+    # static shapes: the training step has one shape, and eval one more (eval_group keeps it to one)
+    model = torch.compile(raw_model, dynamic=False) if cfg.compile else raw_model
     train_model = DDP(model, device_ids=[rt.local_rank] if rt.device_type == "cuda" else None) if rt.ddp and not fsdp else model
     return model, train_model, optimizer, scaler
 
@@ -373,7 +391,7 @@ class StopRequest:
     reads it between steps, writes a checkpoint and exits. A second Ctrl-C quits at once."""
 
     def __init__(self, max_minutes=0.0):
-        self.reason = None
+        self.reason, self.group = None, None
         self.deadline = time.monotonic() + 60 * max_minutes if max_minutes > 0 else None
         self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
 
@@ -388,8 +406,12 @@ class StopRequest:
             self.reason = "max_minutes"
         stop = self.reason is not None
         if rt.ddp:
-            flag = torch.tensor(float(stop), device=rt.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            # every step, so the flag travels on the host: over gloo (a group of its own when NCCL
+            # carries the gradients) the ranks wait for each other, never for their GPUs
+            if self.group is None:
+                self.group = dist.new_group(backend="gloo") if rt.device_type == "cuda" else dist.group.WORLD
+            flag = torch.tensor(float(stop))
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
             stop = bool(flag.item())
         return stop
 
@@ -498,7 +520,9 @@ def train(cfg, rt, stop):
     peak = runtime.device_peak_flops(rt, cfg.peak_flops)
     resumed_at = iter_num if cfg.init_from == "resume" else None
     window_start, window_iters, warm = None, 0, False
-    bad_in_a_row = 0
+    # non-finite steps, counted on the device and read where the loop waits for it anyway (log,
+    # eval, save): skipped since the last read, in a row now, and the longest run since the last read
+    skipped, bad_in_a_row, worst_run = (torch.zeros((), dtype=torch.long, device=rt.device) for _ in range(3))
     nan_iters = {int(i) for i in os.environ.get("TRAIN_TEST_NAN_ITERS", "").split(",") if i}  # test-only fault injection
 
     fmt = cfg.checkpoint_format if cfg.checkpoint_format != "auto" else "sharded" if uses_fsdp(cfg, rt) else "full"
@@ -510,12 +534,30 @@ def train(cfg, rt, stop):
                 "best_val_loss": best_val_loss, "wandb_run_id": metrics.wandb_run_id if rt.master else None}
         saver.save(raw_model, optimizer, scaler, uses_fsdp(cfg, rt), info, batches, best)
 
+    def check_bad_steps():
+        """Report the steps skipped since the last check; stop (exit 3) when max_bad_steps came in a row.
+        The weights never saw those steps, so ckpt.pt, written before or after them, is good."""
+        n_skipped, worst, in_a_row = torch.stack([skipped, worst_run, bad_in_a_row]).tolist()  # one read of all three
+        if n_skipped and rt.master:
+            print(f"iter {iter_num}: non-finite loss or gradient norm, {n_skipped} step(s) skipped since the last log "
+                  f"({in_a_row} in a row)")
+        skipped.zero_()
+        worst_run.copy_(bad_in_a_row)
+        if worst >= cfg.max_bad_steps:
+            saver.wait()  # a save in flight holds good weights: let it complete
+            raise Diverged(f"{worst} steps in a row had a non-finite loss or gradient norm (max_bad_steps="
+                           f"{cfg.max_bad_steps}); {saver.latest} is the last good checkpoint: lower "
+                           f"learning_rate or check the data, then --init_from=resume")
+
     # The loop runs once more after the last step, so the final eval and save live in one place.
     while True:
         last = iter_num >= cfg.max_iters
         saved_now = False
         saver.poll()  # a background save that finished is committed here; one that failed stops the run
-        if cfg.eval_only or ((iter_num % cfg.eval_interval == 0 or last) and iter_num != resumed_at):
+        evaluating = cfg.eval_only or ((iter_num % cfg.eval_interval == 0 or last) and iter_num != resumed_at)
+        if evaluating or last:
+            check_bad_steps()  # before a checkpoint can be written
+        if evaluating:
             losses = evaluate(model, eval_splits, cfg.block_size, rt, eval_group(cfg, raw_model.config.padded_vocab_size))
             if rt.master:
                 print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
@@ -534,6 +576,7 @@ def train(cfg, rt, stop):
             saver.wait()
             break
         if stop.check(rt):
+            check_bad_steps()
             if not saved_now and iter_num != resumed_at:
                 save()
             saver.wait()
@@ -548,17 +591,13 @@ def train(cfg, rt, stop):
         lr = get_lr(iter_num, cfg)
         loss, _, stepped = train_step(train_model, optimizer, scaler, batches, lr, accum_steps, cfg.grad_clip, rt,
                                       poison=iter_num in nan_iters)
-        bad_in_a_row = 0 if stepped else bad_in_a_row + 1
-        if not stepped:
-            if rt.master:
-                print(f"iter {iter_num}: non-finite loss or gradient norm, step skipped ({bad_in_a_row} in a row)")
-            if bad_in_a_row >= cfg.max_bad_steps:
-                saver.wait()  # a save in flight holds good weights: let it complete
-                raise Diverged(f"{bad_in_a_row} steps in a row had a non-finite loss or gradient norm (max_bad_steps="
-                               f"{cfg.max_bad_steps}); {saver.latest} is the last good checkpoint: lower "
-                               f"learning_rate or check the data, then --init_from=resume")
+        # device-side bookkeeping (three tiny kernels), so the step queues up behind the last one
+        bad_in_a_row.add_(1).mul_(~stepped)  # +1, or back to 0 after a good step
+        torch.maximum(worst_run, bad_in_a_row, out=worst_run)
+        skipped.add_(~stepped)
         window_iters += 1
         if iter_num % cfg.log_interval == 0:
+            check_bad_steps()
             if rt.ddp:
                 dist.all_reduce(loss)
                 loss = loss / rt.world_size

@@ -30,6 +30,25 @@ DEVICE_PEAKS = [
     ("NVIDIA GeForce RTX 3090", 71.0, 35.6),
     ("NVIDIA GeForce RTX 4090", 165.2, 82.6),
     ("NVIDIA GeForce RTX 5090", 209.5, 104.8),
+    ("NVIDIA GeForce RTX 3090 Ti", 80.0, 40.0),
+    ("NVIDIA GeForce RTX 3060", 25.5, 12.7),
+    ("NVIDIA GeForce RTX 3060 Ti", 32.4, 16.2),
+    ("NVIDIA GeForce RTX 3070", 40.6, 20.3),
+    ("NVIDIA GeForce RTX 3080", 59.5, 29.8),
+    ("NVIDIA GeForce RTX 3080 Ti", 68.2, 34.1),
+    ("NVIDIA GeForce RTX 4060", 30.2, 15.1),
+    ("NVIDIA GeForce RTX 4070", 58.3, 29.1),
+    ("NVIDIA GeForce RTX 4070 Ti SUPER", 88.2, 44.1),
+    ("NVIDIA GeForce RTX 4080", 97.5, 48.7),
+    ("NVIDIA GeForce RTX 4080 SUPER", 104.4, 52.2),
+    ("NVIDIA RTX A6000", 154.8, 77.4),
+    ("NVIDIA RTX 6000 Ada Generation", 364.2, 182.1),
+    ("NVIDIA A40", 149.7, 74.8),
+    ("NVIDIA L40", 181.0, 90.5),
+    ("NVIDIA B200", 2250.0, 1125.0),
+    ("Tesla V100-SXM2-16GB", 125.0, 15.7),
+    ("Tesla V100-PCIE-32GB", 112.0, 14.0),
+    ("Tesla T4", 65.0, 8.1),
 ]
 
 
@@ -40,7 +59,7 @@ def test_peak_lookup_by_reported_name(name, bf16, tf32):
     assert runtime.peak_flops(name, torch.float32) == tf32 * 1e12  # TF32 matmuls are on under CUDA
 
 
-@pytest.mark.parametrize("name", ["NVIDIA A10G", "Tesla T4", "NVIDIA L40", "AMD Instinct MI300X", "NVIDIA B200"])
+@pytest.mark.parametrize("name", ["NVIDIA A10G", "NVIDIA GeForce RTX 3060 Laptop GPU", "AMD Instinct MI300X", "Tesla P100-PCIE-16GB"])
 def test_unknown_devices_have_no_peak(name):
     # no number is better than a wrong one: MFU shows n/a, and peak_flops= can supply it
     assert runtime.peak_flops(name, torch.bfloat16) is None
@@ -179,3 +198,39 @@ def test_train_with_auto_batch_size(char_data, tmp_path):
     saved = json.loads((out / "config.json").read_text())  # what ran, not the word 'auto'
     assert isinstance(saved["batch_size"], int)
     assert saved["batch_size"] * saved["gradient_accumulation_steps"] * 16 == 16 * 8
+
+
+def test_suite_runs_every_part_on_a_cpu_and_writes_its_reports(char_data, tmp_path):
+    """The whole battery at its CPU scale, shortened: every part, report.md and report.json."""
+    work = tmp_path / "work"
+    (work / "data").mkdir(parents=True)
+    char_data.rename(work / "data" / "shakespeare_char")  # the baby part trains on data/shakespeare_char
+    result = run_script("bench.py", "--suite=True", "--device=cpu", f"--out_dir={work / 'report'}", "--bench_iters=1",
+                        "--bench_warmup=1", "--suite_baby_iters=20", cwd=work)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((work / "report" / "report.json").read_text())
+    assert report["torch"] == torch.__version__ and report["device"].startswith("CPU")
+    assert report["parts"] == ["env", "attention", "sweep", "llama", "baby", "smoke"]
+    for row in report["rows"]:
+        assert {"label", "ms_per_iter", "tokens_per_s", "tflops", "mfu", "peak_mem_mb"} <= set(row), row
+        assert row["mfu"] is None and row["ms_per_iter"] > 0 and row["tokens_per_s"] > 0  # a CPU has no peak
+    by_part = {}
+    for row in report["rows"]:
+        by_part.setdefault(row["part"], []).append(row)
+    assert [r["label"] for r in by_part["attention"]] == ["attention=auto", "attention=flash", "attention=math"]
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in report["attention"]["default_kernels"]
+    assert len(report["attention"]["unavailable"]) == 2  # cudnn and efficient: CUDA only
+    sweep = by_part["sweep"]
+    assert len({r["batch_size"] * r["gradient_accumulation_steps"] for r in sweep}) == 1 and len(sweep) == 3
+    assert [r["label"] for r in by_part["llama"]] == ["activation_checkpointing=False", "activation_checkpointing=True"]
+    assert report["baby"]["iters"] == 20 and report["baby"]["final_val"] < 4.2  # below a uniform guess, ln(65)
+    assert all(check["ok"] for check in report["smoke"].values()), report["smoke"]
+    markdown = (work / "report" / "report.md").read_text()
+    for title in ("## Environment", "## Attention", "## GPT-2 sweep", "## config/train_llama_tiny.py", "## Baby GPT",
+                  "## Correctness smoke"):
+        assert title in markdown and title in result.stdout
+
+
+def test_suite_parts_are_checked():
+    with pytest.raises(Exception, match="suite_parts: 'speed' not among env, attention"):
+        BenchConfig(suite_parts="env,speed")

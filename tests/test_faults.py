@@ -73,7 +73,7 @@ def test_a_non_finite_step_leaves_the_weights_alone(char_data, tmp_path):
     poisoned = run_script("train.py", *tiny_args(char_data, tmp_path / "six", max_iters=6, eval_interval=1000),
                           env={"TRAIN_TEST_NAN_ITERS": "5"})
     assert five.returncode == 0 and poisoned.returncode == 0, poisoned.stderr
-    assert "iter 5: non-finite loss or gradient norm, step skipped (1 in a row)" in poisoned.stdout
+    assert "iter 5: non-finite loss or gradient norm, 1 step(s) skipped since the last log (1 in a row)" in poisoned.stdout
     a = checkpoint.load(str(tmp_path / "five" / "ckpt.pt"))
     b = checkpoint.load(str(tmp_path / "six" / "ckpt.pt"))
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])

@@ -1,0 +1,58 @@
+"""The `attention` key: each SDPA kernel gives the same loss and gradients, the chosen kernel is the
+one that runs, and an unknown or unavailable kernel is a one-line error."""
+
+import pytest
+import torch
+
+from conftest import run_script, tiny_args
+from model import GPT, GPTConfig
+
+MODEL = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, block_size=16, vocab_size=65, dropout=0.0)
+
+
+def loss_and_grads(attention):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**MODEL))
+    model.set_attention(attention)
+    x = torch.randint(0, 65, (2, 16), generator=torch.Generator().manual_seed(1))
+    _, loss = model(x, x)
+    loss.backward()
+    return loss, [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("attention", ["flash", "math"])  # the kernels a CPU has
+def test_kernels_agree_with_auto(attention):
+    loss, grads = loss_and_grads("auto")
+    other_loss, other_grads = loss_and_grads(attention)
+    torch.testing.assert_close(other_loss, loss, rtol=1e-5, atol=1e-6)
+    for a, b in zip(other_grads, grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def sdpa_ops(attention):
+    model = GPT(GPTConfig(**MODEL))
+    model.set_attention(attention)
+    x = torch.zeros(1, 16, dtype=torch.long)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model(x, x)
+    return {e.key for e in prof.key_averages() if "attention" in e.key or "softmax" in e.key}
+
+
+def test_the_chosen_kernel_is_the_one_that_runs():
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in sdpa_ops("flash")
+    math = sdpa_ops("math")
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" not in math and "aten::_softmax" in math
+
+
+def test_probe_says_which_kernels_a_cpu_lacks():
+    model = GPT(GPTConfig(**MODEL))
+    assert model.attention_error("flash", "cpu", torch.float32) is None
+    assert model.attention_error("cudnn", "cpu", torch.float32)  # a reason, not None
+
+
+@pytest.mark.parametrize("value, message", [("fast", "attention='fast' is not one of"),
+                                            ("cudnn", "attention='cudnn' cannot run on cpu")])
+def test_bad_attention_values_are_one_line(char_data, tmp_path, value, message):
+    result = run_script("train.py", *tiny_args(char_data, tmp_path / "out", attention=value))
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr, result.stderr

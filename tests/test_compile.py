@@ -1,0 +1,84 @@
+"""Compile hygiene on the CPU with inductor: training with evals in between compiles the training
+graph and eval's no_grad graph and nothing else, and every model variant compiles as one graph
+(fullgraph=True) in training and in cached decoding."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import runtime
+import train
+from configurator import TrainConfig
+from model import GPT, GPTConfig
+
+CPU = runtime.Runtime("cpu", "cpu", torch.float32)
+TINY = dict(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=65, dropout=0.0, bias=False)
+# every Llama option at once: one compile covers them all
+LLAMA = dict(TINY, pos_encoding="rope", norm="rmsnorm", mlp="swiglu", n_kv_head=2, qk_norm=True, tie_embeddings=False)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def test_training_with_evals_compiles_two_graphs_and_never_recompiles():
+    cfg = TrainConfig(device="cpu", compile=True, batch_size=4, block_size=16, n_layer=2, n_head=4, n_embd=32,
+                      gradient_accumulation_steps=2, eval_iters=3, dropout=0.0)
+    torch.manual_seed(0)
+    raw_model = GPT(GPTConfig(**TINY))
+    model, train_model, optimizer, scaler = train.build(raw_model, cfg, CPU)
+    data = np.random.default_rng(0).integers(0, 65, size=4000).astype(np.uint16)
+    batches = train.TrainBatches(data, cfg.batch_size, cfg.block_size, 0, CPU)
+    splits = {"val": (data, train.eval_offsets(data, cfg.eval_iters, cfg.batch_size, cfg.block_size, 1))}
+    group = train.eval_group(cfg, raw_model.config.padded_vocab_size)
+    losses = []
+    for _ in range(3):
+        for _ in range(2):
+            losses.append(train.train_step(train_model, optimizer, scaler, batches, 1e-3, 2, 1.0, CPU).loss)
+        train.evaluate(model, splits, cfg.block_size, CPU, group)
+    assert all(torch.isfinite(loss) for loss in losses)
+    # one training graph (forward; its backward is compiled with it) and eval's no_grad one
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    assert sum(counters["recompiles"].values()) <= 1, dict(counters["recompiles"])  # eval's graph is the one recompile
+    assert not counters["graph_break"], dict(counters["graph_break"])  # GPT-2 trains and evaluates as one graph each
+
+
+def test_eval_group_divides_eval_iters():
+    # a shorter last group would be one more shape, so one more graph
+    for eval_iters in (1, 7, 12, 200):
+        cfg = TrainConfig(batch_size=2, block_size=16, eval_iters=eval_iters)
+        group = train.eval_group(cfg, 64)
+        assert eval_iters % group == 0 and group >= 1
+
+
+def test_llama_options_and_checkpointing_train_as_one_graph():
+    torch.manual_seed(0)
+    model, reference = GPT(GPTConfig(**LLAMA)), GPT(GPTConfig(**LLAMA))
+    reference.load_state_dict(model.state_dict())
+    model.activation_checkpointing = reference.activation_checkpointing = True
+    x = torch.randint(0, 65, (2, 16))
+    _, loss = torch.compile(model, fullgraph=True, dynamic=False)(x, x)  # a graph break is an error
+    loss.backward()
+    _, ref_loss = reference(x, x)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-4, atol=1e-5)
+    for (n, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-5, msg=n)
+
+
+@pytest.mark.parametrize("options", [dict(TINY, bias=True), LLAMA], ids=["gpt2", "llama"])
+def test_cached_decoding_is_one_graph(options):
+    # as sample.py compiles it: in place, so generate's calls to the model go through it
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**options)).eval()
+    prompt = torch.randint(0, 65, (1, 4))
+    expected = model.generate(prompt, 3, temperature=0)
+    model.compile(fullgraph=True)
+    assert torch.equal(model.generate(prompt, 3, temperature=0), expected)
