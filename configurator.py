@@ -87,7 +87,7 @@ class TrainConfig:
     qk_norm: bool = False  # RMSNorm each head's queries and keys before attention
     tie_embeddings: bool = True  # lm_head shares the token embedding matrix (False: two matrices)
     # optimizer
-    learning_rate: float = 6e-4  # peak learning rate
+    learning_rate: float = 6e-4  # peak learning rate (with optimizer=muon: AdamW's part; Muon's is muon_lr)
     max_iters: int = 600000  # total optimizer steps
     weight_decay: float = 1e-1  # applied to matrices and embeddings only
     beta1: float = 0.9  # AdamW beta1
