@@ -50,6 +50,7 @@ class TrainConfig:
     out_dir: str = "out"  # checkpoints, config.json and metrics.jsonl are written here
     eval_interval: int = 2000  # evaluate (and maybe checkpoint) every this many iterations
     log_interval: int = 1  # print and record training metrics every this many iterations
+    update_ratio_interval: int = 0  # every this many steps log each layer's |update| / |weight| (one copy of the weights that step); 0: off
     eval_iters: int = 200  # batches per split in each evaluation (the same batches every time)
     eval_only: bool = False  # evaluate once, then exit
     always_save_checkpoint: bool = True  # write ckpt.pt at every eval, not only when val improves
@@ -89,18 +90,24 @@ class TrainConfig:
     n_kv_head: int = 0  # key/value heads for grouped-query attention; 0 (or n_head): plain multi-head
     qk_norm: bool = False  # RMSNorm each head's queries and keys before attention
     tie_embeddings: bool = True  # lm_head shares the token embedding matrix (False: two matrices)
-    # AdamW
-    learning_rate: float = 6e-4  # peak learning rate
+    # optimizer
+    learning_rate: float = 6e-4  # peak learning rate (with optimizer=muon: AdamW's part; Muon's is muon_lr)
     max_iters: int = 600000  # total optimizer steps
     weight_decay: float = 1e-1  # applied to matrices and embeddings only
     beta1: float = 0.9  # AdamW beta1
     beta2: float = 0.95  # AdamW beta2
     grad_clip: float = 1.0  # clip the global gradient norm to this; 0 disables
+    optimizer: str = "adamw"  # 'adamw' (every parameter) or 'muon': Muon for the blocks' weight matrices, AdamW for the rest
+    muon_lr: float = 0.02  # Muon's peak learning rate; the schedule scales it as it scales learning_rate
+    muon_momentum: float = 0.95  # Muon's Nesterov momentum
+    muon_weight_decay: float = 0.0  # Muon's decoupled weight decay (each step multiplies the matrices by 1 - lr * this)
     # learning-rate schedule
-    decay_lr: bool = True  # cosine decay after a linear warmup; False keeps learning_rate fixed
+    decay_lr: bool = True  # a linear warmup, then lr_schedule's decay; False keeps learning_rate fixed
     warmup_iters: int = 2000  # linear warmup steps
     lr_decay_iters: int = 600000  # step at which the cosine reaches min_lr (usually max_iters)
     min_lr: float = 6e-5  # floor of the schedule (about learning_rate / 10)
+    lr_schedule: str = "cosine"  # 'cosine' (to min_lr at lr_decay_iters) or 'wsd': constant, then linear to min_lr over the last decay_frac of max_iters
+    decay_frac: float = 0.2  # lr_schedule='wsd': the fraction of max_iters spent decaying, in (0, 1]
     # system
     backend: str = "auto"  # torch.distributed backend: 'nccl', 'gloo', or 'auto' (nccl on CUDA, else gloo)
     device: str = "auto"  # 'auto' (cuda, else mps, else cpu), 'cpu', 'cuda', 'cuda:1', 'mps'
@@ -143,8 +150,19 @@ class TrainConfig:
         _require_choice("attention", self.attention, ("auto", "flash", "cudnn", "efficient", "math"))
         _require(self.learning_rate > 0 and self.min_lr >= 0, "learning_rate must be > 0 and min_lr >= 0")
         _require(self.grad_clip >= 0, f"grad_clip={self.grad_clip} must be >= 0 (0 disables clipping)")
-        _require(not self.decay_lr or self.lr_decay_iters > self.warmup_iters >= 0,
+        _require(not self.decay_lr or self.lr_schedule == "wsd" or self.lr_decay_iters > self.warmup_iters >= 0,
                  f"lr_decay_iters={self.lr_decay_iters} must be larger than warmup_iters={self.warmup_iters}")
+        _require_choice("optimizer", self.optimizer, ("adamw", "muon"))
+        _require_choice("lr_schedule", self.lr_schedule, ("cosine", "wsd"))
+        _require(0 < self.decay_frac <= 1, f"decay_frac={self.decay_frac} must be in (0, 1]: the fraction of max_iters spent decaying")
+        _require(self.muon_lr > 0 and 0 <= self.muon_momentum < 1 and self.muon_weight_decay >= 0,
+                 "muon_lr must be > 0, muon_momentum in [0, 1) and muon_weight_decay >= 0")
+        _require(self.optimizer != "muon" or self.parallelism != "fsdp",
+                 "optimizer='muon' orthogonalizes whole matrices, which parallelism='fsdp' shards; use parallelism='ddp' "
+                 "or optimizer='adamw'")
+        _require(self.update_ratio_interval >= 0, f"update_ratio_interval={self.update_ratio_interval} must be >= 0 (0: off)")
+        _require(self.update_ratio_interval == 0 or self.parallelism != "fsdp",
+                 "update_ratio_interval needs whole weights, which parallelism='fsdp' shards; set it to 0 under FSDP")
         _require_init_from(self.init_from, ("scratch", "resume"))
         _require_choice("data_mode", self.data_mode, ("auto", "ram", "memmap"))
         _require_choice("backend", self.backend, ("auto", "nccl", "gloo"))

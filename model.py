@@ -319,10 +319,10 @@ class GPT(nn.Module):
         else:
             self.rope_cos, self.rope_sin = self.rope_cos[:block_size], self.rope_sin[:block_size]
 
-    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
-        """AdamW with weight decay on matrices and embeddings only: decaying biases and
-        norm gains toward zero only hurts."""
-        params = [p for p in self.parameters() if p.requires_grad]
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type, params=None):
+        """AdamW over `params` (default: all of them) with weight decay on matrices and
+        embeddings only: decaying biases and norm gains toward zero only hurts."""
+        params = [p for p in (self.parameters() if params is None else params) if p.requires_grad]
         groups = [
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},

@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
 import hf
+import optim
 import runtime
 import tokenizer
 from configurator import TrainConfig, UserError, as_dict, parse, run_main
@@ -97,11 +98,24 @@ def eval_offsets(data, eval_iters, batch_size, block_size, seed):
 
 
 def get_lr(it, cfg):
-    """Linear warmup to learning_rate, cosine decay to min_lr at lr_decay_iters, then flat."""
+    """Linear warmup to learning_rate; then cosine decay to min_lr at lr_decay_iters, then flat;
+    or (lr_schedule='wsd') warmup-stable-decay: learning_rate until the last decay_frac of
+    max_iters, then a straight line down to min_lr at max_iters. The stable phase does not
+    depend on max_iters, so a run resumed there with a larger max_iters continues exactly.
+    The decay is linear: in Hagele et al. 2024 (arXiv:2405.18392) a linear cooldown matched
+    a full cosine run's loss, and a cosine-shaped one did no better."""
     if not cfg.decay_lr:
         return cfg.learning_rate
     if it < cfg.warmup_iters:
         return cfg.learning_rate * (it + 1) / (cfg.warmup_iters + 1)
+    if cfg.lr_schedule == "wsd":
+        decay_start = max(cfg.warmup_iters, (1 - cfg.decay_frac) * cfg.max_iters)  # never inside the warmup
+        if it < decay_start:
+            return cfg.learning_rate
+        if it >= cfg.max_iters:
+            return cfg.min_lr
+        progress = (it - decay_start) / (cfg.max_iters - decay_start)
+        return cfg.learning_rate + progress * (cfg.min_lr - cfg.learning_rate)
     if it >= cfg.lr_decay_iters:
         return cfg.min_lr
     progress = (it - cfg.warmup_iters) / (cfg.lr_decay_iters - cfg.warmup_iters)
@@ -223,7 +237,7 @@ def build(raw_model, cfg, rt, state=None):
         shard(raw_model, rt)  # before the optimizer is made: it must hold the sharded parameters
     elif cfg.parallelism == "fsdp" and rt.master:
         print("note: parallelism='fsdp' in a single process has nothing to shard over; training unsharded")
-    optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), rt.device_type)
+    optimizer = optim.configure(raw_model, cfg, rt.device_type)
     scaler = torch.amp.GradScaler(rt.device_type, enabled=rt.dtype == torch.float16)  # loss scaling only for fp16
     if state is not None:
         checkpoint.restore(state, raw_model, optimizer, scaler, fsdp)
@@ -480,6 +494,9 @@ def train(cfg, rt, stop):
             # weights (init_from='gpt2...') gave it a shape other than these keys say
             model_args = {**state["model_args"], "dropout": cfg.dropout}
         check_resumable(state["model_args"], model_args)
+        if trained_with["optimizer"] != cfg.optimizer:
+            raise UserError(f"cannot resume: the checkpoint was trained with optimizer={trained_with['optimizer']!r}, whose "
+                            f"state this run's optimizer={cfg.optimizer!r} cannot take; resume with --optimizer={trained_with['optimizer']}")
 
     if cfg.init_from in ("scratch", "resume"):
         raw_model = GPT(GPTConfig(**model_args)).to(rt.device)
@@ -589,8 +606,12 @@ def train(cfg, rt, stop):
             runtime.synchronize(rt)
             window_start, window_iters = time.perf_counter(), 0
         lr = get_lr(iter_num, cfg)
-        loss, _, stepped = train_step(train_model, optimizer, scaler, batches, lr, accum_steps, cfg.grad_clip, rt,
-                                      poison=iter_num in nan_iters)
+        ratio_due = rt.master and cfg.update_ratio_interval > 0 and iter_num % cfg.update_ratio_interval == 0
+        before = optim.snapshot(raw_model) if ratio_due else None  # the N-th step only: off the hot path
+        loss, grad_norm, stepped = train_step(train_model, optimizer, scaler, batches, lr, accum_steps, cfg.grad_clip, rt,
+                                              poison=iter_num in nan_iters)
+        if ratio_due:
+            metrics.write({"iter": iter_num, **optim.update_ratios(raw_model, before)})
         # device-side bookkeeping (three tiny kernels), so the step queues up behind the last one
         bad_in_a_row.add_(1).mul_(~stepped)  # +1, or back to 0 after a good step
         torch.maximum(worst_run, bad_in_a_row, out=worst_run)
@@ -601,7 +622,8 @@ def train(cfg, rt, stop):
             if rt.ddp:
                 dist.all_reduce(loss)
                 loss = loss / rt.world_size
-            loss_value = loss.item()  # waits for the device: the window's time below is real
+            loss_value, norm_value = torch.stack([loss, grad_norm.float()]).tolist()  # waits for the device: the window's time below is real
+            clipped = cfg.grad_clip > 0 and norm_value > cfg.grad_clip
             runtime.synchronize(rt)
             now = time.perf_counter()
             dt = (now - window_start) / window_iters
@@ -611,11 +633,12 @@ def train(cfg, rt, stop):
             if rt.master:
                 eta = format_duration(dt * (cfg.max_iters - iter_num - 1))
                 mfu_text = f"{mfu:.1%}" if mfu is not None else "n/a"
-                print(f"iter {iter_num}: loss {loss_value:.4f}, lr {lr:.2e}, {dt * 1000:.1f} ms/iter, "
+                print(f"iter {iter_num}: loss {loss_value:.4f}, lr {lr:.2e}, grad norm {norm_value:.3g}{' (clipped)' if clipped else ''}, "
+                      f"{dt * 1000:.1f} ms/iter, "
                       f"{tokens_per_iter / dt:,.0f} tok/s, {flops_per_iter / dt / 1e12 / rt.world_size:.3g} TFLOPS/device, "
                       f"mfu {mfu_text}, eta {eta}")
-                metrics.write({"iter": iter_num, "loss": loss_value, "lr": lr, "dt_ms": dt * 1000,
-                               "tokens_per_s": tokens_per_iter / dt, "mfu": mfu})
+                metrics.write({"iter": iter_num, "loss": loss_value, "lr": lr, "grad_norm": norm_value, "clipped": clipped,
+                               "dt_ms": dt * 1000, "tokens_per_s": tokens_per_iter / dt, "mfu": mfu})
         iter_num += 1
     return 0
 

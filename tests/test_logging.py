@@ -28,12 +28,12 @@ def test_tensorboard_gets_the_same_scalars_as_metrics_jsonl(char_data, tmp_path)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "out"
-    result = run_script("train.py", *tiny_args(char_data, out, max_iters=10, tensorboard_log=True))
+    result = run_script("train.py", *tiny_args(char_data, out, max_iters=10, tensorboard_log=True, update_ratio_interval=5))
     assert result.returncode == 0, result.stderr
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
     records = read_metrics(out)
-    for key in ("loss", "lr", "val_loss", "train_loss"):
+    for key in ("loss", "lr", "val_loss", "train_loss", "grad_norm", "clipped", "update_ratio/h.0", "update_ratio/wte"):
         logged = [(r["iter"], r[key]) for r in records if r.get(key) is not None]
         scalars = [(e.step, e.value) for e in events.Scalars(key)]
         assert [s for s, _ in scalars] == [i for i, _ in logged]

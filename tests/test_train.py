@@ -28,7 +28,7 @@ def test_training_run_learns_and_writes_its_outputs(char_data, tmp_path):
     assert [r["iter"] for r in steps] == list(range(60))
     assert [r["iter"] for r in evals] == [0, 30, 60]
     assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.5  # it learned something
-    assert all(set(r) == {"iter", "loss", "lr", "dt_ms", "tokens_per_s", "mfu"} for r in steps)
+    assert all(set(r) == {"iter", "loss", "lr", "grad_norm", "clipped", "dt_ms", "tokens_per_s", "mfu"} for r in steps)
 
     assert json.loads((out / "config.json").read_text())["max_iters"] == 60
     state = checkpoint.load(str(out / "ckpt.pt"))  # loads with weights_only=True

@@ -1,0 +1,263 @@
+"""Muon beside AdamW (optim.py), the warmup-stable-decay schedule, and the training-health
+metrics (gradient norm, clipping, update-to-weight ratios): against torch's own Muon, against a
+hand computation, and end to end through train.py (exact resume, DDP, extending a WSD run)."""
+
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import REPO, read_metrics, run_script, tiny_args
+
+import configurator
+import optim
+import runtime
+import tokenizer
+import train
+from configurator import TrainConfig, UserError
+from model import GPT, GPTConfig
+
+CPU = runtime.Runtime("cpu", "cpu", torch.float32)
+MODEL = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=65, dropout=0.0, bias=True)
+UNTIMED = lambda records: [{k: v for k, v in r.items() if k not in ("dt_ms", "tokens_per_s")} for r in records]
+
+
+def run_train(data_dir, out_dir, **overrides):
+    result = run_script("train.py", *tiny_args(data_dir, out_dir, **overrides), timeout=600)
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+# ---------------------------------------------------------------------------- the optimizer
+
+
+def test_muon_half_steps_as_torch_muon_and_the_rest_as_adamw():
+    cfg = TrainConfig(optimizer="muon", learning_rate=1e-2, muon_lr=0.03, muon_momentum=0.9, muon_weight_decay=0.05,
+                      weight_decay=0.1, warmup_iters=1, max_iters=4, lr_decay_iters=4, min_lr=1e-3)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**MODEL))
+    ref = copy.deepcopy(model)
+    init = copy.deepcopy(model.state_dict())
+    ours = optim.configure(model, cfg, "cpu")
+    names = {p: n for n, p in model.named_parameters()}
+    muon_names = [names[p] for p in ours.optimizers[0].param_groups[0]["params"]]
+    # the blocks' projections, every one; no embedding, lm_head, norm or bias
+    assert sorted(muon_names) == sorted(f"transformer.h.{i}.{m}.weight" for i in range(2)
+                                        for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"))
+    ref_named = dict(ref.named_parameters())
+    ref_muon = torch.optim.Muon([ref_named[n] for n in muon_names], lr=cfg.muon_lr, momentum=0.9, weight_decay=0.05)
+    ref_adamw = ref.configure_optimizers(0.1, cfg.learning_rate, (cfg.beta1, cfg.beta2), "cpu",
+                                         params=[p for n, p in ref_named.items() if n not in muon_names])
+    g = torch.Generator().manual_seed(1)
+    for it in range(4):
+        x, y = torch.randint(0, 65, (4, 16), generator=g), torch.randint(0, 65, (4, 16), generator=g)
+        lr = train.get_lr(it, cfg)
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        train.train_step(model, ours, scaler, lambda: (x, y), lr, 1, 0.0, CPU)
+        ref(x, y)[1].backward()
+        for group in ref_muon.param_groups:
+            group["lr"] = cfg.muon_lr * lr / cfg.learning_rate  # Muon's peak, on the same schedule
+        for group in ref_adamw.param_groups:
+            group["lr"] = lr
+        ref_muon.step()
+        ref_adamw.step()
+        ref_muon.zero_grad(set_to_none=True)
+        ref_adamw.zero_grad(set_to_none=True)
+    moved = 0.0
+    for name, p in model.named_parameters():
+        assert torch.equal(p, ref_named[name]), name  # the same kernels on the same numbers: bit for bit
+        moved = max(moved, (p - init[name]).abs().max().item())
+    assert moved > 1e-3
+
+
+def test_optimizers_state_dict_round_trip_keeps_this_runs_muon_lr():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**MODEL))
+    first = optim.configure(model, TrainConfig(optimizer="muon", learning_rate=1e-2, muon_lr=0.02), "cpu")
+    x = torch.randint(0, 65, (2, 16))
+    model(x, x)[1].backward()
+    first.step()
+    saved = copy.deepcopy(first.state_dict())
+    second = optim.configure(model, TrainConfig(optimizer="muon", learning_rate=1e-2, muon_lr=0.04), "cpu")
+    second.load_state_dict(saved)
+    assert second.param_groups[0]["lr_scale"] == pytest.approx(4.0)  # the resumed run's muon_lr, not the saved one
+    assert len(second.param_groups) == 3  # Muon's group and AdamW's two, read after the load replaced them
+    for a, b in zip(first.optimizers, second.optimizers):
+        for p in a.state:
+            assert all(torch.equal(a.state[p][k], b.state[p][k]) for k in a.state[p])
+
+
+# ---------------------------------------------------------------------------- WSD schedule
+
+
+def wsd(**overrides):
+    args = dict(lr_schedule="wsd", learning_rate=1e-3, min_lr=1e-4, warmup_iters=10, max_iters=100, decay_frac=0.2)
+    return TrainConfig(**{**args, **overrides})
+
+
+def test_wsd_shape():
+    cfg = wsd()
+    lrs = np.array([train.get_lr(it, cfg) for it in range(cfg.max_iters + 1)])
+    cosine = TrainConfig(learning_rate=1e-3, min_lr=1e-4, warmup_iters=10, lr_decay_iters=100)
+    assert list(lrs[:10]) == [train.get_lr(it, cosine) for it in range(10)]  # the same linear warmup
+    assert set(lrs[10:80]) == {cfg.learning_rate}  # stable until the last 20% of max_iters
+    steps = np.diff(lrs[80:])
+    np.testing.assert_allclose(steps, (cfg.min_lr - cfg.learning_rate) / 20, rtol=1e-9)  # a straight line down...
+    assert lrs[100] == pytest.approx(cfg.min_lr) and train.get_lr(10**6, cfg) == pytest.approx(cfg.min_lr)  # ...to min_lr
+    # decay_frac=1 decays from the end of warmup, never below it during warmup
+    whole = [train.get_lr(it, wsd(decay_frac=1.0)) for it in range(100)]
+    assert whole[10] == cfg.learning_rate and all(b < a for a, b in zip(whole[10:], whole[11:]))
+    # a larger max_iters moves only the decay: every step before the old decay is unchanged
+    longer = wsd(max_iters=400)
+    assert [train.get_lr(it, longer) for it in range(80)] == list(lrs[:80])
+    # decay_lr=False still means a constant learning rate
+    assert {train.get_lr(it, wsd(decay_lr=False)) for it in (0, 50, 99)} == {cfg.learning_rate}
+
+
+def test_wsd_run_extended_from_its_stable_phase_resumes_exactly(char_data, tmp_path):
+    """A run planned for 40 steps stops at 20 (stable phase); resumed with max_iters=80 it equals
+    a run planned for 80 from the start, loss for loss."""
+    common = dict(lr_schedule="wsd", decay_frac=0.25, eval_interval=10, dropout=0.1, always_save_checkpoint=True)
+    run_train(char_data, tmp_path / "planned40", **common, max_iters=40, keep_last=5)
+    extended = tmp_path / "extended"
+    extended.mkdir()
+    shutil.copy(tmp_path / "planned40" / "ckpt_0000020.pt", extended / "ckpt.pt")  # as if stopped at step 20
+    shutil.copy(tmp_path / "planned40" / "metrics.jsonl", extended / "metrics.jsonl")
+    run_train(char_data, extended, **common, max_iters=80, init_from="resume")
+    run_train(char_data, tmp_path / "straight80", **common, max_iters=80)
+    a, b = read_metrics(extended), read_metrics(tmp_path / "straight80")
+    assert UNTIMED(a) == UNTIMED(b)
+    assert [r["lr"] for r in b if "lr" in r][2:60] == [1e-2] * 58  # stable through step 59, then the decay
+    assert b[-2]["iter"] == 79 and b[-2]["lr"] == pytest.approx(1e-2 + 19 / 20 * (1e-3 - 1e-2))  # down to min_lr at 80
+
+
+# ---------------------------------------------------------------------------- Muon end to end
+
+
+@pytest.fixture(scope="module")
+def muon_runs(tmp_path_factory):
+    """40 steps straight, and 20 then resumed to 40: Muon, dropout on, update ratios every 10 steps."""
+    from conftest import load_script, make_text
+
+    root = tmp_path_factory.mktemp("muon")
+    data = root / "chars"
+    data.mkdir()
+    load_script("data/shakespeare_char/prepare.py").prepare(make_text(), str(data))
+    common = dict(optimizer="muon", max_iters=40, lr_decay_iters=40, eval_interval=10, dropout=0.1,
+                  update_ratio_interval=10, grad_clip=1.5)  # 1.5: some steps clipped, some not
+    run_train(data, root / "straight", **common)
+    run_train(data, root / "split", **{**common, "max_iters": 20})
+    resumed = run_train(data, root / "split", **common, init_from="resume")
+    assert "resuming at iter 20" in resumed.stdout
+    return root, data, common
+
+
+def test_muon_resume_is_exact(muon_runs):
+    root, _, _ = muon_runs
+    straight, split = read_metrics(root / "straight"), read_metrics(root / "split")
+    assert UNTIMED(split) == UNTIMED(straight)  # every loss, eval, gradient norm and update ratio, bit for bit
+    evals = [r["val_loss"] for r in straight if "val_loss" in r]
+    assert evals[-1] < evals[0] - 0.5  # and it learned
+    a, b = (torch.load(root / d / "ckpt.pt", weights_only=True) for d in ("straight", "split"))
+    assert len(a["optimizer"]["optimizers"]) == 2  # Muon's momentum and AdamW's moments, both kept
+    for sa, sb in zip(a["optimizer"]["optimizers"], b["optimizer"]["optimizers"]):
+        assert sa["state"].keys() == sb["state"].keys() and sa["state"]
+        for i in sa["state"]:
+            assert all(torch.equal(sa["state"][i][k], sb["state"][i][k]) for k in sa["state"][i])
+
+
+def test_logged_grad_norm_and_update_ratios(muon_runs):
+    """Step 0's logged gradient norm against one computed here: the same seed's model, the same
+    first batch and dropout masks, backward, the square root of the sum of squares."""
+    root, data, common = muon_runs
+    cfg = configurator.parse(TrainConfig, tiny_args(data, root / "straight", **common))
+    train_data = train.load_split(str(data), "train")
+    torch.manual_seed(cfg.seed)
+    model = GPT(GPTConfig(**train.make_model_args(cfg, tokenizer.vocab_size(tokenizer.describe(str(data))))))
+    x, y = train.TrainBatches(train_data, cfg.batch_size, cfg.block_size, cfg.seed, CPU)()
+    model(x, y)[1].backward()
+    by_hand = sum(float((p.grad.double() ** 2).sum()) for p in model.parameters()) ** 0.5
+
+    steps = [r for r in read_metrics(root / "straight") if "loss" in r]
+    assert steps[0]["grad_norm"] == pytest.approx(by_hand, rel=1e-5)
+    assert all(r["clipped"] == (r["grad_norm"] > cfg.grad_clip) for r in steps)
+    assert any(r["clipped"] for r in steps) and not all(r["clipped"] for r in steps)  # both cases occur
+
+    ratios = [r for r in read_metrics(root / "straight") if "update_ratio/h.0" in r]
+    assert [r["iter"] for r in ratios] == [0, 10, 20, 30]
+    for r in ratios:
+        assert set(r) == {"iter"} | {f"update_ratio/{n}" for n in ("wte", "wpe", "h.0", "h.1", "ln_f")}
+        assert all(0 < v < 1 for k, v in r.items() if k != "iter")
+
+
+def test_update_ratio_is_the_relative_change():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**MODEL))
+    before = optim.snapshot(model)
+    with torch.no_grad():
+        model.transformer.h[1].mlp.c_fc.weight.mul_(1.5)  # one matrix of h.1 grows by half
+    ratios = optim.update_ratios(model, before)
+    w = [p for n, p in zip(dict(model.named_parameters()), before) if n.startswith("transformer.h.1.")]
+    fc = model.transformer.h[1].mlp.c_fc.weight
+    expected = (0.5 * fc.norm() / 1.5) / torch.sqrt(sum(t.norm() ** 2 for t in w))
+    assert ratios["update_ratio/h.1"] == pytest.approx(expected.item(), rel=1e-5)
+    assert ratios["update_ratio/h.0"] == 0 and ratios["update_ratio/wte"] == 0
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
+def test_muon_ddp_two_ranks_equal_one_rank(char_data, tmp_path):
+    """2 ranks x batch 4 against 1 rank x batch 8: the same 8 windows per step (every rank draws
+    the global batch and keeps its slice). Only the order of the gradient all-reduce's float
+    additions differs, which Muon's bfloat16 Newton-Schulz can round up: rel 2e-3 (measured 5e-4)."""
+    data = char_data
+    common = dict(optimizer="muon", max_iters=10, lr_decay_iters=10, eval_interval=5, dropout=0.0)
+    run_train(data, tmp_path / "one", **common, batch_size=8, gradient_accumulation_steps=1)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    args = tiny_args(data, tmp_path / "two", **common, batch_size=4, gradient_accumulation_steps=2)
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             "train.py", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # training losses and gradient norms (the eval batches differ: their size is batch_size)
+    logged = lambda d: np.array([[r["loss"], r["grad_norm"]] for r in read_metrics(d) if "loss" in r])
+    one, two = logged(tmp_path / "one"), logged(tmp_path / "two")
+    assert one.shape == two.shape == (10, 2)
+    np.testing.assert_allclose(two[0], one[0], rtol=1e-5)  # step 0: the same loss and all-reduced gradient
+    # later steps: bfloat16 (8-bit mantissa) Newton-Schulz turns the all-reduce's last-bit differences into
+    # differences of up to one bfloat16 rounding in some update elements; 2-rank runs measured up to 5e-4
+    np.testing.assert_allclose(two, one, rtol=2e-3)
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (dict(optimizer="sgd"), "optimizer='sgd' is not one of 'adamw', 'muon'"),
+    (dict(lr_schedule="linear"), "lr_schedule='linear' is not one of 'cosine', 'wsd'"),
+    (dict(lr_schedule="wsd", decay_frac=0.0), "decay_frac=0.0 must be in (0, 1]"),
+    (dict(lr_schedule="wsd", decay_frac=1.5), "decay_frac=1.5 must be in (0, 1]"),
+    (dict(optimizer="muon", parallelism="fsdp"), "optimizer='muon' orthogonalizes whole matrices"),
+    (dict(update_ratio_interval=10, parallelism="fsdp"), "update_ratio_interval needs whole weights"),
+])
+def test_bad_keys(overrides, expected):
+    with pytest.raises(UserError) as e:
+        TrainConfig(**overrides)
+    assert expected in str(e.value)
+
+
+def test_bad_input_is_one_line(muon_runs, tmp_path):
+    root, data, _ = muon_runs
+    result = run_script("train.py", *tiny_args(data, tmp_path / "x"), "--optimizer=muon", "--parallelism=fsdp")
+    assert result.returncode == 2 and result.stderr.strip().count("\n") == 0 and "Traceback" not in result.stderr
+    assert "parallelism='fsdp'" in result.stderr
+    before = (root / "split" / "metrics.jsonl").read_text()
+    result = run_script("train.py", *tiny_args(data, root / "split"), "--init_from=resume", "--optimizer=adamw")
+    assert result.returncode == 2 and result.stderr.strip().count("\n") == 0, result.stderr
+    assert "trained with optimizer='muon'" in result.stderr
+    assert (root / "split" / "metrics.jsonl").read_text() == before  # nothing written is lost
