@@ -196,6 +196,11 @@ def test_training_logs_bpb_test_loss_and_hellaswag_in_rhythm_across_resume(bpe_s
     for r in evals_:
         assert r["val_bpb"] == pytest.approx(r["val_loss"] * 2 * 4 * 32 / (math.log(2) * n_bytes), rel=1e-9)
 
+    plotted = run_script("plot.py", out)  # a fourth panel, HellaSwag, joins loss, learning rate and tokens/s
+    assert plotted.returncode == 0, plotted.stderr
+    width = int.from_bytes((out / "metrics.png").read_bytes()[16:20], "big")
+    assert width > 2000
+
 
 @pytest.fixture(scope="module")
 def char_run(tmp_path_factory):
