@@ -191,3 +191,45 @@ def _gpt2_byte_of():
     others = [b for b in range(256) if b not in printable]
     return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
 
+
+
+@functools.cache
+def _token_bytes(spec_items):
+    spec = dict(spec_items)
+    import numpy as np
+
+    if spec["kind"] == "char":
+        return np.array([len(ch.encode("utf-8")) for ch in spec["chars"]], dtype=np.int64)
+    if spec["kind"] == "tiktoken":
+        enc = encoding(spec["name"])
+        special = {enc.encode_single_token(t) for t in enc.special_tokens_set}
+
+        def length(i):
+            try:
+                return 0 if i in special else len(enc.decode_single_token_bytes(i))
+            except KeyError:  # an unused id (some vocabularies have gaps before their special tokens)
+                return 0
+
+        return np.array([length(i) for i in range(enc.n_vocab)], dtype=np.int64)
+    tok = _hf_tokenizer(spec["path"])
+    special = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    byte_level = type(tok.decoder).__name__ == "ByteLevel"  # GPT-2-style: tokens spelled in byte stand-ins (Llama 3)
+    byte_of = _gpt2_byte_of()
+    lengths = []
+    for i in range(tok.get_vocab_size(with_added_tokens=True)):
+        token = tok.id_to_token(i)
+        if i in special or token is None:
+            lengths.append(0)
+        elif byte_level:
+            lengths.append(sum(1 if ch in byte_of else len(ch.encode("utf-8")) for ch in token))
+        elif len(token) == 6 and token.startswith("<0x") and token.endswith(">"):  # SentencePiece byte fallback
+            lengths.append(1)
+        else:
+            lengths.append(len(token.replace("\u2581", " ").encode("utf-8")))  # SentencePiece's word-start mark is a space
+    return np.array(lengths, dtype=np.int64)
+
+
+def token_bytes(spec):
+    """(vocab_size,) int64 array: the UTF-8 bytes of each token id's text, 0 for special tokens
+    (<|endoftext|> separates documents; it is no text). Bits per byte divide by these."""
+    return _token_bytes(tuple(sorted(spec.items())))

@@ -11,6 +11,7 @@ the tests use them. main() wires them into the loop.
 """
 
 import dataclasses
+import glob
 import json
 import math
 import os
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
+import eval as evals
 import hf
 import optim
 import runtime
@@ -379,7 +381,7 @@ class MetricsLog:
             return
         with open(self.path) as f:
             records = [json.loads(line) for line in f if line.strip()]
-        keep = [r for r in records if r["iter"] < resume_iter or ("val_loss" in r and r["iter"] == resume_iter)]
+        keep = [r for r in records if r["iter"] < resume_iter or ("loss" not in r and r["iter"] == resume_iter)]  # its evals
         with open(self.path + ".tmp", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in keep)
         os.replace(self.path + ".tmp", self.path)
@@ -484,6 +486,18 @@ def train(cfg, rt, stop):
             where = data.paths[0] if len(data.paths) == 1 else os.path.join(data_dir, f"{name}_*.bin")
             raise UserError(f"block_size={cfg.block_size} is longer than {where} ({len(data)} tokens); lower block_size")
         data.check_vocab(model_args["vocab_size"])  # an id past the embedding table would fail mid-run, or worse on GPU
+    test_data = None
+    if glob.glob(os.path.join(glob.escape(data_dir), "test*.bin")):  # scored once, at the end
+        test_data = load_split(data_dir, "test", cfg.data_mode, share)
+        if len(test_data) <= cfg.block_size:
+            say(f"note: the test split ({len(test_data)} tokens) is shorter than block_size; it is not evaluated")
+            test_data = None
+        else:
+            test_data.check_vocab(model_args["vocab_size"])
+    # HellaSwag's examples are read and tokenized once, before training: a bad file or a
+    # character-level tokenizer is refused now, not at the first interval
+    hellaswag = evals.encode_examples(evals.load_hellaswag(cfg.hellaswag_path, cfg.hellaswag_examples), tok_spec) \
+        if cfg.hellaswag_interval else None
 
     state = None
     if cfg.init_from == "resume":
@@ -518,8 +532,13 @@ def train(cfg, rt, stop):
         del state  # free the host copy of the weights
     eval_splits = {
         split: (data, eval_offsets(data, cfg.eval_iters, cfg.batch_size, cfg.block_size, cfg.seed + i + 1))
-        for i, (split, data) in enumerate((("train", train_data), ("val", val_data)))
+        for i, (split, data) in enumerate((("train", train_data), ("val", val_data), ("test", test_data))) if data is not None
     }
+    # bits per byte: the eval windows are fixed, so the bytes of their targets' text are counted once, on the host
+    token_bytes = tokenizer.token_bytes(tok_spec)
+    eval_bytes = {split: evals.target_bytes(data, offsets, cfg.block_size, token_bytes)
+                  for split, (data, offsets) in eval_splits.items() if split != "train"}
+    eval_tokens = cfg.eval_iters * cfg.batch_size * cfg.block_size
 
     metrics = None
     if rt.master:
@@ -574,11 +593,24 @@ def train(cfg, rt, stop):
         evaluating = cfg.eval_only or ((iter_num % cfg.eval_interval == 0 or last) and iter_num != resumed_at)
         if evaluating or last:
             check_bad_steps()  # before a checkpoint can be written
-        if evaluating:
-            losses = evaluate(model, eval_splits, cfg.block_size, rt, eval_group(cfg, raw_model.config.padded_vocab_size))
+        if hellaswag is not None and (cfg.eval_only or (iter_num % cfg.hellaswag_interval == 0 or last) and iter_num != resumed_at):
+            # the plain model: the padded lengths vary, which a compiled one would recompile for
+            scores = evals.score_choices(raw_model, hellaswag, cfg.block_size, rt, cfg.batch_size)
             if rt.master:
-                print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-                metrics.write({"iter": iter_num, "train_loss": losses["train"], "val_loss": losses["val"]})
+                print(f"step {iter_num}: hellaswag acc {scores['acc']:.4f}, acc_norm {scores['acc_norm']:.4f} ({scores['n']} examples)")
+                metrics.write({"iter": iter_num, "hellaswag_acc": scores["acc"], "hellaswag_acc_norm": scores["acc_norm"]})
+            window_start = None
+        if evaluating:
+            final = last or cfg.eval_only  # the test split is scored once, at the end
+            splits = {k: v for k, v in eval_splits.items() if k != "test" or final}
+            losses = evaluate(model, splits, cfg.block_size, rt, eval_group(cfg, raw_model.config.padded_vocab_size))
+            bpb = {k: evals.bits_per_byte(losses[k], eval_tokens, eval_bytes[k]) for k in losses if k != "train"}
+            if rt.master:
+                print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f} ({bpb['val']:.4f} bpb)"
+                      + (f", test loss {losses['test']:.4f} ({bpb['test']:.4f} bpb)" if "test" in losses else ""))
+                metrics.write({"iter": iter_num, "train_loss": losses["train"], "val_loss": losses["val"],
+                               **({"test_loss": losses["test"]} if "test" in losses else {}),
+                               **{f"{k}_bpb": v for k, v in bpb.items()}})
             if cfg.eval_only:
                 return 0
             improved = losses["val"] < best_val_loss

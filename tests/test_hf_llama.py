@@ -25,6 +25,7 @@ import train  # noqa: E402
 from configurator import TrainConfig, UserError, parse  # noqa: E402
 from data import corpus  # noqa: E402
 from model import GPT, GPTConfig, apply_rope, rope_tables  # noqa: E402
+from test_hf import max_diff, our_logits, randomize, their_logits  # noqa: E402
 
 TOL = 1e-4  # float32
 V = 96
@@ -64,30 +65,11 @@ def llama_config(case, **overrides):
 def reference(case, seed=0, std=0.2, **overrides):
     """A LlamaForCausalLM with every parameter random (norm gains and biases too, so a weight
     copied to the wrong place, or not at all, changes the logits)."""
-    model = LlamaForCausalLM(llama_config(case, **overrides))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * std)
-    return model.eval()
+    return randomize(LlamaForCausalLM(llama_config(case, **overrides)), seed, std)
 
 
 def tokens(B=2, length=T):
     return torch.randint(0, V, (B, length), generator=torch.Generator().manual_seed(1))
-
-
-def max_diff(a, b):
-    return (a - b).abs().max().item()
-
-
-@torch.no_grad()
-def our_logits(model, idx):
-    return model.eval()(idx, all_logits=True)[0]
-
-
-@torch.no_grad()
-def their_logits(model, idx):
-    return model.eval()(idx).logits
 
 
 # ---------------------------------------------------------------------------- RoPE

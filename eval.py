@@ -1,0 +1,359 @@
+"""How good is the model: HellaSwag, your own multiple-choice questions, and the loss of the
+val and test splits in nats per token and bits per byte.
+
+    python eval.py --out_dir=out-gpt2-fineweb-edu            # the run's best checkpoint: hellaswag, val, test
+    python eval.py --out_dir=out --checkpoint=latest --tasks=val,test --split_tokens=0   # every token of both splits
+    python eval.py --init_from=gpt2                          # released GPT-2 124M: acc 0.2859, acc_norm 0.2955
+    python eval.py --init_from=/path/to/gpt2 --hellaswag_path=hellaswag_val.jsonl        # no network
+    python eval.py --out_dir=out --tasks=mc --mc_path=questions.jsonl
+    python eval.py --out_dir=out --json=True                 # the last line is one JSON object
+    torchrun --standalone --nproc_per_node=8 eval.py --init_from=gpt2-xl
+    python eval.py --help                                    # every key
+
+Multiple choice (HellaSwag, --mc_path) is scored as the GPT-2 reproductions (build-nanogpt,
+llm.c) score it: each choice is the context's tokens followed by the tokens of " " + choice,
+and the model's cross-entropy is summed over the choice's tokens only. acc counts the examples
+whose right choice has the lowest total loss, acc_norm those whose right choice has the lowest
+mean loss per token. Bits per byte are the total nats over ln 2 times the UTF-8 bytes of the
+predicted tokens' text, so models with different tokenizers compare.
+
+The task functions are importable; train.py calls them during training. Under torchrun the
+examples (or windows) are shared out between the ranks and the sums all-reduced.
+"""
+
+import json
+import math
+import os
+import sys
+import urllib.request
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import checkpoint
+import hf
+import runtime
+import tokenizer
+from configurator import EvalConfig, UserError, parse, run_main
+from data import tokens
+
+HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
+HELLASWAG_PATH = os.path.join("data", "hellaswag", "hellaswag_val.jsonl")  # gitignored: data/*/*.jsonl
+HELLASWAG_SUBSET_SEED = 0  # hellaswag_examples picks the same examples in every run
+
+
+class Example(NamedTuple):
+    context: str
+    choices: list  # of str
+    answer: int  # index of the right choice
+
+
+# ---------------------------------------------------------------------------- reading tasks
+
+
+def hellaswag_file(path=""):
+    """The HellaSwag validation jsonl: `path` when given, else the cached copy, downloaded the first time."""
+    if path:
+        if not os.path.isfile(path):
+            raise UserError(f"hellaswag_path={path} does not exist; give a HellaSwag jsonl (ctx, endings, label)")
+        return path
+    if os.path.isfile(HELLASWAG_PATH):
+        return HELLASWAG_PATH
+    print(f"downloading {HELLASWAG_URL} -> {HELLASWAG_PATH}")
+    try:
+        with urllib.request.urlopen(HELLASWAG_URL, timeout=60) as r:
+            raw = r.read()
+        os.makedirs(os.path.dirname(HELLASWAG_PATH), exist_ok=True)
+        tmp = f"{HELLASWAG_PATH}.{os.getpid()}.tmp"  # each rank its own: the last rename wins, whole
+        with open(tmp, "wb") as f:
+            f.write(raw)
+        os.replace(tmp, HELLASWAG_PATH)
+    except OSError as e:
+        raise UserError(f"cannot download HellaSwag ({e}); fetch {HELLASWAG_URL} yourself and pass --hellaswag_path=FILE")
+    return HELLASWAG_PATH
+
+
+def read_jsonl(path, fields):
+    """[(where, record)] from a jsonl file, every record a JSON object with `fields`."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except OSError as e:
+        raise UserError(f"cannot read {path} ({e.strerror})")
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not UTF-8 text; give a jsonl file")
+    records = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{n}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{where} is not a JSON object ({e.msg}); each line must be one record")
+        if not isinstance(record, dict):
+            raise UserError(f"{where} is not a JSON object; each line must be one record")
+        missing = [k for k in fields if k not in record]
+        if missing:
+            raise UserError(f"{where} lacks {', '.join(map(repr, missing))}; every record needs {', '.join(fields)}")
+        records.append((where, record))
+    if not records:
+        raise UserError(f"{path} holds no records")
+    return records
+
+
+def _example(where, context, choices, answer):
+    if not isinstance(context, str) or not context:
+        raise UserError(f"{where}: the context must be a non-empty string")
+    if not isinstance(choices, list) or len(choices) < 2 or not all(isinstance(c, str) and c for c in choices):
+        raise UserError(f"{where}: the choices must be a list of at least two non-empty strings")
+    if isinstance(answer, str) and answer.isdigit():  # HellaSwag's files hold some labels as strings
+        answer = int(answer)
+    if isinstance(answer, bool) or not isinstance(answer, int) or not 0 <= answer < len(choices):
+        raise UserError(f"{where}: the answer must be the index of a choice, 0 to {len(choices) - 1}, not {answer!r}")
+    return Example(context, choices, answer)
+
+
+def load_hellaswag(path="", examples=0):
+    """HellaSwag's examples (official format: ctx, endings, label, ...); examples > 0: that
+    many, the same seeded sample every time."""
+    records = read_jsonl(hellaswag_file(path), ("ctx", "endings", "label"))
+    found = [_example(w, r["ctx"], r["endings"], r["label"]) for w, r in records]
+    if 0 < examples < len(found):
+        keep = np.random.default_rng(HELLASWAG_SUBSET_SEED).permutation(len(found))[:examples]
+        found = [found[i] for i in sorted(keep)]
+    return found
+
+
+def load_mc(path):
+    """Your own multiple-choice questions: jsonl with context, choices, answer."""
+    return [_example(w, r["context"], r["choices"], r["answer"]) for w, r in read_jsonl(path, ("context", "choices", "answer"))]
+
+
+def encode_examples(examples, tok_spec, task="hellaswag"):
+    """[(context ids, [ids of " " + choice, ...], answer)], with the model's tokenizer."""
+    if tok_spec["kind"] == "char":
+        raise UserError(f"{task} needs a tokenizer that encodes any text; this model is character-level "
+                        f"({len(tok_spec['chars'])} characters): evaluate it with --tasks=val,test")
+    encode, _ = tokenizer.load(tok_spec)
+    return [(encode(e.context), [encode(" " + c) for c in e.choices], e.answer) for e in examples]
+
+
+# ---------------------------------------------------------------------------- multiple choice
+
+
+@torch.no_grad()
+def choice_losses(model, batch, block_size, rt):
+    """The losses of every choice of a batch of encoded examples [(context, choices), ...] ->
+    per example (total loss, tokens), each (n_choices,) float64 on the CPU. All the choices of
+    all the examples are one padded forward pass; a row longer than block_size + 1 tokens
+    keeps its end (the choice, and as much context as fits)."""
+    rows, scored = [], []
+    for context, choices in batch:
+        for choice in choices:
+            ids = (context + choice)[-(block_size + 1) :]
+            rows.append(ids)
+            scored.append(min(len(choice), len(ids) - 1))  # the choice's tokens that have a token before them
+    T = max(len(ids) for ids in rows) - 1
+    x = np.zeros((len(rows), T), dtype=np.int64)  # right-padded: causal attention never looks at the padding
+    y = np.full((len(rows), T), -1, dtype=np.int64)  # -1: not scored (context and padding)
+    for i, (ids, n) in enumerate(zip(rows, scored)):
+        x[i, : len(ids) - 1] = ids[:-1]
+        y[i, len(ids) - 1 - n : len(ids) - 1] = ids[len(ids) - n :]
+    x, y = torch.from_numpy(x).to(rt.device), torch.from_numpy(y).to(rt.device)
+    with rt.autocast():
+        logits, _ = model(x, all_logits=True)  # (rows, T, vocab)
+    mask = y >= 0
+    losses = torch.zeros(y.shape, device=rt.device)
+    losses[mask] = F.cross_entropy(logits[mask].float(), y[mask], reduction="none")  # only the scored positions in fp32
+    totals, counts = losses.sum(1).double().cpu(), mask.sum(1).double().cpu()
+    out, start = [], 0
+    for _, choices in batch:
+        out.append((totals[start : start + len(choices)], counts[start : start + len(choices)]))
+        start += len(choices)
+    return out
+
+
+def score_choices(model, encoded, block_size, rt, batch_size=16, desc=None):
+    """{"acc", "acc_norm", "n"} over encoded examples [(context, choices, answer), ...]."""
+    was_training = getattr(model, "training", False)
+    model.eval()
+    mine = encoded[rt.rank :: rt.world_size]
+    # the same number of forward passes on every rank: under FSDP each one is a collective
+    n_batches = math.ceil(math.ceil(len(encoded) / rt.world_size) / batch_size)
+    sums = torch.zeros(3, dtype=torch.float64)  # right by total loss, right by mean loss, examples
+    for b in _progress(range(n_batches), desc, rt):
+        batch = mine[b * batch_size : (b + 1) * batch_size]
+        results = choice_losses(model, [(c, ch) for c, ch, _ in batch or encoded[:1]], block_size, rt)
+        for (_, _, answer), (total, count) in zip(batch, results):
+            sums += torch.tensor([int(total.argmin()) == answer, int((total / count).argmin()) == answer, 1.0],
+                                 dtype=torch.float64)
+    model.train(was_training)
+    right, right_norm, n = _all_reduce(sums, rt).tolist()
+    return {"acc": right / n, "acc_norm": right_norm / n, "n": int(n)}
+
+
+# ---------------------------------------------------------------------------- splits and bits per byte
+
+
+def target_bytes(data, offsets, block_size, token_bytes):
+    """UTF-8 bytes of the text of the targets of the windows starting at `offsets` (any shape):
+    the ids at offset+1 ... offset+block_size. Host work only, no model."""
+    offsets = np.asarray(offsets).reshape(-1)
+    total = 0
+    for i in range(0, len(offsets), 256):  # bounded memory for long windows
+        chunk = offsets[i : i + 256]
+        total += int(token_bytes[data[chunk[:, None] + 1 + np.arange(block_size)]].sum())
+    return total
+
+
+def bits_per_byte(loss, n_tokens, n_bytes):
+    """Mean loss in nats per token over n_tokens whose text is n_bytes -> bits per byte."""
+    return loss * n_tokens / (math.log(2) * n_bytes)
+
+
+@torch.no_grad()
+def split_loss(model, data, block_size, rt, token_bytes, batch_size=16, max_tokens=0, desc=None):
+    """{"loss", "bpb", "tokens"} of a split: consecutive windows of block_size tokens from its
+    start, so each of the first max_tokens (0: all) tokens is predicted once."""
+    n_windows = (len(data) - 1) // block_size
+    if max_tokens:
+        n_windows = min(n_windows, max(1, max_tokens // block_size))
+    if n_windows == 0:
+        raise UserError(f"the split has {len(data)} tokens, fewer than block_size + 1 = {block_size + 1}")
+    mine = np.arange(rt.rank, n_windows, rt.world_size) * block_size
+    n_batches = math.ceil(math.ceil(n_windows / rt.world_size) / batch_size)  # equal on every rank (FSDP)
+    was_training = getattr(model, "training", False)
+    model.eval()
+    sums = torch.zeros(3, dtype=torch.float64)  # nats, tokens, bytes
+    for b in _progress(range(n_batches), desc, rt):
+        offsets = mine[b * batch_size : (b + 1) * batch_size]
+        rows = data[(offsets if len(offsets) else np.zeros(1, np.int64))[:, None] + np.arange(block_size + 1)]
+        t = torch.from_numpy(rows.astype(np.int64)).to(rt.device)
+        with rt.autocast():
+            _, loss = model(t[:, :-1], t[:, 1:])  # mean over (B, T)
+        if len(offsets):
+            n = len(offsets) * block_size
+            sums += torch.tensor([loss.item() * n, n, target_bytes(data, offsets, block_size, token_bytes)], dtype=torch.float64)
+    model.train(was_training)
+    nats, n_tokens, n_bytes = _all_reduce(sums, rt).tolist()
+    return {"loss": nats / n_tokens, "bpb": bits_per_byte(nats / n_tokens, n_tokens, n_bytes), "tokens": int(n_tokens)}
+
+
+def _all_reduce(sums, rt):
+    if rt.ddp:
+        sums = sums.to(rt.device)
+        dist.all_reduce(sums)
+    return sums.cpu()
+
+
+def _progress(iterable, desc, rt):
+    """A progress bar on rank 0's terminal (none in a pipe, a log file, or without desc)."""
+    if desc is None or not rt.master:
+        return iterable
+    from tqdm import tqdm
+
+    return tqdm(iterable, desc=desc, unit="batch", disable=None, leave=False)
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def _run_dataset(cfg):
+    """The dataset directory for val and test: --dataset, else the run's own from its config.json."""
+    if cfg.dataset:
+        return os.path.join("data", cfg.dataset)
+    if cfg.init_from == "resume":
+        try:
+            with open(os.path.join(cfg.out_dir, "config.json")) as f:
+                return os.path.join("data", json.load(f)["dataset"])
+        except (OSError, ValueError, KeyError):
+            return None
+    return None
+
+
+def _plan(cfg, tok_spec, data_dir):
+    """The tasks to run: --tasks, or by default all that apply to this model and data."""
+    if cfg.tasks:
+        if cfg.mc_path and "mc" not in cfg.task_list():
+            raise UserError("--mc_path is set but --tasks lacks mc; add it to --tasks")
+        return cfg.task_list()
+    plan = [] if tok_spec["kind"] == "char" else ["hellaswag"]
+    plan += ["mc"] if cfg.mc_path else []
+    for split in ("val", "test"):
+        if data_dir is not None and os.path.isdir(data_dir):
+            try:
+                tokens.split_paths(data_dir, split)
+                plan.append(split)
+            except UserError:
+                pass
+    if not plan:
+        raise UserError("nothing to evaluate: this model is character-level and no val/test data was found; "
+                        "name the data with --dataset")
+    return plan
+
+
+def _check_same_tokenizer(data_dir, tok_spec):
+    data_spec = tokenizer.describe(data_dir)
+    key = ("kind", "name", "chars")
+    if {k: data_spec.get(k) for k in key} != {k: tok_spec.get(k) for k in key}:
+        raise UserError(f"{data_dir} was tokenized differently from this model ({data_spec['kind']} vs {tok_spec['kind']}); "
+                        f"evaluate it on data made with its own tokenizer")
+
+
+def main(argv=None):
+    cfg = parse(EvalConfig, argv)
+    rt = runtime.setup(cfg.device, cfg.dtype, cfg.backend)
+    finished = False
+    try:
+        results = evaluate_all(cfg, rt)
+        finished = True
+    finally:
+        runtime.teardown(rt, all_finished=finished)
+    if rt.master and cfg.json:
+        print(json.dumps(results))
+    return 0
+
+
+def evaluate_all(cfg, rt):
+    """Load the model, run each task, print a line per task; {task: results}."""
+    say = print if rt.master else (lambda message: None)
+    examples = {}  # the files of the tasks asked for are read first: a bad file should not wait for a model load
+    if "hellaswag" in cfg.task_list():
+        examples["hellaswag"] = load_hellaswag(cfg.hellaswag_path, cfg.hellaswag_examples)
+    if cfg.mc_path:
+        examples["mc"] = load_mc(cfg.mc_path)
+    if cfg.init_from == "resume":
+        model, tok_spec = checkpoint.load_model(cfg.out_dir, cfg.checkpoint, report=say)
+    else:
+        model, tok_spec = hf.load_pretrained(cfg.init_from)
+    model.eval().to(rt.device)
+    block_size = model.config.block_size
+    data_dir = _run_dataset(cfg)
+    plan = _plan(cfg, tok_spec, data_dir)
+    forward = torch.compile(model) if cfg.compile else model
+    results = {}
+    for task in plan:
+        if task in ("hellaswag", "mc"):
+            if task not in examples:  # hellaswag by default
+                examples[task] = load_hellaswag(cfg.hellaswag_path, cfg.hellaswag_examples)
+            encoded = encode_examples(examples[task], tok_spec, task)
+            r = results[task] = score_choices(forward, encoded, block_size, rt, cfg.batch_size, desc=task)
+            say(f"{task}: acc {r['acc']:.4f}, acc_norm {r['acc_norm']:.4f} ({r['n']:,} examples)")
+        else:
+            if data_dir is None:
+                raise UserError(f"--tasks has {task} but no data is known: name it with --dataset=NAME (data/NAME/{task}.bin)")
+            _check_same_tokenizer(data_dir, tok_spec)
+            data = tokens.Tokens.open(data_dir, task)
+            data.check_vocab(model.config.vocab_size)
+            r = results[task] = split_loss(forward, data, block_size, rt, tokenizer.token_bytes(tok_spec),
+                                           cfg.batch_size, cfg.split_tokens, desc=task)
+            say(f"{task}: loss {r['loss']:.4f}, {r['bpb']:.4f} bits per byte ({r['tokens']:,} tokens of {data_dir})")
+    return results
+
+
+if __name__ == "__main__":
+    run_main(main)

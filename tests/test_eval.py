@@ -1,0 +1,233 @@
+"""eval.py: HellaSwag and multiple-choice scoring against transformers' GPT-2 and a hand-built
+case, bits per byte against a hand count, 2 ranks against 1, bad input, and train.py's hooks
+(val/test bpb, HellaSwag every hellaswag_interval steps, its rhythm on resume)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import eval as evals
+import runtime
+import tokenizer
+from conftest import REPO, read_metrics, run_script, tiny_args, train_tiny_run
+from data import tokens
+from model import GPT, GPTConfig
+
+GPT2 = {"kind": "tiktoken", "name": "gpt2", "vocab_size": 50257}
+WORDS = "the man picks up a ball and throws it to his dog who runs across the green field café naïve".split()
+
+
+def hellaswag_record(rng, i, long=False):
+    """A record in HellaSwag's official format (the fields eval.py ignores included)."""
+    ctx = " ".join(rng.choice(WORDS, size=60 if long else rng.integers(4, 12)))
+    endings = [" ".join(rng.choice(WORDS, size=rng.integers(1, 7))) + "." for _ in range(4)]
+    return {"ind": i, "activity_label": "Playing fetch", "ctx_a": ctx, "ctx_b": "", "ctx": ctx, "split": "val",
+            "split_type": "indomain", "label": int(rng.integers(4)), "endings": endings, "source_id": f"test~{i}"}
+
+
+def write_hellaswag(path, n, seed=0):
+    rng = np.random.default_rng(seed)
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps(hellaswag_record(rng, i, long=i % 7 == 0)) + "\n")
+    return path
+
+
+def tiny_hf_gpt2(n_positions=64):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=50257, n_positions=n_positions, n_embd=32, n_layer=2, n_head=2)
+    return GPT2LMHeadModel(config).eval()
+
+
+@pytest.fixture(scope="module")
+def cpu():
+    return runtime.setup("cpu", "float32")
+
+
+def test_choice_losses_equal_transformers_gpt2(tmp_path, cpu):
+    import hf
+
+    hf_model = tiny_hf_gpt2(n_positions=64)
+    model = hf.gpt_from_hf(hf_model)[0].eval()
+    examples = evals.load_hellaswag(str(write_hellaswag(tmp_path / "hs.jsonl", 12)))
+    encoded = evals.encode_examples(examples, GPT2)
+    assert any(len(c) + max(map(len, ch)) > 65 for c, ch, _ in encoded)  # some contexts are cut to their end
+    ours = evals.choice_losses(model, [(c, ch) for c, ch, _ in encoded], 64, cpu)
+    for (context, choices, _), (total, count) in zip(encoded, ours):
+        for j, choice in enumerate(choices):
+            ids = torch.tensor([(context + choice)[-65:]])  # the last block_size + 1 tokens
+            with torch.no_grad():
+                logits = hf_model(ids[:, :-1]).logits[0]  # (T, vocab)
+            losses = F.cross_entropy(logits, ids[0, 1:], reduction="none")[-len(choice):]  # the choice's tokens only
+            assert count[j] == len(choice)
+            assert abs(total[j].item() - losses.sum().item()) <= 1e-5 * max(1.0, losses.sum().item())
+
+
+class Unigram(torch.nn.Module):
+    """A model whose next-token distribution is the same fixed one everywhere: the loss of a
+    choice is the sum of -log p over its tokens, countable by hand."""
+
+    def __init__(self, probs):
+        super().__init__()
+        self.log_probs = torch.log(torch.tensor(probs))
+
+    def forward(self, idx, all_logits=False):
+        return self.log_probs.expand(*idx.shape, -1), None
+
+
+def test_acc_and_acc_norm_on_a_hand_built_case(cpu):
+    # token 1: p=0.1 (2.30 nats); token 2: p=0.4 (0.92 nats). Choice [1] totals 2.30, mean 2.30;
+    # choice [2, 2, 2] totals 2.75, mean 0.92: the lowest total and the lowest mean disagree
+    model = Unigram([0.5, 0.1, 0.4])
+    short, long = [1], [2, 2, 2]
+    encoded = [([0], [short, long], 0),  # answer the short one: right by total only
+               ([0, 0], [long, short], 0),  # answer the long one: right by mean only
+               ([0], [short, long, [1, 1]], 0)]  # short beats [1, 1] (4.61, mean 2.30) and long by total
+    result = evals.score_choices(model, encoded, block_size=8, rt=cpu, batch_size=2)
+    assert result == {"acc": 2 / 3, "acc_norm": 1 / 3, "n": 3}
+
+
+def char_model_and_data(tmp_path):
+    text = "Il était une fois, à Noël, un élève naïf.\n" * 30
+    chars = "".join(sorted(set(text)))
+    spec = {"kind": "char", "chars": chars}
+    ids = np.array([chars.index(c) for c in text], dtype=np.uint16)
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=len(chars))).eval(), spec, ids, \
+        lambda targets: len("".join(chars[i] for i in targets).encode("utf-8"))
+
+
+def bpe_model_and_data(tmp_path):
+    enc = tokenizer.encoding("gpt2")
+    docs = ["Un café crème, s'il vous plaît. 東京 is Tokyo 🚀.", "Naïve façades: the ångström and the € sign."] * 10
+    ids = np.array([t for d in docs for t in [enc.eot_token] + enc.encode_ordinary(d)], dtype=np.uint16)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=50257)).eval()
+    # the text of the targets, decoded as one byte string (BPE tokens can split a character); <|endoftext|> is no text
+    return model, GPT2, ids, lambda targets: len(enc.decode_bytes([t for t in targets if t != enc.eot_token]))
+
+
+@pytest.mark.parametrize("make", [char_model_and_data, bpe_model_and_data], ids=["char", "bpe"])
+def test_bits_per_byte_equals_a_hand_count(make, tmp_path, cpu):
+    model, spec, ids, text_bytes = make(tmp_path)
+    path = str(tmp_path / "val.bin")
+    tokens.write(path, ids)
+    data = tokens.Tokens.open(str(tmp_path), "val")
+    result = evals.split_loss(model, data, 16, cpu, tokenizer.token_bytes(spec), batch_size=3)
+    n = (len(ids) - 1) // 16
+    x = torch.from_numpy(ids[: n * 16].astype(np.int64)).view(n, 16)
+    y = torch.from_numpy(ids[1 : n * 16 + 1].astype(np.int64)).view(n, 16)
+    with torch.no_grad():
+        nats = F.cross_entropy(model(x, all_logits=True)[0].reshape(-1, model.config.vocab_size), y.reshape(-1),
+                               reduction="sum").item()
+    expected = nats / (math.log(2) * text_bytes(ids[1 : n * 16 + 1].tolist()))
+    assert result["tokens"] == n * 16
+    assert abs(result["loss"] - nats / (n * 16)) < 1e-5
+    assert abs(result["bpb"] - expected) < 1e-5 * expected
+
+
+@pytest.fixture(scope="module")
+def bpe_setup(tmp_path_factory):
+    """A tiny Hugging Face GPT-2 directory, a BPE dataset (val, test) and a HellaSwag-format file."""
+    root = tmp_path_factory.mktemp("bpe")
+    tiny_hf_gpt2(n_positions=64).save_pretrained(root / "gpt2-tiny")
+    enc = tokenizer.encoding("gpt2")
+    rng = np.random.default_rng(1)
+    data_dir = root / "data"
+    data_dir.mkdir()
+    for split, n_docs in (("train", 400), ("val", 40), ("test", 40)):
+        docs = [" ".join(rng.choice(WORDS, size=rng.integers(5, 30))).capitalize() + "." for _ in range(n_docs)]
+        tokens.write(str(data_dir / f"{split}.bin"),
+                     np.array([t for d in docs for t in [enc.eot_token] + enc.encode_ordinary(d)], dtype=np.uint16))
+    (data_dir / "meta.json").write_text(json.dumps(GPT2))
+    return root, data_dir, write_hellaswag(root / "hs.jsonl", 30, seed=2)
+
+
+def test_two_ranks_give_the_same_results_as_one(bpe_setup):
+    root, data_dir, hs = bpe_setup
+    args = [f"--init_from={root / 'gpt2-tiny'}", f"--dataset={data_dir}", "--tasks=hellaswag,val,test",
+            f"--hellaswag_path={hs}", "--device=cpu", "--batch_size=4", "--json=True"]
+    one = run_script("eval.py", *args)
+    assert one.returncode == 0, one.stderr
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          str(REPO / "eval.py"), *args], cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert two.returncode == 0, two.stderr
+    a, b = json.loads(one.stdout.strip().splitlines()[-1]), json.loads(two.stdout.strip().splitlines()[-1])
+    assert a["hellaswag"] == b["hellaswag"] and a["hellaswag"]["n"] == 30
+    for split in ("val", "test"):
+        assert a[split]["tokens"] == b[split]["tokens"] > 0
+        for key in ("loss", "bpb"):
+            assert a[split][key] == pytest.approx(b[split][key], rel=1e-6)
+
+
+def test_training_logs_bpb_test_loss_and_hellaswag_in_rhythm_across_resume(bpe_setup, tmp_path):
+    root, data_dir, hs = bpe_setup
+    out = tmp_path / "out"
+    common = dict(hellaswag_interval=4, hellaswag_path=hs, hellaswag_examples=10, eval_interval=5, eval_iters=2, block_size=32)
+    first = run_script("train.py", *tiny_args(data_dir, out, max_iters=6, lr_decay_iters=12, **common))
+    assert first.returncode == 0, first.stderr
+    resumed = run_script("train.py", *tiny_args(data_dir, out, max_iters=10, lr_decay_iters=12, init_from="resume", **common))
+    assert resumed.returncode == 0, resumed.stderr
+    records = read_metrics(out)
+    hellaswag = [r for r in records if "hellaswag_acc" in r]
+    assert [r["iter"] for r in hellaswag] == [0, 4, 6, 8, 10]  # every 4 steps and at each run's end, none twice
+    assert all(0 <= r["hellaswag_acc"] <= 1 and 0 <= r["hellaswag_acc_norm"] <= 1 for r in hellaswag)
+    evals_ = [r for r in records if "val_loss" in r]
+    assert [r["iter"] for r in evals_] == [0, 5, 6, 10]
+    assert [r["iter"] for r in evals_ if "test_loss" in r] == [6, 10]  # once at the end of each run
+    # val bpb by hand: the fixed eval windows' targets decoded to text (train.py's own offsets)
+    import train
+
+    enc = tokenizer.encoding("gpt2")
+    val = tokens.Tokens.open(str(data_dir), "val")
+    offsets = train.eval_offsets(val, 2, 4, 32, 1337 + 2)
+    n_bytes = sum(len(enc.decode_bytes([t for t in val[o + 1 : o + 33].tolist() if t != enc.eot_token]))
+                  for o in offsets.reshape(-1))
+    for r in evals_:
+        assert r["val_bpb"] == pytest.approx(r["val_loss"] * 2 * 4 * 32 / (math.log(2) * n_bytes), rel=1e-9)
+
+    plotted = run_script("plot.py", out)  # a fourth panel, HellaSwag, joins loss, learning rate and tokens/s
+    assert plotted.returncode == 0, plotted.stderr
+    width = int.from_bytes((out / "metrics.png").read_bytes()[16:20], "big")
+    assert width > 2000
+
+
+@pytest.fixture(scope="module")
+def char_run(tmp_path_factory):
+    return train_tiny_run(tmp_path_factory.mktemp("char"), max_iters=4)
+
+
+def test_eval_of_a_char_run_defaults_to_its_splits(char_run):
+    result = run_script("eval.py", f"--out_dir={char_run}", "--device=cpu", "--json=True")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert list(out) == ["val"] and out["val"]["tokens"] > 0 and out["val"]["bpb"] > 0  # no hellaswag, no test split
+
+
+def test_bad_input_is_one_line_and_a_nonzero_exit(char_run, bpe_setup, tmp_path):
+    root, data_dir, hs = bpe_setup
+    (tmp_path / "bad.jsonl").write_text('{"ctx": "a", "endings": ["b", "c"], "label": 0}\nnot json\n')
+    (tmp_path / "short.jsonl").write_text('{"context": "a", "choices": ["b", "c"]}\n')
+    gpt2 = f"--init_from={root / 'gpt2-tiny'}"
+    cases = [
+        ([gpt2, "--tasks=hellaswag", f"--hellaswag_path={tmp_path / 'missing.jsonl'}"], "does not exist"),
+        ([gpt2, "--tasks=hellaswag", f"--hellaswag_path={tmp_path / 'bad.jsonl'}"], "bad.jsonl:2 is not a JSON object"),
+        ([gpt2, "--tasks=mc", f"--mc_path={tmp_path / 'short.jsonl'}"], "short.jsonl:1 lacks 'answer'"),
+        ([f"--out_dir={char_run}", "--tasks=hellaswag", f"--hellaswag_path={hs}"], "character-level"),
+        ([gpt2, "--tasks=hellaswag,mmlu"], "unknown task 'mmlu'"),
+    ]
+    for args, message in cases:
+        result = run_script("eval.py", "--device=cpu", *args)
+        assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], (args, result.stderr)
