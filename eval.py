@@ -206,7 +206,9 @@ def target_bytes(data, offsets, block_size, token_bytes):
     total = 0
     for i in range(0, len(offsets), 256):  # bounded memory for long windows
         chunk = offsets[i : i + 256]
-        total += int(token_bytes[data[chunk[:, None] + 1 + np.arange(block_size)]].sum())
+        ids = data[chunk[:, None] + 1 + np.arange(block_size)]
+        known = ids < len(token_bytes)  # ids past the tokenizer's table (a vocabulary padded in meta.json) are no text
+        total += int(token_bytes[np.where(known, ids, 0)][known].sum())
     return total
 
 
