@@ -25,7 +25,6 @@ import json
 import math
 import os
 import sys
-import urllib.request
 from typing import NamedTuple
 
 import numpy as np
@@ -38,7 +37,7 @@ import hf
 import runtime
 import tokenizer
 from configurator import EvalConfig, UserError, parse, run_main
-from data import tokens
+from data import corpus, tokens
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 HELLASWAG_PATH = os.path.join("data", "hellaswag", "hellaswag_val.jsonl")  # gitignored: data/*/*.jsonl
@@ -60,20 +59,8 @@ def hellaswag_file(path=""):
         if not os.path.isfile(path):
             raise UserError(f"hellaswag_path={path} does not exist; give a HellaSwag jsonl (ctx, endings, label)")
         return path
-    if os.path.isfile(HELLASWAG_PATH):
-        return HELLASWAG_PATH
-    print(f"downloading {HELLASWAG_URL} -> {HELLASWAG_PATH}")
-    try:
-        with urllib.request.urlopen(HELLASWAG_URL, timeout=60) as r:
-            raw = r.read()
-        os.makedirs(os.path.dirname(HELLASWAG_PATH), exist_ok=True)
-        tmp = f"{HELLASWAG_PATH}.{os.getpid()}.tmp"  # each rank its own: the last rename wins, whole
-        with open(tmp, "wb") as f:
-            f.write(raw)
-        os.replace(tmp, HELLASWAG_PATH)
-    except OSError as e:
-        raise UserError(f"cannot download HellaSwag ({e}); fetch {HELLASWAG_URL} yourself and pass --hellaswag_path=FILE")
-    return HELLASWAG_PATH
+    # no published sha256 for this file: it is checked by parsing (read_jsonl)
+    return corpus.fetch(HELLASWAG_URL, None, HELLASWAG_PATH, local="--hellaswag_path=FILE")
 
 
 def read_jsonl(path, fields):

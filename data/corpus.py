@@ -132,25 +132,27 @@ def documents(args):
     return hub_documents(args)
 
 
-def fetch(url, sha256, path):
-    """Download url to path (once), checking its sha256; a failure is one line that says to pass
-    a local copy."""
+def fetch(url, sha256, path, local="--input PATH"):
+    """Download url to path (once), checking its sha256 when one is known; a failure is one line
+    that says to pass a local copy (the `local` flag)."""
     if os.path.exists(path):
         return path
     import hashlib
     import urllib.request
 
-    print(f"downloading {url}")
+    print(f"downloading {url} -> {path}")
     try:
-        with urllib.request.urlopen(url, timeout=30) as r:
+        with urllib.request.urlopen(url, timeout=60) as r:
             raw = r.read()
     except OSError as e:
-        raise UserError(f"cannot download {url} ({e}); pass a local copy with --input PATH")
-    if hashlib.sha256(raw).hexdigest() != sha256:
-        raise UserError(f"the file downloaded from {url} is not the expected one (sha256 differs); pass a local copy with --input PATH")
-    with open(path + ".tmp", "wb") as f:
+        raise UserError(f"cannot download {url} ({e}); pass a local copy with {local}")
+    if sha256 is not None and hashlib.sha256(raw).hexdigest() != sha256:
+        raise UserError(f"the file downloaded from {url} is not the expected one (sha256 differs); pass a local copy with {local}")
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"  # each process its own (ranks may download at once): the last rename wins, whole
+    with open(tmp, "wb") as f:
         f.write(raw)
-    os.replace(path + ".tmp", path)
+    os.replace(tmp, path)
     return path
 
 
