@@ -28,7 +28,11 @@ import torch
 
 import runtime
 import tokenizer
-import train
+from batches import TrainBatches, load_split
+from memory import auto_batch_size, with_batch_size
+from metrics import format_duration
+from step import train_step
+from wrap import build, make_model_args
 from configurator import BenchConfig, UserError, override, parse, run_main
 from data import tokens
 from model import GPT, GPTConfig
@@ -40,7 +44,7 @@ def bench_data(cfg):
     data_dir = os.path.join("data", cfg.dataset)
     vocab_size = tokenizer.vocab_size(tokenizer.describe(data_dir)) or 50304
     if cfg.data == "real":
-        data = train.load_split(data_dir, "train", cfg.data_mode)
+        data = load_split(data_dir, "train", cfg.data_mode)
         data.check_vocab(vocab_size)
         return data, vocab_size
     if cfg.data != "synthetic":
@@ -60,15 +64,15 @@ def peak_memory_mb(rt):
 def measure(cfg, rt, data, vocab_size, profiler=None):
     """Time cfg.bench_iters optimizer steps after cfg.bench_warmup untimed ones."""
     torch.manual_seed(cfg.seed)
-    raw_model = GPT(GPTConfig(**train.make_model_args(cfg, vocab_size))).to(rt.device)
+    raw_model = GPT(GPTConfig(**make_model_args(cfg, vocab_size))).to(rt.device)
     if cfg.batch_size == "auto":
-        cfg = train.with_batch_size(cfg, train.auto_batch_size(raw_model, cfg, rt), cfg.total_batch_size)
-    model, train_model, optimizer, scaler = train.build(raw_model, cfg, rt)
-    batches = train.TrainBatches(data, cfg.batch_size, cfg.block_size, cfg.seed, rt)
+        cfg = with_batch_size(cfg, auto_batch_size(raw_model, cfg, rt), cfg.total_batch_size)
+    model, train_model, optimizer, scaler = build(raw_model, cfg, rt)
+    batches = TrainBatches(data, cfg.batch_size, cfg.block_size, cfg.seed, rt)
     accum_steps = cfg.gradient_accumulation_steps // rt.world_size
 
     def step():
-        return train.train_step(train_model, optimizer, scaler, batches, cfg.learning_rate, accum_steps, cfg.grad_clip, rt).loss
+        return train_step(train_model, optimizer, scaler, batches, cfg.learning_rate, accum_steps, cfg.grad_clip, rt).loss
 
     if profiler is not None:
         with profiler:
@@ -120,7 +124,7 @@ def sweep_configs(cfg, spec, world_size):
             if rows % (swept.batch_size * world_size):
                 print(f"skipping batch_size={text}: does not divide {rows} sequences per step")
                 continue
-            swept = train.with_batch_size(swept, swept.batch_size, tokens_per_step)
+            swept = with_batch_size(swept, swept.batch_size, tokens_per_step)
         out.append((text, swept))
     return key, out
 
@@ -263,7 +267,7 @@ def part_sweep(cfg, rt, scale, report):
     data = synthetic(scale["vocab_size"], base.block_size)
     rows = []
     for b in scale["sweep"]:
-        swept = train.with_batch_size(base, b, scale["sweep_tokens"])
+        swept = with_batch_size(base, b, scale["sweep_tokens"])
         rows.append(suite_row(f"micro-batch {b}", measure_or_oom(swept, rt, data, scale["vocab_size"]), part="sweep"))
     report["rows"] += rows
     return (f"## GPT-2 sweep ({base.n_layer} layers x {base.n_embd}, T={base.block_size}, compile={base.compile}, "
@@ -337,10 +341,10 @@ def part_smoke(cfg, rt, scale, report):
     def losses(dtype):
         rt_d = dataclasses.replace(rt, dtype=dtype)
         torch.manual_seed(cfg.seed)
-        raw = GPT(GPTConfig(**train.make_model_args(base, vocab))).to(rt.device)
-        _, model, optimizer, scaler = train.build(raw, base, rt_d)
-        batches = train.TrainBatches(data, base.batch_size, base.block_size, cfg.seed, rt_d)
-        out = [train.train_step(model, optimizer, scaler, batches, base.learning_rate, 1, base.grad_clip, rt_d).loss
+        raw = GPT(GPTConfig(**make_model_args(base, vocab))).to(rt.device)
+        _, model, optimizer, scaler = build(raw, base, rt_d)
+        batches = TrainBatches(data, base.batch_size, base.block_size, cfg.seed, rt_d)
+        out = [train_step(model, optimizer, scaler, batches, base.learning_rate, 1, base.grad_clip, rt_d).loss
                for _ in range(scale["smoke_steps"])]
         return torch.stack(out).tolist(), raw
 
@@ -507,7 +511,7 @@ def run(cfg, rt):
         mfu = f", MFU {result['mfu']:.1%}" if result["mfu"] is not None else ""
         say(f"time to train {est['estimate_params'] / 1e9:.3g}B parameters on {est['estimate_tokens'] / 1e9:.3g}B tokens "
             f"({est['estimate_flops']:.3g} FLOPs) at {result['tflops']:.3g} TFLOPS/device{mfu} on {rt.world_size} device(s): "
-            f"{train.format_duration(est['estimate_hours'] * 3600)}, {est['estimate_device_hours']:,.1f} device-hours")
+            f"{format_duration(est['estimate_hours'] * 3600)}, {est['estimate_device_hours']:,.1f} device-hours")
     if cfg.json:
         say(json.dumps(result))
 

@@ -320,6 +320,21 @@ def _sharded_dirs(out_dir):
 # ---------------------------------------------------------------------------- finding the newest
 
 
+# keys that fix the shapes of the weights: a checkpoint only resumes under the same values
+SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "pos_encoding", "rope_theta", "norm",
+              "mlp", "mlp_hidden", "n_kv_head", "qk_norm", "tie_embeddings", "rope_scaling", "norm_eps")
+
+
+def check_resumable(saved, wanted):
+    # through GPTConfig: a key older checkpoints lack takes its default, as it had then, and
+    # "0 means the usual" keys compare by the sizes they stand for
+    saved_cfg, wanted_cfg = GPTConfig(**saved), GPTConfig(**wanted)
+    differ = [f"{k} {getattr(saved_cfg, k)} -> {getattr(wanted_cfg, k)}" for k in SHAPE_KEYS
+              if getattr(saved_cfg, k) != getattr(wanted_cfg, k)]
+    if differ:
+        raise UserError(f"cannot resume: the checkpoint's model differs in {', '.join(differ)}; use the config it was trained with")
+
+
 def load_newest(out_dir, map_location="cpu", report=print):
     """The checkpoint in out_dir with the highest iter_num among those whole, of either format:
     ckpt.pt, a ckpt_<iter>.pt, or a complete ckpt_<iter>/ directory. A full one is loaded (memory-

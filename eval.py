@@ -24,7 +24,6 @@ examples (or windows) are shared out between the ranks and the sums all-reduced.
 import json
 import math
 import os
-import sys
 from typing import NamedTuple
 
 import numpy as np

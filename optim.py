@@ -1,11 +1,14 @@
 """The optimizer train.py steps: nanoGPT's AdamW over every parameter, or Muon for the blocks'
-weight matrices with AdamW for the rest; and the per-layer update-to-weight ratio for the logs.
+weight matrices with AdamW for the rest; the learning-rate schedule; and the per-layer
+update-to-weight ratio for the logs.
 
 Muon (torch.optim.Muon) replaces each matrix's momentum by the nearest semi-orthogonal
 matrix (five Newton-Schulz iterations) before stepping, so every direction of the update moves
 by about the same amount. It is defined for 2-D hidden-layer weights only: the embeddings,
 lm_head (tied to wte), norm gains and biases stay with AdamW, as in modded-nanogpt and nanochat.
 """
+
+import math
 
 import torch
 
@@ -87,3 +90,28 @@ def update_ratios(model, before):
     names = list(layers)
     sums = torch.stack([layers[n] for n in names]).tolist()  # (layers, 2) squared norms: one transfer
     return {f"update_ratio/{n}": (d / w) ** 0.5 if w > 0 else None for n, (d, w) in zip(names, sums)}
+
+
+def get_lr(it, cfg):
+    """Linear warmup to learning_rate; then cosine decay to min_lr at lr_decay_iters, then flat;
+    or (lr_schedule='wsd') warmup-stable-decay: learning_rate until the last decay_frac of
+    max_iters, then a straight line down to min_lr at max_iters. The stable phase does not
+    depend on max_iters, so a run resumed there with a larger max_iters continues exactly.
+    The decay is linear: in Hagele et al. 2024 (arXiv:2405.18392) a linear cooldown matched
+    a full cosine run's loss, and a cosine-shaped one did no better."""
+    if not cfg.decay_lr:
+        return cfg.learning_rate
+    if it < cfg.warmup_iters:
+        return cfg.learning_rate * (it + 1) / (cfg.warmup_iters + 1)
+    if cfg.lr_schedule == "wsd":
+        decay_start = max(cfg.warmup_iters, (1 - cfg.decay_frac) * cfg.max_iters)  # never inside the warmup
+        if it < decay_start:
+            return cfg.learning_rate
+        if it >= cfg.max_iters:
+            return cfg.min_lr
+        progress = (it - decay_start) / (cfg.max_iters - decay_start)
+        return cfg.learning_rate + progress * (cfg.min_lr - cfg.learning_rate)
+    if it >= cfg.lr_decay_iters:
+        return cfg.min_lr
+    progress = (it - cfg.warmup_iters) / (cfg.lr_decay_iters - cfg.warmup_iters)
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.learning_rate - cfg.min_lr)

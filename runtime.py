@@ -1,8 +1,11 @@
 """What train.py, sample.py and bench.py share: device and precision choice, autocast,
-distributed setup and teardown, and the dense peak FLOPS of the GPU for MFU."""
+distributed setup and teardown, the free host memory, stop requests (SIGTERM, SIGINT, a time
+limit), and the dense peak FLOPS of the GPU for MFU."""
 
 import os
 import re
+import signal
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -105,6 +108,46 @@ def synchronize(rt):
         torch.cuda.synchronize()
     elif rt.device_type == "mps":
         torch.mps.synchronize()
+
+
+def free_memory():
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0  # unknown: stay with the memmap
+
+class StopRequest:
+    """SIGTERM (a scheduler's preemption notice) or SIGINT (Ctrl-C) only set a flag; the loop
+    reads it between steps, writes a checkpoint and exits. A second Ctrl-C quits at once."""
+
+    def __init__(self, max_minutes=0.0):
+        self.reason, self.group = None, None
+        self.deadline = time.monotonic() + 60 * max_minutes if max_minutes > 0 else None
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def _handle(self, signum, frame):
+        if self.reason is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.reason = signal.Signals(signum).name
+
+    def check(self, rt):
+        """True when this process should stop now; under DDP, when any rank should, so all agree."""
+        if self.reason is None and self.deadline is not None and time.monotonic() > self.deadline:
+            self.reason = "max_minutes"
+        stop = self.reason is not None
+        if rt.ddp:
+            # every step, so the flag travels on the host: over gloo (a group of its own when NCCL
+            # carries the gradients) the ranks wait for each other, never for their GPUs
+            if self.group is None:
+                self.group = dist.new_group(backend="gloo") if rt.device_type == "cuda" else dist.group.WORLD
+            flag = torch.tensor(float(stop))
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+            stop = bool(flag.item())
+        return stop
+
+    def restore(self):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
 
 # Dense (never 2:4-sparse) tensor-core peaks in TFLOP/s from the vendors' datasheets and

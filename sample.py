@@ -13,7 +13,6 @@ Each sample is printed as its prompt and continuation, then a line of dashes. Th
 num_samples samples of a prompt are generated together, as one batch.
 """
 
-import os
 import sys
 import time
 

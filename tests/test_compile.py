@@ -2,7 +2,6 @@
 graph and eval's no_grad graph and nothing else, and every model variant compiles as one graph
 (fullgraph=True) in training and in cached decoding."""
 
-import dataclasses
 
 import numpy as np
 import pytest
@@ -10,7 +9,9 @@ import torch
 from torch._dynamo.utils import counters
 
 import runtime
-import train
+from batches import TrainBatches, eval_offsets
+from step import eval_group, evaluate, train_step
+from wrap import build
 from configurator import TrainConfig
 from model import GPT, GPTConfig
 
@@ -33,16 +34,16 @@ def test_training_with_evals_compiles_two_graphs_and_never_recompiles():
                       gradient_accumulation_steps=2, eval_iters=3, dropout=0.0)
     torch.manual_seed(0)
     raw_model = GPT(GPTConfig(**TINY))
-    model, train_model, optimizer, scaler = train.build(raw_model, cfg, CPU)
+    model, train_model, optimizer, scaler = build(raw_model, cfg, CPU)
     data = np.random.default_rng(0).integers(0, 65, size=4000).astype(np.uint16)
-    batches = train.TrainBatches(data, cfg.batch_size, cfg.block_size, 0, CPU)
-    splits = {"val": (data, train.eval_offsets(data, cfg.eval_iters, cfg.batch_size, cfg.block_size, 1))}
-    group = train.eval_group(cfg, raw_model.config.padded_vocab_size)
+    batches = TrainBatches(data, cfg.batch_size, cfg.block_size, 0, CPU)
+    splits = {"val": (data, eval_offsets(data, cfg.eval_iters, cfg.batch_size, cfg.block_size, 1))}
+    group = eval_group(cfg, raw_model.config.padded_vocab_size)
     losses = []
     for _ in range(3):
         for _ in range(2):
-            losses.append(train.train_step(train_model, optimizer, scaler, batches, 1e-3, 2, 1.0, CPU).loss)
-        train.evaluate(model, splits, cfg.block_size, CPU, group)
+            losses.append(train_step(train_model, optimizer, scaler, batches, 1e-3, 2, 1.0, CPU).loss)
+        evaluate(model, splits, cfg.block_size, CPU, group)
     assert all(torch.isfinite(loss) for loss in losses)
     # one training graph (forward; its backward is compiled with it) and eval's no_grad one
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
@@ -54,7 +55,7 @@ def test_eval_group_divides_eval_iters():
     # a shorter last group would be one more shape, so one more graph
     for eval_iters in (1, 7, 12, 200):
         cfg = TrainConfig(batch_size=2, block_size=16, eval_iters=eval_iters)
-        group = train.eval_group(cfg, 64)
+        group = eval_group(cfg, 64)
         assert eval_iters % group == 0 and group >= 1
 
 

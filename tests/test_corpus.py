@@ -14,6 +14,7 @@ import torch
 
 import sample
 import tokenizer
+from batches import load_split
 import train
 from configurator import UserError
 from conftest import make_text, run_script, tiny_args
@@ -103,7 +104,7 @@ def test_splits_equal_a_plain_tokenization(corpus_files, tmp_path):
     assert tokens.read_header(str(tmp_path / shards[0]))[0] == np.uint16
     # the data directory says what it is, and train.py reads it
     assert tokenizer.describe(str(tmp_path)) == {"kind": "tiktoken", "name": "gpt2", "vocab_size": 50257}
-    assert len(train.load_split(str(tmp_path), "train", "memmap")) == n_train
+    assert len(load_split(str(tmp_path), "train", "memmap")) == n_train
     assert json.loads((tmp_path / "prepare.json").read_text())["done"] is True
 
 

@@ -9,7 +9,7 @@ import torch
 
 import runtime
 import tokenizer
-import train
+from batches import TrainBatches, eval_offsets, get_batch, load_split
 from conftest import load_script, make_text, run_script
 
 CPU = runtime.Runtime("cpu", "cpu", torch.float32)
@@ -84,15 +84,15 @@ def check_windows(x, y, n, block_size):
 def test_get_batch_at_given_offsets():
     data = counting_data()
     offsets = np.array([0, 17, 4999 - 8])  # the last one ends on the final token
-    x, y = train.get_batch(data, offsets, 8, CPU)
+    x, y = get_batch(data, offsets, 8, CPU)
     check_windows(x, y, len(data), 8)
     assert x[:, 0].tolist() == offsets.tolist()
 
 
 def test_get_batch_from_real_text(char_data):
-    data = train.load_split(str(char_data), "train", "ram")
+    data = load_split(str(char_data), "train", "ram")
     offsets = np.array([3, 500, 1000])
-    x, y = train.get_batch(data, offsets, 16, CPU)
+    x, y = get_batch(data, offsets, 16, CPU)
     for row, o in enumerate(offsets):
         assert x[row].tolist() == data[o : o + 16].tolist()
         assert y[row].tolist() == data[o + 1 : o + 17].tolist()
@@ -100,7 +100,7 @@ def test_get_batch_from_real_text(char_data):
 
 def test_train_batches_are_windows_at_random_offsets():
     data = counting_data()
-    batches = train.TrainBatches(data, 6, 16, seed=0, rt=CPU)
+    batches = TrainBatches(data, 6, 16, seed=0, rt=CPU)
     starts = set()
     for _ in range(20):
         x, y = batches()
@@ -112,7 +112,7 @@ def test_train_batches_are_windows_at_random_offsets():
 
 def test_train_batches_reach_the_last_window():
     data = counting_data(20)
-    batches = train.TrainBatches(data, 64, 16, seed=0, rt=CPU)
+    batches = TrainBatches(data, 64, 16, seed=0, rt=CPU)
     x, y = batches()
     check_windows(x, y, len(data), 16)
     assert set(x[:, 0].tolist()) == {0, 1, 2, 3}  # all len - block_size starts, the last included
@@ -124,29 +124,29 @@ def draw(batches, n):
 
 def test_train_batches_seeded():
     data = counting_data()
-    a = draw(train.TrainBatches(data, 4, 16, seed=1, rt=CPU), 5)
-    b = draw(train.TrainBatches(data, 4, 16, seed=1, rt=CPU), 5)
-    c = draw(train.TrainBatches(data, 4, 16, seed=2, rt=CPU), 5)
+    a = draw(TrainBatches(data, 4, 16, seed=1, rt=CPU), 5)
+    b = draw(TrainBatches(data, 4, 16, seed=1, rt=CPU), 5)
+    c = draw(TrainBatches(data, 4, 16, seed=2, rt=CPU), 5)
     assert all(torch.equal(u, v) for u, v in zip(a, b))
     assert not all(torch.equal(u, v) for u, v in zip(a, c))
 
 
 def test_train_batches_resume_from_rng_state():
     data = counting_data()
-    batches = train.TrainBatches(data, 4, 16, seed=1, rt=CPU)
+    batches = TrainBatches(data, 4, 16, seed=1, rt=CPU)
     draw(batches, 3)
     state = json.loads(json.dumps(batches.rng.bit_generator.state))  # survives a JSON round trip
     expected = draw(batches, 4)
-    resumed = train.TrainBatches(data, 4, 16, seed=999, rt=CPU)
+    resumed = TrainBatches(data, 4, 16, seed=999, rt=CPU)
     resumed.rng.bit_generator.state = state
     assert all(torch.equal(u, v) for u, v in zip(expected, draw(resumed, 4)))
 
 
 def test_train_batches_split_between_ranks():
     data, B = counting_data(), 3
-    ranks = [train.TrainBatches(data, B, 16, seed=5, rt=runtime.Runtime("cpu", "cpu", torch.float32, rank=r, world_size=2))
+    ranks = [TrainBatches(data, B, 16, seed=5, rt=runtime.Runtime("cpu", "cpu", torch.float32, rank=r, world_size=2))
              for r in range(2)]
-    single = train.TrainBatches(data, 2 * B, 16, seed=5, rt=CPU)
+    single = TrainBatches(data, 2 * B, 16, seed=5, rt=CPU)
     for _ in range(3):
         (x0, y0), (x1, y1) = ranks[0](), ranks[1]()
         x, y = single()
@@ -182,19 +182,19 @@ def test_nanogpt_data_dir_loads(nanogpt_data):
     assert tokenizer.vocab_size(spec) == len(set(text))
     _, decode = tokenizer.load(spec)
     for split, expected in (("train", ids[:n]), ("val", ids[n:])):
-        ram = train.load_split(str(data_dir), split, "ram")
-        mapped = train.load_split(str(data_dir), split, "memmap")
+        ram = load_split(str(data_dir), split, "ram")
+        mapped = load_split(str(data_dir), split, "memmap")
         assert mapped.memmapped and not ram.memmapped
         assert ram.dtype == mapped.dtype == np.uint16
         assert len(ram) == len(mapped) == len(expected)  # headerless: every byte pair is a token
         np.testing.assert_array_equal(ram, mapped)
         np.testing.assert_array_equal(ram, expected)
-    assert decode(train.load_split(str(data_dir), "val", "ram")[:].tolist()) == text[n:]
+    assert decode(load_split(str(data_dir), "val", "ram")[:].tolist()) == text[n:]
 
 
 def test_load_split_auto_gives_the_same_tokens(char_data):
-    np.testing.assert_array_equal(train.load_split(str(char_data), "val", "auto"),
-                                  train.load_split(str(char_data), "val", "memmap"))
+    np.testing.assert_array_equal(load_split(str(char_data), "val", "auto"),
+                                  load_split(str(char_data), "val", "memmap"))
 
 
 # ---------------------------------------------------------------------------- eval offsets
@@ -202,13 +202,13 @@ def test_load_split_auto_gives_the_same_tokens(char_data):
 
 def test_eval_offsets_deterministic_and_in_range():
     data = counting_data(40)
-    a = train.eval_offsets(data, eval_iters=50, batch_size=8, block_size=16, seed=3)
-    b = train.eval_offsets(data, eval_iters=50, batch_size=8, block_size=16, seed=3)
-    c = train.eval_offsets(data, eval_iters=50, batch_size=8, block_size=16, seed=4)
+    a = eval_offsets(data, eval_iters=50, batch_size=8, block_size=16, seed=3)
+    b = eval_offsets(data, eval_iters=50, batch_size=8, block_size=16, seed=3)
+    c = eval_offsets(data, eval_iters=50, batch_size=8, block_size=16, seed=4)
     assert a.shape == (50, 8)
     np.testing.assert_array_equal(a, b)
     assert not np.array_equal(a, c)
     assert a.min() >= 0 and a.max() <= len(data) - 16 - 1  # room for the shifted target
     assert a.max() == len(data) - 16 - 1 and a.min() == 0  # 400 draws from 24 starts reach both ends
-    x, y = train.get_batch(data, a[0], 16, CPU)
+    x, y = get_batch(data, a[0], 16, CPU)
     check_windows(x, y, len(data), 16)

@@ -186,11 +186,11 @@ def test_training_logs_bpb_test_loss_and_hellaswag_in_rhythm_across_resume(bpe_s
     assert [r["iter"] for r in evals_] == [0, 5, 6, 10]
     assert [r["iter"] for r in evals_ if "test_loss" in r] == [6, 10]  # once at the end of each run
     # val bpb by hand: the fixed eval windows' targets decoded to text (train.py's own offsets)
-    import train
+    from batches import eval_offsets
 
     enc = tokenizer.encoding("gpt2")
     val = tokens.Tokens.open(str(data_dir), "val")
-    offsets = train.eval_offsets(val, 2, 4, 32, 1337 + 2)
+    offsets = eval_offsets(val, 2, 4, 32, 1337 + 2)
     n_bytes = sum(len(enc.decode_bytes([t for t in val[o + 1 : o + 33].tolist() if t != enc.eot_token]))
                   for o in offsets.reshape(-1))
     for r in evals_:

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import runtime
-import train
+from batches import TrainBatches, get_batch
+from step import train_step
 from model import GPT, GPTConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -26,7 +27,7 @@ def setup_step(rt, attention="auto"):
     model.set_attention(attention)
     optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cuda")
     data = np.random.default_rng(0).integers(0, 65, size=20_000).astype(np.uint16)
-    batches = train.TrainBatches(data, 8, 64, 0, rt)
+    batches = TrainBatches(data, 8, 64, 0, rt)
     scaler = torch.amp.GradScaler("cuda", enabled=False)
     return model, optimizer, scaler, batches
 
@@ -35,7 +36,7 @@ def test_bf16_step_trains_with_fused_adamw(rt):
     model, optimizer, scaler, batches = setup_step(rt)
     assert optimizer.defaults["fused"] and optimizer._step_supports_amp_scaling
     before = [p.detach().clone() for p in model.parameters()]
-    losses = [train.train_step(model, optimizer, scaler, batches, 1e-3, 2, 1.0, rt).loss for _ in range(5)]
+    losses = [train_step(model, optimizer, scaler, batches, 1e-3, 2, 1.0, rt).loss for _ in range(5)]
     assert all(torch.isfinite(torch.stack(losses)))
     assert all(p.dtype == torch.float32 for p in model.parameters())  # autocast computes in bf16, weights stay fp32
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
@@ -43,21 +44,21 @@ def test_bf16_step_trains_with_fused_adamw(rt):
 
 def test_a_step_never_waits_for_the_gpu_and_a_poisoned_one_changes_nothing(rt):
     model, optimizer, scaler, batches = setup_step(rt)
-    train.train_step(model, optimizer, scaler, batches, 1e-3, 2, 1.0, rt)  # AdamW's state exists from here
+    train_step(model, optimizer, scaler, batches, 1e-3, 2, 1.0, rt)  # AdamW's state exists from here
     torch.cuda.synchronize()
     weights = [p.detach().clone() for p in model.parameters()]
     state = [{k: v.clone() for k, v in s.items()} for s in optimizer.state.values()]
     torch.cuda.set_sync_debug_mode("error")  # any synchronizing call raises
     try:
-        result = train.train_step(model, optimizer, scaler, batches, 1e-3, 2, 1.0, rt, poison=True)
-        good = train.train_step(model, optimizer, scaler, batches, 1e-3, 2, 1.0, rt)
+        result = train_step(model, optimizer, scaler, batches, 1e-3, 2, 1.0, rt, poison=True)
+        good = train_step(model, optimizer, scaler, batches, 1e-3, 2, 1.0, rt)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert not bool(result.stepped) and bool(good.stepped)
     # replay without the good step: the poisoned one alone leaves everything bit-unchanged
     model2, optimizer2, scaler2, batches2 = setup_step(rt)
-    train.train_step(model2, optimizer2, scaler2, batches2, 1e-3, 2, 1.0, rt)
-    train.train_step(model2, optimizer2, scaler2, batches2, 1e-3, 2, 1.0, rt, poison=True)
+    train_step(model2, optimizer2, scaler2, batches2, 1e-3, 2, 1.0, rt)
+    train_step(model2, optimizer2, scaler2, batches2, 1e-3, 2, 1.0, rt, poison=True)
     assert all(torch.equal(a, b) for a, b in zip(weights, model2.parameters()))
     assert all(torch.equal(a[k], b[k]) for a, b in zip(state, optimizer2.state.values()) for k in a)
 
@@ -65,7 +66,7 @@ def test_a_step_never_waits_for_the_gpu_and_a_poisoned_one_changes_nothing(rt):
 def test_batches_are_pinned_copies_on_the_gpu(rt):
     data = np.arange(10_000, dtype=np.uint16) % 65
     offsets = np.array([0, 100, 2000])
-    x, y = train.get_batch(data, offsets, 64, rt)
+    x, y = get_batch(data, offsets, 64, rt)
     assert x.is_cuda and y.is_cuda
     expected = torch.from_numpy(data[offsets[:, None] + np.arange(65)].astype(np.int64))
     assert torch.equal(x.cpu(), expected[:, :-1]) and torch.equal(y.cpu(), expected[:, 1:])
@@ -83,7 +84,7 @@ def test_each_attention_value_runs_its_kernel_with_the_same_loss(rt, attention):
     for name in ("math", attention):
         model, optimizer, scaler, batches = setup_step(rt, name)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            losses[name] = train.train_step(model, optimizer, scaler, batches, 1e-3, 1, 1.0, rt).loss.item()
+            losses[name] = train_step(model, optimizer, scaler, batches, 1e-3, 1, 1.0, rt).loss.item()
             torch.cuda.synchronize()
         kernels = " ".join(e.key.lower() for e in prof.key_averages())
     assert any(word in kernels for word in KERNEL_NAMES[attention]), kernels[:2000]

@@ -21,6 +21,8 @@ import checkpoint  # noqa: E402
 import hf  # noqa: E402
 import sample  # noqa: E402
 import tokenizer  # noqa: E402
+from checkpoint import check_resumable
+from wrap import make_model_args
 import train  # noqa: E402
 from configurator import TrainConfig, UserError, parse  # noqa: E402
 from data import corpus  # noqa: E402
@@ -344,7 +346,7 @@ def test_export_refuses_models_neither_format_can_hold(tmp_path, options, named)
 def test_rope_scaling_key_is_validated():
     good = {k: v for k, v in LLAMA3.items() if k != "rope_type"}
     cfg = parse(TrainConfig, ["--pos_encoding=rope", f"--rope_scaling={good}", "--norm_eps=1e-6"])
-    assert train.make_model_args(cfg, 65)["rope_scaling"] == good and train.make_model_args(cfg, 65)["norm_eps"] == 1e-6
+    assert make_model_args(cfg, 65)["rope_scaling"] == good and make_model_args(cfg, 65)["norm_eps"] == 1e-6
     for argv, named in [([f"--rope_scaling={good}"], "needs pos_encoding='rope'"),
                         (["--pos_encoding=rope", "--rope_scaling={'factor': 8.0}"], "must have exactly the numbers"),
                         (["--pos_encoding=rope", f"--rope_scaling={ {**good, 'low_freq_factor': 5.0} }"], "low_freq_factor < high"),
@@ -352,9 +354,9 @@ def test_rope_scaling_key_is_validated():
         with pytest.raises(UserError, match=named):
             parse(TrainConfig, argv)
     # a changed scaling is another model: resume refuses it
-    args = train.make_model_args(cfg, 65)
+    args = make_model_args(cfg, 65)
     with pytest.raises(UserError, match="rope_scaling"):
-        train.check_resumable(args, {**args, "rope_scaling": {**good, "factor": 4.0}})
+        check_resumable(args, {**args, "rope_scaling": {**good, "factor": 4.0}})
     with pytest.raises(UserError, match="norm_eps"):
-        train.check_resumable(args, {**args, "norm_eps": 1e-5})
+        check_resumable(args, {**args, "norm_eps": 1e-5})
     assert dataclasses.asdict(GPTConfig())["rope_scaling"] is None

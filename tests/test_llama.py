@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from conftest import REPO, read_metrics, run_script
 
-import train
+from checkpoint import check_resumable
+from wrap import make_model_args
 from configurator import TrainConfig, UserError, parse
 from model import GPT, MLP, CausalSelfAttention, GPTConfig, KVCache, apply_rope, make_norm, rope_tables
 
@@ -230,7 +231,7 @@ def test_llama_1b_recipe_has_llama_3_2_1b_parameter_count():
     (no memory): 1,235,814,400 parameters, Llama-3.2-1B's count."""
     cfg = parse(TrainConfig, [str(REPO / "config/train_llama_1b.py")])
     with torch.device("meta"):
-        model = GPT(GPTConfig(**train.make_model_args(cfg, 128256)))
+        model = GPT(GPTConfig(**make_model_args(cfg, 128256)))
     n = model.num_params(non_embedding=False)
     assert n == llama_params_by_hand(16, 2048, 32, 8, 8192, 128256, tied=True, qk_norm=False) == 1_235_814_400
     assert abs(n / 1.236e9 - 1) < 0.01
@@ -387,17 +388,17 @@ def test_bad_llama_keys_are_one_line_errors(argv, expected):
 
 def test_resume_refuses_another_architecture_and_accepts_old_checkpoints():
     cfg = parse(TrainConfig, [str(REPO / "config/train_llama_tiny.py")])
-    args = train.make_model_args(cfg, 65)
-    train.check_resumable(args, {**args, "dropout": 0.3, "n_kv_head": 1})  # dropout is not the architecture
+    args = make_model_args(cfg, 65)
+    check_resumable(args, {**args, "dropout": 0.3, "n_kv_head": 1})  # dropout is not the architecture
     with pytest.raises(UserError, match=r"norm rmsnorm -> layernorm, qk_norm False -> True"):
-        train.check_resumable(args, {**args, "norm": "layernorm", "qk_norm": True})
+        check_resumable(args, {**args, "norm": "layernorm", "qk_norm": True})
     # a checkpoint from before these keys existed holds only GPT-2's keys: they mean GPT-2
     old = {"n_layer": 2, "n_head": 4, "n_embd": 32, "block_size": 16, "bias": False, "vocab_size": 65, "dropout": 0.0}
-    gpt2 = train.make_model_args(parse(TrainConfig, ["--n_layer=2", "--n_head=4", "--n_embd=32", "--block_size=16"]), 65)
-    train.check_resumable(old, gpt2)
-    train.check_resumable(old, {**gpt2, "n_kv_head": 4})  # 0 and n_head are the same attention
+    gpt2 = make_model_args(parse(TrainConfig, ["--n_layer=2", "--n_head=4", "--n_embd=32", "--block_size=16"]), 65)
+    check_resumable(old, gpt2)
+    check_resumable(old, {**gpt2, "n_kv_head": 4})  # 0 and n_head are the same attention
     with pytest.raises(UserError, match="pos_encoding learned -> rope"):
-        train.check_resumable(old, {**gpt2, "pos_encoding": "rope"})
+        check_resumable(old, {**gpt2, "pos_encoding": "rope"})
 
 
 def test_tiny_llama_trains_on_cpu_and_samples(char_data, tmp_path):

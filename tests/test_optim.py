@@ -3,7 +3,6 @@ metrics (gradient norm, clipping, update-to-weight ratios): against torch's own 
 hand computation, and end to end through train.py (exact resume, DDP, extending a WSD run)."""
 
 import copy
-import json
 import os
 import shutil
 import subprocess
@@ -20,7 +19,10 @@ import configurator
 import optim
 import runtime
 import tokenizer
-import train
+from batches import TrainBatches, load_split
+from optim import get_lr
+from step import train_step
+from wrap import make_model_args
 from configurator import TrainConfig, UserError
 from model import GPT, GPTConfig
 
@@ -58,9 +60,9 @@ def test_muon_half_steps_as_torch_muon_and_the_rest_as_adamw():
     g = torch.Generator().manual_seed(1)
     for it in range(4):
         x, y = torch.randint(0, 65, (4, 16), generator=g), torch.randint(0, 65, (4, 16), generator=g)
-        lr = train.get_lr(it, cfg)
+        lr = get_lr(it, cfg)
         scaler = torch.amp.GradScaler("cpu", enabled=False)
-        train.train_step(model, ours, scaler, lambda: (x, y), lr, 1, 0.0, CPU)
+        train_step(model, ours, scaler, lambda: (x, y), lr, 1, 0.0, CPU)
         ref(x, y)[1].backward()
         for group in ref_muon.param_groups:
             group["lr"] = cfg.muon_lr * lr / cfg.learning_rate  # Muon's peak, on the same schedule
@@ -104,21 +106,21 @@ def wsd(**overrides):
 
 def test_wsd_shape():
     cfg = wsd()
-    lrs = np.array([train.get_lr(it, cfg) for it in range(cfg.max_iters + 1)])
+    lrs = np.array([get_lr(it, cfg) for it in range(cfg.max_iters + 1)])
     cosine = TrainConfig(learning_rate=1e-3, min_lr=1e-4, warmup_iters=10, lr_decay_iters=100)
-    assert list(lrs[:10]) == [train.get_lr(it, cosine) for it in range(10)]  # the same linear warmup
+    assert list(lrs[:10]) == [get_lr(it, cosine) for it in range(10)]  # the same linear warmup
     assert set(lrs[10:80]) == {cfg.learning_rate}  # stable until the last 20% of max_iters
     steps = np.diff(lrs[80:])
     np.testing.assert_allclose(steps, (cfg.min_lr - cfg.learning_rate) / 20, rtol=1e-9)  # a straight line down...
-    assert lrs[100] == pytest.approx(cfg.min_lr) and train.get_lr(10**6, cfg) == pytest.approx(cfg.min_lr)  # ...to min_lr
+    assert lrs[100] == pytest.approx(cfg.min_lr) and get_lr(10**6, cfg) == pytest.approx(cfg.min_lr)  # ...to min_lr
     # decay_frac=1 decays from the end of warmup, never below it during warmup
-    whole = [train.get_lr(it, wsd(decay_frac=1.0)) for it in range(100)]
+    whole = [get_lr(it, wsd(decay_frac=1.0)) for it in range(100)]
     assert whole[10] == cfg.learning_rate and all(b < a for a, b in zip(whole[10:], whole[11:]))
     # a larger max_iters moves only the decay: every step before the old decay is unchanged
     longer = wsd(max_iters=400)
-    assert [train.get_lr(it, longer) for it in range(80)] == list(lrs[:80])
+    assert [get_lr(it, longer) for it in range(80)] == list(lrs[:80])
     # decay_lr=False still means a constant learning rate
-    assert {train.get_lr(it, wsd(decay_lr=False)) for it in (0, 50, 99)} == {cfg.learning_rate}
+    assert {get_lr(it, wsd(decay_lr=False)) for it in (0, 50, 99)} == {cfg.learning_rate}
 
 
 def test_wsd_run_extended_from_its_stable_phase_resumes_exactly(char_data, tmp_path):
@@ -178,10 +180,10 @@ def test_logged_grad_norm_and_update_ratios(muon_runs):
     first batch and dropout masks, backward, the square root of the sum of squares."""
     root, data, common = muon_runs
     cfg = configurator.parse(TrainConfig, tiny_args(data, root / "straight", **common))
-    train_data = train.load_split(str(data), "train")
+    train_data = load_split(str(data), "train")
     torch.manual_seed(cfg.seed)
-    model = GPT(GPTConfig(**train.make_model_args(cfg, tokenizer.vocab_size(tokenizer.describe(str(data))))))
-    x, y = train.TrainBatches(train_data, cfg.batch_size, cfg.block_size, cfg.seed, CPU)()
+    model = GPT(GPTConfig(**make_model_args(cfg, tokenizer.vocab_size(tokenizer.describe(str(data))))))
+    x, y = TrainBatches(train_data, cfg.batch_size, cfg.block_size, cfg.seed, CPU)()
     model(x, y)[1].backward()
     by_hand = sum(float((p.grad.double() ** 2).sum()) for p in model.parameters()) ** 0.5
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import runtime
-import train
+from optim import get_lr
+from step import train_step
 from configurator import TrainConfig
 from model import GPT, GPTConfig
 
@@ -22,7 +23,7 @@ def schedule_cfg(**overrides):
 
 def test_warmup_is_linear_from_above_zero_to_learning_rate():
     cfg = schedule_cfg()
-    warm = [train.get_lr(it, cfg) for it in range(cfg.warmup_iters + 1)]
+    warm = [get_lr(it, cfg) for it in range(cfg.warmup_iters + 1)]
     assert warm[0] > 0  # the first step moves the weights
     assert warm[-1] == pytest.approx(cfg.learning_rate)  # reached at the end of warmup
     steps = np.diff(warm)
@@ -33,26 +34,26 @@ def test_warmup_is_linear_from_above_zero_to_learning_rate():
 def test_cosine_decay():
     cfg = schedule_cfg()
     mid = (cfg.warmup_iters + cfg.lr_decay_iters) // 2
-    assert train.get_lr(mid, cfg) == pytest.approx((cfg.learning_rate + cfg.min_lr) / 2)
+    assert get_lr(mid, cfg) == pytest.approx((cfg.learning_rate + cfg.min_lr) / 2)
     quarter = cfg.warmup_iters + (cfg.lr_decay_iters - cfg.warmup_iters) // 4
     expected = cfg.min_lr + (cfg.learning_rate - cfg.min_lr) * (1 + math.cos(math.pi / 4)) / 2
-    assert train.get_lr(quarter, cfg) == pytest.approx(expected)
+    assert get_lr(quarter, cfg) == pytest.approx(expected)
     for it in (cfg.lr_decay_iters, cfg.lr_decay_iters + 1, cfg.max_iters, 10**6):
-        assert train.get_lr(it, cfg) == pytest.approx(cfg.min_lr)
-    after = [train.get_lr(it, cfg) for it in range(cfg.warmup_iters, cfg.max_iters)]
+        assert get_lr(it, cfg) == pytest.approx(cfg.min_lr)
+    after = [get_lr(it, cfg) for it in range(cfg.warmup_iters, cfg.max_iters)]
     assert all(b <= a for a, b in zip(after, after[1:]))
     assert all(cfg.min_lr <= lr <= cfg.learning_rate for lr in after)
 
 
 def test_no_warmup():
     cfg = schedule_cfg(warmup_iters=0)
-    assert train.get_lr(0, cfg) == pytest.approx(cfg.learning_rate)
-    assert train.get_lr(cfg.lr_decay_iters, cfg) == pytest.approx(cfg.min_lr)
+    assert get_lr(0, cfg) == pytest.approx(cfg.learning_rate)
+    assert get_lr(cfg.lr_decay_iters, cfg) == pytest.approx(cfg.min_lr)
 
 
 def test_constant_without_decay():
     cfg = schedule_cfg(decay_lr=False)
-    assert {train.get_lr(it, cfg) for it in (0, 5, 10, 60, 110, 10**6)} == {cfg.learning_rate}
+    assert {get_lr(it, cfg) for it in (0, 5, 10, 60, 110, 10**6)} == {cfg.learning_rate}
 
 
 # ---------------------------------------------------------------------------- gradient accumulation
@@ -81,7 +82,7 @@ def one_step(model, optimizer, rows, accum_steps, grad_clip, lr):
         return x[i * micro : (i + 1) * micro], y[i * micro : (i + 1) * micro]
 
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    loss = train.train_step(model, optimizer, scaler, next_batch, lr, accum_steps, grad_clip, CPU).loss
+    loss = train_step(model, optimizer, scaler, next_batch, lr, accum_steps, grad_clip, CPU).loss
     assert len(calls) == accum_steps
     return loss
 

@@ -8,7 +8,8 @@ import torch
 
 import checkpoint
 import runtime
-import train
+from batches import TrainBatches
+from step import train_step
 from conftest import read_metrics, run_script, tiny_args
 from model import GPT, GPTConfig
 
@@ -37,17 +38,17 @@ def setup_step(optimizer_kind="fused"):
     torch.manual_seed(0)
     model = GPT(GPTConfig(**MODEL))
     if optimizer_kind == "fused":
-        optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu")  # what train.build makes
+        optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu")  # what wrap.build makes
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=False)  # no found_inf support
     data = np.random.default_rng(0).integers(0, 65, size=2000).astype(np.uint16)
-    batches = train.TrainBatches(data, 4, 16, 0, CPU)
+    batches = TrainBatches(data, 4, 16, 0, CPU)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     return model, optimizer, scaler, batches
 
 
 def step(model, optimizer, scaler, batches, poison=False):
-    return train.train_step(model, optimizer, scaler, batches, 1e-3, 2, 1.0, CPU, poison=poison)
+    return train_step(model, optimizer, scaler, batches, 1e-3, 2, 1.0, CPU, poison=poison)
 
 
 def test_a_step_reads_nothing_from_the_device(reads):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import runtime
+from batches import get_batch, load_split
 import train
 from configurator import UserError
 from conftest import run_script, tiny_args
@@ -100,8 +101,8 @@ def test_split_over_shards_reads_as_one_sequence(tmp_path):
     assert not ram.memmapped and len(ram.parts) == 1
     np.testing.assert_array_equal(ram[windows], ids[windows])
     # train.py's batches read the same windows from shards as from one array
-    x, y = train.get_batch(data, windows[:, 0], 16, CPU)
-    x1, y1 = train.get_batch(ids, windows[:, 0], 16, CPU)
+    x, y = get_batch(data, windows[:, 0], 16, CPU)
+    x1, y1 = get_batch(ids, windows[:, 0], 16, CPU)
     assert torch.equal(x, x1) and torch.equal(y, y1)
     with pytest.raises(IndexError):
         data[np.array([1000])]
@@ -111,11 +112,11 @@ def test_load_split_modes_give_the_same_tokens(tmp_path):
     ids = np.random.default_rng(1).integers(0, 100_000, size=3000).astype(np.uint32)
     write_shards(tmp_path, "val", ids, [1000, 1000, 1000])
     for mode in ("ram", "memmap", "auto"):
-        data = train.load_split(str(tmp_path), "val", mode)
+        data = load_split(str(tmp_path), "val", mode)
         assert data.dtype == np.uint32
         np.testing.assert_array_equal(np.asarray(data), ids)
-    assert not train.load_split(str(tmp_path), "val", "ram").memmapped
-    assert train.load_split(str(tmp_path), "val", "memmap").memmapped
+    assert not load_split(str(tmp_path), "val", "ram").memmapped
+    assert load_split(str(tmp_path), "val", "memmap").memmapped
 
 
 def test_split_errors(tmp_path):

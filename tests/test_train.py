@@ -8,7 +8,7 @@ import textwrap
 import pytest
 import torch
 
-from conftest import REPO, make_text, read_metrics, run_script, tiny_args
+from conftest import REPO, read_metrics, run_script, tiny_args
 
 import checkpoint
 

@@ -1,0 +1,92 @@
+"""The run's log: out_dir/metrics.jsonl, one JSON object per line, with wandb and TensorBoard
+fed the same records when asked for; and the durations the log prints."""
+
+import json
+import os
+import time
+
+import runtime
+from configurator import as_dict
+
+
+class MetricsLog:
+    """out_dir/metrics.jsonl, one JSON object per line; wandb and TensorBoard, when asked
+    for, are fed the same records. On resume, records past the checkpoint are dropped from
+    all three, since the resumed run logs those steps again."""
+
+    def __init__(self, out_dir, resume_iter, cfg, wandb_run_id=None):
+        self.path = os.path.join(out_dir, "metrics.jsonl")
+        if resume_iter is None:
+            open(self.path, "w").close()
+        else:
+            self._truncate(resume_iter)
+        self.wandb = self.tensorboard = self.wandb_run_id = None
+        if cfg.wandb_log:
+            import wandb  # optional dependencies, imported only when asked for
+
+            # the run id travels in the checkpoint, so a resumed run continues the same wandb run
+            self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=as_dict(cfg),
+                                    id=wandb_run_id, resume="allow", dir=out_dir)
+            self.wandb_run_id = self.wandb.id
+        if cfg.tensorboard_log:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step drops events a run that died after its last checkpoint wrote past it
+            self.tensorboard = SummaryWriter(os.path.join(out_dir, "tensorboard"),
+                                             purge_step=None if resume_iter is None else resume_iter + 1)
+
+    def _truncate(self, resume_iter):
+        if not os.path.exists(self.path):
+            return
+        with open(self.path) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        keep = [r for r in records if r["iter"] < resume_iter or ("loss" not in r and r["iter"] == resume_iter)]  # its evals
+        with open(self.path + ".tmp", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in keep)
+        os.replace(self.path + ".tmp", self.path)
+
+    def write(self, record):
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")  # json keeps every digit of a float
+        values = {k: v for k, v in record.items() if k != "iter" and v is not None}
+        if self.wandb is not None:
+            self.wandb.log(values, step=record["iter"])
+        if self.tensorboard is not None:
+            for key, value in values.items():
+                self.tensorboard.add_scalar(key, value, record["iter"])
+            self.tensorboard.flush()  # a preempted run keeps what it logged
+
+def format_duration(seconds):
+    seconds = int(seconds)
+    if seconds >= 2 * 86400:
+        return f"{seconds / 86400:,.1f} days"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+class Throughput:
+    """Wall-clock time per iteration over the window since the last log. The window restarts after
+    an eval or HellaSwag (not training time), and the first window of a process holds compilation
+    and allocator warm-up, so it gives no MFU."""
+
+    def __init__(self, rt):
+        self.rt, self.start, self.iters, self.warm = rt, None, 0, False
+
+    def restart(self):
+        self.start = None
+
+    def begin_step(self):
+        if self.start is None:
+            runtime.synchronize(self.rt)
+            self.start, self.iters = time.perf_counter(), 0
+
+    def end_step(self):
+        self.iters += 1
+
+    def read(self):
+        """(seconds per iteration over the window, whether it was warm); starts the next window.
+        The caller has already waited for the device (it read the loss)."""
+        runtime.synchronize(self.rt)
+        now = time.perf_counter()
+        dt, warm = (now - self.start) / self.iters, self.warm
+        self.start, self.iters, self.warm = now, 0, True
+        return dt, warm

@@ -1,0 +1,130 @@
+"""One optimizer step over a batch (gradient accumulation, clipping, skipping non-finite
+steps) and the eval loss on fixed windows: the two things the loop does with the model.
+
+    result = train_step(model, optimizer, scaler, batches, lr, accum_steps, grad_clip, rt)
+    losses = evaluate(model, {"val": (val_data, offsets)}, block_size, rt)
+"""
+
+from contextlib import nullcontext
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from batches import get_batch
+
+
+class StepResult(NamedTuple):
+    loss: torch.Tensor  # this rank's mean loss over the micro-steps (on the device: reading it syncs)
+    grad_norm: torch.Tensor  # global gradient norm before clipping (the same on every rank)
+    stepped: torch.Tensor  # () bool on the device; False: the step was non-finite and did not touch the weights
+
+def train_step(model, optimizer, scaler, next_batch, lr, accum_steps, grad_clip, rt, poison=False):
+    """One optimizer step over accum_steps micro-batches. A step whose gradient norm is not
+    finite is skipped: the weights and optimizer state stay as they were. Nothing here waits
+    for the device (with fused AdamW): the caller reads the results when it logs. (`poison`
+    turns the loss into NaN, for the tests of that path.)"""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)  # a group with its own peak (e.g. Muon's) scales with the schedule
+    total = torch.zeros((), device=rt.device)
+    x, y = next_batch()
+    for micro in range(accum_steps):
+        last = micro == accum_steps - 1
+        # DDP all-reduces gradients in backward; only the last micro-step needs it. (FSDP
+        # reduce-scatters every micro-step: holding whole gradients would undo its memory saving)
+        with model.no_sync() if isinstance(model, DDP) and not last else nullcontext():
+            with rt.autocast():
+                _, loss = model(x, y)
+            # each micro-batch's mean loss, scaled so the accumulated gradient is that of the mean
+            # over the whole batch, not the sum
+            loss = loss / accum_steps
+            if poison:
+                loss = loss * float("nan")
+            if not last:
+                x, y = next_batch()  # gathered while the device still runs the forward pass
+            scaler.scale(loss).backward()
+        total += loss.detach()
+    scaler.unscale_(optimizer)  # clip and check the true gradients, not the fp16-scaled ones
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if grad_clip > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, grad_clip, norm)  # a NaN norm makes NaN grads: the step is skipped anyway
+    if hasattr(norm, "full_tensor"):  # a DTensor, from FSDP's sharded gradients: already reduced, the same on every rank
+        norm = norm.full_tensor()
+    # the gradients are already all-reduced, so every rank takes the same decision
+    stepped = torch.isfinite(norm)
+    if scaler.is_enabled():
+        # fp16: GradScaler skips overflowing steps itself (and lowers the scale); that is routine,
+        # so only a non-finite loss counts as a bad step
+        scaler.step(optimizer)
+        stepped = torch.isfinite(total)
+    elif getattr(optimizer, "_step_supports_amp_scaling", False):
+        # fused AdamW takes GradScaler's found_inf tensor: where it is 1 the kernel leaves weights,
+        # moments and step count bit-unchanged, so the skip is decided on the device, with no sync
+        optimizer.grad_scale, optimizer.found_inf = None, (~stepped).float()
+        optimizer.step()
+        del optimizer.grad_scale, optimizer.found_inf
+    else:
+        # an optimizer without found_inf (e.g. a wrapper around several, as Muon + AdamW): the one
+        # host sync left in the step. bool() waits for the queued backward to finish before the
+        # update is launched: the device idles for a few kernel launches once per optimizer step
+        if bool(stepped):
+            optimizer.step()
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(total, norm, stepped)
+
+@torch.no_grad()
+def evaluate(model, splits, block_size, rt, group=1):
+    """Mean loss on each split's fixed batches; {name: (data, offsets)} -> {name: loss}.
+    `group` batches go through the model together (the batches are equal-sized, so the mean is
+    the same; small models run much faster on bigger matmuls). Under DDP the batches are shared
+    out between the ranks and the sums all-reduced."""
+    model.eval()
+    losses = {}
+    for name, (data, offsets) in splits.items():
+        mine = offsets[rt.rank :: rt.world_size]  # (n, B)
+        total = torch.zeros(2, device=rt.device)  # (sum of batch losses, number of batches)
+        for i in range(0, len(mine), group):
+            chunk = mine[i : i + group]
+            x, y = get_batch(data, chunk.reshape(-1), block_size, rt)
+            with rt.autocast():
+                _, loss = model(x, y)
+            total[0] += loss.float() * len(chunk)
+            total[1] += len(chunk)
+        if rt.ddp:
+            dist.all_reduce(total)
+        losses[name] = (total[0] / total[1]).item()
+    model.train()
+    return losses
+
+def eval_group(cfg, padded_vocab_size, budget_bytes=64 * 2**20):
+    """How many eval batches fit in one forward pass with their float32 logits (the largest
+    tensor of an eval forward) under `budget_bytes`; 1 for GPT-2-sized vocabularies and contexts."""
+    logits_bytes = cfg.batch_size * cfg.block_size * padded_vocab_size * 4
+    fits = max(1, min(cfg.eval_iters, budget_bytes // logits_bytes))
+    # a divisor of eval_iters, so every forward has the same shape: a compiled model then adds
+    # one eval graph, not a second one for a shorter last group
+    return max(g for g in range(1, fits + 1) if cfg.eval_iters % g == 0)
+
+
+class BadSteps:
+    """Non-finite steps, counted on the device (three tiny kernels per step, so the step queues up
+    behind the last one) and read only where the loop waits for the device anyway (log, eval,
+    save): skipped since the last read, in a row now, and the longest run since the last read."""
+
+    def __init__(self, device):
+        self.skipped, self.in_a_row, self.worst = (torch.zeros((), dtype=torch.long, device=device) for _ in range(3))
+
+    def record(self, stepped):
+        self.in_a_row.add_(1).mul_(~stepped)  # +1, or back to 0 after a good step
+        torch.maximum(self.worst, self.in_a_row, out=self.worst)
+        self.skipped.add_(~stepped)
+
+    def read(self):
+        """(skipped since the last read, in a row now, longest run since the last read); starts a new count."""
+        skipped, in_a_row, worst = torch.stack([self.skipped, self.in_a_row, self.worst]).tolist()  # one read of all three
+        self.skipped.zero_()
+        self.worst.copy_(self.in_a_row)
+        return skipped, in_a_row, worst

@@ -1,0 +1,68 @@
+"""The model as the loop trains it: the GPTConfig arguments a config asks for, and build(),
+which adds the optimizer and GradScaler, restores a checkpoint's state, checks the attention
+kernel, compiles, and wraps the model in DDP or shards it with FSDP2 under torchrun."""
+
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import checkpoint
+import optim
+from configurator import UserError
+
+MODEL_KEYS = tuple(k for k in checkpoint.SHAPE_KEYS if k != "vocab_size") + ("dropout",)  # GPTConfig's keys that TrainConfig has
+
+def make_model_args(cfg, vocab_size):
+    return {**{k: getattr(cfg, k) for k in MODEL_KEYS}, "vocab_size": vocab_size}
+
+def build(raw_model, cfg, rt, state=None):
+    """The optimizer and GradScaler for raw_model, the weights and their state restored from a
+    checkpoint `state` when resuming, and the two forms the loop calls: `model` (compiled when
+    asked; evaluation uses it) and `train_model` (also DDP-wrapped under torchrun). With
+    parallelism='fsdp' under torchrun, raw_model itself is sharded in place instead."""
+    raw_model.activation_checkpointing = cfg.activation_checkpointing
+    fsdp = uses_fsdp(cfg, rt)
+    if fsdp:
+        shard(raw_model, rt)  # before the optimizer is made: it must hold the sharded parameters
+    elif cfg.parallelism == "fsdp" and rt.master:
+        print("note: parallelism='fsdp' in a single process has nothing to shard over; training unsharded")
+    optimizer = optim.configure(raw_model, cfg, rt.device_type)
+    scaler = torch.amp.GradScaler(rt.device_type, enabled=rt.dtype == torch.float16)  # loss scaling only for fp16
+    if state is not None:
+        checkpoint.restore(state, raw_model, optimizer, scaler, fsdp)
+    error = raw_model.attention_error(cfg.attention, rt.device, rt.dtype)
+    if error:
+        raise UserError(f"attention='{cfg.attention}' cannot run on {rt.device} in {str(rt.dtype).removeprefix('torch.')} "
+                        f"for this model ({error}); use --attention=auto")
+    raw_model.set_attention(cfg.attention)
+    # static shapes: the training step has one shape, and eval one more (eval_group keeps it to one)
+    model = torch.compile(raw_model, dynamic=False) if cfg.compile else raw_model
+    train_model = DDP(model, device_ids=[rt.local_rank] if rt.device_type == "cuda" else None) if rt.ddp and not fsdp else model
+    return model, train_model, optimizer, scaler
+
+def uses_fsdp(cfg, rt):
+    return rt.ddp and cfg.parallelism == "fsdp"
+
+def shard(raw_model, rt):
+    """FSDP2: every parameter, its gradient and its AdamW state split over the ranks. Each block
+    is one unit, gathered whole just before its forward and backward and freed after; the root
+    unit holds the rest (embeddings, lm_head, ln_f)."""
+    # imported here: torch.distributed's FSDP and DTensor modules take ~1 s to import
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    for t in raw_model.state_dict().values():  # ranks init with their own seeds: take rank 0's weights, as DDP does
+        dist.broadcast(t, src=0)
+    mesh = init_device_mesh(rt.device_type, (rt.world_size,))
+    # bf16/fp16 runs gather the weights in that dtype (half the traffic and memory) and reduce
+    # the gradients in fp32; the fp32 shards are what AdamW updates. train_step's autocast stays
+    # on, so norms, softmax and the loss run in fp32 as they do under DDP.
+    policy = MixedPrecisionPolicy(param_dtype=rt.dtype, reduce_dtype=torch.float32)
+    # FSDP warns that the root returns a view (the logits cut to the real vocabulary); harmless
+    # here, since nothing modifies the logits in place
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    for block in raw_model.transformer.h:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(raw_model, mesh=mesh, mp_policy=policy)
