@@ -18,8 +18,10 @@ LayerNorm, GELU) or LlamaForCausalLM (RoPE, RMSNorm, SwiGLU), with its tokenizer
 GPT-2: our GPT uses GPT-2's module names, so every weight has the same name on both sides. Two
 things differ: Hugging Face's Conv1D keeps a Linear weight as (in, out), ours is (out, in),
 so those are transposed; and our embedding has vocab_size rounded up to a multiple of 64
-rows, so the extra rows are zeros on the way in and dropped on the way out. GPT-2 goes
-through transformers, an optional dependency: only those functions import it.
+rows, so the extra rows are zeros on the way in and dropped on the way out. The way in is
+model.GPT.from_gpt2 (nanoGPT's GPT.from_pretrained uses it too); this file adds the cache-first
+download with one-line errors, and the way out. GPT-2 goes through transformers, an optional
+dependency: only those functions import it.
 
 Llama: read and written as files (config.json, safetensors, tokenizer.json) with the
 safetensors package, no transformers needed. Our fused matrices are Llama's stacked by rows,
@@ -38,14 +40,11 @@ import torch
 import checkpoint
 import tokenizer
 from configurator import GPT2_MODELS, ROPE_SCALING_KEYS, ExportConfig, UserError, parse, run_main
-from model import GPT, GPTConfig
+from model import GPT, GPT2_CONV1D, GPTConfig
 
 GPT2_VOCAB = 50257  # GPT-2's BPE tokens; <|endoftext|> is the last one
 GPT2_TOKENIZER = {"kind": "tiktoken", "name": "gpt2", "vocab_size": 50257}
-CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")  # stored (in, out)
-# Hugging Face's activation_function -> our GPTConfig.mlp. The released models use "gelu_new",
-# the tanh approximation of GELU; "gelu" is the exact erf form, our default.
-ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
+# our GPTConfig.mlp -> Hugging Face's activation_function ("gelu_new" is GELU's tanh approximation)
 EXPORT_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_new"}
 
 
@@ -127,41 +126,12 @@ def _first_line(e):
     return text.splitlines()[0][:200] if text else type(e).__name__
 
 
-def model_args_from_hf(config, dropout=0.0):
-    """Our GPTConfig keys for a transformers GPT2Config; a one-line error for the settings
-    our GPT cannot reproduce exactly."""
-    checks = {  # setting: whether our GPT lacks it
-        f"activation_function={config.activation_function!r}": config.activation_function not in ACTIVATIONS,
-        "scale_attn_weights=False": not config.scale_attn_weights,
-        "scale_attn_by_inverse_layer_idx=True": config.scale_attn_by_inverse_layer_idx,
-        "add_cross_attention=True": config.add_cross_attention,
-    }
-    unsupported = [setting for setting, lacking in checks.items() if lacking]
-    if unsupported:
-        raise UserError(f"this GPT-2 has {', '.join(unsupported)}, which this trainer's GPT does not implement")
-    return dict(
-        n_layer=config.n_layer, n_head=config.n_head, n_embd=config.n_embd, block_size=config.n_positions,
-        vocab_size=config.vocab_size, dropout=dropout, bias=True,  # GPT-2 has biases everywhere
-        mlp=ACTIVATIONS[config.activation_function], mlp_hidden=config.n_inner or 4 * config.n_embd,
-        norm_eps=config.layer_norm_epsilon, tie_embeddings=config.tie_word_embeddings,
-    )
-
-
 def gpt_from_hf(hf_model, dropout=0.0):
-    """Our GPT with a GPT2LMHeadModel's weights -> (model, model_args); the logits agree
-    to float32 rounding."""
-    model_args = model_args_from_hf(hf_model.config, dropout)
-    model = GPT(GPTConfig(**model_args))
-    theirs = {k: v for k, v in hf_model.state_dict().items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
-    ours = model.state_dict()
-    _check_same_keys(ours.keys(), theirs.keys())
-    with torch.no_grad():
-        for key, dst in ours.items():
-            src = theirs[key].t() if key.endswith(CONV1D) else theirs[key]
-            if key in ("transformer.wte.weight", "lm_head.weight"):  # (vocab_size, C) into (padded, C)
-                dst.zero_()
-                dst = dst[: src.size(0)]
-            dst.copy_(src)  # raises on a shape mismatch, and casts (e.g. float16 files) to float32
+    """Our GPT with a GPT2LMHeadModel's weights (model.GPT.from_gpt2) -> (model, model_args)."""
+    try:
+        model = GPT.from_gpt2(hf_model, dropout)
+    except ValueError as e:  # a setting our GPT cannot reproduce
+        raise UserError(str(e))
     return model, dataclasses.asdict(model.config)
 
 
@@ -332,8 +302,8 @@ def _load(name_or_path, dropout=0.0):
 
 def from_pretrained(name_or_path, dropout=0.0):
     """Our GPT with released weights: from_pretrained('gpt2' | 'gpt2-medium' | 'gpt2-large' |
-    'gpt2-xl' | a GPT-2 or Llama directory). (nanoGPT's GPT.from_pretrained; here, so model.py
-    needs no hf.)"""
+    'gpt2-xl' | a GPT-2 or Llama directory). model.GPT.from_pretrained is nanoGPT's GPT-2-only
+    form of this."""
     return _load(name_or_path, dropout)[0]
 
 
@@ -464,7 +434,7 @@ def hf_from_gpt(model, vocab_size=None):
             if key in zero_biases:
                 dst.zero_()
                 continue
-            src = ours[key].t() if key.endswith(CONV1D) else ours[key]
+            src = ours[key].t() if key.endswith(GPT2_CONV1D) else ours[key]
             if key in ("transformer.wte.weight", "lm_head.weight"):
                 src = src[:vocab_size]  # the padding rows are never sampled
             dst.copy_(src)  # casts to float32 and copies to the CPU

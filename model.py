@@ -74,6 +74,31 @@ class GPTConfig:
         return (self.vocab_size + 63) // 64 * 64
 
 
+# GPT-2 in transformers: the weights stored (in, out) by its Conv1D, and its activation_function
+# names -> our `mlp` ("gelu_new", the released models' choice, is GELU's tanh approximation)
+GPT2_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+GPT2_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def gpt2_args(config, dropout=0.0):
+    """GPTConfig keys for a transformers GPT2Config; ValueError for a setting our GPT cannot
+    reproduce exactly."""
+    lacking = {  # setting: whether our GPT lacks it
+        f"activation_function={config.activation_function!r}": config.activation_function not in GPT2_ACTIVATIONS,
+        "scale_attn_weights=False": not config.scale_attn_weights,
+        "scale_attn_by_inverse_layer_idx=True": config.scale_attn_by_inverse_layer_idx,
+        "add_cross_attention=True": config.add_cross_attention,
+    }
+    unsupported = [setting for setting, lacks in lacking.items() if lacks]
+    if unsupported:
+        raise ValueError(f"this GPT-2 has {', '.join(unsupported)}, which this trainer's GPT does not implement")
+    return dict(
+        n_layer=config.n_layer, n_head=config.n_head, n_embd=config.n_embd, block_size=config.n_positions,
+        vocab_size=config.vocab_size, dropout=dropout, bias=True,  # GPT-2 has biases everywhere
+        mlp=GPT2_ACTIVATIONS[config.activation_function], mlp_hidden=config.n_inner or 4 * config.n_embd,
+        norm_eps=config.layer_norm_epsilon, tie_embeddings=config.tie_word_embeddings,
+    )
+
 def make_norm(config, dim):
     """The pre-norm of a block (and the final one): LayerNorm as GPT-2, or RMSNorm as Llama
     (x / rms(x) * weight: cheaper, and as good in practice)."""
@@ -318,6 +343,38 @@ class GPT(nn.Module):
             self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
         else:
             self.rope_cos, self.rope_sin = self.rope_cos[:block_size], self.rope_sin[:block_size]
+
+    @classmethod
+    def from_pretrained(cls, model_type, override_args=None):
+        """nanoGPT's: a GPT with GPT-2's released weights, model_type 'gpt2', 'gpt2-medium',
+        'gpt2-large' or 'gpt2-xl' (or a local Hugging Face GPT-2 directory), read by transformers
+        from its cache or the hub. override_args may set dropout, as in nanoGPT. (hf.py reads the
+        same weights with friendlier errors, and Llama's too.)"""
+        override_args = override_args or {}
+        assert set(override_args) <= {"dropout"}, "only dropout can be overridden"
+        from transformers import GPT2LMHeadModel  # optional dependency: only this needs it
+
+        return cls.from_gpt2(GPT2LMHeadModel.from_pretrained(model_type), **override_args)
+
+    @classmethod
+    def from_gpt2(cls, hf_model, dropout=0.0):
+        """A transformers GPT2LMHeadModel's weights in our GPT; the logits agree to float32
+        rounding. Every weight has the same name on both sides; Hugging Face's Conv1D keeps a
+        Linear's weight as (in, out), ours is (out, in), so those are transposed, and our
+        embedding's padding rows (vocab_size up to a multiple of 64) stay zero."""
+        model = cls(GPTConfig(**gpt2_args(hf_model.config, dropout)))
+        theirs = {k: v for k, v in hf_model.state_dict().items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
+        ours = model.state_dict()
+        # every weight copied: a renamed or new module fails here, not silently
+        assert ours.keys() == theirs.keys(), f"weights without a counterpart: {sorted(ours.keys() ^ theirs.keys())}"
+        with torch.no_grad():
+            for key, dst in ours.items():
+                src = theirs[key].t() if key.endswith(GPT2_CONV1D) else theirs[key]
+                if key in ("transformer.wte.weight", "lm_head.weight"):  # (vocab_size, C) into (padded, C)
+                    dst.zero_()
+                    dst = dst[: src.size(0)]
+                dst.copy_(src)  # raises on a shape mismatch, and casts (e.g. float16 files) to float32
+        return model
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type, params=None):
         """AdamW over `params` (default: all of them) with weight decay on matrices and

@@ -24,6 +24,7 @@ Local files: .txt (a whole file is one document, or pieces of it with --txt_sepa
 """
 
 import argparse
+import concurrent.futures
 import contextlib
 import gzip
 import itertools
@@ -359,19 +360,25 @@ def encoder_pool(spec, workers):
         yield lambda batches: map(encode, batches)
         return
     # forkserver, not fork: the workers start from a clean process, so no lock held by one of
-    # this process's threads (torch's, a tokenizer library's, HTTP) can be copied into them locked
-    with multiprocessing.get_context("forkserver").Pool(workers, _start_worker, (spec,)) as pool:
+    # this process's threads (torch's, a tokenizer library's, HTTP) can be copied into them locked.
+    # An executor, not multiprocessing.Pool: Pool.terminate() can hang for good when an error
+    # stops the reader while its task thread is still writing a batch into a worker's pipe.
+    pool = concurrent.futures.ProcessPoolExecutor(workers, multiprocessing.get_context("forkserver"),
+                                                  initializer=_start_worker, initargs=(spec,))
 
-        def run(batches):
-            pending = deque()
-            for batch in batches:
-                pending.append(pool.apply_async(_encode_in_worker, (batch,)))
-                if len(pending) >= 2 * workers:
-                    yield pending.popleft().get()
-            while pending:
-                yield pending.popleft().get()
+    def run(batches):
+        pending = deque()
+        for batch in batches:
+            pending.append(pool.submit(_encode_in_worker, batch))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
 
+    try:
         yield run
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # at most 2 batches per worker were in flight
 
 
 # ---------------------------------------------------------------------------- writing

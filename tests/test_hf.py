@@ -2,11 +2,15 @@
 from a GPT2Config (no hub): the same logits both ways, directories both ways, finetuning
 from a local GPT-2 directory end to end, and the one-line errors."""
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
 
-from conftest import make_text, run_script
+from conftest import REPO, make_text, run_script
 
 transformers = pytest.importorskip("transformers")
 from transformers import GPT2Config, GPT2LMHeadModel, GPT2Tokenizer  # noqa: E402
@@ -221,3 +225,28 @@ def test_sample_py_from_a_gpt2_directory_is_transformers_greedy(finetuned, capsy
     sample.main([f"--out_dir={root / 'out'}", "--device=cpu", "--num_samples=2", "--max_new_tokens=5",
                  "--start=ROMEO:", "--stream=False"])
     assert capsys.readouterr().out.count("ROMEO:") == 2
+
+
+def test_nanogpt_from_pretrained_gives_transformers_logits(tmp_path):
+    # nanoGPT's own line, `GPT.from_pretrained("gpt2", dict(dropout=0.0))`, offline: a tiny random
+    # GPT-2 saved into a Hugging Face cache under the released name, read with the hub switched off
+    snapshot = tmp_path / "hub" / "models--gpt2" / "snapshots" / ("0" * 40)
+    randomize(GPT2LMHeadModel(GPT2Config(**SMALL, activation_function="gelu_new"))).save_pretrained(snapshot)
+    (tmp_path / "hub" / "models--gpt2" / "refs").mkdir()
+    (tmp_path / "hub" / "models--gpt2" / "refs" / "main").write_text("0" * 40)
+    script = (
+        "import torch\n"
+        "from transformers import GPT2LMHeadModel\n"
+        "from model import GPT\n"
+        "model = GPT.from_pretrained('gpt2', dict(dropout=0.0)).eval()\n"
+        "reference = GPT2LMHeadModel.from_pretrained('gpt2').eval()\n"
+        "idx = torch.randint(0, 50257, (2, 64), generator=torch.Generator().manual_seed(1))\n"
+        "with torch.no_grad():\n"
+        "    ours, theirs = model(idx, all_logits=True)[0], reference(idx).logits\n"
+        "assert model.config.mlp == 'gelu_tanh' and model.config.dropout == 0.0\n"
+        "print((ours - theirs).abs().max().item())\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")})
+    assert result.returncode == 0, result.stderr
+    assert float(result.stdout.strip().splitlines()[-1]) <= TOL
