@@ -22,6 +22,7 @@ def load_split(data_dir, split, mode="auto", share=1):
         data = data.in_ram()  # random windows from RAM avoid page faults on every batch
     return data
 
+
 def get_batch(data, offsets, block_size, rt):
     """Windows starting at `offsets` (B,) -> x, y (B, T) on the device, y = x shifted by one.
     One vectorized gather of (B, T+1) ids and one host-to-device copy."""
@@ -32,6 +33,7 @@ def get_batch(data, offsets, block_size, rt):
     else:
         t = t.to(rt.device)
     return t[:, :-1], t[:, 1:]
+
 
 class TrainBatches:
     """Random training windows from a generator of their own, so the order is reproducible
@@ -46,6 +48,7 @@ class TrainBatches:
         B, rank = self.batch_size, self.rt.rank
         offsets = self.rng.integers(0, len(self.data) - self.block_size, size=B * self.rt.world_size)
         return get_batch(self.data, offsets[rank * B : (rank + 1) * B], self.block_size, self.rt)
+
 
 def eval_offsets(data, eval_iters, batch_size, block_size, seed):
     """The fixed (eval_iters, B) window starts evaluated at every eval, so curves compare."""

@@ -28,6 +28,7 @@ import tokenizer
 from configurator import UserError, run_main
 from model import GPT, GPTConfig
 
+
 COMMIT = "checkpoint.json"  # in a sharded directory, written last: without it the directory is incomplete
 
 

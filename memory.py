@@ -13,6 +13,7 @@ def with_batch_size(cfg, batch_size, tokens_per_step):
     """cfg with micro-batch `batch_size` and the gradient accumulation that keeps tokens_per_step."""
     return dataclasses.replace(cfg, batch_size=batch_size, gradient_accumulation_steps=tokens_per_step // (batch_size * cfg.block_size))
 
+
 def saved_activation_bytes(model, block_size, rt):
     """Bytes autograd keeps for backward for one sequence of block_size tokens: measured by
     watching what the forward pass saves (weights excluded), not modelled."""
@@ -31,6 +32,7 @@ def saved_activation_bytes(model, block_size, rt):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), rt.autocast():
         model(x, x)
     return total
+
 
 def auto_batch_size(model, cfg, rt, safety=0.85):
     """The largest micro-batch whose weights, gradients, AdamW state and saved activations fit

@@ -56,6 +56,7 @@ class MetricsLog:
                 self.tensorboard.add_scalar(key, value, record["iter"])
             self.tensorboard.flush()  # a preempted run keeps what it logged
 
+
 def format_duration(seconds):
     seconds = int(seconds)
     if seconds >= 2 * 86400:

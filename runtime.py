@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from configurator import UserError
 
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -115,6 +116,7 @@ def free_memory():
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return 0  # unknown: stay with the memmap
+
 
 class StopRequest:
     """SIGTERM (a scheduler's preemption notice) or SIGINT (Ctrl-C) only set a flag; the loop

@@ -20,6 +20,7 @@ class StepResult(NamedTuple):
     grad_norm: torch.Tensor  # global gradient norm before clipping (the same on every rank)
     stepped: torch.Tensor  # () bool on the device; False: the step was non-finite and did not touch the weights
 
+
 def train_step(model, optimizer, scaler, next_batch, lr, accum_steps, grad_clip, rt, poison=False):
     """One optimizer step over accum_steps micro-batches. A step whose gradient norm is not
     finite is skipped: the weights and optimizer state stay as they were. Nothing here waits
@@ -75,6 +76,7 @@ def train_step(model, optimizer, scaler, next_batch, lr, accum_steps, grad_clip,
     optimizer.zero_grad(set_to_none=True)
     return StepResult(total, norm, stepped)
 
+
 @torch.no_grad()
 def evaluate(model, splits, block_size, rt, group=1):
     """Mean loss on each split's fixed batches; {name: (data, offsets)} -> {name: loss}.
@@ -98,6 +100,7 @@ def evaluate(model, splits, block_size, rt, group=1):
         losses[name] = (total[0] / total[1]).item()
     model.train()
     return losses
+
 
 def eval_group(cfg, padded_vocab_size, budget_bytes=64 * 2**20):
     """How many eval batches fit in one forward pass with their float32 logits (the largest

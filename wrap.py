@@ -12,10 +12,13 @@ import checkpoint
 import optim
 from configurator import UserError
 
+
 MODEL_KEYS = tuple(k for k in checkpoint.SHAPE_KEYS if k != "vocab_size") + ("dropout",)  # GPTConfig's keys that TrainConfig has
+
 
 def make_model_args(cfg, vocab_size):
     return {**{k: getattr(cfg, k) for k in MODEL_KEYS}, "vocab_size": vocab_size}
+
 
 def build(raw_model, cfg, rt, state=None):
     """The optimizer and GradScaler for raw_model, the weights and their state restored from a
@@ -42,8 +45,10 @@ def build(raw_model, cfg, rt, state=None):
     train_model = DDP(model, device_ids=[rt.local_rank] if rt.device_type == "cuda" else None) if rt.ddp and not fsdp else model
     return model, train_model, optimizer, scaler
 
+
 def uses_fsdp(cfg, rt):
     return rt.ddp and cfg.parallelism == "fsdp"
+
 
 def shard(raw_model, rt):
     """FSDP2: every parameter, its gradient and its AdamW state split over the ranks. Each block
