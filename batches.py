@@ -1,15 +1,25 @@
 """The training data as the loop sees it: a split's token ids (memory-mapped or in RAM), random
-training windows from a reproducible generator, and the fixed windows every eval scores.
+training windows from a reproducible generator, and the fixed windows every eval scores; and
+for chat data (data/chat/prepare.py), rows of whole conversations whose targets are only the
+tokens the model is trained to produce (the assistant's).
 
     data = load_split("data/shakespeare_char", "train")
     batches = TrainBatches(data, batch_size=12, block_size=256, seed=1337, rt=rt)
     x, y = batches()                                   # (B, T) each, on rt.device; y is x shifted by one
+
+    chat = ChatData.open("data/my_chat", "train")
+    batches = ChatBatches(chat, batch_size=8, block_size=1024, seed=1337, rt=rt, accum_steps=4)
+    x, y, weight = batches()                           # y is -1 where nothing is trained
 """
+
+import os
+from collections import deque
 
 import numpy as np
 import torch
 
 import runtime
+from configurator import UserError
 from data import tokens
 
 
@@ -53,3 +63,133 @@ class TrainBatches:
 def eval_offsets(data, eval_iters, batch_size, block_size, seed):
     """The fixed (eval_iters, B) window starts evaluated at every eval, so curves compare."""
     return np.random.default_rng(seed).integers(0, len(data) - block_size, size=(eval_iters, batch_size))
+
+
+# ---------------------------------------------------------------------------- chat data
+
+
+IGNORE = -1  # the target of a position that is not trained (model.forward's ignore_index)
+
+
+class ChatData:
+    """A chat split: the conversations' token ids one after another (data/tokens.py format),
+    mask[i] = 1 where token i is a trained target (the assistant's content and its end-of-turn
+    token), and the offset of each conversation's first token."""
+
+    def __init__(self, ids, mask, starts):
+        self.ids, self.mask, self.starts = ids, mask, starts
+        self.bounds = np.append(starts, len(ids))  # conversation c is ids[bounds[c] : bounds[c + 1]]
+
+    @classmethod
+    def open(cls, data_dir, split, mode="auto", share=1):
+        ids = load_split(data_dir, split, mode, share)
+        arrays = []
+        for name in ("mask", "starts"):
+            path = os.path.join(data_dir, f"{split}_{name}.npy")
+            try:
+                arrays.append(np.load(path, mmap_mode="r" if ids.memmapped else None))
+            except (OSError, ValueError) as e:
+                raise UserError(f"cannot read {path} ({getattr(e, 'strerror', None) or e}): prepare the chat data again "
+                                f"with python data/chat/prepare.py")
+        mask, starts = arrays
+        if len(mask) != len(ids) or len(starts) == 0 or starts[0] != 0 or np.any(np.diff(starts) <= 0) \
+                or starts[-1] >= len(ids):
+            raise UserError(f"{data_dir}: {split}_mask.npy or {split}_starts.npy does not match {split}'s tokens: "
+                            f"prepare the chat data again with python data/chat/prepare.py")
+        return cls(ids, mask, starts)
+
+    def __len__(self):
+        return len(self.ids)
+
+    @property
+    def conversations(self):
+        return len(self.starts)
+
+    def check_vocab(self, vocab_size):
+        self.ids.check_vocab(vocab_size)
+
+    def spans(self, first, block_size):
+        """(start, end) token offsets of the rows that start at conversations `first` (see rows)."""
+        start = self.starts[first]
+        last = np.searchsorted(self.bounds, start + block_size + 1, side="right") - 1  # the last boundary that fits
+        end = np.where(last > first, self.bounds[last], np.minimum(start + block_size + 1, len(self.ids)))
+        return start, end
+
+    def rows(self, first, block_size):
+        """Rows that start at conversations `first` (n,) -> ids (n, T+1) int64, trained (n, T) bool.
+        A row holds its first conversation and the ones after it, whole, while they fit in T+1
+        tokens; the rest of the row is padding, which trains nothing. A conversation longer than
+        T+1 tokens fills the row alone, cut at T+1: its later tokens are never trained."""
+        start, end = self.spans(first, block_size)
+        index = start[:, None] + np.arange(block_size + 1)
+        real = index < end[:, None]
+        index = np.where(real, index, start[:, None])  # padding reads a real token; it is never a target
+        ids = np.where(real, self.ids[index], 0).astype(np.int64)
+        trained = real[:, 1:] & (self.mask[index[:, 1:]] != 0)
+        return ids, trained
+
+
+def chat_batch(ids, trained, rt):
+    """Host rows -> x, y (B, T) on the device, y = -1 where nothing is trained."""
+    y = np.where(trained, ids[:, 1:], IGNORE)
+    t = torch.from_numpy(np.concatenate([ids[:, :-1], y], axis=1))
+    t = t.pin_memory().to(rt.device, non_blocking=True) if rt.device_type == "cuda" else t.to(rt.device)
+    return t[:, : ids.shape[1] - 1], t[:, ids.shape[1] - 1 :]
+
+
+class ChatBatches:
+    """Random rows of whole conversations, drawn a whole optimizer step at a time (every rank draws
+    the global step from the same generator and keeps its own slices, as TrainBatches does).
+
+    The loss of a step is the mean over every trained token of the step, on all micro-batches and
+    ranks: not a mean of per-micro-batch means, which would weight a short answer like a long one
+    and make the result depend on how the step is split. Each call returns (x, y, weight): the
+    micro-batch's summed loss times weight = world_size / (trained tokens in the step) is its
+    share (DDP and FSDP average the ranks' gradients, hence world_size)."""
+
+    def __init__(self, data, batch_size, block_size, seed, rt, accum_steps):
+        self.data, self.batch_size, self.block_size, self.rt = data, batch_size, block_size, rt
+        self.accum_steps = accum_steps
+        self.rng = np.random.default_rng(seed)
+        self.pending = deque()
+        self.step_tokens = 0  # trained tokens in the step drawn last, over all ranks
+
+    def __call__(self):
+        if not self.pending:
+            self._draw_step()
+        return self.pending.popleft()
+
+    def _draw_step(self):
+        B, W, rank = self.batch_size, self.rt.world_size, self.rt.rank
+        first = self.rng.integers(0, self.data.conversations, size=(self.accum_steps, W, B))
+        ids, trained = self.data.rows(first.reshape(-1), self.block_size)
+        self.step_tokens = int(trained.sum())
+        weight = W / max(self.step_tokens, 1)
+        ids, trained = ids.reshape(self.accum_steps, W, B, -1), trained.reshape(self.accum_steps, W, B, -1)
+        for micro in range(self.accum_steps):
+            self.pending.append((*chat_batch(ids[micro, rank], trained[micro, rank], self.rt), weight))
+
+
+def packing(data, block_size, rows=1000, seed=0):
+    """(fraction of row positions that are padding, fraction that are trained targets) over
+    `rows` random rows: what packing conversations into rows costs."""
+    first = np.random.default_rng(seed).integers(0, data.conversations, size=rows)
+    start, end = data.spans(first, block_size)
+    _, trained = data.rows(first, block_size)
+    return 1 - (end - start - 1).mean() / block_size, trained.mean()
+
+
+# ---------------------------------------------------------------------------- eval batches
+
+
+def chat_eval_offsets(data, eval_iters, batch_size, seed):
+    """The fixed (eval_iters, B) first conversations of the rows every eval scores."""
+    return np.random.default_rng(seed).integers(0, data.conversations, size=(eval_iters, batch_size))
+
+
+def eval_batch(data, offsets, block_size, rt):
+    """x, y and the number of trained targets (None: all of them, plain token windows)."""
+    if isinstance(data, ChatData):
+        ids, trained = data.rows(offsets, block_size)
+        return (*chat_batch(ids, trained, rt), int(trained.sum()))
+    return (*get_batch(data, offsets, block_size, rt), None)

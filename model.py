@@ -304,9 +304,10 @@ class GPT(nn.Module):
                 n -= self.transformer.wte.weight.numel()
         return n
 
-    def forward(self, idx, targets=None, all_logits=False, cache=None):
+    def forward(self, idx, targets=None, all_logits=False, cache=None, reduction="mean"):
         """idx (B, T) -> (logits, loss). With targets, logits cover every position and loss
-        is the mean cross-entropy; without, only the last position's logits are computed
+        is the mean cross-entropy over the targets that are not -1 (or with reduction='sum', their
+        sum: chat batches weigh micro-batches by their trained tokens); without, only the last position's logits are computed
         (all that sampling needs) unless all_logits=True. With a KVCache, idx continues the
         tokens already in it (at positions cache.length onward) and is added to it."""
         B, T = idx.size()
@@ -332,7 +333,8 @@ class GPT(nn.Module):
         logits = self.lm_head(x)[..., : self.config.vocab_size]  # drop the padding rows
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1)
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1,
+                                   reduction=reduction)
         return logits, loss
 
     def crop_block_size(self, block_size):

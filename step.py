@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from batches import get_batch
+from batches import eval_batch
 
 
 class StepResult(NamedTuple):
@@ -29,21 +29,25 @@ def train_step(model, optimizer, scaler, next_batch, lr, accum_steps, grad_clip,
     for group in optimizer.param_groups:
         group["lr"] = lr * group.get("lr_scale", 1.0)  # a group with its own peak (e.g. Muon's) scales with the schedule
     total = torch.zeros((), device=rt.device)
-    x, y = next_batch()
+    x, y, *weight = next_batch()  # chat batches add the weight of their summed loss (batches.ChatBatches)
     for micro in range(accum_steps):
         last = micro == accum_steps - 1
         # DDP all-reduces gradients in backward; only the last micro-step needs it. (FSDP
         # reduce-scatters every micro-step: holding whole gradients would undo its memory saving)
         with model.no_sync() if isinstance(model, DDP) and not last else nullcontext():
             with rt.autocast():
-                _, loss = model(x, y)
-            # each micro-batch's mean loss, scaled so the accumulated gradient is that of the mean
-            # over the whole batch, not the sum
-            loss = loss / accum_steps
+                if weight:
+                    _, loss = model(x, y, reduction="sum")
+                    loss = loss * weight[0]
+                else:
+                    _, loss = model(x, y)
+                    # each micro-batch's mean loss, scaled so the accumulated gradient is that of the
+                    # mean over the whole batch, not the sum
+                    loss = loss / accum_steps
             if poison:
                 loss = loss * float("nan")
             if not last:
-                x, y = next_batch()  # gathered while the device still runs the forward pass
+                x, y, *weight = next_batch()  # gathered while the device still runs the forward pass
             scaler.scale(loss).backward()
         total += loss.detach()
     scaler.unscale_(optimizer)  # clip and check the true gradients, not the fp16-scaled ones
@@ -82,19 +86,24 @@ def evaluate(model, splits, block_size, rt, group=1):
     """Mean loss on each split's fixed batches; {name: (data, offsets)} -> {name: loss}.
     `group` batches go through the model together (the batches are equal-sized, so the mean is
     the same; small models run much faster on bigger matmuls). Under DDP the batches are shared
-    out between the ranks and the sums all-reduced."""
+    out between the ranks and the sums all-reduced. Chat data: the mean over the trained tokens."""
     model.eval()
     losses = {}
     for name, (data, offsets) in splits.items():
         mine = offsets[rt.rank :: rt.world_size]  # (n, B)
-        total = torch.zeros(2, device=rt.device)  # (sum of batch losses, number of batches)
+        total = torch.zeros(2, device=rt.device)  # (sum of batch losses, number of batches), or of token losses, tokens
         for i in range(0, len(mine), group):
             chunk = mine[i : i + group]
-            x, y = get_batch(data, chunk.reshape(-1), block_size, rt)
+            x, y, trained = eval_batch(data, chunk.reshape(-1), block_size, rt)
             with rt.autocast():
-                _, loss = model(x, y)
-            total[0] += loss.float() * len(chunk)
-            total[1] += len(chunk)
+                if trained is None:
+                    _, loss = model(x, y)
+                    total[0] += loss.float() * len(chunk)
+                    total[1] += len(chunk)
+                else:
+                    _, loss = model(x, y, reduction="sum")
+                    total[0] += loss.float()
+                    total[1] += trained
         if rt.ddp:
             dist.all_reduce(total)
         losses[name] = (total[0] / total[1]).item()

@@ -36,7 +36,7 @@ def describe(data_dir):
         with open(json_path, encoding="utf-8") as f:
             meta = json.load(f)
         if "chars" in meta:  # written by data/shakespeare_char/prepare.py
-            return {"kind": "char", "chars": meta["chars"]}
+            return {"kind": "char", "chars": meta["chars"], **({"chat": meta["chat"]} if "chat" in meta else {})}
         if meta.get("kind") not in ("tiktoken", "tokenizers"):
             raise UserError(f"{json_path} describes no tokenizer this code knows (no 'chars', 'kind' is "
                             f"{meta.get('kind')!r}); prepare the data again")
@@ -244,4 +244,4 @@ def token_bytes(spec, offline=False):
     """(vocab_size,) int64 array: the UTF-8 bytes of each token id's text, 0 for special tokens
     (<|endoftext|> separates documents; it is no text). Bits per byte divide by these.
     offline=True never downloads: a vocabulary that is not on this machine is a UserError."""
-    return _token_bytes(tuple(sorted(spec.items())), offline)
+    return _token_bytes(tuple(sorted((k, v) for k, v in spec.items() if k != "chat")), offline)  # the vocabulary's keys

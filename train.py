@@ -27,7 +27,7 @@ import hf
 import optim
 import runtime
 import tokenizer
-from batches import TrainBatches, eval_offsets, load_split
+from batches import ChatBatches, ChatData, TrainBatches, chat_eval_offsets, eval_offsets, load_split, packing
 from configurator import TrainConfig, UserError, as_dict, parse, run_main
 from memory import auto_batch_size, with_batch_size
 from metrics import MetricsLog, Throughput, format_duration
@@ -82,16 +82,27 @@ def load_data(cfg, say):
     HellaSwag's examples, read and tokenized now so a bad file is refused before training."""
     data_dir = os.path.join("data", cfg.dataset)  # an absolute dataset path is used as it is
     share = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    splits = {name: load_split(data_dir, name, cfg.data_mode, share) for name in ("train", "val")}
-    if glob.glob(os.path.join(glob.escape(data_dir), "test*.bin")):  # optional; scored once, at the end
-        splits["test"] = load_split(data_dir, "test", cfg.data_mode, share)
     tok_spec = tokenizer.describe(data_dir)
     vocab_size = tokenizer.vocab_size(tok_spec) or 50304  # no meta: GPT-2 padded, as nanoGPT did
+    if "chat" in tok_spec:  # conversations (data/chat/prepare.py): rows start at a conversation's start
+        splits = {name: ChatData.open(data_dir, name, cfg.data_mode, share) for name in ("train", "val")}
+        for data in splits.values():
+            data.check_vocab(vocab_size)
+        padding, trained = packing(splits["train"], cfg.block_size)
+        say(f"chat data: {splits['train'].conversations:,} conversations; rows of block_size={cfg.block_size} hold "
+            f"whole conversations: {padding:.1%} of positions are padding, {trained:.1%} are trained (assistant) tokens")
+        splits = {**splits, "test": None}
+    else:
+        splits = {name: load_split(data_dir, name, cfg.data_mode, share) for name in ("train", "val")}
+        if glob.glob(os.path.join(glob.escape(data_dir), "test*.bin")):  # optional; scored once, at the end
+            splits["test"] = load_split(data_dir, "test", cfg.data_mode, share)
     for name, data in list(splits.items()):
+        if data is None or isinstance(data, ChatData):
+            continue
         if len(data) <= cfg.block_size:
             if name == "test":
                 say(f"note: the test split ({len(data)} tokens) is shorter than block_size; it is not evaluated")
-                del splits[name]
+                splits[name] = None
                 continue
             where = data.paths[0] if len(data.paths) == 1 else os.path.join(data_dir, f"{name}_*.bin")
             raise UserError(f"block_size={cfg.block_size} is longer than {where} ({len(data)} tokens); lower block_size")
@@ -126,7 +137,10 @@ def make_model(cfg, rt, data, say):
 def eval_bytes_per_split(cfg, data, eval_splits, say):
     """Bits per byte's denominators: the eval windows are fixed, so the bytes of their targets'
     text are counted once, on the host. None (no bpb) when the tokenizer's vocabulary is not on
-    this machine: training needs only the token ids, and never downloads."""
+    this machine: training needs only the token ids, and never downloads. Chat data: None too;
+    its loss covers only the assistant's tokens."""
+    if isinstance(data.train, ChatData):
+        return None
     try:
         token_bytes = tokenizer.token_bytes(data.tok_spec, offline=True)
     except UserError as e:
@@ -153,17 +167,22 @@ class Run:
         self.accum_steps = cfg.gradient_accumulation_steps // rt.world_size
         self.tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
         self.model, self.train_model, self.optimizer, self.scaler = build(raw_model, cfg, rt, state)
-        self.batches = TrainBatches(data.train, cfg.batch_size, cfg.block_size, cfg.seed, rt)
+        self.chat = isinstance(data.train, ChatData)
+        if self.chat:
+            self.batches = ChatBatches(data.train, cfg.batch_size, cfg.block_size, cfg.seed, rt, self.accum_steps)
+        else:
+            self.batches = TrainBatches(data.train, cfg.batch_size, cfg.block_size, cfg.seed, rt)
         self.iter_num, self.best_val_loss, wandb_run_id = 0, float("inf"), None
         if state is not None:
             checkpoint.restore_rng(state, self.batches, rt)
             self.iter_num, self.best_val_loss, wandb_run_id = state["iter_num"], state["best_val_loss"], state.get("wandb_run_id")
             del state  # free the host copy of the weights
         self.resumed_at = self.iter_num if cfg.init_from == "resume" else None  # no eval or save again at this iter
-        self.eval_splits = {
-            split: (d, eval_offsets(d, cfg.eval_iters, cfg.batch_size, cfg.block_size, cfg.seed + i + 1))
-            for i, (split, d) in enumerate((("train", data.train), ("val", data.val), ("test", data.test))) if d is not None
-        }
+        offsets = lambda d, seed: chat_eval_offsets(d, cfg.eval_iters, cfg.batch_size, seed) if self.chat \
+            else eval_offsets(d, cfg.eval_iters, cfg.batch_size, cfg.block_size, seed)
+        self.eval_splits = {split: (d, offsets(d, cfg.seed + i + 1))
+                            for i, (split, d) in enumerate((("train", data.train), ("val", data.val), ("test", data.test)))
+                            if d is not None}
         self.eval_bytes = eval_bytes_per_split(cfg, data, self.eval_splits, say)
         self.metrics = None
         if rt.master:
@@ -308,7 +327,8 @@ def log_step(run, result, lr):
               f"{dt * 1000:.1f} ms/iter, {run.tokens_per_iter / dt:,.0f} tok/s, "
               f"{run.flops_per_iter / dt / 1e12 / rt.world_size:.3g} TFLOPS/device, mfu {mfu_text}, eta {eta}")
         run.metrics.write({"iter": run.iter_num, "loss": loss_value, "lr": lr, "grad_norm": norm_value, "clipped": clipped,
-                           "dt_ms": dt * 1000, "tokens_per_s": run.tokens_per_iter / dt, "mfu": mfu})
+                           "dt_ms": dt * 1000, "tokens_per_s": run.tokens_per_iter / dt, "mfu": mfu,
+                           **({"trained_tokens": run.batches.step_tokens} if run.chat else {})})
 
 
 def prepare_out_dir(cfg):

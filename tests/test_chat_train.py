@@ -1,0 +1,211 @@
+"""Supervised fine-tuning on conversations (batches.ChatData, ChatBatches; step.train_step):
+rows start at a conversation's start, only the assistant's tokens are targets, and a step's
+loss is the mean over all of its trained tokens, whatever the micro-batch split. Checked
+against a hand computation from per-token cross entropies; end to end through train.py with
+exact resume. The chat data is made here with numpy: token ids, mask, conversation starts."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from batches import IGNORE, ChatBatches, ChatData, chat_eval_offsets, eval_batch, packing
+from conftest import read_metrics, run_script, tiny_args
+from data import tokens
+from model import GPT, GPTConfig
+from runtime import Runtime
+from step import evaluate, train_step
+
+CPU = Runtime("cpu", "cpu", torch.float32)
+VOCAB = 40
+USER, ASSISTANT, END = 1, 2, 3  # the role and end-of-turn tokens of this made-up template
+
+
+def conversations(n=60, seed=0):
+    """Token lists and masks: [USER, question..., END, ASSISTANT, answer..., END] repeated 1-3
+    turns; the answer is the question reversed, so there is something to learn. mask marks the
+    answer and its END, the tokens the model is trained to produce."""
+    rng = np.random.default_rng(seed)
+    convs = []
+    for _ in range(n):
+        ids, mask = [], []
+        for _ in range(rng.integers(1, 4)):
+            q = list(rng.integers(4, VOCAB, size=rng.integers(2, 9)))
+            ids += [USER, *q, END, ASSISTANT]
+            mask += [0] * (len(q) + 3)
+            ids += [*q[::-1], END]
+            mask += [1] * (len(q) + 1)
+        convs.append((np.array(ids), np.array(mask, dtype=np.uint8)))
+    return convs
+
+
+def chat_arrays(convs):
+    ids = np.concatenate([c[0] for c in convs]).astype(np.uint16)
+    mask = np.concatenate([c[1] for c in convs])
+    starts = np.cumsum([0] + [len(c[0]) for c in convs[:-1]]).astype(np.int64)
+    return ids, mask, starts
+
+
+def write_chat_dir(path, convs_train, convs_val):
+    path.mkdir()
+    for split, convs in (("train", convs_train), ("val", convs_val)):
+        ids, mask, starts = chat_arrays(convs)
+        tokens.write(str(path / f"{split}.bin"), ids)
+        np.save(path / f"{split}_mask.npy", mask)
+        np.save(path / f"{split}_starts.npy", starts)
+    chars = "".join(chr(0x100 + i) for i in range(VOCAB))  # a character vocabulary of VOCAB symbols
+    (path / "meta.json").write_text(json.dumps({"chars": chars, "chat": {"format": "test"}}))
+    return path
+
+
+def reference_rows(convs, first, T):
+    """A plain re-implementation of the packing rule: whole conversations from `first` on while
+    they fit in T+1 tokens, else the first one cut at T+1; -> (ids (T+1,), trained (T,), used)."""
+    ids, mask = [], []
+    for c in range(first, len(convs)):
+        if ids and len(ids) + len(convs[c][0]) > T + 1:
+            break
+        ids += list(convs[c][0])
+        mask += list(convs[c][1])
+    ids, mask = ids[: T + 1], mask[: T + 1]
+    used = len(ids)
+    pad = T + 1 - used
+    return np.array(ids + [0] * pad), np.array(mask[1:] + [0] * pad, dtype=bool), used
+
+
+def test_rows_hold_whole_conversations_from_a_start():
+    convs = conversations()
+    data = ChatData(*chat_arrays(convs))
+    for T in (8, 24, 64):  # shorter than a conversation, about one, several
+        first = np.arange(len(convs))
+        ids, trained = data.rows(first, T)
+        for c in first:
+            ref_ids, ref_trained, used = reference_rows(convs, c, T)
+            assert np.array_equal(ids[c][:used], ref_ids[:used]) and np.array_equal(trained[c], ref_trained)
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=VOCAB, dropout=0.0))
+
+
+class Keep:
+    """An optimizer that never steps or clears: the gradient train_step accumulated stays readable."""
+
+    param_groups = [{"lr": 0.0}]
+
+    def step(self):
+        pass
+
+    def zero_grad(self, set_to_none=True):
+        pass
+
+
+def step_gradient(model, data, batch_size, accum_steps, seed=3):
+    for p in model.parameters():
+        p.grad = None
+    batches = ChatBatches(data, batch_size, 32, seed, CPU, accum_steps)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    result = train_step(model, Keep(), scaler, batches, 0.0, accum_steps, 0.0, CPU)
+    return result.loss.item(), [p.grad.clone() for p in model.parameters()], batches.step_tokens
+
+
+def hand_loss(model, data, first, targets_at_untrained=None):
+    """Cross entropy over the assistant's tokens of the rows at `first`, from per-token losses
+    against the FULL next-token targets; untrained targets replaced by `targets_at_untrained`."""
+    ids, trained = data.rows(first, 32)
+    x = torch.from_numpy(ids[:, :-1])
+    y = torch.from_numpy(ids[:, 1:]).clone()
+    if targets_at_untrained is not None:
+        y[~torch.from_numpy(trained)] = targets_at_untrained[~torch.from_numpy(trained)]
+    logits, _ = model(x, all_logits=True)
+    per_token = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1), reduction="none").reshape(y.shape)
+    mask = torch.from_numpy(trained).float()
+    return (per_token * mask).sum() / mask.sum()
+
+
+def test_the_loss_is_cross_entropy_over_the_assistant_tokens_only():
+    data = ChatData(*chat_arrays(conversations()))
+    model = make_model()
+    loss, grads, n = step_gradient(model, data, batch_size=8, accum_steps=1)
+    first = np.random.default_rng(3).integers(0, data.conversations, size=(1, 1, 8)).reshape(-1)  # ChatBatches' draw
+    assert n == int(data.rows(first, 32)[1].sum()) > 0
+
+    for p in model.parameters():
+        p.grad = None
+    reference = hand_loss(model, data, first)
+    reference.backward()
+    assert loss == pytest.approx(reference.item(), rel=1e-6)
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-7)
+
+    # the system/user tokens' targets play no part: anything in their place, same loss and gradient
+    for p in model.parameters():
+        p.grad = None
+    noise = torch.randint(0, VOCAB, (8, 32), generator=torch.Generator().manual_seed(9))
+    other = hand_loss(model, data, first, targets_at_untrained=noise)
+    other.backward()
+    assert other.item() == pytest.approx(loss, rel=1e-6)
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_gradient_accumulation_does_not_change_the_step():
+    # the same 8 rows as 1 x 8 or 4 x 2: with a mean of per-micro-batch means the 4 x 2 step would
+    # weigh a micro-batch with few trained tokens like one with many
+    data = ChatData(*chat_arrays(conversations()))
+    model = make_model()
+    loss1, grads1, n1 = step_gradient(model, data, batch_size=8, accum_steps=1)
+    loss4, grads4, n4 = step_gradient(model, data, batch_size=2, accum_steps=4)
+    assert n1 == n4
+    assert loss4 == pytest.approx(loss1, rel=1e-5)
+    for a, b in zip(grads1, grads4):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    # and the micro-batches really differ in trained tokens, so the test can tell the two rules apart
+    first = np.random.default_rng(3).integers(0, data.conversations, size=8)
+    per_micro = data.rows(first, 32)[1].reshape(4, 2, -1).sum(axis=(1, 2))
+    assert len(set(per_micro.tolist())) > 1
+
+
+def test_eval_is_the_mean_over_trained_tokens():
+    data = ChatData(*chat_arrays(conversations(seed=1)))
+    model = make_model().eval()
+    offsets = chat_eval_offsets(data, 3, 4, seed=5)
+    loss = evaluate(model, {"val": (data, offsets)}, 32, CPU)["val"]
+    with torch.no_grad():
+        reference = hand_loss(model, data, offsets.reshape(-1))
+    assert loss == pytest.approx(reference.item(), rel=1e-5)
+    x, y, n = eval_batch(data, offsets.reshape(-1), 32, CPU)
+    assert n == int((y != IGNORE).sum())
+
+
+def test_packing_reports_padding_and_trained_share():
+    data = ChatData(*chat_arrays(conversations()))
+    padding, trained = packing(data, 32, rows=200)
+    first = np.random.default_rng(0).integers(0, data.conversations, size=200)
+    used = [reference_rows(conversations(), c, 32)[2] - 1 for c in first]
+    assert padding == pytest.approx(1 - np.mean(used) / 32)
+    assert 0 < trained < 1 - padding
+
+
+def test_train_py_trains_on_chat_data_and_resumes_exactly(tmp_path):
+    data_dir = write_chat_dir(tmp_path / "chat", conversations(200), conversations(40, seed=1))
+    common = dict(block_size=32, batch_size=4, gradient_accumulation_steps=2, eval_interval=10, max_iters=20,
+                  lr_decay_iters=20, dropout=0.1)
+    straight = run_script("train.py", *tiny_args(data_dir, tmp_path / "straight", **common))
+    assert straight.returncode == 0, straight.stderr
+    assert "chat data: 200 conversations" in straight.stdout and "of positions are padding" in straight.stdout
+    first = run_script("train.py", *tiny_args(data_dir, tmp_path / "split", **{**common, "max_iters": 10}))
+    assert first.returncode == 0, first.stderr
+    resumed = run_script("train.py", *tiny_args(data_dir, tmp_path / "split", **common), "--init_from=resume")
+    assert resumed.returncode == 0, resumed.stderr
+
+    logged = lambda name: {r["iter"]: (r["loss"], r["trained_tokens"]) for r in read_metrics(tmp_path / name) if "loss" in r}
+    assert logged("split") == logged("straight")  # bit-exact: losses and the trained tokens of each step
+    steps = logged("straight")
+    assert all(0 < n < 2 * 4 * 32 for _, n in steps.values())
+    assert steps[19][0] < steps[0][0]
+    evals = [r for r in read_metrics(tmp_path / "straight") if "val_loss" in r]
+    assert "val_bpb" not in evals[-1]  # no bits per byte over masked targets
