@@ -5,6 +5,9 @@ against a hand computation from per-token cross entropies; end to end through tr
 exact resume. The chat data is made here with numpy: token ids, mask, conversation starts."""
 
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -12,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from batches import IGNORE, ChatBatches, ChatData, chat_eval_offsets, eval_batch, packing
-from conftest import read_metrics, run_script, tiny_args
+from conftest import REPO, read_metrics, run_script, tiny_args
 from data import tokens
 from model import GPT, GPTConfig
 from runtime import Runtime
@@ -209,3 +212,22 @@ def test_train_py_trains_on_chat_data_and_resumes_exactly(tmp_path):
     assert steps[19][0] < steps[0][0]
     evals = [r for r in read_metrics(tmp_path / "straight") if "val_loss" in r]
     assert "val_bpb" not in evals[-1]  # no bits per byte over masked targets
+
+
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_two_ranks_train_as_one(tmp_path, parallelism):
+    """2 ranks x 1 micro-step against 1 rank x 2 micro-steps: the same 8 rows per step (every rank
+    draws the global step), and the weight world_size / trained-tokens-of-the-step undoes the
+    ranks' gradient averaging; only the float order of the all-reduce differs."""
+    data_dir = write_chat_dir(tmp_path / "chat", conversations(200), conversations(40, seed=1))
+    common = dict(block_size=32, batch_size=4, gradient_accumulation_steps=2, eval_interval=5, eval_iters=2,
+                  max_iters=6, lr_decay_iters=6)
+    one = run_script("train.py", *tiny_args(data_dir, tmp_path / "one", **common))
+    assert one.returncode == 0, one.stderr
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    args = tiny_args(data_dir, tmp_path / "two", **common, parallelism=parallelism)
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+                          *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    logged = lambda d: np.array([[r["loss"], r["grad_norm"], r["trained_tokens"]] for r in read_metrics(d) if "loss" in r])
+    np.testing.assert_allclose(logged(tmp_path / "two"), logged(tmp_path / "one"), rtol=1e-5)
