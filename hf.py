@@ -341,7 +341,14 @@ def load_for_training(cfg, tok_spec, report=print):
             raise UserError(f"init_from={cfg.init_from!r} needs data tokenized with its {theirs}, but {cfg.dataset} was "
                             f"prepared with {used}; prepare it again with --tokenizer={theirs}")
     model, model_args, _ = _load(cfg.init_from, cfg.dropout)
-    if (tokenizer.vocab_size(tok_spec) or 0) > model.config.vocab_size:
+    wanted = tokenizer.vocab_size(tok_spec) or 0
+    if "chat" in tok_spec and model.config.vocab_size < wanted <= model.config.padded_vocab_size:
+        # chat data for GPT-2: its turn tokens sit in the embedding's padding rows
+        report(f"init_from={cfg.init_from}: tokens {model.config.vocab_size}..{wanted - 1} (the chat template's) added "
+               f"to the vocabulary, each starting as the mean of the trained embeddings")
+        model.grow_vocab(wanted)
+        model_args = {**model_args, "vocab_size": wanted}
+    if wanted > model.config.vocab_size:
         raise UserError(f"{cfg.dataset}'s tokenizer has {tokenizer.vocab_size(tok_spec)} tokens, more than the "
                         f"vocab_size={model.config.vocab_size} of {cfg.init_from}")
     if cfg.block_size > model.config.block_size:

@@ -346,6 +346,18 @@ class GPT(nn.Module):
         else:
             self.rope_cos, self.rope_sin = self.rope_cos[:block_size], self.rope_sin[:block_size]
 
+    def grow_vocab(self, vocab_size):
+        """Take tokens config.vocab_size..vocab_size-1 into use from the padding rows (e.g. chat
+        special tokens after GPT-2's 50,257). Each new row of the embedding (and of an untied
+        lm_head) starts as the mean of the trained rows: an average token, which neither dominates
+        the softmax nor stands out in the residual stream, as a random or zero row could."""
+        old = self.config.vocab_size
+        assert old <= vocab_size <= self.config.padded_vocab_size, "only the padding rows can be taken"
+        with torch.no_grad():
+            for weight in {self.transformer.wte.weight, self.lm_head.weight}:  # one matrix when tied
+                weight[old:vocab_size] = weight[:old].mean(dim=0)
+        self.config.vocab_size = vocab_size
+
     @classmethod
     def from_pretrained(cls, model_type, override_args=None):
         """nanoGPT's: a GPT with GPT-2's released weights, model_type 'gpt2', 'gpt2-medium',

@@ -157,6 +157,27 @@ def test_export_refuses_models_gpt2_cannot_hold(tmp_path, options, named):
     assert not (tmp_path / "hf").exists()
 
 
+def test_chat_data_takes_gpt2s_padding_rows_for_its_turn_tokens(tmp_path):
+    reference = randomize(GPT2LMHeadModel(GPT2Config(**SMALL)))
+    reference.save_pretrained(tmp_path / "gpt2")
+    cfg = parse(TrainConfig, [f"--init_from={tmp_path / 'gpt2'}", "--block_size=64", "--dropout=0.0"])
+    notes = []
+    chat_spec = {**hf.GPT2_TOKENIZER, "vocab_size": 50261, "chat": {"format": "gpt2"}}  # 4 turn tokens after 50,256
+    model, model_args = hf.load_for_training(cfg, chat_spec, report=notes.append)
+    assert model.config.vocab_size == model_args["vocab_size"] == 50261 and model.config.padded_vocab_size == 50304
+    wte = model.transformer.wte.weight
+    mean = wte[:50257].mean(dim=0)
+    assert all(torch.equal(wte[i], mean) for i in range(50257, 50261)) and not wte[50261:].any()
+    idx = tokens()
+    assert max_diff(our_logits(model, idx)[..., :50257], their_logits(reference, idx)) <= TOL  # GPT-2's tokens unchanged
+    assert any("tokens 50257..50260 (the chat template's) added" in n for n in notes)
+    # without chat data (or past the padding) a larger tokenizer is still refused
+    with pytest.raises(UserError, match="more than the vocab_size=50257"):
+        hf.load_for_training(cfg, {**hf.GPT2_TOKENIZER, "vocab_size": 50261}, report=notes.append)
+    with pytest.raises(UserError, match="more than the vocab_size=50257"):
+        hf.load_for_training(cfg, {**chat_spec, "vocab_size": 50400}, report=notes.append)
+
+
 # ---------------------------------------------------------------------------- finetuning end to end
 
 
