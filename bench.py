@@ -1,4 +1,5 @@
-"""Measure the training step train.py runs (step.train_step on wrap.build's model): ms/iter, tokens/s, TFLOPS, MFU and peak memory.
+"""Measure the training step train.py runs (step.train_step on wrap.build's model): ms/iter,
+tokens/s, TFLOPS, MFU and peak memory.
 
     python bench.py config/train_shakespeare_char_cpu.py                       # a CPU-sized model
     python bench.py --batch_size=12 --block_size=1024 --dtype=bfloat16         # GPT-2 124M (a GPU's job)
