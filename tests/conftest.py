@@ -64,13 +64,66 @@ def tiny_args(data_dir, out_dir, **overrides):
     return [f"--{k}={v}" for k, v in args.items()]
 
 
-def run_script(script, *args, cwd=REPO, env=None, timeout=300):
-    """Run one of the repo's scripts in a fresh interpreter; returns the CompletedProcess."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run(
-        [sys.executable, str(REPO / script), *map(str, args)],
-        cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout,
-    )
+def run_script(script, *args, cwd=REPO, env=None, timeout=300, isolated=False):
+    """Run one of the repo's scripts as `python script args...` would; returns a CompletedProcess.
+
+    By default it runs in this interpreter (runpy, as __main__, with file descriptors 1 and 2
+    redirected, so output from C++ is caught too): a fresh interpreter costs ~1 s of imports,
+    which over the suite's ~100 runs was most of `make test`'s time. isolated=True starts a new
+    process, for what depends on one: import-time settings (HF_HUB_OFFLINE), signals, a kill,
+    a real interpreter start. GPT_TESTS_ISOLATED=1 makes every run isolated."""
+    args = [*map(str, args)]
+    if isolated or os.environ.get("GPT_TESTS_ISOLATED") == "1":
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        return subprocess.run([sys.executable, str(REPO / script), *args], cwd=cwd, env=full_env,
+                              capture_output=True, text=True, timeout=timeout)
+    return _run_in_process(REPO / script, args, cwd, env or {})
+
+
+def _run_in_process(path, args, cwd, env):
+    import io
+    import runpy
+    import tempfile
+    import traceback
+
+    saved_argv, saved_cwd, saved_env = sys.argv, os.getcwd(), dict(os.environ)
+    saved_streams, saved_fds = (sys.stdout, sys.stderr), (os.dup(1), os.dup(2))
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        # write_through: Python's writes and C++'s land in the files in the order they happen
+        sys.stdout, sys.stderr = (io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8", write_through=True)
+                                  for fd in (1, 2))
+        sys.argv, code = [str(path), *args], 0
+        os.environ.update(env)
+        try:
+            os.chdir(cwd)
+            runpy.run_path(str(path), run_name="__main__")
+        except SystemExit as e:
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+            code = 1 if isinstance(e.code, str) else e.code or 0
+        except BaseException:  # what an uncaught exception does to a real process
+            traceback.print_exc()
+            code = 1
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved_fds[0], 1)
+            os.dup2(saved_fds[1], 2)
+            for fd in saved_fds:
+                os.close(fd)
+            sys.stdout, sys.stderr = saved_streams
+            sys.argv = saved_argv
+            os.chdir(saved_cwd)
+            os.environ.clear()
+            os.environ.update(saved_env)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = (f.read().decode("utf-8", errors="replace") for f in (out, err))
+    return subprocess.CompletedProcess([sys.executable, str(path), *args], code, stdout, stderr)
 
 
 def read_metrics(out_dir):

@@ -110,8 +110,9 @@ def test_a_directory_without_gpt2_is_a_one_line_error(tmp_path):
 
 def test_an_unreachable_hub_is_a_one_line_error(tmp_path):
     # an empty cache and no network: it must fail at once, saying what to do instead
+    # isolated: huggingface_hub reads HF_HUB_OFFLINE and HF_HOME when it is imported
     result = run_script("sample.py", "--init_from=gpt2", "--device=cpu",
-                        env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")}, timeout=120)
+                        env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")}, timeout=120, isolated=True)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr

@@ -10,12 +10,14 @@ from conftest import read_metrics, run_script, tiny_args
 def test_wandb_offline_run_continues_the_same_run_after_resume(char_data, tmp_path):
     out = tmp_path / "out"
     env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    first = run_script("train.py", *tiny_args(char_data, out, max_iters=10, wandb_log=True), env=env)
+    # isolated: wandb keeps a service process and module state per interpreter
+    first = run_script("train.py", *tiny_args(char_data, out, max_iters=10, wandb_log=True), env=env, isolated=True)
     assert first.returncode == 0, first.stderr
     run_id = checkpoint.load(str(out / "ckpt.pt"))["wandb_run_id"]
     assert run_id
 
-    resumed = run_script("train.py", *tiny_args(char_data, out, max_iters=20, wandb_log=True, init_from="resume"), env=env)
+    resumed = run_script("train.py", *tiny_args(char_data, out, max_iters=20, wandb_log=True, init_from="resume"), env=env,
+                         isolated=True)
     assert resumed.returncode == 0, resumed.stderr
     assert checkpoint.load(str(out / "ckpt.pt"))["wandb_run_id"] == run_id
     runs = sorted(p.name for p in (out / "wandb").glob("offline-run-*"))
