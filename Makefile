@@ -29,7 +29,9 @@ quickstart: venv
 	fi
 
 test: venv
-	SHAKESPEARE_TXT=$(abspath $(SHAKESPEARE_TXT)) $(PY) -m pytest -q tests
+	# one process per core (pytest-xdist), one thread each: the tests' models are tiny, and idle OpenMP
+	# threads spinning beside another worker's cost more than they give
+	SHAKESPEARE_TXT=$(abspath $(SHAKESPEARE_TXT)) OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto tests
 
 clean:
 	rm -rf $(VENV) out-shakespeare-char out-shakespeare-char-cpu

@@ -194,7 +194,8 @@ def test_sigterm_while_a_save_is_in_flight_waits_for_it_and_exits_75(char_data, 
     assert proc.returncode == EXIT_STOPPED, stderr
     stopped_at = int(stdout.split("stopped at iter ")[1].split()[0])
     assert checkpoint.read_sharded(str(out / "ckpt_0000010"))["iter_num"] == 10  # the one in flight, completed
-    assert checkpoint.read_sharded(str(out / f"ckpt_{stopped_at:07d}"))["iter_num"] == stopped_at > 10
+    # the stop comes at iter 10 itself when SIGTERM lands before that step's stop check, else later
+    assert checkpoint.read_sharded(str(out / f"ckpt_{stopped_at:07d}"))["iter_num"] == stopped_at >= 10
 
 
 def test_async_full_format_equals_the_synchronous_one(char_data, tmp_path):
