@@ -28,9 +28,9 @@ quickstart: venv
 		$(PY) sample.py --out_dir=out-shakespeare-char-cpu --num_samples=1 --max_new_tokens=500; \
 	fi
 
+# one test process per core (pytest-xdist), one thread each: the tests' models are tiny, and idle
+# OpenMP threads spinning beside another worker's cost more than they give
 test: venv
-	# one process per core (pytest-xdist), one thread each: the tests' models are tiny, and idle OpenMP
-	# threads spinning beside another worker's cost more than they give
 	SHAKESPEARE_TXT=$(abspath $(SHAKESPEARE_TXT)) OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto tests
 
 clean:
