@@ -572,9 +572,12 @@ def _link_best(path):
 
 def main(argv=None):
     args = sys.argv[1:] if argv is None else argv
+    usage = "python checkpoint.py out/ckpt_<iter> out/ckpt_<iter>.pt (a sharded checkpoint directory, then the single file to write)"
+    if args in (["--help"], ["-h"]):
+        print(f"usage: {usage}")
+        return 0
     if len(args) != 2 or not os.path.isdir(args[0]):
-        raise UserError("usage: python checkpoint.py out/ckpt_<iter> out/ckpt_<iter>.pt (a sharded checkpoint "
-                        "directory, then the single file to write)")
+        raise UserError(f"usage: {usage}")
     state = read_sharded(args[0])
     save(state, args[1])
     print(f"wrote {args[1]} (iter {state['iter_num']}): the full format, as checkpoint_format='full' writes it")

@@ -1,0 +1,19 @@
+"""Every command starts in a fresh interpreter. The rest of the suite runs the scripts inside the
+test process (conftest.run_script) for speed; this is the check that each one also imports and
+parses on its own, as a user runs it."""
+
+import pytest
+
+from conftest import run_script
+
+COMMANDS = ["train.py", "sample.py", "eval.py", "hf.py", "bench.py", "plot.py", "checkpoint.py",
+            "data/shakespeare_char/prepare.py", "data/shakespeare/prepare.py", "data/openwebtext/prepare.py",
+            "data/fineweb_edu/prepare.py"]
+
+
+@pytest.mark.parametrize("script", COMMANDS)
+def test_help_in_a_fresh_interpreter(script):
+    result = run_script(script, "--help", isolated=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "usage" in result.stdout.lower() or "--" in result.stdout
+    assert "Traceback" not in result.stderr
