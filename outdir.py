@@ -47,7 +47,7 @@ LOCK = "train.lock"
 STAGED = "staged"  # the new run's files until it takes the directory over
 JOURNAL = "takeover.json"
 RUN_FILES = ("config.json", "metrics.jsonl")  # what a run writes besides checkpoints; staged until the takeover
-CHECKPOINT_NAME = re.compile(r"ckpt(_\d+|_best)?(\.pt)?")  # ckpt.pt, ckpt_<iter>.pt, ckpt_best.pt, ckpt_<iter>/, ckpt_best
+CHECKPOINT_NAME = re.compile(r"ckpt\.pt|ckpt_(\d+|best)(\.pt)?")  # ckpt.pt, ckpt_<iter>.pt, ckpt_best.pt, ckpt_<iter>/, ckpt_best
 # filesystems where a lock taken on one machine may not be seen on another (it depends on the mount)
 NETWORK_FILESYSTEMS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "glusterfs", "fuse.glusterfs",
                        "ceph", "fuse.ceph", "9p", "afs", "fuse.sshfs", "panfs", "wekafs", "fuse.gcsfuse", "fuse.s3fs")
@@ -73,7 +73,7 @@ class OutDir:
             with open(self.path("config.json"), "w") as f:
                 json.dump(as_dict(cfg), f, indent=2)
         except OSError as e:
-            raise UserError(f"cannot write to out_dir={cfg.out_dir} ({e.strerror}); choose a writable --out_dir")
+            raise UserError(_cannot_write(cfg.out_dir, e))
 
     def committed(self, path):
         """Checkpointer's hook: `path` is complete. The first one of a staging run takes the directory over."""
@@ -122,7 +122,7 @@ def _claim(cfg, say):
         os.makedirs(cfg.out_dir, exist_ok=True)
         fd = os.open(os.path.join(cfg.out_dir, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
-        raise UserError(f"cannot write to out_dir={cfg.out_dir} ({e.strerror}); choose a writable --out_dir")
+        raise UserError(_cannot_write(cfg.out_dir, e))
     try:
         locked = _lock(fd, cfg.out_dir, say)
     except BaseException:
@@ -146,10 +146,16 @@ def _claim(cfg, say):
             if found:
                 say(f"note: --overwrite=True: the run in out_dir={cfg.out_dir} ({found}) stays as it is until this run's "
                     f"first checkpoint, then this run replaces it")
-    except BaseException:
+    except BaseException as e:
         out.release()
+        if isinstance(e, OSError):  # staged/, or a dead run's leftovers, could not be written or removed
+            raise UserError(_cannot_write(cfg.out_dir, e))
         raise
     return out
+
+
+def _cannot_write(out_dir, e):
+    return f"cannot write to out_dir={out_dir} ({e.strerror or e}); choose a writable --out_dir"
 
 
 def _lock(fd, out_dir, say):
