@@ -185,7 +185,7 @@ def _lock(fd, out_dir, say):
 
 
 def _holder(path):
-    """'pid 123 on host h since 2025-01-01T12:00:00+00:00', from the lock file the holder wrote."""
+    """'another run (pid 123 on h, started 2025-01-01T12:00:00+00:00)', from the lock file the holder wrote."""
     try:
         with open(path) as f:
             h = json.load(f)
@@ -224,10 +224,10 @@ def find_run(out_dir):
     try:
         state = checkpoint.load_newest(out_dir, report=lambda message: None)
     except UserError:
-        return (f"checkpoint(s) that do not load: {', '.join(sorted(names))}")
+        return f"checkpoint(s) that do not load: {', '.join(sorted(names))}"
     loss = state.get("best_val_loss")
     loss = f", best val loss {loss:.4f}" if isinstance(loss, float) and loss != float("inf") else ""
-    return (f"iter {state.get('iter_num', '?')}{loss}, {os.path.basename(state['path'])}")
+    return f"iter {state.get('iter_num', '?')}{loss}, {os.path.basename(state['path'])}"
 
 
 def _entries(out_dir):
