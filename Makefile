@@ -18,13 +18,14 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 	$(PY) -m pip install --quiet -r requirements.txt -r requirements-dev.txt
 	touch $@
 
+# --overwrite=True: a second make quickstart trains afresh over the first run's out_dir
 quickstart: venv
 	$(PY) data/shakespeare_char/prepare.py $(if $(SHAKESPEARE_TXT),--input $(SHAKESPEARE_TXT))
 	@if $(PY) -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then \
-		$(PY) train.py config/train_shakespeare_char.py && \
+		$(PY) train.py config/train_shakespeare_char.py --overwrite=True && \
 		$(PY) sample.py --out_dir=out-shakespeare-char --num_samples=1 --max_new_tokens=500; \
 	else \
-		$(PY) train.py config/train_shakespeare_char_cpu.py && \
+		$(PY) train.py config/train_shakespeare_char_cpu.py --overwrite=True && \
 		$(PY) sample.py --out_dir=out-shakespeare-char-cpu --num_samples=1 --max_new_tokens=500; \
 	fi
 

@@ -97,7 +97,8 @@ def save_rotating(state, out_dir, keep_last=1):
     link_or_copy(numbered, latest)
     history = _numbered(out_dir)
     for iter_num in sorted(history, reverse=True)[keep_last:]:
-        os.remove(history[iter_num])
+        if iter_num != state["iter_num"]:  # an earlier run's newer files wait for outdir.py's takeover
+            os.remove(history[iter_num])
     return latest
 
 
@@ -420,10 +421,12 @@ class Checkpointer:
     is in flight: poll() at every step boundary commits it once every rank's part is written
     (it never waits, and touches only host memory), and wait() blocks for it (before the next
     save, at the end, on a stop). A failed write is one UserError on every rank, and the previous
-    complete checkpoint stays. `latest` is the newest committed checkpoint's path."""
+    complete checkpoint stays. `latest` is the newest committed checkpoint's path. on_commit(path)
+    is called on rank 0 as each checkpoint becomes complete, before ckpt_best and the rotation."""
 
-    def __init__(self, out_dir, fmt, keep_last, asynchronous, rt):
+    def __init__(self, out_dir, fmt, keep_last, asynchronous, rt, on_commit=None):
         self.out_dir, self.fmt, self.keep_last, self.asynchronous, self.rt = out_dir, fmt, keep_last, asynchronous, rt
+        self.on_commit = on_commit
         self.latest = os.path.join(out_dir, "ckpt.pt")
         self.pending = None  # (future, path, best, checkpoint.json's content or None)
         # gloo groups of their own, so host-side checks and DCP's background thread never
@@ -497,20 +500,22 @@ class Checkpointer:
         if self.rt.master:
             if meta is not None:
                 _write_json(os.path.join(path, COMMIT), meta)  # last: from here on the directory is complete
+            if self.on_commit is not None:
+                self.on_commit(path)
             if best:
                 _link_best(path)
             if meta is not None:
-                self._rotate_sharded()
+                self._rotate_sharded(path)
         self.latest = path
 
-    def _rotate_sharded(self):
-        """Keep the keep_last newest complete directories and ckpt_best's; remove the rest,
-        incomplete ones included (what a crash left)."""
+    def _rotate_sharded(self, latest):
+        """Keep the keep_last newest complete directories, ckpt_best's and `latest`, the one just
+        committed; remove the rest, incomplete ones included (what a crash left)."""
         best = os.path.realpath(os.path.join(self.out_dir, "ckpt_best"))
         dirs = sorted(_sharded_dirs(self.out_dir).items(), reverse=True)
         complete = [p for _, p in dirs if os.path.isfile(os.path.join(p, COMMIT))]
         for _, p in dirs:
-            if p not in complete[: self.keep_last] and os.path.realpath(p) != best:
+            if p not in complete[: self.keep_last] and os.path.realpath(p) != best and p != latest:
                 shutil.rmtree(p, ignore_errors=True)
 
 

@@ -60,7 +60,8 @@ class TrainConfig:
     keep_last: int = 1  # checkpoints kept: ckpt.pt is the newest; with N > 1 the N newest also stay as ckpt_<iter>.pt
     checkpoint_format: str = "auto"  # 'full' (one file, ckpt.pt), 'sharded' (a directory ckpt_<iter>/ of per-rank shards) or 'auto' (sharded under FSDP, else full)
     async_checkpoint: bool = False  # write checkpoints in the background while training goes on (state copied to host memory first)
-    init_from: str = "scratch"  # 'scratch', 'resume' (the newest complete checkpoint in out_dir), 'gpt2'/'gpt2-medium'/'gpt2-large'/'gpt2-xl' or a Hugging Face GPT-2 or Llama directory
+    init_from: str = "scratch"  # 'scratch', 'resume' (the newest complete checkpoint in out_dir), 'auto' (resume when out_dir holds a checkpoint, else scratch: for requeued jobs), 'gpt2'/'gpt2-medium'/'gpt2-large'/'gpt2-xl' or a Hugging Face GPT-2 or Llama directory
+    overwrite: bool = False  # let a new run (not resume) start in an out_dir that holds a checkpoint; the old run is replaced at the new one's first checkpoint
     max_minutes: float = 0.0  # stop after this many minutes with a checkpoint (exit code 75); 0: no limit
     max_bad_steps: int = 10  # stop when this many steps in a row have a non-finite loss or gradient norm
     # wandb (imported only when wandb_log=True)
@@ -168,7 +169,9 @@ class TrainConfig:
         _require(self.update_ratio_interval >= 0, f"update_ratio_interval={self.update_ratio_interval} must be >= 0 (0: off)")
         _require(self.update_ratio_interval == 0 or self.parallelism != "fsdp",
                  "update_ratio_interval needs whole weights, which parallelism='fsdp' shards; set it to 0 under FSDP")
-        _require_init_from(self.init_from, ("scratch", "resume"))
+        _require_init_from(self.init_from, ("scratch", "resume", "auto"))
+        _require(not self.overwrite or self.init_from not in ("resume", "auto"),
+                 f"overwrite=True replaces the run in out_dir, init_from={self.init_from!r} continues it: drop one of the two")
         _require_choice("data_mode", self.data_mode, ("auto", "ram", "memmap"))
         _require_choice("backend", self.backend, ("auto", "nccl", "gloo"))
 

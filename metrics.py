@@ -4,22 +4,25 @@ fed the same records when asked for; and the durations the log prints."""
 import json
 import os
 import time
+import weakref
 
 import runtime
 from configurator import as_dict
 
 
 class MetricsLog:
-    """out_dir/metrics.jsonl, one JSON object per line; wandb and TensorBoard, when asked
-    for, are fed the same records. On resume, records past the checkpoint are dropped from
-    all three, since the resumed run logs those steps again."""
+    """out_dir/metrics.jsonl, one JSON object per line, appended to and never truncated; wandb
+    and TensorBoard, when asked for, are fed the same records. On resume, records past the
+    checkpoint are dropped from all three, since the resumed run logs those steps again.
+    `path`: where the file is written, when not in out_dir (a new run's staged/, outdir.py)."""
 
-    def __init__(self, out_dir, resume_iter, cfg, wandb_run_id=None):
-        self.path = os.path.join(out_dir, "metrics.jsonl")
-        if resume_iter is None:
-            open(self.path, "w").close()
-        else:
+    def __init__(self, out_dir, resume_iter, cfg, wandb_run_id=None, path=None):
+        self.path = path or os.path.join(out_dir, "metrics.jsonl")
+        if resume_iter is not None:
             self._truncate(resume_iter)
+        # one handle for the whole run: it follows the file when outdir.py moves it into place
+        self.file = open(self.path, "a")
+        weakref.finalize(self, self.file.close)
         self.wandb = self.tensorboard = self.wandb_run_id = None
         if cfg.wandb_log:
             import wandb  # optional dependencies, imported only when asked for
@@ -46,8 +49,8 @@ class MetricsLog:
         os.replace(self.path + ".tmp", self.path)
 
     def write(self, record):
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")  # json keeps every digit of a float
+        self.file.write(json.dumps(record) + "\n")  # json keeps every digit of a float
+        self.file.flush()  # a killed run keeps what it logged
         values = {k: v for k, v in record.items() if k != "iter" and v is not None}
         if self.wandb is not None:
             self.wandb.log(values, step=record["iter"])

@@ -3,6 +3,7 @@
     python train.py config/train_shakespeare_char.py
     python train.py config/train_shakespeare_char.py --device=cpu --compile=False --max_iters=2000
     python train.py config/train_shakespeare_char.py --init_from=resume      # continue where it stopped
+    python train.py config/train_shakespeare_char.py --init_from=auto        # resume if out_dir holds a run, else start
     torchrun --standalone --nproc_per_node=8 train.py config/train_gpt2.py   # DDP on one node
     python train.py --help                                                   # every key
 
@@ -13,7 +14,6 @@ library modules: batches, step, optim, wrap, memory, checkpoint, metrics, runtim
 """
 
 import glob
-import json
 import os
 import textwrap
 from typing import NamedTuple, Optional
@@ -25,6 +25,7 @@ import checkpoint
 import eval as evals
 import hf
 import optim
+import outdir
 import runtime
 import tokenizer
 from batches import ChatBatches, ChatData, TrainBatches, chat_eval_offsets, eval_offsets, load_split, packing
@@ -55,14 +56,17 @@ def main(argv=None):
                         f"evaluate as many batches as the others; make it a multiple of {world_size}")
     rt = runtime.setup(cfg.device, cfg.dtype, cfg.backend)
     stop = runtime.StopRequest(cfg.max_minutes)
-    finished = False
+    finished, out = False, None
     try:
-        code = train(cfg, rt, stop)
+        out = outdir.claim(cfg, rt)  # the out_dir lock; a used out_dir refused; init_from='auto' resolved
+        code = train(out.cfg, rt, stop, out)
         finished = True
         return code
     finally:
         stop.restore()
         runtime.teardown(rt, all_finished=finished)
+        if out is not None:
+            out.release()
 
 
 # ---------------------------------------------------------------------------- setup
@@ -157,7 +161,7 @@ class Run:
     """What the loop reads and updates: the model in its three forms, the optimizer, the data,
     where it is (iter_num, best_val_loss), and the log and checkpoint writers."""
 
-    def __init__(self, cfg, rt, data, say):
+    def __init__(self, cfg, rt, data, say, out):
         raw_model, self.model_args, state = make_model(cfg, rt, data, say)
         if cfg.batch_size == "auto":
             # a resumed run keeps the micro-batch it started with, so its data order stays the same
@@ -186,10 +190,10 @@ class Run:
         self.eval_bytes = eval_bytes_per_split(cfg, data, self.eval_splits, say)
         self.metrics = None
         if rt.master:
-            prepare_out_dir(cfg)
-            self.metrics = MetricsLog(cfg.out_dir, self.resumed_at, cfg, wandb_run_id)
+            out.write_config(cfg)
+            self.metrics = MetricsLog(cfg.out_dir, self.resumed_at, cfg, wandb_run_id, path=out.path("metrics.jsonl"))
         fmt = cfg.checkpoint_format if cfg.checkpoint_format != "auto" else "sharded" if uses_fsdp(cfg, rt) else "full"
-        self.saver = checkpoint.Checkpointer(cfg.out_dir, fmt, cfg.keep_last, cfg.async_checkpoint, rt)
+        self.saver = checkpoint.Checkpointer(cfg.out_dir, fmt, cfg.keep_last, cfg.async_checkpoint, rt, on_commit=out.committed)
         self.bad = BadSteps(rt.device)
         self.throughput = Throughput(rt)
         self.flops_per_iter = raw_model.flops_per_token() * self.tokens_per_iter
@@ -224,11 +228,11 @@ class Run:
               + (f" | resuming at iter {self.iter_num}" if self.resumed_at is not None else ""))
 
 
-def train(cfg, rt, stop):
+def train(cfg, rt, stop, out):
     """The training loop; returns the process exit code (0, or EXIT_STOPPED)."""
     torch.manual_seed(cfg.seed + rt.rank)
     say = print if rt.master else (lambda message: None)  # notes from the pieces below: rank 0 prints them
-    run = Run(cfg, rt, load_data(cfg, say), say)
+    run = Run(cfg, rt, load_data(cfg, say), say, out)
     cfg = run.cfg  # batch_size='auto' is now a number
     if rt.master:
         run.describe()
@@ -329,15 +333,6 @@ def log_step(run, result, lr):
         run.metrics.write({"iter": run.iter_num, "loss": loss_value, "lr": lr, "grad_norm": norm_value, "clipped": clipped,
                            "dt_ms": dt * 1000, "tokens_per_s": run.tokens_per_iter / dt, "mfu": mfu,
                            **({"trained_tokens": run.batches.step_tokens} if run.chat else {})})
-
-
-def prepare_out_dir(cfg):
-    try:
-        os.makedirs(cfg.out_dir, exist_ok=True)
-        with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
-            json.dump(as_dict(cfg), f, indent=2)
-    except OSError as e:
-        raise UserError(f"cannot write to out_dir={cfg.out_dir} ({e.strerror}); choose a writable --out_dir")
 
 
 if __name__ == "__main__":

@@ -203,5 +203,5 @@ def test_train_reads_sharded_uint32_data_and_stops_on_a_truncated_shard(tmp_path
     shard = data_dir / "train_000001.bin"
     shard.write_bytes(shard.read_bytes()[:-4])
     with pytest.raises(UserError) as e:
-        train.main(args)
+        train.main([*args, "--overwrite=True"])  # the same out_dir, which now holds the first run: replacing it is meant
     one_line_error(e, "train_000001.bin", "truncated")

@@ -1,0 +1,268 @@
+"""A run is never lost to another run: a used out_dir refuses a fresh start, --overwrite=True
+replaces the old run only at the new one's first checkpoint, one live run per out_dir (the
+holder named, no stale lock after kill -9, readers beside it), init_from='auto', and a refusal
+under torchrun that ends both ranks."""
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import checkpoint
+import outdir
+import runtime
+from configurator import TrainConfig, UserError, parse
+from conftest import REPO, load_script, make_text, read_metrics, run_script, tiny_args
+
+# 10 steps of a 20-step schedule (so a resume to 20 equals a straight 20-step run); keep_last=2
+# leaves numbered checkpoints too, which a takeover must remove
+BASE = dict(max_iters=10, lr_decay_iters=20, eval_interval=5, dropout=0.1, keep_last=2)
+CPU = runtime.Runtime("cpu", "cpu", torch.float32)
+
+
+def untimed(records):
+    return [{k: v for k, v in r.items() if k not in ("dt_ms", "tokens_per_s", "mfu")} for r in records]
+
+
+def contents(out_dir):
+    """{relative path: sha256, or the target of a link} of everything in out_dir but the lock file."""
+    found = {}
+    for root, dirs, files in os.walk(out_dir):
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, out_dir)
+            if rel == outdir.LOCK:
+                continue
+            found[rel] = "-> " + os.readlink(path) if os.path.islink(path) else hashlib.sha256(open(path, "rb").read()).hexdigest()
+    return found
+
+
+def one_line_error(result):
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+def start(args):
+    return subprocess.Popen([sys.executable, str(REPO / "train.py"), *map(str, args)], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def wait_until(ready, proc, timeout=120):
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the run did not get going"
+        time.sleep(0.05)
+
+
+def logged_a_step(path):
+    return lambda: path.exists() and '"loss"' in path.read_text()
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A finished 10-step run in each checkpoint format: root/full and root/sharded; root/chars is the data."""
+    root = tmp_path_factory.mktemp("outdir")
+    data = root / "chars"
+    data.mkdir()
+    load_script("data/shakespeare_char/prepare.py").prepare(make_text(), str(data))
+    for fmt in ("full", "sharded"):
+        result = run_script("train.py", *tiny_args(data, root / fmt, **BASE, checkpoint_format=fmt))
+        assert result.returncode == 0, result.stderr
+    return root, data
+
+
+def copy_of(base, fmt, tmp_path):
+    root, data = base
+    out = tmp_path / fmt
+    shutil.copytree(root / fmt, out, symlinks=True)
+    return out, data
+
+
+# ---------------------------------------------------------------------------- a used out_dir
+
+
+@pytest.mark.parametrize("fmt, init_from", [("full", "scratch"), ("sharded", "scratch"), ("full", "gpt2")])
+def test_a_fresh_start_in_a_used_out_dir_refuses_and_changes_nothing(base, tmp_path, fmt, init_from):
+    out, data = copy_of(base, fmt, tmp_path)
+    before = contents(out)
+    assert {"metrics.jsonl", "config.json"} <= set(before)
+    best = min(r["val_loss"] for r in read_metrics(out) if "val_loss" in r and r["iter"] > 0)
+    result = run_script("train.py", *tiny_args(data, out, max_iters=4, init_from=init_from))  # gpt2: refused before any download
+    line = one_line_error(result)
+    newest = "ckpt.pt" if fmt == "full" else "ckpt_0000010"
+    assert f"out_dir={out} already holds a run (iter 10, best val loss {best:.4f}, {newest})" in line
+    assert all(option in line for option in ("--init_from=resume", "--overwrite=True", "--out_dir"))
+    assert contents(out) == before  # checkpoints, metrics.jsonl, config.json: byte for byte
+
+
+def test_overwrite_and_resume_or_auto_is_one_line():
+    for init_from in ("resume", "auto"):
+        with pytest.raises(UserError, match=f"overwrite=True replaces the run in out_dir, init_from='{init_from}' continues it"):
+            parse(TrainConfig, ["--overwrite=True", f"--init_from={init_from}"])
+
+
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_overwrite_replaces_the_old_run_at_the_new_ones_first_checkpoint(base, tmp_path, fmt):
+    out, data = copy_of(base, fmt, tmp_path)
+    # keep_last=2: the old run's newer ckpt_<iter>s must not push this run's first one out of the rotation
+    result = run_script("train.py", *tiny_args(data, out, max_iters=6, lr_decay_iters=6, eval_interval=3, keep_last=2,
+                                               checkpoint_format=fmt, overwrite=True))
+    assert result.returncode == 0, result.stderr
+    assert "until this run's first checkpoint, then this run replaces it" in result.stdout
+    records = read_metrics(out)  # the new run's only: a new file, not the old one appended to
+    assert [r["iter"] for r in records if "loss" in r] == list(range(6))
+    assert [r["iter"] for r in records if "val_loss" in r] == [0, 3, 6]
+    assert json.loads((out / "config.json").read_text())["max_iters"] == 6
+    names = sorted(p.name for p in out.iterdir())  # the old ckpt_0000005 and ckpt_0000010 are gone, staged/ too
+    if fmt == "full":
+        assert names == ["ckpt.pt", "ckpt_0000003.pt", "ckpt_0000006.pt", "ckpt_best.pt", "config.json", "metrics.jsonl",
+                         outdir.LOCK]
+        assert checkpoint.load(str(out / "ckpt.pt"))["iter_num"] == 6
+        assert checkpoint.load(str(out / "ckpt_best.pt"))["config"]["max_iters"] == 6
+    else:
+        assert names == ["ckpt_0000003", "ckpt_0000006", "ckpt_best", "config.json", "metrics.jsonl", outdir.LOCK]
+        assert checkpoint.read_sharded(str(out / "ckpt_best"))["config"]["max_iters"] == 6
+
+
+def test_a_kill_before_the_first_checkpoint_leaves_the_old_run_intact_and_resumable(base, tmp_path):
+    out, data = copy_of(base, "full", tmp_path)
+    before = contents(out)
+    proc = start(tiny_args(data, out, max_iters=100_000, lr_decay_iters=100_000, eval_interval=100_000, overwrite=True))
+    wait_until(logged_a_step(out / outdir.STAGED / "metrics.jsonl"), proc)  # training, its log still staged
+    proc.kill()
+    proc.communicate()
+    assert {k: v for k, v in contents(out).items() if not k.startswith(outdir.STAGED)} == before
+
+    resumed = run_script("train.py", *tiny_args(data, out, **{**BASE, "max_iters": 12}, init_from="resume"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"removed {out / outdir.STAGED}, left by a run that stopped before its first checkpoint" in resumed.stdout
+    assert "resuming at iter 10" in resumed.stdout and not (out / outdir.STAGED).exists()
+    assert [r["iter"] for r in read_metrics(out) if "loss" in r] == list(range(12))  # the old log, continued
+
+
+def test_a_takeover_cut_short_after_the_first_checkpoint_is_finished_by_the_next_run(base, tmp_path):
+    """The overwriting run dies between its first checkpoint and the takeover: the next run into
+    out_dir, whatever it is, finishes the takeover before it looks for a run to resume."""
+    out, _ = copy_of(base, "full", tmp_path)
+    cfg = parse(TrainConfig, [f"--out_dir={out}", "--overwrite=True"])
+    claimed = outdir.claim(cfg, CPU, say=lambda m: None)
+    assert claimed.staging and claimed.path("metrics.jsonl") == str(out / outdir.STAGED / "metrics.jsonl")
+    claimed.write_config(cfg)
+    with open(claimed.path("metrics.jsonl"), "a") as f:
+        f.write(json.dumps({"iter": 0, "loss": 4.0}) + "\n")
+    state = checkpoint.load(str(out / "ckpt.pt"))
+    checkpoint.save({**state, "iter_num": 3}, str(out / "ckpt.pt"))  # its first checkpoint; then it died
+    claimed.release()
+
+    notes = []
+    again = outdir.claim(parse(TrainConfig, [f"--out_dir={out}", "--init_from=auto"]), CPU, say=notes.append)
+    again.release()
+    assert notes[0].startswith(f"note: finished the takeover of out_dir={out}")
+    assert notes[1] == f"init_from='auto': resuming the run in out_dir={out} (iter 3, best val loss " \
+                       f"{state['best_val_loss']:.4f}, ckpt.pt)"
+    assert again.cfg.init_from == "resume"
+    assert sorted(p.name for p in out.iterdir()) == ["ckpt.pt", "config.json", "metrics.jsonl", outdir.LOCK]
+    assert read_metrics(out) == [{"iter": 0, "loss": 4.0}]
+
+
+# ---------------------------------------------------------------------------- one live run
+
+
+def test_a_live_run_refuses_a_second_one_by_name_lets_readers_in_and_kill_9_leaves_no_lock(base, tmp_path):
+    out, data = copy_of(base, "full", tmp_path)
+    live = tiny_args(data, out, **{**BASE, "max_iters": 100_000}, init_from="resume")
+    proc = start(live)
+    lock = out / outdir.LOCK
+    wait_until(lambda: f'"pid": {proc.pid}' in lock.read_text(), proc)
+    wait_until(logged_a_step(out / "metrics.jsonl"), proc)
+    try:
+        for init_from in ("resume", "auto", "scratch"):  # the requeued job, the same command, a typo
+            line = one_line_error(run_script("train.py", *tiny_args(data, out, max_iters=4, init_from=init_from)))
+            holder = json.loads(lock.read_text())
+            assert line == (f"error: out_dir={out} is in use by another run (pid {proc.pid} on {socket.gethostname()}, "
+                            f"started {holder['started']}); wait for that run to end (or stop it), or choose another --out_dir")
+        # readers take no lock
+        sampled = run_script("sample.py", f"--out_dir={out}", "--device=cpu", "--num_samples=1", "--max_new_tokens=8")
+        assert sampled.returncode == 0 and "loaded " in sampled.stdout + sampled.stderr, sampled.stderr
+        evaluated = run_script("eval.py", f"--out_dir={out}", "--device=cpu", "--tasks=val", "--split_tokens=256", "--json=True")
+        assert evaluated.returncode == 0, evaluated.stderr
+        assert json.loads(evaluated.stdout.strip().splitlines()[-1])["val"]["loss"] > 0
+        assert proc.poll() is None  # still training
+    finally:
+        proc.kill()  # kill -9: no chance to let go of the lock
+        proc.communicate()
+    stopped_at = checkpoint.load(str(out / "ckpt.pt"))["iter_num"]
+    resumed = run_script("train.py", *tiny_args(data, out, **{**BASE, "max_iters": stopped_at + 2}, init_from="resume"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming at iter {stopped_at}" in resumed.stdout
+    assert json.loads(lock.read_text())["pid"] != proc.pid
+
+
+def test_a_filesystem_that_cannot_lock_is_said_not_hidden(tmp_path, monkeypatch):
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(outdir.fcntl, "flock", no_locks)
+    notes = []
+    claimed = outdir.claim(parse(TrainConfig, [f"--out_dir={tmp_path / 'out'}"]), CPU, say=notes.append)
+    assert claimed.fd is None and claimed.cfg.init_from == "scratch"
+    assert notes == [f"warning: cannot lock out_dir={tmp_path / 'out'} ({os.strerror(errno.ENOLCK)}): nothing keeps a "
+                     f"second run from writing there; start one run per out_dir"]
+
+
+def test_network_filesystems_are_recognized_from_the_mount_table(tmp_path):
+    mounts = tmp_path / "mounts"
+    mounts.write_text("/dev/sda1 / ext4 rw 0 0\n"
+                      "server:/export /mnt/shared nfs4 rw,relatime 0 0\n"
+                      "lustre@tcp:/fs /mnt/shared/scratch\\040space lustre rw 0 0\n")
+    assert outdir.network_filesystem("/mnt/shared/runs/out", str(mounts)) == "nfs4"
+    assert outdir.network_filesystem("/mnt/shared/scratch space/out", str(mounts)) == "lustre"
+    assert outdir.network_filesystem("/mnt/sharedother/out", str(mounts)) is None  # a prefix, not the mount point
+    assert outdir.network_filesystem("/home/me/out", str(mounts)) is None
+
+
+# ---------------------------------------------------------------------------- init_from='auto'
+
+
+def test_auto_starts_from_scratch_in_an_empty_out_dir_and_resumes_in_a_used_one(base, tmp_path):
+    out, data = copy_of(base, "full", tmp_path)
+    fresh = tmp_path / "fresh"
+    to_20 = {**BASE, "max_iters": 20, "init_from": "auto"}
+    started = run_script("train.py", *tiny_args(data, fresh, **to_20))
+    assert started.returncode == 0, started.stderr
+    assert f"init_from='auto': no checkpoint in out_dir={fresh}, starting from scratch" in started.stdout
+    resumed = run_script("train.py", *tiny_args(data, out, **to_20))
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"init_from='auto': resuming the run in out_dir={out} (iter 10" in resumed.stdout
+    assert "resuming at iter 10" in resumed.stdout
+    # 10 steps, then auto to 20, equals 20 straight: what --init_from=resume gives (test_train.py)
+    assert untimed(read_metrics(out)) == untimed(read_metrics(fresh))
+
+
+# ---------------------------------------------------------------------------- under torchrun
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
+def test_a_refused_start_under_torchrun_ends_every_rank(base, tmp_path):
+    out, data = copy_of(base, "full", tmp_path)
+    before = contents(out)
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             "train.py", *tiny_args(data, out, gradient_accumulation_steps=2)],
+                            cwd=REPO, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 2 and all(f"out_dir={out} already holds a run (iter 10" in e for e in errors), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr.split("error:")[0]
+    assert contents(out) == before
