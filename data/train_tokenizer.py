@@ -84,10 +84,10 @@ def split_held_out(docs, val_chars):
     return val, iter(())
 
 
-def pieces(docs, max_chars, bar):
-    """The documents cut into pieces of about PIECE_CHARS, up to max_chars characters in all,
-    counted on bar. Cuts fall where the split pattern would end a piece anyway, so the words
-    the trainer counts are the same as on whole documents."""
+def pieces(docs, max_chars):
+    """The documents cut into pieces of about PIECE_CHARS, up to max_chars characters in all.
+    Cuts fall where the split pattern would end a piece anyway, so the words the trainer counts
+    are the same as on whole documents."""
     total = 0
     for doc in docs:
         if max_chars is not None and total + len(doc) > max_chars:
@@ -97,7 +97,6 @@ def pieces(docs, max_chars, bar):
             cut = PIECE_CUT.search(doc, start + PIECE_CHARS) if len(doc) - start > PIECE_CHARS else None
             end = cut.end() if cut else len(doc)
             yield doc[start:end]
-            bar.update(end - start)
             start = end
         total += len(doc)
         if max_chars is not None and total >= max_chars:
@@ -124,10 +123,18 @@ def train(docs, vocab_size, max_chars):
     tok = new_tokenizer()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(RESERVED_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=sys.stderr.isatty())
+    chars = 0
+
+    def counted(texts, bar):
+        nonlocal chars
+        for text in texts:
+            chars += len(text)
+            bar.update(len(text))
+            yield text
+
     start = time.perf_counter()
     with tqdm(total=max_chars, unit="char", unit_scale=True, desc="reading", disable=None) as bar:
-        tok.train_from_iterator(pieces(docs, max_chars, bar), trainer)
-        chars = bar.n
+        tok.train_from_iterator(counted(pieces(docs, max_chars), bar), trainer)
     return tok, chars, time.perf_counter() - start
 
 
