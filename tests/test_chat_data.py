@@ -34,27 +34,24 @@ def conversation(i):
 
 GOOD = [conversation(i) for i in range(40)]
 
-BAD = {  # the catalogue: a line as written in the file -> (reason counted by --skip_bad, words of its message)
-    "not JSON": ('{"messages": [oops', "not JSON"),
-    "JSON but not an object": ("[1, 2]", "not a JSON object"),
-    "no messages key": ('{"text": "hello"}', 'no "messages" list'),
-    "empty messages": ('{"messages": []}', 'no "messages" list'),
-    "message not an object": ('{"messages": ["hi"]}', 'message 1 is not {"role"'),
-    "unknown role": ('{"messages": [{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}]}',
-                     "message 2 has the unknown role 'tool'"),
-    "empty turn": ('{"messages": [{"role": "user", "content": " \\n"}, {"role": "assistant", "content": "b"}]}',
-                   "message 1 (user) is empty"),
-    "system not first": ('{"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}, '
-                         '{"role": "assistant", "content": "c"}]}', "message 2 is a system message"),
-    "no assistant": ('{"messages": [{"role": "system", "content": "a"}, {"role": "user", "content": "b"}]}',
-                     "no assistant turn"),
-    "ends with the user": ('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, '
-                           '{"role": "user", "content": "c"}]}', "ends with a user turn"),
+def turns(*pairs):
+    return {"messages": [{"role": role, "content": content} for role, content in pairs]}
+
+
+BAD = {  # the catalogue: a record as written in the file, the reason --skip_bad counts, words of its message
+    "not JSON": ('{"messages": [oops', "not JSON", "not JSON"),
+    "JSON but not an object": ([1, 2], "not JSON", "not a JSON object"),
+    "no messages key": ({"text": "hello"}, "no messages", 'no "messages" list'),
+    "empty messages": ({"messages": []}, "no messages", 'no "messages" list'),
+    "message not an object": ({"messages": ["hi"]}, "bad message", 'message 1 is not {"role"'),
+    "unknown role": (turns(("user", "a"), ("tool", "b")), "unknown role", "message 2 has the unknown role 'tool'"),
+    "empty turn": (turns(("user", " \n"), ("assistant", "b")), "empty turn", "message 1 (user) is empty"),
+    "system not first": (turns(("user", "a"), ("system", "b"), ("assistant", "c")), "system not first",
+                         "message 2 is a system message"),
+    "no assistant": (turns(("system", "a"), ("user", "b")), "no assistant turn", "no assistant turn"),
+    "ends with the user": (turns(("user", "a"), ("assistant", "b"), ("user", "c")), "does not end with the assistant",
+                           "ends with a user turn"),
 }
-REASONS = {"not JSON": "not JSON", "JSON but not an object": "not JSON", "no messages key": "no messages",
-           "empty messages": "no messages", "message not an object": "bad message", "unknown role": "unknown role",
-           "empty turn": "empty turn", "system not first": "system not first", "no assistant": "no assistant turn",
-           "ends with the user": "does not end with the assistant"}
 
 
 def write_jsonl(path, lines):
@@ -130,7 +127,7 @@ def test_bad_record_stops_with_file_and_line(case, tmp_path):
     with pytest.raises(UserError) as e:
         prepare.main(["--input", str(path), f"--out_dir={tmp_path / 'data'}"])
     message = str(e.value)
-    assert message.startswith(f"{path}:4: ") and BAD[case][1] in message and "--skip_bad=True" in message
+    assert message.startswith(f"{path}:4: ") and BAD[case][2] in message and "--skip_bad=True" in message
     assert "\n" not in message and not (tmp_path / "data").exists()
 
 
@@ -138,16 +135,17 @@ def test_bad_record_exit_code_and_one_line(tmp_path):
     path = write_jsonl(tmp_path / "conv.jsonl", [GOOD[0], BAD["unknown role"][0]])
     result = run_script("data/chat/prepare.py", "--input", path, f"--out_dir={tmp_path / 'data'}")
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines() == [f"error: {path}:2: message 2 has the unknown role 'tool' (roles: "
-                                                   f"system, user, assistant); fix it, or pass --skip_bad=True to skip bad records"]
+    expected = (f"error: {path}:2: message 2 has the unknown role 'tool' (roles: system, user, assistant); fix it, "
+                f"or pass --skip_bad=True to skip bad records")
+    assert result.stderr.strip().splitlines() == [expected]
 
 
 def test_skip_bad_counts_by_reason(tmp_path, capsys):
-    lines = [GOOD[i] for i in range(10)] + [line for line, _ in BAD.values()] + [GOOD[10]]
+    lines = [GOOD[i] for i in range(10)] + [line for line, _, _ in BAD.values()] + [GOOD[10]]
     path = write_jsonl(tmp_path / "conv.jsonl", lines)
     assert prepare.main(["--input", str(path), f"--out_dir={tmp_path / 'data'}", "--skip_bad=True"]) == 0
     chat = json.loads((tmp_path / "data" / "meta.json").read_text())["chat"]
-    assert chat["skipped"] == dict(Counter(REASONS.values()))
+    assert chat["skipped"] == dict(Counter(reason for _, reason, _ in BAD.values()))
     assert sum(c["conversations"] for c in chat["counts"].values()) == 11
     assert f"skipped {len(BAD)} bad records: 2 not JSON, 2 no messages, 1 bad message" in capsys.readouterr().out
 

@@ -164,7 +164,8 @@ def test_trained_and_llama3_use_their_own_tokens(specs):
     assert trained.format == "role_tokens" and trained.new_token_ids == []
     assert trained.id == {"bos": 0, "system": 1, "user": 2, "assistant": 3, "end": 4}  # reserved by train_tokenizer.py
     assert trained.vocab_size == specs["trained"]["vocab_size"]
-    added = {t["content"]: t["id"] for t in json.load(open(specs["llama3"]["path"]))["added_tokens"]}
+    with open(specs["llama3"]["path"]) as f:
+        added = {t["content"]: t["id"] for t in json.load(f)["added_tokens"]}
     assert llama.format == "llama3" and llama.new_token_ids == [] and llama.vocab_size == specs["llama3"]["vocab_size"]
     assert llama.id == {"bos": added["<|begin_of_text|>"], "start_header": added["<|start_header_id|>"],
                         "end_header": added["<|end_header_id|>"], "end": added["<|eot_id|>"]}
