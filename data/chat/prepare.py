@@ -11,8 +11,9 @@ The input is one conversation per line (.jsonl, or .jsonl.gz):
     {"messages": [{"role": "system", "content": "..."}, {"role": "user", "content": "..."},
                   {"role": "assistant", "content": "..."}, ...]}
 A system message may only come first; a conversation needs an assistant turn and ends with
-one; no turn is empty. A record that breaks a rule stops the run with one line naming the file,
-the line and the problem; --skip_bad=True skips such records instead and counts them by reason.
+one; no turn is empty. A record that breaks a rule stops the run with one line naming the
+file, the line and the problem; --skip_bad=True skips such records instead and counts them by
+reason. Blank lines are not records.
 
 Written to out_dir (the template is in data/chat/template.py):
     train.bin, val.bin              the conversations' token ids, one after another (data/tokens.py format)

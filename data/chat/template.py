@@ -26,8 +26,10 @@ text, never the token (Hugging Face's apply_chat_template would read it as the t
 else do the two differ). chat_template is the same format in Jinja, for tokenizer_config.json.
 """
 
+import functools
 import json
 import os
+import shutil
 
 import tokenizer
 from configurator import UserError
@@ -99,7 +101,7 @@ class Template:
         if add_generation_prompt:
             pieces += self._header("assistant")
         texts = [p for p, _ in pieces if isinstance(p, str)]
-        encoded = iter(self._encode(texts)) if texts else iter(())
+        encoded = iter(self._encode(texts))
         ids, mask = [self.id["bos"]], [0]
         for piece, trained in pieces:
             piece_ids = next(encoded) if isinstance(piece, str) else [piece]
@@ -153,6 +155,7 @@ class Template:
                 "new_token_ids": list(self.new_token_ids), "chat_template": self.chat_template}
 
 
+@functools.cache
 def json_tokenizer(path):
     from tokenizers import Tokenizer
 
@@ -168,10 +171,7 @@ def write_hf_tokenizer(spec, out_dir, model_max_length=None):
     AutoTokenizer.from_pretrained(out_dir).apply_chat_template(messages, add_generation_prompt=True)
     gives the ids of Template(spec).render(messages, add_generation_prompt=True)."""
     template = Template(spec)
-    if spec["kind"] == "tiktoken":
-        tok = gpt2_hf_tokenizer(spec["name"], template)
-    else:
-        tok = json_tokenizer(spec["path"])
+    tok = gpt2_hf_tokenizer(spec["name"], template) if spec["kind"] == "tiktoken" else None  # a file holds its tokens
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": template.tokens["bos"][0],
               "eos_token": template.tokens["end"][0], "chat_template": template.chat_template,
               "clean_up_tokenization_spaces": False}  # decode gives back the text, spaces before punctuation too
@@ -179,7 +179,10 @@ def write_hf_tokenizer(spec, out_dir, model_max_length=None):
         config["model_max_length"] = model_max_length
     try:
         os.makedirs(out_dir, exist_ok=True)
-        tok.save(os.path.join(out_dir, "tokenizer.json"))
+        if tok is None:
+            shutil.copyfile(spec["path"], os.path.join(out_dir, "tokenizer.json"))
+        else:
+            tok.save(os.path.join(out_dir, "tokenizer.json"))
         with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2)
             f.write("\n")
