@@ -57,10 +57,9 @@ class Template:
         if spec["kind"] == "tiktoken":
             self.format = "role_tokens"
             enc = tokenizer.encoding(spec["name"])
-            texts = {"bos": enc.decode([enc.eot_token]), **ROLE_TOKENS, "end": END_TOKEN}
-            self.tokens = {"bos": (texts["bos"], enc.eot_token)}
-            for i, name in enumerate(("system", "user", "assistant", "end")):
-                self.tokens[name] = (texts[name], enc.n_vocab + i)
+            self.tokens = {"bos": (enc.decode([enc.eot_token]), enc.eot_token)}
+            for i, (name, text) in enumerate({**ROLE_TOKENS, "end": END_TOKEN}.items()):
+                self.tokens[name] = (text, enc.n_vocab + i)
                 self.new_token_ids.append(enc.n_vocab + i)
         else:
             ids = json_tokenizer(spec["path"]).get_vocab(with_added_tokens=True)
