@@ -104,6 +104,7 @@ def test_files_read_back_to_the_conversations(prepared):
         data = tokens.Tokens.open(str(prepared), name)  # what train.py opens
         assert data.dtype == np.uint16 and data.max_ids[0] <= 50260
         data.check_vocab(spec["vocab_size"])
+    assert len(tokenizer.token_bytes(spec, offline=True)) == 50257  # bits per byte reads the description as it is
 
 
 def test_mask_is_the_assistant_content_and_end(prepared):
@@ -213,3 +214,13 @@ def test_argument_errors(tmp_path):
         with pytest.raises(UserError) as e:
             prepare.main(argv)
         assert message in str(e.value) and "\n" not in str(e.value), argv
+
+
+def test_hub_dataset_without_the_hub(tmp_path):
+    """--dataset with the Hub out of reach: one line naming the dataset, and the way out."""
+    result = run_script("data/chat/prepare.py", "--dataset=HuggingFaceTB/smol-smoltalk", "--val_split=test",
+                        f"--out_dir={tmp_path / 'data'}", env={"HF_HUB_OFFLINE": "1"})
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: cannot read HuggingFaceTB/smol-smoltalk (name=None, split=train)")
+    assert lines[0].endswith("pass local files with --input") and not (tmp_path / "data").exists()
