@@ -165,6 +165,17 @@ def conversations(records, template, skip_bad, skipped):
         yield np.array(ids, np.uint32), np.array(mask, np.uint8)
 
 
+def draw_val(convs, val_frac, seed):
+    """{"train": [...], "val": [...]}: a seeded draw of whole conversations, each split in input order."""
+    n = len(convs)
+    n_val = max(1, round(val_frac * n))
+    if n - n_val < 1:
+        raise UserError(f"{n} good conversation(s): too few to hold out --val_frac={val_frac} for val and train on the rest")
+    is_val = np.zeros(n, bool)
+    is_val[np.random.default_rng(seed).choice(n, n_val, replace=False)] = True
+    return {"train": [c for c, v in zip(convs, is_val) if not v], "val": [c for c, v in zip(convs, is_val) if v]}
+
+
 # ---------------------------------------------------------------------------- writing
 
 
@@ -200,14 +211,8 @@ def main(argv=None):
     split = {"train": list(conversations(train_records, template, args.skip_bad, skipped))}
     if val_records is not None:
         split["val"] = list(conversations(val_records, template, args.skip_bad, skipped))
-    else:  # a seeded draw of whole conversations, each split kept in input order
-        n = len(split["train"])
-        n_val = max(1, round(args.val_frac * n))
-        if n - n_val < 1:
-            raise UserError(f"{n} good conversation(s): too few to hold out --val_frac={args.val_frac} for val and train on the rest")
-        is_val = np.zeros(n, bool)
-        is_val[np.random.default_rng(args.seed).choice(n, n_val, replace=False)] = True
-        split = {"train": [c for c, v in zip(split["train"], is_val) if not v], "val": [c for c, v in zip(split["train"], is_val) if v]}
+    else:
+        split = draw_val(split["train"], args.val_frac, args.seed)
 
     # a row holds block_size + 1 tokens from a conversation's start: targets past that are never trained
     row = args.block_size + 1
@@ -224,7 +229,7 @@ def main(argv=None):
         n_tokens = sum(len(ids) for ids, _ in split[s])
         trained = sum(int(mask.sum()) for _, mask in split[s])
         counts[s] = {"conversations": len(split[s]), "tokens": n_tokens, "trained_tokens": trained,
-                     "long": len(long[s]),  # longer than block_size + 1 tokens: dropped, or kept (drop_long)
+                     "long": len(long[s]),  # longer than block_size + 1 tokens: dropped with drop_long, else kept
                      "long_untrained_tokens": 0 if args.drop_long else sum(int(mask[row:].sum()) for mask in long[s])}
         print(f"{s}: {len(split[s]):,} conversations, {n_tokens:,} tokens, {trained:,} trained ({trained / n_tokens:.1%})")
     if skipped:
