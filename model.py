@@ -15,6 +15,7 @@ groups, FLOPs count and sampling; last, the key/value cache that makes sampling 
 """
 
 import math
+import re
 import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -253,8 +254,11 @@ class GPT(nn.Module):
                                                        enable_gqa=k.size(1) != c.n_head)
                     y.sum().backward()
             except RuntimeError as e:
-                reasons = [str(w.message) for w in caught] + [str(e)]
-                return reasons[0].strip().splitlines()[0]
+                # torch warns a header ("Memory efficient kernel not used because:") and then one
+                # warning per reason, each ending in "(Triggered internally at <file>:<line>.)"
+                lines = [re.sub(r"\s*\(Triggered internally at .*\)$", "", str(w.message).strip()) for w in caught]
+                reasons = [line for line in lines if line and not line.endswith("not used because:")]
+                return "; ".join(reasons) or str(e).strip().splitlines()[0]
         return None
 
     def _init_weights(self, module):
