@@ -27,8 +27,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
-# the `attention` key: which scaled_dot_product_attention kernel runs; 'auto' leaves it to PyTorch
-# (on CUDA: flash, then memory-efficient, then cuDNN, then math, the first that takes the inputs)
+# the `attention` key: which scaled_dot_product_attention kernel runs; 'auto' leaves it to PyTorch,
+# which takes the first kernel that accepts the inputs in an order that depends on its version and
+# the GPU (torch 2.11 on an H100 tries cuDNN first); bench.py --suite reports which one ran
 SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                  "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 
