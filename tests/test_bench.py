@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import runtime
+import memory
 from memory import auto_batch_size, saved_activation_bytes, with_batch_size
 from configurator import BenchConfig, TrainConfig
 from conftest import REPO, read_metrics, run_script, tiny_args
@@ -164,23 +165,87 @@ def auto_cfg(**overrides):
     return TrainConfig(**{**args, **overrides})
 
 
-def test_auto_batch_size_fits_the_budget_and_keeps_tokens_per_step():
-    rt = runtime.Runtime("cpu", "cpu", torch.float32)
-    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=65))
-    fixed = 16 * sum(p.numel() for p in model.parameters())
-    per_row = saved_activation_bytes(model, 32, rt)
-    assert per_row > 0
+def held_for_backward(model, rt, forward, skip=()):
+    """Bytes of the tensors autograd saves while forward() runs under rt's autocast: each storage
+    once, the model's weights and `skip` not at all. The reference the estimate is held to."""
+    seen = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *skip)}
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        if t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total += t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), rt.autocast():
+        forward()
+    return total
+
+
+def step_bytes(model, rt, batch, block_size=32):
+    """What a training step at micro-batch `batch` holds beyond the weights, gradients and AdamW
+    state: what its forward saves, and backward's logits gradient (float32 from the loss, and again
+    for the padded rows)."""
+    x = torch.zeros(batch, block_size, dtype=torch.long)
+    return held_for_backward(model, rt, lambda: model(x, x)) + 2 * batch * block_size * model.config.padded_vocab_size * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_auto_batch_size_is_the_largest_that_fits_and_keeps_tokens_per_step(dtype):
+    """bfloat16 autocast makes its weight copies on a CPU too: once a step, not once a sequence."""
+    rt = runtime.Runtime("cpu", "cpu", dtype)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=65, bias=False))
+    states = 16 * sum(p.numel() for p in model.parameters())  # fp32 weights, gradients, AdamW's two moments
+    divisors = [d for d in range(1, 65) if 64 % d == 0]
     chosen = []
-    for rows_fitting in (3, 10, 40, 1000):
-        budget = (fixed + rows_fitting * per_row) / 0.85
-        b = auto_batch_size(model, auto_cfg(memory_budget_gb=budget / 2**30), rt)
-        assert 64 % b == 0  # divides the 64 sequences of a step
-        assert b <= rows_fitting  # within the budget
-        assert b == max(d for d in range(1, min(rows_fitting, 64) + 1) if 64 % d == 0)  # and the largest such
+    for rows_fitting in (3, 10, 40, 200):
+        budget = 0.85 * (states + step_bytes(model, rt, rows_fitting))  # what 85% of memory_budget_gb leaves
+        b = auto_batch_size(model, auto_cfg(memory_budget_gb=budget / 0.85 / 2**30), rt)
+        assert b in divisors  # divides the 64 sequences of a step
+        assert states + step_bytes(model, rt, b) <= budget  # fits
+        bigger = [d for d in divisors if d > b]
+        assert not bigger or states + step_bytes(model, rt, bigger[0]) > budget  # and is the largest that does
         cfg = with_batch_size(auto_cfg(), b, 32 * 64)
         assert cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size == 32 * 64
         chosen.append(b)
     assert chosen == sorted(chosen) and chosen[-1] == 64
+
+
+def test_autocast_weight_copies_are_counted_once_per_step():
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=65, bias=False))
+    cfg = auto_cfg()
+    per_row32, fixed32 = memory.activation_bytes(model, cfg, runtime.Runtime("cpu", "cpu", torch.float32))
+    per_row16, fixed16 = memory.activation_bytes(model, cfg, runtime.Runtime("cpu", "cpu", torch.bfloat16))
+    linear_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert fixed16 - fixed32 == 2 * linear_weights  # a bf16 copy of every matmul's weight (lm_head's too), once
+    assert per_row16 < per_row32  # the activations themselves are half as wide
+
+
+def test_activation_checkpointing_is_measured_as_training_runs_it():
+    """Checkpointing keeps each block's input and what lies outside the blocks; backward then reruns
+    one block at a time, which holds what it saves. Against that formula, one block measured alone."""
+    rt = runtime.Runtime("cpu", "cpu", torch.bfloat16)
+    model = GPT(GPTConfig(n_layer=4, n_head=2, n_embd=64, block_size=32, vocab_size=65, bias=False))
+    plain, _ = memory.activation_bytes(model, auto_cfg(), rt)
+    checkpointed, _ = memory.activation_bytes(model, auto_cfg(activation_checkpointing=True), rt)
+    assert model.activation_checkpointing is False  # measured as asked, left as found
+
+    def block_saved(batch):  # one block's forward, alone, as training runs it: what it saves besides its input
+        x = torch.randn(batch, 32, 64, requires_grad=True)  # the input is among what checkpointing kept
+        return held_for_backward(model, rt, lambda: model.transformer.h[0](x), skip=[x])
+
+    model.activation_checkpointing = True
+    x1, x2 = torch.zeros(1, 32, dtype=torch.long), torch.zeros(2, 32, dtype=torch.long)
+    kept = held_for_backward(model, rt, lambda: model(x2, x2)) - held_for_backward(model, rt, lambda: model(x1, x1))
+    model.activation_checkpointing = False
+    logits_grad = 2 * 32 * model.config.padded_vocab_size * 4
+    assert checkpointed == kept + (block_saved(2) - block_saved(1)) + logits_grad
+    assert kept >= 4 * 32 * 64 * 4  # at least the four blocks' float32 inputs
+    assert checkpointed < plain / 2
+    budget = 16 * sum(p.numel() for p in model.parameters()) + 20 * plain
+    with_checkpointing = auto_batch_size(model, auto_cfg(memory_budget_gb=budget / 2**30, activation_checkpointing=True), rt)
+    assert with_checkpointing > auto_batch_size(model, auto_cfg(memory_budget_gb=budget / 2**30), rt)
 
 
 def test_saved_activations_grow_linearly_with_context():
