@@ -11,11 +11,21 @@ tokens/s, TFLOPS, MFU and peak memory.
     python bench.py --suite=True --out_dir=suite                               # the standard battery: report.md, report.json
     python bench.py --suite=True --suite_parts=env,attention --out_dir=suite   # some of its parts
 
+On one GPU the whole suite takes ~25 minutes; these four commands each stay under 10 (the H100
+estimates of tests/test_bench.py, from what each part runs: its FLOPs at 40% MFU, compilation,
+start-up):
+
+    python bench.py --suite=True --suite_parts=env,attention,smoke --out_dir=suite/1   # ~7 min
+    python bench.py --suite=True --suite_parts=sweep --out_dir=suite/2                 # ~7 min
+    python bench.py --suite=True --suite_parts=llama --out_dir=suite/3                 # ~5 min
+    python bench.py --suite=True --suite_parts=baby --out_dir=suite/4                  # ~7 min
+
 Every train.py key works here too (`python bench.py --help`). The step is train.py's
 train_step on the model train.py builds; data is random tokens unless --data=real.
 """
 
 import dataclasses
+import gc
 import json
 import os
 import re
@@ -23,6 +33,7 @@ import resource
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -160,21 +171,27 @@ TARGET_VAL = 1.47  # the baby GPT's goal: nanoGPT's val loss after its full run
 
 def suite_scale(rt):
     """The battery's shapes: the real ones on a GPU; on anything else tiny ones, so that the same
-    code runs in seconds (tests, CI) and the report still has every section."""
+    code runs in seconds (tests, CI) and the report still has every section. suite_plan() turns
+    them into what each part runs; tests/test_bench.py holds every part to 8 minutes on an H100."""
     if rt.device_type == "cuda":
         return dict(
             gpt2=dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, bias=False, dropout=0.0, compile=True),
-            vocab_size=50304, attention_batch=8, sweep=(8, 16, 32, 64), sweep_tokens=524_288,
-            llama_config="config/train_llama_1b.py", llama_vocab=128_256, llama_overrides=[],
-            baby_config="config/train_shakespeare_char.py", baby_overrides=[],
+            # math keeps T x T scores in memory: never the one to pick on a GPU
+            vocab_size=50304, attention_batch=8, attention_kernels=("auto", "flash", "cudnn", "efficient"),
+            sweep=(8, 16, 32, 64), sweep_tokens=524_288,
+            # the config's 64 micro-steps (1M tokens) take ~24 s a step on an H100; two micro-batches
+            # time the same shapes, accumulation included, within the part's budget
+            llama_config="config/train_llama_1b.py", llama_vocab=128_256, llama_overrides=["--gradient_accumulation_steps=2"],
+            baby_config="config/train_shakespeare_char.py", baby_overrides=[], baby_iters=0,
             smoke=dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=16), smoke_steps=30,
         )
     return dict(
         gpt2=dict(n_layer=2, n_head=4, n_embd=64, block_size=64, bias=False, dropout=0.0, compile=False),
-        vocab_size=512, attention_batch=4, sweep=(4, 8, 16), sweep_tokens=2048,
+        vocab_size=512, attention_batch=4, attention_kernels=("auto", "flash", "cudnn", "efficient", "math"),
+        sweep=(4, 8, 16), sweep_tokens=2048,
         llama_config="config/train_llama_tiny.py", llama_vocab=512, llama_overrides=["--compile=False"],
         baby_config="config/train_shakespeare_char_cpu.py", baby_overrides=["--eval_interval=100", "--eval_iters=10"],
-        smoke=dict(n_layer=2, n_head=4, n_embd=64, block_size=64, batch_size=4), smoke_steps=8,
+        baby_iters=300, smoke=dict(n_layer=2, n_head=4, n_embd=64, block_size=64, batch_size=4), smoke_steps=8,
     )
 
 
@@ -196,15 +213,25 @@ def suite_row(label, r, **extra):
     return {"label": label, **({k: r[k] for k in keys} if r else {"error": "out of memory"}), **extra}
 
 
+# cuBLAS and cuDNN report a failed allocation as a RuntimeError of their own, not as torch's
+# OutOfMemoryError (e.g. "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+OOM_MESSAGES = ("CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED", "out of memory")
+
+
 def measure_or_oom(cfg, rt, data, vocab_size, profiler=None):
-    torch._dynamo.reset()  # each configuration compiles afresh
+    """measure(cfg), or None when the configuration does not fit in the device's memory; the next
+    one starts with the memory freed and compiles afresh."""
+    torch._dynamo.reset()
     try:
         return measure(cfg, rt, data, vocab_size, profiler)
-    except torch.OutOfMemoryError:
+    except RuntimeError as e:  # torch.OutOfMemoryError is one
+        if not (isinstance(e, torch.OutOfMemoryError) or any(m in str(e) for m in OOM_MESSAGES)):
+            raise
         return None
     finally:
+        gc.collect()  # the failed step's tensors live in reference cycles (its frames) until collected...
         if rt.device_type == "cuda":
-            torch.cuda.empty_cache()
+            torch.cuda.empty_cache()  # ...and only then can the allocator hand their blocks back
 
 
 def part_env(cfg, rt, scale, report):
@@ -229,63 +256,108 @@ def nvidia_driver():
         return None
 
 
-# the profiler's names of the kernels (or on a CPU, the aten operators) that do attention's work,
-# without the dispatcher's and autograd's wrappers around them
-SDPA_KERNEL_NAMES = re.compile(r"flash|fmha|cudnn|sdpa|attention|efficient", re.IGNORECASE)
-DISPATCH = re.compile(r"^autograd::|Backward0$|^aten::scaled_dot_product_attention$")
+# Which SDPA kernel a profiler event belongs to, from its name: the aten operator (what the CPU side
+# records) or the GPU kernel. First match wins, and the order matters: cuDNN's kernels have "flash"
+# in their names too. Real names, as profiled and posted by users:
+#   cudnn      aten::_scaled_dot_product_cudnn_attention; cudnn_generated_fort_native_sdpa_sm90_knob_7_64x128x128_4x1x1_kernel0_0
+#              (H100, meta-pytorch/tritonbench#41); cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_...
+#              and ..._sm90_flash_bprop_wgmma_f16_knob_26_... (H100 profiles of FSDP2 runs)
+#   efficient  aten::_efficient_attention_forward; fmha_cutlassF_f32_aligned_64x128_rf_sm80 (GuigsEvt/dgx_spark_config#5),
+#              fmha_cutlassB_bf16_aligned_128x128_k128_sm80
+#   flash      aten::_flash_attention_forward; void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<...>>,
+#              pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<...> (huggingface/blog#3451: torch's
+#              vendored FlashAttention-2); on a CPU aten::_scaled_dot_product_flash_attention_for_cpu
+#   math       aten::_scaled_dot_product_attention_math (no kernel of its own: matmuls and a softmax)
+SDPA_KINDS = [("cudnn", re.compile(r"cudnn", re.I)),
+              ("efficient", re.compile(r"fmha_cutlass|efficient_attention|mem_eff", re.I)),
+              ("flash", re.compile(r"flash", re.I)),
+              ("math", re.compile(r"_scaled_dot_product_attention_math", re.I))]
+
+
+DISPATCH = re.compile(r"^autograd::|Backward0$|^aten::scaled_dot_product_attention$")  # wrappers around the kernels
+
+
+def sdpa_kernel_kind(name):
+    """'cudnn', 'efficient', 'flash' or 'math' for a profiler event of that SDPA kernel; None otherwise."""
+    return next((kind for kind, pattern in SDPA_KINDS if pattern.search(name)), None)
+
+
+def attention_configs(cfg, scale):
+    """[(attention value, config)] that part attention times: the GPT-2 shape, one micro-batch."""
+    base = dataclasses.replace(cfg, **scale["gpt2"], batch_size=scale["attention_batch"], gradient_accumulation_steps=1,
+                               profile_wait=1, profile_warmup=1, profile_active=1)
+    return [(name, dataclasses.replace(base, attention=name)) for name in scale["attention_kernels"]]
 
 
 def part_attention(cfg, rt, scale, report):
-    """Which SDPA kernel runs by default for the GPT-2 shape (from the profiler's kernel, or on a
-    CPU operator, names), and ms/iter with each kernel this device has."""
-    base = dataclasses.replace(cfg, **scale["gpt2"], batch_size=scale["attention_batch"], gradient_accumulation_steps=1,
-                               profile_wait=1, profile_warmup=1, profile_active=1)
-    data = synthetic(scale["vocab_size"], base.block_size)
+    """Which SDPA kernel runs by default for the GPT-2 shape (named from the profiler's events), and
+    ms/iter with each kernel this device has."""
+    configs = attention_configs(cfg, scale)
+    data = synthetic(scale["vocab_size"], configs[0][1].block_size)
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if rt.device_type == "cuda" else [])
     profiler = torch.profiler.profile(activities=activities, schedule=torch.profiler.schedule(wait=1, warmup=1, active=1))
     rows, notes = [], []
-    for name in ("auto", "flash", "cudnn", "efficient", "math"):
-        if name == "math" and rt.device_type == "cuda":
-            continue  # T x T scores in memory: never the one to pick on a GPU
+    for name, config in configs:
         try:
-            r = measure_or_oom(dataclasses.replace(base, attention=name), rt, data, scale["vocab_size"],
-                               profiler if name == "auto" else None)
+            r = measure_or_oom(config, rt, data, scale["vocab_size"], profiler if name == "auto" else None)
         except UserError as e:
             notes.append(f"{name}: unavailable ({e})")
             continue
         rows.append(suite_row(f"attention={name}", r, part="attention"))
-    kernels = sorted({e.key for e in profiler.key_averages() if SDPA_KERNEL_NAMES.search(e.key) and not DISPATCH.search(e.key)})
-    report["attention"] = {"default_kernels": kernels, "unavailable": notes}
+    kernels = sorted(e.key for e in profiler.key_averages() if sdpa_kernel_kind(e.key) and not DISPATCH.search(e.key))
+    kinds = sorted({sdpa_kernel_kind(k) for k in kernels})
+    report["attention"] = {"default_kind": kinds, "default_kernels": kernels, "unavailable": notes}
     report["rows"] += rows
     fastest = min((r for r in rows if "ms_per_iter" in r), key=lambda r: r["ms_per_iter"])
-    return ("## Attention (GPT-2 shape, batch {}, T={})\n\nKernels that ran with attention=auto: {}\n\n".format(
-        base.batch_size, base.block_size, ", ".join(f"`{k[:90]}`" for k in kernels) or "none found")
+    base = configs[0][1]
+    return ("## Attention (GPT-2 shape, batch {}, T={})\n\nKernel that ran with attention=auto: {} ({})\n\n".format(
+        base.batch_size, base.block_size, ", ".join(kinds) or "none found", ", ".join(f"`{k[:90]}`" for k in kernels))
         + rows_table(rows) + "".join(f"\n- {n}" for n in notes) + f"\n\nFastest: {fastest['label']}\n")
 
 
-def part_sweep(cfg, rt, scale, report):
+def sweep_suite_configs(cfg, scale):
+    """[(label, config)] that part sweep times: GPT-2 at each micro-batch, the same tokens per step."""
     base = dataclasses.replace(cfg, **scale["gpt2"])
+    return [(f"micro-batch {b}", with_batch_size(base, b, scale["sweep_tokens"])) for b in scale["sweep"]]
+
+
+def part_sweep(cfg, rt, scale, report):
+    configs = sweep_suite_configs(cfg, scale)
+    base = configs[0][1]
     data = synthetic(scale["vocab_size"], base.block_size)
-    rows = []
-    for b in scale["sweep"]:
-        swept = with_batch_size(base, b, scale["sweep_tokens"])
-        rows.append(suite_row(f"micro-batch {b}", measure_or_oom(swept, rt, data, scale["vocab_size"]), part="sweep"))
+    rows = [suite_row(label, measure_or_oom(c, rt, data, scale["vocab_size"]), part="sweep") for label, c in configs]
     report["rows"] += rows
     return (f"## GPT-2 sweep ({base.n_layer} layers x {base.n_embd}, T={base.block_size}, compile={base.compile}, "
             f"{scale['sweep_tokens']:,} tokens per step)\n\n" + rows_table(rows))
 
 
-def part_llama(cfg, rt, scale, report):
+def llama_configs(cfg, scale):
+    """[(label, config)] that part llama times: the Llama config without and with activation checkpointing."""
     base = parse(BenchConfig, [os.path.join(REPO, scale["llama_config"]), *scale["llama_overrides"],
                                f"--bench_iters={cfg.bench_iters}", f"--bench_warmup={cfg.bench_warmup}",
                                f"--peak_flops={cfg.peak_flops}"])
-    data = synthetic(scale["llama_vocab"], base.block_size)
-    rows = []
-    for checkpointing in (False, True):
-        r = measure_or_oom(dataclasses.replace(base, activation_checkpointing=checkpointing), rt, data, scale["llama_vocab"])
-        rows.append(suite_row(f"activation_checkpointing={checkpointing}", r, part="llama"))
+    return [(f"activation_checkpointing={c}", dataclasses.replace(base, activation_checkpointing=c)) for c in (False, True)]
+
+
+def part_llama(cfg, rt, scale, report):
+    configs = llama_configs(cfg, scale)
+    data = synthetic(scale["llama_vocab"], configs[0][1].block_size)
+    rows = [suite_row(label, measure_or_oom(c, rt, data, scale["llama_vocab"]), part="llama") for label, c in configs]
     report["rows"] += rows
-    return f"## {scale['llama_config']} (one optimizer step, vocabulary {scale['llama_vocab']:,})\n\n" + rows_table(rows)
+    tokens = configs[0][1].gradient_accumulation_steps * configs[0][1].batch_size * configs[0][1].block_size
+    return (f"## {scale['llama_config']} ({tokens:,} tokens per optimizer step, vocabulary {scale['llama_vocab']:,})\n\n"
+            + rows_table(rows))
+
+
+def baby_args(cfg, scale, device):
+    """train.py's arguments for part baby: the baby config, trained for its own iterations on a GPU."""
+    args = [os.path.join(REPO, scale["baby_config"]), f"--out_dir={os.path.join(cfg.out_dir, 'baby')}", f"--device={device}",
+            *scale["baby_overrides"]]
+    iters = cfg.suite_baby_iters or scale["baby_iters"]
+    if iters:
+        warmup = min(parse(BenchConfig, [os.path.join(REPO, scale["baby_config"])]).warmup_iters, iters // 10)
+        args += [f"--max_iters={iters}", f"--lr_decay_iters={iters}", f"--warmup_iters={warmup}"]
+    return args
 
 
 def part_baby(cfg, rt, scale, report):
@@ -294,13 +366,10 @@ def part_baby(cfg, rt, scale, report):
     if not os.path.exists(os.path.join("data", "shakespeare_char", "train.bin")):
         report["baby"] = {"skipped": "no data/shakespeare_char/train.bin"}
         return "## Baby GPT\n\nskipped: run python data/shakespeare_char/prepare.py first\n"
-    iters = cfg.suite_baby_iters or (0 if rt.device_type == "cuda" else 300)
     out_dir = os.path.join(cfg.out_dir, "baby")
-    args = [sys.executable, os.path.join(REPO, "train.py"), os.path.join(REPO, scale["baby_config"]), f"--out_dir={out_dir}",
-            f"--device={rt.device}", *scale["baby_overrides"]]
-    if iters:
-        warmup = min(parse(BenchConfig, [os.path.join(REPO, scale["baby_config"])]).warmup_iters, iters // 10)
-        args += [f"--max_iters={iters}", f"--lr_decay_iters={iters}", f"--warmup_iters={warmup}"]
+    # -u: each line reaches us when train.py prints it, not when a block-buffered pipe fills,
+    # so the time read beside an eval line is the time of that eval
+    args = [sys.executable, "-u", os.path.join(REPO, "train.py"), *baby_args(cfg, scale, rt.device)]
     evals, start = [], time.perf_counter()
     with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
         lines = []
@@ -329,13 +398,32 @@ def read_jsonl(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
+@contextmanager
+def exact_float32():
+    """TF32 off while inside (setup() turns it on for CUDA), then as it was: a float32 check of
+    exactness must not round its matmuls to TF32's 10-bit mantissa."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+SMOKE_VOCAB, RESUME_AT = 65, 10  # part smoke: a character vocabulary; the resume check stops at step 10 of 20
+
+
+def smoke_base(cfg, scale):
+    return dataclasses.replace(cfg, **scale["smoke"], gradient_accumulation_steps=1, compile=False,
+                               dropout=0.0, bias=False, attention="auto", learning_rate=1e-3, grad_clip=1.0)
+
+
 def part_smoke(cfg, rt, scale, report):
     """Correctness on this device: bf16 autocast tracks fp32 over the first steps; greedy decoding
-    with the KV cache equals decoding without it (fp32); a resumed run continues with the same losses."""
-    shape = scale["smoke"]
-    base = dataclasses.replace(cfg, **shape, gradient_accumulation_steps=1, compile=False,
-                               dropout=0.0, bias=False, attention="auto", learning_rate=1e-3, grad_clip=1.0)
-    vocab = 65
+    with the KV cache equals decoding without it (fp32, TF32 off); a resumed run continues with the
+    same losses."""
+    base = smoke_base(cfg, scale)
+    vocab = SMOKE_VOCAB
     data = learnable(vocab)
     checks = {}
 
@@ -357,7 +445,7 @@ def part_smoke(cfg, rt, scale, report):
     model.eval()
     prompt = torch.as_tensor(data[: base.block_size // 4].astype(np.int64), device=rt.device)[None]
     new = min(2 * base.block_size, 200)  # past block_size: the window slides too
-    with torch.no_grad():
+    with torch.no_grad(), exact_float32():
         cached = model.generate(prompt, new, temperature=0, kv_cache=True)
         uncached = model.generate(prompt, new, temperature=0, kv_cache=False)
     same = int((cached == uncached).all(dim=0).long().cumprod(0).sum()) - prompt.size(1)
@@ -381,7 +469,7 @@ def resume_check(cfg, rt, base, vocab):
         tokens.write(os.path.join(data_dir, f"{split}.bin"), part)
     with open(os.path.join(data_dir, "meta.json"), "w") as f:
         json.dump({"chars": "".join(chr(48 + i) for i in range(vocab))}, f)  # a character vocabulary of that size
-    k = 10
+    k = RESUME_AT
     common = [f"--device={rt.device}", f"--dtype={str(rt.dtype).removeprefix('torch.')}", "--compile=False",
               f"--dataset={os.path.abspath(data_dir)}", f"--n_layer={base.n_layer}", f"--n_head={base.n_head}",
               f"--n_embd={base.n_embd}", f"--block_size={base.block_size}", f"--batch_size={base.batch_size}",
@@ -402,6 +490,46 @@ def resume_check(cfg, rt, base, vocab):
 
 SUITE = {"env": part_env, "attention": part_attention, "sweep": part_sweep, "llama": part_llama, "baby": part_baby,
          "smoke": part_smoke}
+
+
+def suite_plan(cfg, scale):
+    """What each part of the suite runs, to estimate its time: {part: [one dict per configuration]}
+    with label; steps (optimizer steps, warm-up included) of tokens_per_step tokens; forward_passes
+    (forward only: evals, generation) of tokens_per_forward tokens; flops_per_token (training FLOPs
+    per token, model.flops_per_token(), 4/3 of it with activation checkpointing, which runs each
+    forward twice); params; compiled; processes (Python processes it starts)."""
+
+    def row(label, c, vocab, steps, forward_passes=0, tokens_per_forward=0, processes=0):
+        with torch.device("meta"):  # the shape only: no memory, even for the 1B
+            model = GPT(GPTConfig(**make_model_args(c, vocab)))
+        return dict(label=label, steps=steps, tokens_per_step=c.gradient_accumulation_steps * c.batch_size * c.block_size,
+                    forward_passes=forward_passes, tokens_per_forward=tokens_per_forward,
+                    flops_per_token=model.flops_per_token() * (4 / 3 if c.activation_checkpointing else 1),
+                    params=model.num_params(), compiled=c.compile, processes=processes)
+
+    timed = lambda c: c.bench_warmup + c.bench_iters
+    profiled = lambda c: c.profile_wait + c.profile_warmup + c.profile_active
+    baby = parse(BenchConfig, baby_args(cfg, scale, "cuda"))
+    baby_evals = baby.max_iters // baby.eval_interval + 1  # at 0, every eval_interval, and the end; train and val
+    smoke = smoke_base(cfg, scale)
+    new = min(2 * smoke.block_size, 200)
+    k = RESUME_AT  # train.py for 2k steps, for k, then resumed to 2k; an eval of 2 batches every 5 steps
+    return {
+        "env": [],
+        "attention": [row(f"attention={name}", c, scale["vocab_size"], timed(c) + (profiled(c) if name == "auto" else 0))
+                      for name, c in attention_configs(cfg, scale)],
+        "sweep": [row(label, c, scale["vocab_size"], timed(c)) for label, c in sweep_suite_configs(cfg, scale)],
+        "llama": [row(label, c, scale["llama_vocab"], timed(c)) for label, c in llama_configs(cfg, scale)],
+        "baby": [row(f"train.py {scale['baby_config']}", baby, SMOKE_VOCAB, baby.max_iters,
+                     forward_passes=2 * baby_evals * baby.eval_iters, tokens_per_forward=baby.batch_size * baby.block_size,
+                     processes=1)],
+        "smoke": [row("fp32 and bf16 steps", smoke, SMOKE_VOCAB, 2 * scale["smoke_steps"]),
+                  row("greedy decoding, with and without the cache", smoke, SMOKE_VOCAB, 0, forward_passes=2 * new,
+                      tokens_per_forward=smoke.block_size),
+                  row("train.py straight, split and resumed", smoke, SMOKE_VOCAB, 4 * k,
+                      forward_passes=2 * 2 * (2 * k // 5 + 1 + k // 5 + 1 + k // 5 + 1),
+                      tokens_per_forward=smoke.batch_size * smoke.block_size, processes=3)],
+    }
 
 
 def fmt(v):
@@ -468,15 +596,7 @@ def run(cfg, rt):
 
     if cfg.sweep:
         key, configs = sweep_configs(cfg, cfg.sweep, rt.world_size)
-        rows = []
-        for text, swept in configs:
-            torch._dynamo.reset()  # compile each configuration afresh, not with shapes left from the last
-            try:
-                rows.append((f"{key}={text}", measure(swept, rt, data, vocab_size)))
-            except torch.OutOfMemoryError:
-                rows.append((f"{key}={text}", None))
-            if rt.device_type == "cuda":
-                torch.cuda.empty_cache()
+        rows = [(f"{key}={text}", measure_or_oom(swept, rt, data, vocab_size)) for text, swept in configs]
         fitting = [r for r in rows if r[1] is not None]
         if not fitting:
             raise UserError("every configuration of the sweep ran out of memory")

@@ -1,5 +1,5 @@
 """batch_size='auto': the largest micro-batch that fits the device's memory, from the bytes the
-weights, gradients and optimizer state take and the bytes one sequence's activations take."""
+weights, gradients and optimizer state take and the bytes one more sequence adds to a step."""
 
 import dataclasses
 
@@ -14,9 +14,12 @@ def with_batch_size(cfg, batch_size, tokens_per_step):
     return dataclasses.replace(cfg, batch_size=batch_size, gradient_accumulation_steps=tokens_per_step // (batch_size * cfg.block_size))
 
 
-def saved_activation_bytes(model, block_size, rt):
-    """Bytes autograd keeps for backward for one sequence of block_size tokens: measured by
-    watching what the forward pass saves (weights excluded), not modelled."""
+def saved_activation_bytes(model, block_size, rt, batch_size=1):
+    """Bytes autograd keeps for backward after a forward of batch_size sequences of block_size
+    tokens: measured by watching what the forward pass saves (each storage once, the weights
+    themselves not at all), not modelled. Under autocast that includes the low-precision copy of
+    each weight, made once whatever the batch; with activation checkpointing, only the blocks'
+    inputs (checkpoint saves them) and what is saved outside the blocks."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen, total = set(), 0
 
@@ -28,15 +31,41 @@ def saved_activation_bytes(model, block_size, rt):
             total += t.untyped_storage().nbytes()
         return t
 
-    x = torch.zeros(1, block_size, dtype=torch.long, device=rt.device)
+    x = torch.zeros(batch_size, block_size, dtype=torch.long, device=rt.device)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), rt.autocast():
         model(x, x)
     return total
 
 
+def activation_bytes(model, cfg, rt):
+    """(bytes per sequence, bytes per step whatever the batch) that a training step holds beyond the
+    weights, gradients and AdamW state. Saved tensors are measured at one and two sequences: the
+    difference is what a sequence adds, the rest is fixed (autocast's weight copies). With
+    activation checkpointing the forward keeps only the blocks' inputs and what lies outside the
+    blocks, and backward runs the blocks again one at a time: the one running holds its share of
+    the saved tensors without checkpointing (1/n_layer of the blocks' part). Backward also makes the
+    logits' gradient (float32 from the loss, then again for the padded rows) while the saved tensors
+    are still held: 2 x T x V x 4 bytes a sequence."""
+
+    def saved(checkpointing):
+        model.activation_checkpointing = checkpointing
+        one, two = (saved_activation_bytes(model, cfg.block_size, rt, b) for b in (1, 2))
+        return two - one, 2 * one - two
+
+    was = model.activation_checkpointing
+    try:
+        per_row, fixed = saved(False)  # checkpointing frees some weight copies until backward: fixed is an upper bound then
+        if cfg.activation_checkpointing:
+            kept, _ = saved(True)
+            per_row = kept + (per_row - kept) // model.config.n_layer
+    finally:
+        model.activation_checkpointing = was
+    return per_row + 2 * cfg.block_size * model.config.padded_vocab_size * 4, fixed
+
+
 def auto_batch_size(model, cfg, rt, safety=0.85):
-    """The largest micro-batch whose weights, gradients, AdamW state and saved activations fit
-    in `safety` of the memory budget, among those that divide total_batch_size evenly."""
+    """The largest micro-batch whose weights, gradients, AdamW state and activations (activation_bytes)
+    fit in `safety` of the memory budget, among those that divide total_batch_size evenly."""
     if cfg.memory_budget_gb > 0:
         budget, source = cfg.memory_budget_gb * 2**30, "memory_budget_gb"
     elif rt.device_type == "cuda":
@@ -46,8 +75,8 @@ def auto_batch_size(model, cfg, rt, safety=0.85):
     if cfg.total_batch_size % (cfg.block_size * rt.world_size):
         raise UserError(f"total_batch_size={cfg.total_batch_size} does not split into whole sequences of block_size="
                         f"{cfg.block_size} over {rt.world_size} rank(s); make it a multiple of {cfg.block_size * rt.world_size}")
-    fixed = 16 * sum(p.numel() for p in model.parameters())  # fp32 weights, grads, Adam m and v
-    per_row = saved_activation_bytes(model, cfg.block_size, rt)
+    per_row, step_fixed = activation_bytes(model, cfg, rt)
+    fixed = 16 * sum(p.numel() for p in model.parameters()) + step_fixed  # fp32 weights, grads, Adam m and v; autocast copies
     rows_per_rank = cfg.total_batch_size // cfg.block_size // rt.world_size
     fits = int((safety * budget - fixed) // per_row)
     candidates = [b for b in range(min(fits, rows_per_rank), 0, -1) if rows_per_rank % b == 0]
@@ -58,8 +87,8 @@ def auto_batch_size(model, cfg, rt, safety=0.85):
         )
     batch_size = candidates[0]
     if rt.master:
-        print(f"batch_size=auto: {batch_size} ({fixed / 2**30:.3g} GB weights+grads+AdamW, {per_row / 2**20:.1f} MB "
-              f"activations per sequence, {safety:.0%} of {budget / 2**30:.3g} GB {source}); "
+        print(f"batch_size=auto: {batch_size} ({fixed / 2**30:.3g} GB weights+grads+AdamW+autocast copies, {per_row / 2**20:.1f} MB "
+              f"activations and logits' gradient per sequence, {safety:.0%} of {budget / 2**30:.3g} GB {source}); "
               f"gradient_accumulation_steps={cfg.total_batch_size // (batch_size * cfg.block_size)} keeps "
               f"{cfg.total_batch_size:,} tokens per step")
     return batch_size

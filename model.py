@@ -15,6 +15,7 @@ groups, FLOPs count and sampling; last, the key/value cache that makes sampling 
 """
 
 import math
+import re
 import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -26,8 +27,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
-# the `attention` key: which scaled_dot_product_attention kernel runs; 'auto' leaves it to PyTorch
-# (on CUDA: flash, then memory-efficient, then cuDNN, then math, the first that takes the inputs)
+# the `attention` key: which scaled_dot_product_attention kernel runs; 'auto' leaves it to PyTorch,
+# which takes the first kernel that accepts the inputs in an order that depends on its version and
+# the GPU (torch 2.11 on an H100 tries cuDNN first); bench.py --suite reports which one ran
 SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                  "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 
@@ -278,8 +280,11 @@ class GPT(nn.Module):
                                                        enable_gqa=k.size(1) != c.n_head)
                     y.sum().backward()
             except RuntimeError as e:
-                reasons = [str(w.message) for w in caught] + [str(e)]
-                return reasons[0].strip().splitlines()[0]
+                # torch warns a header ("Memory efficient kernel not used because:") and then one
+                # warning per reason, each ending in "(Triggered internally at <file>:<line>.)"
+                lines = [re.sub(r"\s*\(Triggered internally at .*\)$", "", str(w.message).strip()) for w in caught]
+                reasons = [line for line in lines if line and not line.endswith("not used because:")]
+                return "; ".join(reasons) or str(e).strip().splitlines()[0]
         return None
 
     def _init_weights(self, module):

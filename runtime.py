@@ -76,21 +76,26 @@ def setup(device="auto", dtype="auto", backend="auto"):
     rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
     device = pick_device(device)
     device_type = device.split(":")[0]
-    if world_size > 1:
-        if backend == "auto":
-            backend = "nccl" if device_type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend)
-        if device_type == "cuda":
-            device = f"cuda:{local_rank}"
-        else:
-            # several ranks share this machine's cores; oversubscribing them is much slower
-            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     if device_type == "cuda":
+        if world_size > 1 or device == "cuda":
+            # one GPU per process, by its local rank (0 outside torchrun): torch.cuda.set_device
+            # wants an index, and the rest of the run uses this same string
+            if local_rank >= torch.cuda.device_count():
+                raise UserError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} CUDA device(s) are visible; "
+                                f"start at most that many processes per machine (torchrun --nproc_per_node)")
+            device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
         # TF32 matmuls on Ampere and newer: float32 work at tensor-core speed, ~10 bits of mantissa
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+    if world_size > 1:
+        if backend == "auto":
+            backend = "nccl" if device_type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend)
+        if device_type != "cuda":
+            # several ranks share this machine's cores; oversubscribing them is much slower
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     return Runtime(device, device_type, pick_dtype(dtype, device_type), rank, local_rank, world_size)
 
 

@@ -100,7 +100,8 @@ def main(argv=None):
     cfg = parse(SampleConfig, argv)
     rt = runtime.setup(cfg.device, cfg.dtype)
     if cfg.init_from == "resume":
-        model, tok_spec = checkpoint.load_model(cfg.out_dir, cfg.checkpoint, map_location=rt.device)
+        # read on the CPU: the file also holds the optimizer state, which sampling never uses
+        model, tok_spec = checkpoint.load_model(cfg.out_dir, cfg.checkpoint)
     else:  # released GPT-2 weights, or a Hugging Face directory
         model, tok_spec = hf.load_pretrained(cfg.init_from)
     model.eval().to(rt.device)

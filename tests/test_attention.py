@@ -50,6 +50,30 @@ def test_probe_says_which_kernels_a_cpu_lacks():
     assert model.attention_error("cudnn", "cpu", torch.float32)  # a reason, not None
 
 
+# What CUDA's torch warns when a kernel declines, as users have pasted it (pytorch's warnings quoted
+# in Dao-AILab/flash-attention issue #1321): a header, then the reason, then it raises.
+CUDA_DECLINES = {
+    "efficient": ["Memory efficient kernel not used because: (Triggered internally at ../aten/src/ATen/native/transformers/cuda/sdp_utils.cpp:718.)",
+                  "Memory Efficient attention has been runtime disabled. (Triggered internally at ../aten/src/ATen/native/transformers/sdp_utils_cpp.h:495.)"],
+    "cudnn": ["CuDNN attention kernel not used because: (Triggered internally at ../aten/src/ATen/native/transformers/cuda/sdp_utils.cpp:722.)",
+              "The CuDNN backend needs to be enabled by setting the enviornment variable`TORCH_CUDNN_SDPA_ENABLED=1` (Triggered internally at ../aten/src/ATen/native/transformers/cuda/sdp_utils.cpp:496.)"],
+}
+
+
+@pytest.mark.parametrize("attention", sorted(CUDA_DECLINES))
+def test_an_unavailable_kernel_is_explained_by_its_reason_not_the_header(monkeypatch, attention):
+    import warnings
+
+    def declining_sdpa(*args, **kwargs):
+        for message in CUDA_DECLINES[attention]:
+            warnings.warn(message, UserWarning)
+        raise RuntimeError("No available kernel. Aborting execution.")
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", declining_sdpa)
+    reason = GPT(GPTConfig(**MODEL)).attention_error(attention, "cpu", torch.float32)
+    assert reason == CUDA_DECLINES[attention][1].split(" (Triggered")[0]  # the reason, without where torch raised it
+
+
 @pytest.mark.parametrize("value, message", [("fast", "attention='fast' is not one of"),
                                             ("cudnn", "attention='cudnn' cannot run on cpu")])
 def test_bad_attention_values_are_one_line(char_data, tmp_path, value, message):

@@ -1,5 +1,6 @@
 """MFU accounting (peaks, world size, never above 100%), bench.py's modes, batch_size='auto'."""
 
+import gc
 import json
 import time
 
@@ -7,9 +8,10 @@ import pytest
 import torch
 
 import runtime
+import memory
 from memory import auto_batch_size, saved_activation_bytes, with_batch_size
 from configurator import BenchConfig, TrainConfig
-from conftest import read_metrics, run_script, tiny_args
+from conftest import REPO, read_metrics, run_script, tiny_args
 from model import GPT, GPTConfig
 
 import bench
@@ -163,23 +165,87 @@ def auto_cfg(**overrides):
     return TrainConfig(**{**args, **overrides})
 
 
-def test_auto_batch_size_fits_the_budget_and_keeps_tokens_per_step():
-    rt = runtime.Runtime("cpu", "cpu", torch.float32)
-    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=65))
-    fixed = 16 * sum(p.numel() for p in model.parameters())
-    per_row = saved_activation_bytes(model, 32, rt)
-    assert per_row > 0
+def held_for_backward(model, rt, forward, skip=()):
+    """Bytes of the tensors autograd saves while forward() runs under rt's autocast: each storage
+    once, the model's weights and `skip` not at all. The reference the estimate is held to."""
+    seen = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *skip)}
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        if t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total += t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), rt.autocast():
+        forward()
+    return total
+
+
+def step_bytes(model, rt, batch, block_size=32):
+    """What a training step at micro-batch `batch` holds beyond the weights, gradients and AdamW
+    state: what its forward saves, and backward's logits gradient (float32 from the loss, and again
+    for the padded rows)."""
+    x = torch.zeros(batch, block_size, dtype=torch.long)
+    return held_for_backward(model, rt, lambda: model(x, x)) + 2 * batch * block_size * model.config.padded_vocab_size * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_auto_batch_size_is_the_largest_that_fits_and_keeps_tokens_per_step(dtype):
+    """bfloat16 autocast makes its weight copies on a CPU too: once a step, not once a sequence."""
+    rt = runtime.Runtime("cpu", "cpu", dtype)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=65, bias=False))
+    states = 16 * sum(p.numel() for p in model.parameters())  # fp32 weights, gradients, AdamW's two moments
+    divisors = [d for d in range(1, 65) if 64 % d == 0]
     chosen = []
-    for rows_fitting in (3, 10, 40, 1000):
-        budget = (fixed + rows_fitting * per_row) / 0.85
-        b = auto_batch_size(model, auto_cfg(memory_budget_gb=budget / 2**30), rt)
-        assert 64 % b == 0  # divides the 64 sequences of a step
-        assert b <= rows_fitting  # within the budget
-        assert b == max(d for d in range(1, min(rows_fitting, 64) + 1) if 64 % d == 0)  # and the largest such
+    for rows_fitting in (3, 10, 40, 200):
+        budget = 0.85 * (states + step_bytes(model, rt, rows_fitting))  # what 85% of memory_budget_gb leaves
+        b = auto_batch_size(model, auto_cfg(memory_budget_gb=budget / 0.85 / 2**30), rt)
+        assert b in divisors  # divides the 64 sequences of a step
+        assert states + step_bytes(model, rt, b) <= budget  # fits
+        bigger = [d for d in divisors if d > b]
+        assert not bigger or states + step_bytes(model, rt, bigger[0]) > budget  # and is the largest that does
         cfg = with_batch_size(auto_cfg(), b, 32 * 64)
         assert cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size == 32 * 64
         chosen.append(b)
     assert chosen == sorted(chosen) and chosen[-1] == 64
+
+
+def test_autocast_weight_copies_are_counted_once_per_step():
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=65, bias=False))
+    cfg = auto_cfg()
+    per_row32, fixed32 = memory.activation_bytes(model, cfg, runtime.Runtime("cpu", "cpu", torch.float32))
+    per_row16, fixed16 = memory.activation_bytes(model, cfg, runtime.Runtime("cpu", "cpu", torch.bfloat16))
+    linear_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert fixed16 - fixed32 == 2 * linear_weights  # a bf16 copy of every matmul's weight (lm_head's too), once
+    assert per_row16 < per_row32  # the activations themselves are half as wide
+
+
+def test_activation_checkpointing_is_measured_as_training_runs_it():
+    """Checkpointing keeps each block's input and what lies outside the blocks; backward then reruns
+    one block at a time, which holds what it saves. Against that formula, one block measured alone."""
+    rt = runtime.Runtime("cpu", "cpu", torch.bfloat16)
+    model = GPT(GPTConfig(n_layer=4, n_head=2, n_embd=64, block_size=32, vocab_size=65, bias=False))
+    plain, _ = memory.activation_bytes(model, auto_cfg(), rt)
+    checkpointed, _ = memory.activation_bytes(model, auto_cfg(activation_checkpointing=True), rt)
+    assert model.activation_checkpointing is False  # measured as asked, left as found
+
+    def block_saved(batch):  # one block's forward, alone, as training runs it: what it saves besides its input
+        x = torch.randn(batch, 32, 64, requires_grad=True)  # the input is among what checkpointing kept
+        return held_for_backward(model, rt, lambda: model.transformer.h[0](x), skip=[x])
+
+    model.activation_checkpointing = True
+    x1, x2 = torch.zeros(1, 32, dtype=torch.long), torch.zeros(2, 32, dtype=torch.long)
+    kept = held_for_backward(model, rt, lambda: model(x2, x2)) - held_for_backward(model, rt, lambda: model(x1, x1))
+    model.activation_checkpointing = False
+    logits_grad = 2 * 32 * model.config.padded_vocab_size * 4
+    assert checkpointed == kept + (block_saved(2) - block_saved(1)) + logits_grad
+    assert kept >= 4 * 32 * 64 * 4  # at least the four blocks' float32 inputs
+    assert checkpointed < plain / 2
+    budget = 16 * sum(p.numel() for p in model.parameters()) + 20 * plain
+    with_checkpointing = auto_batch_size(model, auto_cfg(memory_budget_gb=budget / 2**30, activation_checkpointing=True), rt)
+    assert with_checkpointing > auto_batch_size(model, auto_cfg(memory_budget_gb=budget / 2**30), rt)
 
 
 def test_saved_activations_grow_linearly_with_context():
@@ -219,6 +285,7 @@ def test_suite_runs_every_part_on_a_cpu_and_writes_its_reports(char_data, tmp_pa
         by_part.setdefault(row["part"], []).append(row)
     assert [r["label"] for r in by_part["attention"]] == ["attention=auto", "attention=flash", "attention=math"]
     assert "aten::_scaled_dot_product_flash_attention_for_cpu" in report["attention"]["default_kernels"]
+    assert report["attention"]["default_kind"] == ["flash"]  # the CPU's SDPA kernel, named
     assert len(report["attention"]["unavailable"]) == 2  # cudnn and efficient: CUDA only
     sweep = by_part["sweep"]
     assert len({r["batch_size"] * r["gradient_accumulation_steps"] for r in sweep}) == 1 and len(sweep) == 3
@@ -234,3 +301,175 @@ def test_suite_runs_every_part_on_a_cpu_and_writes_its_reports(char_data, tmp_pa
 def test_suite_parts_are_checked():
     with pytest.raises(Exception, match="suite_parts: 'speed' not among env, attention"):
         BenchConfig(suite_parts="env,speed")
+
+
+# ---------------------------------------------------------------------------- the suite on an H100, planned on a CPU
+
+# Each part's time on one H100, estimated from the plan the suite runs there (bench.suite_plan at
+# the CUDA scale), for GPU machines that allow 10 minutes a command. Assumptions:
+H100_PEAK, MFU = 989e12, 0.40  # bf16 dense peak; the model's FLOPs run at 40% of it
+MIN_STEP_S, MIN_FORWARD_S = 0.036, 0.012  # small models run far below 40% MFU: nanoGPT's baby GPT took ~3 min
+# for 5000 iterations on an A100 (36 ms an iteration, evals included); a forward pass is a third of a step
+SETUP_S = 10  # each configuration: build the model, its optimizer and data, warm the allocator
+PROCESS_S = 20  # each Python process a part starts (imports, CUDA context)
+COMMAND_S = 30  # each bench.py command's own start-up
+
+
+def compile_seconds(params):
+    return 90 if params > 500e6 else 60  # torch.compile of a step: ~60 s for GPT-2 124M and smaller, ~90 s for the 1B
+
+
+def h100_seconds(rows):
+    total = 0.0
+    for r in rows:
+        flops = r["flops_per_token"] * (r["steps"] * r["tokens_per_step"] + r["forward_passes"] * r["tokens_per_forward"] / 3)
+        floor = r["steps"] * MIN_STEP_S + r["forward_passes"] * MIN_FORWARD_S
+        total += max(flops / (MFU * H100_PEAK), floor) + SETUP_S + PROCESS_S * r["processes"]
+        total += compile_seconds(r["params"]) if r["compiled"] else 0
+    return total
+
+
+# the commands README.md and bench.py's docstring give for running the suite on a GPU
+SUITE_COMMANDS = ("env,attention,smoke", "sweep", "llama", "baby")
+
+
+def test_every_suite_part_fits_8_minutes_on_an_h100_and_every_documented_command_10():
+    """Printed with pytest -s: each part's estimate and each command's."""
+    cuda = runtime.Runtime("cuda:0", "cuda", torch.bfloat16)
+    plan = bench.suite_plan(BenchConfig(), bench.suite_scale(cuda))  # the defaults: python bench.py --suite=True
+    assert list(plan) == list(bench.SUITE)
+    assert sorted(",".join(SUITE_COMMANDS).split(",")) == sorted(bench.SUITE)  # every part, once
+    llama = plan["llama"][0]
+    assert llama["params"] == 1_235_814_400 and llama["tokens_per_step"] == 32_768  # the 1B's shapes, two micro-batches
+    assert plan["baby"][0]["steps"] == 5000  # the baby config's own run: nanoGPT's 5000 iterations
+    for part, rows in plan.items():
+        seconds = h100_seconds(rows)
+        print(f"suite part {part}: {seconds / 60:.1f} min on an H100 ({len(rows)} configuration(s))")
+        assert seconds <= 8 * 60, part
+    docs = (REPO / "README.md").read_text() + bench.__doc__
+    for command in SUITE_COMMANDS:
+        seconds = COMMAND_S + sum(h100_seconds(plan[part]) for part in command.split(","))
+        print(f"python bench.py --suite=True --suite_parts={command}: {seconds / 60:.1f} min")
+        assert seconds <= 10 * 60, command
+        assert f"--suite_parts={command} " in docs, command
+
+
+# ---------------------------------------------------------------------------- GPU-only paths of the suite, on a CPU
+
+OOM_ERRORS = [
+    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+    RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+    RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"),
+    RuntimeError("CUDA error: out of memory"),
+]
+
+
+@pytest.mark.parametrize("error", OOM_ERRORS, ids=lambda e: str(e)[:40])
+def test_every_kind_of_out_of_memory_is_a_row_that_did_not_fit(monkeypatch, error):
+    calls = []
+    monkeypatch.setattr(bench, "measure", lambda *args: (_ for _ in ()).throw(error))
+    monkeypatch.setattr(gc, "collect", lambda: calls.append("gc.collect"))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    cuda = runtime.Runtime("cuda:0", "cuda", torch.bfloat16)
+    assert bench.measure_or_oom(BenchConfig(), cuda, None, 65) is None
+    assert calls == ["gc.collect", "empty_cache"]  # the failed step's cycles first, then the cached blocks
+
+
+def test_other_runtime_errors_still_stop_the_run(monkeypatch):
+    monkeypatch.setattr(bench, "measure", lambda *args: (_ for _ in ()).throw(RuntimeError("mat1 and mat2 shapes cannot be multiplied")))
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        bench.measure_or_oom(BenchConfig(), runtime.Runtime("cpu", "cpu", torch.float32), None, 65)
+
+
+def test_a_sweep_row_that_runs_out_of_cublas_memory_is_reported_not_raised(monkeypatch, capsys):
+    """bench.py --sweep shares measure_or_oom with the suite."""
+
+    def measure(cfg, rt, data, vocab_size, profiler=None):
+        if cfg.batch_size == 4:
+            raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+        return {"batch_size": cfg.batch_size, "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+                "ms_per_iter": 10.0, "tokens_per_s": 1000.0, "tflops": 1.0, "mfu": None, "peak_mem_mb": 1.0, "warmup_s": 1.0}
+
+    monkeypatch.setattr(bench, "measure", measure)
+    cfg = BenchConfig(device="cpu", compile=False, n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=8,
+                      gradient_accumulation_steps=1, sweep="batch_size=2,4")
+    bench.run(cfg, runtime.Runtime("cpu", "cpu", torch.float32))
+    out = capsys.readouterr().out
+    assert "batch_size=4         out of memory" in out and "batch_size=2" in out and "<- best" in out
+
+
+def test_the_baby_part_reads_an_unbuffered_train_py(monkeypatch, tmp_path):
+    """Eval lines are timed as they arrive, so the child must not hold them in a pipe buffer."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data" / "shakespeare_char").mkdir(parents=True)
+    (tmp_path / "data" / "shakespeare_char" / "train.bin").write_bytes(b"")
+    started = []
+
+    def popen(args, **kwargs):
+        started.append((args, kwargs))
+        raise InterruptedError  # what it would run is all this test needs
+
+    monkeypatch.setattr(bench.subprocess, "Popen", popen)
+    cuda = runtime.Runtime("cuda:0", "cuda", torch.bfloat16)
+    with pytest.raises(InterruptedError):
+        bench.part_baby(BenchConfig(out_dir=str(tmp_path / "suite")), cuda, bench.suite_scale(cuda), {})
+    (args, kwargs), = started
+    unbuffered = args[1] == "-u" or kwargs.get("env", {}).get("PYTHONUNBUFFERED") == "1"
+    assert args[0] == bench.sys.executable and unbuffered, args
+    assert "--device=cuda:0" in args
+
+
+def test_the_smoke_compares_cache_and_no_cache_with_tf32_off(monkeypatch, tmp_path):
+    """On CUDA, runtime.setup turns TF32 on; the float32 exactness check must run without it, and
+    leave it as it found it."""
+    seen = []
+    generate = GPT.generate
+
+    def recording_generate(self, *args, **kwargs):
+        seen.append((torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32))
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(GPT, "generate", recording_generate)
+    monkeypatch.setattr(bench, "resume_check", lambda *args: {"ok": True})  # train.py subprocesses: tested above
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # as setup() leaves a GPU
+    try:
+        cpu = runtime.Runtime("cpu", "cpu", torch.float32)
+        report = {}
+        bench.part_smoke(BenchConfig(out_dir=str(tmp_path)), cpu, bench.suite_scale(cpu), report)
+        after = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    assert seen == [(False, False), (False, False)]
+    assert after == (True, True)
+    assert report["smoke"]["kv_cache_greedy_equals_uncached"]["ok"]
+
+
+# profiler event names from GPU runs (see bench.SDPA_KINDS for where each was seen)
+KERNEL_NAMES = [
+    ("cudnn_generated_fort_native_sdpa_sm90_knob_7_64x128x128_4x1x1_kernel0_0", "cudnn"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1_kernel0_0", "cudnn"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x128_1x1x1_kernel0_0", "cudnn"),
+    ("cudnn_generated_fort_native_sdpa_sm80_flash_fprop_wmma_f16_knob_3_64x64x128_4x1x1_kernel0_0", "cudnn"),
+    ("aten::_scaled_dot_product_cudnn_attention", "cudnn"),
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, cutlass::half_t, "
+     "Flash_kernel_traits<128, 128, 64, 4, cutlass::half_t> >, false, false, false, false, true, true, false, false>"
+     "(pytorch_flash::Flash_fwd_params)", "flash"),
+    ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<64, 128, 128, 8, 4, 4, 4, "
+     "false, false, cutlass::bfloat16_t>>", "flash"),
+    ("aten::_flash_attention_forward", "flash"),
+    ("aten::_scaled_dot_product_flash_attention_for_cpu", "flash"),
+    ("fmha_cutlassF_f16_aligned_64x128_rf_sm80(PyTorchMemEffAttention::AttentionKernel<cutlass::half_t, "
+     "cutlass::arch::Sm80, true, 64, 128, 128, true, true>::Params)", "efficient"),
+    ("fmha_cutlassB_bf16_aligned_128x128_k128_sm80", "efficient"),
+    ("aten::_efficient_attention_forward", "efficient"),
+    ("aten::_scaled_dot_product_attention_math", "math"),
+    ("ampere_bf16_s1688gemm_bf16_128x128_ldg8_f2f_stages_32x1_tn", None),
+    ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, at::native::(anonymous namespace)::SoftMaxForwardEpilogue>", None),
+    ("aten::scaled_dot_product_attention", None),  # the dispatcher, whichever kernel it picks
+]
+
+
+@pytest.mark.parametrize("name, kind", KERNEL_NAMES, ids=[n[:50] for n, _ in KERNEL_NAMES])
+def test_profiler_events_are_told_apart_by_kernel(name, kind):
+    assert bench.sdpa_kernel_kind(name) == kind

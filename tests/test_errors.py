@@ -45,7 +45,8 @@ CONFIG_CASES = [
 
 @pytest.mark.parametrize("argv, expected", CONFIG_CASES, ids=[" ".join(a) for a, _ in CONFIG_CASES])
 def test_train_config_errors(argv, expected):
-    assert_one_line_error(run_script("train.py", *argv), *expected)
+    # no GPU visible, so that --device=cuda is a mistake on a GPU machine too
+    assert_one_line_error(run_script("train.py", *argv, env={"CUDA_VISIBLE_DEVICES": ""}), *expected)
 
 
 def test_config_file_with_an_error(tmp_path):

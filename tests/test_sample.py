@@ -209,6 +209,29 @@ def test_sample_py_prompts_file(trained, capsys, tmp_path):
     assert "2 prompt(s) x 2 samples" in err
 
 
+def test_sample_py_reads_the_checkpoint_on_the_cpu_and_moves_only_the_weights(trained, monkeypatch):
+    """The checkpoint also holds the optimizer state (twice the weights for AdamW): it is read into
+    host memory, and only the model goes to the device ('meta' stands in for a GPU here)."""
+    import checkpoint
+    import runtime
+    import tokenizer
+
+    map_locations, models = [], []
+    real_load, real_load_model = torch.load, checkpoint.load_model
+    monkeypatch.setattr(torch, "load", lambda *a, **k: map_locations.append(k.get("map_location")) or real_load(*a, **k))
+    monkeypatch.setattr(checkpoint, "load_model", lambda *a, **k: models.append(real_load_model(*a, **k)[0]) or (models[0], {}))
+    monkeypatch.setattr(runtime, "setup", lambda *a, **k: runtime.Runtime("meta", "meta", torch.float32))
+
+    def stop(tok_spec):  # the model is on the device by now; generating on 'meta' could not print anything
+        raise InterruptedError
+
+    monkeypatch.setattr(tokenizer, "load", stop)
+    with pytest.raises(InterruptedError):
+        sample.main([f"--out_dir={trained}"])
+    assert map_locations == ["cpu"]
+    assert {p.device.type for p in models[0].parameters()} == {"meta"}
+
+
 class Chunks(list):
     """A stdout that records each write."""
 

@@ -1,0 +1,227 @@
+"""The CUDA paths, checked on a CPU: runtime.setup against a simulated machine with two GPUs
+(torch.cuda patched, set_device held to torch's own rule for a device index), with and without
+torchrun. No GPU runs here; tests/test_gpu.py is for that."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import runtime
+from configurator import UserError
+from conftest import REPO
+
+TORCHRUN_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture
+def two_gpus(monkeypatch):
+    """torch.cuda as a machine with two bf16-capable GPUs shows it. set_device applies the rule
+    torch.cuda.set_device applies first (torch.cuda._get_device_index: an index, or a device
+    string that has one; 'cuda' alone raises ValueError), fails past the second GPU as CUDA
+    would, and records the index. The TF32 flags are restored afterwards. Yields what set_device
+    and init_process_group were called with."""
+    calls = {"set_device": [], "init_process_group": []}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
+
+    def set_device(device):
+        index = torch.cuda._get_device_index(device)
+        if index >= 2:
+            raise RuntimeError("CUDA error: invalid device ordinal")
+        calls["set_device"].append(index)
+
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda **kwargs: calls["init_process_group"].append(kwargs))
+    for key in TORCHRUN_KEYS:
+        monkeypatch.delenv(key, raising=False)
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield calls
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+
+
+@pytest.mark.parametrize("device, expected", [("auto", "cuda:0"), ("cuda", "cuda:0"), ("cuda:1", "cuda:1")])
+def test_single_process_gets_an_indexed_device(two_gpus, device, expected):
+    rt = runtime.setup(device, "auto")
+    assert (rt.device, rt.device_type, rt.dtype, rt.world_size) == (expected, "cuda", torch.bfloat16, 1)
+    assert two_gpus["set_device"] == [int(expected[-1])]
+    assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    assert two_gpus["init_process_group"] == []
+    # bench.py and others hand rt.device to child processes as --device: it must set up the same
+    assert runtime.setup(rt.device).device == rt.device
+
+
+@pytest.mark.parametrize("device", ["auto", "cuda", "cuda:0"])
+def test_torchrun_rank_takes_the_gpu_of_its_local_rank(two_gpus, monkeypatch, device):
+    for key, value in (("RANK", "3"), ("LOCAL_RANK", "1"), ("WORLD_SIZE", "4"), ("LOCAL_WORLD_SIZE", "2")):
+        monkeypatch.setenv(key, value)
+    rt = runtime.setup(device, "auto")
+    assert (rt.device, rt.rank, rt.local_rank, rt.world_size, rt.master) == ("cuda:1", 3, 1, 4, False)
+    assert two_gpus["set_device"] == [1]
+    assert two_gpus["init_process_group"] == [{"backend": "nccl"}]
+
+
+def test_more_ranks_than_gpus_is_one_line(two_gpus, monkeypatch):
+    for key, value in (("RANK", "2"), ("LOCAL_RANK", "2"), ("WORLD_SIZE", "3")):
+        monkeypatch.setenv(key, value)
+    with pytest.raises(UserError, match=r"LOCAL_RANK=2 but only 2 CUDA device\(s\)") as e:
+        runtime.setup("auto")
+    assert "\n" not in str(e.value)
+
+
+def test_a_device_past_the_last_gpu_is_one_line(two_gpus):
+    with pytest.raises(UserError, match=r"device='cuda:2' but only 2 CUDA device\(s\) exist"):
+        runtime.setup("cuda:2")
+
+
+def test_peak_flops_are_looked_up_for_the_indexed_device(two_gpus, monkeypatch):
+    names = {0: "NVIDIA A100-SXM4-80GB", 1: "NVIDIA H100 80GB HBM3"}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: names[torch.cuda._get_device_index(device)])
+    rt = runtime.setup("cuda:1", "bfloat16")
+    assert runtime.device_peak_flops(rt) == 989.4e12
+
+
+# ---------------------------------------------------------------------------- a step, an eval and generation on a fake GPU
+
+# FakeTensorMode makes tensors that carry a device, shape and dtype but no data, and checks the
+# devices of every operation as CUDA would: a CPU tensor meeting a CUDA one raises. A CPU-only
+# build of torch lacks two pieces it needs for fake CUDA tensors: a device guard (Python indexing
+# and the autograd engine switch to the tensor's device) and CUDA hooks that say CUDA is there
+# (the engine asks for the accelerator). This registers test doubles of both; no kernel ever runs
+# on them, every operation is faked.
+FAKE_CUDA_SHIM = r"""
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <c10/core/impl/FakeGuardImpl.h>
+
+C10_REGISTER_GUARD_IMPL(CUDA, c10::impl::FakeGuardImpl<c10::DeviceType::CUDA>);
+
+namespace fake_cuda {
+struct CUDAHooks : at::CUDAHooksInterface {
+  CUDAHooks(at::CUDAHooksArgs) {}
+  bool isBuilt() const override { return true; }
+  bool isAvailable() const override { return true; }
+  bool hasCUDA() const override { return true; }
+  bool hasPrimaryContext(c10::DeviceIndex) const override { return true; }
+  c10::DeviceIndex deviceCount() const override { return 1; }
+  int getNumGPUs() const override { return 1; }
+  void init() const override {}
+};
+}  // namespace fake_cuda
+
+namespace at {
+using fake_cuda::CUDAHooks;
+REGISTER_CUDA_HOOKS(CUDAHooks);  // under the name torch looks up, read when CUDA is first asked about
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def fake_cuda_shim(tmp_path_factory):
+    """The shim built for this torch (~2 s), or None where torch has CUDA built in and needs none."""
+    if torch.backends.cuda.is_built():
+        return None
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no C++ compiler to build the fake CUDA device with")
+    root = Path(torch.__file__).parent
+    build = tmp_path_factory.mktemp("fake_cuda")
+    (build / "shim.cpp").write_text(FAKE_CUDA_SHIM)
+    subprocess.run([compiler, "-std=c++17", "-O0", "-w", "-shared", "-fPIC", f"-I{root / 'include'}", str(build / "shim.cpp"),
+                    f"-L{root / 'lib'}", f"-Wl,-rpath,{root / 'lib'}", "-lc10", "-ltorch_cpu", "-o", str(build / "shim.so")],
+                   check=True, capture_output=True)
+    return build / "shim.so"
+
+
+def test_a_step_an_eval_and_generation_keep_every_tensor_on_the_gpu(fake_cuda_shim):
+    """train.py's step (forward and backward under bf16 autocast, clipping, fused AdamW with its
+    on-device skip), its eval and model.generate (KV cache, top-k, top-p, a stop token), on a fake
+    CUDA device set up by runtime.setup; and a CPU batch meeting the GPU model is caught."""
+    load = f"import ctypes; ctypes.CDLL({str(fake_cuda_shim)!r}, mode=ctypes.RTLD_GLOBAL); " if fake_cuda_shim else ""
+    code = load + f"import sys; sys.path[:0] = [{str(REPO)!r}, {str(REPO / 'tests')!r}]; import test_cuda_contract as t; t.trace_on_fake_cuda()"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.splitlines() == [
+        "train_step: loss, grad_norm, stepped on cuda:0; weights and AdamW state on cuda:0",
+        "evaluate: val",
+        "generate: (2, 24) on cuda:0",
+        "a CPU batch for the GPU model: FakeTensorDeviceMismatchError",
+    ]
+
+
+def trace_on_fake_cuda():
+    """The body of the test above, run in a process of its own (the shim cannot be unloaded)."""
+    from unittest import mock
+
+    import numpy as np
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorDeviceMismatchError, FakeTensorMode
+
+    from batches import TrainBatches, eval_offsets, get_batch
+    from configurator import TrainConfig
+    from model import GPT, GPTConfig
+    from step import evaluate, train_step
+    from wrap import build, make_model_args
+
+    mode = FakeTensorMode()  # no real tensor may enter an operation uncaught
+    from_numpy = torch.from_numpy
+
+    def getitem(self, index):
+        # a list in an index becomes an index tensor on the tensor's device, as torch does, but made
+        # by a factory the fake mode sees (its values never matter: only the shape does)
+        index = index if isinstance(index, tuple) else (index,)
+        index = tuple(torch.zeros(len(i), dtype=torch.long, device=self.device) if isinstance(i, list) else i for i in index)
+        return torch.Tensor.__getitem__(self, index)
+
+    patches = [
+        mock.patch.object(torch.cuda, "is_available", lambda: True),
+        mock.patch.object(torch.cuda, "device_count", lambda: 1),
+        mock.patch.object(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True),
+        mock.patch.object(torch.cuda, "set_device", lambda device: torch.cuda._get_device_index(device)),
+        # host data (batches from numpy) enters as fake CPU tensors, so where it meets the GPU is checked
+        mock.patch.object(torch, "from_numpy", lambda array: mode.from_tensor(from_numpy(array))),
+        mock.patch.object(torch.Tensor, "pin_memory", lambda self, *args, **kwargs: self),  # no pinned memory when faked
+        mock.patch.object(FakeTensor, "__getitem__", getitem, create=True),
+        # what the host reads (a loss, "has every row stopped?") has no value when faked: made up
+        mock.patch.object(FakeTensor, "item", lambda self: 0.0, create=True),
+        mock.patch.object(FakeTensor, "__bool__", lambda self: False, create=True),
+    ]
+    for patch in patches:
+        patch.start()
+    rt = runtime.setup("cuda", "bfloat16")
+    cfg = TrainConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, block_size=16, batch_size=4, dropout=0.1, bias=False,
+                      pos_encoding="rope", compile=False, grad_clip=1.0)
+    torch.manual_seed(0)
+    raw = GPT(GPTConfig(**make_model_args(cfg, 65)))  # built on the CPU, then made fake and moved to the GPU
+    fakes = {}
+    for module in raw.modules():
+        for store, is_param in ((module._parameters, True), (module._buffers, False)):
+            for name, t in store.items():
+                if t is None:
+                    continue
+                if id(t) not in fakes:  # wte and lm_head share one weight: one fake for both
+                    fake = mode.from_tensor(t.detach())
+                    with mode:
+                        fake = fake.to(rt.device)
+                    fakes[id(t)] = (t, torch.nn.Parameter(fake, t.requires_grad) if is_param else fake)
+                store[name] = fakes[id(t)][1]
+    data = (np.arange(5000) % 65).astype(np.uint16)
+    with mode:
+        model, train_model, optimizer, scaler = build(raw, cfg, rt)
+        result = train_step(train_model, optimizer, scaler, TrainBatches(data, 4, 16, 0, rt), 1e-3, 2, cfg.grad_clip, rt)
+        devices = {str(t.device) for t in (*result, *raw.parameters(), *(v for s in optimizer.state.values() for v in s.values()))}
+        print(f"train_step: loss, grad_norm, stepped on {', '.join(sorted(devices))}; weights and AdamW state on {rt.device}")
+        print("evaluate:", ", ".join(evaluate(model, {"val": (data, eval_offsets(data, 2, 4, 16, 0))}, 16, rt)))
+        raw.eval()
+        with rt.autocast():
+            out = raw.generate(torch.zeros(2, 4, dtype=torch.long, device=rt.device), 20, temperature=0.8, top_k=10,
+                               top_p=0.9, stop_token=3)
+        print(f"generate: {tuple(out.shape)} on {out.device}")
+        cpu = runtime.Runtime("cpu", "cpu", rt.dtype)
+        try:
+            train_step(train_model, optimizer, scaler, lambda: get_batch(data, np.arange(4), 16, cpu), 1e-3, 1, cfg.grad_clip, rt)
+        except FakeTensorDeviceMismatchError as e:
+            print("a CPU batch for the GPU model:", type(e).__name__)
