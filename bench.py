@@ -351,8 +351,9 @@ def part_llama(cfg, rt, scale, report):
 
 def baby_args(cfg, scale, device):
     """train.py's arguments for part baby: the baby config, trained for its own iterations on a GPU."""
+    # --overwrite=True: a suite run again into the same out_dir replaces its own earlier baby run
     args = [os.path.join(REPO, scale["baby_config"]), f"--out_dir={os.path.join(cfg.out_dir, 'baby')}", f"--device={device}",
-            *scale["baby_overrides"]]
+            "--overwrite=True", *scale["baby_overrides"]]
     iters = cfg.suite_baby_iters or scale["baby_iters"]
     if iters:
         warmup = min(parse(BenchConfig, [os.path.join(REPO, scale["baby_config"])]).warmup_iters, iters // 10)
@@ -475,7 +476,8 @@ def resume_check(cfg, rt, base, vocab):
               f"--n_embd={base.n_embd}", f"--block_size={base.block_size}", f"--batch_size={base.batch_size}",
               "--gradient_accumulation_steps=1", "--dropout=0.1", "--eval_interval=5", "--eval_iters=2", "--log_interval=1",
               f"--lr_decay_iters={2 * k}", "--warmup_iters=2"]
-    runs = [("straight", 2 * k, []), ("split", k, []), ("split", 2 * k, ["--init_from=resume"])]
+    # the fresh starts overwrite an earlier suite's runs in this out_dir; the resume continues this one's
+    runs = [("straight", 2 * k, ["--overwrite=True"]), ("split", k, ["--overwrite=True"]), ("split", 2 * k, ["--init_from=resume"])]
     for name, iters, extra in runs:
         result = subprocess.run([sys.executable, os.path.join(REPO, "train.py"), *common, f"--out_dir={os.path.join(root, name)}",
                                  f"--max_iters={iters}", *extra], capture_output=True, text=True)
