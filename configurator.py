@@ -36,7 +36,9 @@ def run_main(main):
     try:
         code = main()
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        # one write, so the lines of several ranks refusing at once do not interleave
+        sys.stderr.write(f"error: {e}\n")
+        sys.stderr.flush()
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
