@@ -30,9 +30,10 @@ quickstart: venv
 	fi
 
 # one test process per core (pytest-xdist), one thread each: the tests' models are tiny, and idle
-# OpenMP threads spinning beside another worker's cost more than they give
+# OpenMP threads spinning beside another worker's cost more than they give. A file's tests stay on
+# one worker, so a module's shared fixture (a trained run, an FSDP launch) is built once.
 test: venv
-	SHAKESPEARE_TXT=$(abspath $(SHAKESPEARE_TXT)) OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto tests
+	SHAKESPEARE_TXT=$(abspath $(SHAKESPEARE_TXT)) OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto --dist loadfile tests
 
 clean:
 	rm -rf $(VENV) out-shakespeare-char out-shakespeare-char-cpu

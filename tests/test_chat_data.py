@@ -219,7 +219,8 @@ def test_argument_errors(tmp_path):
 def test_hub_dataset_without_the_hub(tmp_path):
     """--dataset with the Hub out of reach: one line naming the dataset, and the way out."""
     result = run_script("data/chat/prepare.py", "--dataset=HuggingFaceTB/smol-smoltalk", "--val_split=test",
-                        f"--out_dir={tmp_path / 'data'}", env={"HF_HUB_OFFLINE": "1"})
+                        f"--out_dir={tmp_path / 'data'}", env={"HF_HUB_OFFLINE": "1"},
+                        isolated=True)  # datasets reads HF_HUB_OFFLINE when it is imported
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert lines[0].startswith("error: cannot read HuggingFaceTB/smol-smoltalk (name=None, split=train)")

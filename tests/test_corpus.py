@@ -317,7 +317,8 @@ def test_other_local_input_errors(tmp_path):
 def test_unknown_dataset_without_network_is_one_line(tmp_path):
     out_dir = tmp_path / "fw"
     result = run_script("data/fineweb_edu/prepare.py", "--dataset=nobody/no-such-dataset", f"--out_dir={out_dir}",
-                        env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}, timeout=120)
+                        env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}, timeout=120,
+                        isolated=True)  # datasets reads these when it is imported
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
