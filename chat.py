@@ -125,8 +125,9 @@ class Conversation:
 
 def load(cfg, rt, say):
     """(model, template) of a chat checkpoint or a Hugging Face directory with a chat template."""
+    loaded = []  # said once the model is known to chat
     if cfg.init_from == "resume":
-        model, tok_spec = checkpoint.load_model(cfg.out_dir, cfg.checkpoint, map_location=rt.device, report=say)
+        model, tok_spec = checkpoint.load_model(cfg.out_dir, cfg.checkpoint, map_location=rt.device, report=loaded.append)
         if "chat" not in tok_spec:
             raise UserError(f"the model in {cfg.out_dir} was not trained on conversations (its tokenizer has no chat "
                             f"template): fine-tune it on chat data first (python data/chat/prepare.py, then train.py "
@@ -140,6 +141,10 @@ def load(cfg, rt, say):
     if template.vocab_size > model.config.vocab_size:
         raise UserError(f"{cfg.init_from} has no chat tokens (the template needs {template.vocab_size} tokens, the "
                         f"model has {model.config.vocab_size}): fine-tune it on chat data first (python data/chat/prepare.py)")
+    if cfg.context > model.config.block_size:
+        raise UserError(f"context={cfg.context} is longer than the model's block_size={model.config.block_size}")
+    for line in loaded:
+        say(line)
     return model.eval().to(rt.device), template
 
 
@@ -189,12 +194,9 @@ def main(argv=None):
     rt = runtime.setup(cfg.device, cfg.dtype)
     say = (lambda text: None) if cfg.prompt is not None else (lambda text: print(text, file=sys.stderr))
     model, template = load(cfg, rt, say)
-    block_size = model.config.block_size
-    if cfg.context > block_size:
-        raise UserError(f"context={cfg.context} is longer than the model's block_size={block_size}")
     if cfg.compile:
         model.compile()  # in place, so generate's calls to the model run the compiled forward
-    conv = Conversation(model, template, cfg.system, cfg.context or min(block_size, MAX_CONTEXT), rt.device)
+    conv = Conversation(model, template, cfg.system, cfg.context or min(model.config.block_size, MAX_CONTEXT), rt.device)
     torch.manual_seed(cfg.seed)
     if cfg.prompt is None:
         repl(conv, cfg, rt)
