@@ -263,12 +263,13 @@ def test_export_gpt2_with_a_trained_tokenizer(demo):
 
 def test_export_gpt2_bpe(tmp_path):
     """GPT-2's BPE with the four turn tokens after its 50,257 (random weights): all 50,261 tokens
-    are exported, the turn tokens special."""
+    are exported, the turn tokens special; chat.py --init_from=the export chats the same."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=50261, **SMALL))
     out_dir = save_chat_checkpoint(tmp_path / "out", model, tokenizer.make_spec("gpt2"))
     check_export(out_dir, 12)
     assert json.loads((out_dir / "hf" / "config.json").read_text())["vocab_size"] == 50261
+    check_export(out_dir, 12, init_from_export=True)  # chat.py reads the exported directory as GPT-2 BPE
 
 
 def test_export_llama_with_llama3_template(tmp_path):
