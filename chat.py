@@ -172,11 +172,14 @@ def repl(conv, cfg, rt):
         text = line.strip()
         if not text:
             continue
-        if text in ("/exit", "/quit"):
+        if text == "/exit":
             break
         if text == "/clear":
             conv.clear()
             print("(the conversation is cleared)", file=sys.stderr)
+            continue
+        if text.startswith("/") and " " not in text:  # a mistyped command is not a message
+            print(f"unknown command {text}: /clear forgets the conversation, /exit ends it", file=sys.stderr)
             continue
         try:
             with rt.autocast():

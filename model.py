@@ -172,10 +172,10 @@ class CausalSelfAttention(nn.Module):
             k, v = kv(k, v)  # (B, n_kv, cached + T, hs)
             if T == 1:  # one new token sees every cached key: no mask (is_causal would leave it only the first)
                 causal = False
-            elif k.size(2) > T:
-                # several new tokens after cached ones (a conversation's next turn): is_causal's mask is
-                # aligned top-left, so each new token gets its row here, every cached key and the new ones up to itself
-                causal, mask = False, torch.ones(T, k.size(2), dtype=torch.bool, device=q.device).tril(k.size(2) - T)
+            elif k.size(2) > T:  # several new tokens after cached ones: a conversation's next turn
+                # is_causal aligns its mask top-left; new token i must see every cached key and new ones up to i
+                mask = torch.ones(T, k.size(2), dtype=torch.bool, device=q.device).tril(k.size(2) - T)  # (T, cached + T)
+                causal = False
         groups = self.n_head // self.n_kv_head
         if groups > 1 and q.dtype == torch.float32 and q.device.type != "cpu":
             # GPU kernels share k/v heads in half precision only; in float32 SDPA would fall back

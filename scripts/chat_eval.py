@@ -21,6 +21,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from configurator import UserError, run_main  # noqa: E402 (after the path line above)
+from data.corpus import Parser  # noqa: E402
 
 
 def turns(conversation):
@@ -39,14 +43,19 @@ def chat_args(system, users):
     return args, "".join(u + "\n" for u in users)
 
 
-def score(conversations, ask):
-    """(right, asked) Counters by intent, and the misses [(users, expected, got)]. ask(args, stdin)
-    runs chat.py and returns its stdout."""
+def ask_all(conversations, ask, jobs=1):
+    """chat.py's stdout for each conversation, `jobs` at a time. ask(args, stdin) runs chat.py."""
+    with ThreadPoolExecutor(jobs) as pool:  # threads that wait for processes
+        return list(pool.map(lambda conv: ask(*chat_args(*turns(conv)[:2])), conversations))
+
+
+def score(conversations, outputs):
+    """(right, asked) Counters by intent, and the misses [(users, expected, got)], from chat.py's
+    outputs for the conversations."""
     right, asked, misses = Counter(), Counter(), []
-    for conv in conversations:
-        system, users, expected = turns(conv)
-        args, stdin = chat_args(system, users)
-        got = ask(args, stdin).split("\n")[: len(expected)]  # one reply per line, each ended by a newline
+    for conv, output in zip(conversations, outputs):
+        _, users, expected = turns(conv)
+        got = output.split("\n")[: len(expected)]  # one reply per line, each ended by a newline
         intent = conv.get("intent", "all")
         asked[intent] += 1
         if got == expected:
@@ -61,7 +70,8 @@ def subprocess_ask(chat_flags):
         result = subprocess.run([sys.executable, str(REPO / "chat.py"), *chat_flags, *args], input=stdin,
                                 capture_output=True, text=True)
         if result.returncode != 0:
-            sys.exit(f"chat.py failed: {result.stderr.strip().splitlines()[-1] if result.stderr.strip() else result.returncode}")
+            lines = result.stderr.strip().splitlines()
+            raise UserError(f"chat.py failed: {lines[-1].removeprefix('error: ') if lines else f'exit code {result.returncode}'}")
         return result.stdout
 
     return ask
@@ -76,7 +86,7 @@ def report(right, asked, misses, seconds, show=5):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out_dir", required=True, help="the chat model's training run")
     p.add_argument("--heldout", required=True, help="conversations to ask, .jsonl")
     p.add_argument("--limit", type=int, default=0, help="ask only the first N (default: all)")
@@ -87,18 +97,14 @@ def main(argv=None):
         with open(args.heldout, encoding="utf-8") as f:
             conversations = [json.loads(line) for line in f if line.strip()]
     except (OSError, ValueError) as e:
-        sys.exit(f"error: cannot read --heldout {args.heldout} ({e})")
+        raise UserError(f"cannot read --heldout {args.heldout} ({e})")
     conversations = conversations[: args.limit or None]
     ask = subprocess_ask([f"--out_dir={args.out_dir}", f"--device={args.device}"])
     start = time.perf_counter()
-    with ThreadPoolExecutor(args.jobs) as pool:  # each conversation in a process of its own
-        results = list(pool.map(lambda c: score([c], ask), conversations))
-    right, asked, misses = Counter(), Counter(), []
-    for r, a, m in results:
-        right, asked, misses = right + r, asked + a, misses + m
-    report(right, asked, misses, time.perf_counter() - start)
+    outputs = ask_all(conversations, ask, args.jobs)
+    report(*score(conversations, outputs), time.perf_counter() - start)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

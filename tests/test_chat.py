@@ -132,7 +132,7 @@ def test_the_demo_model_answers_held_out_prompts(demo):
     def ask(args, stdin):
         return chat(out_dir, *args, stdin=stdin).stdout
 
-    right, asked, misses = eval_script.score(heldout, ask)
+    right, asked, misses = eval_script.score(heldout, eval_script.ask_all(heldout, ask))
     assert sum(asked.values()) == 48 and set(asked) == {"greet", "repeat", "reverse", "recall"}
     assert sum(right.values()) >= 0.5 * 48, (right, misses[:5])
     assert right["greet"] >= 10 and right["recall"] >= 6, right
@@ -142,13 +142,13 @@ def test_repl_clear_blank_lines_and_exit(demo):
     """Each line a message, each reply a line; after /clear the model answers as in a new
     conversation (--prompt), before it as one that knows the name."""
     out_dir, _ = demo
-    lines = "My name is Zuvaki.\n\nWhat is my name?\n/clear\nWhat is my name?\n/exit\nRepeat after me: never asked\n"
+    lines = "My name is Zuvaki.\n\nWhat is my name?\n/clera\n/clear\nWhat is my name?\n/exit\nRepeat after me: never asked\n"
     result = chat(out_dir, "--temperature=0", stdin=lines)
     replies = result.stdout.split("\n")
-    assert len(replies) == 4 and replies[-1] == ""  # three replies: the blank line and what follows /exit ask nothing
+    assert len(replies) == 4 and replies[-1] == ""  # three replies: the blank line, /clera and what follows /exit ask nothing
     fresh = chat(out_dir, "--temperature=0", "--prompt=What is my name?").stdout
     assert replies[0] == "Nice to meet you, Zuvaki!" and replies[2] + "\n" == fresh != replies[1] + "\n"
-    assert "cleared" in result.stderr
+    assert "cleared" in result.stderr and "unknown command /clera" in result.stderr
 
 
 def test_the_conversation_past_its_context(demo, capsys):

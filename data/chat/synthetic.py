@@ -14,12 +14,13 @@ Four intents, one exchange each; a conversation has one to three exchanges:
     repeat    "Repeat after me: sule pova kire"  -> "sule pova kire"
     reverse   "Reverse: sule pova kire"          -> "kire pova sule"
     recall    "What is my name?"                 -> "Your name is Dovaki."   (after a greet, in a later turn)
-Words are made-up: names of 2-3 syllables, the phrases' words of 2 (their 2-3 words then fit
-the few steps of the CPU demo). Every possible word is either a training word or a held-out
-word (by a hash of its text), and held-out conversations use held-out words only: a model
-answers them by copying from the prompt, not by remembering a phrase. Its tokens are seen in
-training all the same, since every syllable begins some training word; a one-syllable word
-would not be, so there are none (a token never trained cannot be copied).
+Words are made-up strings of consonant-vowel syllables: names of 2-3, the phrases' words of 2
+(2-3 words a phrase, short enough for the CPU demo's few steps). Every possible word is either
+a training word or a held-out word (by a hash of its text), and held-out conversations use
+held-out words only: a model answers them by copying from the prompt, not by remembering a
+phrase. A held-out word is a new combination of syllables that training words have; there are
+no one-syllable words, as a held-out one could be a token that training never shows, which no
+model can copy.
 """
 
 import argparse
@@ -28,6 +29,11 @@ import os
 import random
 import sys
 import zlib
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root
+
+from configurator import UserError, run_main  # noqa: E402 (after the path line above)
+from data.corpus import Parser  # noqa: E402
 
 CONSONANTS = "bdfgklmnprstvz"
 VOWELS = "aeiou"
@@ -108,14 +114,14 @@ def write_jsonl(path, records):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out_dir", required=True, help="train.jsonl, heldout.jsonl and text.txt go here")
-    p.add_argument("--n", type=int, default=20000, help="training conversations (default: %(default)s)")
+    p.add_argument("--n", type=int, default=60000, help="training conversations (default: %(default)s)")
     p.add_argument("--n_heldout", type=int, default=200, help="held-out conversations (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="the same seed writes the same files (default: %(default)s)")
     args = p.parse_args(argv)
     if args.n < 1 or args.n_heldout < 0:
-        p.error("--n must be at least 1 and --n_heldout at least 0")
+        raise UserError("--n must be at least 1 and --n_heldout at least 0")
     rng = random.Random(args.seed)
     words = Words(rng, heldout=False)
     train = [{"messages": conversation(words, random_intents(rng))["messages"]} for _ in range(args.n)]
@@ -127,10 +133,10 @@ def main(argv=None):
         with open(os.path.join(args.out_dir, "text.txt"), "w", encoding="utf-8") as f:
             f.writelines(m["content"] + "\n" for c in train for m in c["messages"])
     except OSError as e:
-        sys.exit(f"error: cannot write to --out_dir {args.out_dir} ({e.strerror or e})")
+        raise UserError(f"cannot write to --out_dir {args.out_dir} ({e.strerror or e})")
     print(f"wrote {args.out_dir}: train.jsonl ({args.n:,} conversations), heldout.jsonl ({args.n_heldout:,}), text.txt")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)
