@@ -125,7 +125,7 @@ def chat(out_dir, *args, stdin=None):
 def test_the_demo_model_answers_held_out_prompts(demo):
     """Greedy replies through chat.py, word for word: one turn through --prompt, the name recalled
     a turn later through the REPL. Untrained, every answer is wrong; the 250 steps here get about
-    two in three right (the demo's 1,200 steps, BENCHMARKS.md §10: 94%)."""
+    two in three right (the demo's 1,200 steps: 96.5%, BENCHMARKS.md §10)."""
     eval_script = load_script("scripts/chat_eval.py")
     out_dir, heldout = demo
 
@@ -161,8 +161,8 @@ def test_the_conversation_past_its_context(demo, capsys):
     model, template = chat_py.load(cfg, chat_py.runtime.setup("cpu"), lambda text: None)
     conv = chat_py.Conversation(model, template, "Answer briefly.", 64, "cpu")
     head, notes = list(conv.head), 0
-    for i, message in enumerate(["My name is Dovaki.", "Repeat after me: sule pova", "Reverse: kire sule",
-                                 "Repeat after me: pova kire", "Who am I?", "Reverse: sule pova kire"]):
+    for message in ["My name is Dovaki.", "Repeat after me: sule pova", "Reverse: kire sule",
+                    "Repeat after me: pova kire", "Who am I?", "Reverse: sule pova kire"]:
         conv.reply(message, cfg, lambda text: None)
         ids = conv.ids
         assert len(ids) <= 64 + 1 and ids[: len(head)] == head and ids[-1] == template.end_id
