@@ -241,6 +241,34 @@ class SampleConfig:
 
 
 @dataclass
+class ChatConfig:
+    init_from: str = "resume"  # 'resume' (a chat checkpoint from out_dir), or a Hugging Face Llama directory with Llama 3's chat tokens (Llama 3.2 Instruct) or a GPT-2 one exported by hf.py from a chat checkpoint
+    out_dir: str = "out"  # where the checkpoint is
+    checkpoint: str = "best"  # 'best' (ckpt_best.pt or ckpt_best/ when present) or 'latest' (ckpt.pt or the newest ckpt_<iter>/)
+    system: str = ""  # the system message, kept when old exchanges are dropped; '': none
+    prompt: Optional[str] = None  # one user message: print the reply alone on stdout and exit (for scripts); None: chat
+    max_new_tokens: int = 512  # the longest reply, in tokens
+    context: int = 0  # tokens of conversation the model reads at most (the KV cache's size); 0: block_size, at most 8192
+    temperature: float = 0.7  # <1 sharper, >1 more random; 0 is greedy (always the most likely token)
+    top_k: Optional[int] = None  # keep only the k most likely tokens; None keeps all
+    top_p: float = 0.9  # nucleus: keep the most likely tokens until their probabilities add up to top_p; 1.0 keeps all
+    seed: int = 1337  # the same seed gives the same replies to the same messages
+    device: str = "auto"  # 'auto', 'cpu', 'cuda', 'cuda:1', 'mps'
+    dtype: str = "auto"  # 'auto', 'float32', 'bfloat16', 'float16'
+    compile: bool = False  # torch.compile the model
+
+    def __post_init__(self):
+        _require_init_from(self.init_from, ("resume",))
+        _require_choice("checkpoint", self.checkpoint, ("best", "latest"))
+        _require(self.prompt is None or self.prompt.strip(), "--prompt is empty; give the user's message, or leave it out to chat")
+        _require(self.max_new_tokens >= 1, f"max_new_tokens={self.max_new_tokens} must be at least 1")
+        _require(self.context >= 0, f"context={self.context} must be >= 0 (0: the model's block_size)")
+        _require(self.temperature >= 0, f"temperature={self.temperature} must be >= 0 (0 means greedy)")
+        _require(self.top_k is None or self.top_k >= 1, f"top_k={self.top_k} must be at least 1, or None")
+        _require(0 < self.top_p <= 1, f"top_p={self.top_p} must be in (0, 1]; 1.0 turns nucleus sampling off")
+
+
+@dataclass
 class ExportConfig:
     out_dir: str = "out"  # the training run whose checkpoint is exported
     checkpoint: str = "best"  # 'best' (ckpt_best.pt or ckpt_best/ when present) or 'latest' (ckpt.pt or the newest ckpt_<iter>/)

@@ -40,6 +40,7 @@ import torch
 import checkpoint
 import tokenizer
 from configurator import GPT2_MODELS, ROPE_SCALING_KEYS, ExportConfig, UserError, parse, run_main
+from data.chat.template import Template, write_hf_tokenizer
 from model import GPT, GPT2_CONV1D, GPTConfig
 
 GPT2_VOCAB = 50257  # GPT-2's BPE tokens; <|endoftext|> is the last one
@@ -409,28 +410,29 @@ def export_architecture(c):
                     f"nor a Llama its {', '.join(llama)}")
 
 
-def hf_config(config, vocab_size):
+def hf_config(config, vocab_size, special=None):
     """A transformers GPT2Config for our GPTConfig, or a one-line error naming what
-    GPT2LMHeadModel cannot express."""
+    GPT2LMHeadModel cannot express. special: (bos, eos) token ids; default GPT-2's <|endoftext|>
+    for its 50257 tokens."""
     c = config
     unsupported = gpt2_lacks(c)
     if unsupported:
         raise UserError(f"this model has {', '.join(unsupported)}: a Hugging Face GPT-2 cannot hold it, so it cannot be exported")
-    bpe = vocab_size == GPT2_VOCAB
+    bos, eos = special or ((GPT2_VOCAB - 1,) * 2 if vocab_size == GPT2_VOCAB else (None, None))
     return _transformers().GPT2Config(
         vocab_size=vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer, n_head=c.n_head,
         n_inner=None if c.mlp_hidden == 4 * c.n_embd else c.mlp_hidden, activation_function=EXPORT_ACTIVATIONS[c.mlp],
         layer_norm_epsilon=c.norm_eps, resid_pdrop=c.dropout, embd_pdrop=c.dropout, attn_pdrop=c.dropout, tie_word_embeddings=c.tie_embeddings,
-        bos_token_id=GPT2_VOCAB - 1 if bpe else None, eos_token_id=GPT2_VOCAB - 1 if bpe else None,
+        bos_token_id=bos, eos_token_id=eos,
         architectures=["GPT2LMHeadModel"],
     )
 
 
-def hf_from_gpt(model, vocab_size=None):
+def hf_from_gpt(model, vocab_size=None, special=None):
     """A GPT2LMHeadModel with our GPT's weights and its first vocab_size tokens (default: all
-    of them); its logits agree with ours to float32 rounding."""
+    of them); its logits agree with ours to float32 rounding. special: see hf_config."""
     vocab_size = vocab_size or model.config.vocab_size
-    hf_model = _transformers().GPT2LMHeadModel(hf_config(model.config, vocab_size))
+    hf_model = _transformers().GPT2LMHeadModel(hf_config(model.config, vocab_size, special))
     ours = model.state_dict()
     theirs = hf_model.state_dict()
     # without biases our GPT has no bias tensors; Hugging Face's get zeros, which add nothing
@@ -448,10 +450,12 @@ def hf_from_gpt(model, vocab_size=None):
     return hf_model.eval()
 
 
-def llama_config(c, tok_spec):
+def llama_config(c, tok_spec, special=None):
     """The config.json of a LlamaForCausalLM for our GPTConfig c (vocab_size as exported), in
-    the keys Llama 3's own config.json has, which transformers 4 and 5 and vLLM all read."""
+    the keys Llama 3's own config.json has, which transformers 4 and 5 and vLLM all read.
+    special: (bos, eos) token ids; default the tokenizer's."""
     eot = tokenizer.eot(tok_spec)
+    bos, eos = special or (_bos(tok_spec, eot), eot)
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": c.vocab_size, "hidden_size": c.n_embd, "intermediate_size": c.mlp_hidden,
@@ -460,7 +464,7 @@ def llama_config(c, tok_spec):
         "rms_norm_eps": c.norm_eps, "rope_theta": c.rope_theta,
         "rope_scaling": None if c.rope_scaling is None else {**c.rope_scaling, "rope_type": "llama3"},
         "attention_bias": c.bias, "mlp_bias": c.bias, "attention_dropout": 0.0, "tie_word_embeddings": c.tie_embeddings,
-        "bos_token_id": _bos(tok_spec, eot), "eos_token_id": eot, "initializer_range": 0.02, "torch_dtype": "float32",
+        "bos_token_id": bos, "eos_token_id": eos, "initializer_range": 0.02, "torch_dtype": "float32",
         "use_cache": True,
     }
 
@@ -489,14 +493,18 @@ def export(model, tok_spec, export_dir):
     options make it (config.json, model.safetensors; a Llama also generation_config.json), with
     its tokenizer's files where Hugging Face can read them. A GPT-2 BPE model keeps GPT-2's 50257
     tokens (the padding rows of nanoGPT's 50304 are never targets); others keep their own.
+    A chat model (trained on data/chat/prepare.py's data) keeps its turn tokens, its tokenizer
+    gets them as special tokens and its chat template, and generate() stops at the end of a turn.
     Returns the architecture: 'gpt2' or 'llama'."""
     arch = export_architecture(model.config)
-    bpe = is_gpt2_bpe(tok_spec)
+    chat = Template(tok_spec) if "chat" in tok_spec else None
+    bpe = is_gpt2_bpe(tok_spec) and chat is None  # GPT-2's turn tokens come after its 50257
     vocab_size = min(model.config.vocab_size, GPT2_VOCAB) if bpe else model.config.vocab_size
+    special = (chat.id["bos"], chat.end_id) if chat else None  # eos: generation_config.json's too
     if arch == "gpt2":
-        hf_model = hf_from_gpt(model, vocab_size)  # float32 on the CPU, whatever model's device and dtype
+        hf_model = hf_from_gpt(model, vocab_size, special)  # float32 on the CPU, whatever model's device and dtype
     else:
-        config = llama_config(dataclasses.replace(model.config, vocab_size=vocab_size), tok_spec)
+        config = llama_config(dataclasses.replace(model.config, vocab_size=vocab_size), tok_spec, special)
         tensors = llama_weights(model, vocab_size)
     try:
         os.makedirs(export_dir, exist_ok=True)
@@ -507,7 +515,10 @@ def export(model, tok_spec, export_dir):
             _write_json(os.path.join(export_dir, "generation_config.json"),
                         {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
             _safetensors().save_file(tensors, os.path.join(export_dir, "model.safetensors"), metadata={"format": "pt"})
-        write_tokenizer(tok_spec, export_dir)
+        if chat:
+            write_hf_tokenizer(tok_spec, export_dir, model_max_length=model.config.block_size)
+        else:
+            write_tokenizer(tok_spec, export_dir)
     except OSError as e:
         raise UserError(f"cannot write {export_dir} ({e.strerror or e}); choose a writable --export_dir")
     return arch

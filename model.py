@@ -169,13 +169,15 @@ class CausalSelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        causal = True  # training, and several new tokens filling an empty cache
+        causal, mask = True, None  # training, and several new tokens filling an empty cache
         if kv is not None:
             k, v = kv(k, v)  # (B, n_kv, cached + T, hs)
             if T == 1:  # one new token sees every cached key: no mask (is_causal would leave it only the first)
                 causal = False
-            else:
-                assert k.size(2) == T, "several new tokens after cached ones would need an explicit mask"
+            elif k.size(2) > T:  # several new tokens after cached ones: a conversation's next turn
+                # is_causal aligns its mask top-left; new token i must see every cached key and new ones up to i
+                mask = torch.ones(T, k.size(2), dtype=torch.bool, device=q.device).tril(k.size(2) - T)  # (T, cached + T)
+                causal = False
         groups = self.n_head // self.n_kv_head
         if groups > 1 and q.dtype == torch.float32 and q.device.type != "cpu":
             # GPU kernels share k/v heads in half precision only; in float32 SDPA would fall back
@@ -184,7 +186,7 @@ class CausalSelfAttention(nn.Module):
         # flash attention where the device has it; is_causal masks the future without building a
         # mask; enable_gqa lets each k/v head serve its group of q heads without copying it
         with sdpa_kernel(SDPA_BACKENDS[self.attention]) if self.attention != "auto" else nullcontext():
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
                                                is_causal=causal, enable_gqa=k.size(1) != self.n_head)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
         return self.resid_dropout(self.c_proj(y))
@@ -427,7 +429,7 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate_tokens(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=1.0, kv_cache=True,
-                        window_shift=None, stop_token=None):
+                        window_shift=None, stop_token=None, cache=None):
         """Yield the next token of every row of idx (B, T), as a (B, 1) tensor, max_new_tokens
         times. temperature 0 is greedy; otherwise sample from the softmax of logits/temperature
         restricted to the top_k tokens and then to the top_p nucleus. A row that has produced
@@ -443,15 +445,23 @@ class GPT(nn.Module):
         block_size tokens, with or without the cache (the two give the same tokens).
         window_shift=1 is nanoGPT's context (always the last block_size tokens) but costs a
         full recompute per token past block_size; the default, block_size // 8, recomputes
-        once every block_size // 8 tokens."""
+        once every block_size // 8 tokens.
+
+        cache, to go on from an earlier call (chat.py keeps a conversation's): a KVCache that holds
+        idx[:, :cache.length] already, so only the rest of idx is run. It keeps every token given
+        to the model, i.e. all the new ones but the last. It never slides: idx and the new tokens
+        must fit in its room."""
         block_size = self.config.block_size
         window_shift = window_shift or max(1, block_size // 8)
         assert 1 <= window_shift < block_size, "window_shift must be in [1, block_size)"
-        # room for every token this call can see at once: a model with a long context (Llama 3.2's
-        # 131072) sampling a few hundred tokens needs a few hundred positions, not block_size
-        cache = KVCache(self.config, idx.size(0), min(block_size, idx.size(1) + max_new_tokens)) if kv_cache else None
+        if cache is None and kv_cache:
+            # room for every token this call can see at once: a model with a long context (Llama 3.2's
+            # 131072) sampling a few hundred tokens needs a few hundred positions, not block_size
+            cache = KVCache(self.config, idx.size(0), min(block_size, idx.size(1) + max_new_tokens))
+        elif cache is not None:
+            assert cache.length <= idx.size(1) and idx.size(1) + max_new_tokens - 1 <= cache.room, "the cache cannot slide"
         start = max(0, idx.size(1) - block_size)  # the window is idx[:, start:]
-        seen = start  # tokens before this are in the cache
+        seen = start if cache is None else max(start, cache.length)  # tokens before this are in the cache
         done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)  # rows that produced stop_token
         for _ in range(max_new_tokens):
             if idx.size(1) - start > block_size:  # the window is full: slide it
@@ -500,7 +510,8 @@ class KVCache:
 
     def __init__(self, config, batch_size, room=None):
         # n_kv_head heads: grouped-query attention shrinks the cache by n_head / n_kv_head
-        self.shape = (config.n_layer, batch_size, config.n_kv_head, room or config.block_size, config.n_embd // config.n_head)
+        self.room = room or config.block_size
+        self.shape = (config.n_layer, batch_size, config.n_kv_head, self.room, config.n_embd // config.n_head)
         self.k = self.v = None  # (L, B, n_kv, room, hs), made on first use in the dtype attention computes in
         self.length = 0
 

@@ -1,0 +1,110 @@
+"""How many held-out conversations a chat model answers exactly, asked through chat.py.
+
+    python scripts/chat_eval.py --out_dir=out-chat-demo --heldout=data/chat_demo/heldout.jsonl
+    python scripts/chat_eval.py --out_dir=out-chat-demo --heldout=data/chat_demo/heldout.jsonl --limit=100 --jobs=1
+
+Each line of --heldout is a conversation ({"messages": [...], "intent": ...}, as data/chat/synthetic.py
+writes them). Its user turns are asked and its assistant turns expected, word for word, at
+--temperature=0: a conversation with one user turn through `chat.py --prompt=...`, a longer one
+through chat.py's REPL with the turns on stdin (one line each, so replies must be one line). A
+system message goes in as --system. One chat.py process per conversation, --jobs at a time.
+Prints the accuracy by intent and overall, the first few misses, and the wall time.
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from configurator import UserError, run_main  # noqa: E402 (after the path line above)
+from data.corpus import Parser  # noqa: E402
+
+
+def turns(conversation):
+    """(system message or '', the user turns, the assistant turns expected)."""
+    messages = conversation["messages"]
+    system = messages[0]["content"] if messages[0]["role"] == "system" else ""
+    return (system, [m["content"] for m in messages if m["role"] == "user"],
+            [m["content"] for m in messages if m["role"] == "assistant"])
+
+
+def chat_args(system, users):
+    """chat.py's arguments and stdin for one conversation."""
+    args = ["--temperature=0"] + ([f"--system={system}"] if system else [])
+    if len(users) == 1:
+        return args + [f"--prompt={users[0]}"], None
+    return args, "".join(u + "\n" for u in users)
+
+
+def ask_all(conversations, ask, jobs=1):
+    """chat.py's stdout for each conversation, `jobs` at a time. ask(args, stdin) runs chat.py."""
+    with ThreadPoolExecutor(jobs) as pool:  # threads that wait for processes
+        return list(pool.map(lambda conv: ask(*chat_args(*turns(conv)[:2])), conversations))
+
+
+def score(conversations, outputs):
+    """(right, asked) Counters by intent, and the misses [(users, expected, got)], from chat.py's
+    outputs for the conversations."""
+    right, asked, misses = Counter(), Counter(), []
+    for conv, output in zip(conversations, outputs):
+        _, users, expected = turns(conv)
+        got = output.split("\n")[: len(expected)]  # one reply per line, each ended by a newline
+        intent = conv.get("intent", "all")
+        asked[intent] += 1
+        if got == expected:
+            right[intent] += 1
+        else:
+            misses.append((users, expected, got))
+    return right, asked, misses
+
+
+def subprocess_ask(chat_flags):
+    def ask(args, stdin):
+        result = subprocess.run([sys.executable, str(REPO / "chat.py"), *chat_flags, *args], input=stdin,
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            lines = result.stderr.strip().splitlines()
+            raise UserError(f"chat.py failed: {lines[-1].removeprefix('error: ') if lines else f'exit code {result.returncode}'}")
+        return result.stdout
+
+    return ask
+
+
+def report(right, asked, misses, seconds, show=5):
+    n, ok = sum(asked.values()), sum(right.values())
+    by_intent = ", ".join(f"{k} {right[k]}/{asked[k]}" for k in sorted(asked))
+    print(f"accuracy: {ok}/{n} = {ok / max(n, 1):.1%} ({by_intent}) in {seconds:.1f} s")
+    for users, expected, got in misses[:show]:
+        print(f"  miss: {users} -> {got}, expected {expected}")
+
+
+def main(argv=None):
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out_dir", required=True, help="the chat model's training run")
+    p.add_argument("--heldout", required=True, help="conversations to ask, .jsonl")
+    p.add_argument("--limit", type=int, default=0, help="ask only the first N (default: all)")
+    p.add_argument("--jobs", type=int, default=2, help="chat.py processes at a time (default: %(default)s)")
+    p.add_argument("--device", default="cpu", help="chat.py's --device (default: %(default)s)")
+    args = p.parse_args(argv)
+    try:
+        with open(args.heldout, encoding="utf-8") as f:
+            conversations = [json.loads(line) for line in f if line.strip()]
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read --heldout {args.heldout} ({e})")
+    conversations = conversations[: args.limit or None]
+    ask = subprocess_ask([f"--out_dir={args.out_dir}", f"--device={args.device}"])
+    start = time.perf_counter()
+    outputs = ask_all(conversations, ask, args.jobs)
+    report(*score(conversations, outputs), time.perf_counter() - start)
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,285 @@
+"""chat.py and the chat export: the KV cache carried across turns against a model that reads the
+whole history; a GPT trained here from scratch on data/chat/synthetic.py's task (config/chat_demo_cpu.py,
+shortened) answering held-out prompts through `chat.py --prompt` and the REPL; the conversation
+past its context; and hf.py's export, where transformers' apply_chat_template gives the ids chat.py
+feeds the model and its greedy generate() the reply chat.py prints, for a GPT-2 with a trained
+tokenizer, a GPT-2 with GPT-2's BPE, and a Llama with Llama 3's template."""
+
+import dataclasses
+import io
+import json
+import math
+import sys
+
+import pytest
+import torch
+
+import tokenizer
+from configurator import TrainConfig, parse
+from conftest import REPO, load_script, run_script, train_tiny_run
+from data.chat.template import Template
+from model import GPT, GPTConfig, KVCache
+from test_chat_template import make_llama3_tokenizer
+
+SMALL = dict(n_layer=2, n_head=2, n_embd=32, block_size=128, dropout=0.0)
+LLAMA = dict(SMALL, n_kv_head=1, pos_encoding="rope", norm="rmsnorm", mlp="swiglu", bias=False, tie_embeddings=False)
+
+
+# ---------------------------------------------------------------------------- the cache across turns
+
+
+@pytest.mark.parametrize("shape", [SMALL, LLAMA], ids=["gpt2", "llama"])
+def test_a_carried_cache_generates_what_the_whole_history_does(shape):
+    """Turn after turn on one cache, each call running only its new tokens, gives the greedy tokens
+    of a model that reads the whole history every time without a cache; and a chunk of new tokens
+    after cached ones gets the logits of the full forward pass."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50, **shape)).eval()
+    history = torch.randint(0, 50, (1, 7))
+    cache = KVCache(model.config, 1, 64)
+    for turn in range(4):
+        theirs = model.generate(history, 6, temperature=0, kv_cache=False)[:, history.size(1) :]
+        ours = torch.cat(list(model.generate_tokens(history, 6, temperature=0, cache=cache)), dim=1)
+        assert torch.equal(ours, theirs)
+        assert cache.length == history.size(1) + 5  # every token given to the model: all but the last new one
+        history = torch.cat([history, ours, torch.randint(0, 50, (1, 3 + turn))], dim=1)  # the user's next turn
+
+    cache = KVCache(model.config, 1, 64)
+    with torch.no_grad():
+        model(history[:, :10], cache=cache)
+        chunk, _ = model(history[:, 10:], cache=cache, all_logits=True)
+        full, _ = model(history, all_logits=True)
+    torch.testing.assert_close(chunk, full[:, 10:], rtol=1e-5, atol=1e-5)
+
+
+def test_stream_holds_back_a_character_until_its_last_byte():
+    """GPT-2 BPE splits 🙂 and 東 into byte tokens: the text streamed is the whole text, in pieces
+    that never show a half-made character as U+FFFD."""
+    chat_py = load_script("chat.py")
+    template = Template(tokenizer.make_spec("gpt2"))
+    text = "Hi 🙂 東京 naïve!"
+    ids = tokenizer.encoding("gpt2").encode(text)
+    pieces = []
+    stream = chat_py.Stream(template.decode, pieces.append)
+    for n in range(1, len(ids) + 1):
+        stream.update(ids[:n], final=n == len(ids))
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+    assert len(pieces) < len(ids)  # some tokens showed nothing on their own
+
+
+# ---------------------------------------------------------------------------- the synthetic task
+
+
+def test_synthetic_held_out_conversations_use_unseen_words(tmp_path):
+    synthetic = load_script("data/chat/synthetic.py")
+    synthetic.main([f"--out_dir={tmp_path}", "--n=3000", "--n_heldout=40", "--seed=3"])
+    read = lambda name: [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
+    train, heldout = read("train.jsonl"), read("heldout.jsonl")
+    train_text = (tmp_path / "text.txt").read_text()
+    assert train_text.splitlines() == [m["content"] for c in train for m in c["messages"]]
+    words = lambda text: {w.strip(".,!?:").lower() for w in text.split()}
+    fixed = words(" ".join(synthetic.GREETINGS + synthetic.RECALLS + synthetic.SYSTEMS)
+                  + " Nice to meet you, Your name is Repeat after me: Reverse:")
+    held = set().union(*(words(m["content"]) for c in heldout for m in c["messages"])) - fixed
+    assert len(held) > 60 and all(synthetic.held_out(w) for w in held)
+    assert not held & words(train_text) and not any(synthetic.held_out(w) for w in words(train_text) - fixed)
+    for c in heldout:
+        (*_, user), reply = [m["content"] for m in c["messages"] if m["role"] == "user"], c["messages"][-1]["content"]
+        if c["intent"] == "reverse":
+            assert reply.split() == user.removeprefix("Reverse: ").split()[::-1]
+        if c["intent"] == "recall":
+            assert reply.removeprefix("Your name is ").rstrip(".") in c["messages"][-3]["content"]
+    assert {c["intent"] for c in heldout} == set(synthetic.INTENTS)
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """config/chat_demo_cpu.py's whole path at a fifth of its steps: synthetic conversations,
+    a 512-token tokenizer, prepare.py, train.py (in this process)."""
+    root = tmp_path_factory.mktemp("chat_demo")
+    data = root / "data"
+    load_script("data/chat/synthetic.py").main([f"--out_dir={data}", "--n=15000", "--n_heldout=48", "--seed=0"])
+    load_script("data/train_tokenizer.py").main(["--input", str(data / "text.txt"), "--vocab_size=512", f"--out_dir={data}"])
+    load_script("data/chat/prepare.py").main(["--input", str(data / "train.jsonl"), f"--tokenizer={data / 'tokenizer.json'}",
+                                              f"--out_dir={data}", "--block_size=128"])
+    steps = 250
+    result = run_script("train.py", "config/chat_demo_cpu.py", f"--dataset={data}", f"--out_dir={root / 'out'}",
+                        f"--max_iters={steps}", f"--lr_decay_iters={steps}", f"--eval_interval={steps}", "--eval_iters=2")
+    assert result.returncode == 0, result.stderr
+    heldout = [json.loads(line) for line in (data / "heldout.jsonl").read_text().splitlines()]
+    return root / "out", heldout
+
+
+def chat(out_dir, *args, stdin=None):
+    """chat.py in this process; stdin: the REPL's lines."""
+    saved = sys.stdin
+    sys.stdin = io.StringIO(stdin or "")
+    try:
+        result = run_script("chat.py", f"--out_dir={out_dir}", "--device=cpu", *args)
+    finally:
+        sys.stdin = saved
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+def test_the_demo_model_answers_held_out_prompts(demo):
+    """Greedy replies through chat.py, word for word: one turn through --prompt, the name recalled
+    a turn later through the REPL. Untrained, every answer is wrong; the 250 steps here get about
+    two in three right (the demo's 1,200 steps: 96.5%, BENCHMARKS.md §10)."""
+    eval_script = load_script("scripts/chat_eval.py")
+    out_dir, heldout = demo
+
+    def ask(args, stdin):
+        return chat(out_dir, *args, stdin=stdin).stdout
+
+    right, asked, misses = eval_script.score(heldout, eval_script.ask_all(heldout, ask))
+    assert sum(asked.values()) == 48 and set(asked) == {"greet", "repeat", "reverse", "recall"}
+    assert sum(right.values()) >= 0.5 * 48, (right, misses[:5])
+    assert right["greet"] >= 10 and right["recall"] >= 6, right
+
+
+def test_repl_clear_blank_lines_and_exit(demo):
+    """Each line a message, each reply a line; after /clear the model answers as in a new
+    conversation (--prompt), before it as one that knows the name."""
+    out_dir, _ = demo
+    lines = "My name is Zuvaki.\n\nWhat is my name?\n/clera\n/clear\nWhat is my name?\n/exit\nRepeat after me: never asked\n"
+    result = chat(out_dir, "--temperature=0", stdin=lines)
+    replies = result.stdout.split("\n")
+    assert len(replies) == 4 and replies[-1] == ""  # three replies: the blank line, /clera and what follows /exit ask nothing
+    fresh = chat(out_dir, "--temperature=0", "--prompt=What is my name?").stdout
+    assert replies[0] == "Nice to meet you, Zuvaki!" and replies[2] + "\n" == fresh != replies[1] + "\n"
+    assert "cleared" in result.stderr and "unknown command /clera" in result.stderr
+
+
+def test_the_conversation_past_its_context(demo, capsys):
+    """With a 64-token context the oldest exchanges are dropped (the system message stays) and
+    the rest is read again once, with one note on stderr; after every reply the carried cache
+    holds exactly the keys and values of a fresh read of the conversation."""
+    chat_py = load_script("chat.py")
+    out_dir, _ = demo
+    cfg = parse(chat_py.ChatConfig, [f"--out_dir={out_dir}", "--temperature=0", "--max_new_tokens=20"])
+    model, template = chat_py.load(cfg, chat_py.runtime.setup("cpu"), lambda text: None)
+    conv = chat_py.Conversation(model, template, "Answer briefly.", 64, "cpu")
+    head, notes = list(conv.head), 0
+    for message in ["My name is Dovaki.", "Repeat after me: sule pova", "Reverse: kire sule",
+                    "Repeat after me: pova kire", "Who am I?", "Reverse: sule pova kire"]:
+        conv.reply(message, cfg, lambda text: None)
+        ids = conv.ids
+        assert len(ids) <= 64 + 1 and ids[: len(head)] == head and ids[-1] == template.end_id
+        fresh = KVCache(model.config, 1, 64)
+        with torch.no_grad():
+            model(torch.tensor([ids[: conv.cache.length]]), cache=fresh)
+        torch.testing.assert_close(conv.cache.k[:, :, :, : fresh.length], fresh.k[:, :, :, : fresh.length], rtol=1e-5, atol=1e-6)
+        assert len(ids) - 2 <= conv.cache.length < len(ids)  # not the last token generated, nor an end token added to a cut reply
+        notes += capsys.readouterr().err.count("dropped the")
+    assert notes >= 2 and len(conv.exchanges) < 6
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+def test_errors_are_one_line(demo, tmp_path):
+    out_dir, _ = demo
+    plain = train_tiny_run(tmp_path)  # a character model trained on plain text
+    cases = [([f"--out_dir={plain}"], "fine-tune it on chat data first"),
+             ([f"--out_dir={out_dir}", "--temperature=-1"], "temperature=-1"),
+             ([f"--out_dir={out_dir}", "--top_p=0"], "top_p=0"),
+             ([f"--out_dir={out_dir}", "--prompt= "], "--prompt is empty"),
+             ([f"--out_dir={out_dir}", "--context=4096"], "longer than the model's block_size=128"),
+             ([f"--out_dir={out_dir}", "--prompt=" + "Repeat after me: sule " * 60], "shorten it"),
+             ([f"--out_dir={out_dir}", "--tempreature=0"], "did you mean temperature"),
+             ([f"--out_dir={tmp_path / 'nothing'}"], "does not exist")]
+    for args, message in cases:
+        result = run_script("chat.py", *args)
+        assert result.returncode == 2 and result.stdout == "", (args, result.stdout)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (args, result.stderr)
+
+
+def test_configs_parse():
+    demo_cfg = parse(TrainConfig, [str(REPO / "config/chat_demo_cpu.py")])
+    assert demo_cfg.dataset == "chat_demo" and demo_cfg.device == "cpu"
+    sft = parse(TrainConfig, [str(REPO / "config/sft_gpt2_smoltalk.py")])
+    tokens_per_step = sft.batch_size * sft.block_size * sft.gradient_accumulation_steps
+    assert sft.init_from == "gpt2" and sft.block_size == 1024 and 64_000 <= tokens_per_step <= 131_072
+    assert 1e-5 <= sft.learning_rate <= 5e-5
+
+
+# ---------------------------------------------------------------------------- export
+
+
+def save_chat_checkpoint(out_dir, model, spec):
+    """A checkpoint as train.py writes it for chat data (its tokenizer description records the template)."""
+    template = Template(spec)
+    out_dir.mkdir()
+    torch.save({"model": model.state_dict(), "model_args": dataclasses.asdict(model.config), "config": {}, "iter_num": 0,
+                "best_val_loss": math.nan, "tokenizer": {**spec, "vocab_size": template.vocab_size, "chat": template.meta()}},
+               out_dir / "ckpt.pt")
+    return out_dir
+
+
+CONVERSATIONS = [[{"role": "user", "content": "Reverse: sule pova kire"}],
+                 [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "My name is Dovaki."}],
+                 [{"role": "user", "content": "Hi, I'm Zuvaki. 東京 🙂"}]]
+
+
+def check_export(out_dir, max_new_tokens, *, expect_end=False, init_from_export=False):
+    """hf.py's export of out_dir: its tokenizer's apply_chat_template gives the ids chat.py feeds
+    the model (Template.render, add_generation_prompt=True), and greedy generate() with the
+    end-of-turn token as eos the reply `chat.py --prompt --temperature=0` prints."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    result = run_script("hf.py", f"--out_dir={out_dir}")
+    assert result.returncode == 0, result.stderr
+    export_dir = out_dir / "hf"
+    hf_tok, hf_model = AutoTokenizer.from_pretrained(str(export_dir)), AutoModelForCausalLM.from_pretrained(str(export_dir))
+    spec = torch.load(out_dir / "ckpt.pt", weights_only=True)["tokenizer"]
+    template = Template(spec)
+    assert hf_model.generation_config.eos_token_id == template.end_id == hf_tok.eos_token_id
+    ended = 0
+    for messages in CONVERSATIONS:
+        ids = hf_tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+        assert ids == template.render(messages, add_generation_prompt=True)[0]
+        out = hf_model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=max_new_tokens,
+                                eos_token_id=template.end_id, pad_token_id=template.end_id)[0, len(ids) :].tolist()
+        ended += out[-1] == template.end_id
+        reply = hf_tok.decode(out[:-1] if out[-1] == template.end_id else out)
+        system = [f"--system={m['content']}" for m in messages if m["role"] == "system"]
+        source = [f"--init_from={export_dir}"] if init_from_export else []
+        ours = chat(out_dir, *source, *system, f"--prompt={messages[-1]['content']}", "--temperature=0",
+                    f"--max_new_tokens={max_new_tokens}")
+        assert ours.stdout == reply + "\n", (messages, init_from_export, ours.stderr)
+    assert ended == len(CONVERSATIONS) or not expect_end
+    return export_dir
+
+
+def test_export_gpt2_with_a_trained_tokenizer(demo):
+    """The demo's model (a GPT-2 block, the 512-token tokenizer): its replies end at <|end|>."""
+    out_dir, _ = demo
+    export_dir = check_export(out_dir, 40, expect_end=True)
+    config = json.loads((export_dir / "tokenizer_config.json").read_text())
+    assert "chat_template" in config and config["eos_token"] == "<|end|>"
+
+
+def test_export_gpt2_bpe(tmp_path):
+    """GPT-2's BPE with the four turn tokens after its 50,257 (random weights): all 50,261 tokens
+    are exported, the turn tokens special; chat.py --init_from=the export chats the same."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50261, **SMALL))
+    out_dir = save_chat_checkpoint(tmp_path / "out", model, tokenizer.make_spec("gpt2"))
+    check_export(out_dir, 12)
+    assert json.loads((out_dir / "hf" / "config.json").read_text())["vocab_size"] == 50261
+    check_export(out_dir, 12, init_from_export=True)  # chat.py reads the exported directory as GPT-2 BPE
+
+
+def test_export_llama_with_llama3_template(tmp_path):
+    """A Llama (RoPE, RMSNorm, SwiGLU, grouped-query attention; random weights) on a Llama-3-like
+    tokenizer, exported as a LlamaForCausalLM with Llama 3's chat format, chats the same through
+    chat.py from its checkpoint and from the exported directory (--init_from)."""
+    spec = tokenizer.make_spec(str(make_llama3_tokenizer(tmp_path / "tokenizer.json")))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=spec["vocab_size"], **LLAMA))
+    out_dir = save_chat_checkpoint(tmp_path / "out", model, spec)
+    export_dir = check_export(out_dir, 12)
+    assert json.loads((export_dir / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    check_export(out_dir, 12, init_from_export=True)
