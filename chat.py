@@ -30,25 +30,12 @@ import torch
 import checkpoint
 import hf
 import runtime
+import tokenizer
 from configurator import ChatConfig, UserError, parse, run_main
 from data.chat.template import Template
 from model import KVCache
 
 MAX_CONTEXT = 8192  # context=0 takes the model's block_size up to this: Llama 3.2's 131072 would be an 8 GB cache
-
-
-class Stream:
-    """Writes the text of a growing reply as it grows. A token can end inside a multi-byte
-    character, which decodes to U+FFFD until the next token completes it: that is held back."""
-
-    def __init__(self, decode, write):
-        self.decode, self.write, self.shown = decode, write, ""
-
-    def update(self, ids, final=False):
-        text = self.decode(ids)
-        if text.startswith(self.shown) and (final or not text.endswith("\ufffd")):
-            self.write(text[len(self.shown) :])
-            self.shown = text
 
 
 class Conversation:
@@ -99,7 +86,7 @@ class Conversation:
             raise UserError(f"the message is {len(new)} tokens: with the system message it leaves no room for a reply "
                             f"in the context of {self.context} tokens; shorten it")
         end = self.template.end_id
-        reply, stream = [], Stream(self.template.decode, write)
+        reply, stream = [], tokenizer.TextStream(self.template.decode, write)
         try:
             while len(reply) < cfg.max_new_tokens and reply[-1:] != [end]:
                 pending = len(new) + len(reply)

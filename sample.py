@@ -65,22 +65,6 @@ def until(ids, stop):
     return ids[: ids.index(stop)] if stop is not None and stop in ids else ids
 
 
-class Stream:
-    """Writes the text of a growing list of token ids as it grows. A BPE token can end
-    inside a multi-byte character, which decodes to U+FFFD until the next token completes
-    it: such text is held back."""
-
-    def __init__(self, decode, out):
-        self.decode, self.out, self.shown = decode, out, ""
-
-    def update(self, ids):
-        text = self.decode(ids)
-        if text.startswith(self.shown) and not text.endswith("\ufffd"):
-            self.out.write(text[len(self.shown) :])
-            self.out.flush()
-            self.shown = text
-
-
 def sample_prompt(model, cfg, ids, stop, device, stream=None):
     """num_samples continuations of ids, generated as one batch: (lists of new token ids
     cut before stop, tokens generated). stream, if given, is fed the first one as it grows."""
@@ -125,7 +109,7 @@ def main(argv=None):
             stream = None
             if streaming:
                 sys.stdout.write(text)
-                stream = Stream(decode, sys.stdout)
+                stream = tokenizer.TextStream(decode, lambda text: (sys.stdout.write(text), sys.stdout.flush()))
             samples, n = sample_prompt(model, cfg, ids, stop, rt.device, stream)
             n_tokens += n
             for i, new in enumerate(samples):

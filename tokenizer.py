@@ -254,3 +254,18 @@ def token_bytes(spec, offline=False):
     offline=True never downloads: a vocabulary that is not on this machine is a UserError."""
     # a chat data directory's description also holds its template ("chat"), a dict: not part of the vocabulary
     return _token_bytes(tuple(sorted((k, v) for k, v in spec.items() if k != "chat")), offline)
+
+
+class TextStream:
+    """Passes the text of a growing list of token ids to `write` as it grows (sample.py and
+    chat.py print tokens as they come). A BPE token can end inside a multi-byte character, which
+    decodes to U+FFFD until the next token completes it: such text is held back, unless final."""
+
+    def __init__(self, decode, write):
+        self.decode, self.write, self.shown = decode, write, ""
+
+    def update(self, ids, final=False):
+        text = self.decode(ids)
+        if text.startswith(self.shown) and (final or not text.endswith("\ufffd")):
+            self.write(text[len(self.shown) :])
+            self.shown = text

@@ -55,12 +55,11 @@ def test_a_carried_cache_generates_what_the_whole_history_does(shape):
 def test_stream_holds_back_a_character_until_its_last_byte():
     """GPT-2 BPE splits 🙂 and 東 into byte tokens: the text streamed is the whole text, in pieces
     that never show a half-made character as U+FFFD."""
-    chat_py = load_script("chat.py")
     template = Template(tokenizer.make_spec("gpt2"))
     text = "Hi 🙂 東京 naïve!"
     ids = tokenizer.encoding("gpt2").encode(text)
     pieces = []
-    stream = chat_py.Stream(template.decode, pieces.append)
+    stream = tokenizer.TextStream(template.decode, pieces.append)
     for n in range(1, len(ids) + 1):
         stream.update(ids[:n], final=n == len(ids))
     assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from conftest import run_script, tiny_args, train_tiny_run
 
 import sample
+import tokenizer
 from model import GPT, GPTConfig, KVCache, sample_next
 from test_model import TINY  # block_size 16
 
@@ -214,7 +215,6 @@ def test_sample_py_reads_the_checkpoint_on_the_cpu_and_moves_only_the_weights(tr
     host memory, and only the model goes to the device ('meta' stands in for a GPU here)."""
     import checkpoint
     import runtime
-    import tokenizer
 
     map_locations, models = [], []
     real_load, real_load_model = torch.load, checkpoint.load_model
@@ -232,18 +232,9 @@ def test_sample_py_reads_the_checkpoint_on_the_cpu_and_moves_only_the_weights(tr
     assert {p.device.type for p in models[0].parameters()} == {"meta"}
 
 
-class Chunks(list):
-    """A stdout that records each write."""
-
-    write = list.append
-
-    def flush(self):
-        pass
-
-
 def test_stream_holds_back_a_partial_character():
-    written = Chunks()
-    stream = sample.Stream(lambda ids: bytes(ids).decode("utf-8", errors="replace"), written)  # one token per byte
+    written = []
+    stream = tokenizer.TextStream(lambda ids: bytes(ids).decode("utf-8", errors="replace"), written.append)  # a token per byte
     data = list("a é!".encode())  # é is two bytes
     for n in range(1, len(data) + 1):
         stream.update(data[:n])
