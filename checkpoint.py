@@ -368,6 +368,14 @@ def load_newest(out_dir, map_location="cpu", report=print):
     return best
 
 
+def holds_checkpoint(path):
+    """True when directory `path` holds a checkpoint of this trainer: a training run's out_dir."""
+    if not os.path.isdir(path):
+        return False
+    files = any(os.path.isfile(os.path.join(path, name)) for name in ("ckpt.pt", "ckpt_best.pt"))
+    return files or any(os.path.exists(os.path.join(p, COMMIT)) for p in _sharded_dirs(path).values())
+
+
 def load_model(out_dir, which="best", map_location="cpu", report=print):
     """(model, tokenizer description) from a training run's checkpoint of either format:
     ckpt_best.pt / ckpt_best when which='best' and it exists, else the newest. The model is in

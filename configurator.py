@@ -62,7 +62,7 @@ class TrainConfig:
     keep_last: int = 1  # checkpoints kept: ckpt.pt is the newest; with N > 1 the N newest also stay as ckpt_<iter>.pt
     checkpoint_format: str = "auto"  # 'full' (one file, ckpt.pt), 'sharded' (a directory ckpt_<iter>/ of per-rank shards) or 'auto' (sharded under FSDP, else full)
     async_checkpoint: bool = False  # write checkpoints in the background while training goes on (state copied to host memory first)
-    init_from: str = "scratch"  # 'scratch', 'resume' (the newest complete checkpoint in out_dir), 'auto' (resume when out_dir holds a checkpoint, else scratch: for requeued jobs), 'gpt2'/'gpt2-medium'/'gpt2-large'/'gpt2-xl' or a Hugging Face GPT-2 or Llama directory
+    init_from: str = "scratch"  # 'scratch', 'resume' (the newest complete checkpoint in out_dir), 'auto' (resume when out_dir holds a checkpoint, else scratch: for requeued jobs), 'gpt2'/'gpt2-medium'/'gpt2-large'/'gpt2-xl', a Hugging Face GPT-2 or Llama directory, or another run's out_dir (its best weights, a fresh optimizer: e.g. fine-tune after pretraining)
     overwrite: bool = False  # let a new run (not resume) start in an out_dir that holds a checkpoint; the old run is replaced at the new one's first checkpoint
     max_minutes: float = 0.0  # stop after this many minutes with a checkpoint (exit code 75); 0: no limit
     max_bad_steps: int = 10  # stop when this many steps in a row have a non-finite loss or gradient norm
@@ -326,7 +326,7 @@ def _require_init_from(value, own):
     # a directory is checked for a GPT-2 or Llama inside when it is loaded (hf.py)
     _require(value in own + GPT2_MODELS or os.path.isdir(value),
              f"init_from={value!r} is not one of {', '.join(map(repr, own + GPT2_MODELS))}, "
-             f"nor a directory (a Hugging Face GPT-2 or Llama model)")
+             f"nor a directory (a Hugging Face GPT-2 or Llama model, or a training run's out_dir)")
 
 
 ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")

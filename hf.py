@@ -327,29 +327,36 @@ def load_pretrained(name_or_path):
 
 
 def load_for_training(cfg, tok_spec, report=print):
-    """train.py's start from released weights (cfg.init_from a GPT-2 name, or a GPT-2 or Llama
-    directory) -> (model, model_args). The weights fix the model's shape: the config's model
-    keys give way, except dropout, and block_size, to which the model is cropped. A Llama's
-    data must be tokenized with its own tokenizer.json, which so becomes the run's tokenizer."""
-    arch = architecture(cfg.init_from)
-    if arch == "gpt2" and not is_gpt2_bpe(tok_spec):
-        raise UserError(f"init_from={cfg.init_from!r} needs data tokenized with GPT-2's BPE, but {cfg.dataset}'s tokenizer "
-                        f"is {tok_spec['kind']}; use GPT-2 BPE data, e.g. python data/shakespeare/prepare.py")
-    if arch == "llama":
-        theirs = llama_tokenizer(cfg.init_from)["path"]
-        if tok_spec["kind"] != "tokenizers" or not _same_contents(tok_spec["path"], theirs):
-            used = tok_spec.get("path") or tok_spec.get("name") or tok_spec["kind"]
-            raise UserError(f"init_from={cfg.init_from!r} needs data tokenized with its {theirs}, but {cfg.dataset} was "
-                            f"prepared with {used}; prepare it again with --tokenizer={theirs}")
-    model, model_args, _ = _load(cfg.init_from, cfg.dropout)
-    wanted = tokenizer.vocab_size(tok_spec) or 0
-    if "chat" in tok_spec and model.config.vocab_size < wanted <= model.config.padded_vocab_size:
-        # chat data for GPT-2: its turn tokens sit in the embedding's padding rows
-        report(f"init_from={cfg.init_from}: tokens {model.config.vocab_size}..{wanted - 1} (the chat template's) added "
-               f"to the vocabulary, each starting as the mean of the trained embeddings")
-        model.grow_vocab(wanted)
-        model_args = {**model_args, "vocab_size": wanted}
-    if wanted > model.config.vocab_size:
+    """train.py's start from weights trained elsewhere -> (model, model_args): cfg.init_from a
+    GPT-2 name, a GPT-2 or Llama directory, or another run's out_dir (its best checkpoint: e.g.
+    fine-tuning on conversations after pretraining here). The weights fix the model's shape: the
+    config's model keys give way, except dropout, and block_size, to which the model is cropped.
+    The data must be tokenized as the weights were: a Llama's with its own tokenizer.json, a run's
+    with that run's tokenizer. Chat data's turn tokens that the weights never saw start as the
+    mean of the trained embeddings."""
+    if checkpoint.holds_checkpoint(cfg.init_from):
+        model, model_args, source_spec = _load_run(cfg, tok_spec, report)
+    else:
+        arch = architecture(cfg.init_from)
+        if arch == "gpt2" and not is_gpt2_bpe(tok_spec):
+            raise UserError(f"init_from={cfg.init_from!r} needs data tokenized with GPT-2's BPE, but {cfg.dataset}'s tokenizer "
+                            f"is {tok_spec['kind']}; use GPT-2 BPE data, e.g. python data/shakespeare/prepare.py")
+        if arch == "llama":
+            theirs = llama_tokenizer(cfg.init_from)["path"]
+            if tok_spec["kind"] != "tokenizers" or not _same_contents(tok_spec["path"], theirs):
+                used = tok_spec.get("path") or tok_spec.get("name") or tok_spec["kind"]
+                raise UserError(f"init_from={cfg.init_from!r} needs data tokenized with its {theirs}, but {cfg.dataset} was "
+                                f"prepared with {used}; prepare it again with --tokenizer={theirs}")
+        model, model_args, _ = _load(cfg.init_from, cfg.dropout)
+        source_spec = {}
+    new_ids = tok_spec.get("chat", {}).get("new_token_ids", [])
+    if new_ids and "chat" not in source_spec and max(new_ids) < model.config.padded_vocab_size:
+        # chat data for weights never trained on its turn tokens (GPT-2's, in the embedding's padding rows)
+        report(f"init_from={cfg.init_from}: the chat template's tokens {', '.join(map(str, new_ids))} start as the mean "
+               f"of the trained embeddings")
+        model.add_tokens(new_ids)
+        model_args = {**model_args, "vocab_size": model.config.vocab_size}
+    if (tokenizer.vocab_size(tok_spec) or 0) > model.config.vocab_size:
         raise UserError(f"{cfg.dataset}'s tokenizer has {tokenizer.vocab_size(tok_spec)} tokens, more than the "
                         f"vocab_size={model.config.vocab_size} of {cfg.init_from}")
     if cfg.block_size > model.config.block_size:
@@ -363,6 +370,23 @@ def load_for_training(cfg, tok_spec, report=print):
         model.crop_block_size(cfg.block_size)
     report(note)
     return model, {**model_args, "block_size": cfg.block_size}
+
+
+def _load_run(cfg, tok_spec, report):
+    """(model, model_args, its tokenizer) from the best checkpoint of the run in cfg.init_from, with
+    this run's dropout. Its tokenizer must be the data's (chat data may add turn tokens to it)."""
+    trained, source_spec = checkpoint.load_model(cfg.init_from, "best", report=report)
+    vocabulary = lambda spec: {k: v for k, v in spec.items() if k not in ("chat", "vocab_size", "path")}
+    same = vocabulary(source_spec) == vocabulary(tok_spec) and (
+        "path" not in tok_spec or _same_contents(tok_spec["path"], source_spec.get("path", "")))
+    if not same:
+        used = lambda spec: spec.get("path") or spec.get("name") or spec["kind"]
+        raise UserError(f"init_from={cfg.init_from!r} was trained on data tokenized with {used(source_spec)}, but "
+                        f"{cfg.dataset} was prepared with {used(tok_spec)}; prepare it again with that tokenizer")
+    model_args = {**dataclasses.asdict(trained.config), "dropout": cfg.dropout}
+    model = GPT(GPTConfig(**model_args))
+    model.load_state_dict(trained.state_dict())
+    return model, model_args, source_spec
 
 
 def _same_contents(a, b):

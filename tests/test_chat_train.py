@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from batches import IGNORE, ChatBatches, ChatData, chat_eval_offsets, eval_batch, packing
-from conftest import REPO, read_metrics, run_script, tiny_args
-from data import tokens
+from conftest import REPO, make_text, read_metrics, run_script, tiny_args
+from data import corpus, tokens
 from model import GPT, GPTConfig
 from runtime import Runtime
 from step import evaluate, train_step
@@ -231,3 +231,42 @@ def test_two_ranks_train_as_one(tmp_path, parallelism):
     assert two.returncode == 0, two.stderr[-3000:]
     logged = lambda d: np.array([[r["loss"], r["grad_norm"], r["trained_tokens"]] for r in read_metrics(d) if "loss" in r])
     np.testing.assert_allclose(logged(tmp_path / "two"), logged(tmp_path / "one"), rtol=1e-5)
+
+
+def test_fine_tuning_starts_from_a_run_pretrained_here(tmp_path):
+    """The whole path on one tokenizer: train it, pretrain on plain text, then fine-tune on
+    conversations with --init_from=<the pretraining out_dir>. The fine-tuning run starts from that
+    run's best weights (max_iters=0 saves the weights it starts from); data tokenized otherwise is
+    refused in one line."""
+    text = "\n\n".join(make_text(800, seed=s) for s in range(40))
+    (tmp_path / "text.txt").write_text(text)
+    made = run_script("data/train_tokenizer.py", "--input", tmp_path / "text.txt", "--vocab_size=300",
+                      f"--out_dir={tmp_path / 'tok'}", "--val_chars=2000")
+    assert made.returncode == 0, made.stderr
+    tok = str(tmp_path / "tok" / "tokenizer.json")
+    corpus.main(["--input", str(tmp_path / "text.txt"), f"--out_dir={tmp_path / 'text'}", f"--tokenizer={tok}",
+                 "--txt_separator=\\n\\n", "--shuffle_buffer=0", "--val_tokens=2000", "--test_tokens=0", "--workers=1"])
+    pre = run_script("train.py", *tiny_args(tmp_path / "text", tmp_path / "pre", max_iters=10, eval_interval=5))
+    assert pre.returncode == 0, pre.stderr
+
+    convs = [{"messages": [{"role": "user", "content": f"say {w}"}, {"role": "assistant", "content": w}]}
+             for w in make_text(3000, seed=9).split()]
+    (tmp_path / "conv.jsonl").write_text("\n".join(json.dumps(c) for c in convs))
+    prepared = run_script("data/chat/prepare.py", "--input", tmp_path / "conv.jsonl", f"--tokenizer={tok}",
+                          f"--out_dir={tmp_path / 'chat'}", "--block_size=16")
+    assert prepared.returncode == 0, prepared.stderr
+    sft = run_script("train.py", *tiny_args(tmp_path / "chat", tmp_path / "sft", max_iters=0, init_from=tmp_path / "pre"))
+    assert sft.returncode == 0, sft.stderr
+    assert "come from the weights" in sft.stdout
+    start = torch.load(tmp_path / "pre" / "ckpt_best.pt" if (tmp_path / "pre" / "ckpt_best.pt").exists()
+                        else tmp_path / "pre" / "ckpt.pt", weights_only=True)["model"]
+    end = torch.load(tmp_path / "sft" / "ckpt.pt", weights_only=True)
+    assert end["tokenizer"]["chat"]["format"] == "role_tokens"
+    assert all(torch.equal(end["model"][k], v) for k, v in start.items())
+
+    gpt2_chat = run_script("data/chat/prepare.py", "--input", tmp_path / "conv.jsonl", f"--out_dir={tmp_path / 'chat2'}",
+                           "--block_size=16")
+    assert gpt2_chat.returncode == 0, gpt2_chat.stderr
+    refused = run_script("train.py", *tiny_args(tmp_path / "chat2", tmp_path / "sft2", init_from=tmp_path / "pre"))
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert "was trained on data tokenized with" in refused.stderr and "prepare it again with that tokenizer" in refused.stderr
