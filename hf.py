@@ -349,12 +349,11 @@ def load_for_training(cfg, tok_spec, report=print):
                                 f"prepared with {used}; prepare it again with --tokenizer={theirs}")
         model, model_args, _ = _load(cfg.init_from, cfg.dropout)
         source_spec = {}
-    new_ids = tok_spec.get("chat", {}).get("new_token_ids", [])
-    if new_ids and "chat" not in source_spec and max(new_ids) < model.config.padded_vocab_size:
-        # chat data for weights never trained on its turn tokens (GPT-2's, in the embedding's padding rows)
-        report(f"init_from={cfg.init_from}: the chat template's tokens {', '.join(map(str, new_ids))} start as the mean "
-               f"of the trained embeddings")
-        model.add_tokens(new_ids)
+    turn_ids = _untrained_turn_tokens(tok_spec, source_spec)
+    if turn_ids and max(turn_ids) < model.config.padded_vocab_size:
+        report(f"init_from={cfg.init_from}: the chat template's turn tokens {', '.join(map(str, turn_ids))} start as the "
+               f"mean of the trained embeddings")
+        model.add_tokens(turn_ids)
         model_args = {**model_args, "vocab_size": model.config.vocab_size}
     if (tokenizer.vocab_size(tok_spec) or 0) > model.config.vocab_size:
         raise UserError(f"{cfg.dataset}'s tokenizer has {tokenizer.vocab_size(tok_spec)} tokens, more than the "
@@ -370,6 +369,17 @@ def load_for_training(cfg, tok_spec, report=print):
         model.crop_block_size(cfg.block_size)
     report(note)
     return model, {**model_args, "block_size": cfg.block_size}
+
+
+def _untrained_turn_tokens(tok_spec, source_spec):
+    """The ids of chat data's turn tokens (<|system|>, <|user|>, <|assistant|>, <|end|>) when the
+    weights never trained on them: GPT-2's (new ids past its 50,257), or those a tokenizer of
+    data/train_tokenizer.py reserved, in a run pretrained on plain text, where they never occur.
+    None for weights already fine-tuned on conversations, or Llama 3's own format."""
+    chat = tok_spec.get("chat")
+    if not chat or chat.get("format") != "role_tokens" or "chat" in source_spec:
+        return []
+    return sorted(t["id"] for name, t in chat["tokens"].items() if name != "bos")
 
 
 def _load_run(cfg, tok_spec, report):

@@ -354,16 +354,18 @@ class GPT(nn.Module):
             self.rope_cos, self.rope_sin = self.rope_cos[:block_size], self.rope_sin[:block_size]
 
     def add_tokens(self, ids):
-        """Start the rows of tokens `ids` (new to these weights, e.g. chat turn tokens after
-        GPT-2's 50,257) afresh, taking padding rows into use where they lie past vocab_size. Each
-        row of the embedding (and of an untied lm_head) becomes the mean of the rows before the
-        first new id: an average token, which neither dominates the softmax nor stands out in the
-        residual stream, as a random or zero row could."""
-        first, vocab_size = min(ids), max(self.config.vocab_size, max(ids) + 1)
+        """Start the rows of tokens `ids` (new to these weights, e.g. chat turn tokens) afresh,
+        taking padding rows into use where they lie past vocab_size. Each row of the embedding
+        (and of an untied lm_head) becomes the mean of the other rows of the vocabulary: an
+        average token, which neither dominates the softmax nor stands out in the residual stream,
+        as a random or zero row could."""
+        vocab_size = max(self.config.vocab_size, max(ids) + 1)
         assert vocab_size <= self.config.padded_vocab_size, "only the padding rows can be taken"
+        others = torch.ones(self.config.vocab_size, dtype=torch.bool)
+        others[[i for i in ids if i < self.config.vocab_size]] = False
         with torch.no_grad():
             for weight in {self.transformer.wte.weight, self.lm_head.weight}:  # one matrix when tied
-                weight[list(ids)] = weight[:first].mean(dim=0)
+                weight[list(ids)] = weight[: self.config.vocab_size][others.to(weight.device)].mean(dim=0)
         self.config.vocab_size = vocab_size
 
     @classmethod

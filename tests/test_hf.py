@@ -164,7 +164,8 @@ def test_chat_data_takes_gpt2s_padding_rows_for_its_turn_tokens(tmp_path):
     cfg = parse(TrainConfig, [f"--init_from={tmp_path / 'gpt2'}", "--block_size=64", "--dropout=0.0"])
     notes = []
     turn_ids = [50257, 50258, 50259, 50260]  # what data/chat/template.py gives GPT-2
-    chat_spec = {**hf.GPT2_TOKENIZER, "vocab_size": 50261, "chat": {"format": "role_tokens", "new_token_ids": turn_ids}}
+    chat_spec = {**hf.GPT2_TOKENIZER, "vocab_size": 50261, "chat": {
+        "format": "role_tokens", "tokens": {"bos": {"id": 50256}, **{n: {"id": i} for n, i in zip(("system", "user", "assistant", "end"), turn_ids)}}}}
     model, model_args = hf.load_for_training(cfg, chat_spec, report=notes.append)
     assert model.config.vocab_size == model_args["vocab_size"] == 50261 and model.config.padded_vocab_size == 50304
     wte = model.transformer.wte.weight
@@ -172,11 +173,11 @@ def test_chat_data_takes_gpt2s_padding_rows_for_its_turn_tokens(tmp_path):
     assert all(torch.equal(wte[i], mean) for i in turn_ids) and not wte[50261:].any()
     idx = tokens()
     assert max_diff(our_logits(model, idx)[..., :50257], their_logits(reference, idx)) <= TOL  # GPT-2's tokens unchanged
-    assert any("the chat template's tokens 50257, 50258, 50259, 50260 start as the mean" in n for n in notes)
+    assert any("the chat template's turn tokens 50257, 50258, 50259, 50260 start as the mean" in n for n in notes)
     # without chat data (or past the padding) a larger tokenizer is still refused
     with pytest.raises(UserError, match="more than the vocab_size=50257"):
         hf.load_for_training(cfg, {**hf.GPT2_TOKENIZER, "vocab_size": 50261}, report=notes.append)
-    far = {**chat_spec, "vocab_size": 50400, "chat": {"new_token_ids": [50398, 50399]}}
+    far = {**chat_spec, "vocab_size": 50400, "chat": {"format": "role_tokens", "tokens": {"end": {"id": 50399}}}}
     with pytest.raises(UserError, match="more than the vocab_size=50257"):
         hf.load_for_training(cfg, far, report=notes.append)
 
