@@ -37,12 +37,13 @@ def get_batch(data, offsets, block_size, rt):
     """Windows starting at `offsets` (B,) -> x, y (B, T) on the device, y = x shifted by one.
     One vectorized gather of (B, T+1) ids and one host-to-device copy."""
     rows = data[offsets[:, None] + np.arange(block_size + 1)]
-    t = torch.from_numpy(rows.astype(np.int64))
-    if rt.device_type == "cuda":
-        t = t.pin_memory().to(rt.device, non_blocking=True)  # the copy overlaps queued GPU work
-    else:
-        t = t.to(rt.device)
+    t = to_device(torch.from_numpy(rows.astype(np.int64)), rt)
     return t[:, :-1], t[:, 1:]
+
+
+def to_device(t, rt):
+    """One host-to-device copy; to a GPU from pinned memory, so it overlaps the queued GPU work."""
+    return t.pin_memory().to(rt.device, non_blocking=True) if rt.device_type == "cuda" else t.to(rt.device)
 
 
 class TrainBatches:
@@ -132,8 +133,7 @@ class ChatData:
 def chat_batch(ids, trained, rt):
     """Host rows -> x, y (B, T) on the device, y = -1 where nothing is trained."""
     y = np.where(trained, ids[:, 1:], IGNORE)
-    t = torch.from_numpy(np.concatenate([ids[:, :-1], y], axis=1))
-    t = t.pin_memory().to(rt.device, non_blocking=True) if rt.device_type == "cuda" else t.to(rt.device)
+    t = to_device(torch.from_numpy(np.concatenate([ids[:, :-1], y], axis=1)), rt)
     return t[:, : ids.shape[1] - 1], t[:, ids.shape[1] - 1 :]
 
 

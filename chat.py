@@ -114,7 +114,8 @@ def load(cfg, rt, say):
     """(model, template) of a chat checkpoint or a Hugging Face directory with a chat template."""
     loaded = []  # said once the model is known to chat
     if cfg.init_from == "resume":
-        model, tok_spec = checkpoint.load_model(cfg.out_dir, cfg.checkpoint, map_location=rt.device, report=loaded.append)
+        # read on the CPU and moved whole to the device below: a checkpoint's optimizer state never reaches the GPU
+        model, tok_spec = checkpoint.load_model(cfg.out_dir, cfg.checkpoint, report=loaded.append)
         if "chat" not in tok_spec:
             raise UserError(f"the model in {cfg.out_dir} was not trained on conversations (its tokenizer has no chat "
                             f"template): fine-tune it on chat data first (python data/chat/prepare.py, then train.py "

@@ -234,9 +234,7 @@ class SampleConfig:
         _require_init_from(self.init_from, ("resume",))
         _require_choice("checkpoint", self.checkpoint, ("best", "latest"))
         _require(self.num_samples >= 1 and self.max_new_tokens >= 1, "num_samples and max_new_tokens must be at least 1")
-        _require(self.temperature >= 0, f"temperature={self.temperature} must be >= 0 (0 means greedy)")
-        _require(self.top_k is None or self.top_k >= 1, f"top_k={self.top_k} must be at least 1, or None")
-        _require(0 < self.top_p <= 1, f"top_p={self.top_p} must be in (0, 1]; 1.0 turns nucleus sampling off")
+        _require_sampling(self)
         _require(self.window_shift is None or self.window_shift >= 1, f"window_shift={self.window_shift} must be at least 1, or None")
 
 
@@ -263,9 +261,7 @@ class ChatConfig:
         _require(self.prompt is None or self.prompt.strip(), "--prompt is empty; give the user's message, or leave it out to chat")
         _require(self.max_new_tokens >= 1, f"max_new_tokens={self.max_new_tokens} must be at least 1")
         _require(self.context >= 0, f"context={self.context} must be >= 0 (0: the model's block_size)")
-        _require(self.temperature >= 0, f"temperature={self.temperature} must be >= 0 (0 means greedy)")
-        _require(self.top_k is None or self.top_k >= 1, f"top_k={self.top_k} must be at least 1, or None")
-        _require(0 < self.top_p <= 1, f"top_p={self.top_p} must be in (0, 1]; 1.0 turns nucleus sampling off")
+        _require_sampling(self)
 
 
 @dataclass
@@ -320,6 +316,13 @@ def _require(ok, message):
 
 def _require_choice(key, value, choices):
     _require(value in choices, f"{key}={value!r} is not one of {', '.join(map(repr, choices))}")
+
+
+def _require_sampling(cfg):
+    """The sampling controls sample.py and chat.py share."""
+    _require(cfg.temperature >= 0, f"temperature={cfg.temperature} must be >= 0 (0 means greedy)")
+    _require(cfg.top_k is None or cfg.top_k >= 1, f"top_k={cfg.top_k} must be at least 1, or None")
+    _require(0 < cfg.top_p <= 1, f"top_p={cfg.top_p} must be in (0, 1]; 1.0 turns nucleus sampling off")
 
 
 def _require_init_from(value, own):

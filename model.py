@@ -101,6 +101,7 @@ def gpt2_args(config, dropout=0.0):
         norm_eps=config.layer_norm_epsilon, tie_embeddings=config.tie_word_embeddings,
     )
 
+
 def make_norm(config, dim):
     """The pre-norm of a block (and the final one): LayerNorm as GPT-2, or RMSNorm as Llama
     (x / rms(x) * weight: cheaper, and as good in practice)."""
@@ -314,9 +315,10 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None, all_logits=False, cache=None, reduction="mean"):
         """idx (B, T) -> (logits, loss). With targets, logits cover every position and loss
         is the mean cross-entropy over the targets that are not -1 (or with reduction='sum', their
-        sum: chat batches weigh micro-batches by their trained tokens); without, only the last position's logits are computed
-        (all that sampling needs) unless all_logits=True. With a KVCache, idx continues the
-        tokens already in it (at positions cache.length onward) and is added to it."""
+        sum: chat batches weigh micro-batches by their trained tokens); without, only the last
+        position's logits are computed (all that sampling needs) unless all_logits=True. With a
+        KVCache, idx continues the tokens already in it (at positions cache.length onward) and is
+        added to it."""
         B, T = idx.size()
         start = 0 if cache is None else cache.length
         if start + T > self.config.block_size:

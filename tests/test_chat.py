@@ -150,6 +150,25 @@ def test_repl_clear_blank_lines_and_exit(demo):
     assert "cleared" in result.stderr and "unknown command /clera" in result.stderr
 
 
+def test_the_checkpoint_is_read_on_the_cpu_and_only_the_model_moved(demo, monkeypatch):
+    """As sample.py: the checkpoint (its optimizer state too) is read into host memory, and only
+    the model goes to the device ('meta' stands in for a GPU here)."""
+    import checkpoint
+
+    chat_py = load_script("chat.py")
+    out_dir, _ = demo
+    read, load_model = [], checkpoint.load_model
+
+    def recorded(*args, **kwargs):
+        read.append(kwargs.get("map_location", "cpu"))
+        return load_model(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "load_model", recorded)
+    cfg = parse(chat_py.ChatConfig, [f"--out_dir={out_dir}"])
+    model, _ = chat_py.load(cfg, chat_py.runtime.Runtime("meta", "cuda", torch.float32), lambda text: None)
+    assert read == ["cpu"] and {p.device.type for p in model.parameters()} == {"meta"}
+
+
 def test_the_conversation_past_its_context(demo, capsys):
     """With a 64-token context the oldest exchanges are dropped (the system message stays) and
     the rest is read again once, with one note on stderr; after every reply the carried cache

@@ -2,6 +2,7 @@
 (torch.cuda patched, set_device held to torch's own rule for a device index), with and without
 torchrun. No GPU runs here; tests/test_gpu.py is for that."""
 
+import dataclasses
 import shutil
 import subprocess
 import sys
@@ -149,6 +150,8 @@ def test_a_step_an_eval_and_generation_keep_every_tensor_on_the_gpu(fake_cuda_sh
         "train_step: loss, grad_norm, stepped on cuda:0; weights and AdamW state on cuda:0",
         "evaluate: val",
         "generate: (2, 24) on cuda:0",
+        "chat train_step: loss, grad_norm, stepped on cuda:0",
+        "chat evaluate: val",
         "a CPU batch for the GPU model: FakeTensorDeviceMismatchError",
     ]
 
@@ -160,7 +163,7 @@ def trace_on_fake_cuda():
     import numpy as np
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorDeviceMismatchError, FakeTensorMode
 
-    from batches import TrainBatches, eval_offsets, get_batch
+    from batches import ChatBatches, ChatData, TrainBatches, chat_eval_offsets, eval_offsets, get_batch
     from configurator import TrainConfig
     from model import GPT, GPTConfig
     from step import evaluate, train_step
@@ -220,8 +223,68 @@ def trace_on_fake_cuda():
             out = raw.generate(torch.zeros(2, 4, dtype=torch.long, device=rt.device), 20, temperature=0.8, top_k=10,
                                top_p=0.9, stop_token=3)
         print(f"generate: {tuple(out.shape)} on {out.device}")
+        raw.train()
+        # chat rows (batches.chat_batch): the summed loss weighted by the step's trained tokens
+        chat = ChatData(data[:400], (np.arange(400) % 3 == 0).astype(np.uint8), np.arange(0, 400, 25))
+        result = train_step(train_model, optimizer, scaler, ChatBatches(chat, 4, 16, 0, rt, 2), 1e-3, 2, cfg.grad_clip, rt)
+        print(f"chat train_step: loss, grad_norm, stepped on {', '.join(sorted({str(t.device) for t in result}))}")
+        print("chat evaluate:", ", ".join(evaluate(model, {"val": (chat, chat_eval_offsets(chat, 2, 4, 0))}, 16, rt)))
         cpu = runtime.Runtime("cpu", "cpu", rt.dtype)
         try:
             train_step(train_model, optimizer, scaler, lambda: get_batch(data, np.arange(4), 16, cpu), 1e-3, 1, cfg.grad_clip, rt)
         except FakeTensorDeviceMismatchError as e:
             print("a CPU batch for the GPU model:", type(e).__name__)
+
+
+# ---------------------------------------------------------------------------- the other CUDA branches
+
+
+def test_auto_batch_size_budgets_the_gpus_memory(monkeypatch):
+    """On a GPU the budget is the device's memory: the same choice as that many bytes given as
+    memory_budget_gb."""
+    from types import SimpleNamespace
+
+    from configurator import TrainConfig
+    from memory import auto_batch_size
+    from model import GPT, GPTConfig
+    from wrap import make_model_args
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: asked.append(device) or SimpleNamespace(total_memory=10 * 2**20))
+    cfg = TrainConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, batch_size="auto", total_batch_size=64 * 64,
+                      dropout=0.0, compile=False)
+    model = GPT(GPTConfig(**make_model_args(cfg, 65)))
+    gpu = runtime.Runtime("cpu", "cuda", torch.float32)  # measured on the CPU, budgeted as a GPU's
+    on_gpu = auto_batch_size(model, cfg, gpu)
+    cpu = runtime.Runtime("cpu", "cpu", torch.float32)
+    given = auto_batch_size(model, dataclasses.replace(cfg, memory_budget_gb=10 / 1024), cpu)
+    assert asked == ["cpu"] and on_gpu == given and 1 <= on_gpu < 64  # the budget binds
+
+
+def test_the_stop_flag_of_gpu_ranks_travels_over_gloo(monkeypatch):
+    """NCCL carries the gradients; the per-step stop flag goes over a gloo group of its own, made
+    once, so ranks wait for each other's hosts, never for their GPUs."""
+    groups, reduced = [], []
+    monkeypatch.setattr(torch.distributed, "new_group", lambda backend: groups.append(backend) or "gloo-group")
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, op, group: reduced.append((t.device.type, group)))
+    rt = runtime.Runtime("cuda:1", "cuda", torch.bfloat16, rank=1, local_rank=1, world_size=2)
+    stop = runtime.StopRequest()
+    try:
+        assert stop.check(rt) is False and stop.check(rt) is False
+    finally:
+        stop.restore()
+    assert groups == ["gloo"] and reduced == [("cpu", "gloo-group")] * 2
+
+
+def test_ddp_on_gpus_holds_the_gpu_of_the_local_rank(monkeypatch):
+    import wrap
+    from configurator import TrainConfig
+    from model import GPT, GPTConfig
+
+    wrapped = []
+    monkeypatch.setattr(wrap, "DDP", lambda model, device_ids: wrapped.append(device_ids) or model)
+    cfg = TrainConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, dropout=0.0, compile=False, parallelism="ddp")
+    rt = runtime.Runtime("cpu", "cuda", torch.float32, rank=1, local_rank=1, world_size=2)  # weights stay on the CPU
+    wrap.build(GPT(GPTConfig(**wrap.make_model_args(cfg, 65))), cfg, rt)
+    assert wrapped == [[1]]
