@@ -25,10 +25,19 @@ from data import tokens
 
 def load_split(data_dir, split, mode="auto", share=1):
     """A split's token ids (data/tokens.py: one file or many shards, read as one sequence):
-    memory-mapped, or read into RAM when mode='ram' or ('auto' and the files are small against
-    free memory, split `share` ways between the ranks on this machine)."""
+    memory-mapped, or read into RAM when mode='ram' or ('auto' and the `share` copies, one per rank
+    on this machine, take under a quarter of the memory the job may still use: runtime.free_memory,
+    the host's or its cgroup's limit, the lower). Past that the ranks share the memmap: the page
+    cache holds one copy per machine, which the kernel reclaims under pressure instead of killing."""
     data = tokens.Tokens.open(data_dir, split)
-    if mode == "ram" or (mode == "auto" and data.nbytes * share < runtime.free_memory() / 4):
+    if mode == "memmap":
+        return data
+    free = runtime.free_memory()
+    if mode == "ram" and free and data.nbytes * share > free:
+        mib = lambda n: f"{n / 2**20:,.0f} MiB"
+        raise UserError(f"data_mode='ram' needs {mib(data.nbytes * share)} for {split} ({share} rank(s) x {mib(data.nbytes)}) "
+                        f"but this job may use {mib(free)} more (host or cgroup limit); use --data_mode=auto or --data_mode=memmap")
+    if mode == "ram" or data.nbytes * share < free / 4:
         data = data.in_ram()  # random windows from RAM avoid page faults on every batch
     return data
 
