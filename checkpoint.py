@@ -150,11 +150,25 @@ def make_checkpoint(raw_model, optimizer, scaler, fsdp, info, batches, rt):
     }
 
 
-def gather_rng(rt):
-    """{'torch': [each rank's CPU RNG state], 'cuda': [...]}: each rank resumes its own dropout stream."""
-    rng = {"torch": [torch.get_rng_state()]}
+DEVICE_RNGS = ("cuda", "mps")  # the accelerators whose generator a checkpoint carries beside the CPU's
+
+
+def device_rng_state(rt):
+    """This rank's accelerator generator state (a uint8 CPU tensor; 16 bytes for CUDA's Philox:
+    seed and offset), or None on a CPU, whose generator is torch.get_rng_state()."""
     if rt.device_type == "cuda":
-        rng["cuda"] = [torch.cuda.get_rng_state(rt.device)]
+        return torch.cuda.get_rng_state(rt.device)
+    if rt.device_type == "mps":
+        return torch.mps.get_rng_state()
+    return None
+
+
+def gather_rng(rt):
+    """{'torch': [each rank's CPU RNG state], and 'cuda' or 'mps': [...] on an accelerator}: each
+    rank resumes its own dropout stream."""
+    rng = {"torch": [torch.get_rng_state()]}
+    if device_rng_state(rt) is not None:
+        rng[rt.device_type] = [device_rng_state(rt)]
     if rt.ddp:
         for key in rng:
             gathered = [None] * rt.world_size
@@ -221,11 +235,26 @@ def restore_rng(state, batches, rt):
     rng = state["rng"]
     if len(rng["torch"]) == rt.world_size:
         torch.set_rng_state(rng["torch"][rt.rank])
-        if "cuda" in rng and rt.device_type == "cuda":
-            torch.cuda.set_rng_state(rng["cuda"][rt.rank], rt.device)
+        _restore_device_rng(rng, rt)
     elif rt.master:
         print(f"note: checkpoint was written by {len(rng['torch'])} rank(s), this run has {rt.world_size}: dropout RNG reseeded")
     batches.rng.bit_generator.state = rng["batches"]
+
+
+def _restore_device_rng(rng, rt):
+    """The accelerator's generator when the checkpoint was written on the same kind of device.
+    Across kinds (a GPU's checkpoint resumed on a CPU, or the reverse) the saved state means
+    nothing here: this device's generator keeps train.py's seed (seed + rank), and dropout
+    continues on a different random stream than an unbroken run would have."""
+    written = next((kind for kind in DEVICE_RNGS if kind in rng), "cpu")
+    if written == rt.device_type == "cuda":
+        torch.cuda.set_rng_state(rng["cuda"][rt.rank], rt.device)
+    elif written == rt.device_type == "mps":
+        torch.mps.set_rng_state(rng["mps"][rt.rank])
+    elif written != rt.device_type and rt.master:
+        kept = f"the {rt.device_type} RNG is reseeded" if rt.device_type in DEVICE_RNGS else f"its {written} RNG state is unused"
+        print(f"note: checkpoint was written on {written}, this run is on {rt.device_type}: {kept}, so dropout differs "
+              f"from an unbroken run")
 
 
 # ---------------------------------------------------------------------------- the sharded format (a DCP directory)
@@ -239,13 +268,14 @@ def sharded_state(raw_model, optimizer, rt):
 
     weights, optim = get_state_dict(raw_model, getattr(optimizer, "optimizers", [optimizer]))
     rng = {f"torch_{rt.rank}": torch.get_rng_state()}  # each rank writes its own (distinct keys are not deduplicated)
-    if rt.device_type == "cuda":
-        rng[f"cuda_{rt.rank}"] = torch.cuda.get_rng_state(rt.device)
+    if device_rng_state(rt) is not None:
+        rng[f"{rt.device_type}_{rt.rank}"] = device_rng_state(rt)
     return {"model": weights, "optimizer": optim["state"], "rng": rng}, optim["param_groups"]
 
 
 def sharded_meta(scaler, info, batches, param_groups, rt):
-    """checkpoint.json's content: the small, plain part of the state."""
+    """checkpoint.json's content: the small, plain part of the state. (cuda_rng is for readers of
+    earlier versions; this one finds the RNG states a checkpoint carries in DCP's metadata.)"""
     return {**info, "format": "sharded", "world_size": rt.world_size, "cuda_rng": rt.device_type == "cuda",
             "scaler": scaler.state_dict() if scaler.is_enabled() else None,
             "batches": batches.rng.bit_generator.state, "param_groups": param_groups}
@@ -287,9 +317,7 @@ def read_sharded(path):
     _single_process_is_meant()
     tensors = {}
     _load_state_dict(tensors, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    rng = {"torch": [tensors["rng"][f"torch_{r}"] for r in range(meta["world_size"])], "batches": meta["batches"]}
-    if meta["cuda_rng"]:
-        rng["cuda"] = [tensors["rng"][f"cuda_{r}"] for r in range(meta["world_size"])]
+    rng = {**_by_rank(tensors["rng"], meta["world_size"]), "batches": meta["batches"]}
     state = {k: v for k, v in meta.items() if k not in ("format", "world_size", "cuda_rng", "batches", "param_groups")}
     return {**state, "model": tensors["model"], "rng": rng,
             "optimizer": _indexed({"state": tensors["optimizer"], "param_groups": meta["param_groups"]})}
@@ -304,15 +332,28 @@ def _load_sharded_into(state, raw_model, optimizer):
     _single_process_is_meant()
     optimizers = getattr(optimizer, "optimizers", [optimizer])
     weights, optim = get_state_dict(raw_model, optimizers)  # the API takes a zero step to create empty AdamW state
-    n = state["world_size"]
-    rng = {f"{kind}_{r}": torch.get_rng_state() if kind == "torch" else torch.cuda.get_rng_state()
-           for kind in ("torch", "cuda") if kind == "torch" or state["cuda_rng"] for r in range(n)}
+    rng = _rng_placeholders(state["path"])
     dcp.load({"model": weights, "optimizer": optim["state"], "rng": rng}, checkpoint_id=state["path"],
              no_dist=not (dist.is_available() and dist.is_initialized()))
     set_state_dict(raw_model, optimizers, model_state_dict=weights,
                    optim_state_dict={"state": optim["state"], "param_groups": state["param_groups"]})
-    state["rng"] = {kind: [rng[f"{kind}_{r}"] for r in range(n)] for kind in ("torch", "cuda") if f"{kind}_0" in rng}
-    state["rng"]["batches"] = state["batches"]
+    state["rng"] = {**_by_rank(rng, state["world_size"]), "batches": state["batches"]}
+
+
+def _rng_placeholders(path):
+    """Empty tensors shaped as every RNG state the directory holds (each rank's CPU one, and its
+    CUDA or MPS one when written on such a device), for DCP to read into. Taken from DCP's own
+    metadata, so no device is asked: a GPU's checkpoint loads on a CPU."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    return {key.removeprefix("rng."): torch.empty(m.size, dtype=m.properties.dtype)
+            for key, m in saved.items() if key.startswith("rng.")}
+
+
+def _by_rank(rng, world_size):
+    """{'torch_0': ..., 'cuda_0': ...} -> {'torch': [rank 0's, ...], 'cuda': [...]}, the full format's layout."""
+    return {kind: [rng[f"{kind}_{r}"] for r in range(world_size)] for kind in ("torch", *DEVICE_RNGS) if f"{kind}_0" in rng}
 
 
 def _sharded_dirs(out_dir):

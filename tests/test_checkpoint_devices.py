@@ -1,0 +1,144 @@
+"""Checkpoints across kinds of device: one written on a GPU resumes on a CPU, and one written on
+a CPU resumes on a GPU, in the sharded and the full format.
+
+A GPU run's checkpoint differs from a CPU run's by each rank's CUDA generator state beside its CPU
+one (torch.cuda.get_rng_state(): 16 uint8, Philox's seed and offset), in the sharded format as
+DCP entries rng.cuda_<rank> and checkpoint.json's cuda_rng, in the full format as rng['cuda'].
+With no GPU here, the tests write a real checkpoint on the CPU and add those entries as a GPU run
+writes them; resuming on a GPU is checkpoint.restore and restore_rng with torch.cuda patched."""
+
+import json
+import shutil
+import types
+
+import numpy as np
+import pytest
+import torch
+
+import checkpoint
+import optim
+import runtime
+from configurator import TrainConfig
+from conftest import load_script, make_text, read_metrics, run_script, tiny_args
+from model import GPT, GPTConfig
+
+COMMON = dict(max_iters=12, lr_decay_iters=12, eval_interval=6, dropout=0.1)
+
+
+def philox_state(seed, offset):
+    """What torch.cuda.get_rng_state() returns: the seed and the offset as two little-endian uint64."""
+    return torch.from_numpy(np.array([seed, offset], dtype="<u8").view(np.uint8).copy())
+
+
+def train(data, out, **overrides):
+    result = run_script("train.py", *tiny_args(data, out, **{**COMMON, **overrides}))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def untimed(records):
+    return [{k: v for k, v in r.items() if k not in ("dt_ms", "tokens_per_s")} for r in records]
+
+
+def as_if_written_on_a_gpu(path):
+    """Rewrite the checkpoint at `path` with the CUDA RNG states a 1-rank GPU run writes beside the rest."""
+    if path.is_dir():
+        from torch.distributed.checkpoint import FileSystemReader, save
+        from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+        tensors = {}
+        _load_state_dict(tensors, storage_reader=FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(),
+                         no_dist=True)
+        meta = json.loads((path / checkpoint.COMMIT).read_text())
+        assert meta["world_size"] == 1 and set(tensors["rng"]) == {"torch_0"}
+        tensors["rng"]["cuda_0"] = philox_state(1337, 4 * 96)
+        shutil.rmtree(path)
+        save(tensors, checkpoint_id=str(path), no_dist=True)
+        (path / checkpoint.COMMIT).write_text(json.dumps({**meta, "cuda_rng": True}))
+    else:
+        state = torch.load(path, weights_only=True)
+        assert set(state["rng"]) == {"torch", "batches"}
+        state["rng"]["cuda"] = [philox_state(1337, 4 * 96)]
+        torch.save(state, path)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A CPU run of 12 steps (dropout on), and for each format a run stopped at 6 whose checkpoint
+    is kept as the CPU wrote it (cpu_<format>) and rewritten as a GPU writes it (gpu_<format>)."""
+    root = tmp_path_factory.mktemp("devices")
+    data = root / "chars"
+    data.mkdir()
+    load_script("data/shakespeare_char/prepare.py").prepare(make_text(), str(data))
+    train(data, root / "straight")
+    for fmt, name in (("sharded", "ckpt_0000006"), ("full", "ckpt.pt")):
+        train(data, root / f"cpu_{fmt}", max_iters=6, checkpoint_format=fmt)
+        shutil.copytree(root / f"cpu_{fmt}", root / f"gpu_{fmt}", symlinks=True)
+        as_if_written_on_a_gpu(root / f"gpu_{fmt}" / name)
+    return root
+
+
+@pytest.mark.parametrize("fmt", ["sharded", "full"])
+def test_a_gpu_checkpoint_resumes_exactly_on_a_cpu(runs, fmt, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(runs / f"gpu_{fmt}", out, symlinks=True)  # the run rotates its checkpoints; the others read these
+    resumed = train(runs / "chars", out, checkpoint_format=fmt, init_from="resume")
+    assert "resuming at iter 6" in resumed.stdout
+    assert "note: checkpoint was written on cuda, this run is on cpu: its cuda RNG state is unused" in resumed.stdout
+    # the CPU generator is restored, the CUDA one has nothing to drive: the run continues as if never stopped
+    assert untimed(read_metrics(out)) == untimed(read_metrics(runs / "straight"))
+
+
+def test_a_sharded_gpu_checkpoint_reads_and_converts_in_one_cpu_process(runs, tmp_path):
+    path = runs / "gpu_sharded" / "ckpt_0000006"
+    whole = checkpoint.read_sharded(str(path))
+    assert torch.equal(whole["rng"]["cuda"][0], philox_state(1337, 4 * 96))
+    result = run_script("checkpoint.py", str(path), str(tmp_path / "full.pt"))
+    assert result.returncode == 0, result.stderr
+    assert torch.equal(checkpoint.load(str(tmp_path / "full.pt"))["rng"]["cuda"][0], philox_state(1337, 4 * 96))
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """torch.cuda as a 1-GPU machine shows it, for restoring a checkpoint on 'cuda:0': set_rng_state
+    records what it is given; get_rng_state must not be needed to read a checkpoint."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": calls.append((state.clone(), device)))
+
+    def get_rng_state(device="cuda"):
+        raise AssertionError("reading a checkpoint asked the GPU for its RNG state")
+
+    monkeypatch.setattr(torch.cuda, "get_rng_state", get_rng_state)
+    cpu_rng = torch.get_rng_state()
+    yield calls
+    torch.set_rng_state(cpu_rng)  # restore_rng set this process's CPU generator
+
+
+def restore_on(rt, out_dir):
+    """What train.py does with out_dir's newest checkpoint on device rt, short of moving the model
+    there: the weights, optimizer and RNG states restored. Returns the batch generator."""
+    state = checkpoint.load_newest(str(out_dir))
+    model = GPT(GPTConfig(**state["model_args"]))
+    optimizer = optim.configure(model, TrainConfig(**state["config"]), "cpu")
+    checkpoint.restore(state, model, optimizer, torch.amp.GradScaler("cpu", enabled=False), fsdp=False)
+    batches = types.SimpleNamespace(rng=np.random.default_rng(0))
+    checkpoint.restore_rng(state, batches, rt)
+    return state, batches
+
+
+@pytest.mark.parametrize("fmt", ["sharded", "full"])
+def test_a_gpu_checkpoint_resumes_on_a_gpu_with_its_cuda_rng(runs, gpu, fmt, capsys):
+    restore_on(runtime.Runtime("cuda:0", "cuda", torch.bfloat16), runs / f"gpu_{fmt}")
+    assert len(gpu) == 1 and torch.equal(gpu[0][0], philox_state(1337, 4 * 96)) and gpu[0][1] == "cuda:0"
+    assert "note:" not in capsys.readouterr().out.replace("note: resuming from", "")
+
+
+@pytest.mark.parametrize("fmt", ["sharded", "full"])
+def test_a_cpu_checkpoint_resumes_on_a_gpu_and_says_the_cuda_rng_is_reseeded(runs, gpu, fmt, capsys):
+    state, batches = restore_on(runtime.Runtime("cuda:0", "cuda", torch.bfloat16), runs / f"cpu_{fmt}")
+    assert gpu == []  # nothing to set: the GPU generator keeps train.py's seed
+    assert "note: checkpoint was written on cpu, this run is on cuda: the cuda RNG is reseeded" in capsys.readouterr().out
+    assert torch.equal(torch.get_rng_state(), state["rng"]["torch"][0])  # the CPU generator is restored
+    assert batches.rng.bit_generator.state == state["rng"]["batches"]
