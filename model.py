@@ -410,8 +410,9 @@ class GPT(nn.Module):
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
-        # the fused kernel updates every parameter in one launch; CPU, CUDA and MPS have it
-        fused = device_type in ("cuda", "cpu", "mps")
+        # the fused kernel updates every parameter in one launch. Not on MPS: its kernel ignored
+        # found_inf (pytorch#186360, 2026), so a skipped non-finite step would still update the weights
+        fused = device_type in ("cuda", "cpu")
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
 
     def flops_per_token(self):

@@ -68,6 +68,8 @@ def pick_dtype(name, device_type):
         raise UserError(f"dtype='{name}' is not supported; use auto, float32, bfloat16 or float16")
     if name == "bfloat16" and device_type == "cuda" and not torch.cuda.is_bf16_supported():
         raise UserError("dtype='bfloat16' is not supported by this GPU; use --dtype=float16")
+    if name == "bfloat16" and device_type == "mps" and not torch.backends.mps.is_macos_or_newer(14, 0):
+        raise UserError("dtype='bfloat16' on MPS needs macOS 14 or newer; use --dtype=float16 or --dtype=float32")
     return DTYPES[name]
 
 
@@ -76,6 +78,9 @@ def setup(device="auto", dtype="auto", backend="auto"):
     rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
     device = pick_device(device)
     device_type = device.split(":")[0]
+    if device_type == "mps" and world_size > 1:
+        raise UserError("torchrun with device=mps: torch.distributed has no MPS backend; run one process "
+                        "(python train.py ...), or use --device=cpu")
     if device_type == "cuda":
         if world_size > 1 or device == "cuda":
             # one GPU per process, by its local rank (0 outside torchrun): torch.cuda.set_device
