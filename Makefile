@@ -1,6 +1,7 @@
 # Two commands on a fresh machine:
 #   make quickstart   set up .venv, prepare Shakespeare, train (CPU config, or the baby GPT on a GPU), sample
 #   make test         set up .venv with the test dependencies and run the suite
+# Both keep a GPU build of torch (>= scripts/system_torch.py's floor) that python3 already has.
 
 PYTHON ?= python3
 VENV := .venv
@@ -11,11 +12,25 @@ SHAKESPEARE_TXT ?= $(wildcard ../shared/data/tinyshakespeare/input.txt)
 
 venv: $(VENV)/.installed
 
-# re-install only when the requirement files change
-$(VENV)/.installed: requirements.txt requirements-dev.txt
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements.txt -r requirements-dev.txt
+# re-install only when the requirement files change. A GPU build of torch at or above the supported
+# floor that $(PYTHON) already imports is the machine's own, matched to its driver: the venv sees it
+# (--system-site-packages), pip installs the rest without torch and may not replace it (a constraint).
+# Elsewhere, or with SYSTEM_TORCH=no, the venv gets the torch pinned in requirements.txt.
+SYSTEM_TORCH ?= auto
+$(VENV)/.installed: requirements.txt requirements-dev.txt scripts/system_torch.py
+	@if [ "$(SYSTEM_TORCH)" != no ] && version=$$($(PYTHON) scripts/system_torch.py); then \
+		set -ex; \
+		$(PYTHON) -m venv --system-site-packages $(VENV); \
+		grep -v '^torch[=<>~ ]' requirements.txt > $(VENV)/requirements-without-torch.txt; \
+		echo "torch==$$version" > $(VENV)/keep-torch.txt; \
+		$(PY) -m pip install --quiet --upgrade pip; \
+		$(PY) -m pip install --quiet -c $(VENV)/keep-torch.txt -r $(VENV)/requirements-without-torch.txt -r requirements-dev.txt; \
+	else \
+		set -ex; \
+		$(PYTHON) -m venv $(VENV); \
+		$(PY) -m pip install --quiet --upgrade pip; \
+		$(PY) -m pip install --quiet -r requirements.txt -r requirements-dev.txt; \
+	fi
 	touch $@
 
 # --overwrite=True: a second make quickstart trains afresh over the first run's out_dir
