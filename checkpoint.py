@@ -217,13 +217,22 @@ def load_full_state(raw_model, optimizer, weights, optimizer_state, fsdp):
                    options=StateDictOptions(full_state_dict=True))
 
 
+# How an optimizer runs is this run's choice for its device, not the checkpoint writer's, which
+# loading param_groups would bring: a GPU's fused=True onto MPS (whose fused kernel ignores
+# found_inf), or MPS's fused=False onto a GPU (where step.py's found_inf then fails the step).
+IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable")
+
+
 def restore(state, raw_model, optimizer, scaler, fsdp):
     """Put a checkpoint from load_newest into the model, optimizer and scaler (before compile/DDP
     wrapping, after FSDP sharding). A collective call under DDP/FSDP for a sharded one."""
+    own = [{k: g[k] for k in IMPLEMENTATION_KEYS if k in g} for g in optimizer.param_groups]
     if state["format"] == "sharded":
         _load_sharded_into(state, raw_model, optimizer)
     else:
         load_full_state(raw_model, optimizer, model_state(state), state["optimizer"], fsdp)
+    for group, keys in zip(optimizer.param_groups, own, strict=True):
+        group.update(keys)
     if state.get("scaler") and scaler.is_enabled():
         scaler.load_state_dict(state["scaler"])
 

@@ -18,9 +18,11 @@ import torch
 import checkpoint
 import optim
 import runtime
+from batches import TrainBatches, load_split
 from configurator import TrainConfig
 from conftest import load_script, make_text, read_metrics, run_script, tiny_args
 from model import GPT, GPTConfig
+from step import train_step
 
 COMMON = dict(max_iters=12, lr_decay_iters=12, eval_interval=6, dropout=0.1)
 
@@ -142,3 +144,42 @@ def test_a_cpu_checkpoint_resumes_on_a_gpu_and_says_the_cuda_rng_is_reseeded(run
     assert "note: checkpoint was written on cpu, this run is on cuda: the cuda RNG is reseeded" in capsys.readouterr().out
     assert torch.equal(torch.get_rng_state(), state["rng"]["torch"][0])  # the CPU generator is restored
     assert batches.rng.bit_generator.state == state["rng"]["batches"]
+
+
+def as_if_written_on_a_mac(path):
+    """Rewrite the checkpoint at `path` with the optimizer settings an MPS run saves: AdamW unfused."""
+    if path.is_dir():
+        meta = json.loads((path / checkpoint.COMMIT).read_text())
+        assert all(group["fused"] for group in meta["param_groups"])
+        (path / checkpoint.COMMIT).write_text(json.dumps({**meta, "param_groups": [
+            {**group, "fused": False} for group in meta["param_groups"]]}))
+    else:
+        state = torch.load(path, weights_only=True)
+        state["optimizer"]["param_groups"] = [{**group, "fused": False} for group in state["optimizer"]["param_groups"]]
+        torch.save(state, path)
+
+
+@pytest.mark.parametrize("fmt, name", [("sharded", "ckpt_0000006"), ("full", "ckpt.pt")])
+def test_the_optimizer_keeps_this_devices_implementation_across_a_resume(runs, fmt, name, tmp_path):
+    cpu = runtime.Runtime("cpu", "cpu", torch.float32)
+    out = tmp_path / "mac"
+    shutil.copytree(runs / f"cpu_{fmt}", out, symlinks=True)
+    as_if_written_on_a_mac(out / name)
+    state = checkpoint.load_newest(str(out))
+    cfg = TrainConfig(**state["config"])
+    model = GPT(GPTConfig(**state["model_args"]))
+    optimizer = optim.configure(model, cfg, "cpu")
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    checkpoint.restore(state, model, optimizer, scaler, fsdp=False)
+    assert all(group["fused"] for group in optimizer.param_groups)  # the CPU's fused AdamW, as built
+    # a real step: step.py hands fused AdamW its skip flag (found_inf), which the unfused one refuses
+    data = load_split(str(runs / "chars"), "train", "memmap")
+    result = train_step(model, optimizer, scaler, TrainBatches(data, 4, 16, 0, cpu), 1e-3, 1, 1.0, cpu)
+    assert bool(result.stepped) and torch.isfinite(result.loss)
+
+    # the other way: the CPU's checkpoint (fused AdamW) restored for MPS, where AdamW is unfused
+    state = checkpoint.load_newest(str(runs / f"cpu_{fmt}"))
+    model = GPT(GPTConfig(**state["model_args"]))
+    optimizer = optim.configure(model, cfg, "mps")
+    checkpoint.restore(state, model, optimizer, scaler, fsdp=False)
+    assert not any(group["fused"] for group in optimizer.param_groups)
