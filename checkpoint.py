@@ -167,8 +167,9 @@ def gather_rng(rt):
     """{'torch': [each rank's CPU RNG state], and 'cuda' or 'mps': [...] on an accelerator}: each
     rank resumes its own dropout stream."""
     rng = {"torch": [torch.get_rng_state()]}
-    if device_rng_state(rt) is not None:
-        rng[rt.device_type] = [device_rng_state(rt)]
+    device_rng = device_rng_state(rt)
+    if device_rng is not None:
+        rng[rt.device_type] = [device_rng]
     if rt.ddp:
         for key in rng:
             gathered = [None] * rt.world_size
@@ -277,8 +278,9 @@ def sharded_state(raw_model, optimizer, rt):
 
     weights, optim = get_state_dict(raw_model, getattr(optimizer, "optimizers", [optimizer]))
     rng = {f"torch_{rt.rank}": torch.get_rng_state()}  # each rank writes its own (distinct keys are not deduplicated)
-    if device_rng_state(rt) is not None:
-        rng[f"{rt.device_type}_{rt.rank}"] = device_rng_state(rt)
+    device_rng = device_rng_state(rt)
+    if device_rng is not None:
+        rng[f"{rt.device_type}_{rt.rank}"] = device_rng
     return {"model": weights, "optimizer": optim["state"], "rng": rng}, optim["param_groups"]
 
 

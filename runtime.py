@@ -1,6 +1,6 @@
 """What train.py, sample.py and bench.py share: device and precision choice, autocast,
-distributed setup and teardown, the host memory this job may still use (cgroup limits counted), stop requests (SIGTERM, SIGINT, a time
-limit), and the dense peak FLOPS of the GPU for MFU."""
+distributed setup and teardown, the host memory this job may still use (cgroup limits counted),
+stop requests (SIGTERM, SIGINT, a time limit), and the dense peak FLOPS of the GPU for MFU."""
 
 import os
 import re
@@ -129,8 +129,8 @@ def free_memory():
     """Bytes of host memory this process may still take: the host's MemAvailable, lowered to what
     the tightest memory limit of its cgroup leaves (a Slurm job's, a Kubernetes pod's). Past that
     limit the kernel kills the job (exit -9, no message), however much the host has free."""
-    left = cgroup_memory_left()
-    return _mem_available() if left is None else min(_mem_available(), left)
+    host, left = _mem_available(), cgroup_memory_left()
+    return host if left is None else min(host, left)
 
 
 def _mem_available():
