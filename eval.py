@@ -35,6 +35,7 @@ import checkpoint
 import hf
 import runtime
 import tokenizer
+from batches import to_device
 from configurator import EvalConfig, UserError, parse, run_main
 from data import corpus, tokens
 
@@ -132,51 +133,68 @@ def encode_examples(examples, tok_spec, task="hellaswag"):
 
 
 @torch.no_grad()
-def choice_losses(model, batch, block_size, rt):
-    """The losses of every choice of a batch of encoded examples [(context, choices), ...] ->
-    per example (total loss, tokens), each (n_choices,) float64 on the CPU. All the choices of
-    all the examples are one padded forward pass; a row longer than block_size + 1 tokens
-    keeps its end (the choice, and as much context as fits)."""
-    rows, scored = [], []
-    for context, choices in batch:
-        for choice in choices:
-            ids = (context + choice)[-(block_size + 1) :]
-            rows.append(ids)
-            scored.append(min(len(choice), len(ids) - 1))  # the choice's tokens that have a token before them
-    T = max(len(ids) for ids in rows) - 1
-    x = np.zeros((len(rows), T), dtype=np.int64)  # right-padded: causal attention never looks at the padding
+def row_losses(model, rows, rt, greedy=False):
+    """Score token rows [(ids, n), ...]: each row's last n tokens, given the tokens before them.
+    All rows are one right-padded forward pass (causal attention never looks at the padding).
+    -> on the device, without a host sync: per row the summed loss (R,) float64 and, when
+    `greedy`, whether the model's argmax equals every scored token (R,) bool. A row must fit the
+    model: at most block_size + 1 tokens (the caller crops)."""
+    T = max(len(ids) for ids, _ in rows) - 1
+    x = np.zeros((len(rows), T), dtype=np.int64)
     y = np.full((len(rows), T), -1, dtype=np.int64)  # -1: not scored (context and padding)
-    for i, (ids, n) in enumerate(zip(rows, scored)):
+    for i, (ids, n) in enumerate(rows):
         x[i, : len(ids) - 1] = ids[:-1]
         y[i, len(ids) - 1 - n : len(ids) - 1] = ids[len(ids) - n :]
-    x, y = torch.from_numpy(x).to(rt.device), torch.from_numpy(y).to(rt.device)
+    x, y = to_device(torch.from_numpy(x), rt), to_device(torch.from_numpy(y), rt)
     with rt.autocast():
         logits, _ = model(x, all_logits=True)  # (rows, T, vocab)
     mask = y >= 0
-    losses = torch.zeros(y.shape, device=rt.device)
+    losses = torch.zeros(y.shape, device=logits.device)
     losses[mask] = F.cross_entropy(logits[mask].float(), y[mask], reduction="none")  # only the scored positions in fp32
-    totals, counts = losses.sum(1).double().cpu(), mask.sum(1).double().cpu()
-    out, start = [], 0
-    for _, choices in batch:
-        out.append((totals[start : start + len(choices)], counts[start : start + len(choices)]))
-        start += len(choices)
-    return out
+    totals = losses.sum(1).to(_sum_dtype(rt))
+    if not greedy:
+        return totals, None
+    return totals, ((logits.argmax(-1) == y) | ~mask).all(1)
+
+
+def pick(scores, examples, rt):
+    """Per example, whether its lowest score is its answer: `scores` (R,) on the device, rows
+    grouped by `examples` [(n_rows, answer), ...] in order (answer -1: a padding example, never
+    right) -> (E,) bool on the device. The index tensors are built on the host and copied without a wait."""
+    width = max(n for n, _ in examples)
+    slot = np.concatenate([e * width + np.arange(n) for e, (n, _) in enumerate(examples)])
+    table = torch.full((len(examples) * width,), math.inf, dtype=scores.dtype, device=scores.device)
+    table[to_device(torch.from_numpy(slot), rt)] = scores
+    answers = to_device(torch.tensor([a for _, a in examples]), rt)
+    return table.view(len(examples), width).argmin(1) == answers  # argmin: the first of equal scores, as on the host
+
+
+def _cropped(context, choice, keep):
+    """(ids, n): context + choice cut to their last `keep` tokens, n of the choice's tokens scored
+    (those that have a token before them)."""
+    ids = (context + choice)[-keep:]
+    return ids, min(len(choice), len(ids) - 1)
 
 
 def score_choices(model, encoded, block_size, rt, batch_size=16, desc=None):
-    """{"acc", "acc_norm", "n"} over encoded examples [(context, choices, answer), ...]."""
+    """{"acc", "acc_norm", "n"} over encoded examples [(context, choices, answer), ...]. The sums
+    stay on the device until the end: one host read per call, none per batch."""
     was_training = getattr(model, "training", False)
     model.eval()
     mine = encoded[rt.rank :: rt.world_size]
     # the same number of forward passes on every rank: under FSDP each one is a collective
     n_batches = math.ceil(math.ceil(len(encoded) / rt.world_size) / batch_size)
-    sums = torch.zeros(3, dtype=torch.float64)  # right by total loss, right by mean loss, examples
+    sums = torch.tensor([0.0, 0.0, len(mine)], dtype=_sum_dtype(rt)).to(rt.device)  # right by total, right by mean, examples
     for b in _progress(range(n_batches), desc, rt):
         batch = mine[b * batch_size : (b + 1) * batch_size]
-        results = choice_losses(model, [(c, ch) for c, ch, _ in batch or encoded[:1]], block_size, rt)
-        for (_, _, answer), (total, count) in zip(batch, results):
-            sums += torch.tensor([int(total.argmin()) == answer, int((total / count).argmin()) == answer, 1.0],
-                                 dtype=torch.float64)
+        # an empty batch (this rank has run out) still runs one forward, with its answer -1: never counted
+        todo = batch or [(encoded[0][0], encoded[0][1], -1)]
+        rows = [_cropped(context, choice, block_size + 1) for context, choices, _ in todo for choice in choices]
+        totals, _ = row_losses(model, rows, rt)
+        counts = to_device(torch.tensor([float(n) for _, n in rows], dtype=totals.dtype), rt)
+        examples = [(len(choices), answer) for _, choices, answer in todo]
+        sums[0] += pick(totals, examples, rt).sum()
+        sums[1] += pick(totals / counts, examples, rt).sum()
     model.train(was_training)
     right, right_norm, n = _all_reduce(sums, rt).tolist()
     return {"acc": right / n, "acc_norm": right_norm / n, "n": int(n)}
@@ -216,24 +234,31 @@ def split_loss(model, data, block_size, rt, token_bytes, batch_size=16, max_toke
     n_batches = math.ceil(math.ceil(n_windows / rt.world_size) / batch_size)  # equal on every rank (FSDP)
     was_training = getattr(model, "training", False)
     model.eval()
-    sums = torch.zeros(3, dtype=torch.float64)  # nats, tokens, bytes
+    # the windows are fixed, so their targets' bytes are counted once, on the host, before the
+    # loop; the loss sum stays on the device: the loop queues GPU work and never waits for it
+    n_bytes = target_bytes(data, mine, block_size, token_bytes)
+    sums = torch.tensor([0.0, len(mine) * block_size, n_bytes], dtype=_sum_dtype(rt)).to(rt.device)  # nats, tokens, bytes
     for b in _progress(range(n_batches), desc, rt):
         offsets = mine[b * batch_size : (b + 1) * batch_size]
         rows = data[(offsets if len(offsets) else np.zeros(1, np.int64))[:, None] + np.arange(block_size + 1)]
-        t = torch.from_numpy(rows.astype(np.int64)).to(rt.device)
+        t = to_device(torch.from_numpy(rows.astype(np.int64)), rt)
         with rt.autocast():
             _, loss = model(t[:, :-1], t[:, 1:])  # mean over (B, T)
         if len(offsets):
-            n = len(offsets) * block_size
-            sums += torch.tensor([loss.item() * n, n, target_bytes(data, offsets, block_size, token_bytes)], dtype=torch.float64)
+            sums[0] += loss.to(sums.dtype) * (len(offsets) * block_size)
     model.train(was_training)
     nats, n_tokens, n_bytes = _all_reduce(sums, rt).tolist()
     return {"loss": nats / n_tokens, "bpb": bits_per_byte(nats / n_tokens, n_tokens, n_bytes), "tokens": int(n_tokens)}
 
 
+def _sum_dtype(rt):
+    """float64 for the sums, where the device has it (MPS has no float64)."""
+    return torch.float32 if rt.device_type == "mps" else torch.float64
+
+
 def _all_reduce(sums, rt):
+    """The device sums, added over the ranks, read to the host: the one wait of an evaluation."""
     if rt.ddp:
-        sums = sums.to(rt.device)
         dist.all_reduce(sums)
     return sums.cpu()
 
