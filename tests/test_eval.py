@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import eval as evals
 import runtime
+import scoring
 import tokenizer
 from conftest import REPO, read_metrics, run_script, tiny_args, train_tiny_run
 from data import tokens
@@ -61,11 +62,11 @@ def test_choice_losses_equal_transformers_gpt2(tmp_path, cpu):
     model = hf.gpt_from_hf(hf_model)[0].eval()
     examples = evals.load_hellaswag(str(write_hellaswag(tmp_path / "hs.jsonl", 12)))
     encoded = evals.encode_examples(examples, GPT2)
-    assert any(len(c) + max(map(len, ch)) > 65 for c, ch, _ in encoded)  # some contexts are cut to their end
-    rows = [evals._cropped(context, choice, 65) for context, choices, _ in encoded for choice in choices]
-    totals, _ = evals.row_losses(model, rows, cpu)
+    assert any(len(c) + max(map(len, ch)) > 65 for c, ch, *_ in encoded)  # some contexts are cut to their end
+    rows = [evals._cropped(context, choice, 65) for context, choices, *_ in encoded for choice in choices]
+    totals, _ = scoring.row_losses(model, rows, cpu)
     i = 0
-    for context, choices, _ in encoded:
+    for context, choices, *_ in encoded:
         for choice in choices:
             ids = torch.tensor([(context + choice)[-65:]])  # the last block_size + 1 tokens
             with torch.no_grad():
@@ -88,16 +89,18 @@ class Unigram(torch.nn.Module):
         return self.log_probs.expand(*idx.shape, -1), None
 
 
-def test_acc_and_acc_norm_on_a_hand_built_case(cpu):
+def test_acc_and_both_acc_norms_on_a_hand_built_case(cpu):
     # token 1: p=0.1 (2.30 nats); token 2: p=0.4 (0.92 nats). Choice [1] totals 2.30, mean 2.30;
     # choice [2, 2, 2] totals 2.75, mean 0.92: the lowest total and the lowest mean disagree
     model = Unigram([0.5, 0.1, 0.4])
+    # acc_norm_chars divides by the choices' characters: short has 10 (0.23 per character), long 5
+    # (0.55), [1, 1] 5 (0.92)
     short, long = [1], [2, 2, 2]
-    encoded = [([0], [short, long], 0),  # answer the short one: right by total only
-               ([0, 0], [long, short], 0),  # answer the long one: right by mean only
-               ([0], [short, long, [1, 1]], 0)]  # short beats [1, 1] (4.61, mean 2.30) and long by total
+    encoded = [([0], [short, long], 0, [10, 5]),  # answer the short one: right by total and by characters
+               ([0, 0], [long, short], 0, [5, 10]),  # answer the long one: right by mean only
+               ([0], [short, long, [1, 1]], 0, [10, 5, 5])]  # short beats [1, 1] (4.61, mean 2.30) and long by total
     result = evals.score_choices(model, encoded, block_size=8, rt=cpu, batch_size=2)
-    assert result == {"acc": 2 / 3, "acc_norm": 1 / 3, "n": 3}
+    assert result == {"acc": 2 / 3, "acc_norm_tokens": 1 / 3, "acc_norm_chars": 2 / 3, "n": 3}
 
 
 def char_model_and_data(tmp_path):
