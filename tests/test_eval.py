@@ -279,3 +279,13 @@ def test_eval_loops_read_the_device_once_whatever_the_number_of_batches(monkeypa
     assert reads["split_loss", 1] == reads["split_loss", 8], reads
     assert reads["score_choices", 1] == reads["score_choices", 8], reads
     assert len(reads["split_loss", 8]) <= 2 and len(reads["score_choices", 8]) <= 2, reads  # the final .cpu().tolist()
+
+
+@pytest.mark.skipif(not os.environ.get("LM_EVAL_PYTHON"), reason="set LM_EVAL_PYTHON to a Python with lm-eval installed (its own venv)")
+def test_harness_style_equals_lm_evaluation_harness():
+    # scripts/harness_hellaswag.py: lm-eval's own hellaswag task and --hellaswag_style=harness on one
+    # GPT-2-shaped export and one local file; every log-likelihood, verdict and accuracy compared
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "harness_hellaswag.py"),
+                             f"--lm_eval_python={os.environ['LM_EVAL_PYTHON']}", "--examples=24"],
+                            cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip().endswith("equal"), result.stdout[-3000:] + result.stderr[-3000:]
