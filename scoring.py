@@ -16,22 +16,25 @@ from batches import to_device
 @torch.no_grad()
 def row_losses(model, rows, rt, greedy=False):
     """Score token rows [(ids, n), ...]: each row's last n tokens, given the tokens before them.
-    All rows are one right-padded forward pass (causal attention never looks at the padding).
+    All rows are one right-padded forward pass (causal attention never looks at the padding),
+    and only the positions that predict scored tokens are un-embedded (logits_at).
     -> on the device, without a host sync: per row the summed loss (R,) float64 and, when
     `greedy`, whether the model's argmax equals every scored token (R,) bool. A row must fit the
     model: at most block_size + 1 tokens (the caller crops)."""
-    T = max(len(ids) for ids, _ in rows) - 1
+    T, K = max(len(ids) for ids, _ in rows) - 1, max(n for _, n in rows)
     x = np.zeros((len(rows), T), dtype=np.int64)
-    y = np.full((len(rows), T), -1, dtype=np.int64)  # -1: not scored (context and padding)
+    at = np.zeros((len(rows), K), dtype=np.int64)  # the positions whose logits predict the scored tokens
+    y = np.full((len(rows), K), -1, dtype=np.int64)  # their targets; -1: a row with fewer than K
     for i, (ids, n) in enumerate(rows):
         x[i, : len(ids) - 1] = ids[:-1]
-        y[i, len(ids) - 1 - n : len(ids) - 1] = ids[len(ids) - n :]
-    x, y = to_device(torch.from_numpy(x), rt), to_device(torch.from_numpy(y), rt)
+        at[i, :n] = np.arange(len(ids) - 1 - n, len(ids) - 1)
+        y[i, :n] = ids[len(ids) - n :]
+    x, at, y = (to_device(torch.from_numpy(a), rt) for a in (x, at, y))
     with rt.autocast():
-        logits, _ = model(x, all_logits=True)  # (rows, T, vocab)
+        logits, _ = model(x, logits_at=at)  # (rows, K, vocab)
     mask = y >= 0
     losses = torch.zeros(y.shape, device=logits.device)
-    losses[mask] = F.cross_entropy(logits[mask].float(), y[mask], reduction="none")  # only the scored positions in fp32
+    losses[mask] = F.cross_entropy(logits[mask].float(), y[mask], reduction="none")  # in fp32
     totals = losses.sum(1).to(sum_dtype(rt))
     if not greedy:
         return totals, None
