@@ -36,8 +36,6 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
 import checkpoint
 import core_eval

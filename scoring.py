@@ -32,13 +32,12 @@ def row_losses(model, rows, rt, greedy=False):
     x, at, y = (to_device(torch.from_numpy(a), rt) for a in (x, at, y))
     with rt.autocast():
         logits, _ = model(x, logits_at=at)  # (rows, K, vocab)
-    mask = y >= 0
-    losses = torch.zeros(y.shape, device=logits.device)
-    losses[mask] = F.cross_entropy(logits[mask].float(), y[mask], reduction="none")  # in fp32
-    totals = losses.sum(1).to(sum_dtype(rt))
+    # ignore_index, not a boolean mask: indexing by a mask would wait for the GPU to count it
+    losses = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-1, reduction="none").view(y.shape)
+    totals = losses.sum(1).to(sum_dtype(rt))  # (rows,); an ignored position adds 0
     if not greedy:
         return totals, None
-    return totals, ((logits.argmax(-1) == y) | ~mask).all(1)
+    return totals, ((logits.argmax(-1) == y) | (y < 0)).all(1)
 
 
 def pick(scores, examples, rt):

@@ -7,7 +7,7 @@
                    forward_model and evaluate_example), on the same tokens
 They run in turn, --rounds times; the medians are printed, and the verdicts compared.
 
-    python scripts/core_bench.py                       # 5 rounds, batch_tokens 16 x block_size
+    python scripts/core_bench.py                       # 5 rounds, 432 examples, batch_tokens 16 x block_size
     python scripts/core_bench.py --rounds=7 --n_layer=4 --n_embd=128 --block_size=256
 """
 
@@ -60,6 +60,7 @@ def main():
     parser.add_argument("--n_layer", type=int, default=2)
     parser.add_argument("--n_embd", type=int, default=64)
     parser.add_argument("--block_size", type=int, default=128)
+    parser.add_argument("--scale", type=int, default=4, help="records: this many times tests/test_core.py's 108")
     parser.add_argument("--batch", type=int, default=16, help="batch_tokens = batch x block_size (eval.py's --batch_size)")
     args = parser.parse_args()
 
@@ -72,7 +73,7 @@ def main():
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=args.n_layer, n_head=2, n_embd=args.n_embd, block_size=args.block_size, vocab_size=50257)).eval()
     with tempfile.TemporaryDirectory() as tmp:
-        tasks = core_eval.load_tasks(str(test_core.write_bundle(Path(tmp), test_core.Bigram().eval())))
+        tasks = core_eval.load_tasks(str(test_core.write_bundle(Path(tmp), test_core.Bigram().eval(), scale=args.scale)))
     n = sum(len(t.records) for t in tasks)
     print(f"{n} examples in {len(tasks)} tasks; GPT n_layer={args.n_layer} n_embd={args.n_embd} block_size={args.block_size} "
           f"vocab 50257; torch threads {torch.get_num_threads()}")
