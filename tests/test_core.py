@@ -356,3 +356,38 @@ def test_training_logs_core_in_rhythm_and_plots_it(setup, tmp_path):
     assert plotted.returncode == 0, plotted.stderr
     width = int.from_bytes((out / "metrics.png").read_bytes()[16:20], "big")
     assert width > 2000  # a fourth panel, CORE
+
+
+def test_a_device_without_float64_sums_in_float32_with_the_same_results(setup, monkeypatch):
+    # MPS has no float64: scoring.sum_dtype's branch, run on the CPU with the runtime saying 'mps'
+    root, model, bundle, rt = setup
+    import eval as evals
+    import scoring
+
+    mps = runtime.Runtime("cpu", "mps", torch.float32)
+    assert scoring.sum_dtype(mps) == torch.float32 and scoring.sum_dtype(rt) == torch.float64
+    reads = []
+    real = scoring.all_reduce
+    monkeypatch.setattr(scoring, "all_reduce", lambda sums, r: reads.append(sums.dtype) or real(sums, r))
+    tasks = core_eval.load_tasks(str(bundle), max_per_task=8)
+    a = core_eval.evaluate_core(model, tasks, GPT2, BLOCK, mps, 8 * BLOCK, per_example=True)
+    b = core_eval.evaluate_core(model, tasks, GPT2, BLOCK, rt, 8 * BLOCK, per_example=True)
+    assert {k: r["correct"] for k, r in a["tasks"].items()} == {k: r["correct"] for k, r in b["tasks"].items()}
+    examples = [evals.Example("the man picks up", ["a ball.", "his dog who runs.", "the green field."], 1)] * 5
+    encoded = evals.encode_examples(examples, GPT2)
+    assert evals.score_choices(model, encoded, BLOCK, mps, 2) == evals.score_choices(model, encoded, BLOCK, rt, 2)
+    assert set(reads) == {torch.float32, torch.float64}
+
+
+def test_core_reads_the_device_once_per_task_whatever_the_number_of_batches(setup, monkeypatch):
+    from test_eval import count_host_reads
+
+    root, model, bundle, rt = setup
+    tasks = core_eval.load_tasks(str(bundle))
+    calls = count_host_reads(monkeypatch)
+    reads = {}
+    for batch_tokens in (0, 10_000 * BLOCK):  # one example per forward (108 forwards), or one forward per task
+        del calls[:]
+        core_eval.evaluate_core(model, tasks, GPT2, BLOCK, rt, batch_tokens)
+        reads[batch_tokens] = sorted(calls)
+    assert reads[0] == reads[10_000 * BLOCK] and len(reads[0]) == 2 * len(tasks), reads  # .cpu() and .item() per task
