@@ -318,8 +318,9 @@ class GPT(nn.Module):
         sum: chat batches weigh micro-batches by their trained tokens); without, only the last
         position's logits are computed (all that sampling needs) unless all_logits=True. With a
         KVCache, idx continues the tokens already in it (at positions cache.length onward) and is
-        added to it. logits_at (B, K): only these positions' logits, (B, K, vocab) (eval scores a
-        few tokens per row: the un-embedding of the others would be most of the work)."""
+        added to it. logits_at (N,): only the logits of these positions of the flattened (B*T)
+        batch, (N, vocab) (eval scores a few tokens per row: un-embedding the others would be most
+        of its work)."""
         B, T = idx.size()
         start = 0 if cache is None else cache.length
         if start + T > self.config.block_size:
@@ -339,7 +340,7 @@ class GPT(nn.Module):
             cache.length += T
         x = self.transformer.ln_f(x)
         if logits_at is not None:
-            x = x.gather(1, logits_at[..., None].expand(-1, -1, x.size(-1)))  # (B, K, C)
+            x = x.flatten(0, 1).index_select(0, logits_at)  # (N, C)
         elif targets is None and not all_logits:
             x = x[:, [-1], :]  # (B, 1, C)
         logits = self.lm_head(x)[..., : self.config.vocab_size]  # drop the padding rows

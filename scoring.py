@@ -21,23 +21,23 @@ def row_losses(model, rows, rt, greedy=False):
     -> on the device, without a host sync: per row the summed loss (R,) float64 and, when
     `greedy`, whether the model's argmax equals every scored token (R,) bool. A row must fit the
     model: at most block_size + 1 tokens (the caller crops)."""
-    T, K = max(len(ids) for ids, _ in rows) - 1, max(n for _, n in rows)
+    T = max(len(ids) for ids, _ in rows) - 1
     x = np.zeros((len(rows), T), dtype=np.int64)
-    at = np.zeros((len(rows), K), dtype=np.int64)  # the positions whose logits predict the scored tokens
-    y = np.full((len(rows), K), -1, dtype=np.int64)  # their targets; -1: a row with fewer than K
     for i, (ids, n) in enumerate(rows):
         x[i, : len(ids) - 1] = ids[:-1]
-        at[i, :n] = np.arange(len(ids) - 1 - n, len(ids) - 1)
-        y[i, :n] = ids[len(ids) - n :]
-    x, at, y = (to_device(torch.from_numpy(a), rt) for a in (x, at, y))
+    # each scored token: the flat (B*T) position that predicts it, the token, its row
+    at = np.concatenate([i * T + np.arange(len(ids) - 1 - n, len(ids) - 1) for i, (ids, n) in enumerate(rows)])
+    y = np.concatenate([ids[len(ids) - n :] for ids, n in rows]).astype(np.int64)
+    row = np.repeat(np.arange(len(rows)), [n for _, n in rows])
+    x, at, y, row = (to_device(torch.from_numpy(a), rt) for a in (x, at, y, row))
     with rt.autocast():
-        logits, _ = model(x, logits_at=at)  # (rows, K, vocab)
-    # ignore_index, not a boolean mask: indexing by a mask would wait for the GPU to count it
-    losses = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-1, reduction="none").view(y.shape)
-    totals = losses.sum(1).to(sum_dtype(rt))  # (rows,); an ignored position adds 0
+        logits, _ = model(x, logits_at=at)  # (scored tokens, vocab)
+    losses = F.cross_entropy(logits.float(), y, reduction="none")  # in fp32
+    totals = torch.zeros(len(rows), dtype=sum_dtype(rt), device=losses.device).index_add_(0, row, losses.to(sum_dtype(rt)))
     if not greedy:
         return totals, None
-    return totals, ((logits.argmax(-1) == y) | (y < 0)).all(1)
+    wrong = torch.zeros(len(rows), dtype=torch.long, device=losses.device).index_add_(0, row, (logits.argmax(-1) != y).long())
+    return totals, wrong == 0
 
 
 def pick(scores, examples, rt):

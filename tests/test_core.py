@@ -48,7 +48,7 @@ class Bigram(torch.nn.Module):
         self.bias[[tokenizer.encoding("gpt2").encode_ordinary(" " + w)[0] for w in WORDS]] = 30.0  # greedy picks a word
 
     def forward(self, idx, all_logits=False, logits_at=None):
-        idx = idx if logits_at is None else idx.gather(1, logits_at)  # a position's logits depend on its token only
+        idx = idx if logits_at is None else idx.flatten()[logits_at]  # a position's logits depend on its token only
         return self.table[idx] @ self.proj + self.bias, None
 
     def greedy_next(self, token):

@@ -86,7 +86,7 @@ class Unigram(torch.nn.Module):
         self.log_probs = torch.log(torch.tensor(probs))
 
     def forward(self, idx, logits_at=None):
-        return self.log_probs.expand(*(idx if logits_at is None else logits_at).shape, -1), None
+        return self.log_probs.expand(*(idx.shape if logits_at is None else logits_at.shape), -1), None
 
 
 def test_acc_and_both_acc_norms_on_a_hand_built_case(cpu):
