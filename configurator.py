@@ -58,6 +58,9 @@ class TrainConfig:
     hellaswag_interval: int = 0  # score HellaSwag every this many iterations (eval.py); 0: off. Needs a tokenizer that encodes text
     hellaswag_examples: int = 0  # score this fixed subset of HellaSwag (a seeded sample) for speed; 0: all 10,042
     hellaswag_path: str = ""  # a HellaSwag jsonl (ctx, endings, label); '': data/hellaswag/hellaswag_val.jsonl, downloaded once
+    core_interval: int = 0  # score CORE (eval.py --tasks=core) every this many iterations; 0: off. Needs a tokenizer that encodes text
+    core_max_per_task: int = 100  # CORE in the loop: this many examples per task, the same ones every time; 0: all (~90k examples)
+    core_bundle: str = ""  # the CORE eval bundle (a directory or zip); '': data/core/eval_bundle.zip, downloaded once
     always_save_checkpoint: bool = True  # write ckpt.pt at every eval, not only when val improves
     keep_last: int = 1  # checkpoints kept: ckpt.pt is the newest; with N > 1 the N newest also stay as ckpt_<iter>.pt
     checkpoint_format: str = "auto"  # 'full' (one file, ckpt.pt), 'sharded' (a directory ckpt_<iter>/ of per-rank shards) or 'auto' (sharded under FSDP, else full)
@@ -137,6 +140,8 @@ class TrainConfig:
         _require(self.max_iters >= 0, f"max_iters={self.max_iters} must not be negative")
         _require(self.hellaswag_interval >= 0 and self.hellaswag_examples >= 0,
                  "hellaswag_interval and hellaswag_examples must be >= 0 (0: off, and all examples)")
+        _require(self.core_interval >= 0 and self.core_max_per_task >= 0,
+                 "core_interval and core_max_per_task must be >= 0 (0: off, and all examples)")
         _require(self.max_minutes >= 0 and self.max_bad_steps >= 1, "max_minutes must be >= 0 and max_bad_steps >= 1")
         _require(self.keep_last >= 1, f"keep_last={self.keep_last} must be at least 1 (ckpt.pt is always kept)")
         _require(self.n_embd % self.n_head == 0,
@@ -274,7 +279,8 @@ class ExportConfig:
         _require_choice("checkpoint", self.checkpoint, ("best", "latest"))
 
 
-EVAL_TASKS = ("hellaswag", "mc", "val", "test")
+EVAL_TASKS = ("hellaswag", "mc", "val", "test", "core")
+HELLASWAG_STYLES = ("nanogpt", "harness")
 
 
 @dataclass
@@ -282,11 +288,14 @@ class EvalConfig:
     init_from: str = "resume"  # 'resume' (a training run's checkpoint in out_dir), 'gpt2'/'gpt2-medium'/'gpt2-large'/'gpt2-xl' or a Hugging Face GPT-2 directory
     out_dir: str = "out"  # the training run to evaluate
     checkpoint: str = "best"  # 'best' (ckpt_best.pt when present) or 'latest' (ckpt.pt)
-    tasks: str = ""  # comma list of hellaswag, mc, val, test; '': hellaswag (unless character-level), mc (with mc_path), and the splits the data has
+    tasks: str = ""  # comma list of hellaswag, mc, val, test, core; '': hellaswag (unless character-level), mc (with mc_path), and the splits the data has
     dataset: str = ""  # data/<dataset> holds val and test; '': the run's own (its config.json)
     split_tokens: int = 10_000_000  # val/test: score this many tokens from the split's start, each once; 0: the whole split
     hellaswag_path: str = ""  # a HellaSwag jsonl (ctx, endings, label); '': data/hellaswag/hellaswag_val.jsonl, downloaded once
     hellaswag_examples: int = 0  # score only this fixed subset of HellaSwag (a seeded sample); 0: all 10,042
+    hellaswag_style: str = "nanogpt"  # 'nanogpt': build-nanogpt/llm.c's prompt (ctx); 'harness': lm-evaluation-harness's (preprocessed activity_label: ctx_a Ctx_b)
+    core_bundle: str = ""  # the CORE eval bundle (a directory or zip); '': data/core/eval_bundle.zip, downloaded once
+    core_max_per_task: int = 0  # CORE: score this many examples per task (nanochat's shuffle, then the first ones); 0: all
     mc_path: str = ""  # your own multiple-choice task: jsonl with context, choices (a list of strings), answer (an index)
     batch_size: int = 16  # examples (multiple choice) or block_size windows (val, test) per forward pass
     json: bool = False  # print the results as one JSON object on the last line
@@ -303,7 +312,9 @@ class EvalConfig:
             _require(task in EVAL_TASKS, f"unknown task {task!r} in --tasks; choose from {', '.join(EVAL_TASKS)}")
         _require("mc" not in self.task_list() or self.mc_path, "--tasks has mc but no --mc_path=FILE names the questions")
         _require(self.batch_size >= 1, f"batch_size={self.batch_size} must be at least 1")
-        _require(self.split_tokens >= 0 and self.hellaswag_examples >= 0, "split_tokens and hellaswag_examples must be >= 0 (0: all)")
+        _require(self.split_tokens >= 0 and self.hellaswag_examples >= 0 and self.core_max_per_task >= 0,
+                 "split_tokens, hellaswag_examples and core_max_per_task must be >= 0 (0: all)")
+        _require_choice("hellaswag_style", self.hellaswag_style, HELLASWAG_STYLES)
 
     def task_list(self):
         return [t.strip() for t in self.tasks.split(",") if t.strip()]

@@ -1,40 +1,49 @@
-"""How good is the model: HellaSwag, your own multiple-choice questions, and the loss of the
-val and test splits in nats per token and bits per byte.
+"""How good is the model: HellaSwag, CORE, your own multiple-choice questions, and the loss of
+the val and test splits in nats per token and bits per byte.
 
     python eval.py --out_dir=out-gpt2-fineweb-edu            # the run's best checkpoint: hellaswag, val, test
     python eval.py --out_dir=out --checkpoint=latest --tasks=val,test --split_tokens=0   # every token of both splits
-    python eval.py --init_from=gpt2                          # released GPT-2 124M: acc 0.2859, acc_norm 0.2955
+    python eval.py --init_from=gpt2                          # released GPT-2 124M: acc 0.2859, acc_norm_tokens 0.2955
+    python eval.py --init_from=gpt2 --hellaswag_style=harness   # as lm-evaluation-harness: acc_norm_chars 0.3114 published
+    python eval.py --init_from=gpt2 --tasks=core             # CORE (nanochat reports 0.114 for GPT-2 124M)
+    python eval.py --out_dir=out --tasks=core --core_bundle=eval_bundle.zip --core_max_per_task=500
     python eval.py --init_from=/path/to/gpt2 --hellaswag_path=hellaswag_val.jsonl        # no network
     python eval.py --out_dir=out --tasks=mc --mc_path=questions.jsonl
     python eval.py --out_dir=out --json=True                 # the last line is one JSON object
-    torchrun --standalone --nproc_per_node=8 eval.py --init_from=gpt2-xl
+    torchrun --standalone --nproc_per_node=8 eval.py --init_from=gpt2-xl --tasks=hellaswag,core
     python eval.py --help                                    # every key
 
 Multiple choice (HellaSwag, --mc_path) is scored as the GPT-2 reproductions (build-nanogpt,
 llm.c) score it: each choice is the context's tokens followed by the tokens of " " + choice,
 and the model's cross-entropy is summed over the choice's tokens only. acc counts the examples
-whose right choice has the lowest total loss, acc_norm those whose right choice has the lowest
-mean loss per token. Bits per byte are the total nats over ln 2 times the UTF-8 bytes of the
-predicted tokens' text, so models with different tokenizers compare.
+whose right choice has the lowest total loss; two acc_norms are reported, each by its name:
+acc_norm_tokens (the lowest mean loss per token: build-nanogpt's acc_norm) and acc_norm_chars
+(the lowest loss per character of the choice: lm-evaluation-harness's acc_norm).
+--hellaswag_style=harness builds the prompt as lm-evaluation-harness does (its preprocessing of
+activity_label: ctx_a Ctx_b and of the endings, context + " " + choice encoded whole); the
+published lm-eval tables are its acc and acc_norm_chars. CORE is core_eval.py's. Bits per byte
+are the total nats over ln 2 times the UTF-8 bytes of the predicted tokens' text, so models with
+different tokenizers compare.
 
 The task functions are importable; train.py calls them during training. Under torchrun the
-examples (or windows) are shared out between the ranks and the sums all-reduced.
-"""
+examples (or windows) are shared out between the ranks and the sums all-reduced."""
 
 import json
 import math
 import os
+import re
 from typing import NamedTuple
 
 import numpy as np
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
 import checkpoint
+import core_eval
 import hf
 import runtime
+import scoring
 import tokenizer
+from batches import to_device
 from configurator import EvalConfig, UserError, parse, run_main
 from data import corpus, tokens
 
@@ -103,11 +112,29 @@ def _example(where, context, choices, answer):
     return Example(context, choices, answer)
 
 
-def load_hellaswag(path="", examples=0):
+def harness_preprocess(text):
+    """lm-evaluation-harness's HellaSwag clean-up (tasks/hellaswag/utils.py): WikiHow's [title]
+    becomes a full stop, other [bracketed] markers go, double spaces become one."""
+    text = text.strip().replace(" [title]", ". ")
+    return re.sub("\\[.*?\\]", "", text).replace("  ", " ")
+
+
+def load_hellaswag(path="", examples=0, style="nanogpt"):
     """HellaSwag's examples (official format: ctx, endings, label, ...); examples > 0: that
-    many, the same seeded sample every time."""
-    records = read_jsonl(hellaswag_file(path), ("ctx", "endings", "label"))
-    found = [_example(w, r["ctx"], r["endings"], r["label"]) for w, r in records]
+    many, the same seeded sample every time. style 'nanogpt': the context is ctx, the choices
+    the endings (build-nanogpt, llm.c); 'harness': lm-eval's query, activity_label + ": " +
+    ctx_a + " " + ctx_b.capitalize(), and the endings, both through harness_preprocess."""
+    fields = ("ctx", "endings", "label") if style == "nanogpt" else ("activity_label", "ctx_a", "ctx_b", "endings", "label")
+    records = read_jsonl(hellaswag_file(path), fields)
+    if style == "nanogpt":
+        found = [_example(w, r["ctx"], r["endings"], r["label"]) for w, r in records]
+    else:
+        for w, r in records:
+            if not all(isinstance(r[k], str) for k in fields[:3]) or not isinstance(r["endings"], list) \
+                    or not all(isinstance(e, str) for e in r["endings"]):
+                raise UserError(f"{w}: activity_label, ctx_a and ctx_b must be strings and endings a list of strings")
+        found = [_example(w, harness_preprocess(f"{r['activity_label']}: {r['ctx_a']} {r['ctx_b'].capitalize()}"),
+                          [harness_preprocess(e) for e in r["endings"]], r["label"]) for w, r in records]
     if 0 < examples < len(found):
         keep = np.random.default_rng(HELLASWAG_SUBSET_SEED).permutation(len(found))[:examples]
         found = [found[i] for i in sorted(keep)]
@@ -119,67 +146,64 @@ def load_mc(path):
     return [_example(w, r["context"], r["choices"], r["answer"]) for w, r in read_jsonl(path, ("context", "choices", "answer"))]
 
 
-def encode_examples(examples, tok_spec, task="hellaswag"):
-    """[(context ids, [ids of " " + choice, ...], answer)], with the model's tokenizer."""
+def encode_examples(examples, tok_spec, task="hellaswag", joint=False):
+    """[(context ids, [ids of " " + choice, ...], answer, [characters of each choice])], with
+    the model's tokenizer. joint=False encodes the context and each " " + choice apart and
+    joins the ids (build-nanogpt); joint=True encodes context + " " + choice whole and takes the
+    ids past the context's own (lm-eval's causal models, which first move the context's trailing
+    spaces to the continuation)."""
     if tok_spec["kind"] == "char":
         raise UserError(f"{task} needs a tokenizer that encodes any text; this model is character-level "
                         f"({len(tok_spec['chars'])} characters): evaluate it with --tasks=val,test")
     encode, _ = tokenizer.load(tok_spec)
-    return [(encode(e.context), [encode(" " + c) for c in e.choices], e.answer) for e in examples]
+    out = []
+    for e in examples:
+        context, continuations = e.context, [" " + c for c in e.choices]
+        if joint:
+            spaces = len(context) - len(context.rstrip())
+            context, continuations = context.rstrip(), [context[len(context) - spaces :] + c for c in continuations]
+        ids = encode(context)
+        choices = [encode(context + c)[len(ids) :] if joint else encode(c) for c in continuations]
+        out.append((ids, choices, e.answer, [len(c) for c in e.choices]))
+    return out
 
 
 # ---------------------------------------------------------------------------- multiple choice
 
 
-@torch.no_grad()
-def choice_losses(model, batch, block_size, rt):
-    """The losses of every choice of a batch of encoded examples [(context, choices), ...] ->
-    per example (total loss, tokens), each (n_choices,) float64 on the CPU. All the choices of
-    all the examples are one padded forward pass; a row longer than block_size + 1 tokens
-    keeps its end (the choice, and as much context as fits)."""
-    rows, scored = [], []
-    for context, choices in batch:
-        for choice in choices:
-            ids = (context + choice)[-(block_size + 1) :]
-            rows.append(ids)
-            scored.append(min(len(choice), len(ids) - 1))  # the choice's tokens that have a token before them
-    T = max(len(ids) for ids in rows) - 1
-    x = np.zeros((len(rows), T), dtype=np.int64)  # right-padded: causal attention never looks at the padding
-    y = np.full((len(rows), T), -1, dtype=np.int64)  # -1: not scored (context and padding)
-    for i, (ids, n) in enumerate(zip(rows, scored)):
-        x[i, : len(ids) - 1] = ids[:-1]
-        y[i, len(ids) - 1 - n : len(ids) - 1] = ids[len(ids) - n :]
-    x, y = torch.from_numpy(x).to(rt.device), torch.from_numpy(y).to(rt.device)
-    with rt.autocast():
-        logits, _ = model(x, all_logits=True)  # (rows, T, vocab)
-    mask = y >= 0
-    losses = torch.zeros(y.shape, device=rt.device)
-    losses[mask] = F.cross_entropy(logits[mask].float(), y[mask], reduction="none")  # only the scored positions in fp32
-    totals, counts = losses.sum(1).double().cpu(), mask.sum(1).double().cpu()
-    out, start = [], 0
-    for _, choices in batch:
-        out.append((totals[start : start + len(choices)], counts[start : start + len(choices)]))
-        start += len(choices)
-    return out
+def _cropped(context, choice, keep):
+    """(ids, n): context + choice cut to their last `keep` tokens, n of the choice's tokens scored
+    (those that have a token before them)."""
+    ids = (context + choice)[-keep:]
+    return ids, min(len(choice), len(ids) - 1)
 
 
 def score_choices(model, encoded, block_size, rt, batch_size=16, desc=None):
-    """{"acc", "acc_norm", "n"} over encoded examples [(context, choices, answer), ...]."""
+    """{"acc", "acc_norm_tokens", "acc_norm_chars", "n"} over encoded examples (encode_examples).
+    The right choice has the lowest total loss (acc), the lowest loss per token (acc_norm_tokens:
+    build-nanogpt, llm.c) or per character of the choice, its leading space not counted
+    (acc_norm_chars: lm-eval's acc_norm). The sums stay on the device until one read at the end."""
     was_training = getattr(model, "training", False)
     model.eval()
     mine = encoded[rt.rank :: rt.world_size]
     # the same number of forward passes on every rank: under FSDP each one is a collective
     n_batches = math.ceil(math.ceil(len(encoded) / rt.world_size) / batch_size)
-    sums = torch.zeros(3, dtype=torch.float64)  # right by total loss, right by mean loss, examples
-    for b in _progress(range(n_batches), desc, rt):
+    sums = torch.tensor([0.0, 0.0, 0.0, len(mine)], dtype=scoring.sum_dtype(rt)).to(rt.device)  # right by each rule, examples
+    for b in scoring.progress(range(n_batches), desc, rt):
         batch = mine[b * batch_size : (b + 1) * batch_size]
-        results = choice_losses(model, [(c, ch) for c, ch, _ in batch or encoded[:1]], block_size, rt)
-        for (_, _, answer), (total, count) in zip(batch, results):
-            sums += torch.tensor([int(total.argmin()) == answer, int((total / count).argmin()) == answer, 1.0],
-                                 dtype=torch.float64)
+        # an empty batch (this rank has run out) still runs one forward, with its answer -1: never counted
+        todo = batch or [(*encoded[0][:2], -1, encoded[0][3])]
+        rows = [_cropped(context, choice, block_size + 1) for context, choices, _, _ in todo for choice in choices]
+        totals, _ = scoring.row_losses(model, rows, rt)
+        per_row = torch.tensor([[1.0, n, chars] for (_, n), chars in zip(rows, (c for *_, cs in todo for c in cs))],
+                               dtype=totals.dtype)
+        per_row = to_device(per_row, rt)  # (rows, 3): the divisor of each rule
+        examples = [(len(choices), answer) for _, choices, answer, _ in todo]
+        for k in range(3):
+            sums[k] += scoring.pick(totals / per_row[:, k], examples, rt).sum()
     model.train(was_training)
-    right, right_norm, n = _all_reduce(sums, rt).tolist()
-    return {"acc": right / n, "acc_norm": right_norm / n, "n": int(n)}
+    right, right_tokens, right_chars, n = scoring.all_reduce(sums, rt).tolist()
+    return {"acc": right / n, "acc_norm_tokens": right_tokens / n, "acc_norm_chars": right_chars / n, "n": int(n)}
 
 
 # ---------------------------------------------------------------------------- splits and bits per byte
@@ -216,35 +240,21 @@ def split_loss(model, data, block_size, rt, token_bytes, batch_size=16, max_toke
     n_batches = math.ceil(math.ceil(n_windows / rt.world_size) / batch_size)  # equal on every rank (FSDP)
     was_training = getattr(model, "training", False)
     model.eval()
-    sums = torch.zeros(3, dtype=torch.float64)  # nats, tokens, bytes
-    for b in _progress(range(n_batches), desc, rt):
+    # the windows are fixed, so their targets' bytes are counted once, on the host, before the
+    # loop; the loss sum stays on the device: the loop queues GPU work and never waits for it
+    n_bytes = target_bytes(data, mine, block_size, token_bytes)
+    sums = torch.tensor([0.0, len(mine) * block_size, n_bytes], dtype=scoring.sum_dtype(rt)).to(rt.device)  # nats, tokens, bytes
+    for b in scoring.progress(range(n_batches), desc, rt):
         offsets = mine[b * batch_size : (b + 1) * batch_size]
         rows = data[(offsets if len(offsets) else np.zeros(1, np.int64))[:, None] + np.arange(block_size + 1)]
-        t = torch.from_numpy(rows.astype(np.int64)).to(rt.device)
+        t = to_device(torch.from_numpy(rows.astype(np.int64)), rt)
         with rt.autocast():
             _, loss = model(t[:, :-1], t[:, 1:])  # mean over (B, T)
         if len(offsets):
-            n = len(offsets) * block_size
-            sums += torch.tensor([loss.item() * n, n, target_bytes(data, offsets, block_size, token_bytes)], dtype=torch.float64)
+            sums[0] += loss.to(sums.dtype) * (len(offsets) * block_size)
     model.train(was_training)
-    nats, n_tokens, n_bytes = _all_reduce(sums, rt).tolist()
+    nats, n_tokens, n_bytes = scoring.all_reduce(sums, rt).tolist()
     return {"loss": nats / n_tokens, "bpb": bits_per_byte(nats / n_tokens, n_tokens, n_bytes), "tokens": int(n_tokens)}
-
-
-def _all_reduce(sums, rt):
-    if rt.ddp:
-        sums = sums.to(rt.device)
-        dist.all_reduce(sums)
-    return sums.cpu()
-
-
-def _progress(iterable, desc, rt):
-    """A progress bar on rank 0's terminal (none in a pipe, a log file, or without desc)."""
-    if desc is None or not rt.master:
-        return iterable
-    from tqdm import tqdm
-
-    return tqdm(iterable, desc=desc, unit="batch", disable=None, leave=False)
 
 
 # ---------------------------------------------------------------------------- main
@@ -311,9 +321,10 @@ def evaluate_all(cfg, rt):
     say = print if rt.master else (lambda message: None)
     examples = {}  # the files of the tasks asked for are read first: a bad file should not wait for a model load
     if "hellaswag" in cfg.task_list():
-        examples["hellaswag"] = load_hellaswag(cfg.hellaswag_path, cfg.hellaswag_examples)
+        examples["hellaswag"] = load_hellaswag(cfg.hellaswag_path, cfg.hellaswag_examples, cfg.hellaswag_style)
     if cfg.mc_path:
         examples["mc"] = load_mc(cfg.mc_path)
+    core_tasks = core_eval.load_tasks(cfg.core_bundle, cfg.core_max_per_task) if "core" in cfg.task_list() else None
     if cfg.init_from == "resume":
         model, tok_spec = checkpoint.load_model(cfg.out_dir, cfg.checkpoint, report=say)
     else:
@@ -327,20 +338,34 @@ def evaluate_all(cfg, rt):
     for task in plan:
         if task in ("hellaswag", "mc"):
             if task not in examples:  # hellaswag by default
-                examples[task] = load_hellaswag(cfg.hellaswag_path, cfg.hellaswag_examples)
-            encoded = encode_examples(examples[task], tok_spec, task)
+                examples[task] = load_hellaswag(cfg.hellaswag_path, cfg.hellaswag_examples, cfg.hellaswag_style)
+            joint = task == "hellaswag" and cfg.hellaswag_style == "harness"
+            encoded = encode_examples(examples[task], tok_spec, task, joint=joint)
             r = results[task] = score_choices(forward, encoded, block_size, rt, cfg.batch_size, desc=task)
-            say(f"{task}: acc {r['acc']:.4f}, acc_norm {r['acc_norm']:.4f} ({r['n']:,} examples)")
+            if task == "hellaswag":
+                r["style"] = cfg.hellaswag_style
+            say(f"{task}{f' ({cfg.hellaswag_style} style)' if task == 'hellaswag' else ''}: acc {r['acc']:.4f}, "
+                f"acc_norm_tokens {r['acc_norm_tokens']:.4f} (mean loss per token), "
+                f"acc_norm_chars {r['acc_norm_chars']:.4f} (per character, lm-eval's acc_norm) ({r['n']:,} examples)")
+        elif task == "core":
+            say(f"CORE: {len(core_tasks)} tasks, {sum(len(t.records) for t in core_tasks):,} examples")
+            r = results[task] = core_eval.evaluate_core(forward, core_tasks, tok_spec, block_size, rt,
+                                                        cfg.batch_size * block_size, report=say)
+            say(f"CORE {r['core']:.4f} (mean centered accuracy of {len(r['tasks'])} tasks; "
+                f"{r['examples']:,} examples, {r['examples_per_s']:.1f} examples/s)")
         else:
-            if data_dir is None:
-                raise UserError(f"--tasks has {task} but no data is known: name it with --dataset=NAME (data/NAME/{task}.bin)")
-            _check_same_tokenizer(data_dir, tok_spec)
-            data = tokens.Tokens.open(data_dir, task)
-            data.check_vocab(model.config.vocab_size)
-            r = results[task] = split_loss(forward, data, block_size, rt, tokenizer.token_bytes(tok_spec),
-                                           cfg.batch_size, cfg.split_tokens, desc=task)
+            r = results[task] = _split(cfg, task, forward, model, tok_spec, data_dir, block_size, rt)
             say(f"{task}: loss {r['loss']:.4f}, {r['bpb']:.4f} bits per byte ({r['tokens']:,} tokens of {data_dir})")
     return results
+
+
+def _split(cfg, task, forward, model, tok_spec, data_dir, block_size, rt):
+    if data_dir is None:
+        raise UserError(f"--tasks has {task} but no data is known: name it with --dataset=NAME (data/NAME/{task}.bin)")
+    _check_same_tokenizer(data_dir, tok_spec)
+    data = tokens.Tokens.open(data_dir, task)
+    data.check_vocab(model.config.vocab_size)
+    return split_loss(forward, data, block_size, rt, tokenizer.token_bytes(tok_spec), cfg.batch_size, cfg.split_tokens, desc=task)
 
 
 if __name__ == "__main__":

@@ -312,13 +312,15 @@ class GPT(nn.Module):
                 n -= self.transformer.wte.weight.numel()
         return n
 
-    def forward(self, idx, targets=None, all_logits=False, cache=None, reduction="mean"):
+    def forward(self, idx, targets=None, all_logits=False, cache=None, reduction="mean", logits_at=None):
         """idx (B, T) -> (logits, loss). With targets, logits cover every position and loss
         is the mean cross-entropy over the targets that are not -1 (or with reduction='sum', their
         sum: chat batches weigh micro-batches by their trained tokens); without, only the last
         position's logits are computed (all that sampling needs) unless all_logits=True. With a
         KVCache, idx continues the tokens already in it (at positions cache.length onward) and is
-        added to it."""
+        added to it. logits_at (N,): only the logits of these positions of the flattened (B*T)
+        batch, (N, vocab) (eval scores a few tokens per row: un-embedding the others would be most
+        of its work)."""
         B, T = idx.size()
         start = 0 if cache is None else cache.length
         if start + T > self.config.block_size:
@@ -337,7 +339,9 @@ class GPT(nn.Module):
         if cache is not None:
             cache.length += T
         x = self.transformer.ln_f(x)
-        if targets is None and not all_logits:
+        if logits_at is not None:
+            x = x.flatten(0, 1).index_select(0, logits_at)  # (N, C)
+        elif targets is None and not all_logits:
             x = x[:, [-1], :]  # (B, 1, C)
         logits = self.lm_head(x)[..., : self.config.vocab_size]  # drop the padding rows
         loss = None

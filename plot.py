@@ -1,5 +1,5 @@
 """Plot runs side by side from their metrics.jsonl: loss, learning rate and throughput
-against iterations, one colour per run; HellaSwag accuracy too when a run logged it.
+against iterations, one colour per run; HellaSwag accuracy and CORE too when a run logged them.
 
     python plot.py out-shakespeare-char                        # writes out-shakespeare-char/metrics.png
     python plot.py out-a out-b --out=compare.png               # two runs on the same axes
@@ -53,7 +53,9 @@ def plot(runs, out):
     import matplotlib.pyplot as plt
 
     hellaswag = any(r.get("hellaswag_acc") is not None for _, records in runs for r in records)
-    fig, axes = plt.subplots(1, 4 if hellaswag else 3, figsize=(21 if hellaswag else 16, 4.5))
+    core = any(r.get("core") is not None for _, records in runs for r in records)
+    titles = ["loss", "learning rate", "tokens/s"] + ["HellaSwag"] * hellaswag + ["CORE"] * core
+    fig, axes = plt.subplots(1, len(titles), figsize=(5.3 * len(titles), 4.5))
     loss_ax, lr_ax, speed_ax = axes[:3]
     for i, (label, records) in enumerate(runs):
         color = f"C{i}"
@@ -65,11 +67,13 @@ def plot(runs, out):
         if x:
             loss_ax.plot(x, y, color=color, marker="x", markersize=8, linestyle="none", label=f"{label} test")
         if hellaswag:
-            axes[3].plot(*series(records, "hellaswag_acc_norm"), color=color, marker="o", markersize=3, label=f"{label} acc_norm")
+            axes[3].plot(*series(records, "hellaswag_acc_norm"), color=color, marker="o", markersize=3, label=f"{label} acc_norm_tokens")
             axes[3].plot(*series(records, "hellaswag_acc"), color=color, linestyle="--", label=f"{label} acc")
+        if core:
+            axes[-1].plot(*series(records, "core"), color=color, marker="o", markersize=3, label=f"{label} CORE")
         lr_ax.plot(*series(records, "lr"), color=color, label=label)
         speed_ax.plot(*series(records, "tokens_per_s"), color=color, label=label)
-    for ax, title in zip(axes, ("loss", "learning rate", "tokens/s", "HellaSwag")):
+    for ax, title in zip(axes, titles):
         ax.set_title(title)
         ax.set_xlabel("iteration")
         ax.grid(alpha=0.3)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
+import core_eval
 import eval as evals
 import hf
 import optim
@@ -79,6 +80,7 @@ class Data(NamedTuple):
     tok_spec: dict  # the tokenizer (tokenizer.py), saved in every checkpoint
     vocab_size: int
     hellaswag: Optional[list]  # encoded examples, when hellaswag_interval asks for them
+    core: Optional[list]  # CORE's tasks (core_eval.Task), when core_interval asks for them
 
 
 def load_data(cfg, say):
@@ -113,7 +115,10 @@ def load_data(cfg, say):
         data.check_vocab(vocab_size)  # an id past the embedding table would fail mid-run, or worse on GPU
     hellaswag = evals.encode_examples(evals.load_hellaswag(cfg.hellaswag_path, cfg.hellaswag_examples), tok_spec) \
         if cfg.hellaswag_interval else None
-    return Data(splits["train"], splits["val"], splits.get("test"), tok_spec, vocab_size, hellaswag)
+    if cfg.core_interval and tok_spec["kind"] == "char":
+        raise UserError("core_interval needs a tokenizer that encodes any text; this data is character-level: set core_interval=0")
+    core = core_eval.load_tasks(cfg.core_bundle, cfg.core_max_per_task) if cfg.core_interval else None
+    return Data(splits["train"], splits["val"], splits.get("test"), tok_spec, vocab_size, hellaswag, core)
 
 
 def make_model(cfg, rt, data, say):
@@ -274,7 +279,7 @@ def train(cfg, rt, stop, out):
 
 
 def evaluate_and_save(run, last):
-    """HellaSwag and the eval losses when due, and a checkpoint when val improved (or always,
+    """HellaSwag, CORE and the eval losses when due, and a checkpoint when val improved (or always,
     with always_save_checkpoint); True when a checkpoint was written."""
     cfg, rt, it = run.cfg, run.rt, run.iter_num
     due = lambda interval: cfg.eval_only or ((it % interval == 0 or last) and it != run.resumed_at)
@@ -285,8 +290,17 @@ def evaluate_and_save(run, last):
         # the plain model: the padded lengths vary, which a compiled one would recompile for
         scores = evals.score_choices(run.raw_model, run.data.hellaswag, cfg.block_size, rt, cfg.batch_size)
         if rt.master:
-            print(f"step {it}: hellaswag acc {scores['acc']:.4f}, acc_norm {scores['acc_norm']:.4f} ({scores['n']} examples)")
-            run.metrics.write({"iter": it, "hellaswag_acc": scores["acc"], "hellaswag_acc_norm": scores["acc_norm"]})
+            print(f"step {it}: hellaswag acc {scores['acc']:.4f}, acc_norm_tokens {scores['acc_norm_tokens']:.4f}, "
+                  f"acc_norm_chars {scores['acc_norm_chars']:.4f} ({scores['n']} examples)")
+            run.metrics.write({"iter": it, "hellaswag_acc": scores["acc"], "hellaswag_acc_norm": scores["acc_norm_tokens"],
+                               "hellaswag_acc_norm_chars": scores["acc_norm_chars"]})
+        run.throughput.restart()
+    if run.data.core is not None and due(cfg.core_interval):
+        core = core_eval.evaluate_core(run.raw_model, run.data.core, run.data.tok_spec, cfg.block_size, rt,
+                                       cfg.batch_size * cfg.block_size)
+        if rt.master:
+            print(f"step {it}: CORE {core['core']:.4f} ({core['examples']} examples, {core['examples_per_s']:.0f}/s)")
+            run.metrics.write({"iter": it, "core": core["core"], **{f"core/{k}": v["centered"] for k, v in core["tasks"].items()}})
         run.throughput.restart()
     if not evaluating:
         return False

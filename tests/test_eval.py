@@ -1,6 +1,7 @@
 """eval.py: HellaSwag and multiple-choice scoring against transformers' GPT-2 and a hand-built
 case, bits per byte against a hand count, 2 ranks against 1, bad input, and train.py's hooks
-(val/test bpb, HellaSwag every hellaswag_interval steps, its rhythm on resume)."""
+(val/test bpb, HellaSwag every hellaswag_interval steps, its rhythm on resume), and no host read per
+batch in the eval loops."""
 
 import json
 import math
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 
 import eval as evals
 import runtime
+import scoring
 import tokenizer
 from conftest import REPO, read_metrics, run_script, tiny_args, train_tiny_run
 from data import tokens
@@ -60,16 +62,19 @@ def test_choice_losses_equal_transformers_gpt2(tmp_path, cpu):
     model = hf.gpt_from_hf(hf_model)[0].eval()
     examples = evals.load_hellaswag(str(write_hellaswag(tmp_path / "hs.jsonl", 12)))
     encoded = evals.encode_examples(examples, GPT2)
-    assert any(len(c) + max(map(len, ch)) > 65 for c, ch, _ in encoded)  # some contexts are cut to their end
-    ours = evals.choice_losses(model, [(c, ch) for c, ch, _ in encoded], 64, cpu)
-    for (context, choices, _), (total, count) in zip(encoded, ours):
-        for j, choice in enumerate(choices):
+    assert any(len(c) + max(map(len, ch)) > 65 for c, ch, *_ in encoded)  # some contexts are cut to their end
+    rows = [evals._cropped(context, choice, 65) for context, choices, *_ in encoded for choice in choices]
+    totals, _ = scoring.row_losses(model, rows, cpu)
+    i = 0
+    for context, choices, *_ in encoded:
+        for choice in choices:
             ids = torch.tensor([(context + choice)[-65:]])  # the last block_size + 1 tokens
             with torch.no_grad():
                 logits = hf_model(ids[:, :-1]).logits[0]  # (T, vocab)
             losses = F.cross_entropy(logits, ids[0, 1:], reduction="none")[-len(choice):]  # the choice's tokens only
-            assert count[j] == len(choice)
-            assert abs(total[j].item() - losses.sum().item()) <= 1e-5 * max(1.0, losses.sum().item())
+            assert rows[i][1] == len(choice)
+            assert abs(totals[i].item() - losses.sum().item()) <= 1e-5 * max(1.0, losses.sum().item())
+            i += 1
 
 
 class Unigram(torch.nn.Module):
@@ -80,20 +85,22 @@ class Unigram(torch.nn.Module):
         super().__init__()
         self.log_probs = torch.log(torch.tensor(probs))
 
-    def forward(self, idx, all_logits=False):
-        return self.log_probs.expand(*idx.shape, -1), None
+    def forward(self, idx, logits_at=None):
+        return self.log_probs.expand(*(idx.shape if logits_at is None else logits_at.shape), -1), None
 
 
-def test_acc_and_acc_norm_on_a_hand_built_case(cpu):
+def test_acc_and_both_acc_norms_on_a_hand_built_case(cpu):
     # token 1: p=0.1 (2.30 nats); token 2: p=0.4 (0.92 nats). Choice [1] totals 2.30, mean 2.30;
     # choice [2, 2, 2] totals 2.75, mean 0.92: the lowest total and the lowest mean disagree
     model = Unigram([0.5, 0.1, 0.4])
+    # acc_norm_chars divides by the choices' characters: short has 10 (0.23 per character), long 5
+    # (0.55), [1, 1] 5 (0.92)
     short, long = [1], [2, 2, 2]
-    encoded = [([0], [short, long], 0),  # answer the short one: right by total only
-               ([0, 0], [long, short], 0),  # answer the long one: right by mean only
-               ([0], [short, long, [1, 1]], 0)]  # short beats [1, 1] (4.61, mean 2.30) and long by total
+    encoded = [([0], [short, long], 0, [10, 5]),  # answer the short one: right by total and by characters
+               ([0, 0], [long, short], 0, [5, 10]),  # answer the long one: right by mean only
+               ([0], [short, long, [1, 1]], 0, [10, 5, 5])]  # short beats [1, 1] (4.61, mean 2.30) and long by total
     result = evals.score_choices(model, encoded, block_size=8, rt=cpu, batch_size=2)
-    assert result == {"acc": 2 / 3, "acc_norm": 1 / 3, "n": 3}
+    assert result == {"acc": 2 / 3, "acc_norm_tokens": 1 / 3, "acc_norm_chars": 2 / 3, "n": 3}
 
 
 def char_model_and_data(tmp_path):
@@ -231,3 +238,54 @@ def test_bad_input_is_one_line_and_a_nonzero_exit(char_run, bpe_setup, tmp_path)
         assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and message in lines[0], (args, result.stderr)
+
+
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__")
+
+
+def count_host_reads(monkeypatch):
+    """Counts the calls that read a tensor's values back to the host (on a GPU each one waits for
+    all the work queued before it): patched onto torch.Tensor, each still does its real work."""
+    calls = []
+    for name in HOST_READS:
+        real = getattr(torch.Tensor, name)
+
+        def read(self, *args, _real=real, _name=name, **kwargs):
+            calls.append(_name)
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, read)
+    return calls
+
+
+def test_eval_loops_read_the_device_once_whatever_the_number_of_batches(monkeypatch, cpu, tmp_path):
+    # The loops of split_loss and score_choices keep their sums on the device; the host reads
+    # them once at the end. With 1 batch or 8, the same reads: none of them is per batch.
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, vocab_size=50257)).eval()
+    tokens.write(str(tmp_path / "val.bin"), np.random.default_rng(0).integers(0, 50257, 3000).astype(np.uint16))
+    data = tokens.Tokens.open(str(tmp_path), "val")
+    token_bytes = tokenizer.token_bytes(GPT2)
+    encoded = evals.encode_examples(evals.load_hellaswag(str(write_hellaswag(tmp_path / "hs.jsonl", 16))), GPT2)
+    calls = count_host_reads(monkeypatch)
+    reads = {}
+    for batches in (1, 8):
+        del calls[:]
+        evals.split_loss(model, data, 16, cpu, token_bytes, batch_size=8 // batches, max_tokens=8 * 16)
+        reads["split_loss", batches] = sorted(calls)
+        del calls[:]
+        evals.score_choices(model, encoded, 16, cpu, batch_size=16 // batches)
+        reads["score_choices", batches] = sorted(calls)
+    assert reads["split_loss", 1] == reads["split_loss", 8], reads
+    assert reads["score_choices", 1] == reads["score_choices", 8], reads
+    assert len(reads["split_loss", 8]) <= 2 and len(reads["score_choices", 8]) <= 2, reads  # the final .cpu().tolist()
+
+
+@pytest.mark.skipif(not os.environ.get("LM_EVAL_PYTHON"), reason="set LM_EVAL_PYTHON to a Python with lm-eval installed (its own venv)")
+def test_harness_style_equals_lm_evaluation_harness():
+    # scripts/harness_hellaswag.py: lm-eval's own hellaswag task and --hellaswag_style=harness on one
+    # GPT-2-shaped export and one local file; every log-likelihood, verdict and accuracy compared
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "harness_hellaswag.py"),
+                             f"--lm_eval_python={os.environ['LM_EVAL_PYTHON']}", "--examples=24"],
+                            cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip().endswith("equal"), result.stdout[-3000:] + result.stderr[-3000:]

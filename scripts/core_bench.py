@@ -1,0 +1,101 @@
+"""Examples per second of the CORE scorer (core_eval.py) on tests/test_core.py's synthetic bundle
+(every task type, few-shot 0 to 3) and a small random GPT-2-vocabulary model, three ways:
+  batched          core_eval: the choices of many examples in one forward, logits only where scored
+  one per forward  core_eval with batch_tokens=0: the same scorer, one example per forward
+  nanochat's way   one example per forward, the logits, cross-entropy and argmax of every
+                   position, then the mean over the continuation (nanochat/core_eval.py's
+                   forward_model and evaluate_example), on the same tokens
+They run in turn, --rounds times; the medians are printed, and the verdicts compared.
+
+    python scripts/core_bench.py                       # 5 rounds, 432 examples, batch_tokens 16 x block_size
+    python scripts/core_bench.py --rounds=7 --n_layer=4 --n_embd=128 --block_size=256
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+
+
+@torch.no_grad()
+def nanochat_way(model, tasks, spec, block_size):
+    """{label: [0/1 per example]} by nanochat's per-example procedure (its steps, on our tokens)."""
+    import core_eval
+    import tokenizer
+
+    encode_batch, bos = tokenizer.batch_encoder(spec), tokenizer.eot(spec)
+    verdicts = {}
+    for task in tasks:
+        verdicts[task.label] = []
+        for i in range(len(task.records)):
+            rows, answer = core_eval.encode(task, i, encode_batch, bos, block_size)
+            x = torch.full((len(rows), max(len(ids) for ids, _ in rows)), bos, dtype=torch.long)  # right-padded with BOS
+            for r, (ids, _) in enumerate(rows):
+                x[r, : len(ids)] = torch.tensor(ids)
+            logits, _ = model(x, all_logits=True)  # (B, T, vocab): every position
+            losses = F.cross_entropy(logits.flatten(0, 1), torch.roll(x, -1, 1).flatten(), reduction="none").view(x.shape)
+            predictions = logits.argmax(-1)
+            spans = [(len(ids) - n, len(ids)) for ids, n in rows]
+            if task.kind == "language_modeling":
+                (s, e), = spans
+                verdicts[task.label].append(int(bool((predictions[0, s - 1 : e - 1] == x[0, s:e]).all())))
+            else:
+                means = [losses[r, s - 1 : e - 1].mean().item() for r, (s, e) in enumerate(spans)]
+                verdicts[task.label].append(int(means.index(min(means)) == answer))
+    return verdicts
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--n_layer", type=int, default=2)
+    parser.add_argument("--n_embd", type=int, default=64)
+    parser.add_argument("--block_size", type=int, default=128)
+    parser.add_argument("--scale", type=int, default=4, help="records: this many times tests/test_core.py's 108")
+    parser.add_argument("--batch", type=int, default=16, help="batch_tokens = batch x block_size (eval.py's --batch_size)")
+    args = parser.parse_args()
+
+    import core_eval
+    import runtime
+    import test_core
+    from model import GPT, GPTConfig
+
+    rt = runtime.setup("cpu", "float32")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=args.n_layer, n_head=2, n_embd=args.n_embd, block_size=args.block_size, vocab_size=50257)).eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        tasks = core_eval.load_tasks(str(test_core.write_bundle(Path(tmp), test_core.Bigram().eval(), scale=args.scale)))
+    n = sum(len(t.records) for t in tasks)
+    print(f"{n} examples in {len(tasks)} tasks; GPT n_layer={args.n_layer} n_embd={args.n_embd} block_size={args.block_size} "
+          f"vocab 50257; torch threads {torch.get_num_threads()}")
+    ways = {"batched": args.batch * args.block_size, "one per forward": 0, "nanochat's way": None}
+    speeds, verdicts = {name: [] for name in ways}, {}
+    for r in range(args.rounds):
+        for name, batch_tokens in ways.items():
+            t0 = time.perf_counter()
+            if batch_tokens is None:
+                verdicts[name] = nanochat_way(model, tasks, test_core.GPT2, args.block_size)
+            else:
+                result = core_eval.evaluate_core(model, tasks, test_core.GPT2, args.block_size, rt, batch_tokens, per_example=True)
+                verdicts[name] = {k: v["correct"] for k, v in result["tasks"].items()}
+            speeds[name].append(n / (time.perf_counter() - t0))
+            accuracy = {k: round(sum(v) / len(v), 4) for k, v in verdicts[name].items()}
+            print(f"round {r}: {name}: {speeds[name][-1]:.1f} examples/s, accuracies {accuracy}")
+    batched = statistics.median(speeds["batched"])
+    for name in ("one per forward", "nanochat's way"):
+        other = statistics.median(speeds[name])
+        print(f"median: batched {batched:.1f} examples/s, {name} {other:.1f} examples/s: {batched / other:.2f}x; "
+              f"same verdicts: {verdicts['batched'] == verdicts[name]}")
+
+
+if __name__ == "__main__":
+    main()
