@@ -7,12 +7,13 @@ The compiled launches, shared by the tests (torchrun's start and inductor's comp
 the time; inductor's cache is shared, so only the first launch of a kind compiles from scratch):
   eager      DDP, not compiled: the reference
   ddp        DDP, compiled, 8 steps
-  split      DDP, compiled, 4 steps, then resumed to 8
+  resumed    a copy of ddp's out_dir as it stood at iter 4 (its ckpt_0000004.pt), resumed to 8
   fsdp       FSDP2, compiled, 8 steps
 Every run evaluates 3 batches on 2 ranks, so one rank evaluates a padded batch (step.evaluate)."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -112,13 +113,19 @@ def data_dir(tmp_path_factory):
 def compiled(data_dir):
     root, chars = data_dir, data_dir / "chars"
     runs = {}
-    for name, extra in [("eager", []), ("ddp", ["--compile=True"]), ("split", ["--compile=True", "--max_iters=4"]),
-                        ("resumed", ["--compile=True", "--init_from=resume"]),
-                        ("fsdp", ["--compile=True", "--parallelism=fsdp"])]:
-        out = "split" if name == "resumed" else name
-        code, _, stderr, ranks = torchrun(root, out, chars, *extra)
+
+    def launch(name, *extra):
+        code, stdout, stderr, ranks = torchrun(root, name, chars, *extra)
         assert code == 0, stderr[-3000:] + "".join(r["stderr"][-3000:] for r in ranks)
         runs[name] = ranks
+        ranks[0]["stdout"] = stdout  # rank 0 prints
+
+    launch("eager")
+    launch("ddp", "--compile=True", "--always_save_checkpoint=True", "--keep_last=2")  # checkpoints at 4 and 8
+    # the run as it stood at iter 4, resumed by a new launch that compiles again
+    shutil.copytree(root / "ddp", root / "resumed", ignore=shutil.ignore_patterns("ckpt.pt", "ckpt_best.pt", "ckpt_0000008.pt", "rank*"))
+    launch("resumed", "--compile=True", "--always_save_checkpoint=True", "--keep_last=2", "--init_from=resume")
+    launch("fsdp", "--compile=True", "--parallelism=fsdp")
     return root, runs
 
 
@@ -152,14 +159,16 @@ def test_compiled_run_has_one_train_graph_and_one_eval_graph(compiled, name):
 
 
 def test_compiled_ddp_resumes_exactly(compiled):
-    root, _ = compiled
-    straight, split = (root / name / "metrics.jsonl" for name in ("ddp", "split"))
-    untimed = lambda path: [{k: v for k, v in json.loads(line).items() if k not in ("dt_ms", "tokens_per_s", "mfu")}
-                            for line in path.read_text().splitlines()]
-    assert untimed(split) == untimed(straight)  # bit for bit: the same compiled kernels, the same state
-    a, b = (torch.load(root / name / "ckpt.pt", weights_only=True) for name in ("ddp", "split"))
+    root, runs = compiled
+    untimed = lambda name: [{k: v for k, v in json.loads(line).items() if k not in ("dt_ms", "tokens_per_s", "mfu")}
+                            for line in (root / name / "metrics.jsonl").read_text().splitlines()]
+    assert "resuming at iter 4" in runs["resumed"][0]["stdout"]
+    assert untimed("resumed") == untimed("ddp")  # bit for bit: the same compiled kernels, the same state
+    a, b = (torch.load(root / name / "ckpt.pt", weights_only=True) for name in ("ddp", "resumed"))
     assert a["iter_num"] == b["iter_num"] == 8
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert all(torch.equal(a["optimizer"]["state"][i][k], b["optimizer"]["state"][i][k]) for i in a["optimizer"]["state"]
+               for k in a["optimizer"]["state"][i])
 
 
 def test_one_rank_non_finite_loss_is_skipped_by_every_rank(data_dir):
