@@ -291,7 +291,8 @@ def evaluate_and_save(run, last):
         return False
     final = last or cfg.eval_only  # the test split is scored once, at the end
     splits = {k: v for k, v in run.eval_splits.items() if k != "test" or final}
-    losses = evaluate(run.model, splits, cfg.block_size, rt, eval_group(cfg, run.raw_model.config.padded_vocab_size, rt.world_size))
+    group = eval_group(cfg, run.raw_model.config.padded_vocab_size, rt.world_size)
+    losses = evaluate(run.model, splits, cfg.block_size, rt, group)
     eval_tokens = cfg.eval_iters * cfg.batch_size * cfg.block_size
     bpb = {k: evals.bits_per_byte(losses[k], eval_tokens, run.eval_bytes[k]) for k in losses if k != "train"} \
         if run.eval_bytes is not None else {}
