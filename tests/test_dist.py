@@ -197,7 +197,6 @@ def test_one_rank_non_finite_loss_is_skipped_by_every_rank(data_dir):
 # ---------------------------------------------------------------------------- in one process
 
 
-CPU = runtime.Runtime("cpu", "cpu", torch.float32)
 TINY = dict(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=65, dropout=0.0, bias=False)
 
 
