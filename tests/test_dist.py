@@ -153,7 +153,7 @@ def test_compiled_run_has_one_train_graph_and_one_eval_graph(compiled, name):
     for rank in runs[name]:
         counters = rank["counters"]
         # as tests/test_compile.py counts them: training (its backward compiled with it) and eval's
-        # no_grad graph, which is the one recompile; any recompile after warm-up would add a graph.
+        # no_grad graph; a recompile after warm-up (3 evals, 8 steps) would add a graph.
         # Under DDP the train graph is compiled inside DDP's forward (DDPOptimizer splits it at
         # bucket boundaries, so each bucket's all-reduce can start before the whole backward ends)
         # and the eval graph outside it, on the same module.
