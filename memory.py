@@ -63,6 +63,14 @@ def activation_bytes(model, cfg, rt):
     return per_row + 2 * cfg.block_size * model.config.padded_vocab_size * 4, fixed
 
 
+def gradient_bytes(model):
+    """The bytes gradients hold through a step: one float32 gradient per parameter. Under DDP that
+    one set is also its all-reduce buckets: the gradients are views into them (wrap.build's
+    gradient_as_bucket_view, kept so by train_step zeroing them in place). Without that, DDP's
+    buckets were a second gradient-sized buffer beside the gradients."""
+    return 4 * sum(p.numel() for p in model.parameters())
+
+
 def auto_batch_size(model, cfg, rt, safety=0.85):
     """The largest micro-batch whose weights, gradients, AdamW state and activations (activation_bytes)
     fit in `safety` of the memory budget, among those that divide total_batch_size evenly."""
@@ -76,7 +84,8 @@ def auto_batch_size(model, cfg, rt, safety=0.85):
         raise UserError(f"total_batch_size={cfg.total_batch_size} does not split into whole sequences of block_size="
                         f"{cfg.block_size} over {rt.world_size} rank(s); make it a multiple of {cfg.block_size * rt.world_size}")
     per_row, step_fixed = activation_bytes(model, cfg, rt)
-    fixed = 16 * sum(p.numel() for p in model.parameters()) + step_fixed  # fp32 weights, grads, Adam m and v; autocast copies
+    n_params = sum(p.numel() for p in model.parameters())
+    fixed = 4 * n_params + gradient_bytes(model) + 8 * n_params + step_fixed  # fp32 weights, grads, Adam m and v; autocast copies
     rows_per_rank = cfg.total_batch_size // cfg.block_size // rt.world_size
     fits = int((safety * budget - fixed) // per_row)
     candidates = [b for b in range(min(fits, rows_per_rank), 0, -1) if rows_per_rank % b == 0]

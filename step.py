@@ -8,11 +8,12 @@ steps) and the eval loss on fixed windows: the two things the loop does with the
 from contextlib import nullcontext
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from batches import eval_batch
+from batches import IGNORE, eval_batch
 
 
 class StepResult(NamedTuple):
@@ -61,9 +62,15 @@ def train_step(model, optimizer, scaler, next_batch, lr, accum_steps, grad_clip,
     stepped = torch.isfinite(norm)
     if scaler.is_enabled():
         # fp16: GradScaler skips overflowing steps itself (and lowers the scale); that is routine,
-        # so only a non-finite loss counts as a bad step
+        # so only a non-finite loss counts as a bad step. The loss is this rank's: under torchrun
+        # every rank must count the same steps (a rank that stops alone leaves the others waiting
+        # in their next collective), so the flag is all-reduced, on the device, with no host sync
         scaler.step(optimizer)
         stepped = torch.isfinite(total)
+        if rt.ddp:
+            finite = stepped.float()
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+            stepped = finite.bool()
     elif getattr(optimizer, "_step_supports_amp_scaling", False):
         # fused AdamW takes GradScaler's found_inf tensor: where it is 1 the kernel leaves weights,
         # moments and step count bit-unchanged, so the skip is decided on the device, with no sync
@@ -77,33 +84,41 @@ def train_step(model, optimizer, scaler, next_batch, lr, accum_steps, grad_clip,
         if bool(stepped):
             optimizer.step()
     scaler.update()
-    optimizer.zero_grad(set_to_none=True)
+    # DDP's gradients are views into its all-reduce buckets (wrap.build): zeroed in place, they stay
+    # views. Set to None, the next micro-step under no_sync would allocate a second set beside the buckets
+    optimizer.zero_grad(set_to_none=not isinstance(model, DDP))
     return StepResult(total, norm, stepped)
 
 
 @torch.no_grad()
 def evaluate(model, splits, block_size, rt, group=1):
-    """Mean loss on each split's fixed batches; {name: (data, offsets)} -> {name: loss}.
-    `group` batches go through the model together (the batches are equal-sized, so the mean is
-    the same; small models run much faster on bigger matmuls). Under DDP the batches are shared
-    out between the ranks and the sums all-reduced. Chat data: the mean over the trained tokens."""
+    """Mean loss on each split's fixed batches; {name: (data, offsets)} -> {name: loss}: the mean
+    over every target of every batch (chat data: over the trained tokens). `group` batches go
+    through the model together (small models run much faster on bigger matmuls). Under torchrun
+    the batches are shared out between the ranks and the sums all-reduced.
+
+    Every forward has the same shape, on every rank: a rank's batches are topped up to the same
+    number of whole groups with copies of a batch whose targets are all -1, which add nothing to
+    the sums. So a compiled model adds one eval graph, and under FSDP (where every forward is a
+    collective) the ranks run as many forwards as each other."""
     model.eval()
     losses = {}
     for name, (data, offsets) in splits.items():
-        mine = offsets[rt.rank :: rt.world_size]  # (n, B)
-        total = torch.zeros(2, device=rt.device)  # (sum of batch losses, number of batches), or of token losses, tokens
-        for i in range(0, len(mine), group):
-            chunk = mine[i : i + group]
-            x, y, trained = eval_batch(data, chunk.reshape(-1), block_size, rt)
+        slots = -(-len(offsets) // rt.world_size)  # batches per rank, rounded up...
+        slots = -(-slots // group) * group  # ...and up to whole groups
+        mine = offsets[rt.rank :: rt.world_size]  # (n, B), n <= slots
+        padded = np.concatenate([mine, np.repeat(offsets[:1], slots - len(mine), axis=0)])
+        total = torch.zeros(2, device=rt.device)  # (sum of the token losses, number of targets)
+        for i in range(0, slots, group):
+            x, y, _ = eval_batch(data, padded[i : i + group].reshape(-1), block_size, rt)
+            real = max(0, min(group, len(mine) - i)) * offsets.shape[1]  # rows that are real batches
+            if real < len(y):
+                y = y.clone()  # a view of the same ids as x
+                y[real:] = IGNORE
             with rt.autocast():
-                if trained is None:
-                    _, loss = model(x, y)
-                    total[0] += loss.float() * len(chunk)
-                    total[1] += len(chunk)
-                else:
-                    _, loss = model(x, y, reduction="sum")
-                    total[0] += loss.float()
-                    total[1] += trained
+                _, loss = model(x, y, reduction="sum")
+            total[0] += loss.float()
+            total[1] += (y != IGNORE).sum()
         if rt.ddp:
             dist.all_reduce(total)
         losses[name] = (total[0] / total[1]).item()
@@ -111,14 +126,16 @@ def evaluate(model, splits, block_size, rt, group=1):
     return losses
 
 
-def eval_group(cfg, padded_vocab_size, budget_bytes=64 * 2**20):
-    """How many eval batches fit in one forward pass with their float32 logits (the largest
-    tensor of an eval forward) under `budget_bytes`; 1 for GPT-2-sized vocabularies and contexts."""
+def eval_group(cfg, padded_vocab_size, world_size=1, budget_bytes=64 * 2**20):
+    """How many eval batches go through the model at once: as few forwards per rank as fit their
+    float32 logits (the largest tensor of an eval forward) under `budget_bytes`, then the smallest
+    group that needs no more of them, so the padding (evaluate) is less than one batch a forward;
+    1 for GPT-2-sized vocabularies and contexts."""
+    per_rank = -(-cfg.eval_iters // world_size)
     logits_bytes = cfg.batch_size * cfg.block_size * padded_vocab_size * 4
-    fits = max(1, min(cfg.eval_iters, budget_bytes // logits_bytes))
-    # a divisor of eval_iters, so every forward has the same shape: a compiled model then adds
-    # one eval graph, not a second one for a shorter last group
-    return max(g for g in range(1, fits + 1) if cfg.eval_iters % g == 0)
+    fits = max(1, min(per_rank, budget_bytes // logits_bytes))
+    forwards = -(-per_rank // fits)
+    return -(-per_rank // forwards)
 
 
 class BadSteps:

@@ -52,9 +52,6 @@ def main(argv=None):
             f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} does not divide among "
             f"{world_size} processes; make it a multiple of {world_size}"
         )
-    if cfg.parallelism == "fsdp" and cfg.eval_iters % world_size:  # under FSDP every forward is a collective
-        raise UserError(f"eval_iters={cfg.eval_iters}: with parallelism='fsdp' each of the {world_size} ranks must "
-                        f"evaluate as many batches as the others; make it a multiple of {world_size}")
     rt = runtime.setup(cfg.device, cfg.dtype, cfg.backend)
     stop = runtime.StopRequest(cfg.max_minutes)
     finished, out = False, None
@@ -241,7 +238,9 @@ def train(cfg, rt, stop, out):
     cfg = run.cfg  # batch_size='auto' is now a number
     if rt.master:
         run.describe()
-    nan_iters = {int(i) for i in os.environ.get("TRAIN_TEST_NAN_ITERS", "").split(",") if i}  # test-only fault injection
+    # test-only fault injection: a NaN loss at these iters, on these ranks (all when unset)
+    nan_iters = {int(i) for i in os.environ.get("TRAIN_TEST_NAN_ITERS", "").split(",") if i}
+    nan_ranks = {int(r) for r in os.environ.get("TRAIN_TEST_NAN_RANKS", "").split(",") if r} or {rt.rank}
 
     # The loop runs once more after the last step, so the final eval and save live in one place.
     while True:
@@ -268,7 +267,7 @@ def train(cfg, rt, stop, out):
         ratio_due = rt.master and cfg.update_ratio_interval > 0 and run.iter_num % cfg.update_ratio_interval == 0
         before = optim.snapshot(run.raw_model) if ratio_due else None  # the N-th step only: off the hot path
         result = train_step(run.train_model, run.optimizer, run.scaler, run.batches, lr, run.accum_steps, cfg.grad_clip,
-                            rt, poison=run.iter_num in nan_iters)
+                            rt, poison=run.iter_num in nan_iters and rt.rank in nan_ranks)
         if ratio_due:
             run.metrics.write({"iter": run.iter_num, **optim.update_ratios(run.raw_model, before)})
         run.bad.record(result.stepped)
@@ -306,7 +305,8 @@ def evaluate_and_save(run, last):
         return False
     final = last or cfg.eval_only  # the test split is scored once, at the end
     splits = {k: v for k, v in run.eval_splits.items() if k != "test" or final}
-    losses = evaluate(run.model, splits, cfg.block_size, rt, eval_group(cfg, run.raw_model.config.padded_vocab_size))
+    group = eval_group(cfg, run.raw_model.config.padded_vocab_size, rt.world_size)
+    losses = evaluate(run.model, splits, cfg.block_size, rt, group)
     eval_tokens = cfg.eval_iters * cfg.batch_size * cfg.block_size
     bpb = {k: evals.bits_per_byte(losses[k], eval_tokens, run.eval_bytes[k]) for k in losses if k != "train"} \
         if run.eval_bytes is not None else {}

@@ -42,7 +42,11 @@ def build(raw_model, cfg, rt, state=None):
     raw_model.set_attention(cfg.attention)
     # static shapes: the training step has one shape, and eval one more (eval_group keeps it to one)
     model = torch.compile(raw_model, dynamic=False) if cfg.compile else raw_model
-    train_model = DDP(model, device_ids=[rt.local_rank] if rt.device_type == "cuda" else None) if rt.ddp and not fsdp else model
+    # gradient_as_bucket_view: the gradients are views into DDP's all-reduce buckets, not a second
+    # gradient-sized buffer copied into the buckets and back on every synced micro-step
+    # (step.train_step zeroes them in place to keep them so; memory.py counts one set)
+    train_model = DDP(model, device_ids=[rt.local_rank] if rt.device_type == "cuda" else None,
+                      gradient_as_bucket_view=True) if rt.ddp and not fsdp else model
     return model, train_model, optimizer, scaler
 
 

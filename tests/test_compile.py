@@ -51,12 +51,18 @@ def test_training_with_evals_compiles_two_graphs_and_never_recompiles():
     assert not counters["graph_break"], dict(counters["graph_break"])  # GPT-2 trains and evaluates as one graph each
 
 
-def test_eval_group_divides_eval_iters():
-    # a shorter last group would be one more shape, so one more graph
-    for eval_iters in (1, 7, 12, 200):
-        cfg = TrainConfig(batch_size=2, block_size=16, eval_iters=eval_iters)
-        group = eval_group(cfg, 64)
-        assert eval_iters % group == 0 and group >= 1
+def test_eval_group_needs_the_fewest_forwards_and_pads_less_than_a_batch_each():
+    # every forward has the same shape (step.evaluate tops a rank's last group up with ignored
+    # batches): as few forwards as the budget allows, and less than one padded batch each
+    for eval_iters in (1, 7, 12, 25, 200):
+        for world_size in (1, 3, 8):
+            for fits in (1, 4, 8):
+                cfg = TrainConfig(batch_size=2, block_size=16, eval_iters=eval_iters)
+                group = eval_group(cfg, 64, world_size, budget_bytes=fits * 2 * 16 * 64 * 4)
+                per_rank = -(-eval_iters // world_size)
+                forwards = -(-per_rank // group)
+                assert 1 <= group <= fits and forwards == -(-per_rank // min(fits, per_rank))
+                assert forwards * group - per_rank < forwards
 
 
 def test_llama_options_and_checkpointing_train_as_one_graph():

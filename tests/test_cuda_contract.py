@@ -285,8 +285,8 @@ def test_ddp_on_gpus_holds_the_gpu_of_the_local_rank(monkeypatch):
     from model import GPT, GPTConfig
 
     wrapped = []
-    monkeypatch.setattr(wrap, "DDP", lambda model, device_ids: wrapped.append(device_ids) or model)
+    monkeypatch.setattr(wrap, "DDP", lambda model, device_ids, **options: wrapped.append((device_ids, options)) or model)
     cfg = TrainConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, dropout=0.0, compile=False, parallelism="ddp")
     rt = runtime.Runtime("cpu", "cuda", torch.float32, rank=1, local_rank=1, world_size=2)  # weights stay on the CPU
     wrap.build(GPT(GPTConfig(**wrap.make_model_args(cfg, 65))), cfg, rt)
-    assert wrapped == [[1]]
+    assert wrapped == [([1], {"gradient_as_bucket_view": True})]

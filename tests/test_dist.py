@@ -1,0 +1,280 @@
+"""What the multi-GPU command runs, on CPU processes over gloo: torchrun with compile=True under
+DDP and FSDP2 (losses, graphs, an exact resume), the skip decision of a step with a non-finite
+loss on one rank only (fp16, as the GPU runs it), one eval shape on every rank, and DDP's
+gradients held once (gradient_as_bucket_view) as memory.py counts them.
+
+The compiled launches, shared by the tests (torchrun's start and inductor's compile are most of
+the time; inductor's cache is shared, so only the first launch of a kind compiles from scratch):
+  eager      DDP, not compiled: the reference
+  ddp        DDP, compiled, 8 steps
+  resumed    a copy of ddp's out_dir as it stood at iter 4 (its ckpt_0000004.pt), resumed to 8
+  fsdp       FSDP2, compiled, 8 steps
+Every run evaluates 3 batches on 2 ranks, so one rank evaluates a padded batch (step.evaluate)."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+from conftest import REPO, load_script, make_text
+
+import memory
+import runtime
+import step
+from batches import TrainBatches, eval_offsets
+from configurator import TrainConfig
+from model import GPT, GPTConfig
+from wrap import build
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="needs torch.distributed with gloo")
+
+TRAIN_ARGS = [
+    "config/train_llama_tiny.py", "--block_size=32", "--batch_size=4", "--gradient_accumulation_steps=4",
+    "--max_iters=8", "--lr_decay_iters=8", "--warmup_iters=2", "--eval_interval=4", "--eval_iters=3", "--log_interval=1",
+    # 0.48M parameters, 1.9 MB of fp32 gradients: more than DDP's first bucket (1 MB), so DDP has
+    # two buckets and dynamo splits the compiled train graph between them
+    "--n_embd=128", "--mlp_hidden=512",
+]
+
+# train.py under torchrun as a user runs it, recording for the test what a rank alone knows: its
+# exit code, its stderr, and torch.compile's counters (tests/test_compile.py reads the same ones)
+DRIVER = textwrap.dedent("""
+    import json, os, runpy, sys
+    sys.path.insert(0, {repo!r})
+    from torch._dynamo.utils import counters
+    report = os.path.join(sys.argv[1], "rank" + os.environ["RANK"])
+    err = os.open(report + ".err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(err, 2)
+    sys.argv = ["train.py", *sys.argv[2:]]
+    code = 0
+    try:
+        runpy.run_path("train.py", run_name="__main__")
+    except SystemExit as e:
+        code = e.code
+    except BaseException:
+        code = "traceback"
+        raise
+    finally:
+        with open(report + ".json", "w") as f:
+            json.dump({{"exit": code, "counters": {{k: {{str(a): b for a, b in v.items()}} for k, v in counters.items()}}}}, f)
+    sys.exit(code)
+""")
+
+
+def torchrun(root, name, data_dir, *extra, env=None, timeout=300):
+    """`torchrun --nproc_per_node=2 train.py TRAIN_ARGS extra` in root/name (out_dir and each rank's
+    report); killed, with the test failing, if it runs past `timeout` (a rank waiting forever)."""
+    out = root / name
+    out.mkdir(exist_ok=True)
+    driver = root / "driver.py"
+    driver.write_text(DRIVER.format(repo=str(REPO)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(driver), str(out),
+           *TRAIN_ARGS, f"--dataset={data_dir}", f"--out_dir={out}", *extra]
+    # inductor compiles in the rank's own process: a pool of compile workers per rank costs more
+    # to start on two cores than it saves. Its cache is torch's default, as in tests/test_compile.py
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1", **(env or {})}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers
+        proc.communicate()
+        pytest.fail(f"torchrun {name} still running after {timeout} s: a rank is waiting for another")
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for r, rank in enumerate(ranks):
+        rank["stderr"] = (out / f"rank{r}.err").read_text()
+    return proc.returncode, stdout, stderr, ranks
+
+
+def losses(out_dir):
+    """Every logged loss in order: training steps, then the evals' train and val losses."""
+    with open(out_dir / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    return [r[k] for r in records for k in ("loss", "train_loss", "val_loss") if k in r]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    (root / "chars").mkdir()
+    load_script("data/shakespeare_char/prepare.py").prepare(make_text(), str(root / "chars"))
+    return root
+
+
+@pytest.fixture(scope="module")
+def compiled(data_dir):
+    root, chars = data_dir, data_dir / "chars"
+    runs = {}
+
+    def launch(name, *extra):
+        code, stdout, stderr, ranks = torchrun(root, name, chars, *extra)
+        assert code == 0, stderr[-3000:] + "".join(r["stderr"][-3000:] for r in ranks)
+        runs[name] = ranks
+        ranks[0]["stdout"] = stdout  # rank 0 prints
+
+    launch("eager")
+    launch("ddp", "--compile=True", "--always_save_checkpoint=True", "--keep_last=2")  # checkpoints at 4 and 8
+    # the run as it stood at iter 4, resumed by a new launch that compiles again
+    shutil.copytree(root / "ddp", root / "resumed", ignore=shutil.ignore_patterns("ckpt.pt", "ckpt_best.pt", "ckpt_0000008.pt", "rank*"))
+    launch("resumed", "--compile=True", "--always_save_checkpoint=True", "--keep_last=2", "--init_from=resume")
+    launch("fsdp", "--compile=True", "--parallelism=fsdp")
+    return root, runs
+
+
+def test_compiled_ddp_and_fsdp_train_like_eager(compiled):
+    root, _ = compiled
+    eager, ddp, fsdp = (losses(root / name) for name in ("eager", "ddp", "fsdp"))
+    assert len(eager) == len(ddp) == len(fsdp) == 8 + 3 * 2
+    # float32 throughout: compiled kernels only add in another order (fused reductions, matmul
+    # tiling, the DDP split), about one ulp per operation; one ulp of a loss of 2-4 is 2.4e-7.
+    # Measured over these 8 steps and 3 evals: 4.8e-7 (2 ulp) for DDP and for FSDP2; 1.4e-6 and
+    # 1.9e-6 with a 0.12M model. 2e-5 is ten times the largest of those, and thousands of times below
+    # what one step changes the loss by here (0.06 to 1.4): a graph that missed an all-reduce, ran
+    # outside no_sync or evaluated stale weights could not stay within it
+    assert max(abs(a - b) for a, b in zip(eager, ddp)) < 2e-5
+    assert max(abs(a - b) for a, b in zip(eager, fsdp)) < 2e-5
+    assert eager[-1] < eager[0] - 0.3  # and they learned
+
+
+@pytest.mark.parametrize("name", ["ddp", "resumed", "fsdp"])
+def test_compiled_run_has_one_train_graph_and_one_eval_graph(compiled, name):
+    _, runs = compiled
+    for rank in runs[name]:
+        counters = rank["counters"]
+        # as tests/test_compile.py counts them: training (its backward compiled with it) and eval's
+        # no_grad graph; a recompile after warm-up (3 evals, 8 steps) would add a graph.
+        # Under DDP the train graph is compiled inside DDP's forward (DDPOptimizer splits it at
+        # bucket boundaries, so each bucket's all-reduce can start before the whole backward ends)
+        # and the eval graph outside it, on the same module.
+        # Under FSDP2 dynamo leaves the root's forward eager (FSDP's hooks) and compiles the
+        # blocks' forward, one graph for every block
+        assert counters["stats"]["unique_graphs"] == 2, counters
+        # what AOTAutograd compiled: under DDP the train graph's two pieces (one per bucket) and eval's
+        assert counters["aot_autograd"]["total"] == (2 if name == "fsdp" else 3), counters
+        assert sum(counters.get("recompiles", {}).values()) <= 1, counters
+        assert not counters.get("graph_break"), counters
+
+
+def test_compiled_ddp_resumes_exactly(compiled):
+    root, runs = compiled
+    untimed = lambda name: [{k: v for k, v in json.loads(line).items() if k not in ("dt_ms", "tokens_per_s", "mfu")}
+                            for line in (root / name / "metrics.jsonl").read_text().splitlines()]
+    assert "resuming at iter 4" in runs["resumed"][0]["stdout"]
+    assert untimed("resumed") == untimed("ddp")  # bit for bit: the same compiled kernels, the same state
+    a, b = (torch.load(root / name / "ckpt.pt", weights_only=True) for name in ("ddp", "resumed"))
+    assert a["iter_num"] == b["iter_num"] == 8
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert all(torch.equal(a["optimizer"]["state"][i][k], b["optimizer"]["state"][i][k]) for i in a["optimizer"]["state"]
+               for k in a["optimizer"]["state"][i])
+
+
+def test_one_rank_non_finite_loss_is_skipped_by_every_rank(data_dir):
+    """fp16 (GradScaler on, as on a GPU without bf16): a NaN loss on rank 1 only, at iters 3, 6 and 7,
+    max_bad_steps=2. Every rank counts the same skipped steps: rank 0 reports rank 1's skip at
+    iter 3, and at iter 7 both stop with the same line and exit code; none waits for the other."""
+    code, stdout, stderr, ranks = torchrun(
+        data_dir, "nan_one_rank", data_dir / "chars", "--dtype=float16", "--max_iters=10", "--eval_interval=100",
+        "--max_bad_steps=2", env={"TRAIN_TEST_NAN_ITERS": "3,6,7", "TRAIN_TEST_NAN_RANKS": "1"}, timeout=120)
+    assert "iter 3: non-finite loss or gradient norm, 1 step(s) skipped since the last log (1 in a row)" in stdout
+    assert "iter 4: loss" in stdout and "iter 7: loss" not in stdout
+    assert [r["exit"] for r in ranks] == [3, 3] and code != 0
+    lines = [r["stderr"].strip().splitlines() for r in ranks]
+    assert lines[0] == lines[1] and len(lines[0]) == 1, lines
+    assert lines[0][0].startswith("error: 2 steps in a row had a non-finite loss or gradient norm (max_bad_steps=2)")
+
+
+# ---------------------------------------------------------------------------- in one process
+
+
+TINY = dict(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=65, dropout=0.0, bias=False)
+
+
+# (eval_iters, ranks, eval_group's budget in eval batches): shakespeare_char on 8 ranks
+# (train_shakespeare_char.py: 200 batches of 64 x 256, 8 of whose logits fit eval_group's 64 MB),
+# and uneven splits, where some ranks have a batch less than others
+@pytest.mark.parametrize("eval_iters, world_size, fits", [(200, 8, 8), (3, 2, 8), (7, 3, 2), (13, 2, 4), (4, 4, 8), (1, 2, 8)])
+def test_every_rank_evaluates_one_shape_and_each_window_counts_once(monkeypatch, eval_iters, world_size, fits):
+    B, T = 2, 16
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY)).eval()
+    cfg = TrainConfig(batch_size=B, block_size=T, eval_iters=eval_iters)
+    logits_bytes = B * T * model.config.padded_vocab_size * 4
+    group = step.eval_group(cfg, model.config.padded_vocab_size, world_size=world_size, budget_bytes=fits * logits_bytes)
+    data = np.random.default_rng(0).integers(0, 65, size=3000).astype(np.uint16)
+    offsets = eval_offsets(data, eval_iters, B, T, 1)
+    shapes, forwards, totals = set(), [], []
+    model.register_forward_pre_hook(lambda m, args: shapes.add(tuple(args[0].shape)))
+    # the all-reduce of the ranks' (loss sum, count), done here by adding them up
+    monkeypatch.setattr(step.dist, "all_reduce", lambda t: totals.append(t.clone()))
+    for rank in range(world_size):
+        calls = []
+        hook = model.register_forward_pre_hook(lambda m, args: calls.append(1))
+        step.evaluate(model, {"val": (data, offsets)}, T, runtime.Runtime("cpu", "cpu", torch.float32, rank, 0, world_size), group)
+        hook.remove()
+        forwards.append(len(calls))
+    assert len(shapes) == 1, shapes  # one shape, on every rank: one compiled eval graph
+    assert len(set(forwards)) == 1  # as many forwards on every rank (FSDP: each is a collective)
+    per_rank = -(-eval_iters // world_size)
+    assert forwards[0] == -(-per_rank // min(fits, per_rank))  # as few as the budget allows
+    loss_sum, count = sum(totals)
+    with torch.no_grad():  # each window once: the mean of the batches' mean losses
+        reference = torch.stack([model(*map(torch.from_numpy, (data[o[:, None] + np.arange(T)].astype(np.int64),
+                                                               data[o[:, None] + np.arange(1, T + 1)].astype(np.int64))))[1]
+                                 for o in offsets]).mean()
+    assert count == eval_iters * B * T
+    assert (loss_sum / count).item() == pytest.approx(reference.item(), rel=1e-6)
+
+
+def test_ddp_holds_one_set_of_gradients_its_buckets(tmp_path):
+    """The DDP train_model that wrap.build makes keeps gradients as views into its all-reduce
+    buckets through every micro-step (no_sync ones too) and from step to step: the bytes held by
+    the gradients and the buckets together are memory.gradient_bytes, one float32 per parameter."""
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        # a one-process group: DDP builds its reducer and buckets as with more ranks. The Runtime
+        # says two ranks so that build wraps the model in DDP
+        rt = runtime.Runtime("cpu", "cpu", torch.float32, rank=0, local_rank=0, world_size=2)
+        cfg = TrainConfig(device="cpu", compile=False, n_layer=2, n_head=4, n_embd=32, block_size=16, dropout=0.0, bias=False)
+        torch.manual_seed(0)
+        raw_model = GPT(GPTConfig(**TINY))
+        _, train_model, optimizer, scaler = build(raw_model, cfg, rt)
+        assert isinstance(train_model, torch.nn.parallel.DistributedDataParallel)
+        buckets = {}
+
+        def recording_allreduce(state, bucket):
+            buckets[bucket.index()] = bucket.buffer()
+            return allreduce_hook(dist.group.WORLD, bucket)
+
+        train_model.register_comm_hook(None, recording_allreduce)
+        params = list(raw_model.parameters())
+        held = []
+
+        def measure(*_):  # the bytes of every distinct storage that a gradient or a bucket lives in
+            tensors = [*buckets.values(), *(p.grad for p in params if p.grad is not None)]
+            held.append(sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values()))
+
+        data = np.random.default_rng(0).integers(0, 65, size=4000).astype(np.uint16)
+        batches = TrainBatches(data, 4, 16, 0, rt)
+        run_step = lambda: step.train_step(train_model, optimizer, scaler, batches, 1e-3, 2, 1.0, rt)
+        for _ in range(2):  # DDP makes its buckets again in the order of the first backward, at the second step
+            run_step()
+        for p in params:  # after each gradient is accumulated, in every micro-step's backward
+            p.register_post_accumulate_grad_hook(measure)
+        for _ in range(3):
+            run_step()
+            measure()
+    finally:
+        dist.destroy_process_group()
+    assert len(held) == 3 * (2 * len(params) + 1)
+    assert max(held) == memory.gradient_bytes(raw_model) == 4 * sum(p.numel() for p in params)
