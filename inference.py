@@ -370,20 +370,24 @@ class Engine:
         row = len(self.active)
         self.cache.put(row, kv)
         self.active.append(request)
-        self._take(request, logits[:, -1])
+        self._take(request, self._sample(request, logits[:, -1]))
 
     def _step(self):
         n = len(self.active)
         tokens = torch.tensor([[r.last] for r in self.active], device=self.device)  # (n, 1)
         logits, _ = self.model(tokens, cache=self.cache.step(n, self.device))
+        logits = logits[:, -1]  # (n, V)
+        greedy = logits.argmax(dim=-1).tolist()  # every row's argmax in one read from the device
         for j, request in enumerate(self.active):
             self.cache.lengths[j] += 1
-            self._take(request, logits[j, -1:])
+            self._take(request, greedy[j] if request.temperature == 0 else self._sample(request, logits[j : j + 1]))
         self.steps += 1
 
-    def _take(self, request, logits):
-        """The next token of request from its logits (1, V)."""
-        token = sample_next(logits, request.temperature, request.top_k, request.top_p, request.generator).item()
+    def _sample(self, request, logits):
+        """The next token of request from its logits (1, V), with its own generator."""
+        return sample_next(logits, request.temperature, request.top_k, request.top_p, request.generator).item()
+
+    def _take(self, request, token):
         request.generated += 1
         if token in request.stop_ids:
             request.finished = "stop"

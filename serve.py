@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import secrets
+import socket
 import sys
 import time
 import uuid
@@ -312,9 +313,9 @@ async def wait_done(http, request, reply):
         try:
             item = await asyncio.wait_for(reply.queue.get(), timeout=0.25)
         except asyncio.TimeoutError:
-            if await http.is_disconnected():
+            if await http.is_disconnected():  # its row is freed at the next step; nobody reads this answer
                 request.cancelled = True
-                raise asyncio.CancelledError
+                raise APIError(499, "the client closed the connection")
             continue
         if item[0] == "done":
             return item
@@ -470,8 +471,21 @@ def make_app(server):
     return app
 
 
+def listen(host, port):
+    """The server's socket, bound before the model loads, so a taken port fails at once, in one line."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        raise UserError(f"cannot listen on {host}:{port} ({e.strerror or e}): choose another --port or --host")
+    return sock
+
+
 def main(argv=None):
     cfg = parse(ServeConfig, argv)
+    sock = listen(cfg.host, cfg.port)
     rt = runtime.setup(cfg.device, cfg.dtype)
     server = Server(cfg, rt)
     if cfg.host not in ("127.0.0.1", "localhost", "::1") and not server.api_key:
@@ -479,10 +493,10 @@ def main(argv=None):
               f"model; set --api_key or OPENAI_API_KEY", file=sys.stderr)
     what = "chat and completions" if server.template is not None else "completions only (no chat template)"
     print(f"serving {server.name} ({what}, context {server.context}, {cfg.batch_size} rows) on "
-          f"http://{cfg.host}:{cfg.port}/", file=sys.stderr, flush=True)
+          f"http://{cfg.host}:{sock.getsockname()[1]}/", file=sys.stderr, flush=True)
     server.engine.start()
     try:
-        uvicorn.run(make_app(server), host=cfg.host, port=cfg.port, log_level="warning")
+        uvicorn.Server(uvicorn.Config(make_app(server), log_level="warning")).run(sockets=[sock])
     finally:
         server.engine.close()
     return 0
