@@ -126,9 +126,9 @@ def client(s, key="unused"):
     return openai.OpenAI(base_url=s.url + "/v1", api_key=key, max_retries=0)
 
 
-def chat_py(out_dir, message, max_new_tokens, system=None):
+def chat_py(out_dir, message, max_new_tokens, system=None, sampling=("--temperature=0",)):
     """`chat.py --prompt=message --temperature=0`'s reply (its stdout, without the newline)."""
-    result = run_script("chat.py", f"--out_dir={out_dir}", "--device=cpu", f"--prompt={message}", "--temperature=0",
+    result = run_script("chat.py", f"--out_dir={out_dir}", "--device=cpu", f"--prompt={message}", *sampling,
                         f"--max_new_tokens={max_new_tokens}", *([f"--system={system}"] if system else []))
     assert result.returncode == 0 and result.stdout.endswith("\n"), result.stderr
     return result.stdout[:-1]
@@ -164,7 +164,8 @@ def solo(s, body, path="/v1/chat/completions", headers=None):
 def test_openai_client_gets_chat_py_replies(demo, chat_server):
     """chat.completions.create, streamed and not, returns exactly `chat.py --prompt --temperature=0`'s
     reply, with the system message too; usage counts the template's prompt ids, finish_reason says
-    whether the reply ended at <|end|> or at max_tokens."""
+    whether the reply ended at <|end|> or at max_tokens. Sampled with a seed, it is chat.py's sample
+    with that --seed (the request's own generator draws what chat.py's global one does)."""
     out_dir, heldout = demo
     c = client(chat_server)
     template = chat_server.server.template
@@ -185,6 +186,19 @@ def test_openai_client_gets_chat_py_replies(demo, chat_server):
         assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == reasons[-1]
         assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
     assert reasons[-1] == "length" and reasons.count("stop") >= 3, reasons  # the trained replies end by themselves
+    greeting = chat_py(out_dir, "Hi, I'm Zuvaki.", 40)  # a stop string: the reply ends before its first match
+    stop = greeting[6:9]
+    for stream in (False, True):
+        reply = c.chat.completions.create(model=chat_server.server.name, messages=[{"role": "user", "content": "Hi, I'm Zuvaki."}],
+                                          temperature=0, stop=["zzz", stop], stream=stream)
+        chunks = list(reply) if stream else [reply]
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) if stream else reply.choices[0].message.content
+        assert text == greeting[: greeting.index(stop)] and chunks[-1].choices[0].finish_reason == "stop", (greeting, stop, text)
+    for seed, message in [(7, "Hi, I'm Zuvaki."), (11, "Repeat after me: sule pova kire")]:  # sampled: the seed's generator
+        expected = chat_py(out_dir, message, 30, sampling=("--temperature=1.5", "--top_p=0.95", f"--seed={seed}"))
+        reply = c.chat.completions.create(model=chat_server.server.name, messages=[{"role": "user", "content": message}],
+                                          temperature=1.5, top_p=0.95, seed=seed, max_tokens=30)
+        assert reply.choices[0].message.content == expected
 
 
 def test_openai_client_gets_sample_py_continuation(base, base_server):
