@@ -24,6 +24,7 @@ import uvicorn
 import inference
 import runtime
 import serve
+import tokenizer
 from configurator import ServeConfig, parse
 from conftest import load_script, run_script, train_tiny_run
 from model import GPT, GPTConfig
@@ -302,6 +303,32 @@ def test_a_request_joining_mid_generation_gets_its_solo_reply(demo, chat_server)
         engine._step, engine._prefill = step, prefill
     assert [long_reply, late_reply] == alone
     assert seen[0] == [] and len(seen[1]) == 1 and seen[1][0][1] >= 8 and seen[1][0][2] is None  # it joined a running batch
+
+
+def test_llama3_chat_decoded_together_gets_chat_py_replies(tmp_path):
+    """A Llama (RoPE, so every row's keys are rotated at its own positions; grouped-query attention)
+    with Llama 3's chat format, weights spread far from the init: four chat requests of different
+    lengths decoded in one batch each get `chat.py --temperature=0`'s reply."""
+    from test_chat import LLAMA, save_chat_checkpoint
+    from test_chat_template import make_llama3_tokenizer
+
+    spec = tokenizer.make_spec(str(make_llama3_tokenizer(tmp_path / "tokenizer.json")))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=spec["vocab_size"], **LLAMA))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    out_dir = save_chat_checkpoint(tmp_path / "out", model, spec)
+    messages = ["Hi", "What is the capital of France?", "Reverse: one two three four five six", "東京 🙂"]
+    expected = [chat_py(out_dir, m, 12) for m in messages]
+    with running(f"--out_dir={out_dir}", "--batch_size=4") as s:
+        assert s.server.template.format == "llama3"
+        c = client(s)
+        with held(s.engine, lambda: s.engine.held == 4) as rows:
+            replies = concurrently([lambda m=m: c.chat.completions.create(model=s.server.name, temperature=0, max_tokens=12,
+                                                                          messages=[{"role": "user", "content": m}])
+                                    .choices[0].message.content for m in messages])
+    assert replies == expected and max(rows) == 4
 
 
 # ---------------------------------------------------------------------------- errors
