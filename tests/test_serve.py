@@ -365,12 +365,17 @@ def test_errors_chat(chat_server):
         ({"model": name, "messages": hi, "response_format": {"type": "json_object"}}, 400, ["response_format"], "response_format"),
         ({"model": name, "messages": hi, "frobnicate": 1}, 400, ["unknown field 'frobnicate'"], "frobnicate"),
         ({"model": name, "messages": hi, "stop": ["a", "b", "c", "d", "e"]}, 400, ["at most 4"], "stop"),
+        ({"model": name, "messages": [{"role": "user", "content": "Hi", "name": "bo"}]}, 400, ["name"], "messages.0.name"),
+        ({"model": name, "messages": hi, "store": True}, 400, ["store"], "store"),
     ]
     for body, status, words, param in cases:
         raw = isinstance(body, bytes)
         r, payload = post(s, "/v1/chat/completions", None if raw else body, body if raw else None,
                           {"Content-Type": "application/json"} if raw else None)
         assert is_error(payload, status, r, *words)["param"] == param, (body, payload)
+    r, payload = post(s, "/v1/chat/completions", {"model": name, "messages": hi, "temperature": None, "top_p": None, "n": None,
+                                                  "stream": None, "max_tokens": 3})  # null: OpenAI's default
+    assert r.status_code == 200 and payload["usage"]["completion_tokens"] <= 3
     r, payload = post(s, "/v1/chat/completions", {"model": name, "messages": [{"role": "user", "content": "sule " * 200}]})
     assert str(len(s.server.template.render([{"role": "user", "content": "sule " * 200}], True)[0])) in payload["error"]["message"]
 
