@@ -17,7 +17,6 @@ shapes; a field the model cannot honour gets a 400, and every error is OpenAI's 
 """
 
 import asyncio
-import contextlib
 import json
 import os
 import secrets
