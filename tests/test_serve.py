@@ -10,7 +10,11 @@ to answer in the demo's format and end its replies with <|end|>, in a few second
 
 import contextlib
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import types
@@ -26,7 +30,7 @@ import runtime
 import serve
 import tokenizer
 from configurator import ServeConfig, parse
-from conftest import load_script, run_script, train_tiny_run
+from conftest import REPO, load_script, run_script, train_tiny_run
 from model import GPT, GPTConfig
 
 KEY = "test-key-123"
@@ -452,9 +456,29 @@ def test_a_client_that_hangs_up_frees_its_row_at_once(demo, chat_server):
                     "max_tokens": 20}) == chat_py(out_dir, message, 20)
 
 
-def test_the_defaults_keep_the_server_on_loopback():
-    cfg = parse(ServeConfig, [])
-    assert cfg.host == "127.0.0.1" and cfg.api_key == ""
+def test_the_command_warns_when_it_listens_beyond_loopback_with_no_key(base):
+    """`python serve.py` in its own process: by default on 127.0.0.1; --host=0.0.0.0 without a key
+    says on stderr who can then use the model, serves, and ends on Ctrl-C without a traceback; a
+    taken port is one line."""
+    assert parse(ServeConfig, []).host == "127.0.0.1"
+    env = {k: v for k, v in os.environ.items() if k != "OPENAI_API_KEY"}
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, str(REPO / "serve.py"), f"--out_dir={base}", "--device=cpu", "--host=0.0.0.0",
+                             f"--port={port}"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = [proc.stderr.readline() for _ in range(2)]
+        assert lines[0].startswith("warning: listening on 0.0.0.0 with no API key: anyone who can reach this machine")
+        assert lines[1].startswith("serving out (completions only") and f":{port}/" in lines[1]
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "out", "prompt": "The", "max_tokens": 3}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        taken = run_script("serve.py", f"--out_dir={base}", f"--port={port}", "--host=0.0.0.0")
+        assert taken.returncode == 2 and taken.stderr.startswith(f"error: cannot listen on 0.0.0.0:{port}")
+        assert len(taken.stderr.splitlines()) == 1
+    finally:
+        proc.send_signal(signal.SIGINT)  # uvicorn shuts down, then Ctrl-C ends the command as any other here
+        assert proc.wait(30) == 130 and proc.stderr.read() == "interrupted\n"
 
 
 # ---------------------------------------------------------------------------- fuzzing
