@@ -229,7 +229,8 @@ class BatchCache:
 
 
 class _Step:
-    """Rows 0..n-1 of a BatchCache, each adding one token at its own position (length)."""
+    """Rows 0..n-1 of a BatchCache, each adding one token at its own position (length). GPT.forward
+    reads `length` for the positions and advances this copy of it; the Engine advances the cache's."""
 
     def __init__(self, cache, n, device):
         lengths = cache.lengths[:n]

@@ -482,12 +482,14 @@ def make_app(server):
 
 
 def listen(host, port):
-    """The server's socket, bound before the model loads, so a taken port fails at once, in one line."""
+    """The server's socket, listening before the model loads: a taken port fails at once, in one line,
+    and a client that connects early waits instead of being refused."""
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
+        sock.listen(2048)  # connections queue from now on, while the model loads
     except OSError as e:
         raise UserError(f"cannot listen on {host}:{port} ({e.strerror or e}): choose another --port or --host")
     return sock
