@@ -68,6 +68,30 @@ def test_engine_rows_of_any_length_give_solo_greedy_tokens(shape):
     assert max(peak) == 3 and engine.held == 0
 
 
+def test_a_failing_request_ends_alone():
+    """A request whose token callback raises ends with finish_reason 'error' and the message; the
+    request decoded beside it in the same steps still gets its solo tokens."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50, n_layer=2, n_head=2, n_embd=32, block_size=64)).eval()
+    prompt = [3, 1, 4, 1, 5]
+    expected = inference.generate(model, torch.tensor([prompt]), 12, temperature=0)[0, len(prompt) :].tolist()
+    engine = inference.Engine(model, rows=2).start()
+    got, ends, done = [], {}, threading.Semaphore(0)
+
+    def broken(token):
+        if len(got) >= 3:
+            raise RuntimeError("the client's callback broke")
+
+    for name, on_token in (("broken", broken), ("fine", got.append)):
+        assert engine.submit(inference.Request(list(prompt), 12, on_token, lambda *end, name=name: (ends.__setitem__(name, end),
+                                                                                                    done.release()), temperature=0))
+    for _ in range(2):
+        assert done.acquire(timeout=60)
+    engine.close()
+    assert ends["broken"][0] == "error" and "the client's callback broke" in ends["broken"][2]
+    assert ends["fine"] == ("length", 12, None) and got == expected
+
+
 # ---------------------------------------------------------------------------- models and servers
 
 
