@@ -324,9 +324,8 @@ class GPT(nn.Module):
         KVCache, idx continues the tokens already in it (at positions cache.length onward) and is
         added to it. logits_at (N,): only the logits of these positions of the flattened (B*T)
         batch, (N, vocab) (eval scores a few tokens per row: un-embedding the others would be most
-        of its work).
-        cache.length is an int, or a (B,) tensor when each row has its own (a server's
-        batch: its cache checks the room)."""
+        of its work). cache.length is an int, or a (B,) tensor when each row has its own (a
+        server's batch: its cache checks the room)."""
         B, T = idx.size()
         start = 0 if cache is None else cache.length
         if torch.is_tensor(start):  # each row continues at its own position
