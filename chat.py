@@ -22,18 +22,15 @@ message stays, and what is left is read again once, with a note on stderr.
 """
 
 import contextlib
-import os
 import sys
 
 import torch
 
-import checkpoint
-import hf
+import inference
 import runtime
 import tokenizer
 from configurator import ChatConfig, UserError, parse, run_main
-from data.chat.template import Template
-from model import KVCache
+from inference import KVCache
 
 MAX_CONTEXT = 8192  # context=0 takes the model's block_size up to this: Llama 3.2's 131072 would be an 8 GB cache
 
@@ -99,8 +96,8 @@ class Conversation:
                     continue
                 idx = torch.tensor([self.ids + new + reply], device=self.device)
                 room = self.context - idx.size(1) + 1  # the last new token is not run, so it needs no room
-                for token in self.model.generate_tokens(idx, min(cfg.max_new_tokens - len(reply), room), cfg.temperature,
-                                                        cfg.top_k, cfg.top_p, stop_token=end, cache=self.cache):
+                for token in inference.generate_tokens(self.model, idx, min(cfg.max_new_tokens - len(reply), room),
+                                                       cfg.temperature, cfg.top_k, cfg.top_p, stop_token=end, cache=self.cache):
                     reply.append(token.item())
                     stream.update(reply[:-1] if reply[-1] == end else reply)
         finally:
@@ -113,22 +110,8 @@ class Conversation:
 def load(cfg, rt, say):
     """(model, template) of a chat checkpoint or a Hugging Face directory with a chat template."""
     loaded = []  # said once the model is known to chat
-    if cfg.init_from == "resume":
-        # read on the CPU and moved whole to the device below: a checkpoint's optimizer state never reaches the GPU
-        model, tok_spec = checkpoint.load_model(cfg.out_dir, cfg.checkpoint, report=loaded.append)
-        if "chat" not in tok_spec:
-            raise UserError(f"the model in {cfg.out_dir} was not trained on conversations (its tokenizer has no chat "
-                            f"template): fine-tune it on chat data first (python data/chat/prepare.py, then train.py "
-                            f"--init_from=... --dataset=<that directory>)")
-    else:
-        with contextlib.redirect_stdout(sys.stderr):  # stdout is for replies
-            model, tok_spec = hf.load_pretrained(cfg.init_from)
-    if tok_spec["kind"] == "tokenizers" and not os.path.isfile(tok_spec["path"]):
-        raise UserError(f"the model's tokenizer {tok_spec['path']} is missing; restore it there")
-    template = Template(tok_spec)
-    if template.vocab_size > model.config.vocab_size:
-        raise UserError(f"{cfg.init_from} has no chat tokens (the template needs {template.vocab_size} tokens, the "
-                        f"model has {model.config.vocab_size}): fine-tune it on chat data first (python data/chat/prepare.py)")
+    model, tok_spec = inference.load_model(cfg.init_from, cfg.out_dir, cfg.checkpoint, report=loaded.append)
+    template = inference.chat_template(model, tok_spec, cfg.init_from, cfg.out_dir)
     if cfg.context > model.config.block_size:
         raise UserError(f"context={cfg.context} is longer than the model's block_size={model.config.block_size}")
     for line in loaded:

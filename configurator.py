@@ -265,6 +265,32 @@ class ChatConfig:
 
 
 @dataclass
+class ServeConfig:
+    init_from: str = "resume"  # 'resume' (a checkpoint from out_dir), 'gpt2'/'gpt2-medium'/'gpt2-large'/'gpt2-xl' or a Hugging Face GPT-2 or Llama directory
+    out_dir: str = "out"  # where the checkpoint is
+    checkpoint: str = "best"  # 'best' (ckpt_best.pt or ckpt_best/ when present) or 'latest' (ckpt.pt or the newest ckpt_<iter>/)
+    host: str = "127.0.0.1"  # the address to listen on; '0.0.0.0' lets anyone who can reach this machine use the model (README: serve.py)
+    port: int = 8000  # the TCP port
+    api_key: str = ""  # clients must send 'Authorization: Bearer <api_key>'; '': the OPENAI_API_KEY environment variable, or none
+    name: str = ""  # the model's name in the API (GET /v1/models, a request's "model"); '': out_dir's or init_from's last part
+    batch_size: int = 16  # requests decoded together, at most (the batch's rows)
+    max_waiting: int = 64  # requests that may wait for a row; past that a request gets 429 at once
+    context: int = 0  # longest prompt + reply in tokens (the KV cache's room per row); 0: block_size, at most 8192
+    max_body: int = 1_000_000  # largest request body in bytes; larger ones get 413
+    device: str = "auto"  # 'auto', 'cpu', 'cuda', 'cuda:1', 'mps'
+    dtype: str = "auto"  # 'auto', 'float32', 'bfloat16', 'float16'
+    compile: bool = False  # torch.compile the model
+
+    def __post_init__(self):
+        _require_init_from(self.init_from, ("resume",))
+        _require_choice("checkpoint", self.checkpoint, ("best", "latest"))
+        _require(0 <= self.port <= 65535, f"port={self.port} must be in 0..65535 (0: any free port)")
+        _require(self.batch_size >= 1 and self.max_waiting >= 0, "batch_size must be at least 1 and max_waiting >= 0")
+        _require(self.context >= 0, f"context={self.context} must be >= 0 (0: the model's block_size)")
+        _require(self.max_body >= 1024, f"max_body={self.max_body} must be at least 1024 bytes")
+
+
+@dataclass
 class ExportConfig:
     out_dir: str = "out"  # the training run whose checkpoint is exported
     checkpoint: str = "best"  # 'best' (ckpt_best.pt or ckpt_best/ when present) or 'latest' (ckpt.pt or the newest ckpt_<iter>/)

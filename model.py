@@ -7,11 +7,11 @@ through scaled_dot_product_attention.
                           pos_encoding="rope", rope_theta=500000.0, norm="rmsnorm", mlp="swiglu",
                           mlp_hidden=8192, bias=False))   # Llama-3.2-1B's shapes
     logits, loss = model(idx, targets)          # idx, targets: (B, T) int64
-    out = model.generate(idx, max_new_tokens=100, temperature=0.8, top_k=200, top_p=0.95)
+    out = model.generate(idx, max_new_tokens=100, temperature=0.8, top_k=200, top_p=0.95)  # inference.py's
 
 Reads top to bottom: the config, the small pieces the options choose between (norms,
 rotary position embedding), attention, MLP, block, then the GPT with its init, optimizer
-groups, FLOPs count and sampling; last, the key/value cache that makes sampling fast.
+groups and FLOPs count. Generation and the key/value caches are in inference.py.
 """
 
 import math
@@ -158,9 +158,11 @@ class CausalSelfAttention(nn.Module):
             self.k_norm = nn.RMSNorm(self.head_size, eps=config.norm_eps)
 
     def forward(self, x, rope=None, kv=None):
-        """x (B, T, C). rope: the (cos, sin) tables of these T positions, when the model uses
-        RoPE. kv, when generating with a KVCache: a function that stores this layer's new
-        keys/values after the cached ones and returns them all."""
+        """x (B, T, C). rope: the (cos, sin) tables of these T positions, (T, hs/2) or per row
+        (B, 1, T, hs/2), when the model uses RoPE. kv, when generating with a cache
+        (inference.py): a function that stores this layer's new keys/values after the cached ones
+        and returns them all, with the mask of the keys each query sees, or None when each row
+        holds its keys from position 0 up to the new ones (then causality fixes the mask)."""
         B, T, C = x.size()
         hs = self.head_size
         q, k, v = self.c_attn(x).split([C, self.n_kv_head * hs, self.n_kv_head * hs], dim=2)
@@ -172,8 +174,10 @@ class CausalSelfAttention(nn.Module):
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         causal, mask = True, None  # training, and several new tokens filling an empty cache
         if kv is not None:
-            k, v = kv(k, v)  # (B, n_kv, cached + T, hs)
-            if T == 1:  # one new token sees every cached key: no mask (is_causal would leave it only the first)
+            k, v, mask = kv(k, v)  # (B, n_kv, cached + T, hs); mask None or (B, 1, T, cached + T)
+            if mask is not None:  # rows of different lengths, padded: the cache says which keys are real
+                causal = False
+            elif T == 1:  # one new token sees every cached key: no mask (is_causal would leave it only the first)
                 causal = False
             elif k.size(2) > T:  # several new tokens after cached ones: a conversation's next turn
                 # is_causal aligns its mask top-left; new token i must see every cached key and new ones up to i
@@ -318,16 +322,23 @@ class GPT(nn.Module):
         sum: chat batches weigh micro-batches by their trained tokens); without, only the last
         position's logits are computed (all that sampling needs) unless all_logits=True. With a
         KVCache, idx continues the tokens already in it (at positions cache.length onward) and is
-        added to it."""
+        added to it. cache.length is an int, or a (B,) tensor when each row has its own (a server's
+        batch: its cache checks the room)."""
         B, T = idx.size()
         start = 0 if cache is None else cache.length
-        if start + T > self.config.block_size:
-            raise ValueError(f"sequence of length {start + T} is longer than block_size {self.config.block_size}")
+        if torch.is_tensor(start):  # each row continues at its own position
+            pos = start[:, None] + torch.arange(T, device=idx.device)  # (B, T)
+        else:
+            if start + T > self.config.block_size:
+                raise ValueError(f"sequence of length {start + T} is longer than block_size {self.config.block_size}")
+            pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)  # (T,)
         x, rope = self.transformer.wte(idx), None  # (B, T, C)
         if "wpe" in self.transformer:
-            x = x + self.transformer.wpe(torch.arange(start, start + T, dtype=torch.long, device=idx.device))
-        else:
+            x = x + self.transformer.wpe(pos)
+        elif pos.dim() == 1:
             rope = (self.rope_cos[start : start + T], self.rope_sin[start : start + T])  # (T, hs/2) each
+        else:
+            rope = (self.rope_cos[pos][:, None], self.rope_sin[pos][:, None])  # (B, 1, T, hs/2): broadcast over heads
         x = self.transformer.drop(x)
         for i, block in enumerate(self.transformer.h):
             if self.activation_checkpointing and self.training and cache is None:
@@ -426,109 +437,8 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, **options):
-        """Extend idx (B, T) by max_new_tokens sampled tokens -> (B, T + max_new_tokens),
-        fewer when every row has met stop_token. Options as for generate_tokens. Call
-        model.eval() first."""
-        new = list(self.generate_tokens(idx, max_new_tokens, temperature, top_k, **options))
-        return torch.cat([idx, *new], dim=1)
+        """nanoGPT's call: idx (B, T) extended by max_new_tokens sampled tokens. Generation lives
+        in inference.py (imported here, not at the top: inference imports this module)."""
+        import inference
 
-    @torch.no_grad()
-    def generate_tokens(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=1.0, kv_cache=True,
-                        window_shift=None, stop_token=None, cache=None):
-        """Yield the next token of every row of idx (B, T), as a (B, 1) tensor, max_new_tokens
-        times. temperature 0 is greedy; otherwise sample from the softmax of logits/temperature
-        restricted to the top_k tokens and then to the top_p nucleus. A row that has produced
-        stop_token goes on producing it, and the generator ends once every row has.
-
-        The model sees a window of at most block_size tokens. With the cache (kv_cache=True)
-        only each new token is run, attending to the cached keys/values of the others; without
-        it the whole window is run for every token. Positions count from the window's start
-        (the learned embedding is absolute, and a RoPE key is rotated by its position when
-        cached), so once the window is full every cached key is stale: the window then slides
-        window_shift tokens at once and its last block_size - window_shift + 1 tokens are run
-        again to refill the cache. Each token so sees between block_size - window_shift + 1 and
-        block_size tokens, with or without the cache (the two give the same tokens).
-        window_shift=1 is nanoGPT's context (always the last block_size tokens) but costs a
-        full recompute per token past block_size; the default, block_size // 8, recomputes
-        once every block_size // 8 tokens.
-
-        cache, to go on from an earlier call (chat.py keeps a conversation's): a KVCache that holds
-        idx[:, :cache.length] already, so only the rest of idx is run. It keeps every token given
-        to the model, i.e. all the new ones but the last. It never slides: idx and the new tokens
-        must fit in its room."""
-        block_size = self.config.block_size
-        window_shift = window_shift or max(1, block_size // 8)
-        assert 1 <= window_shift < block_size, "window_shift must be in [1, block_size)"
-        if cache is None and kv_cache:
-            # room for every token this call can see at once: a model with a long context (Llama 3.2's
-            # 131072) sampling a few hundred tokens needs a few hundred positions, not block_size
-            cache = KVCache(self.config, idx.size(0), min(block_size, idx.size(1) + max_new_tokens))
-        elif cache is not None:
-            assert cache.length <= idx.size(1) and idx.size(1) + max_new_tokens - 1 <= cache.room, "the cache cannot slide"
-        start = max(0, idx.size(1) - block_size)  # the window is idx[:, start:]
-        seen = start if cache is None else max(start, cache.length)  # tokens before this are in the cache
-        done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)  # rows that produced stop_token
-        for _ in range(max_new_tokens):
-            if idx.size(1) - start > block_size:  # the window is full: slide it
-                start = idx.size(1) - (block_size - window_shift + 1)
-                if cache is not None:
-                    cache.length, seen = 0, start
-            if cache is None:
-                logits, _ = self(idx[:, start:])
-            else:
-                logits, _ = self(idx[:, seen:], cache=cache)
-                seen = idx.size(1)
-            next_id = sample_next(logits[:, -1, :], temperature, top_k, top_p)  # (B, 1)
-            if stop_token is not None:
-                next_id = next_id.masked_fill(done[:, None], stop_token)
-                done |= next_id[:, 0] == stop_token
-            yield next_id
-            if stop_token is not None and done.all():
-                return
-            idx = torch.cat((idx, next_id), dim=1)
-
-
-def sample_next(logits, temperature=1.0, top_k=None, top_p=1.0):
-    """One token id per row of logits (B, V): (B, 1). temperature 0 is greedy (argmax)."""
-    if temperature == 0:
-        return logits.argmax(dim=-1, keepdim=True)
-    logits = logits / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-        logits = logits.masked_fill(logits < kth, -float("inf"))
-    probs = F.softmax(logits, dim=-1)
-    if top_p is not None and top_p < 1.0:
-        # The nucleus: the most likely tokens, in order, until their mass reaches top_p.
-        # A token is dropped when the tokens ranked above it already reach it; the most
-        # likely token always stays (stable sort: ties keep argmax's choice first).
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-        above = sorted_probs.cumsum(dim=-1) - sorted_probs
-        probs = probs.scatter(-1, order, sorted_probs.masked_fill(above >= top_p, 0.0))
-    return torch.multinomial(probs, num_samples=1)
-
-
-class KVCache:
-    """Keys and values of the tokens generated so far, for every layer, so a new token
-    costs one position's work instead of the whole context's. Room for `room` tokens (default
-    block_size); the first `length` positions are filled (GPT.forward advances it; setting it to 0
-    empties the cache)."""
-
-    def __init__(self, config, batch_size, room=None):
-        # n_kv_head heads: grouped-query attention shrinks the cache by n_head / n_kv_head
-        self.room = room or config.block_size
-        self.shape = (config.n_layer, batch_size, config.n_kv_head, self.room, config.n_embd // config.n_head)
-        self.k = self.v = None  # (L, B, n_kv, room, hs), made on first use in the dtype attention computes in
-        self.length = 0
-
-    def layer(self, i):
-        """The `kv` function CausalSelfAttention calls for layer i."""
-
-        def store_and_get(k, v):  # (B, n_kv, T, hs) each -> (B, n_kv, length + T, hs) each
-            if self.k is None:
-                self.k, self.v = (k.new_empty(self.shape) for _ in range(2))
-            end = self.length + k.size(2)
-            self.k[i, :, :, self.length : end] = k
-            self.v[i, :, :, self.length : end] = v
-            return self.k[i, :, :, :end], self.v[i, :, :, :end]
-
-        return store_and_get
+        return inference.generate(self, idx, max_new_tokens, temperature, top_k, **options)

@@ -18,8 +18,7 @@ import time
 
 import torch
 
-import checkpoint
-import hf
+import inference
 import runtime
 import tokenizer
 from configurator import SampleConfig, UserError, parse, run_main
@@ -70,8 +69,8 @@ def sample_prompt(model, cfg, ids, stop, device, stream=None):
     cut before stop, tokens generated). stream, if given, is fed the first one as it grows."""
     x = torch.tensor([ids] * cfg.num_samples, dtype=torch.long, device=device)  # (num_samples, T)
     rows = [[] for _ in range(cfg.num_samples)]
-    steps = model.generate_tokens(x, cfg.max_new_tokens, cfg.temperature, cfg.top_k, top_p=cfg.top_p,
-                                  kv_cache=cfg.kv_cache, window_shift=cfg.window_shift, stop_token=stop)
+    steps = inference.generate_tokens(model, x, cfg.max_new_tokens, cfg.temperature, cfg.top_k, top_p=cfg.top_p,
+                                      kv_cache=cfg.kv_cache, window_shift=cfg.window_shift, stop_token=stop)
     for next_id in steps:
         for row, token in zip(rows, next_id[:, 0].tolist()):
             row.append(token)
@@ -83,11 +82,7 @@ def sample_prompt(model, cfg, ids, stop, device, stream=None):
 def main(argv=None):
     cfg = parse(SampleConfig, argv)
     rt = runtime.setup(cfg.device, cfg.dtype)
-    if cfg.init_from == "resume":
-        # read on the CPU: the file also holds the optimizer state, which sampling never uses
-        model, tok_spec = checkpoint.load_model(cfg.out_dir, cfg.checkpoint)
-    else:  # released GPT-2 weights, or a Hugging Face directory
-        model, tok_spec = hf.load_pretrained(cfg.init_from)
+    model, tok_spec = inference.load_model(cfg.init_from, cfg.out_dir, cfg.checkpoint)
     model.eval().to(rt.device)
     block_size = model.config.block_size
     if cfg.window_shift is not None and cfg.window_shift >= block_size:

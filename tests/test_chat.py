@@ -18,7 +18,8 @@ import tokenizer
 from configurator import TrainConfig, parse
 from conftest import REPO, load_script, run_script, train_tiny_run
 from data.chat.template import Template
-from model import GPT, GPTConfig, KVCache
+from inference import KVCache, generate_tokens
+from model import GPT, GPTConfig
 from test_chat_template import make_llama3_tokenizer
 
 SMALL = dict(n_layer=2, n_head=2, n_embd=32, block_size=128, dropout=0.0)
@@ -39,7 +40,7 @@ def test_a_carried_cache_generates_what_the_whole_history_does(shape):
     cache = KVCache(model.config, 1, 64)
     for turn in range(4):
         theirs = model.generate(history, 6, temperature=0, kv_cache=False)[:, history.size(1) :]
-        ours = torch.cat(list(model.generate_tokens(history, 6, temperature=0, cache=cache)), dim=1)
+        ours = torch.cat(list(generate_tokens(model, history, 6, temperature=0, cache=cache)), dim=1)
         assert torch.equal(ours, theirs)
         assert cache.length == history.size(1) + 5  # every token given to the model: all but the last new one
         history = torch.cat([history, ours, torch.randint(0, 50, (1, 3 + turn))], dim=1)  # the user's next turn

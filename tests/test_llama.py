@@ -15,7 +15,8 @@ from conftest import REPO, read_metrics, run_script
 from checkpoint import check_resumable
 from wrap import make_model_args
 from configurator import TrainConfig, UserError, parse
-from model import GPT, MLP, CausalSelfAttention, GPTConfig, KVCache, apply_rope, make_norm, rope_tables
+from inference import KVCache
+from model import GPT, MLP, CausalSelfAttention, GPTConfig, apply_rope, make_norm, rope_tables
 
 LLAMA = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, block_size=16, vocab_size=65, dropout=0.0, bias=False,
              pos_encoding="rope", norm="rmsnorm", mlp="swiglu", qk_norm=True, tie_embeddings=False)

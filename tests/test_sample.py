@@ -11,7 +11,8 @@ from conftest import run_script, tiny_args, train_tiny_run
 
 import sample
 import tokenizer
-from model import GPT, GPTConfig, KVCache, sample_next
+from inference import KVCache, sample_next
+from model import GPT, GPTConfig
 from test_model import TINY  # block_size 16
 
 

@@ -1,0 +1,407 @@
+"""A model loaded for inference, the key/value caches, sampling, and generation: one prompt
+batch at a time (sample.py, chat.py), or many requests decoded together as they come and go
+(serve.py's Engine).
+
+    import inference
+    model, tok_spec = inference.load_model("resume", "out-chat-demo")
+    out = inference.generate(model.eval(), idx, max_new_tokens=100, temperature=0.8, top_k=200)
+    for next_id in inference.generate_tokens(model, idx, 100, temperature=0, stop_token=eot): ...
+    engine = inference.Engine(model, rows=16); engine.start(); engine.submit(inference.Request(ids, 50, ...))
+
+Reads top to bottom: loading, sampling one token, the single-sequence-length cache with
+generate_tokens (the window that slides past block_size), then the batch cache whose rows each
+have their own length, and the Engine that runs one decoding step over all of its rows.
+"""
+
+import collections
+import contextlib
+import io
+import os
+import random
+import threading
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+import checkpoint
+import hf
+from configurator import UserError
+from data.chat.template import Template
+
+# ---------------------------------------------------------------------------- loading
+
+
+def load_model(init_from, out_dir, which="best", report=print):
+    """(model, tokenizer description): a training run's checkpoint (init_from='resume', read on the
+    CPU: the file also holds the optimizer state, which inference never uses), released GPT-2
+    weights, or a Hugging Face directory. float32, on the CPU; lines about what was read go to report."""
+    if init_from == "resume":
+        return checkpoint.load_model(out_dir, which, report=report)
+    with contextlib.redirect_stdout(io.StringIO()) as said:
+        loaded = hf.load_pretrained(init_from)
+    for line in said.getvalue().splitlines():
+        report(line)
+    return loaded
+
+
+def chat_template(model, tok_spec, init_from, out_dir):
+    """The chat Template the model was trained with; UserError (saying to fine-tune first) when it
+    has none. A run's checkpoint records its template; a Hugging Face directory has one when its
+    tokenizer has the turn tokens and the model rows for them."""
+    if init_from == "resume" and "chat" not in tok_spec:
+        raise UserError(f"the model in {out_dir} was not trained on conversations (its tokenizer has no chat "
+                        f"template): fine-tune it on chat data first (python data/chat/prepare.py, then train.py "
+                        f"--init_from=... --dataset=<that directory>)")
+    if tok_spec["kind"] == "tokenizers" and not os.path.isfile(tok_spec["path"]):
+        raise UserError(f"the model's tokenizer {tok_spec['path']} is missing; restore it there")
+    template = Template(tok_spec)
+    if template.vocab_size > model.config.vocab_size:
+        raise UserError(f"{init_from} has no chat tokens (the template needs {template.vocab_size} tokens, the "
+                        f"model has {model.config.vocab_size}): fine-tune it on chat data first (python data/chat/prepare.py)")
+    return template
+
+
+# ---------------------------------------------------------------------------- one token
+
+
+def sample_next(logits, temperature=1.0, top_k=None, top_p=1.0, generator=None):
+    """One token id per row of logits (B, V): (B, 1). temperature 0 is greedy (argmax). generator:
+    a torch.Generator of its own (a server's request with a seed), else the global one."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+        logits = logits.masked_fill(logits < kth, -float("inf"))
+    probs = F.softmax(logits, dim=-1)
+    if top_p is not None and top_p < 1.0:
+        # The nucleus: the most likely tokens, in order, until their mass reaches top_p.
+        # A token is dropped when the tokens ranked above it already reach it; the most
+        # likely token always stays (stable sort: ties keep argmax's choice first).
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        above = sorted_probs.cumsum(dim=-1) - sorted_probs
+        probs = probs.scatter(-1, order, sorted_probs.masked_fill(above >= top_p, 0.0))
+    return torch.multinomial(probs, num_samples=1, generator=generator)
+
+
+# ---------------------------------------------------------------------------- a batch of equal lengths
+
+
+class KVCache:
+    """Keys and values of the tokens generated so far, for every layer, so a new token
+    costs one position's work instead of the whole context's. Room for `room` tokens (default
+    block_size); the first `length` positions of every row are filled (GPT.forward advances it;
+    setting it to 0 empties the cache)."""
+
+    def __init__(self, config, batch_size, room=None):
+        # n_kv_head heads: grouped-query attention shrinks the cache by n_head / n_kv_head
+        self.room = room or config.block_size
+        self.shape = (config.n_layer, batch_size, config.n_kv_head, self.room, config.n_embd // config.n_head)
+        self.k = self.v = None  # (L, B, n_kv, room, hs), made on first use in the dtype attention computes in
+        self.length = 0
+
+    def layer(self, i):
+        """The `kv` function CausalSelfAttention calls for layer i."""
+
+        def store_and_get(k, v):  # (B, n_kv, T, hs) each -> (B, n_kv, length + T, hs) each, no mask
+            if self.k is None:
+                self.k, self.v = (k.new_empty(self.shape) for _ in range(2))
+            end = self.length + k.size(2)
+            self.k[i, :, :, self.length : end] = k
+            self.v[i, :, :, self.length : end] = v
+            return self.k[i, :, :, :end], self.v[i, :, :, :end], None
+
+        return store_and_get
+
+
+@torch.no_grad()
+def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, **options):
+    """Extend idx (B, T) by max_new_tokens sampled tokens -> (B, T + max_new_tokens),
+    fewer when every row has met stop_token. Options as for generate_tokens. Call
+    model.eval() first."""
+    new = list(generate_tokens(model, idx, max_new_tokens, temperature, top_k, **options))
+    return torch.cat([idx, *new], dim=1)
+
+
+@torch.no_grad()
+def generate_tokens(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=1.0, kv_cache=True,
+                    window_shift=None, stop_token=None, cache=None):
+    """Yield the next token of every row of idx (B, T), as a (B, 1) tensor, max_new_tokens
+    times. temperature 0 is greedy; otherwise sample from the softmax of logits/temperature
+    restricted to the top_k tokens and then to the top_p nucleus. A row that has produced
+    stop_token goes on producing it, and the generator ends once every row has.
+
+    The model sees a window of at most block_size tokens. With the cache (kv_cache=True)
+    only each new token is run, attending to the cached keys/values of the others; without
+    it the whole window is run for every token. Positions count from the window's start
+    (the learned embedding is absolute, and a RoPE key is rotated by its position when
+    cached), so once the window is full every cached key is stale: the window then slides
+    window_shift tokens at once and its last block_size - window_shift + 1 tokens are run
+    again to refill the cache. Each token so sees between block_size - window_shift + 1 and
+    block_size tokens, with or without the cache (the two give the same tokens).
+    window_shift=1 is nanoGPT's context (always the last block_size tokens) but costs a
+    full recompute per token past block_size; the default, block_size // 8, recomputes
+    once every block_size // 8 tokens.
+
+    cache, to go on from an earlier call (chat.py keeps a conversation's): a KVCache that holds
+    idx[:, :cache.length] already, so only the rest of idx is run. It keeps every token given
+    to the model, i.e. all the new ones but the last. It never slides: idx and the new tokens
+    must fit in its room."""
+    block_size = model.config.block_size
+    window_shift = window_shift or max(1, block_size // 8)
+    assert 1 <= window_shift < block_size, "window_shift must be in [1, block_size)"
+    if cache is None and kv_cache:
+        # room for every token this call can see at once: a model with a long context (Llama 3.2's
+        # 131072) sampling a few hundred tokens needs a few hundred positions, not block_size
+        cache = KVCache(model.config, idx.size(0), min(block_size, idx.size(1) + max_new_tokens))
+    elif cache is not None:
+        assert cache.length <= idx.size(1) and idx.size(1) + max_new_tokens - 1 <= cache.room, "the cache cannot slide"
+    start = max(0, idx.size(1) - block_size)  # the window is idx[:, start:]
+    seen = start if cache is None else max(start, cache.length)  # tokens before this are in the cache
+    done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)  # rows that produced stop_token
+    for _ in range(max_new_tokens):
+        if idx.size(1) - start > block_size:  # the window is full: slide it
+            start = idx.size(1) - (block_size - window_shift + 1)
+            if cache is not None:
+                cache.length, seen = 0, start
+        if cache is None:
+            logits, _ = model(idx[:, start:])
+        else:
+            logits, _ = model(idx[:, seen:], cache=cache)
+            seen = idx.size(1)
+        next_id = sample_next(logits[:, -1, :], temperature, top_k, top_p)  # (B, 1)
+        if stop_token is not None:
+            next_id = next_id.masked_fill(done[:, None], stop_token)
+            done |= next_id[:, 0] == stop_token
+        yield next_id
+        if stop_token is not None and done.all():
+            return
+        idx = torch.cat((idx, next_id), dim=1)
+
+
+# ---------------------------------------------------------------------------- a batch of any lengths
+
+
+class BatchCache:
+    """Keys and values of up to `rows` sequences that each have their own length, for a server
+    that decodes them together: row j holds lengths[j] positions, from position 0, and the rest of
+    its room is padding that attention masks out. Rows in use are always 0..n-1 (a finished row is
+    filled with the last one), so a step's keys are a slice, never a gather. The room grows as the
+    longest row needs it, up to `room` (at most block_size)."""
+
+    def __init__(self, config, rows, room):
+        assert room <= config.block_size
+        self.config, self.rows, self.room = config, rows, room
+        self.k = self.v = None  # (L, rows, n_kv, allocated, hs), zeros: padding must be finite (0 * NaN is NaN)
+        self.lengths = [0] * rows
+
+    def _ensure(self, need, like):
+        """Room for `need` positions, in the dtype and device of `like`."""
+        have = 0 if self.k is None else self.k.size(3)
+        if need <= have:
+            return
+        c = self.config
+        size = min(self.room, max(need, 2 * have, 64))
+        shape = (c.n_layer, self.rows, c.n_kv_head, size, c.n_embd // c.n_head)
+        k, v = (like.new_zeros(shape) for _ in range(2))
+        if have:
+            k[:, :, :, :have], v[:, :, :, :have] = self.k, self.v
+        self.k, self.v = k, v
+
+    def put(self, row, kv):
+        """Row `row` becomes the one sequence of KVCache kv (a prefill)."""
+        n = kv.length
+        self._ensure(n, kv.k)
+        self.k[:, row, :, :n], self.v[:, row, :, :n] = kv.k[:, 0, :, :n], kv.v[:, 0, :, :n]
+        self.lengths[row] = n
+
+    def move(self, src, dst):
+        n = self.lengths[src]
+        self.k[:, dst, :, :n], self.v[:, dst, :, :n] = self.k[:, src, :, :n], self.v[:, src, :, :n]
+        self.lengths[dst] = n
+
+    def step(self, n, device):
+        """The cache GPT.forward takes for one new token in each of rows 0..n-1."""
+        return _Step(self, n, device)
+
+
+class _Step:
+    """Rows 0..n-1 of a BatchCache, each adding one token at its own position (length)."""
+
+    def __init__(self, cache, n, device):
+        lengths = cache.lengths[:n]
+        end = max(lengths) + 1
+        if end > cache.room:
+            raise ValueError(f"a row of length {end} does not fit the cache's room of {cache.room}")
+        cache._ensure(end, cache.k)
+        self.cache, self.n, self.end = cache, n, end
+        self.length = torch.tensor(lengths, device=device)  # (n,): where each row's new token goes
+        self.rows = torch.arange(n, device=device)
+        # key j is seen by row r's query when j <= lengths[r]: its cached keys and its new one
+        self.mask = (torch.arange(end, device=device)[None, :] <= self.length[:, None])[:, None, None, :]  # (n, 1, 1, end)
+
+    def layer(self, i):
+        def store_and_get(k, v):  # (n, n_kv, 1, hs) each -> (n, n_kv, end, hs) each, and the mask
+            assert k.size(2) == 1, "a batch step adds one token per row"
+            c, n = self.cache, self.n
+            c.k[i, self.rows, :, self.length] = k[:, :, 0]  # (n, n_kv, hs) at each row's own position
+            c.v[i, self.rows, :, self.length] = v[:, :, 0]
+            return c.k[i, :n, :, : self.end], c.v[i, :n, :, : self.end], self.mask
+
+        return store_and_get
+
+
+# ---------------------------------------------------------------------------- the engine
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation for the Engine. on_token(id) is called on the engine's thread for every
+    token of the reply (not for a stop id) and returns True to end it there (a stop string was
+    met); on_done(finish_reason, completion_tokens, error) once, at the end: finish_reason 'stop',
+    'length', 'cancelled' or 'error'. Set cancelled from any thread to free its row at the next step."""
+
+    ids: list
+    max_tokens: int
+    on_token: Callable
+    on_done: Callable
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: Optional[int] = None
+    stop_ids: tuple = ()
+    seed: Optional[int] = None
+    cancelled: bool = False
+    generated: int = 0
+    last: Optional[int] = None  # the newest token, run at the next step
+    finished: Optional[str] = None
+    error: Optional[str] = None
+    generator: Optional[torch.Generator] = field(default=None, repr=False)
+
+
+class Engine:
+    """Decodes every request it holds together: one forward pass per step over all active rows,
+    each row at its own position with its own stop. A request that arrives is prefilled alone
+    (its prompt in one pass, the same pass chat.py runs) and joins at the next step; one that
+    finishes or is cancelled leaves before the next step. At most `rows` run at once and
+    `waiting` wait; submit() refuses more (the server's 429). One thread owns the model."""
+
+    def __init__(self, model, rows=16, waiting=64, room=None, device="cpu", autocast=contextlib.nullcontext):
+        self.model, self.device, self.autocast = model, device, autocast
+        self.rows, self.max_waiting = rows, waiting
+        self.cache = BatchCache(model.config, rows, room or model.config.block_size)
+        self.queue = collections.deque()
+        self.active = []  # active[j] is in the cache's row j
+        self.lock = threading.Condition()
+        self.closed = False
+        self.steps = 0  # decoding steps run, for tests and /health
+        self.thread = threading.Thread(target=self._run, name="inference-engine", daemon=True)
+
+    def start(self):
+        self.thread.start()
+        return self
+
+    def close(self):
+        with self.lock:
+            self.closed = True
+            self.lock.notify()
+        self.thread.join()
+
+    def submit(self, request):
+        """Queue a request; False when the engine is full (every row busy and the queue long)."""
+        with self.lock:
+            if self.closed or len(self.queue) >= self.max_waiting + max(0, self.rows - len(self.active)):
+                return False
+            self.queue.append(request)
+            self.lock.notify()
+            return True
+
+    def stats(self):
+        return {"active": len(self.active), "waiting": len(self.queue), "rows": self.rows, "steps": self.steps}
+
+    def _run(self):
+        with torch.inference_mode(), self.autocast():  # both are per thread: set here, not by the caller
+            while True:
+                with self.lock:
+                    while not self.closed and not self.queue and not self.active:
+                        self.lock.wait()
+                    if self.closed:
+                        break
+                    new = [self.queue.popleft() for _ in range(min(len(self.queue), self.rows - len(self.active)))]
+                self._leave()
+                for request in new:
+                    self._guard([request], self._prefill, request)
+                self._leave()
+                if self.active:
+                    self._guard(list(self.active), self._step)
+                    self._leave()
+        for request in [*self.active, *self.queue]:
+            request.on_done("cancelled", request.generated, None)
+
+    def _guard(self, requests, fn, *args):
+        """Run fn; should it fail (a bug, or out of memory), end `requests` with the error and go on
+        serving the others."""
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001 (one request's failure must not stop the server)
+            traceback.print_exc()
+            for request in requests:
+                request.finished, request.error = "error", f"{type(e).__name__}: {e}"
+            if requests and requests[0] not in self.active:  # a failed prefill never took a row
+                requests[0].on_done("error", 0, requests[0].error)
+
+    def _prefill(self, request):
+        if request.cancelled:
+            request.on_done("cancelled", 0, None)
+            return
+        if request.seed is not None or request.temperature > 0:
+            seed = request.seed if request.seed is not None else random.SystemRandom().randrange(2**63)
+            request.generator = torch.Generator(self.device).manual_seed(seed)
+        if not 1 <= len(request.ids) <= len(request.ids) + request.max_tokens - 1 <= self.cache.room:
+            raise ValueError(f"{len(request.ids)} prompt tokens and {request.max_tokens} new ones do not fit the room "
+                             f"of {self.cache.room}")
+        kv = KVCache(self.model.config, 1, len(request.ids))
+        logits, _ = self.model(torch.tensor([request.ids], device=self.device), cache=kv)
+        row = len(self.active)
+        self.cache.put(row, kv)
+        self.active.append(request)
+        self._take(request, logits[:, -1])
+
+    def _step(self):
+        n = len(self.active)
+        tokens = torch.tensor([[r.last] for r in self.active], device=self.device)  # (n, 1)
+        logits, _ = self.model(tokens, cache=self.cache.step(n, self.device))
+        for j, request in enumerate(self.active):
+            self.cache.lengths[j] += 1
+            self._take(request, logits[j, -1:])
+        self.steps += 1
+
+    def _take(self, request, logits):
+        """The next token of request from its logits (1, V)."""
+        token = sample_next(logits, request.temperature, request.top_k, request.top_p, request.generator).item()
+        request.generated += 1
+        if token in request.stop_ids:
+            request.finished = "stop"
+        elif request.on_token(token):
+            request.finished = "stop"
+        elif request.generated >= request.max_tokens:
+            request.finished = "length"
+        request.last = token
+
+    def _leave(self):
+        """Free the rows of finished and cancelled requests: the last row moves into each gap."""
+        j = 0
+        while j < len(self.active):
+            request = self.active[j]
+            if request.finished is None and not request.cancelled:
+                j += 1
+                continue
+            last = len(self.active) - 1
+            if j != last:
+                self.cache.move(last, j)
+            self.active[j] = self.active[last]
+            self.active.pop()
+            reason = request.finished or "cancelled"
+            request.on_done(reason, request.generated, request.error)

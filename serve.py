@@ -1,0 +1,492 @@
+"""Serve a model over OpenAI's API (chat and text completions, streamed or not), with a chat page;
+requests in flight at the same time are decoded together, one batch per step.
+
+    python serve.py --out_dir=out-chat-demo                       # http://127.0.0.1:8000/ : the chat page
+    python serve.py --out_dir=out-shakespeare-char --port=8001    # a base model: /v1/completions
+    python serve.py --init_from=gpt2 --batch_size=32              # released GPT-2 (transformers)
+    python serve.py --init_from=Llama-3.2-1B-Instruct --context=4096
+    OPENAI_API_KEY=secret python serve.py --out_dir=out-chat-demo --host=0.0.0.0   # on the network: a key
+    python serve.py --help
+
+    curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+        -d '{"model": "out-chat-demo", "messages": [{"role": "user", "content": "Reverse: sule pova"}], "temperature": 0}'
+
+Endpoints: POST /v1/chat/completions (models with a chat template), POST /v1/completions (any
+model), GET /v1/models, GET /health, GET / (static/chat.html). Requests and replies have OpenAI's
+shapes; a field the model cannot honour gets a 400, and every error is OpenAI's error JSON.
+"""
+
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
+
+import inference
+import runtime
+import tokenizer
+from configurator import ServeConfig, UserError, parse, run_main
+
+PAGE = Path(__file__).resolve().parent / "static" / "chat.html"
+MAX_CONTEXT = 8192  # context=0 takes the model's block_size up to this, as chat.py does
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+class APIError(Exception):
+    """A request the server refuses: becomes OpenAI's error JSON with this status."""
+
+    def __init__(self, status, message, param=None, code=None, kind="invalid_request_error", headers=None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind, self.headers = status, message, param, code, kind, headers
+
+
+def error_body(message, kind="invalid_request_error", param=None, code=None):
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(e):
+    return JSONResponse(error_body(e.message, e.kind, e.param, e.code), status_code=e.status, headers=e.headers)
+
+
+def validation_message(errors):
+    """One line for pydantic's first complaint: where in the body, and what is wrong."""
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return "the body is not valid JSON: " + first.get("ctx", {}).get("error", "a syntax error"), None
+    loc = [str(part) for part in first["loc"] if part != "body"]
+    param = ".".join(loc) or None
+    if first["type"] == "extra_forbidden":
+        return f"unknown field {param!r}: this server does not take it (OpenAI's fields only); leave it out", param
+    if first["type"] == "missing":
+        return f"{param} is required", param
+    return f"{param or 'the body'}: {first['msg']}", param
+
+
+# ---------------------------------------------------------------------------- request shapes
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[TextPart]]
+    name: Optional[str] = None
+
+    def text(self):
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+# fields of OpenAI's API this server cannot honour: a request that sets one gets a 400, not a reply
+# that silently ignores it. The value each may have (OpenAI's default, which means "not used").
+UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None,), "logit_bias": (None, {}), "presence_penalty": (None, 0),
+               "frequency_penalty": (None, 0), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+               "function_call": (None, "none"), "response_format": (None, {"type": "text"}), "echo": (None, False),
+               "suffix": (None, ""), "best_of": (None, 1), "audio": (None,), "modalities": (None, ["text"]),
+               "prediction": (None,), "reasoning_effort": (None,), "web_search_options": (None,)}
+
+
+class Sampling(BaseModel):
+    """What both endpoints take."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    max_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=1)  # not OpenAI's; vLLM's and llama.cpp's
+    stop: Union[str, list[str], None] = None
+    seed: Optional[int] = Field(None, ge=-(2**63), le=2**64 - 1)
+    n: int = 1
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    logprobs: Union[bool, int, None] = None
+    top_logprobs: Optional[int] = None
+    logit_bias: Optional[dict[str, float]] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+
+    def check(self):
+        for key, allowed in UNSUPPORTED.items():
+            value = getattr(self, key, None)
+            if value not in allowed:
+                raise APIError(400, f"{key}={json.dumps(value)} is not supported by this server; leave {key} out", key)
+        if self.n != 1:
+            raise APIError(400, f"n={self.n}: this server makes one choice per request; send n=1 (or leave it out)", "n")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stops) > 4 or not all(stops):
+            raise APIError(400, "stop takes at most 4 strings, none of them empty", "stop")
+        if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
+            raise APIError(400, "max_tokens and max_completion_tokens differ; give one of them", "max_completion_tokens")
+        return stops
+
+
+class ChatRequest(Sampling):
+    messages: list[Message] = Field(min_length=1)
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Any] = None
+    functions: Optional[list[Any]] = None
+    function_call: Optional[Any] = None
+    parallel_tool_calls: Optional[bool] = None
+    response_format: Optional[dict[str, Any]] = None
+    audio: Optional[Any] = None
+    modalities: Optional[list[str]] = None
+    prediction: Optional[Any] = None
+    reasoning_effort: Optional[str] = None
+    web_search_options: Optional[Any] = None
+    store: Optional[bool] = None
+    metadata: Optional[dict[str, str]] = None
+    service_tier: Optional[str] = None
+
+
+class CompletionRequest(Sampling):
+    prompt: Union[str, list[str], list[int]]
+    echo: Optional[bool] = None
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+
+# ---------------------------------------------------------------------------- one reply
+
+
+class Reply:
+    """One request's reply text as the engine makes it: the engine's thread calls on_token and
+    on_done, the event loop reads `queue` (("text", piece), then ("done", finish_reason, tokens,
+    error)). Text that could be the start of a stop string, or a character whose bytes have not
+    all come, is held back; at a stop string the reply ends before it."""
+
+    def __init__(self, loop, decode, stops):
+        self.loop, self.decode, self.stops = loop, decode, stops
+        self.queue = asyncio.Queue()
+        self.ids, self.text, self.sent, self.stopped = [], "", 0, False
+
+    def _put(self, item):
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    def _send_to(self, end):
+        if end > self.sent:
+            self._put(("text", self.text[self.sent : end]))
+            self.sent = end
+
+    def on_token(self, token):
+        self.ids.append(token)
+        text = self.decode(self.ids)
+        if text.endswith("\ufffd") or not text.startswith(self.text[: self.sent]):
+            return False  # a character still being made (BPE bytes): wait for the next token
+        self.text = text
+        longest = max(map(len, self.stops), default=0)
+        hits = [i for i in (text.find(s, max(0, self.sent - longest)) for s in self.stops) if i >= 0]
+        if hits:
+            self.text, self.stopped = text[: min(hits)], True
+            self._send_to(len(self.text))
+            return True
+        held = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        self._send_to(len(text) - held)
+        return False
+
+    def on_done(self, reason, tokens, error):
+        if not self.stopped:
+            self.text = self.decode(self.ids)
+            self._send_to(len(self.text))
+        self._put(("done", reason, tokens, error))
+
+
+# ---------------------------------------------------------------------------- the server
+
+
+class Server:
+    """The model, its tokenizer and chat template, and the engine that decodes for every request."""
+
+    def __init__(self, cfg, rt):
+        self.cfg = cfg
+        model, tok_spec = inference.load_model(cfg.init_from, cfg.out_dir, cfg.checkpoint, report=print)
+        source = cfg.out_dir if cfg.init_from == "resume" else cfg.init_from
+        self.name = cfg.name or os.path.basename(os.path.normpath(source))
+        block_size = model.config.block_size
+        if cfg.context > block_size:
+            raise UserError(f"context={cfg.context} is longer than the model's block_size={block_size}")
+        self.context = cfg.context or min(block_size, MAX_CONTEXT)
+        try:
+            self.template, self.no_chat = inference.chat_template(model, tok_spec, cfg.init_from, cfg.out_dir), None
+        except UserError as e:
+            self.template, self.no_chat = None, str(e)
+        self.encode, self.decode = tokenizer.load(tok_spec)
+        self.eot = tokenizer.eot(tok_spec)
+        model.eval().to(rt.device)
+        if cfg.compile:
+            model.compile()
+        self.api_key = cfg.api_key or os.environ.get("OPENAI_API_KEY", "")
+        self.engine = inference.Engine(model, rows=cfg.batch_size, waiting=cfg.max_waiting, room=self.context,
+                                       device=rt.device, autocast=rt.autocast)
+        self.created = int(time.time())
+
+    def check_model(self, name):
+        if name != self.name:
+            raise APIError(404, f"the model {name!r} does not exist: this server serves {self.name!r} (GET /v1/models)",
+                           "model", "model_not_found")
+
+    def prompt_ids(self, body):
+        """The token ids of a completion request's prompt (sample.py's rules for an empty one)."""
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            vocab = self.engine.model.config.vocab_size
+            if not all(0 <= i < vocab for i in prompt):
+                raise APIError(400, f"prompt holds a token id outside this model's vocabulary 0..{vocab - 1}", "prompt")
+            return list(prompt)
+        if isinstance(prompt, list):
+            if len(prompt) != 1:
+                raise APIError(400, f"prompt is a list of {len(prompt)} strings: send one prompt per request", "prompt")
+            prompt = prompt[0]
+        try:
+            ids = self.encode(prompt)
+        except UserError as e:
+            raise APIError(400, str(e), "prompt")
+        if not ids and self.eot is None:
+            raise APIError(400, "the prompt is empty; give it some text", "prompt")
+        return ids or [self.eot]  # GPT-2 saw <|endoftext|> before every document: an empty prompt starts one
+
+    def chat_ids(self, body):
+        if self.template is None:
+            raise APIError(400, f"{self.name} has no chat template, so it cannot chat: use /v1/completions, or "
+                                f"fine-tune it on conversations first ({self.no_chat.split(': ', 1)[-1]})", "messages")
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+        return self.template.render(messages, add_generation_prompt=True)[0]
+
+    def limit(self, body, n_prompt):
+        """The most new tokens for this request: max_(completion_)tokens, checked against the context."""
+        if n_prompt >= self.context:
+            raise APIError(400, f"the prompt is {n_prompt} tokens, longer than this model's context of {self.context} "
+                                f"tokens (with room for one new token); shorten it", "messages", "context_length_exceeded")
+        left = self.context - n_prompt
+        wanted = body.max_completion_tokens or body.max_tokens
+        if wanted is not None and wanted > left:
+            key = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+            raise APIError(400, f"{key}={wanted} is more than the {left} tokens left of the context of {self.context} "
+                                f"after the {n_prompt}-token prompt; ask for at most {left}", key, "context_length_exceeded")
+        return wanted or left
+
+    def start(self, body, ids, decode, stop_ids, stops, loop):
+        """Hand the request to the engine: (the engine's Request, its Reply); 429 when full."""
+        reply = Reply(loop, decode, stops)
+        request = inference.Request(ids, self.limit(body, len(ids)), reply.on_token, reply.on_done,
+                                    temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                                    stop_ids=stop_ids, seed=body.seed)
+        if not self.engine.submit(request):
+            raise APIError(429, f"the server is full ({self.engine.rows} requests decoding, {self.engine.max_waiting} "
+                                f"waiting); retry in a moment", None, "server_busy", "rate_limit_error", {"Retry-After": "1"})
+        return request, reply
+
+
+def usage(n_prompt, n_completion):
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion}
+
+
+async def wait_done(http, request, reply):
+    """The end of a reply that is not streamed; a client that hangs up cancels it."""
+    while True:
+        try:
+            item = await asyncio.wait_for(reply.queue.get(), timeout=0.25)
+        except asyncio.TimeoutError:
+            if await http.is_disconnected():
+                request.cancelled = True
+                raise asyncio.CancelledError
+            continue
+        if item[0] == "done":
+            return item
+
+
+def done_error(item):
+    _, reason, _, error = item
+    if reason == "error":
+        raise APIError(500, f"the server failed while generating ({error}); please report it", kind="server_error")
+    return reason
+
+
+async def respond(http, server, body, ids, decode, stop_ids, stops, chat):
+    """The reply, as one JSON object or as server-sent events."""
+    request, reply = server.start(body, ids, decode, stop_ids, stops, asyncio.get_running_loop())
+    rid, created = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time())
+    head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created, "model": server.name}
+    if not body.stream:
+        item = await wait_done(http, request, reply)
+        reason = done_error(item)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": reply.text, "refusal": None}} if chat
+                  else {"index": 0, "text": reply.text})
+        return {**head, "choices": [{**choice, "logprobs": None, "finish_reason": reason}], "usage": usage(len(ids), item[2])}
+    with_usage = body.stream_options is not None and body.stream_options.include_usage
+    return StreamingResponse(events(request, reply, head, chat, len(ids), with_usage), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def events(request, reply, head, chat, n_prompt, with_usage):
+    """OpenAI's chunks: the role first (chat), a chunk per piece of text, one with finish_reason,
+    the usage if asked for, then [DONE]. A client that hangs up frees its row at once."""
+    head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
+    extra = {"usage": None} if with_usage else {}
+
+    def chunk(piece=None, reason=None, role=False):
+        if chat:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": piece} if piece is not None else {})
+            choice = {"index": 0, "delta": delta}
+        else:
+            choice = {"index": 0, "text": piece or ""}
+        return f"data: {json.dumps({**head, 'choices': [{**choice, 'logprobs': None, 'finish_reason': reason}], **extra})}\n\n"
+
+    try:
+        if chat:
+            yield chunk(role=True)
+        while True:
+            item = await reply.queue.get()
+            if item[0] == "text":
+                yield chunk(item[1])
+                continue
+            _, reason, n_completion, error = item
+            if reason == "error":
+                yield f"data: {json.dumps(error_body(f'the server failed while generating ({error})', 'server_error'))}\n\n"
+            else:
+                yield chunk(reason=reason)
+                if with_usage:
+                    yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(n_prompt, n_completion)})}\n\n"
+            yield "data: [DONE]\n\n"
+            return
+    finally:
+        request.cancelled = True  # a no-op after the end; a hang-up mid-stream frees the row at the next step
+
+
+# ---------------------------------------------------------------------------- the app
+
+
+class BodyLimit:
+    """ASGI middleware: a body past `limit` bytes gets 413, whether its Content-Length says so or
+    it only turns out so while it is read."""
+
+    def __init__(self, app, limit):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            status, message = (413, f"the body is {int(length)} bytes, more than this server's limit of {self.limit}") \
+                if length.isdigit() else (400, "the Content-Length header is not a number")
+            return await error_response(APIError(status, message))(scope, receive, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise HTTPException(413, f"the body is more than this server's limit of {self.limit} bytes")
+            return message
+
+        await self.app(scope, limited, send)
+
+
+def make_app(server):
+    """The FastAPI app of a Server."""
+    app = FastAPI(title="gpt-trainer serve.py", version="1", summary="OpenAI-compatible completions from one model")
+    app.add_middleware(BodyLimit, limit=server.cfg.max_body)
+
+    @app.exception_handler(APIError)
+    async def api_error(_, e):
+        return error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_, e):
+        message, param = validation_message(e.errors())
+        return error_response(APIError(400, message, param))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_, e):
+        return error_response(APIError(e.status_code, str(e.detail), headers=getattr(e, "headers", None)))
+
+    @app.exception_handler(Exception)
+    async def bug(_, e):
+        return error_response(APIError(500, f"the server failed ({type(e).__name__}); please report it", kind="server_error"))
+
+    def authorized(http: Request):
+        if server.api_key:
+            scheme, _, key = http.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), server.api_key.encode()):
+                raise APIError(401, "a valid API key is required: send the header 'Authorization: Bearer <key>'",
+                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    async def chat_completions(body: ChatRequest, http: Request):
+        stops = body.check()
+        server.check_model(body.model)
+        ids = server.chat_ids(body)
+        return await respond(http, server, body, ids, server.template.decode, (server.template.end_id,), stops, chat=True)
+
+    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    async def completions(body: CompletionRequest, http: Request):
+        stops = body.check()
+        server.check_model(body.model)
+        ids = server.prompt_ids(body)
+        stop_ids = () if server.eot is None else (server.eot,)  # sample.py's stop_at_eot
+        return await respond(http, server, body, ids, server.decode, stop_ids, stops, chat=False)
+
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    async def models():
+        return {"object": "list", "data": [{"id": server.name, "object": "model", "created": server.created,
+                                            "owned_by": "gpt-trainer"}]}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": server.name, "chat": server.template is not None, "context": server.context,
+                **server.engine.stats()}
+
+    @app.get("/", include_in_schema=False)
+    async def page():
+        return FileResponse(PAGE, media_type="text/html")
+
+    return app
+
+
+def main(argv=None):
+    cfg = parse(ServeConfig, argv)
+    rt = runtime.setup(cfg.device, cfg.dtype)
+    server = Server(cfg, rt)
+    if cfg.host not in ("127.0.0.1", "localhost", "::1") and not server.api_key:
+        print(f"warning: listening on {cfg.host} with no API key: anyone who can reach this machine can use the "
+              f"model; set --api_key or OPENAI_API_KEY", file=sys.stderr)
+    what = "chat and completions" if server.template is not None else "completions only (no chat template)"
+    print(f"serving {server.name} ({what}, context {server.context}, {cfg.batch_size} rows) on "
+          f"http://{cfg.host}:{cfg.port}/", file=sys.stderr, flush=True)
+    server.engine.start()
+    try:
+        uvicorn.run(make_app(server), host=cfg.host, port=cfg.port, log_level="warning")
+    finally:
+        server.engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)
