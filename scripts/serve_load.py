@@ -5,6 +5,7 @@ alone.
     python scripts/serve_load.py --out_dir=out-chat-demo                    # starts serve.py on a free port
     python scripts/serve_load.py --out_dir=out-gpt2-124m-random --random_gpt2=124m --max_tokens=32 --repeats=1
     python scripts/serve_load.py --url=http://127.0.0.1:8000 --api_key=KEY  # a server already running
+    python scripts/serve_load.py --out_dir=out-chat-demo --engine_only      # no HTTP: inference.Engine alone
     python scripts/serve_load.py --help
 
 Each client is an asyncio task that streams one request after another (POST /v1/chat/completions,
@@ -16,6 +17,10 @@ completion_tokens (a request whose text differs counts its streamed chunks, and 
 
     tokens/s         generated tokens of all requests / wall time from the first send to the last [DONE]
     TTFT p50 / p99   time from a request's send to its first content chunk (nearest rank)
+
+--engine_only puts the same load on inference.Engine in this process (each client submits its
+next request when its last one ends; replies checked token for token against one-at-a-time runs):
+what batching alone gives, without HTTP, JSON and the client.
 
 --random_gpt2=124m writes a GPT-2-124M-shaped chat checkpoint with random weights (GPT-2's BPE
 and chat template) into --out_dir when it holds none: a speed measure only, its replies are noise,
@@ -148,6 +153,71 @@ async def measure(url, api_key, levels, args):
         return runs
 
 
+# ---------------------------------------------------------------------------- the engine alone
+
+
+def engine_runs(args, levels):
+    """The same prompts and levels through inference.Engine in this process, with no HTTP: what
+    batching alone gives. Each of C clients submits its next request when its last one ends."""
+    import threading
+
+    import inference
+
+    model, tok_spec = inference.load_model("resume", args.out_dir, report=lambda line: None)
+    template = inference.chat_template(model.eval(), tok_spec, "resume", args.out_dir)
+    prompts = [template.render(messages, add_generation_prompt=True)[0] for messages in PROMPTS]
+    room = model.config.block_size
+
+    def run(clients, n_requests, rows):
+        engine = inference.Engine(model, rows=rows, waiting=max(levels), room=room).start()
+        todo, results, lock, done = list(range(n_requests)), [], threading.Lock(), threading.Event()
+
+        def submit():
+            with lock:
+                if not todo:
+                    return
+                i = todo.pop() % len(prompts)
+            tokens, first, sent = [], [], time.perf_counter()
+
+            def on_token(t):
+                first or first.append(time.perf_counter() - sent)
+                tokens.append(t)
+                return False
+
+            def on_done(*_):
+                results.append((i, tokens, first[0] if first else 0.0))
+                if len(results) == n_requests:
+                    done.set()
+                submit()
+
+            budget = args.max_tokens or room - len(prompts[i])
+            engine.submit(inference.Request(prompts[i], budget, on_token, on_done, temperature=0, stop_ids=(template.end_id,)))
+
+        start = time.perf_counter()
+        for _ in range(clients):
+            submit()
+        done.wait()
+        wall = time.perf_counter() - start
+        engine.close()
+        return results, wall
+
+    references = {i: tokens for i, tokens, _ in run(1, len(prompts), 1)[0]}
+    runs = []
+    for repeat in range(args.repeats):
+        for clients in levels:
+            load_before = os.getloadavg()[0]
+            results, wall = run(clients, max(clients * args.rounds, args.min_requests), args.rows)
+            wrong = [(i, t) for i, t, _ in results if t != references[i]]
+            ttft = sorted(r[2] for r in results)
+            n = sum(len(t) + 1 for _, t, _ in results)  # the end token too, as usage counts it
+            figures = {"clients": clients, "requests": len(results), "tokens": n, "wall_s": wall, "tokens_per_s": n / wall,
+                       "ttft_p50_ms": 1000 * nearest_rank(ttft, 50), "ttft_p99_ms": 1000 * nearest_rank(ttft, 99),
+                       "wrong": len(wrong), "first_wrong": wrong[:1], "load_1min": load_before, "client_cpu": 0.0}
+            print(json.dumps({"repeat": repeat, **figures}), file=sys.stderr, flush=True)
+            runs.append(figures)
+    return runs
+
+
 # ---------------------------------------------------------------------------- the server
 
 
@@ -204,7 +274,7 @@ def write_random_gpt2(out_dir):
 # ---------------------------------------------------------------------------- main
 
 
-def report(runs, levels):
+def report(runs, levels, client=True):
     """The median of each figure over the repeats, one row per level."""
     print("| clients | requests | tokens | tokens/s | x one client | TTFT p50 ms | TTFT p99 ms | wrong | client CPU | load (1 min) |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -212,9 +282,21 @@ def report(runs, levels):
     base = med(levels[0], "tokens_per_s")
     for c in levels:
         wrong = sum(r["wrong"] for r in runs if r["clients"] == c)
+        cpu = f"{100 * med(c, 'client_cpu'):.0f}%" if client else "-"
         print(f"| {c} | {med(c, 'requests'):.0f} | {med(c, 'tokens'):.0f} | {med(c, 'tokens_per_s'):.1f} | "
               f"{med(c, 'tokens_per_s') / base:.2f} | {med(c, 'ttft_p50_ms'):.0f} | {med(c, 'ttft_p99_ms'):.0f} | "
-              f"{wrong} | {100 * med(c, 'client_cpu'):.0f}% | {med(c, 'load_1min'):.2f} |")
+              f"{wrong} | {cpu} | {med(c, 'load_1min'):.2f} |")
+
+
+def served_runs(args, levels):
+    """The levels against --url, or against serve.py started here on --out_dir (and stopped after)."""
+    process, url = (None, args.url.rstrip("/")) if args.url else start_server(args.out_dir, args.serve_args.split())
+    try:
+        return asyncio.run(measure(url, args.api_key, levels, args))
+    finally:
+        if process is not None:
+            process.terminate()
+            process.wait(timeout=30)
 
 
 def main(argv=None):
@@ -229,24 +311,16 @@ def main(argv=None):
     p.add_argument("--min_requests", type=int, default=64, help="requests per level at least (default: %(default)s)")
     p.add_argument("--max_tokens", type=int, default=0, help="max_tokens per request; 0: the server's default")
     p.add_argument("--repeats", type=int, default=3, help="run the levels this many times, report medians")
+    p.add_argument("--engine_only", action="store_true", help="no server: the same load on inference.Engine in this process")
+    p.add_argument("--rows", type=int, default=16, help="--engine_only: the engine's rows (serve.py's --batch_size)")
     args = p.parse_args(argv)
     levels = [int(c) for c in args.clients.split(",")]
     if min(levels) < 1 or args.repeats < 1 or args.rounds < 1:
         raise UserError("--clients, --repeats and --rounds must be positive")
-    process = None
-    if args.url is None:
-        if args.random_gpt2 and not os.path.exists(os.path.join(args.out_dir, "ckpt.pt")):
-            write_random_gpt2(args.out_dir)
-        process, url = start_server(args.out_dir, args.serve_args.split())
-    else:
-        url = args.url.rstrip("/")
-    try:
-        runs = asyncio.run(measure(url, args.api_key, levels, args))
-    finally:
-        if process is not None:
-            process.terminate()
-            process.wait(timeout=30)
-    report(runs, levels)
+    if args.random_gpt2 and not os.path.exists(os.path.join(args.out_dir, "ckpt.pt")):
+        write_random_gpt2(args.out_dir)
+    runs = engine_runs(args, levels) if args.engine_only else served_runs(args, levels)
+    report(runs, levels, client=not args.engine_only)
     wrong = sum(r["wrong"] for r in runs)
     if wrong:
         print(f"{wrong} request(s) under load differ from their solo reply; the first: "
