@@ -296,6 +296,7 @@ class Engine:
         self.active = []  # active[j] is in the cache's row j
         self.lock = threading.Condition()
         self.closed = False
+        self.held = 0  # requests submitted and not yet done: decoding, prefilling or waiting
         self.steps = 0  # decoding steps run, for tests and /health
         self.thread = threading.Thread(target=self._run, name="inference-engine", daemon=True)
 
@@ -312,14 +313,16 @@ class Engine:
     def submit(self, request):
         """Queue a request; False when the engine is full (every row busy and the queue long)."""
         with self.lock:
-            if self.closed or len(self.queue) >= self.max_waiting + max(0, self.rows - len(self.active)):
+            if self.closed or self.held >= self.rows + self.max_waiting:
                 return False
+            self.held += 1
             self.queue.append(request)
             self.lock.notify()
             return True
 
     def stats(self):
-        return {"active": len(self.active), "waiting": len(self.queue), "rows": self.rows, "steps": self.steps}
+        """Rows decoding, requests waiting for one (or being prefilled), and decoding steps run."""
+        return {"active": len(self.active), "waiting": self.held - len(self.active), "rows": self.rows, "steps": self.steps}
 
     def _run(self):
         with torch.inference_mode(), self.autocast():  # both are per thread: set here, not by the caller
@@ -338,7 +341,7 @@ class Engine:
                     self._guard(list(self.active), self._step)
                     self._leave()
         for request in [*self.active, *self.queue]:
-            request.on_done("cancelled", request.generated, None)
+            self._finish(request, "cancelled")
 
     def _guard(self, requests, fn, *args):
         """Run fn; should it fail (a bug, or out of memory), end `requests` with the error and go on
@@ -350,11 +353,11 @@ class Engine:
             for request in requests:
                 request.finished, request.error = "error", f"{type(e).__name__}: {e}"
             if requests and requests[0] not in self.active:  # a failed prefill never took a row
-                requests[0].on_done("error", 0, requests[0].error)
+                self._finish(requests[0], "error")
 
     def _prefill(self, request):
         if request.cancelled:
-            request.on_done("cancelled", 0, None)
+            self._finish(request, "cancelled")
             return
         if request.seed is not None or request.temperature > 0:
             seed = request.seed if request.seed is not None else random.SystemRandom().randrange(2**63)
@@ -367,20 +370,24 @@ class Engine:
         row = len(self.active)
         self.cache.put(row, kv)
         self.active.append(request)
-        self._take(request, logits[:, -1])
+        self._take(request, self._sample(request, logits[:, -1]))
 
     def _step(self):
         n = len(self.active)
         tokens = torch.tensor([[r.last] for r in self.active], device=self.device)  # (n, 1)
         logits, _ = self.model(tokens, cache=self.cache.step(n, self.device))
+        logits = logits[:, -1]  # (n, V)
+        greedy = logits.argmax(dim=-1).tolist()  # every row's argmax in one read from the device
         for j, request in enumerate(self.active):
             self.cache.lengths[j] += 1
-            self._take(request, logits[j, -1:])
+            self._take(request, greedy[j] if request.temperature == 0 else self._sample(request, logits[j : j + 1]))
         self.steps += 1
 
-    def _take(self, request, logits):
-        """The next token of request from its logits (1, V)."""
-        token = sample_next(logits, request.temperature, request.top_k, request.top_p, request.generator).item()
+    def _sample(self, request, logits):
+        """The next token of request from its logits (1, V), with its own generator."""
+        return sample_next(logits, request.temperature, request.top_k, request.top_p, request.generator).item()
+
+    def _take(self, request, token):
         request.generated += 1
         if token in request.stop_ids:
             request.finished = "stop"
@@ -403,5 +410,9 @@ class Engine:
                 self.cache.move(last, j)
             self.active[j] = self.active[last]
             self.active.pop()
-            reason = request.finished or "cancelled"
-            request.on_done(reason, request.generated, request.error)
+            self._finish(request, request.finished or "cancelled")
+
+    def _finish(self, request, reason):
+        with self.lock:
+            self.held -= 1
+        request.on_done(reason, request.generated, request.error)

@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import secrets
+import socket
 import sys
 import time
 import uuid
@@ -89,7 +90,7 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant"]
     content: Union[str, list[TextPart]]
-    name: Optional[str] = None
+    name: Optional[str] = None  # refused when set: the chat template has no place for it
 
     def text(self):
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
@@ -106,7 +107,7 @@ UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None,), "logit_bias":
                "frequency_penalty": (None, 0), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
                "function_call": (None, "none"), "response_format": (None, {"type": "text"}), "echo": (None, False),
                "suffix": (None, ""), "best_of": (None, 1), "audio": (None,), "modalities": (None, ["text"]),
-               "prediction": (None,), "reasoning_effort": (None,), "web_search_options": (None,)}
+               "prediction": (None,), "reasoning_effort": (None,), "web_search_options": (None,), "store": (None, False)}
 
 
 class Sampling(BaseModel):
@@ -116,13 +117,13 @@ class Sampling(BaseModel):
     model: str
     max_tokens: Optional[int] = Field(None, ge=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
+    temperature: Optional[float] = Field(None, ge=0, le=2)  # None (or left out): 1, as OpenAI
+    top_p: Optional[float] = Field(None, gt=0, le=1)  # None: 1, no nucleus
     top_k: Optional[int] = Field(None, ge=1)  # not OpenAI's; vLLM's and llama.cpp's
     stop: Union[str, list[str], None] = None
     seed: Optional[int] = Field(None, ge=-(2**63), le=2**64 - 1)
-    n: int = 1
-    stream: bool = False
+    n: Optional[int] = None
+    stream: Optional[bool] = None
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
     logprobs: Union[bool, int, None] = None
@@ -132,11 +133,15 @@ class Sampling(BaseModel):
     frequency_penalty: Optional[float] = None
 
     def check(self):
+        """The stop strings; APIError for what the model cannot honour."""
+        for i, m in enumerate(getattr(self, "messages", [])):
+            if m.name is not None:
+                raise APIError(400, f"messages.{i}.name is not supported by this server; leave it out", f"messages.{i}.name")
         for key, allowed in UNSUPPORTED.items():
             value = getattr(self, key, None)
             if value not in allowed:
                 raise APIError(400, f"{key}={json.dumps(value)} is not supported by this server; leave {key} out", key)
-        if self.n != 1:
+        if self.n not in (None, 1):
             raise APIError(400, f"n={self.n}: this server makes one choice per request; send n=1 (or leave it out)", "n")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         if len(stops) > 4 or not all(stops):
@@ -294,7 +299,8 @@ class Server:
         """Hand the request to the engine: (the engine's Request, its Reply); 429 when full."""
         reply = Reply(loop, decode, stops)
         request = inference.Request(ids, self.limit(body, len(ids)), reply.on_token, reply.on_done,
-                                    temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                                    temperature=1.0 if body.temperature is None else body.temperature,
+                                    top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k,
                                     stop_ids=stop_ids, seed=body.seed)
         if not self.engine.submit(request):
             raise APIError(429, f"the server is full ({self.engine.rows} requests decoding, {self.engine.max_waiting} "
@@ -312,9 +318,9 @@ async def wait_done(http, request, reply):
         try:
             item = await asyncio.wait_for(reply.queue.get(), timeout=0.25)
         except asyncio.TimeoutError:
-            if await http.is_disconnected():
+            if await http.is_disconnected():  # its row is freed at the next step; nobody reads this answer
                 request.cancelled = True
-                raise asyncio.CancelledError
+                raise APIError(499, "the client closed the connection")
             continue
         if item[0] == "done":
             return item
@@ -470,8 +476,21 @@ def make_app(server):
     return app
 
 
+def listen(host, port):
+    """The server's socket, bound before the model loads, so a taken port fails at once, in one line."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        raise UserError(f"cannot listen on {host}:{port} ({e.strerror or e}): choose another --port or --host")
+    return sock
+
+
 def main(argv=None):
     cfg = parse(ServeConfig, argv)
+    sock = listen(cfg.host, cfg.port)
     rt = runtime.setup(cfg.device, cfg.dtype)
     server = Server(cfg, rt)
     if cfg.host not in ("127.0.0.1", "localhost", "::1") and not server.api_key:
@@ -479,10 +498,10 @@ def main(argv=None):
               f"model; set --api_key or OPENAI_API_KEY", file=sys.stderr)
     what = "chat and completions" if server.template is not None else "completions only (no chat template)"
     print(f"serving {server.name} ({what}, context {server.context}, {cfg.batch_size} rows) on "
-          f"http://{cfg.host}:{cfg.port}/", file=sys.stderr, flush=True)
+          f"http://{cfg.host}:{sock.getsockname()[1]}/", file=sys.stderr, flush=True)
     server.engine.start()
     try:
-        uvicorn.run(make_app(server), host=cfg.host, port=cfg.port, log_level="warning")
+        uvicorn.Server(uvicorn.Config(make_app(server), log_level="warning")).run(sockets=[sock])
     finally:
         server.engine.close()
     return 0

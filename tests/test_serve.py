@@ -1,0 +1,488 @@
+"""serve.py on a loopback port, against real clients: the openai package gets chat.py's and
+sample.py's greedy replies; concurrent requests decoded together each get their solo reply, also
+one that joins mid-generation; every entry of the error catalogue; a full server's 429; a client
+that hangs up; schemathesis from the server's own OpenAPI schema. And inference.Engine's batch
+against solo generation on the model, GPT-2 and Llama shaped.
+
+The chat model is the chat demo (data/chat/synthetic.py, a 512-token tokenizer, config/
+chat_demo_cpu.py) trained for 150 steps on 6,000 conversations instead of 1,200 on 60,000: enough
+to answer in the demo's format and end its replies with <|end|>, in a few seconds."""
+
+import contextlib
+import json
+import socket
+import threading
+import time
+import types
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+
+import inference
+import runtime
+import serve
+import tokenizer
+from configurator import ServeConfig, parse
+from conftest import load_script, run_script, train_tiny_run
+from model import GPT, GPTConfig
+
+KEY = "test-key-123"
+
+# ---------------------------------------------------------------------------- the engine itself
+
+
+@pytest.mark.parametrize("shape", [{}, dict(n_kv_head=1, pos_encoding="rope", norm="rmsnorm", mlp="swiglu", bias=False)],
+                         ids=["gpt2", "llama"])
+def test_engine_rows_of_any_length_give_solo_greedy_tokens(shape):
+    """Seven requests of different prompt lengths and budgets through an engine of three rows
+    (four wait, join as rows free up, rows move when others leave) give, token for token,
+    generate()'s greedy tokens for each prompt alone."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50, n_layer=2, n_head=2, n_embd=32, block_size=64, **shape)).eval()
+    with torch.no_grad():  # far from the init: peaked next-token distributions, no near-ties
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    prompts = [torch.randint(0, 50, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 9, 1, 20, 5, 2, 14)]
+    budgets = [20, 7, 25, 12, 3, 30, 16]
+    solo = [inference.generate(model, torch.tensor([p]), n, temperature=0)[0, len(p) :].tolist() for p, n in zip(prompts, budgets)]
+    engine = inference.Engine(model, rows=3, waiting=10).start()
+    outs, ends, done = [[] for _ in prompts], [None] * len(prompts), threading.Semaphore(0)
+    peak = []
+    step = engine._step
+    engine._step = lambda: (peak.append(len(engine.active)), step())[1]
+    for i, (p, n) in enumerate(zip(prompts, budgets)):
+        assert engine.submit(inference.Request(p, n, outs[i].append, lambda *end, i=i: (ends.__setitem__(i, end), done.release()),
+                                               temperature=0))
+    for _ in prompts:
+        assert done.acquire(timeout=60)
+    engine.close()
+    assert outs == solo and ends == [("length", n, None) for n in budgets]
+    assert max(peak) == 3 and engine.held == 0
+
+
+# ---------------------------------------------------------------------------- models and servers
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """(out_dir, held-out conversations) of a shortened chat demo run."""
+    root = tmp_path_factory.mktemp("serve_demo")
+    data = root / "data"
+    load_script("data/chat/synthetic.py").main([f"--out_dir={data}", "--n=6000", "--n_heldout=40", "--seed=0"])
+    load_script("data/train_tokenizer.py").main(["--input", str(data / "text.txt"), "--vocab_size=512", f"--out_dir={data}"])
+    load_script("data/chat/prepare.py").main(["--input", str(data / "train.jsonl"), f"--tokenizer={data / 'tokenizer.json'}",
+                                              f"--out_dir={data}", "--block_size=128"])
+    steps = 150
+    result = run_script("train.py", "config/chat_demo_cpu.py", f"--dataset={data}", f"--out_dir={root / 'out'}",
+                        f"--max_iters={steps}", f"--lr_decay_iters={steps}", f"--eval_interval={steps}", "--eval_iters=2")
+    assert result.returncode == 0, result.stderr
+    heldout = [json.loads(line) for line in (data / "heldout.jsonl").read_text().splitlines()]
+    return root / "out", heldout
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A character model trained on plain text (no chat template), block_size 64."""
+    return train_tiny_run(tmp_path_factory.mktemp("serve_base"), block_size=64, max_iters=30, lr_decay_iters=30)
+
+
+@contextlib.contextmanager
+def running(*args):
+    """serve.py's app under uvicorn in a thread, on a free loopback port."""
+    server = serve.Server(parse(ServeConfig, [*args, "--device=cpu"]), runtime.setup("cpu"))
+    server.engine.start()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    web = uvicorn.Server(uvicorn.Config(serve.make_app(server), log_level="warning"))
+    thread = threading.Thread(target=web.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not web.started:
+        assert thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield types.SimpleNamespace(url=f"http://127.0.0.1:{sock.getsockname()[1]}", server=server, engine=server.engine)
+    finally:
+        web.should_exit = True
+        thread.join(10)
+        server.engine.close()
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def chat_server(demo):
+    with running(f"--out_dir={demo[0]}", "--batch_size=16", "--max_waiting=8") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def base_server(base):
+    with running(f"--out_dir={base}", f"--api_key={KEY}", "--batch_size=2", "--max_waiting=1", "--max_body=4096") as s:
+        yield s
+
+
+def client(s, key="unused"):
+    return openai.OpenAI(base_url=s.url + "/v1", api_key=key, max_retries=0)
+
+
+def chat_py(out_dir, message, max_new_tokens, system=None, sampling=("--temperature=0",)):
+    """`chat.py --prompt=message --temperature=0`'s reply (its stdout, without the newline)."""
+    result = run_script("chat.py", f"--out_dir={out_dir}", "--device=cpu", f"--prompt={message}", *sampling,
+                        f"--max_new_tokens={max_new_tokens}", *([f"--system={system}"] if system else []))
+    assert result.returncode == 0 and result.stdout.endswith("\n"), result.stderr
+    return result.stdout[:-1]
+
+
+def sample_py(out_dir, start, max_new_tokens):
+    """sample.py's greedy continuation of start."""
+    result = run_script("sample.py", f"--out_dir={out_dir}", "--device=cpu", f"--start={start}", "--temperature=0",
+                        "--num_samples=1", f"--max_new_tokens={max_new_tokens}", "--stream=False")
+    assert result.returncode == 0, result.stderr
+    loaded, out = result.stdout.split("\n", 1)  # "loaded <checkpoint> ...", then the sample and the separator line
+    separator = "\n" + load_script("sample.py").SEPARATOR + "\n"
+    assert loaded.startswith("loaded ") and out.startswith(start) and out.endswith(separator), result.stdout
+    return out[len(start) : -len(separator)]
+
+
+def user_messages(heldout, n):
+    return [c["messages"][-2]["content"] for c in heldout if len(c["messages"]) == 2][:n]
+
+
+def solo(s, body, path="/v1/chat/completions", headers=None):
+    """A request served alone: nothing else is in the engine while it runs."""
+    assert s.engine.held == 0
+    r = httpx.post(s.url + path, json=body, headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    return choice["message"]["content"] if "message" in choice else choice["text"]
+
+
+# ---------------------------------------------------------------------------- the openai client
+
+
+def test_openai_client_gets_chat_py_replies(demo, chat_server):
+    """chat.completions.create, streamed and not, returns exactly `chat.py --prompt --temperature=0`'s
+    reply, with the system message too; usage counts the template's prompt ids, finish_reason says
+    whether the reply ended at <|end|> or at max_tokens. Sampled with a seed, it is chat.py's sample
+    with that --seed (the request's own generator draws what chat.py's global one does)."""
+    out_dir, heldout = demo
+    c = client(chat_server)
+    template = chat_server.server.template
+    cases = [(m, None, 40) for m in user_messages(heldout, 4)] + [("My name is Dovaki.", "Answer briefly.", 40),
+                                                                 ("Repeat after me: sule pova kire dano", None, 3)]
+    reasons = []
+    for message, system, n in cases:
+        expected = chat_py(out_dir, message, n, system)
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": message}]
+        reply = c.chat.completions.create(model=chat_server.server.name, messages=messages, temperature=0, max_tokens=n)
+        assert reply.choices[0].message.content == expected, (message, expected)
+        assert reply.usage.prompt_tokens == len(template.render(messages, add_generation_prompt=True)[0])
+        reasons.append(reply.choices[0].finish_reason)
+        stream = c.chat.completions.create(model=chat_server.server.name, messages=messages, temperature=0,
+                                           max_completion_tokens=n, stream=True, stream_options={"include_usage": True})
+        chunks = list(stream)
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == expected
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == reasons[-1]
+        assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+    assert reasons[-1] == "length" and reasons.count("stop") >= 3, reasons  # the trained replies end by themselves
+    greeting = chat_py(out_dir, "Hi, I'm Zuvaki.", 40)  # a stop string: the reply ends before its first match
+    stop = greeting[6:9]
+    for stream in (False, True):
+        reply = c.chat.completions.create(model=chat_server.server.name, messages=[{"role": "user", "content": "Hi, I'm Zuvaki."}],
+                                          temperature=0, stop=["zzz", stop], stream=stream)
+        chunks = list(reply) if stream else [reply]
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) if stream else reply.choices[0].message.content
+        assert text == greeting[: greeting.index(stop)] and chunks[-1].choices[0].finish_reason == "stop", (greeting, stop, text)
+    for seed, message in [(7, "Hi, I'm Zuvaki."), (11, "Repeat after me: sule pova kire")]:  # sampled: the seed's generator
+        expected = chat_py(out_dir, message, 30, sampling=("--temperature=1.5", "--top_p=0.95", f"--seed={seed}"))
+        reply = c.chat.completions.create(model=chat_server.server.name, messages=[{"role": "user", "content": message}],
+                                          temperature=1.5, top_p=0.95, seed=seed, max_tokens=30)
+        assert reply.choices[0].message.content == expected
+
+
+def test_openai_client_gets_sample_py_continuation(base, base_server):
+    """A base model (characters, no chat template): completions.create, streamed and not, gives
+    sample.py's greedy continuation; the API key is required."""
+    c = client(base_server, KEY)
+    for prompt, n in [("The king", 30), ("What is love?\nNow", 45), ("\n", 20)]:
+        expected = sample_py(base, prompt, n)
+        reply = c.completions.create(model=base_server.server.name, prompt=prompt, temperature=0, max_tokens=n)
+        assert reply.choices[0].text == expected and reply.choices[0].finish_reason == "length"
+        assert reply.usage.prompt_tokens == len(prompt) and reply.usage.completion_tokens == n
+        streamed = c.completions.create(model=base_server.server.name, prompt=prompt, temperature=0, max_tokens=n, stream=True)
+        assert "".join(ch.choices[0].text for ch in streamed) == expected
+    with pytest.raises(openai.AuthenticationError):
+        client(base_server, "wrong").completions.create(model=base_server.server.name, prompt="The", max_tokens=2)
+
+
+# ---------------------------------------------------------------------------- batching
+
+
+@contextlib.contextmanager
+def held(engine, until):
+    """Keep the engine from prefilling until until() is true: the requests sent meanwhile are
+    all queued when it goes on. Yields the row counts of the decoding steps that ran."""
+    prefill, step, rows, opened = engine._prefill, engine._step, [], []
+
+    def gated_prefill(request):
+        deadline = time.monotonic() + 30
+        while not opened and not until() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        opened.append(True)  # once open, it stays open
+        prefill(request)
+
+    engine._prefill = gated_prefill
+    engine._step = lambda: (rows.append(len(engine.active)), step())[1]
+    try:
+        yield rows
+    finally:
+        engine._prefill, engine._step = prefill, step
+
+
+def concurrently(fns):
+    results = [None] * len(fns)
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, fns[i]())) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return results
+
+
+def test_sixteen_concurrent_clients_get_their_solo_replies(demo, chat_server):
+    """16 clients at once, different prompts and budgets, at temperature 0 (and three sampled with
+    a seed): all 16 are decoded in one batch, rows leave as their replies end, and each reply is
+    the one the request gets when served alone."""
+    _, heldout = demo
+    name = chat_server.server.name
+    bodies = [{"model": name, "messages": [{"role": "user", "content": m}], "temperature": 0, "max_tokens": 4 + 3 * i}
+              for i, m in enumerate(user_messages(heldout, 16))]
+    for i in (2, 7, 11):
+        bodies[i].update(temperature=0.9, top_p=0.95, seed=100 + i)
+    alone = [solo(chat_server, b) for b in bodies]
+    c = client(chat_server)
+    with held(chat_server.engine, lambda: chat_server.engine.held == 16) as rows:
+        together = concurrently([lambda b=b: c.chat.completions.create(**b).choices[0].message.content for b in bodies])
+    assert together == alone
+    assert max(rows) == 16 and rows[-1] < 16  # one batch of all sixteen, which shrank as replies ended
+
+
+def test_a_request_joining_mid_generation_gets_its_solo_reply(demo, chat_server):
+    """A long completion is 8 tokens in when a chat request arrives: it is prefilled while the
+    first decodes, joins the batch at the next step, and both replies are their solo replies."""
+    _, heldout = demo
+    name = chat_server.server.name
+    long = {"model": name, "prompt": "Hi, I'm Zuvaki.", "temperature": 0, "max_tokens": 80}  # no stop at <|end|>: a long reply
+    late = {"model": name, "messages": [{"role": "user", "content": user_messages(heldout, 1)[0]}], "temperature": 0, "max_tokens": 30}
+    alone = [solo(chat_server, long, "/v1/completions"), solo(chat_server, late)]
+    engine, seen = chat_server.engine, []
+    step, prefill = engine._step, engine._prefill
+
+    def paused_step():  # after the long one's 8th token, no step until the late one is queued (or has joined)
+        deadline = time.monotonic() + 30
+        while engine.active[0].generated >= 8 and engine.held < 2 and len(seen) < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        step()
+
+    def recorded_prefill(request):
+        seen.append([(r.ids == request.ids, r.generated, r.finished) for r in engine.active])
+        prefill(request)
+
+    engine._step, engine._prefill = paused_step, recorded_prefill
+    try:
+        c = client(chat_server)
+        stream = c.completions.create(**long, stream=True)
+        deadline = time.monotonic() + 30
+        while not (engine.active and engine.active[0].generated >= 8) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        late_reply = c.chat.completions.create(**late).choices[0].message.content
+        long_reply = "".join(ch.choices[0].text for ch in stream)
+    finally:
+        engine._step, engine._prefill = step, prefill
+    assert [long_reply, late_reply] == alone
+    assert seen[0] == [] and len(seen[1]) == 1 and seen[1][0][1] >= 8 and seen[1][0][2] is None  # it joined a running batch
+
+
+def test_llama3_chat_decoded_together_gets_chat_py_replies(tmp_path):
+    """A Llama (RoPE, so every row's keys are rotated at its own positions; grouped-query attention)
+    with Llama 3's chat format, weights spread far from the init: four chat requests of different
+    lengths decoded in one batch each get `chat.py --temperature=0`'s reply."""
+    from test_chat import LLAMA, save_chat_checkpoint
+    from test_chat_template import make_llama3_tokenizer
+
+    spec = tokenizer.make_spec(str(make_llama3_tokenizer(tmp_path / "tokenizer.json")))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=spec["vocab_size"], **LLAMA))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    out_dir = save_chat_checkpoint(tmp_path / "out", model, spec)
+    messages = ["Hi", "What is the capital of France?", "Reverse: one two three four five six", "東京 🙂"]
+    expected = [chat_py(out_dir, m, 12) for m in messages]
+    with running(f"--out_dir={out_dir}", "--batch_size=4") as s:
+        assert s.server.template.format == "llama3"
+        c = client(s)
+        with held(s.engine, lambda: s.engine.held == 4) as rows:
+            replies = concurrently([lambda m=m: c.chat.completions.create(model=s.server.name, temperature=0, max_tokens=12,
+                                                                          messages=[{"role": "user", "content": m}])
+                                    .choices[0].message.content for m in messages])
+    assert replies == expected and max(rows) == 4
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+def post(s, path, body=None, content=None, headers=None):
+    r = httpx.post(s.url + path, json=body, content=content, headers=headers, timeout=30)
+    return r, r.json()
+
+
+def is_error(payload, status, r, *words):
+    """OpenAI's error JSON, one line that says what to change."""
+    assert r.status_code == status, (r.status_code, payload)
+    error = payload["error"]
+    assert set(error) == {"message", "type", "param", "code"} and "\n" not in error["message"]
+    assert all(w in error["message"] for w in words), error["message"]
+    return error
+
+
+def test_errors_chat(chat_server):
+    s, name = chat_server, chat_server.server.name
+    hi = [{"role": "user", "content": "Hi"}]
+    cases = [  # (body or raw bytes, status, words the message holds, param)
+        (b'{"model": "x", "messages": [', 400, ["not valid JSON"], None),  # malformed JSON
+        ({"model": name}, 400, ["messages is required"], "messages"),  # a missing field
+        ({"model": name, "messages": hi, "temperature": "hot"}, 400, ["temperature"], "temperature"),  # a mistyped one
+        ({"model": name, "messages": [{"role": "robot", "content": "Hi"}]}, 400, ["messages.0.role"], "messages.0.role"),
+        ({"model": name, "messages": [{"role": "user", "content": "sule " * 200}]}, 400, ["context of 128 tokens", "shorten it"], "messages"),
+        ({"model": name, "messages": hi, "max_tokens": 500}, 400, ["max_tokens=500", "left of the context of 128"], "max_tokens"),
+        ({"model": "gpt-4o", "messages": hi}, 404, ["'gpt-4o' does not exist", name], "model"),
+        ({"model": name, "messages": hi, "n": 2}, 400, ["n=2"], "n"),
+        ({"model": name, "messages": hi, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, ["tools"], "tools"),
+        ({"model": name, "messages": hi, "logprobs": True}, 400, ["logprobs"], "logprobs"),
+        ({"model": name, "messages": hi, "response_format": {"type": "json_object"}}, 400, ["response_format"], "response_format"),
+        ({"model": name, "messages": hi, "frobnicate": 1}, 400, ["unknown field 'frobnicate'"], "frobnicate"),
+        ({"model": name, "messages": hi, "stop": ["a", "b", "c", "d", "e"]}, 400, ["at most 4"], "stop"),
+        ({"model": name, "messages": [{"role": "user", "content": "Hi", "name": "bo"}]}, 400, ["name"], "messages.0.name"),
+        ({"model": name, "messages": hi, "store": True}, 400, ["store"], "store"),
+    ]
+    for body, status, words, param in cases:
+        raw = isinstance(body, bytes)
+        r, payload = post(s, "/v1/chat/completions", None if raw else body, body if raw else None,
+                          {"Content-Type": "application/json"} if raw else None)
+        assert is_error(payload, status, r, *words)["param"] == param, (body, payload)
+    r, payload = post(s, "/v1/chat/completions", {"model": name, "messages": hi, "temperature": None, "top_p": None, "n": None,
+                                                  "stream": None, "max_tokens": 3})  # null: OpenAI's default
+    assert r.status_code == 200 and payload["usage"]["completion_tokens"] <= 3
+    r, payload = post(s, "/v1/chat/completions", {"model": name, "messages": [{"role": "user", "content": "sule " * 200}]})
+    assert str(len(s.server.template.render([{"role": "user", "content": "sule " * 200}], True)[0])) in payload["error"]["message"]
+
+
+def test_errors_base(base_server):
+    s, name, auth = base_server, base_server.server.name, {"Authorization": f"Bearer {KEY}"}
+    r, payload = post(s, "/v1/chat/completions", {"model": name, "messages": [{"role": "user", "content": "Hi"}]}, headers=auth)
+    is_error(payload, 400, r, "no chat template", "/v1/completions", "fine-tune")
+    r, payload = post(s, "/v1/completions", {"model": name, "prompt": "Hi"})  # no key
+    assert is_error(payload, 401, r, "Authorization: Bearer")["code"] == "invalid_api_key"
+    r, payload = post(s, "/v1/completions", {"model": name, "prompt": "Hi"}, headers={"Authorization": "Bearer nope"})
+    is_error(payload, 401, r, "API key")
+    r, payload = post(s, "/v1/completions", {"model": name, "prompt": "x" * 5000}, headers=auth)  # Content-Length past 4096
+    is_error(payload, 413, r, "limit of 4096")
+    chunks = (b'{"model": "%s", "prompt": "' % name.encode(), *[b"x" * 1000] * 5, b'"}')  # no Content-Length: chunked
+    r, payload = post(s, "/v1/completions", content=iter(chunks), headers={**auth, "Content-Type": "application/json"})
+    is_error(payload, 413, r, "limit of 4096")
+    r, payload = post(s, "/v1/completions", {"model": name, "prompt": "The king" * 9}, headers=auth)
+    is_error(payload, 400, r, "72 tokens", "context of 64")
+    r, payload = post(s, "/v1/completions", {"model": name, "prompt": "The king 東京"}, headers=auth)
+    is_error(payload, 400, r, "characters this model never saw")
+    assert httpx.get(s.url + "/health").status_code == 200 and httpx.get(s.url + "/v1/models").status_code == 401
+
+
+def test_a_full_server_answers_429_at_once(base, base_server):
+    """Two rows and one waiting place: a fourth request gets 429 with Retry-After at once, and the
+    three accepted get sample.py's continuations when the engine goes on."""
+    s, name = base_server, base_server.server.name
+    c = client(s, KEY)
+    prompts = ["The king", "What is", "Now my lord"]
+    expected = [sample_py(base, p, 20) for p in prompts]
+    with held(s.engine, lambda: s.engine.held == 3 and refused):
+        refused = []
+        calls = [lambda p=p: c.completions.create(model=name, prompt=p, temperature=0, max_tokens=20).choices[0].text
+                 for p in prompts]
+        results = [None]
+        thread = threading.Thread(target=lambda: results.__setitem__(0, concurrently(calls)))
+        thread.start()
+        while s.engine.held < 3:
+            time.sleep(0.005)
+        t0 = time.monotonic()
+        r, payload = post(s, "/v1/completions", {"model": name, "prompt": "The", "max_tokens": 2},
+                          headers={"Authorization": f"Bearer {KEY}"})
+        waited = time.monotonic() - t0
+        refused.append(r)
+        thread.join(60)
+    assert is_error(payload, 429, r, "full")["code"] == "server_busy" and r.headers["Retry-After"] == "1"
+    assert waited < 5  # answered while the others were still held, not after them
+    assert results[0] == expected
+
+
+def test_a_client_that_hangs_up_frees_its_row_at_once(demo, chat_server):
+    """A stream dropped after three chunks: its row is freed before the next step (cancelled, far
+    from its 100 tokens), and the server answers the next request as before."""
+    out_dir, _ = demo
+    s, engine, ends = chat_server, chat_server.engine, []
+    step, finish = engine._step, engine._finish
+    engine._step = lambda: (time.sleep(0.02), step())[1]  # slow enough that the reply could not finish meanwhile
+    engine._finish = lambda request, reason: (ends.append((reason, request.generated)), finish(request, reason))[1]
+    try:
+        body = {"model": s.server.name, "prompt": "Hi, I'm Zuvaki.", "max_tokens": 100, "temperature": 0, "stream": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            assert [next(lines) for _ in range(6)][::2] and s.engine.stats()["active"] == 1  # three events and their blank lines
+        deadline = time.monotonic() + 5
+        while engine.stats()["active"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert httpx.get(s.url + "/health").json()["active"] == 0
+    finally:
+        engine._step, engine._finish = step, finish
+    assert ends and ends[0][0] == "cancelled" and ends[0][1] < 50, ends
+    message = "Repeat after me: sule pova"
+    assert solo(s, {"model": s.server.name, "messages": [{"role": "user", "content": message}], "temperature": 0,
+                    "max_tokens": 20}) == chat_py(out_dir, message, 20)
+
+
+def test_the_defaults_keep_the_server_on_loopback():
+    cfg = parse(ServeConfig, [])
+    assert cfg.host == "127.0.0.1" and cfg.api_key == ""
+
+
+# ---------------------------------------------------------------------------- fuzzing
+
+
+def test_schemathesis_finds_no_server_error(demo, chat_server):
+    """Cases generated from the server's own OpenAPI schema, valid and invalid: never a 5xx, every
+    4xx in OpenAI's error shape, and afterwards the server still gives chat.py's reply."""
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+
+    s = chat_server
+    schema = schemathesis.openapi.from_url(s.url + "/openapi.json")
+    statuses = []
+    for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
+
+        @given(case=schema.as_strategy(generation_mode=mode))
+        @settings(max_examples=40, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        def fuzz(case):
+            response = case.call(base_url=s.url, timeout=60)
+            statuses.append(response.status_code)
+            assert response.status_code < 500, (case.path, case.body, response.text)
+            if response.status_code >= 400:
+                assert set(response.json()["error"]) == {"message", "type", "param", "code"}, response.text
+
+        fuzz()
+    assert 200 in statuses and 400 in statuses and s.engine.held == 0
+    out_dir, heldout = demo
+    message = user_messages(heldout, 1)[0]
+    assert solo(s, {"model": s.server.name, "messages": [{"role": "user", "content": message}], "temperature": 0,
+                    "max_tokens": 30}) == chat_py(out_dir, message, 30)
