@@ -229,7 +229,8 @@ class BatchCache:
 
 
 class _Step:
-    """Rows 0..n-1 of a BatchCache, each adding one token at its own position (length)."""
+    """Rows 0..n-1 of a BatchCache, each adding one token at its own position (length). GPT.forward
+    reads `length` for the positions and advances this copy of it; the Engine advances the cache's."""
 
     def __init__(self, cache, n, device):
         lengths = cache.lengths[:n]
@@ -370,7 +371,7 @@ class Engine:
         row = len(self.active)
         self.cache.put(row, kv)
         self.active.append(request)
-        self._take(request, self._sample(request, logits[:, -1]))
+        self._take(request, logits[:, -1])
 
     def _step(self):
         n = len(self.active)
@@ -380,14 +381,16 @@ class Engine:
         greedy = logits.argmax(dim=-1).tolist()  # every row's argmax in one read from the device
         for j, request in enumerate(self.active):
             self.cache.lengths[j] += 1
-            self._take(request, greedy[j] if request.temperature == 0 else self._sample(request, logits[j : j + 1]))
+            self._guard([request], self._take, request, logits[j : j + 1], greedy[j])  # a failure here is this row's
         self.steps += 1
 
-    def _sample(self, request, logits):
-        """The next token of request from its logits (1, V), with its own generator."""
-        return sample_next(logits, request.temperature, request.top_k, request.top_p, request.generator).item()
-
-    def _take(self, request, token):
+    def _take(self, request, logits, greedy=None):
+        """The next token of request from its logits (1, V) (greedy: their argmax, when known),
+        sampled with its own generator; the request ends at a stop id, a stop string, or max_tokens."""
+        if request.temperature == 0:
+            token = logits.argmax().item() if greedy is None else greedy
+        else:
+            token = sample_next(logits, request.temperature, request.top_k, request.top_p, request.generator).item()
         request.generated += 1
         if token in request.stop_ids:
             request.finished = "stop"

@@ -17,7 +17,6 @@ shapes; a field the model cannot honour gets a 400, and every error is OpenAI's 
 """
 
 import asyncio
-import contextlib
 import json
 import os
 import secrets
@@ -350,8 +349,9 @@ async def respond(http, server, body, ids, decode, stop_ids, stops, chat):
 
 
 async def events(request, reply, head, chat, n_prompt, with_usage):
-    """OpenAI's chunks: the role first (chat), a chunk per piece of text, one with finish_reason,
-    the usage if asked for, then [DONE]. A client that hangs up frees its row at once."""
+    """OpenAI's chunks: the role first (chat), a chunk per piece of text (pieces that queued up
+    while the client read go out together), one with finish_reason, the usage if asked for, then
+    [DONE]. A client that hangs up frees its row at once."""
     head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
     extra = {"usage": None} if with_usage else {}
 
@@ -368,8 +368,13 @@ async def events(request, reply, head, chat, n_prompt, with_usage):
             yield chunk(role=True)
         while True:
             item = await reply.queue.get()
-            if item[0] == "text":
-                yield chunk(item[1])
+            pieces = []
+            while item is not None and item[0] == "text":  # text that came while the last chunk went out goes as one
+                pieces.append(item[1])
+                item = None if reply.queue.empty() else reply.queue.get_nowait()
+            if pieces:
+                yield chunk("".join(pieces))
+            if item is None:
                 continue
             _, reason, n_completion, error = item
             if reason == "error":
@@ -477,12 +482,14 @@ def make_app(server):
 
 
 def listen(host, port):
-    """The server's socket, bound before the model loads, so a taken port fails at once, in one line."""
+    """The server's socket, listening before the model loads: a taken port fails at once, in one line,
+    and a client that connects early waits instead of being refused."""
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
+        sock.listen(2048)  # connections queue from now on, while the model loads
     except OSError as e:
         raise UserError(f"cannot listen on {host}:{port} ({e.strerror or e}): choose another --port or --host")
     return sock

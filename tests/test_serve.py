@@ -4,13 +4,18 @@ one that joins mid-generation; every entry of the error catalogue; a full server
 that hangs up; schemathesis from the server's own OpenAPI schema. And inference.Engine's batch
 against solo generation on the model, GPT-2 and Llama shaped.
 
-The chat model is the chat demo (data/chat/synthetic.py, a 512-token tokenizer, config/
-chat_demo_cpu.py) trained for 150 steps on 6,000 conversations instead of 1,200 on 60,000: enough
-to answer in the demo's format and end its replies with <|end|>, in a few seconds."""
+The chat model is the chat demo's path (data/chat/synthetic.py, a 512-token tokenizer trained
+on it, data/chat/prepare.py, config/chat_demo_cpu.py) trained for 100 steps on 4,000
+conversations instead of 1,200 on 60,000: enough to answer in the demo's format and end its
+replies with <|end|>, in about 20 s; test_chat.py checks what the longer runs answer."""
 
 import contextlib
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import types
@@ -26,7 +31,7 @@ import runtime
 import serve
 import tokenizer
 from configurator import ServeConfig, parse
-from conftest import load_script, run_script, train_tiny_run
+from conftest import REPO, load_script, run_script, train_tiny_run
 from model import GPT, GPTConfig
 
 KEY = "test-key-123"
@@ -63,6 +68,30 @@ def test_engine_rows_of_any_length_give_solo_greedy_tokens(shape):
     assert max(peak) == 3 and engine.held == 0
 
 
+def test_a_failing_request_ends_alone():
+    """A request whose token callback raises ends with finish_reason 'error' and the message; the
+    request decoded beside it in the same steps still gets its solo tokens."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50, n_layer=2, n_head=2, n_embd=32, block_size=64)).eval()
+    prompt = [3, 1, 4, 1, 5]
+    expected = inference.generate(model, torch.tensor([prompt]), 12, temperature=0)[0, len(prompt) :].tolist()
+    engine = inference.Engine(model, rows=2).start()
+    got, ends, done = [], {}, threading.Semaphore(0)
+
+    def broken(token):
+        if len(got) >= 3:
+            raise RuntimeError("the client's callback broke")
+
+    for name, on_token in (("broken", broken), ("fine", got.append)):
+        assert engine.submit(inference.Request(list(prompt), 12, on_token, lambda *end, name=name: (ends.__setitem__(name, end),
+                                                                                                    done.release()), temperature=0))
+    for _ in range(2):
+        assert done.acquire(timeout=60)
+    engine.close()
+    assert ends["broken"][0] == "error" and "the client's callback broke" in ends["broken"][2]
+    assert ends["fine"] == ("length", 12, None) and got == expected
+
+
 # ---------------------------------------------------------------------------- models and servers
 
 
@@ -71,11 +100,11 @@ def demo(tmp_path_factory):
     """(out_dir, held-out conversations) of a shortened chat demo run."""
     root = tmp_path_factory.mktemp("serve_demo")
     data = root / "data"
-    load_script("data/chat/synthetic.py").main([f"--out_dir={data}", "--n=6000", "--n_heldout=40", "--seed=0"])
+    load_script("data/chat/synthetic.py").main([f"--out_dir={data}", "--n=4000", "--n_heldout=40", "--seed=0"])
     load_script("data/train_tokenizer.py").main(["--input", str(data / "text.txt"), "--vocab_size=512", f"--out_dir={data}"])
     load_script("data/chat/prepare.py").main(["--input", str(data / "train.jsonl"), f"--tokenizer={data / 'tokenizer.json'}",
                                               f"--out_dir={data}", "--block_size=128"])
-    steps = 150
+    steps = 100
     result = run_script("train.py", "config/chat_demo_cpu.py", f"--dataset={data}", f"--out_dir={root / 'out'}",
                         f"--max_iters={steps}", f"--lr_decay_iters={steps}", f"--eval_interval={steps}", "--eval_iters=2")
     assert result.returncode == 0, result.stderr
@@ -452,9 +481,29 @@ def test_a_client_that_hangs_up_frees_its_row_at_once(demo, chat_server):
                     "max_tokens": 20}) == chat_py(out_dir, message, 20)
 
 
-def test_the_defaults_keep_the_server_on_loopback():
-    cfg = parse(ServeConfig, [])
-    assert cfg.host == "127.0.0.1" and cfg.api_key == ""
+def test_the_command_warns_when_it_listens_beyond_loopback_with_no_key(base):
+    """`python serve.py` in its own process: by default on 127.0.0.1; --host=0.0.0.0 without a key
+    says on stderr who can then use the model, serves, and ends on Ctrl-C without a traceback; a
+    taken port is one line."""
+    assert parse(ServeConfig, []).host == "127.0.0.1"
+    env = {k: v for k, v in os.environ.items() if k != "OPENAI_API_KEY"}
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, str(REPO / "serve.py"), f"--out_dir={base}", "--device=cpu", "--host=0.0.0.0",
+                             f"--port={port}"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = [proc.stderr.readline() for _ in range(2)]
+        assert lines[0].startswith("warning: listening on 0.0.0.0 with no API key: anyone who can reach this machine")
+        assert lines[1].startswith("serving out (completions only") and f":{port}/" in lines[1]
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "out", "prompt": "The", "max_tokens": 3}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        taken = run_script("serve.py", f"--out_dir={base}", f"--port={port}", "--host=0.0.0.0")
+        assert taken.returncode == 2 and taken.stderr.startswith(f"error: cannot listen on 0.0.0.0:{port}")
+        assert len(taken.stderr.splitlines()) == 1
+    finally:
+        proc.send_signal(signal.SIGINT)  # uvicorn shuts down, then Ctrl-C ends the command as any other here
+        assert proc.wait(30) == 130 and proc.stderr.read() == "interrupted\n"
 
 
 # ---------------------------------------------------------------------------- fuzzing
