@@ -168,14 +168,14 @@ def test_a_refused_request_shows_the_servers_error(browser, served):
 
 def test_the_api_key_field(browser, demo):  # noqa: F811 (the imported fixture)
     """Against a server started with --api_key, the page says a key is needed (the server's 401);
-    once the key is typed in, it gets the model's name and replies. Markup in a message or a
-    reply is shown as text, never made into elements."""
+    once the key is typed in, it gets the model's name and replies. Markup in messages and replies
+    is shown as text, never made into elements (an <img onerror> would raise an alert here)."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    message = "My name is <img src=x onerror=alert(1)>Zu<b>vaki</b>."
+    first, second = "My name is <b>Zuvaki</b>.", "<img src=x onerror=alert(1)>"
     with running(f"--out_dir={demo[0]}", f"--api_key={KEY}", "--batch_size=2") as keyed:
-        status, body = api(keyed, [{"role": "user", "content": message}])
+        status, body = api(keyed, [{"role": "user", "content": first}])
         assert status == 401
         open_page(browser, keyed)
         assert text(browser, "#error").startswith(f"Error 401: {body['error']['message']}")
@@ -183,7 +183,11 @@ def test_the_api_key_field(browser, demo):  # noqa: F811 (the imported fixture)
         page_tools.set_field(browser, "api-key", KEY + "\t")  # leaving the field (change) asks for the models again
         WebDriverWait(browser, 30).until(lambda d: text(d, "#model") == f"model: {keyed.server.name}")
         assert text(browser, "#error") == ""
-        expected, _ = api_reply(keyed, [{"role": "user", "content": message}], key=KEY)
-        assert page_tools.type_message(browser, message) == expected
-    assert log(browser) == [("user", message), ("assistant", expected)]
+        conversation = []
+        for message in (first, second):
+            conversation.append({"role": "user", "content": message})
+            expected, _ = api_reply(keyed, conversation, key=KEY)
+            assert page_tools.type_message(browser, message) == expected  # an empty reply stays on the page too
+            conversation.append({"role": "assistant", "content": expected})
+    assert log(browser) == [(m["role"], m["content"]) for m in conversation]
     assert browser.find_elements(By.CSS_SELECTOR, "#log img, #log b") == []
