@@ -77,7 +77,8 @@ async def stream_one(client, model, messages, max_tokens):
     first, pieces = None, []
     async with client.stream("POST", "/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}")
+            raise UserError(f"the server answered {response.status_code} under load: "
+                            f"{(await response.aread()).decode()[:300]} (429: raise serve.py's --max_waiting)")
         async for line in response.aiter_lines():  # to the body's end, so the connection is kept for the next request
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -87,7 +88,8 @@ async def stream_one(client, model, messages, max_tokens):
                 if first is None:
                     first = time.perf_counter() - start
                 pieces.append(delta["content"])
-    return "".join(pieces), len(pieces), first, time.perf_counter() - start
+    total = time.perf_counter() - start
+    return "".join(pieces), len(pieces), total if first is None else first, total  # an empty reply: its end is its first token
 
 
 async def solo(client, model, messages, max_tokens):
@@ -293,6 +295,8 @@ def served_runs(args, levels):
     process, url = (None, args.url.rstrip("/")) if args.url else start_server(args.out_dir, args.serve_args.split())
     try:
         return asyncio.run(measure(url, args.api_key, levels, args))
+    except httpx.TransportError as e:
+        raise UserError(f"cannot talk to {url}: {e}; start serve.py there, or leave --url out to start one")
     finally:
         if process is not None:
             process.terminate()
