@@ -33,15 +33,14 @@ def browser():
     try:
         import selenium  # noqa: F401
     except ImportError:
-        missing.append("the selenium package")
+        missing.append("selenium (pip install selenium)")
     if missing:
-        reason = f"no {' or '.join(missing)}: apt-get install chromium chromium-driver to run the chat page's browser test"
+        reason = f"missing {', '.join(missing)}: apt-get install chromium chromium-driver to run the chat page's browser test"
         if os.environ.get("GPT_TESTS_BROWSER") == "required":
             pytest.fail(reason)
         pytest.skip(reason)
     profile = tempfile.mkdtemp(prefix="chromium-profile-")
     driver = page_tools.open_browser(profile)
-    driver.set_script_timeout(30)
     yield driver
     driver.quit()
     shutil.rmtree(profile, ignore_errors=True)
