@@ -1,0 +1,337 @@
+"""Load on serve.py: aggregate generated tokens/s and time to first token with 1, 4, 16 and 64
+concurrent streaming clients, and a check that every reply under load is the one its prompt gets
+alone.
+
+    python scripts/serve_load.py --out_dir=out-chat-demo                    # starts serve.py on a free port
+    python scripts/serve_load.py --out_dir=out-gpt2-124m-random --random_gpt2=124m --max_tokens=32 --repeats=1
+    python scripts/serve_load.py --url=http://127.0.0.1:8000 --api_key=KEY  # a server already running
+    python scripts/serve_load.py --out_dir=out-chat-demo --engine_only      # no HTTP: inference.Engine alone
+    python scripts/serve_load.py --help
+
+Each client is an asyncio task that streams one request after another (POST /v1/chat/completions,
+stream=true, temperature 0) from a shared queue of fixed prompts of different lengths; a level of
+C clients sends max(C * --rounds, --min_requests) requests. Before the levels, every prompt is
+asked alone, one at a time: its solo reply and usage.completion_tokens. Under load a request's
+streamed text must equal its prompt's solo reply, and its tokens are counted as that reply's
+completion_tokens (a request whose text differs counts its streamed chunks, and is reported).
+
+    tokens/s         generated tokens of all requests / wall time from the first send to the last [DONE]
+    TTFT p50 / p99   time from a request's send to its first content chunk (nearest rank)
+
+--engine_only puts the same load on inference.Engine in this process (each client submits its
+next request when its last one ends; replies checked token for token against one-at-a-time runs):
+what batching alone gives, without HTTP, JSON and the client.
+
+--random_gpt2=124m writes a GPT-2-124M-shaped chat checkpoint with random weights (GPT-2's BPE
+and chat template) into --out_dir when it holds none: a speed measure only, its replies are noise,
+and the content check compares them with their solo replies all the same. --repeats runs the
+levels several times and prints each figure's median: on a shared machine single runs are noisy.
+The clients run on the same CPU as the server; they parse as little as they can, and the table
+gives the CPU they took (the client process's CPU time over the level's wall time).
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from configurator import UserError, run_main  # noqa: E402 (after the path line above)
+
+# The chat demo's four intents (data/chat/synthetic.py), with words of different lengths, so
+# prompts and replies differ in length; a two-turn one recalls a name.
+PROMPTS = [
+    [{"role": "user", "content": "My name is Dovaki."}],
+    [{"role": "user", "content": "Repeat after me: sule pova kire"}],
+    [{"role": "user", "content": "Reverse: mana tobe lusi rako"}],
+    [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Hi, I'm Zuvakine."}],
+    [{"role": "user", "content": "Repeat after me: kabu"}],
+    [{"role": "user", "content": "Reverse: dimo fesa"}],
+    [{"role": "user", "content": "Hello! My name is Romitu."}, {"role": "assistant", "content": "Nice to meet you, Romitu!"},
+     {"role": "user", "content": "What is my name?"}],
+    [{"role": "system", "content": "You are a friendly chat bot."},
+     {"role": "user", "content": "Repeat after me: pova sule kire mana tobe"}],
+]
+
+
+# ---------------------------------------------------------------------------- one request
+
+
+async def stream_one(client, model, messages, max_tokens):
+    """(text, chunks with content, seconds to the first content chunk, seconds in all) of one streamed
+    chat completion at temperature 0."""
+    body = {"model": model, "messages": messages, "stream": True, "temperature": 0}
+    if max_tokens:
+        body["max_tokens"] = max_tokens
+    start = time.perf_counter()
+    first, pieces = None, []
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            raise UserError(f"the server answered {response.status_code} under load: "
+                            f"{(await response.aread()).decode()[:300]} (429: raise serve.py's --max_waiting)")
+        async for line in response.aiter_lines():  # to the body's end, so the connection is kept for the next request
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = line[6:]
+            delta = json.loads(data)["choices"][0]["delta"] if '"content"' in data else {}
+            if delta.get("content"):
+                if first is None:
+                    first = time.perf_counter() - start
+                pieces.append(delta["content"])
+    total = time.perf_counter() - start
+    return "".join(pieces), len(pieces), total if first is None else first, total  # an empty reply: its end is its first token
+
+
+async def solo(client, model, messages, max_tokens):
+    """(reply, completion tokens) of one request alone, not streamed."""
+    body = {"model": model, "messages": messages, "temperature": 0, **({"max_tokens": max_tokens} if max_tokens else {})}
+    response = await client.post("/v1/chat/completions", json=body)
+    if response.status_code != 200:
+        raise UserError(f"the server answered {response.status_code} to a solo request: {response.text[:300]}")
+    reply = response.json()
+    return reply["choices"][0]["message"]["content"], reply["usage"]["completion_tokens"]
+
+
+# ---------------------------------------------------------------------------- one level
+
+
+async def level(client, model, clients, n_requests, references, max_tokens):
+    """C clients streaming n_requests requests from a shared queue: the level's figures."""
+    queue = asyncio.Queue()
+    for i in range(n_requests):
+        queue.put_nowait(i % len(PROMPTS))
+    results = []
+
+    async def worker():
+        while not queue.empty():
+            i = queue.get_nowait()
+            results.append((i, *await stream_one(client, model, PROMPTS[i], max_tokens)))
+
+    load_before = os.getloadavg()[0]
+    start, cpu = time.perf_counter(), time.process_time()
+    await asyncio.gather(*(worker() for _ in range(clients)))
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    wrong = [(i, text) for i, text, *_ in results if text != references[i][0]]
+    tokens = sum(references[i][1] if text == references[i][0] else chunks for i, text, chunks, *_ in results)
+    ttft = sorted(r[3] for r in results)
+    return {"clients": clients, "requests": len(results), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "ttft_p50_ms": 1000 * nearest_rank(ttft, 50), "ttft_p99_ms": 1000 * nearest_rank(ttft, 99),
+            "wrong": len(wrong), "first_wrong": wrong[:1], "load_1min": load_before, "client_cpu": cpu / wall}
+
+
+def nearest_rank(sorted_values, p):
+    return sorted_values[max(0, -(-len(sorted_values) * p // 100) - 1)]
+
+
+async def measure(url, api_key, levels, args):
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=max(levels) + 4, max_keepalive_connections=max(levels) + 4)
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600, limits=limits) as client:
+        models = await client.get("/v1/models")
+        if models.status_code != 200:
+            raise UserError(f"GET /v1/models answered {models.status_code}: {models.text[:300]}")
+        model = models.json()["data"][0]["id"]
+        references = [await solo(client, model, messages, args.max_tokens) for messages in PROMPTS]
+        for i, (reply, n) in enumerate(references):
+            print(f"solo {i}: {n} tokens: {reply!r}", file=sys.stderr)
+        await stream_one(client, model, PROMPTS[0], args.max_tokens)  # warm-up
+        runs = []
+        for repeat in range(args.repeats):
+            for clients in levels:
+                figures = await level(client, model, clients, max(clients * args.rounds, args.min_requests), references,
+                                      args.max_tokens)
+                print(json.dumps({"repeat": repeat, **figures}), file=sys.stderr, flush=True)
+                runs.append(figures)
+        return runs
+
+
+# ---------------------------------------------------------------------------- the engine alone
+
+
+def engine_runs(args, levels):
+    """The same prompts and levels through inference.Engine in this process, with no HTTP: what
+    batching alone gives. Each of C clients submits its next request when its last one ends."""
+    import threading
+
+    import inference
+
+    model, tok_spec = inference.load_model("resume", args.out_dir, report=lambda line: None)
+    template = inference.chat_template(model.eval(), tok_spec, "resume", args.out_dir)
+    prompts = [template.render(messages, add_generation_prompt=True)[0] for messages in PROMPTS]
+    room = model.config.block_size
+
+    def run(clients, n_requests, rows):
+        engine = inference.Engine(model, rows=rows, waiting=max(levels), room=room).start()
+        todo, results, lock, done = list(range(n_requests)), [], threading.Lock(), threading.Event()
+
+        def submit():
+            with lock:
+                if not todo:
+                    return
+                i = todo.pop() % len(prompts)
+            tokens, first, sent = [], [], time.perf_counter()
+
+            def on_token(t):
+                first or first.append(time.perf_counter() - sent)
+                tokens.append(t)
+                return False
+
+            def on_done(*_):
+                results.append((i, tokens, first[0] if first else 0.0))
+                if len(results) == n_requests:
+                    done.set()
+                submit()
+
+            budget = args.max_tokens or room - len(prompts[i])
+            engine.submit(inference.Request(prompts[i], budget, on_token, on_done, temperature=0, stop_ids=(template.end_id,)))
+
+        start = time.perf_counter()
+        for _ in range(clients):
+            submit()
+        done.wait()
+        wall = time.perf_counter() - start
+        engine.close()
+        return results, wall
+
+    references = {i: tokens for i, tokens, _ in run(1, len(prompts), 1)[0]}
+    runs = []
+    for repeat in range(args.repeats):
+        for clients in levels:
+            load_before = os.getloadavg()[0]
+            results, wall = run(clients, max(clients * args.rounds, args.min_requests), args.rows)
+            wrong = [(i, t) for i, t, _ in results if t != references[i]]
+            ttft = sorted(r[2] for r in results)
+            n = sum(len(t) + 1 for _, t, _ in results)  # the end token too, as usage counts it
+            figures = {"clients": clients, "requests": len(results), "tokens": n, "wall_s": wall, "tokens_per_s": n / wall,
+                       "ttft_p50_ms": 1000 * nearest_rank(ttft, 50), "ttft_p99_ms": 1000 * nearest_rank(ttft, 99),
+                       "wrong": len(wrong), "first_wrong": wrong[:1], "load_1min": load_before, "client_cpu": 0.0}
+            print(json.dumps({"repeat": repeat, **figures}), file=sys.stderr, flush=True)
+            runs.append(figures)
+    return runs
+
+
+# ---------------------------------------------------------------------------- the server
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(out_dir, extra):
+    """serve.py on a free loopback port, once /health answers: (process, url)."""
+    port = free_port()
+    cmd = [sys.executable, str(REPO / "serve.py"), f"--out_dir={out_dir}", f"--port={port}", *extra]
+    print("starting: " + " ".join(cmd), file=sys.stderr)
+    process = subprocess.Popen(cmd, cwd=REPO)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if process.poll() is not None:
+            raise UserError(f"serve.py exited with {process.returncode} before it answered /health")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return process, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    process.terminate()
+    raise UserError("serve.py did not answer /health within 300 s")
+
+
+def write_random_gpt2(out_dir):
+    """A GPT-2-124M-shaped chat checkpoint with random weights (speed only), as train.py writes one."""
+    import dataclasses
+    import math
+
+    import torch
+
+    import tokenizer
+    from data.chat.template import Template
+    from model import GPT, GPTConfig
+
+    spec = tokenizer.make_spec("gpt2")
+    template = Template(spec)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=template.vocab_size, dropout=0.0))
+    os.makedirs(out_dir, exist_ok=True)
+    torch.save({"model": model.state_dict(), "model_args": dataclasses.asdict(model.config), "config": {}, "iter_num": 0,
+                "best_val_loss": math.nan, "tokenizer": {**spec, "vocab_size": template.vocab_size, "chat": template.meta()}},
+               os.path.join(out_dir, "ckpt.pt"))
+    print(f"wrote {out_dir}/ckpt.pt: random weights, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters",
+          file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def report(runs, levels, client=True):
+    """The median of each figure over the repeats, one row per level."""
+    print("| clients | requests | tokens | tokens/s | x one client | TTFT p50 ms | TTFT p99 ms | wrong | client CPU | load (1 min) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    med = lambda c, key: statistics.median(r[key] for r in runs if r["clients"] == c)
+    base = med(levels[0], "tokens_per_s")
+    for c in levels:
+        wrong = sum(r["wrong"] for r in runs if r["clients"] == c)
+        cpu = f"{100 * med(c, 'client_cpu'):.0f}%" if client else "-"
+        print(f"| {c} | {med(c, 'requests'):.0f} | {med(c, 'tokens'):.0f} | {med(c, 'tokens_per_s'):.1f} | "
+              f"{med(c, 'tokens_per_s') / base:.2f} | {med(c, 'ttft_p50_ms'):.0f} | {med(c, 'ttft_p99_ms'):.0f} | "
+              f"{wrong} | {cpu} | {med(c, 'load_1min'):.2f} |")
+
+
+def served_runs(args, levels):
+    """The levels against --url, or against serve.py started here on --out_dir (and stopped after)."""
+    process, url = (None, args.url.rstrip("/")) if args.url else start_server(args.out_dir, args.serve_args.split())
+    try:
+        return asyncio.run(measure(url, args.api_key, levels, args))
+    except httpx.TransportError as e:
+        raise UserError(f"cannot talk to {url}: {e}; start serve.py there, or leave --url out to start one")
+    finally:
+        if process is not None:
+            process.terminate()
+            process.wait(timeout=30)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", help="a running server; without it serve.py is started on --out_dir")
+    p.add_argument("--out_dir", default="out-chat-demo", help="the checkpoint serve.py serves (default: %(default)s)")
+    p.add_argument("--serve_args", default="--device=cpu", help="more serve.py flags, space-separated (default: %(default)s)")
+    p.add_argument("--random_gpt2", choices=["124m"], help="first write a random GPT-2-124M-shaped checkpoint into --out_dir")
+    p.add_argument("--api_key", default=os.environ.get("OPENAI_API_KEY"), help="Bearer key (default: $OPENAI_API_KEY)")
+    p.add_argument("--clients", default="1,4,16,64", help="concurrency levels (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=4, help="requests per client at each level (default: %(default)s)")
+    p.add_argument("--min_requests", type=int, default=64, help="requests per level at least (default: %(default)s)")
+    p.add_argument("--max_tokens", type=int, default=0, help="max_tokens per request; 0: the server's default")
+    p.add_argument("--repeats", type=int, default=3, help="run the levels this many times, report medians")
+    p.add_argument("--engine_only", action="store_true", help="no server: the same load on inference.Engine in this process")
+    p.add_argument("--rows", type=int, default=16, help="--engine_only: the engine's rows (serve.py's --batch_size)")
+    args = p.parse_args(argv)
+    levels = [int(c) for c in args.clients.split(",")]
+    if min(levels) < 1 or args.repeats < 1 or args.rounds < 1:
+        raise UserError("--clients, --repeats and --rounds must be positive")
+    if args.random_gpt2 and not os.path.exists(os.path.join(args.out_dir, "ckpt.pt")):
+        write_random_gpt2(args.out_dir)
+    runs = engine_runs(args, levels) if args.engine_only else served_runs(args, levels)
+    report(runs, levels, client=not args.engine_only)
+    wrong = sum(r["wrong"] for r in runs)
+    if wrong:
+        print(f"{wrong} request(s) under load differ from their solo reply; the first: "
+              f"{next(r['first_wrong'] for r in runs if r['wrong'])}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)
