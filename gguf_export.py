@@ -30,7 +30,7 @@ import torch
 
 import tokenizer
 from configurator import UserError
-from data.chat.template import Template
+from data.chat.template import Template, json_tokenizer
 
 DTYPES = ("f32", "f16", "q8_0")
 # GPT-4's split pattern (data/train_tokenizer.py's, Llama 3's): the regex of llama.cpp's LLAMA3
@@ -115,12 +115,9 @@ def _tokenizer_json(path):
     if unsupported:
         raise UserError(f"{path} has {', '.join(unsupported)}: llama.cpp would split text differently, so it cannot "
                         f"go into GGUF; use GPT-2 BPE or a tokenizer from data/train_tokenizer.py")
-    ids = dict(model["vocab"])
-    special = set()
-    for t in j.get("added_tokens", []):
-        ids[t["content"]] = t["id"]
-        if t.get("special"):
-            special.add(t["id"])
+    tok = json_tokenizer(path)  # the ids the tokenizers library gives (it may renumber added tokens)
+    ids = tok.get_vocab(with_added_tokens=True)
+    special = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
     # tokenizers writes merges as "a b" (before 0.20) or as ["a", "b"]
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     return ids, merges, special, pre

@@ -19,7 +19,7 @@ from data import corpus
 from model import GPT, GPTConfig
 from data.chat.template import Template
 from test_chat import save_chat_checkpoint
-from test_chat_template import make_llama3_tokenizer, make_trained_tokenizer
+from test_chat_template import LLAMA3_SPECIALS, make_trained_tokenizer
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make test builds it into .venv)")
 
@@ -37,13 +37,26 @@ def export(out_dir, *args):
     return result
 
 
+UNMERGED = " 東京都"  # one piece of GPT-4's pattern, which llama3_like makes a token that no merge reaches
+
+
 def llama3_like(path):
-    """A Llama-3-like tokenizer.json (test_chat_template's) with ignore_merges on, as Llama 3's
-    own tokenizer.json has it: a piece that is a whole token is that token, whatever the merges."""
-    make_llama3_tokenizer(path)
-    j = json.loads(path.read_text())
+    """A small Llama-3-like tokenizer.json: byte-level BPE with GPT-4's split pattern trained here
+    (data/train_tokenizer.py's), Llama 3's special tokens after the merges, and ignore_merges on,
+    as in Llama 3's own file: a piece that is a whole token is that token, whatever the merges.
+    Like Llama 3's, it holds a token its merges never make (UNMERGED), where that shows."""
+    from tokenizers import AddedToken, Tokenizer, pre_tokenizers, trainers
+
+    tok = load_script("data/train_tokenizer.py").new_tokenizer()
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([make_text(20000, seed=3)], trainer)
+    j = json.loads(tok.to_str())
     j["model"]["ignore_merges"] = True
-    path.write_text(json.dumps(j))
+    (spelled, _), = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False).pre_tokenize_str(UNMERGED)
+    j["model"]["vocab"][spelled] = len(j["model"]["vocab"])
+    tok = Tokenizer.from_str(json.dumps(j))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in LLAMA3_SPECIALS])
+    tok.save(str(path))
     return path
 
 
@@ -104,6 +117,9 @@ def test_llama_cpp_tokenizes_random_text_to_our_ids(tokenizers, tmp_path, kind, 
     wrong = [w for w in wrong if w[1] != w[2]]
     assert not wrong, f"{len(wrong)} of 300 differ, e.g. {wrong[:3]}"
     assert sum(len(encode(t)) for t in texts) > 3000  # the strings are not trivially short
+    if kind == "llama3":  # ignore_merges: the piece that is a token is read whole on both sides
+        assert llm.tokenize(UNMERGED.encode("utf-8"), add_bos=False, special=False) == encode(UNMERGED)
+        assert len(encode(UNMERGED)) == 1
 
 
 # ---------------------------------------------------------------------------- logits and greedy tokens
@@ -160,10 +176,12 @@ def ours(out_dir):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_llama_cpp_logits_and_greedy_tokens_are_ours(trained, shape, monkeypatch):
     """At f32 llama.cpp's logits over the whole vocabulary at all 96 positions are our forward
-    pass's, and its 64 greedy tokens ours. The tolerance: llama.cpp sums in another order, in
-    float32 (1e-4 of the logits' range covers it); GPT-2's GELU is llama.cpp's own (tanh through
-    a float16 table), so the gpt2 logits are compared to our model with that GELU to 1e-4, and
-    to our exact-GELU model within 4 times that GELU's own effect. f16 and q8_0 are printed."""
+    pass's, and its 64 greedy tokens ours. The tolerance, 1e-5 of the logits' largest magnitude:
+    both sides compute in float32 and differ in the order of their sums (about 1e-6 measured:
+    BENCHMARKS.md), and llama.cpp's GELU is its own: the tanh approximation read from a table
+    indexed by float16. So the gpt2 logits are held to that tolerance against our model with
+    that GELU, and against our model as trained (exact GELU) to 4 times the GELU's own effect.
+    f16 and q8_0 are printed, not asserted."""
     model, spec = ours(trained[shape])
     encode, _ = tokenizer.load(spec)
     ids = encode(make_text(2000, seed=11))[:BLOCK]
@@ -174,7 +192,7 @@ def test_llama_cpp_logits_and_greedy_tokens_are_ours(trained, shape, monkeypatch
     with torch.no_grad():
         logits = model(torch.tensor([ids]), all_logits=True)[0][0, :, :n_vocab]
         scale = logits.abs().max().item()
-        tol = 1e-4 * scale
+        tol = 1e-5 * scale
         diff = (theirs - logits).abs().max().item()
         if shape == "gpt2":
             monkeypatch.setattr(torch.nn.functional, "gelu", ggml_gelu)
