@@ -143,10 +143,14 @@ def pre_tokenizer(pre, ignore_merges):
 
 
 def _describe(pre):
+    """A pre-tokenizer in a few words: 'ByteLevel(add_prefix_space=True)', 'Split+ByteLevel'."""
     if not pre:
         return "none"
-    parts = pre.get("pretokenizers")
-    return "+".join(p.get("type", "?") for p in parts) if parts else pre.get("type", "?")
+    if pre.get("pretokenizers"):
+        return "+".join(_describe(p) for p in pre["pretokenizers"])
+    if pre.get("type") == "ByteLevel" and pre.get("add_prefix_space"):
+        return "ByteLevel(add_prefix_space=True)"
+    return pre.get("type", "?")
 
 
 # ---------------------------------------------------------------------------- the weights

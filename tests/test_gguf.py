@@ -342,7 +342,7 @@ def tokenizer_json(path, **changes):
     return tokenizer.make_spec(str(path))
 
 
-@pytest.mark.parametrize("change,named", [("prefix_space", "pre-tokenizer ByteLevel"), ("whitespace", "pre-tokenizer Whitespace"),
+@pytest.mark.parametrize("change,named", [("prefix_space", "pre-tokenizer ByteLevel(add_prefix_space=True)"), ("whitespace", "pre-tokenizer Whitespace"),
                                           ("normalizer", "normalizer NFKC")])
 def test_tokenizers_llama_cpp_splits_otherwise_are_refused(tmp_path, change, named):
     from tokenizers import pre_tokenizers
