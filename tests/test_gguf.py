@@ -38,6 +38,7 @@ def export(out_dir, *args):
 
 
 UNMERGED = " 東京都"  # one piece of GPT-4's pattern, which llama3_like makes a token that no merge reaches
+USER_DEFINED = "[[note]]"  # an added token that is not special (llama.cpp: user-defined)
 
 
 def llama3_like(path):
@@ -56,6 +57,7 @@ def llama3_like(path):
     j["model"]["vocab"][spelled] = len(j["model"]["vocab"])
     tok = Tokenizer.from_str(json.dumps(j))
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in LLAMA3_SPECIALS])
+    tok.add_tokens([AddedToken(USER_DEFINED, special=False, normalized=False)])  # matched whole, not special
     tok.save(str(path))
     return path
 
@@ -110,7 +112,7 @@ def test_llama_cpp_tokenizes_random_text_to_our_ids(tokenizers, tmp_path, kind, 
     assert llm.metadata["tokenizer.ggml.pre"] == pre
     encode, _ = tokenizer.load(spec)
     specials = {"gpt2": ["<|endoftext|>"], "trained": ["<|endoftext|>", "<|user|>", "<|end|>", "<|assistant|>"],
-                "llama3": ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]}[kind]
+                "llama3": ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>", USER_DEFINED]}[kind]
     rng = random.Random(kind)
     texts = [random_text(rng, specials) for _ in range(300)]
     wrong = [(t, encode(t), llm.tokenize(t.encode("utf-8"), add_bos=False, special=True)) for t in texts]
