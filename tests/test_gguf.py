@@ -19,7 +19,7 @@ from data import corpus
 from model import GPT, GPTConfig
 from data.chat.template import Template
 from test_chat import save_chat_checkpoint
-from test_chat_template import LLAMA3_SPECIALS, make_trained_tokenizer
+from test_chat_template import CONVERSATIONS, LLAMA3_SPECIALS, make_trained_tokenizer
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make test builds it into .venv)")
 
@@ -260,6 +260,30 @@ def chat_demo(tmp_path_factory):
     heldout = [json.loads(line) for line in (data / "heldout.jsonl").read_text().splitlines()]
     single_turn = [c for c in heldout if c["intent"] != "recall"][:20]  # chat.py --prompt asks one message
     return root / "out", single_turn
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "trained", "llama3"])
+def test_llama_cpp_renders_the_chat_template_to_our_ids(tokenizers, tmp_path, kind):
+    """For a chat model of each tokenizer (GPT-2's BPE with its four new turn tokens, a trained
+    one, Llama 3's format), llama.cpp's rendering of the GGUF's chat template, tokenized, is the
+    ids chat.py feeds the model; BOS, EOS and EOT are the template's."""
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    template = Template(tokenizers[kind])
+    spec = {**tokenizers[kind], "vocab_size": template.vocab_size, "chat": template.meta()}
+    model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=32, block_size=32, vocab_size=template.vocab_size))
+    gguf_export.write(model, spec, str(tmp_path / "model.gguf"), "gpt2")
+    llm = llama_cpp.Llama(model_path=str(tmp_path / "model.gguf"), vocab_only=True, verbose=False)
+    assert (llm.token_bos(), llm.token_eos()) == (template.id["bos"], template.end_id)
+    assert llm.metadata["tokenizer.ggml.eot_token_id"] == str(template.end_id)
+    render = Jinja2ChatFormatter(template=llm.metadata["tokenizer.chat_template"], eos_token="", bos_token="")
+    for messages in CONVERSATIONS:
+        for n in range(1, len(messages) + 1):
+            prompt = messages[:n] if messages[n - 1]["role"] != "assistant" else None
+            if prompt:
+                text = render(messages=prompt).prompt
+                ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+                assert ids == template.render(prompt, add_generation_prompt=True)[0], (kind, prompt)
 
 
 def test_create_chat_completion_answers_what_chat_py_answers(chat_demo):
