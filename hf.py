@@ -599,8 +599,10 @@ def export_gguf(cfg):
     export_dir = cfg.export_dir or cfg.out_dir
     model, tok_spec = checkpoint.load_model(cfg.out_dir, cfg.checkpoint)
     arch = export_architecture(model.config, ("GGUF's gpt2", "its llama"))
-    if not os.path.isdir(export_dir):
-        raise UserError(f"export_dir={export_dir} is not a directory; create it or choose another --export_dir")
+    try:
+        os.makedirs(export_dir, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create export_dir={export_dir} ({e.strerror or e}); choose another --export_dir")
     path = os.path.join(export_dir, "model.gguf")
     gguf_export.write(model, tok_spec, path, arch, cfg.gguf_dtype, name=os.path.basename(os.path.abspath(cfg.out_dir)))
     if arch == "gpt2" and model.config.mlp == "gelu":

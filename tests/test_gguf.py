@@ -384,7 +384,7 @@ def test_bad_options_are_one_line(tmp_path):
     out_dir = train_tiny_run(tmp_path, max_iters=2)
     assert_refused(out_dir, "gguf_dtype='q4_0' is not one of", "--gguf_dtype=q4_0")
     assert_refused(out_dir, "format='onnx' is not one of", "--format=onnx")
-    assert_refused(out_dir, "is not a directory", f"--export_dir={tmp_path / 'missing'}")
+    assert_refused(out_dir, "cannot create export_dir", f"--export_dir={out_dir / 'ckpt.pt' / 'gguf'}")
 
 
 @pytest.mark.parametrize("failure", [OSError(28, "No space left on device"), KeyboardInterrupt()], ids=["disk-full", "ctrl-c"])
