@@ -31,6 +31,7 @@ import torch
 import tokenizer
 from configurator import UserError
 from data.chat.template import Template, json_tokenizer
+from model import rope_tables
 
 DTYPES = ("f32", "f16", "q8_0")
 # GPT-4's split pattern (data/train_tokenizer.py's, Llama 3's): the regex of llama.cpp's LLAMA3
@@ -167,12 +168,12 @@ def rope_permute(w, n_head):
 
 def rope_freqs(c):
     """(hs/2,) llama.cpp's rope_freqs for Llama 3's scaling: the factor each pair's frequency is
-    divided by, the inverse of model.rope_tables' scaling of inv_freq."""
-    hs, s = c.n_embd // c.n_head, c.rope_scaling
-    inv_freq = c.rope_theta ** -(torch.arange(0, hs, 2, dtype=torch.float64) / hs)
-    turns = s["original_max_position_embeddings"] * inv_freq / (2 * torch.pi)
-    keep = ((turns - s["low_freq_factor"]) / (s["high_freq_factor"] - s["low_freq_factor"])).clamp(0, 1)
-    return (1 / (keep + (1 - keep) / s["factor"])).float()
+    divided by. Read off model.rope_tables: the angle each pair turns by from position 0 to 1,
+    without the scaling over with it."""
+    hs = c.n_embd // c.n_head
+    plain, scaled = (torch.atan2(sin[1], cos[1]) for cos, sin in (rope_tables(hs, 2, c.rope_theta, scaling)
+                                                                  for scaling in (None, c.rope_scaling)))
+    return plain / scaled
 
 
 def tensors(model, arch, n_vocab):
