@@ -16,12 +16,15 @@ import gguf_export
 import tokenizer
 from conftest import load_script, make_text, run_script, tiny_args, train_tiny_run
 from data import corpus
-from model import GPT, GPTConfig
 from data.chat.template import Template
-from test_chat import save_chat_checkpoint
+from model import GPT, GPTConfig
 from test_chat_template import CONVERSATIONS, LLAMA3_SPECIALS, make_trained_tokenizer
 
-llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make test builds it into .venv)")
+try:
+    import llama_cpp
+except ImportError:  # the refusals below need no llama.cpp
+    llama_cpp = None
+needs_llama_cpp = pytest.mark.skipif(llama_cpp is None, reason="llama-cpp-python is not installed (make test builds it into .venv)")
 
 F32 = 0  # GGML_TYPE_F32: llama.cpp's key/value cache in float32 (its default is f16)
 
@@ -102,6 +105,7 @@ def tokenizers(tmp_path_factory):
             "llama3": tokenizer.make_spec(str(llama3_like(root / "llama3.json")))}
 
 
+@needs_llama_cpp
 @pytest.mark.parametrize("kind,pre", [("gpt2", "gpt-2"), ("trained", "dbrx"), ("llama3", "llama-bpe")])
 def test_llama_cpp_tokenizes_random_text_to_our_ids(tokenizers, tmp_path, kind, pre):
     """300 random strings: llama.cpp's ids (special tokens parsed, no BOS) are tokenizer.py's."""
@@ -175,6 +179,7 @@ def ours(out_dir):
     return model.eval(), spec
 
 
+@needs_llama_cpp
 @pytest.mark.parametrize("shape", SHAPES)
 def test_llama_cpp_logits_and_greedy_tokens_are_ours(trained, shape, monkeypatch):
     """At f32 llama.cpp's logits over the whole vocabulary at all 96 positions are our forward
@@ -262,6 +267,7 @@ def chat_demo(tmp_path_factory):
     return root / "out", single_turn
 
 
+@needs_llama_cpp
 @pytest.mark.parametrize("kind", ["gpt2", "trained", "llama3"])
 def test_llama_cpp_renders_the_chat_template_to_our_ids(tokenizers, tmp_path, kind):
     """For a chat model of each tokenizer (GPT-2's BPE with its four new turn tokens, a trained
@@ -286,6 +292,7 @@ def test_llama_cpp_renders_the_chat_template_to_our_ids(tokenizers, tmp_path, ki
                 assert ids == template.render(prompt, add_generation_prompt=True)[0], (kind, prompt)
 
 
+@needs_llama_cpp
 def test_create_chat_completion_answers_what_chat_py_answers(chat_demo):
     """20 held-out prompts: llama.cpp renders the GGUF's chat template to the ids chat.py feeds
     the model, and create_chat_completion at temperature 0 replies what chat.py --prompt
