@@ -608,7 +608,8 @@ def export_gguf(cfg):
     if arch == "gpt2" and model.config.mlp == "gelu":
         print("note: llama.cpp's gpt2 computes GELU by its tanh approximation (through a float16 table), this model "
               "by the exact GELU (mlp='gelu'): the logits differ slightly (about 1e-5 of their range in tests/test_gguf.py)")
-    print(f"wrote {path} ({arch}, {cfg.gguf_dtype}, {os.path.getsize(path) / 1e6:.1f} MB): llama-cli -m {path} --jinja")
+    run = f"llama-cli -m {path} --jinja" if "chat" in tok_spec else f"llama-completion -m {path} -no-cnv -p TEXT"
+    print(f"wrote {path} ({arch}, {cfg.gguf_dtype}, {os.path.getsize(path) / 1e6:.1f} MB): {run}")
 
 
 def main(argv=None):
