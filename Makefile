@@ -47,8 +47,18 @@ quickstart: venv
 # one test process per core (pytest-xdist), one thread each: the tests' models are tiny, and idle
 # OpenMP threads spinning beside another worker's cost more than they give. A file's tests stay on
 # one worker, so a module's shared fixture (a trained run, an FSDP launch) is built once.
-test: venv
+test: venv $(VENV)/.llama
 	SHAKESPEARE_TXT=$(abspath $(SHAKESPEARE_TXT)) OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto --dist loadfile tests
+
+# llama-cpp-python, built from source once (tests/test_gguf.py runs llama.cpp on hf.py's GGUF files):
+# the library only, without llama.cpp's multimodal library (LLAVA_BUILD=OFF), tests, examples, tools,
+# server and app (already off when llama.cpp is built inside llama-cpp-python, said here to stay so),
+# for this machine's CPU (GGML_NATIVE)
+LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF \
+	-DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON
+$(VENV)/.llama: requirements-llama.txt $(VENV)/.installed
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install --quiet -r requirements-llama.txt
+	touch $@
 
 clean:
 	rm -rf $(VENV) out-shakespeare-char out-shakespeare-char-cpu

@@ -299,10 +299,14 @@ class ServeConfig:
 class ExportConfig:
     out_dir: str = "out"  # the training run whose checkpoint is exported
     checkpoint: str = "best"  # 'best' (ckpt_best.pt or ckpt_best/ when present) or 'latest' (ckpt.pt or the newest ckpt_<iter>/)
-    export_dir: str = ""  # where the Hugging Face GPT-2 directory is written; '': out_dir/hf
+    export_dir: str = ""  # where the Hugging Face directory is written ('': out_dir/hf), or model.gguf ('': out_dir)
+    format: str = "hf"  # 'hf' (a Hugging Face directory) or 'gguf' (one model.gguf for llama.cpp and ollama)
+    gguf_dtype: str = "f32"  # format=gguf: the weights' type, 'f32', 'f16' or 'q8_0'
 
     def __post_init__(self):
         _require_choice("checkpoint", self.checkpoint, ("best", "latest"))
+        _require_choice("format", self.format, ("hf", "gguf"))
+        _require_choice("gguf_dtype", self.gguf_dtype, ("f32", "f16", "q8_0"))
 
 
 EVAL_TASKS = ("hellaswag", "mc", "val", "test", "core")

@@ -6,6 +6,7 @@
     python train.py config/finetune_shakespeare.py      # finetune released weights (init_from in the config)
     python hf.py --out_dir=out-shakespeare              # export its best checkpoint to out-shakespeare/hf
     python hf.py --out_dir=out-shakespeare --checkpoint=latest --export_dir=/tmp/my-gpt2
+    python hf.py --out_dir=out-shakespeare --format=gguf --gguf_dtype=q8_0   # out-shakespeare/model.gguf (gguf_export.py)
     python hf.py --help
 
 An exported directory is an ordinary GPT2LMHeadModel (a GPT-2-style model: learned positions,
@@ -38,6 +39,7 @@ import shutil
 import torch
 
 import checkpoint
+import gguf_export
 import tokenizer
 from configurator import GPT2_MODELS, ROPE_SCALING_KEYS, ExportConfig, UserError, parse, run_main
 from data.chat.template import Template, write_hf_tokenizer
@@ -434,14 +436,15 @@ def llama_lacks(c):
     return [option for option, lacking in checks.items() if lacking]
 
 
-def export_architecture(c):
-    """'gpt2' or 'llama': the Hugging Face architecture that holds a model of GPTConfig c, or
-    a one-line error naming what neither can hold."""
+def export_architecture(c, targets=("a Hugging Face GPT-2", "a Llama")):
+    """'gpt2' or 'llama': the architecture that holds a model of GPTConfig c, or a one-line error
+    naming what neither of `targets` can hold. GGUF's gpt2 and llama (llama.cpp's) hold what
+    Hugging Face's do."""
     gpt2, llama = gpt2_lacks(c), llama_lacks(c)
     if not gpt2 or not llama:
         return "gpt2" if not gpt2 else "llama"
-    raise UserError(f"this model cannot be exported: a Hugging Face GPT-2 cannot hold its {', '.join(gpt2)}, "
-                    f"nor a Llama its {', '.join(llama)}")
+    raise UserError(f"this model cannot be exported: {targets[0]} cannot hold its {', '.join(gpt2)}, "
+                    f"nor {targets[1]} its {', '.join(llama)}")
 
 
 def hf_config(config, vocab_size, special=None):
@@ -591,8 +594,29 @@ def write_tokenizer(tok_spec, export_dir):
     _write_json(config, {"tokenizer_class": "GPT2Tokenizer"})
 
 
+def export_gguf(cfg):
+    """--format=gguf: model.gguf in export_dir (default out_dir), by gguf_export."""
+    export_dir = cfg.export_dir or cfg.out_dir
+    model, tok_spec = checkpoint.load_model(cfg.out_dir, cfg.checkpoint)
+    arch = export_architecture(model.config, ("GGUF's gpt2", "its llama"))
+    try:
+        os.makedirs(export_dir, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create export_dir={export_dir} ({e.strerror or e}); choose another --export_dir")
+    path = os.path.join(export_dir, "model.gguf")
+    gguf_export.write(model, tok_spec, path, arch, cfg.gguf_dtype, name=os.path.basename(os.path.abspath(cfg.out_dir)))
+    if arch == "gpt2" and model.config.mlp == "gelu":
+        print("note: llama.cpp's gpt2 computes GELU by its tanh approximation (through a float16 table), this model "
+              "by the exact GELU (mlp='gelu'): the logits differ slightly (about 1e-5 of their range in tests/test_gguf.py)")
+    run = f"llama-cli -m {path} --jinja" if "chat" in tok_spec else f"llama-completion -m {path} -no-cnv -p TEXT"
+    print(f"wrote {path} ({arch}, {cfg.gguf_dtype}, {os.path.getsize(path) / 1e6:.1f} MB): {run}")
+
+
 def main(argv=None):
     cfg = parse(ExportConfig, argv)
+    if cfg.format == "gguf":
+        export_gguf(cfg)
+        return
     export_dir = cfg.export_dir or os.path.join(cfg.out_dir, "hf")
     model, tok_spec = checkpoint.load_model(cfg.out_dir, cfg.checkpoint)
     arch = export(model, tok_spec, export_dir)

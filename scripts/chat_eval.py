@@ -2,13 +2,17 @@
 
     python scripts/chat_eval.py --out_dir=out-chat-demo --heldout=data/chat_demo/heldout.jsonl
     python scripts/chat_eval.py --out_dir=out-chat-demo --heldout=data/chat_demo/heldout.jsonl --limit=100 --jobs=1
+    python scripts/chat_eval.py --out_dir=out-chat-demo --heldout=data/chat_demo/heldout.jsonl --gguf=out-chat-demo/model.gguf
 
 Each line of --heldout is a conversation ({"messages": [...], "intent": ...}, as data/chat/synthetic.py
 writes them). Its user turns are asked and its assistant turns expected, word for word, at
 --temperature=0: a conversation with one user turn through `chat.py --prompt=...`, a longer one
 through chat.py's REPL with the turns on stdin (one line each, so replies must be one line). A
 system message goes in as --system. One chat.py process per conversation, --jobs at a time.
-Prints the accuracy by intent and overall, the first few misses, and the wall time.
+Prints the accuracy by intent and overall, the first few misses, and the wall time. --gguf asks
+the same conversations of llama.cpp too (llama-cpp-python, the file `hf.py --format=gguf` wrote:
+its chat template, create_chat_completion at temperature 0), and counts the conversations where
+its replies are chat.py's.
 """
 
 import argparse
@@ -77,6 +81,27 @@ def subprocess_ask(chat_flags):
     return ask
 
 
+def llama_cpp_outputs(conversations, gguf_path):
+    """llama.cpp's replies to each conversation, in chat.py's output format (one line per reply):
+    each user turn after the replies llama.cpp gave before."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        raise UserError("--gguf runs llama.cpp through llama-cpp-python: pip install llama-cpp-python")
+    llm = Llama(model_path=gguf_path, n_ctx=0, n_threads=1, verbose=False)  # n_ctx=0: the model's context
+    outputs = []
+    for conv in conversations:
+        system, users, _ = turns(conv)
+        messages, replies = [{"role": "system", "content": system}] if system else [], []
+        for user in users:
+            messages.append({"role": "user", "content": user})
+            reply = llm.create_chat_completion(messages, temperature=0.0, repeat_penalty=1.0)["choices"][0]["message"]["content"]
+            messages.append({"role": "assistant", "content": reply})
+            replies.append(reply)
+        outputs.append("".join(r + "\n" for r in replies))
+    return outputs
+
+
 def report(right, asked, misses, seconds, show=5):
     n, ok = sum(asked.values()), sum(right.values())
     by_intent = ", ".join(f"{k} {right[k]}/{asked[k]}" for k in sorted(asked))
@@ -92,6 +117,7 @@ def main(argv=None):
     p.add_argument("--limit", type=int, default=0, help="ask only the first N (default: all)")
     p.add_argument("--jobs", type=int, default=2, help="chat.py processes at a time (default: %(default)s)")
     p.add_argument("--device", default="cpu", help="chat.py's --device (default: %(default)s)")
+    p.add_argument("--gguf", help="also ask llama.cpp, with this model.gguf (python hf.py --format=gguf)")
     args = p.parse_args(argv)
     try:
         with open(args.heldout, encoding="utf-8") as f:
@@ -103,6 +129,13 @@ def main(argv=None):
     start = time.perf_counter()
     outputs = ask_all(conversations, ask, args.jobs)
     report(*score(conversations, outputs), time.perf_counter() - start)
+    if args.gguf:
+        start = time.perf_counter()
+        theirs = llama_cpp_outputs(conversations, args.gguf)
+        print("llama.cpp ", end="")
+        report(*score(conversations, theirs), time.perf_counter() - start)
+        same = sum(a == b for a, b in zip(outputs, theirs))
+        print(f"llama.cpp's replies are chat.py's in {same}/{len(conversations)} conversations")
     return 0
 
 

@@ -1,0 +1,421 @@
+"""hf.py --format=gguf against llama.cpp itself (llama-cpp-python, built from source by make test):
+llama.cpp tokenizes random text to our ids for GPT-2's BPE, a data/train_tokenizer.py tokenizer
+and a Llama-3-like tokenizer.json; a GPT-2-shaped and a Llama-shaped model trained here give our
+logits at every position and our 64 greedy tokens at f32 (f16 and q8_0 agreement printed); the
+chat demo's GGUF renders chat.py's ids and answers chat.py's replies through
+create_chat_completion; and the refusals are one line that leave no file behind."""
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import gguf_export
+import tokenizer
+from conftest import load_script, make_text, run_script, tiny_args, train_tiny_run
+from data import corpus
+from data.chat.template import Template
+from model import GPT, GPTConfig
+from test_chat_template import CONVERSATIONS, LLAMA3_SPECIALS, make_trained_tokenizer
+
+try:
+    import llama_cpp
+except ImportError:  # the refusals below need no llama.cpp
+    llama_cpp = None
+needs_llama_cpp = pytest.mark.skipif(llama_cpp is None, reason="llama-cpp-python is not installed (make test builds it into .venv)")
+
+F32 = 0  # GGML_TYPE_F32: llama.cpp's key/value cache in float32 (its default is f16)
+
+
+def load_gguf(path, n_ctx=128, **kwargs):
+    return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=1, n_threads_batch=1, verbose=False,
+                           type_k=F32, type_v=F32, **kwargs)
+
+
+def export(out_dir, *args):
+    result = run_script("hf.py", f"--out_dir={out_dir}", "--format=gguf", *args)
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+UNMERGED = " 東京都"  # one piece of GPT-4's pattern, which llama3_like makes a token that no merge reaches
+USER_DEFINED = "[[note]]"  # an added token that is not special (llama.cpp: user-defined)
+
+
+def llama3_like(path):
+    """A small Llama-3-like tokenizer.json: byte-level BPE with GPT-4's split pattern trained here
+    (data/train_tokenizer.py's), Llama 3's special tokens after the merges, and ignore_merges on,
+    as in Llama 3's own file: a piece that is a whole token is that token, whatever the merges.
+    Like Llama 3's, it holds a token its merges never make (UNMERGED), where that shows."""
+    from tokenizers import AddedToken, Tokenizer, pre_tokenizers, trainers
+
+    tok = load_script("data/train_tokenizer.py").new_tokenizer()
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([make_text(20000, seed=3)], trainer)
+    j = json.loads(tok.to_str())
+    j["model"]["ignore_merges"] = True
+    (spelled, _), = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False).pre_tokenize_str(UNMERGED)
+    j["model"]["vocab"][spelled] = len(j["model"]["vocab"])
+    tok = Tokenizer.from_str(json.dumps(j))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in LLAMA3_SPECIALS])
+    tok.add_tokens([AddedToken(USER_DEFINED, special=False, normalized=False)])  # matched whole, not special
+    tok.save(str(path))
+    return path
+
+
+# ---------------------------------------------------------------------------- tokenization
+
+SCRIPTS = ["hello", "Zürich", "naïve", "Москва", "Ελλάδα", "東京都", "日本語の文", "서울", "العربية", "עברית",
+           "हिन्दी", "ภาษาไทย", "e\u0301", "ǅemal", "ﬁne", "İstanbul", "ß", "Ωmega"]
+EMOJI = ["🙂", "👩‍👩‍👧", "👍🏽", "🇫🇷", "❤️", "🤖", "✨"]
+SPACES = [" ", "  ", "   ", "\t", "\n", "\n\n", "\r\n", " \n ", "\u00a0", "\u3000", "\t \t", "    \n"]
+PUNCT = [".", ",", "!?", "...", "'s", "'LL", "'ve", "'re", "'d", "'M", "(", ")", "\"", "--", "#", "$", "%", "_", "/*", "::"]
+
+
+def random_text(rng, specials):
+    """A string of 1-30 pieces: words of several scripts, digit runs, whitespace runs, emoji,
+    punctuation and contractions, and the special tokens' text."""
+    pieces = []
+    for _ in range(rng.randint(1, 30)):
+        kind = rng.random()
+        if kind < 0.3:
+            pieces.append(rng.choice(SCRIPTS + ["the", "King", "queen", "LOVE", "a"]))
+        elif kind < 0.45:
+            pieces.append("".join(rng.choice("0123456789") for _ in range(rng.randint(1, 12))))
+        elif kind < 0.65:
+            pieces.append(rng.choice(SPACES))
+        elif kind < 0.75:
+            pieces.append(rng.choice(EMOJI))
+        elif kind < 0.9:
+            pieces.append(rng.choice(PUNCT))
+        else:
+            pieces.append(rng.choice(specials))
+    return "".join(pieces)
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory):
+    """{kind: tokenizer description}: GPT-2's BPE, data/train_tokenizer.py's, Llama-3-like."""
+    root = tmp_path_factory.mktemp("tokenizers")
+    (root / "trained").mkdir()
+    return {"gpt2": tokenizer.make_spec("gpt2"),
+            "trained": tokenizer.make_spec(str(make_trained_tokenizer(root / "trained"))),
+            "llama3": tokenizer.make_spec(str(llama3_like(root / "llama3.json")))}
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("kind,pre", [("gpt2", "gpt-2"), ("trained", "dbrx"), ("llama3", "llama-bpe")])
+def test_llama_cpp_tokenizes_random_text_to_our_ids(tokenizers, tmp_path, kind, pre):
+    """300 random strings: llama.cpp's ids (special tokens parsed, no BOS) are tokenizer.py's."""
+    spec = tokenizers[kind]
+    model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=32, block_size=32, vocab_size=spec["vocab_size"]))
+    gguf_export.write(model, spec, str(tmp_path / "model.gguf"), "gpt2")
+    llm = llama_cpp.Llama(model_path=str(tmp_path / "model.gguf"), vocab_only=True, verbose=False)
+    assert llm.metadata["tokenizer.ggml.pre"] == pre
+    encode, _ = tokenizer.load(spec)
+    specials = {"gpt2": ["<|endoftext|>"], "trained": ["<|endoftext|>", "<|user|>", "<|end|>", "<|assistant|>"],
+                "llama3": ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>", USER_DEFINED]}[kind]
+    rng = random.Random(kind)
+    texts = [random_text(rng, specials) for _ in range(300)]
+    wrong = [(t, encode(t), llm.tokenize(t.encode("utf-8"), add_bos=False, special=True)) for t in texts]
+    wrong = [w for w in wrong if w[1] != w[2]]
+    assert not wrong, f"{len(wrong)} of 300 differ, e.g. {wrong[:3]}"
+    assert sum(len(encode(t)) for t in texts) > 3000  # the strings are not trivially short
+    if kind == "llama3":  # ignore_merges: the piece that is a token is read whole on both sides
+        assert llm.tokenize(UNMERGED.encode("utf-8"), add_bos=False, special=False) == encode(UNMERGED)
+        assert len(encode(UNMERGED)) == 1
+
+
+# ---------------------------------------------------------------------------- logits and greedy tokens
+
+SHAPES = {  # train.py flags: GPT-2's block without biases (zeros in the file), and a Llama with GQA and RoPE scaling
+    "gpt2": dict(bias=False),
+    "llama": dict(pos_encoding="rope", norm="rmsnorm", mlp="swiglu", n_kv_head=1, bias=False, tie_embeddings=False,
+                  rope_scaling=json.dumps(dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                               original_max_position_embeddings=32))),
+}
+BLOCK = 96
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """{shape: out_dir}: a GPT-2-shaped model on GPT-2 BPE data and a Llama-shaped one on a
+    Llama-3-like tokenizer's data, each trained here for 40 steps, exported at f32, f16 and q8_0
+    (out_dir/<dtype>/model.gguf)."""
+    root = tmp_path_factory.mktemp("trained")
+    (root / "text.txt").write_text(make_text(40000, seed=4) + "\nZürich 東京 🙂 1234567 naïve\n")
+    tokenizers = {"gpt2": "gpt2", "llama": str(llama3_like(root / "llama3.json"))}
+    runs = {}
+    for shape, overrides in SHAPES.items():
+        data, out = root / f"data_{shape}", root / f"out_{shape}"
+        corpus.main(["--input", str(root / "text.txt"), f"--out_dir={data}", f"--tokenizer={tokenizers[shape]}",
+                     "--txt_separator=\\n", "--val_tokens=2000", "--test_tokens=0", "--workers=1"])
+        result = run_script("train.py", *tiny_args(data, out, block_size=BLOCK, max_iters=40, lr_decay_iters=40,
+                                                   eval_interval=40, **overrides))
+        assert result.returncode == 0, result.stderr
+        for dtype in gguf_export.DTYPES:
+            (out / dtype).mkdir()
+            export(out, f"--gguf_dtype={dtype}", f"--export_dir={out / dtype}")
+        runs[shape] = out
+    return runs
+
+
+def ggml_gelu(x, approximate="none"):
+    """llama.cpp's GELU on the CPU (ggml-cpu's vec.h): the tanh approximation, read from a table
+    indexed by x rounded to float16, its value rounded to float16; 0 below -10, x above 10."""
+    y = EXACT_GELU(x.half().float(), approximate="tanh").half().float()
+    return torch.where(x <= -10, 0.0, torch.where(x >= 10, x, y))
+
+
+EXACT_GELU = torch.nn.functional.gelu
+
+
+def ours(out_dir):
+    import checkpoint
+
+    model, spec = checkpoint.load_model(str(out_dir), report=lambda _: None)
+    return model.eval(), spec
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("shape", SHAPES)
+def test_llama_cpp_logits_and_greedy_tokens_are_ours(trained, shape, monkeypatch):
+    """At f32 llama.cpp's logits over the whole vocabulary at all 96 positions are our forward
+    pass's, and its 64 greedy tokens ours. The tolerance, 1e-5 of the logits' largest magnitude:
+    both sides compute in float32 and differ in the order of their sums (about 1e-6 measured:
+    BENCHMARKS.md), and llama.cpp's GELU is its own: the tanh approximation read from a table
+    indexed by float16. So the gpt2 logits are held to that tolerance against our model with
+    that GELU, and against our model as trained (exact GELU) to 4 times the GELU's own effect.
+    f16 and q8_0 are printed, not asserted."""
+    model, spec = ours(trained[shape])
+    encode, _ = tokenizer.load(spec)
+    ids = encode(make_text(2000, seed=11))[:BLOCK]
+    llm = load_gguf(trained[shape] / "f32" / "model.gguf", n_ctx=BLOCK, logits_all=True)
+    n_vocab = llm.n_vocab()
+    llm.eval(ids)
+    theirs = torch.from_numpy(np.array(llm.scores[: len(ids)]))
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]), all_logits=True)[0][0, :, :n_vocab]
+        scale = logits.abs().max().item()
+        tol = 1e-5 * scale
+        diff = (theirs - logits).abs().max().item()
+        if shape == "gpt2":
+            monkeypatch.setattr(torch.nn.functional, "gelu", ggml_gelu)
+            emulated = model(torch.tensor([ids]), all_logits=True)[0][0, :, :n_vocab]
+            monkeypatch.undo()
+            gelu_effect = (emulated - logits).abs().max().item()
+            print(f"gpt2 f32: max |llama.cpp - ours| {diff:.2e}, - ours with ggml's GELU "
+                  f"{(theirs - emulated).abs().max().item():.2e}, ggml's GELU alone {gelu_effect:.2e} (logits up to {scale:.1f})")
+            torch.testing.assert_close(theirs, emulated, rtol=0, atol=tol)
+            assert diff <= 4 * gelu_effect + tol
+        else:
+            print(f"llama f32: max |llama.cpp - ours| {diff:.2e} (logits up to {scale:.1f})")
+            torch.testing.assert_close(theirs, logits, rtol=0, atol=tol)
+
+    prompt = ids[:16]
+    assert greedy_llama_cpp(llm, prompt) == greedy_ours(model, prompt, n_vocab)
+    for dtype in ("f16", "q8_0"):  # reported, not asserted
+        llm = load_gguf(trained[shape] / dtype / "model.gguf", n_ctx=BLOCK, logits_all=True)
+        llm.eval(ids)
+        d = (torch.from_numpy(np.array(llm.scores[: len(ids)])) - logits).abs().max().item()
+        same_argmax = (torch.from_numpy(np.array(llm.scores[: len(ids)])).argmax(-1) == logits.argmax(-1)).float().mean()
+        theirs_tokens, our_tokens = greedy_llama_cpp(llm, prompt), greedy_ours(model, prompt, n_vocab)
+        agree = next((i for i, (a, b) in enumerate(zip(theirs_tokens, our_tokens)) if a != b), 64)
+        print(f"{shape} {dtype}: max |logit diff| {d:.2e} ({d / scale:.1e} of the range), argmax agrees at "
+              f"{same_argmax:.1%} of positions, greedy tokens identical for the first {agree} of 64")
+
+
+def greedy_llama_cpp(llm, prompt, n=64):
+    import itertools
+
+    return list(itertools.islice(llm.generate(prompt, temp=0.0, repeat_penalty=1.0), n))
+
+
+def greedy_ours(model, prompt, n_vocab, n=64):
+    """Greedy decoding by our forward pass alone: the whole sequence each step, argmax over the
+    exported tokens."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids]))[0][0, -1, :n_vocab]
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt):]
+
+
+# ---------------------------------------------------------------------------- chat
+
+
+@pytest.fixture(scope="module")
+def chat_demo(tmp_path_factory):
+    """config/chat_demo_cpu.py's path, smaller: 8,000 synthetic conversations, the 512-token
+    tokenizer, 200 steps; its GGUF at f32."""
+    root = tmp_path_factory.mktemp("chat_demo")
+    data = root / "data"
+    load_script("data/chat/synthetic.py").main([f"--out_dir={data}", "--n=8000", "--n_heldout=28", "--seed=0"])
+    load_script("data/train_tokenizer.py").main(["--input", str(data / "text.txt"), "--vocab_size=512", f"--out_dir={data}"])
+    load_script("data/chat/prepare.py").main(["--input", str(data / "train.jsonl"), f"--tokenizer={data / 'tokenizer.json'}",
+                                              f"--out_dir={data}", "--block_size=128"])
+    steps = 200
+    result = run_script("train.py", "config/chat_demo_cpu.py", f"--dataset={data}", f"--out_dir={root / 'out'}",
+                        f"--max_iters={steps}", f"--lr_decay_iters={steps}", f"--eval_interval={steps}", "--eval_iters=2")
+    assert result.returncode == 0, result.stderr
+    export(root / "out")
+    heldout = [json.loads(line) for line in (data / "heldout.jsonl").read_text().splitlines()]
+    single_turn = [c for c in heldout if c["intent"] != "recall"][:20]  # chat.py --prompt asks one message
+    return root / "out", single_turn
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("kind", ["gpt2", "trained", "llama3"])
+def test_llama_cpp_renders_the_chat_template_to_our_ids(tokenizers, tmp_path, kind):
+    """For a chat model of each tokenizer (GPT-2's BPE with its four new turn tokens, a trained
+    one, Llama 3's format), llama.cpp's rendering of the GGUF's chat template, tokenized, is the
+    ids chat.py feeds the model; BOS, EOS and EOT are the template's."""
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    template = Template(tokenizers[kind])
+    spec = {**tokenizers[kind], "vocab_size": template.vocab_size, "chat": template.meta()}
+    model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=32, block_size=32, vocab_size=template.vocab_size))
+    gguf_export.write(model, spec, str(tmp_path / "model.gguf"), "gpt2")
+    llm = llama_cpp.Llama(model_path=str(tmp_path / "model.gguf"), vocab_only=True, verbose=False)
+    assert (llm.token_bos(), llm.token_eos()) == (template.id["bos"], template.end_id)
+    assert llm.metadata["tokenizer.ggml.eot_token_id"] == str(template.end_id)
+    render = Jinja2ChatFormatter(template=llm.metadata["tokenizer.chat_template"], eos_token="", bos_token="")
+    for messages in CONVERSATIONS:
+        for n in range(1, len(messages) + 1):
+            prompt = messages[:n] if messages[n - 1]["role"] != "assistant" else None
+            if prompt:
+                text = render(messages=prompt).prompt
+                ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+                assert ids == template.render(prompt, add_generation_prompt=True)[0], (kind, prompt)
+
+
+@needs_llama_cpp
+def test_create_chat_completion_answers_what_chat_py_answers(chat_demo):
+    """20 held-out prompts: llama.cpp renders the GGUF's chat template to the ids chat.py feeds
+    the model, and create_chat_completion at temperature 0 replies what chat.py --prompt
+    --temperature=0 prints."""
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    out_dir, conversations = chat_demo
+    model, spec = ours(out_dir)
+    template = Template(spec)
+    llm = load_gguf(out_dir / "model.gguf", n_ctx=128)
+    assert llm.token_eos() == template.end_id and llm.metadata["tokenizer.ggml.pre"] == "dbrx"
+    render = Jinja2ChatFormatter(template=llm.metadata["tokenizer.chat_template"], eos_token="<|end|>",
+                                 bos_token="<|endoftext|>")
+    right = 0
+    for c in conversations:
+        messages = [m for m in c["messages"][:-1]]  # the system message (if any) and the user's
+        prompt = llm.tokenize(render(messages=messages).prompt.encode("utf-8"), add_bos=False, special=True)
+        assert prompt == template.render(messages, add_generation_prompt=True)[0]
+        reply = llm.create_chat_completion(messages, temperature=0.0, repeat_penalty=1.0)["choices"][0]["message"]["content"]
+        system = [f"--system={m['content']}" for m in messages if m["role"] == "system"]
+        result = run_script("chat.py", f"--out_dir={out_dir}", "--device=cpu", *system,
+                            f"--prompt={messages[-1]['content']}", "--temperature=0")
+        assert result.returncode == 0, result.stderr
+        assert result.stdout == reply + "\n", (messages, reply)
+        right += reply == c["messages"][-1]["content"]
+    print(f"chat: 20 of 20 replies identical; {right} of 20 are the held-out answer")
+
+
+# ---------------------------------------------------------------------------- refusals
+
+
+def save_checkpoint(out_dir, model, spec):
+    """A checkpoint as train.py writes it (model, its args, the tokenizer description)."""
+    import dataclasses
+    import math
+
+    out_dir.mkdir()
+    torch.save({"model": model.state_dict(), "model_args": dataclasses.asdict(model.config), "config": {}, "iter_num": 0,
+                "best_val_loss": math.nan, "tokenizer": spec}, out_dir / "ckpt.pt")
+    return out_dir
+
+
+def assert_refused(out_dir, named, *args):
+    """hf.py --format=gguf fails with one line that names the problem, and writes nothing."""
+    before = sorted(p.name for p in out_dir.iterdir())
+    result = run_script("hf.py", f"--out_dir={out_dir}", "--format=gguf", *args)
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and named in lines[0], result.stderr
+    assert sorted(p.name for p in out_dir.iterdir()) == before
+
+
+def test_a_character_vocabulary_is_refused(tmp_path):
+    assert_refused(train_tiny_run(tmp_path, max_iters=2), "character-level vocabulary")
+
+
+@pytest.mark.parametrize("options,named", [
+    (dict(pos_encoding="rope", norm="rmsnorm", mlp="swiglu", qk_norm=True), "its llama its qk_norm=True"),
+    (dict(n_kv_head=1), "GGUF's gpt2 cannot hold its n_kv_head=1, nor its llama its pos_encoding='learned'"),
+    (dict(norm="rmsnorm"), "GGUF's gpt2 cannot hold its norm='rmsnorm'"),
+])
+def test_models_gguf_cannot_hold_are_refused(tmp_path, options, named):
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=50257, **options))
+    assert_refused(save_checkpoint(tmp_path / "out", model, tokenizer.make_spec("gpt2")), named)
+
+
+def tokenizer_json(path, **changes):
+    """A byte-level BPE tokenizer.json trained here, with one part swapped."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = changes.get("pre_tokenizer", pre_tokenizers.ByteLevel(add_prefix_space=False))
+    if "normalizer" in changes:
+        tok.normalizer = normalizers.NFKC()
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([make_text(5000, seed=2)], trainer)
+    tok.save(str(path))
+    return tokenizer.make_spec(str(path))
+
+
+@pytest.mark.parametrize("change,named", [("prefix_space", "pre-tokenizer ByteLevel(add_prefix_space=True)"), ("whitespace", "pre-tokenizer Whitespace"),
+                                          ("normalizer", "normalizer NFKC")])
+def test_tokenizers_llama_cpp_splits_otherwise_are_refused(tmp_path, change, named):
+    from tokenizers import pre_tokenizers
+
+    changes = {"prefix_space": dict(pre_tokenizer=pre_tokenizers.ByteLevel(add_prefix_space=True)),
+               "whitespace": dict(pre_tokenizer=pre_tokenizers.Whitespace()), "normalizer": dict(normalizer=True)}[change]
+    spec = tokenizer_json(tmp_path / "tokenizer.json", **changes)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=spec["vocab_size"]))
+    assert_refused(save_checkpoint(tmp_path / "out", model, spec), named)
+
+
+def test_bad_options_are_one_line(tmp_path):
+    out_dir = train_tiny_run(tmp_path, max_iters=2)
+    assert_refused(out_dir, "gguf_dtype='q4_0' is not one of", "--gguf_dtype=q4_0")
+    assert_refused(out_dir, "format='onnx' is not one of", "--format=onnx")
+    assert_refused(out_dir, "cannot create export_dir", f"--export_dir={out_dir / 'ckpt.pt' / 'gguf'}")
+
+
+@pytest.mark.parametrize("failure", [OSError(28, "No space left on device"), KeyboardInterrupt()], ids=["disk-full", "ctrl-c"])
+def test_a_failed_write_leaves_the_old_file_whole(tmp_path, monkeypatch, failure):
+    """A write that fails half-way (the disk fills, Ctrl-C) leaves no partial file: the model.gguf
+    already there stays byte for byte, and the temporary file is gone."""
+    import gguf
+
+    spec = tokenizer.make_spec("gpt2")
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=50257))
+    out_dir = save_checkpoint(tmp_path / "out", model, spec)
+    export(out_dir)
+    old = (out_dir / "model.gguf").read_bytes()
+
+    def fail_half_way(self, *args, **kwargs):
+        self.fout[0].write(b"\0" * 4096)  # some bytes reach the file first
+        raise failure
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", fail_half_way)
+    out_dir_files = sorted(p.name for p in out_dir.iterdir())
+    if isinstance(failure, OSError):
+        assert_refused(out_dir, "No space left on device")
+    else:
+        with pytest.raises(KeyboardInterrupt):
+            gguf_export.write(model, spec, str(out_dir / "model.gguf"), "gpt2")
+    assert sorted(p.name for p in out_dir.iterdir()) == out_dir_files
+    assert (out_dir / "model.gguf").read_bytes() == old
