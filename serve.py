@@ -442,7 +442,7 @@ def make_app(server):
     async def bug(_, e):
         return error_response(APIError(500, f"the server failed ({type(e).__name__}); please report it", kind="server_error"))
 
-    def authorized(http: Request):
+    async def authorized(http: Request):  # async: a plain def would run in a worker thread for every request
         if server.api_key:
             scheme, _, key = http.headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), server.api_key.encode()):
@@ -486,7 +486,9 @@ def listen(host, port):
     and a client that connects early waits instead of being refused."""
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on accepted sockets that say so, and
+        # without it every streamed chunk after the first waits ~40 ms for the client's delayed ACK (Nagle)
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         sock.listen(2048)  # connections queue from now on, while the model loads
