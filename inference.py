@@ -211,11 +211,10 @@ class BatchCache:
             k[:, :, :, :have], v[:, :, :, :have] = self.k, self.v
         self.k, self.v = k, v
 
-    def put(self, row, kv):
-        """Row `row` becomes the one sequence of KVCache kv (a prefill)."""
-        n = kv.length
+    def put(self, row, kv, b, n):
+        """Row `row` becomes the first n positions of row b of KVCache kv (a prefill)."""
         self._ensure(n, kv.k)
-        self.k[:, row, :, :n], self.v[:, row, :, :n] = kv.k[:, 0, :, :n], kv.v[:, 0, :, :n]
+        self.k[:, row, :, :n], self.v[:, row, :, :n] = kv.k[:, b, :, :n], kv.v[:, b, :, :n]
         self.lengths[row] = n
 
     def move(self, src, dst):
@@ -284,13 +283,14 @@ class Request:
 
 class Engine:
     """Decodes every request it holds together: one forward pass per step over all active rows,
-    each row at its own position with its own stop. A request that arrives is prefilled alone
-    (its prompt in one pass, the same pass chat.py runs) and joins at the next step; one that
+    each row at its own position with its own stop. The requests that arrive between two steps are
+    prefilled together (their prompts in one padded pass) and join at the next step; one that
     finishes or is cancelled leaves before the next step. At most `rows` run at once and
     `waiting` wait; submit() refuses more (the server's 429). One thread owns the model."""
 
-    def __init__(self, model, rows=16, waiting=64, room=None, device="cpu", autocast=contextlib.nullcontext):
+    def __init__(self, model, rows=16, waiting=64, room=None, device="cpu", autocast=contextlib.nullcontext, after_step=None):
         self.model, self.device, self.autocast = model, device, autocast
+        self.after_step = after_step or (lambda: None)  # called on the engine's thread after each prefill and step
         self.rows, self.max_waiting = rows, waiting
         self.cache = BatchCache(model.config, rows, room or model.config.block_size)
         self.queue = collections.deque()
@@ -335,43 +335,60 @@ class Engine:
                         break
                     new = [self.queue.popleft() for _ in range(min(len(self.queue), self.rows - len(self.active)))]
                 self._leave()
-                for request in new:
-                    self._guard([request], self._prefill, request)
+                new = [request for request in new if self._guard([request], self._admit, request)]
+                if new:
+                    self._guard(new, self._prefill, new)
                 self._leave()
+                self.after_step()
                 if self.active:
                     self._guard(list(self.active), self._step)
                     self._leave()
+                    self.after_step()
         for request in [*self.active, *self.queue]:
             self._finish(request, "cancelled")
+        self.after_step()
 
     def _guard(self, requests, fn, *args):
         """Run fn; should it fail (a bug, or out of memory), end `requests` with the error and go on
         serving the others."""
         try:
-            fn(*args)
+            return fn(*args)
         except Exception as e:  # noqa: BLE001 (one request's failure must not stop the server)
             traceback.print_exc()
             for request in requests:
                 request.finished, request.error = "error", f"{type(e).__name__}: {e}"
-            if requests and requests[0] not in self.active:  # a failed prefill never took a row
-                self._finish(requests[0], "error")
+                if request not in self.active:  # a failed prefill never took a row
+                    self._finish(request, "error")
 
-    def _prefill(self, request):
+    def _admit(self, request):
+        """True when request is to be prefilled: not cancelled, and it fits the room (ValueError if not)."""
         if request.cancelled:
             self._finish(request, "cancelled")
-            return
+            return False
         if request.seed is not None or request.temperature > 0:
             seed = request.seed if request.seed is not None else random.SystemRandom().randrange(2**63)
             request.generator = torch.Generator(self.device).manual_seed(seed)
         if not 1 <= len(request.ids) <= len(request.ids) + request.max_tokens - 1 <= self.cache.room:
             raise ValueError(f"{len(request.ids)} prompt tokens and {request.max_tokens} new ones do not fit the room "
                              f"of {self.cache.room}")
-        kv = KVCache(self.model.config, 1, len(request.ids))
-        logits, _ = self.model(torch.tensor([request.ids], device=self.device), cache=kv)
-        row = len(self.active)
-        self.cache.put(row, kv)
-        self.active.append(request)
-        self._take(request, logits[:, -1])
+        return True
+
+    def _prefill(self, requests):
+        """The prompts of the requests that arrived since the last step, in one forward pass: padded
+        on the right to the longest, so causal attention alone keeps each row's real tokens from
+        seeing its padding (pad keys come after every real query). Each row's logits are read at its
+        last real token; its first n keys/values go into a free row of the batch cache."""
+        lengths = [len(r.ids) for r in requests]
+        T = max(lengths)
+        ids = torch.tensor([r.ids + [0] * (T - n) for r, n in zip(requests, lengths)], device=self.device)  # (B, T)
+        kv = KVCache(self.model.config, len(requests), T)
+        last = torch.tensor([b * T + n - 1 for b, n in enumerate(lengths)], device=self.device)  # (B,) in the flat B*T
+        logits, _ = self.model(ids, cache=kv, logits_at=last)  # (B, V)
+        greedy = logits.argmax(dim=-1).tolist()
+        for b, (request, n) in enumerate(zip(requests, lengths)):
+            self.cache.put(len(self.active), kv, b, n)
+            self.active.append(request)
+            self._guard([request], self._take, request, logits[b : b + 1], greedy[b])  # a failure here is this row's
 
     def _step(self):
         n = len(self.active)

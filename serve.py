@@ -184,13 +184,13 @@ class Reply:
     error)). Text that could be the start of a stop string, or a character whose bytes have not
     all come, is held back; at a stop string the reply ends before it."""
 
-    def __init__(self, loop, decode, stops):
-        self.loop, self.decode, self.stops = loop, decode, stops
+    def __init__(self, outbox, decode, stops):
+        self.outbox, self.decode, self.stops = outbox, decode, stops
         self.queue = asyncio.Queue()
         self.ids, self.text, self.sent, self.stopped = [], "", 0, False
 
     def _put(self, item):
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        self.outbox.append((self.queue, item))
 
     def _send_to(self, end):
         if end > self.sent:
@@ -220,6 +220,27 @@ class Reply:
         self._put(("done", reason, tokens, error))
 
 
+class Outbox:
+    """What the engine's thread has for the event loop (replies' text and ends), handed over once
+    per step: one wake-up of the loop for all rows' tokens, not one per token."""
+
+    def __init__(self):
+        self.items, self.loop = [], None  # items: (a Reply's queue, item), appended on the engine's thread
+
+    def append(self, item):
+        self.items.append(item)
+
+    def flush(self):  # the engine's after_step
+        if self.items:
+            items, self.items = self.items, []
+            self.loop.call_soon_threadsafe(deliver, items)
+
+
+def deliver(items):
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
 # ---------------------------------------------------------------------------- the server
 
 
@@ -245,8 +266,9 @@ class Server:
         if cfg.compile:
             model.compile()
         self.api_key = cfg.api_key or os.environ.get("OPENAI_API_KEY", "")
+        self.outbox = Outbox()
         self.engine = inference.Engine(model, rows=cfg.batch_size, waiting=cfg.max_waiting, room=self.context,
-                                       device=rt.device, autocast=rt.autocast)
+                                       device=rt.device, autocast=rt.autocast, after_step=self.outbox.flush)
         self.created = int(time.time())
 
     def check_model(self, name):
@@ -296,7 +318,8 @@ class Server:
 
     def start(self, body, ids, decode, stop_ids, stops, loop):
         """Hand the request to the engine: (the engine's Request, its Reply); 429 when full."""
-        reply = Reply(loop, decode, stops)
+        self.outbox.loop = loop  # uvicorn's one loop (set before the engine can hold this request)
+        reply = Reply(self.outbox, decode, stops)
         request = inference.Request(ids, self.limit(body, len(ids)), reply.on_token, reply.on_done,
                                     temperature=1.0 if body.temperature is None else body.temperature,
                                     top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k,
@@ -363,6 +386,12 @@ async def events(request, reply, head, chat, n_prompt, with_usage):
             choice = {"index": 0, "text": piece or ""}
         return f"data: {json.dumps({**head, 'choices': [{**choice, 'logprobs': None, 'finish_reason': reason}], **extra})}\n\n"
 
+    # a chunk of text is the same JSON around the piece each time: serialize the rest once
+    before, _, after = chunk("\0").rpartition(json.dumps("\0"))  # the piece is the last string in it
+
+    def text(piece):
+        return before + json.dumps(piece) + after
+
     try:
         if chat:
             yield chunk(role=True)
@@ -373,7 +402,7 @@ async def events(request, reply, head, chat, n_prompt, with_usage):
                 pieces.append(item[1])
                 item = None if reply.queue.empty() else reply.queue.get_nowait()
             if pieces:
-                yield chunk("".join(pieces))
+                yield text("".join(pieces))
             if item is None:
                 continue
             _, reason, n_completion, error = item
@@ -442,7 +471,7 @@ def make_app(server):
     async def bug(_, e):
         return error_response(APIError(500, f"the server failed ({type(e).__name__}); please report it", kind="server_error"))
 
-    def authorized(http: Request):
+    async def authorized(http: Request):  # async: a plain def would run in a worker thread for every request
         if server.api_key:
             scheme, _, key = http.headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), server.api_key.encode()):
@@ -486,7 +515,9 @@ def listen(host, port):
     and a client that connects early waits instead of being refused."""
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on accepted sockets that say so, and
+        # without it every streamed chunk after the first waits ~40 ms for the client's delayed ACK (Nagle)
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         sock.listen(2048)  # connections queue from now on, while the model loads

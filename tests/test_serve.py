@@ -68,6 +68,33 @@ def test_engine_rows_of_any_length_give_solo_greedy_tokens(shape):
     assert max(peak) == 3 and engine.held == 0
 
 
+@pytest.mark.parametrize("shape", [{}, dict(n_kv_head=1, pos_encoding="rope", norm="rmsnorm", mlp="swiglu", bias=False)],
+                         ids=["gpt2", "llama"])
+def test_requests_prefilled_together_give_solo_greedy_tokens(shape):
+    """Five requests queued before the engine starts are prefilled in one padded pass (prompts of
+    1 to 19 tokens), then decoded together: each gets, token for token, generate()'s greedy tokens
+    for its prompt alone."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50, n_layer=2, n_head=2, n_embd=32, block_size=64, **shape)).eval()
+    with torch.no_grad():  # far from the init: peaked next-token distributions, no near-ties
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    prompts = [torch.randint(0, 50, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (12, 1, 19, 7, 3)]
+    budgets = [9, 15, 6, 20, 11]
+    solo = [inference.generate(model, torch.tensor([p]), n, temperature=0)[0, len(p) :].tolist() for p, n in zip(prompts, budgets)]
+    engine = inference.Engine(model, rows=8)
+    outs, done, batches = [[] for _ in prompts], threading.Semaphore(0), []
+    prefill = engine._prefill
+    engine._prefill = lambda requests: (batches.append(len(requests)), prefill(requests))[1]
+    for i, (p, n) in enumerate(zip(prompts, budgets)):
+        assert engine.submit(inference.Request(p, n, outs[i].append, lambda *end: done.release(), temperature=0))
+    engine.start()
+    for _ in prompts:
+        assert done.acquire(timeout=60)
+    engine.close()
+    assert batches == [5] and outs == solo
+
+
 def test_a_failing_request_ends_alone():
     """A request whose token callback raises ends with finish_reason 'error' and the message; the
     request decoded beside it in the same steps still gets its solo tokens."""
@@ -123,8 +150,7 @@ def running(*args):
     """serve.py's app under uvicorn in a thread, on a free loopback port."""
     server = serve.Server(parse(ServeConfig, [*args, "--device=cpu"]), runtime.setup("cpu"))
     server.engine.start()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
+    sock = serve.listen("127.0.0.1", 0)  # the command's own socket
     web = uvicorn.Server(uvicorn.Config(serve.make_app(server), log_level="warning"))
     thread = threading.Thread(target=web.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -132,7 +158,7 @@ def running(*args):
         assert thread.is_alive(), "uvicorn did not start"
         time.sleep(0.01)
     try:
-        yield types.SimpleNamespace(url=f"http://127.0.0.1:{sock.getsockname()[1]}", server=server, engine=server.engine)
+        yield types.SimpleNamespace(url=f"http://127.0.0.1:{sock.getsockname()[1]}", server=server, engine=server.engine, web=web)
     finally:
         web.should_exit = True
         thread.join(10)
@@ -315,9 +341,9 @@ def test_a_request_joining_mid_generation_gets_its_solo_reply(demo, chat_server)
             time.sleep(0.005)
         step()
 
-    def recorded_prefill(request):
-        seen.append([(r.ids == request.ids, r.generated, r.finished) for r in engine.active])
-        prefill(request)
+    def recorded_prefill(requests):
+        seen.append([(r.ids == requests[0].ids, r.generated, r.finished) for r in engine.active])
+        prefill(requests)
 
     engine._step, engine._prefill = paused_step, recorded_prefill
     try:
@@ -427,6 +453,16 @@ def test_errors_base(base_server):
     r, payload = post(s, "/v1/completions", {"model": name, "prompt": "The king 東京"}, headers=auth)
     is_error(payload, 400, r, "characters this model never saw")
     assert httpx.get(s.url + "/health").status_code == 200 and httpx.get(s.url + "/v1/models").status_code == 401
+
+
+def test_connections_send_without_nagle(base_server):
+    """The server's side of an accepted connection has TCP_NODELAY set: without it each streamed
+    chunk after the first waits for the client's delayed ACK (about 40 ms on Linux) before it leaves."""
+    s = base_server
+    with httpx.Client(base_url=s.url) as http:  # keeps its connection open after the response
+        assert http.get("/health").status_code == 200
+        sockets = [c.transport.get_extra_info("socket") for c in list(s.web.server_state.connections)]
+        assert sockets and all(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for sock in sockets)
 
 
 def test_a_full_server_answers_429_at_once(base, base_server):
