@@ -538,10 +538,16 @@ def main(argv=None):
     print(f"serving {server.name} ({what}, context {server.context}, {cfg.batch_size} rows) on "
           f"http://{cfg.host}:{sock.getsockname()[1]}/", file=sys.stderr, flush=True)
     server.engine.start()
+    http = uvicorn.Server(uvicorn.Config(make_app(server), log_level="warning"))
     try:
-        uvicorn.Server(uvicorn.Config(make_app(server), log_level="warning")).run(sockets=[sock])
+        http.run(sockets=[sock])
     finally:
         server.engine.close()
+    if http.should_exit:
+        # uvicorn caught Ctrl-C (or SIGTERM) and shut down; it re-raises the signal inside asyncio.run,
+        # which turns it into KeyboardInterrupt only if the main task was still running: end the same
+        # way whichever won that race
+        raise KeyboardInterrupt
     return 0
 
 
