@@ -183,3 +183,18 @@ def test_the_optimizer_keeps_this_devices_implementation_across_a_resume(runs, f
     optimizer = optim.configure(model, cfg, "mps")
     checkpoint.restore(state, model, optimizer, scaler, fsdp=False)
     assert not any(group["fused"] for group in optimizer.param_groups)
+
+
+def test_a_gpu_run_writes_its_cuda_rng_in_both_formats(monkeypatch):
+    """The saving side on 'cuda:1' with torch.cuda simulated: each format carries the generator state
+    torch.cuda.get_rng_state gives for this rank's device, under the keys the readers above expect."""
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": asked.append(device) or philox_state(7, 64))
+    rt = runtime.Runtime("cuda:1", "cuda", torch.bfloat16)
+    rng = checkpoint.gather_rng(rt)
+    assert set(rng) == {"torch", "cuda"} and torch.equal(rng["cuda"][0], philox_state(7, 64))
+    raw = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=64, dropout=0.0))
+    tensors, _ = checkpoint.sharded_state(raw, torch.optim.AdamW(raw.parameters()), rt)
+    assert set(tensors["rng"]) == {"torch_0", "cuda_0"} and torch.equal(tensors["rng"]["cuda_0"], philox_state(7, 64))
+    assert asked == ["cuda:1", "cuda:1"]
