@@ -1,6 +1,7 @@
 """Shared test helpers: a tiny character dataset made on the spot, and running the scripts."""
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -131,3 +132,18 @@ def read_metrics(out_dir):
 
     with open(Path(out_dir) / "metrics.jsonl") as f:
         return [json.loads(line) for line in f]
+
+
+def train_chat_demo(root, n, n_heldout, steps):
+    """config/chat_demo_cpu.py's whole path, shortened, under root: n synthetic conversations (seed 0),
+    the 512-token tokenizer, prepare.py, `steps` of train.py (in this process). Returns (out_dir,
+    the held-out conversations)."""
+    data = root / "data"
+    load_script("data/chat/synthetic.py").main([f"--out_dir={data}", f"--n={n}", f"--n_heldout={n_heldout}", "--seed=0"])
+    load_script("data/train_tokenizer.py").main(["--input", str(data / "text.txt"), "--vocab_size=512", f"--out_dir={data}"])
+    load_script("data/chat/prepare.py").main(["--input", str(data / "train.jsonl"), f"--tokenizer={data / 'tokenizer.json'}",
+                                              f"--out_dir={data}", "--block_size=128"])
+    result = run_script("train.py", "config/chat_demo_cpu.py", f"--dataset={data}", f"--out_dir={root / 'out'}",
+                        f"--max_iters={steps}", f"--lr_decay_iters={steps}", f"--eval_interval={steps}", "--eval_iters=2")
+    assert result.returncode == 0, result.stderr
+    return root / "out", [json.loads(line) for line in (data / "heldout.jsonl").read_text().splitlines()]

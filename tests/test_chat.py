@@ -16,7 +16,7 @@ import torch
 
 import tokenizer
 from configurator import TrainConfig, parse
-from conftest import REPO, load_script, run_script, train_tiny_run
+from conftest import REPO, load_script, run_script, train_chat_demo, train_tiny_run
 from data.chat.template import Template
 from inference import KVCache, generate_tokens
 from model import GPT, GPTConfig
@@ -97,17 +97,7 @@ def demo(tmp_path_factory):
     """config/chat_demo_cpu.py's whole path at a fifth of its steps: synthetic conversations,
     a 512-token tokenizer, prepare.py, train.py (in this process)."""
     root = tmp_path_factory.mktemp("chat_demo")
-    data = root / "data"
-    load_script("data/chat/synthetic.py").main([f"--out_dir={data}", "--n=15000", "--n_heldout=48", "--seed=0"])
-    load_script("data/train_tokenizer.py").main(["--input", str(data / "text.txt"), "--vocab_size=512", f"--out_dir={data}"])
-    load_script("data/chat/prepare.py").main(["--input", str(data / "train.jsonl"), f"--tokenizer={data / 'tokenizer.json'}",
-                                              f"--out_dir={data}", "--block_size=128"])
-    steps = 250
-    result = run_script("train.py", "config/chat_demo_cpu.py", f"--dataset={data}", f"--out_dir={root / 'out'}",
-                        f"--max_iters={steps}", f"--lr_decay_iters={steps}", f"--eval_interval={steps}", "--eval_iters=2")
-    assert result.returncode == 0, result.stderr
-    heldout = [json.loads(line) for line in (data / "heldout.jsonl").read_text().splitlines()]
-    return root / "out", heldout
+    return train_chat_demo(root, n=15000, n_heldout=48, steps=250)
 
 
 def chat(out_dir, *args, stdin=None):

@@ -14,7 +14,7 @@ import torch
 
 import gguf_export
 import tokenizer
-from conftest import load_script, make_text, run_script, tiny_args, train_tiny_run
+from conftest import load_script, make_text, run_script, tiny_args, train_chat_demo, train_tiny_run
 from data import corpus
 from data.chat.template import Template
 from model import GPT, GPTConfig
@@ -252,19 +252,10 @@ def chat_demo(tmp_path_factory):
     """config/chat_demo_cpu.py's path, smaller: 8,000 synthetic conversations, the 512-token
     tokenizer, 200 steps; its GGUF at f32."""
     root = tmp_path_factory.mktemp("chat_demo")
-    data = root / "data"
-    load_script("data/chat/synthetic.py").main([f"--out_dir={data}", "--n=8000", "--n_heldout=28", "--seed=0"])
-    load_script("data/train_tokenizer.py").main(["--input", str(data / "text.txt"), "--vocab_size=512", f"--out_dir={data}"])
-    load_script("data/chat/prepare.py").main(["--input", str(data / "train.jsonl"), f"--tokenizer={data / 'tokenizer.json'}",
-                                              f"--out_dir={data}", "--block_size=128"])
-    steps = 200
-    result = run_script("train.py", "config/chat_demo_cpu.py", f"--dataset={data}", f"--out_dir={root / 'out'}",
-                        f"--max_iters={steps}", f"--lr_decay_iters={steps}", f"--eval_interval={steps}", "--eval_iters=2")
-    assert result.returncode == 0, result.stderr
-    export(root / "out")
-    heldout = [json.loads(line) for line in (data / "heldout.jsonl").read_text().splitlines()]
+    out, heldout = train_chat_demo(root, n=8000, n_heldout=28, steps=200)
+    export(out)
     single_turn = [c for c in heldout if c["intent"] != "recall"][:20]  # chat.py --prompt asks one message
-    return root / "out", single_turn
+    return out, single_turn
 
 
 @needs_llama_cpp

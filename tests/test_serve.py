@@ -10,7 +10,6 @@ conversations instead of 1,200 on 60,000: enough to answer in the demo's format 
 replies with <|end|>, in about 20 s; test_chat.py checks what the longer runs answer."""
 
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -31,7 +30,7 @@ import runtime
 import serve
 import tokenizer
 from configurator import ServeConfig, parse
-from conftest import REPO, load_script, run_script, train_tiny_run
+from conftest import REPO, load_script, run_script, train_chat_demo, train_tiny_run
 from model import GPT, GPTConfig
 
 KEY = "test-key-123"
@@ -126,17 +125,7 @@ def test_a_failing_request_ends_alone():
 def demo(tmp_path_factory):
     """(out_dir, held-out conversations) of a shortened chat demo run."""
     root = tmp_path_factory.mktemp("serve_demo")
-    data = root / "data"
-    load_script("data/chat/synthetic.py").main([f"--out_dir={data}", "--n=4000", "--n_heldout=40", "--seed=0"])
-    load_script("data/train_tokenizer.py").main(["--input", str(data / "text.txt"), "--vocab_size=512", f"--out_dir={data}"])
-    load_script("data/chat/prepare.py").main(["--input", str(data / "train.jsonl"), f"--tokenizer={data / 'tokenizer.json'}",
-                                              f"--out_dir={data}", "--block_size=128"])
-    steps = 100
-    result = run_script("train.py", "config/chat_demo_cpu.py", f"--dataset={data}", f"--out_dir={root / 'out'}",
-                        f"--max_iters={steps}", f"--lr_decay_iters={steps}", f"--eval_interval={steps}", "--eval_iters=2")
-    assert result.returncode == 0, result.stderr
-    heldout = [json.loads(line) for line in (data / "heldout.jsonl").read_text().splitlines()]
-    return root / "out", heldout
+    return train_chat_demo(root, n=4000, n_heldout=40, steps=100)
 
 
 @pytest.fixture(scope="module")
