@@ -52,7 +52,8 @@ def test_gpt2_offline_in_a_fresh_process(tmp_path):
         print(encode("Hello world"), enc.encode_ordinary("Hello world"), encode("<|endoftext|>"), enc.eot_token,
               tokenizer.eot({{"kind": "tiktoken", "name": "gpt2"}}), enc.n_vocab, enc.name, decode([15496, 995]))
     """))
-    result = run_script(script, env={"TIKTOKEN_CACHE_DIR": str(tmp_path / "empty-cache")})
+    # isolated: the script breaks socket for good, which in this worker would fail every later test that connects
+    result = run_script(script, env={"TIKTOKEN_CACHE_DIR": str(tmp_path / "empty-cache")}, isolated=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split("\n")[0] == "[15496, 995] [15496, 995] [50256] 50256 50256 50257 gpt2 Hello world"
     assert not (tmp_path / "empty-cache").exists()  # nothing was fetched, nothing cached
