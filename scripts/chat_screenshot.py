@@ -22,28 +22,16 @@ FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--dis
 MESSAGES = ("My name is Dovaki.", "Reverse: sule pova kire", "What is my name?")
 
 
-def open_browser(profile, size=(1100, 900), tries=3):
-    """Headless Chromium under chromedriver, with a fresh profile in the directory `profile`.
-    chromedriver is started again when selenium cannot reach it in time (once, at the end of a full
-    make test on a busy 2-core machine, it was not answering after selenium's 35 s); its log goes
-    to `profile`/chromedriver.log, and the last try's error names it."""
+def open_browser(profile, size=(1100, 900)):
+    """Headless Chromium under chromedriver, with a fresh profile in the directory `profile`."""
     from selenium import webdriver
-    from selenium.common.exceptions import WebDriverException
     from selenium.webdriver.chrome.service import Service
 
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     for flag in (*FLAGS, f"--user-data-dir={profile}", f"--window-size={size[0]},{size[1]}"):
         options.add_argument(flag)
-    log = os.path.join(profile, "chromedriver.log")
-    for attempt in range(1, tries + 1):
-        service = Service(CHROMEDRIVER, log_output=log)
-        try:
-            return webdriver.Chrome(service=service, options=options)
-        except WebDriverException as e:
-            service.stop()  # the chromedriver that did not answer
-            if attempt == tries:
-                raise WebDriverException(f"{e.msg} ({tries} tries; chromedriver's log: {log})") from e
+    return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
 
 
 def set_field(driver, element_id, value):
