@@ -10,12 +10,14 @@ batch at a time (sample.py, chat.py), or many requests decoded together as they 
 
 Reads top to bottom: loading, sampling one token, the single-sequence-length cache with
 generate_tokens (the window that slides past block_size), then the batch cache whose rows each
-have their own length, and the Engine that runs one decoding step over all of its rows.
+have their own length (and the packed step over them), and the Engine that runs one forward pass
+per step over all of its rows and the prompts that join them.
 """
 
 import collections
 import contextlib
 import io
+import itertools
 import os
 import random
 import threading
@@ -211,47 +213,77 @@ class BatchCache:
             k[:, :, :, :have], v[:, :, :, :have] = self.k, self.v
         self.k, self.v = k, v
 
-    def put(self, row, kv, b, n):
-        """Row `row` becomes the first n positions of row b of KVCache kv (a prefill)."""
-        self._ensure(n, kv.k)
-        self.k[:, row, :, :n], self.v[:, row, :, :n] = kv.k[:, b, :, :n], kv.v[:, b, :, :n]
-        self.lengths[row] = n
-
     def move(self, src, dst):
         n = self.lengths[src]
         self.k[:, dst, :, :n], self.v[:, dst, :, :n] = self.k[:, src, :, :n], self.v[:, src, :, :n]
         self.lengths[dst] = n
 
-    def step(self, n, device):
-        """The cache GPT.forward takes for one new token in each of rows 0..n-1."""
-        return _Step(self, n, device)
+    def packed(self, n, prompts, device):
+        """The cache GPT.forward takes for one step of a server: a new token in each of rows
+        0..n-1, and the whole prompt of each new row n, n+1, ..., packed into one sequence."""
+        return Packed(self, n, [len(p) for p in prompts], device)
 
 
-class _Step:
-    """Rows 0..n-1 of a BatchCache, each adding one token at its own position (length). GPT.forward
-    reads `length` for the positions and advances this copy of it; the Engine advances the cache's."""
+class Packed:
+    """One forward pass over the rows of a BatchCache, packed into a single sequence (1, N): rows
+    0..n-1 add one token each at their own position (length), and new rows n, n+1, ... add their
+    whole prompts from position 0. The matmuls so run over exactly the N real tokens, with no
+    padding and one pass for everything (decoding and prompts); attention runs sequence by
+    sequence: one masked pass over the cache for the decoding rows, one causal pass per prompt
+    over its own keys. GPT.forward reads `length`, every token's position; `last` is where each
+    row's logits are read (its token, or its prompt's last). The Engine advances the cache's lengths."""
 
-    def __init__(self, cache, n, device):
+    def __init__(self, cache, n, sizes, device):
         lengths = cache.lengths[:n]
-        end = max(lengths) + 1
-        if end > cache.room:
-            raise ValueError(f"a row of length {end} does not fit the cache's room of {cache.room}")
-        cache._ensure(end, cache.k)
-        self.cache, self.n, self.end = cache, n, end
-        self.length = torch.tensor(lengths, device=device)  # (n,): where each row's new token goes
-        self.rows = torch.arange(n, device=device)
-        # key j is seen by row r's query when j <= lengths[r]: its cached keys and its new one
-        self.mask = (torch.arange(end, device=device)[None, :] <= self.length[:, None])[:, None, None, :]  # (n, 1, 1, end)
+        self.end_decoding = max(lengths, default=-1) + 1  # the decoding rows' keys, new ones included
+        self.end = max(self.end_decoding, *sizes, 0)
+        if self.end > cache.room:
+            raise ValueError(f"a row of length {self.end} does not fit the cache's room of {cache.room}")
+        if n + len(sizes) > cache.rows:
+            raise ValueError(f"{n + len(sizes)} rows do not fit the cache's {cache.rows}")
+        self.cache, self.n, self.sizes = cache, n, sizes
+        rows = list(range(n)) + [n + r for r, size in enumerate(sizes) for _ in range(size)]  # each token's row
+        positions = lengths + [j for size in sizes for j in range(size)]  # and its position there
+        ends = list(itertools.accumulate(sizes, initial=n))  # where each prompt starts in the packed sequence, then ends
+        last = list(range(n)) + [end - 1 for end in ends[1:]]  # each row's last token
+        N = len(rows)
+        index = torch.tensor(rows + positions + last, device=device)  # one tensor (one copy to a GPU) for the three
+        self.rows, self.positions, self.last = index[:N], index[N : 2 * N], index[2 * N :]
+        # (1, N): GPT.forward's positions, which it advances in place once every layer has run (self.positions
+        # with them: they are no longer read then)
+        self.length = self.positions[None]
+        if n:  # key j is seen by decoding row r's query when j <= lengths[r]: its cached keys and its new one
+            keys = torch.arange(self.end_decoding, device=device)
+            self.mask = (keys[None, :] <= self.positions[:n, None])[:, None, None, :]  # (n, 1, 1, end_decoding)
 
     def layer(self, i):
-        def store_and_get(k, v):  # (n, n_kv, 1, hs) each -> (n, n_kv, end, hs) each, and the mask
-            assert k.size(2) == 1, "a batch step adds one token per row"
-            c, n = self.cache, self.n
-            c.k[i, self.rows, :, self.length] = k[:, :, 0]  # (n, n_kv, hs) at each row's own position
-            c.v[i, self.rows, :, self.length] = v[:, :, 0]
-            return c.k[i, :n, :, : self.end], c.v[i, :n, :, : self.end], self.mask
+        return _PackedLayer(self, i)
 
-        return store_and_get
+
+class _PackedLayer:
+    """Layer i of a Packed step: what CausalSelfAttention calls (its attend)."""
+
+    def __init__(self, step, i):
+        self.step, self.i = step, i
+
+    def attend(self, q, k, v, attention):
+        """q (1, nh, N, hs), k and v (1, n_kv, N, hs) of the packed tokens: store every token's key
+        and value at its row and position, and return the attention output (1, nh, N, hs)."""
+        s, c, i = self.step, self.step.cache, self.i
+        c._ensure(s.end, k)
+        c.k[i, s.rows, :, s.positions] = k[0].transpose(0, 1)  # (N, n_kv, hs), each at its own row and position
+        c.v[i, s.rows, :, s.positions] = v[0].transpose(0, 1)
+        parts, n = [], s.n
+        if n:  # the decoding rows: one query each, over their cached keys (n, n_kv, end, hs), masked per row
+            end = s.end_decoding
+            y = attention(q[0, :, :n, None].transpose(0, 1), c.k[i, :n, :, :end], c.v[i, :n, :, :end], s.mask)
+            parts.append(y[:, :, 0].transpose(0, 1)[None])  # (n, nh, 1, hs) -> (1, nh, n, hs)
+        start = n
+        for size in s.sizes:  # each prompt over its own keys, causal: what it gets alone
+            part = slice(start, start + size)
+            parts.append(attention(q[:, :, part], k[:, :, part], v[:, :, part], None, True))
+            start += size
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
 
 # ---------------------------------------------------------------------------- the engine
@@ -283,14 +315,15 @@ class Request:
 
 class Engine:
     """Decodes every request it holds together: one forward pass per step over all active rows,
-    each row at its own position with its own stop. The requests that arrive between two steps are
-    prefilled together (their prompts in one padded pass) and join at the next step; one that
-    finishes or is cancelled leaves before the next step. At most `rows` run at once and
+    each row at its own position with its own stop. The requests that arrive between two steps
+    join at the next one: their prompts go into that same forward pass, packed after the active
+    rows' tokens, so a step that takes in new requests is still one pass. One that finishes or is
+    cancelled leaves before the next step. At most `rows` run at once and
     `waiting` wait; submit() refuses more (the server's 429). One thread owns the model."""
 
     def __init__(self, model, rows=16, waiting=64, room=None, device="cpu", autocast=contextlib.nullcontext, after_step=None):
         self.model, self.device, self.autocast = model, device, autocast
-        self.after_step = after_step or (lambda: None)  # called on the engine's thread after each prefill and step
+        self.after_step = after_step or (lambda: None)  # called on the engine's thread after each step
         self.rows, self.max_waiting = rows, waiting
         self.cache = BatchCache(model.config, rows, room or model.config.block_size)
         self.queue = collections.deque()
@@ -298,7 +331,7 @@ class Engine:
         self.lock = threading.Condition()
         self.closed = False
         self.held = 0  # requests submitted and not yet done: decoding, prefilling or waiting
-        self.steps = 0  # decoding steps run, for tests and /health
+        self.steps = 0  # steps (forward passes) run, for tests and /health
         self.thread = threading.Thread(target=self._run, name="inference-engine", daemon=True)
 
     def start(self):
@@ -336,14 +369,10 @@ class Engine:
                     new = [self.queue.popleft() for _ in range(min(len(self.queue), self.rows - len(self.active)))]
                 self._leave()
                 new = [request for request in new if self._guard([request], self._admit, request)]
-                if new:
-                    self._guard(new, self._prefill, new)
-                self._leave()
-                self.after_step()
-                if self.active:
-                    self._guard(list(self.active), self._step)
+                if self.active or new:
+                    self._guard([*self.active, *new], self._step, new)
                     self._leave()
-                    self.after_step()
+                self.after_step()
         for request in [*self.active, *self.queue]:
             self._finish(request, "cancelled")
         self.after_step()
@@ -373,31 +402,22 @@ class Engine:
                              f"of {self.cache.room}")
         return True
 
-    def _prefill(self, requests):
-        """The prompts of the requests that arrived since the last step, in one forward pass: padded
-        on the right to the longest, so causal attention alone keeps each row's real tokens from
-        seeing its padding (pad keys come after every real query). Each row's logits are read at its
-        last real token; its first n keys/values go into a free row of the batch cache."""
-        lengths = [len(r.ids) for r in requests]
-        T = max(lengths)
-        ids = torch.tensor([r.ids + [0] * (T - n) for r, n in zip(requests, lengths)], device=self.device)  # (B, T)
-        kv = KVCache(self.model.config, len(requests), T)
-        last = torch.tensor([b * T + n - 1 for b, n in enumerate(lengths)], device=self.device)  # (B,) in the flat B*T
-        logits, _ = self.model(ids, cache=kv, logits_at=last)  # (B, V)
-        greedy = logits.argmax(dim=-1).tolist()
-        for b, (request, n) in enumerate(zip(requests, lengths)):
-            self.cache.put(len(self.active), kv, b, n)
-            self.active.append(request)
-            self._guard([request], self._take, request, logits[b : b + 1], greedy[b])  # a failure here is this row's
-
-    def _step(self):
+    def _step(self, new):
+        """One forward pass for everything: the next token of every active row, and the prompts of
+        the `new` requests (those that arrived since the last step), which join as rows n, n+1, ...
+        All are packed into one sequence (BatchCache.packed), so a prompt costs its own tokens'
+        work and no pass of its own; each row's logits are read at its last token."""
         n = len(self.active)
-        tokens = torch.tensor([[r.last] for r in self.active], device=self.device)  # (n, 1)
-        logits, _ = self.model(tokens, cache=self.cache.step(n, self.device))
-        logits = logits[:, -1]  # (n, V)
+        step = self.cache.packed(n, [r.ids for r in new], self.device)
+        tokens = [r.last for r in self.active] + [t for r in new for t in r.ids]
+        logits, _ = self.model(torch.tensor([tokens], device=self.device), cache=step, logits_at=step.last)  # (n + new, V)
+        for j in range(n):
+            self.cache.lengths[j] += 1
+        for request in new:
+            self.cache.lengths[len(self.active)] = len(request.ids)
+            self.active.append(request)
         greedy = logits.argmax(dim=-1).tolist()  # every row's argmax in one read from the device
         for j, request in enumerate(self.active):
-            self.cache.lengths[j] += 1
             self._guard([request], self._take, request, logits[j : j + 1], greedy[j])  # a failure here is this row's
         self.steps += 1
 

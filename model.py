@@ -162,7 +162,9 @@ class CausalSelfAttention(nn.Module):
         (B, 1, T, hs/2), when the model uses RoPE. kv, when generating with a cache
         (inference.py): a function that stores this layer's new keys/values after the cached ones
         and returns them all, with the mask of the keys each query sees, or None when each row
-        holds its keys from position 0 up to the new ones (then causality fixes the mask)."""
+        holds its keys from position 0 up to the new ones (then causality fixes the mask); or,
+        for several sequences packed into one row, an object whose attend(q, k, v, self.attend)
+        stores them and returns the attention output (B, nh, T, hs)."""
         B, T, C = x.size()
         hs = self.head_size
         q, k, v = self.c_attn(x).split([C, self.n_kv_head * hs, self.n_kv_head * hs], dim=2)
@@ -172,17 +174,30 @@ class CausalSelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        causal, mask = True, None  # training, and several new tokens filling an empty cache
-        if kv is not None:
-            k, v, mask = kv(k, v)  # (B, n_kv, cached + T, hs); mask None or (B, 1, T, cached + T)
-            if mask is not None:  # rows of different lengths, padded: the cache says which keys are real
-                causal = False
-            elif T == 1:  # one new token sees every cached key: no mask (is_causal would leave it only the first)
-                causal = False
-            elif k.size(2) > T:  # several new tokens after cached ones: a conversation's next turn
-                # is_causal aligns its mask top-left; new token i must see every cached key and new ones up to i
-                mask = torch.ones(T, k.size(2), dtype=torch.bool, device=q.device).tril(k.size(2) - T)  # (T, cached + T)
-                causal = False
+        if kv is not None and hasattr(kv, "attend"):
+            # several sequences packed into one row (a server's step, inference.Engine): the cache
+            # stores their keys/values and runs attention sequence by sequence, through self.attend
+            y = kv.attend(q, k, v, self.attend)
+        else:
+            causal, mask = True, None  # training, and several new tokens filling an empty cache
+            if kv is not None:
+                k, v, mask = kv(k, v)  # (B, n_kv, cached + T, hs); mask None or (B, 1, T, cached + T)
+                if mask is not None:  # rows of different lengths, padded: the cache says which keys are real
+                    causal = False
+                elif T == 1:  # one new token sees every cached key: no mask (is_causal would leave it only the first)
+                    causal = False
+                elif k.size(2) > T:  # several new tokens after cached ones: a conversation's next turn
+                    # is_causal aligns its mask top-left; new token i must see every cached key and new ones up to i
+                    mask = torch.ones(T, k.size(2), dtype=torch.bool, device=q.device).tril(k.size(2) - T)  # (T, cached + T)
+                    causal = False
+            y = self.attend(q, k, v, mask, causal)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
+        return self.resid_dropout(self.c_proj(y))
+
+    def attend(self, q, k, v, mask=None, causal=False):
+        """Scaled dot-product attention of q (B, nh, T, hs) over k, v (B, n_kv, S, hs): (B, nh, T, hs).
+        mask: a boolean (.., T, S) of the keys each query sees, or causal=True for the usual
+        lower triangle (top-left aligned)."""
         groups = self.n_head // self.n_kv_head
         if groups > 1 and q.dtype == torch.float32 and q.device.type != "cpu":
             # GPU kernels share k/v heads in half precision only; in float32 SDPA would fall back
@@ -191,10 +206,8 @@ class CausalSelfAttention(nn.Module):
         # flash attention where the device has it; is_causal masks the future without building a
         # mask; enable_gqa lets each k/v head serve its group of q heads without copying it
         with sdpa_kernel(SDPA_BACKENDS[self.attention]) if self.attention != "auto" else nullcontext():
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
-                                               is_causal=causal, enable_gqa=k.size(1) != self.n_head)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
-        return self.resid_dropout(self.c_proj(y))
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
+                                                  is_causal=causal, enable_gqa=k.size(1) != self.n_head)
 
 
 class MLP(nn.Module):
@@ -324,12 +337,12 @@ class GPT(nn.Module):
         KVCache, idx continues the tokens already in it (at positions cache.length onward) and is
         added to it. logits_at (N,): only the logits of these positions of the flattened (B*T)
         batch, (N, vocab) (eval scores a few tokens per row: un-embedding the others would be most
-        of its work). cache.length is an int, or a (B,) tensor when each row has its own (a
-        server's batch: its cache checks the room)."""
+        of its work). cache.length is an int, or a (B,) tensor when each row has its own, or a (B, T)
+        tensor of every token's position (a server's packed batch, whose cache checks the room)."""
         B, T = idx.size()
         start = 0 if cache is None else cache.length
-        if torch.is_tensor(start):  # each row continues at its own position
-            pos = start[:, None] + torch.arange(T, device=idx.device)  # (B, T)
+        if torch.is_tensor(start):  # each row continues at its own position, or (B, T) each token has its own
+            pos = start if start.dim() == 2 else start[:, None] + torch.arange(T, device=idx.device)  # (B, T)
         else:
             if start + T > self.config.block_size:
                 raise ValueError(f"sequence of length {start + T} is longer than block_size {self.config.block_size}")

@@ -26,8 +26,10 @@ what batching alone gives, without HTTP, JSON and the client.
 and chat template) into --out_dir when it holds none: a speed measure only, its replies are noise,
 and the content check compares them with their solo replies all the same. --repeats runs the
 levels several times and prints each figure's median: on a shared machine single runs are noisy.
-The clients run on the same CPU as the server; they parse as little as they can, and the table
-gives the CPU they took (the client process's CPU time over the level's wall time).
+The clients run on the same CPU as the server, so they take as little of it as they can: aiohttp
+(its HTTP parser is C), only the lines up to a reply's first content parsed on the clock and the
+rest after the level. The table gives the CPU they took (the client process's CPU time over the
+level's wall time).
 """
 
 import argparse
@@ -41,6 +43,7 @@ import sys
 import time
 from pathlib import Path
 
+import aiohttp
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,37 +71,41 @@ PROMPTS = [
 
 
 async def stream_one(client, model, messages, max_tokens):
-    """(text, chunks with content, seconds to the first content chunk, seconds in all) of one streamed
-    chat completion at temperature 0."""
+    """(the data lines, seconds to the first content chunk, seconds in all) of one streamed chat
+    completion at temperature 0. Only the lines up to the first content are parsed while it runs;
+    the rest is read as bytes and parsed after the level (text_of), off the clock."""
     body = {"model": model, "messages": messages, "stream": True, "temperature": 0}
     if max_tokens:
         body["max_tokens"] = max_tokens
     start = time.perf_counter()
-    first, pieces = None, []
-    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-        if response.status_code != 200:
-            raise UserError(f"the server answered {response.status_code} under load: "
-                            f"{(await response.aread()).decode()[:300]} (429: raise serve.py's --max_waiting)")
-        async for line in response.aiter_lines():  # to the body's end, so the connection is kept for the next request
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            data = line[6:]
-            delta = json.loads(data)["choices"][0]["delta"] if '"content"' in data else {}
-            if delta.get("content"):
-                if first is None:
+    first, lines = None, []
+    async with client.post("/v1/chat/completions", json=body) as response:
+        if response.status != 200:
+            raise UserError(f"the server answered {response.status} under load: "
+                            f"{(await response.text())[:300]} (429: raise serve.py's --max_waiting)")
+        async for line in response.content:  # to the body's end, so the connection is kept for the next request
+            if line.startswith(b"data: {"):
+                lines.append(line)
+                if first is None and json.loads(line[6:])["choices"][0]["delta"].get("content"):
                     first = time.perf_counter() - start
-                pieces.append(delta["content"])
     total = time.perf_counter() - start
-    return "".join(pieces), len(pieces), total if first is None else first, total  # an empty reply: its end is its first token
+    return lines, total if first is None else first, total  # an empty reply: its end is its first token
+
+
+def text_of(lines):
+    """(reply text, content chunks) of a stream's data lines."""
+    chunks = [json.loads(line[6:]) for line in lines]
+    pieces = [piece for c in chunks if c["choices"] and (piece := c["choices"][0]["delta"].get("content"))]
+    return "".join(pieces), len(pieces)
 
 
 async def solo(client, model, messages, max_tokens):
     """(reply, completion tokens) of one request alone, not streamed."""
     body = {"model": model, "messages": messages, "temperature": 0, **({"max_tokens": max_tokens} if max_tokens else {})}
-    response = await client.post("/v1/chat/completions", json=body)
-    if response.status_code != 200:
-        raise UserError(f"the server answered {response.status_code} to a solo request: {response.text[:300]}")
-    reply = response.json()
+    async with client.post("/v1/chat/completions", json=body) as response:
+        if response.status != 200:
+            raise UserError(f"the server answered {response.status} to a solo request: {(await response.text())[:300]}")
+        reply = await response.json()
     return reply["choices"][0]["message"]["content"], reply["usage"]["completion_tokens"]
 
 
@@ -121,6 +128,7 @@ async def level(client, model, clients, n_requests, references, max_tokens):
     start, cpu = time.perf_counter(), time.process_time()
     await asyncio.gather(*(worker() for _ in range(clients)))
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    results = [(i, *text_of(lines), first, total) for i, lines, first, total in results]
     wrong = [(i, text) for i, text, *_ in results if text != references[i][0]]
     tokens = sum(references[i][1] if text == references[i][0] else chunks for i, text, chunks, *_ in results)
     ttft = sorted(r[3] for r in results)
@@ -135,12 +143,13 @@ def nearest_rank(sorted_values, p):
 
 async def measure(url, api_key, levels, args):
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=max(levels) + 4, max_keepalive_connections=max(levels) + 4)
-    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600, limits=limits) as client:
-        models = await client.get("/v1/models")
-        if models.status_code != 200:
-            raise UserError(f"GET /v1/models answered {models.status_code}: {models.text[:300]}")
-        model = models.json()["data"][0]["id"]
+    connector = aiohttp.TCPConnector(limit=max(levels) + 4)
+    timeout = aiohttp.ClientTimeout(600)
+    async with aiohttp.ClientSession(url, headers=headers, connector=connector, timeout=timeout) as client:
+        async with client.get("/v1/models") as models:
+            if models.status != 200:
+                raise UserError(f"GET /v1/models answered {models.status}: {(await models.text())[:300]}")
+            model = (await models.json())["data"][0]["id"]
         references = [await solo(client, model, messages, args.max_tokens) for messages in PROMPTS]
         for i, (reply, n) in enumerate(references):
             print(f"solo {i}: {n} tokens: {reply!r}", file=sys.stderr)
@@ -295,7 +304,7 @@ def served_runs(args, levels):
     process, url = (None, args.url.rstrip("/")) if args.url else start_server(args.out_dir, args.serve_args.split())
     try:
         return asyncio.run(measure(url, args.api_key, levels, args))
-    except httpx.TransportError as e:
+    except aiohttp.ClientConnectionError as e:
         raise UserError(f"cannot talk to {url}: {e}; start serve.py there, or leave --url out to start one")
     finally:
         if process is not None:

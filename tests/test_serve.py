@@ -56,7 +56,7 @@ def test_engine_rows_of_any_length_give_solo_greedy_tokens(shape):
     outs, ends, done = [[] for _ in prompts], [None] * len(prompts), threading.Semaphore(0)
     peak = []
     step = engine._step
-    engine._step = lambda: (peak.append(len(engine.active)), step())[1]
+    engine._step = lambda new: (peak.append(len(engine.active) + len(new)), step(new))[1]
     for i, (p, n) in enumerate(zip(prompts, budgets)):
         assert engine.submit(inference.Request(p, n, outs[i].append, lambda *end, i=i: (ends.__setitem__(i, end), done.release()),
                                                temperature=0))
@@ -70,9 +70,9 @@ def test_engine_rows_of_any_length_give_solo_greedy_tokens(shape):
 @pytest.mark.parametrize("shape", [{}, dict(n_kv_head=1, pos_encoding="rope", norm="rmsnorm", mlp="swiglu", bias=False)],
                          ids=["gpt2", "llama"])
 def test_requests_prefilled_together_give_solo_greedy_tokens(shape):
-    """Five requests queued before the engine starts are prefilled in one padded pass (prompts of
-    1 to 19 tokens), then decoded together: each gets, token for token, generate()'s greedy tokens
-    for its prompt alone."""
+    """Five requests queued before the engine starts are prefilled in one pass, their prompts (1 to
+    19 tokens) packed into one sequence, then decoded together: each gets, token for token,
+    generate()'s greedy tokens for its prompt alone."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=50, n_layer=2, n_head=2, n_embd=32, block_size=64, **shape)).eval()
     with torch.no_grad():  # far from the init: peaked next-token distributions, no near-ties
@@ -83,15 +83,15 @@ def test_requests_prefilled_together_give_solo_greedy_tokens(shape):
     solo = [inference.generate(model, torch.tensor([p]), n, temperature=0)[0, len(p) :].tolist() for p, n in zip(prompts, budgets)]
     engine = inference.Engine(model, rows=8)
     outs, done, batches = [[] for _ in prompts], threading.Semaphore(0), []
-    prefill = engine._prefill
-    engine._prefill = lambda requests: (batches.append(len(requests)), prefill(requests))[1]
+    step = engine._step
+    engine._step = lambda new: (batches.append(len(new)), step(new))[1]
     for i, (p, n) in enumerate(zip(prompts, budgets)):
         assert engine.submit(inference.Request(p, n, outs[i].append, lambda *end: done.release(), temperature=0))
     engine.start()
     for _ in prompts:
         assert done.acquire(timeout=60)
     engine.close()
-    assert batches == [5] and outs == solo
+    assert batches[0] == 5 and set(batches[1:]) == {0} and outs == solo
 
 
 def test_a_failing_request_ends_alone():
@@ -268,21 +268,21 @@ def test_openai_client_gets_sample_py_continuation(base, base_server):
 def held(engine, until):
     """Keep the engine from prefilling until until() is true: the requests sent meanwhile are
     all queued when it goes on. Yields the row counts of the decoding steps that ran."""
-    prefill, step, rows, opened = engine._prefill, engine._step, [], []
+    step, rows, opened = engine._step, [], []
 
-    def gated_prefill(request):
+    def gated_step(new):
         deadline = time.monotonic() + 30
-        while not opened and not until() and time.monotonic() < deadline:
+        while new and not opened and not until() and time.monotonic() < deadline:
             time.sleep(0.005)
         opened.append(True)  # once open, it stays open
-        prefill(request)
+        rows.append(len(engine.active) + len(new))
+        step(new)
 
-    engine._prefill = gated_prefill
-    engine._step = lambda: (rows.append(len(engine.active)), step())[1]
+    engine._step = gated_step
     try:
         yield rows
     finally:
-        engine._prefill, engine._step = prefill, step
+        engine._step = step
 
 
 def concurrently(fns):
@@ -322,19 +322,18 @@ def test_a_request_joining_mid_generation_gets_its_solo_reply(demo, chat_server)
     late = {"model": name, "messages": [{"role": "user", "content": user_messages(heldout, 1)[0]}], "temperature": 0, "max_tokens": 30}
     alone = [solo(chat_server, long, "/v1/completions"), solo(chat_server, late)]
     engine, seen = chat_server.engine, []
-    step, prefill = engine._step, engine._prefill
+    step = engine._step
 
-    def paused_step():  # after the long one's 8th token, no step until the late one is queued (or has joined)
+    def paused_step(new):  # after the long one's 8th token, no step until the late one is queued (or has joined)
         deadline = time.monotonic() + 30
-        while engine.active[0].generated >= 8 and engine.held < 2 and len(seen) < 2 and time.monotonic() < deadline:
+        while (engine.active and engine.active[0].generated >= 8 and engine.held < 2 and len(seen) < 2
+               and time.monotonic() < deadline):
             time.sleep(0.005)
-        step()
+        if new:  # who is decoding when a request joins
+            seen.append([(r.ids == new[0].ids, r.generated, r.finished) for r in engine.active])
+        step(new)
 
-    def recorded_prefill(requests):
-        seen.append([(r.ids == requests[0].ids, r.generated, r.finished) for r in engine.active])
-        prefill(requests)
-
-    engine._step, engine._prefill = paused_step, recorded_prefill
+    engine._step = paused_step
     try:
         c = client(chat_server)
         stream = c.completions.create(**long, stream=True)
@@ -344,7 +343,7 @@ def test_a_request_joining_mid_generation_gets_its_solo_reply(demo, chat_server)
         late_reply = c.chat.completions.create(**late).choices[0].message.content
         long_reply = "".join(ch.choices[0].text for ch in stream)
     finally:
-        engine._step, engine._prefill = step, prefill
+        engine._step = step
     assert [long_reply, late_reply] == alone
     assert seen[0] == [] and len(seen[1]) == 1 and seen[1][0][1] >= 8 and seen[1][0][2] is None  # it joined a running batch
 
@@ -487,7 +486,7 @@ def test_a_client_that_hangs_up_frees_its_row_at_once(demo, chat_server):
     out_dir, _ = demo
     s, engine, ends = chat_server, chat_server.engine, []
     step, finish = engine._step, engine._finish
-    engine._step = lambda: (time.sleep(0.02), step())[1]  # slow enough that the reply could not finish meanwhile
+    engine._step = lambda new: (time.sleep(0.02), step(new))[1]  # slow enough that the reply could not finish meanwhile
     engine._finish = lambda request, reason: (ends.append((reason, request.generated)), finish(request, reason))[1]
     try:
         body = {"model": s.server.name, "prompt": "Hi, I'm Zuvaki.", "max_tokens": 100, "temperature": 0, "stream": True}

@@ -96,12 +96,12 @@ def engine_held(engine, after_steps):
     Event set once it has stopped there."""
     step, count, reached, release = engine._step, [0], threading.Event(), threading.Event()
 
-    def held():
-        count[0] += 1
-        if count[0] == after_steps:
+    def held(new):
+        count[0] += bool(engine.active)  # a decoding step (a pass of prompts alone is not one)
+        if count[0] == after_steps and engine.active:
             reached.set()
             release.wait(60)
-        return step()
+        return step(new)
 
     engine._step = held
     try:
