@@ -40,6 +40,40 @@ KEY = "test-key-123"
 
 @pytest.mark.parametrize("shape", [{}, dict(n_kv_head=1, pos_encoding="rope", norm="rmsnorm", mlp="swiglu", bias=False)],
                          ids=["gpt2", "llama"])
+def test_a_packed_step_gives_each_sequence_its_own_logits(shape):
+    """One packed pass that decodes two rows (at positions 6 and 11) and takes in two new prompts
+    (4 and 9 tokens) gives each of the four the logits the plain forward gives its own sequence
+    alone, and leaves in the cache the keys a later step needs: a second packed pass (three rows
+    decoding, a fifth prompt joining) matches too. Learned positions and RoPE alike."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50, n_layer=2, n_head=4, n_embd=32, block_size=32, **shape)).eval()
+    seqs = [torch.randint(0, 50, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (6, 11, 4, 9, 3)]
+
+    def alone(seq):  # the last position's logits of the plain forward, no cache
+        return model(torch.tensor([seq]))[0][0, -1]
+
+    cache = inference.BatchCache(model.config, rows=5, room=32)
+    with torch.inference_mode():
+        step = cache.packed(0, [s[:-1] for s in seqs[:2]], "cpu")  # the first two come in as prompts, less their last token
+        model(torch.tensor([seqs[0][:-1] + seqs[1][:-1]]), cache=step, logits_at=step.last)
+        cache.lengths[:2] = [len(s) - 1 for s in seqs[:2]]
+        # rows 0 and 1 decode their last token; rows 2 and 3 take in whole prompts
+        step = cache.packed(2, seqs[2:4], "cpu")
+        logits, _ = model(torch.tensor([[seqs[0][-1], seqs[1][-1], *seqs[2], *seqs[3]]]), cache=step, logits_at=step.last)
+        assert logits.shape == (4, 50)
+        for got, seq in zip(logits, seqs[:4]):
+            torch.testing.assert_close(got, alone(seq), rtol=1e-5, atol=1e-5)
+        cache.lengths[:4] = [len(s) for s in seqs[:4]]
+        nexts = [7, 8, 9]  # rows 0, 1 and 2 decode one more token each; row 3 waits; a fifth prompt joins as row 3
+        cache.move(3, 4)  # (the Engine keeps rows 0..n-1 in use: row 3's sequence steps aside to row 4)
+        step = cache.packed(3, [seqs[4]], "cpu")
+        logits, _ = model(torch.tensor([[*nexts, *seqs[4]]]), cache=step, logits_at=step.last)
+        for got, seq in zip(logits, [seqs[0] + [7], seqs[1] + [8], seqs[2] + [9], seqs[4]]):
+            torch.testing.assert_close(got, alone(seq), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [{}, dict(n_kv_head=1, pos_encoding="rope", norm="rmsnorm", mlp="swiglu", bias=False)],
+                         ids=["gpt2", "llama"])
 def test_engine_rows_of_any_length_give_solo_greedy_tokens(shape):
     """Seven requests of different prompt lengths and budgets through an engine of three rows
     (four wait, join as rows free up, rows move when others leave) give, token for token,
