@@ -11,6 +11,7 @@ the time; inductor's cache is shared, so only the first launch of a kind compile
   fsdp       FSDP2, compiled, 8 steps
 Every run evaluates 3 batches on 2 ranks, so one rank evaluates a padded batch (step.evaluate)."""
 
+import gc
 import json
 import os
 import shutil
@@ -18,6 +19,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import weakref
 
 import numpy as np
 import pytest
@@ -236,44 +238,55 @@ def test_every_rank_evaluates_one_shape_and_each_window_counts_once(monkeypatch,
     assert (loss_sum / count).item() == pytest.approx(reference.item(), rel=1e-6)
 
 
+def ddp_gradient_bytes():
+    """(bytes held by gradients and buckets at each measure, the raw model, its parameters, a weak
+    reference to the DDP model) of three steps of the DDP train_model that wrap.build makes, in the
+    process group already made. Nothing else refers to the DDP model when this returns."""
+    # a one-process group: DDP builds its reducer and buckets as with more ranks. The Runtime
+    # says two ranks so that build wraps the model in DDP
+    rt = runtime.Runtime("cpu", "cpu", torch.float32, rank=0, local_rank=0, world_size=2)
+    cfg = TrainConfig(device="cpu", compile=False, n_layer=2, n_head=4, n_embd=32, block_size=16, dropout=0.0, bias=False)
+    torch.manual_seed(0)
+    raw_model = GPT(GPTConfig(**TINY))
+    _, train_model, optimizer, scaler = build(raw_model, cfg, rt)
+    assert isinstance(train_model, torch.nn.parallel.DistributedDataParallel)
+    buckets = {}
+
+    def recording_allreduce(state, bucket):
+        buckets[bucket.index()] = bucket.buffer()
+        return allreduce_hook(dist.group.WORLD, bucket)
+
+    train_model.register_comm_hook(None, recording_allreduce)
+    params = list(raw_model.parameters())
+    held = []
+
+    def measure(*_):  # the bytes of every distinct storage that a gradient or a bucket lives in
+        tensors = [*buckets.values(), *(p.grad for p in params if p.grad is not None)]
+        held.append(sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values()))
+
+    data = np.random.default_rng(0).integers(0, 65, size=4000).astype(np.uint16)
+    batches = TrainBatches(data, 4, 16, 0, rt)
+    run_step = lambda: step.train_step(train_model, optimizer, scaler, batches, 1e-3, 2, 1.0, rt)
+    for _ in range(2):  # DDP makes its buckets again in the order of the first backward, at the second step
+        run_step()
+    for p in params:  # after each gradient is accumulated, in every micro-step's backward
+        p.register_post_accumulate_grad_hook(measure)
+    for _ in range(3):
+        run_step()
+        measure()
+    return held, raw_model, params, weakref.ref(train_model)
+
+
 def test_ddp_holds_one_set_of_gradients_its_buckets(tmp_path):
     """The DDP train_model that wrap.build makes keeps gradients as views into its all-reduce
     buckets through every micro-step (no_sync ones too) and from step to step: the bytes held by
     the gradients and the buckets together are memory.gradient_bytes, one float32 per parameter."""
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
-        # a one-process group: DDP builds its reducer and buckets as with more ranks. The Runtime
-        # says two ranks so that build wraps the model in DDP
-        rt = runtime.Runtime("cpu", "cpu", torch.float32, rank=0, local_rank=0, world_size=2)
-        cfg = TrainConfig(device="cpu", compile=False, n_layer=2, n_head=4, n_embd=32, block_size=16, dropout=0.0, bias=False)
-        torch.manual_seed(0)
-        raw_model = GPT(GPTConfig(**TINY))
-        _, train_model, optimizer, scaler = build(raw_model, cfg, rt)
-        assert isinstance(train_model, torch.nn.parallel.DistributedDataParallel)
-        buckets = {}
-
-        def recording_allreduce(state, bucket):
-            buckets[bucket.index()] = bucket.buffer()
-            return allreduce_hook(dist.group.WORLD, bucket)
-
-        train_model.register_comm_hook(None, recording_allreduce)
-        params = list(raw_model.parameters())
-        held = []
-
-        def measure(*_):  # the bytes of every distinct storage that a gradient or a bucket lives in
-            tensors = [*buckets.values(), *(p.grad for p in params if p.grad is not None)]
-            held.append(sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values()))
-
-        data = np.random.default_rng(0).integers(0, 65, size=4000).astype(np.uint16)
-        batches = TrainBatches(data, 4, 16, 0, rt)
-        run_step = lambda: step.train_step(train_model, optimizer, scaler, batches, 1e-3, 2, 1.0, rt)
-        for _ in range(2):  # DDP makes its buckets again in the order of the first backward, at the second step
-            run_step()
-        for p in params:  # after each gradient is accumulated, in every micro-step's backward
-            p.register_post_accumulate_grad_hook(measure)
-        for _ in range(3):
-            run_step()
-            measure()
+        held, raw_model, params, ddp = ddp_gradient_bytes()
+        gc.collect()  # DDP and its reducer let go of the group before the group is destroyed: in the other
+        # order ProcessGroupGloo's destructor, run when the reducer went, once hung joining its threads
+        assert ddp() is None
     finally:
         dist.destroy_process_group()
     assert len(held) == 3 * (2 * len(params) + 1)
