@@ -246,12 +246,10 @@ class Packed:
         positions = lengths + [j for size in sizes for j in range(size)]  # and its position there
         ends = list(itertools.accumulate(sizes, initial=n))  # where each prompt starts in the packed sequence, then ends
         last = list(range(n)) + [end - 1 for end in ends[1:]]  # each row's last token
-        N = len(rows)
-        index = torch.tensor(rows + positions + last, device=device)  # one tensor (one copy to a GPU) for the three
-        self.rows, self.positions, self.last = index[:N], index[N : 2 * N], index[2 * N :]
-        # (1, N): GPT.forward's positions, which it advances in place once every layer has run (self.positions
-        # with them: they are no longer read then)
-        self.length = self.positions[None]
+        # tensors of their own, none a view of another: a compiled model (serve.py --compile) takes them
+        # as inputs, and inputs that share memory are guarded on as one
+        self.rows, self.positions, self.last = (torch.tensor(x, device=device) for x in (rows, positions, last))
+        self.length = torch.tensor([positions], device=device)  # (1, N): GPT.forward's positions, which it advances
         if n:  # key j is seen by decoding row r's query when j <= lengths[r]: its cached keys and its new one
             keys = torch.arange(self.end_decoding, device=device)
             self.mask = (keys[None, :] <= self.positions[:n, None])[:, None, None, :]  # (n, 1, 1, end_decoding)
@@ -266,6 +264,8 @@ class _PackedLayer:
     def __init__(self, step, i):
         self.step, self.i = step, i
 
+    @torch.compiler.disable  # a compiled model (serve.py --compile) runs this part as it is: its loop over the
+    # prompts and its writes into the cache would otherwise be traced, and guarded on, step by step
     def attend(self, q, k, v, attention):
         """q (1, nh, N, hs), k and v (1, n_kv, N, hs) of the packed tokens: store every token's key
         and value at its row and position, and return the attention output (1, nh, N, hs)."""

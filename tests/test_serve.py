@@ -128,6 +128,29 @@ def test_requests_prefilled_together_give_solo_greedy_tokens(shape):
     assert batches[0] == 5 and set(batches[1:]) == {0} and outs == solo
 
 
+def test_a_compiled_model_in_the_engine_gives_solo_greedy_tokens():
+    """serve.py --compile: the engine's packed steps through a torch.compile'd model (prompts joining
+    a decoding row, rows of three lengths) give, token for token, generate()'s greedy tokens of the
+    model as it was. The packed attention runs outside the compiled graphs, which take the rest."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50, n_layer=2, n_head=2, n_embd=32, block_size=64)).eval()
+    with torch.no_grad():  # far from the init: peaked next-token distributions, no near-ties
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    prompts = [torch.randint(0, 50, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 9, 1, 20, 5)]
+    budgets = [10, 7, 12, 6, 9]
+    solo = [inference.generate(model, torch.tensor([p]), n, temperature=0)[0, len(p) :].tolist() for p, n in zip(prompts, budgets)]
+    model.compile()
+    engine = inference.Engine(model, rows=3, waiting=10).start()
+    outs, done = [[] for _ in prompts], threading.Semaphore(0)
+    for i, (p, n) in enumerate(zip(prompts, budgets)):
+        assert engine.submit(inference.Request(p, n, outs[i].append, lambda *end: done.release(), temperature=0))
+    for _ in prompts:
+        assert done.acquire(timeout=300)
+    engine.close()
+    assert outs == solo
+
+
 def test_a_failing_request_ends_alone():
     """A request whose token callback raises ends with finish_reason 'error' and the message; the
     request decoded beside it in the same steps still gets its solo tokens."""
