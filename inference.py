@@ -108,13 +108,13 @@ class KVCache:
     def layer(self, i):
         """The `kv` function CausalSelfAttention calls for layer i."""
 
-        def store_and_get(k, v):  # (B, n_kv, T, hs) each -> (B, n_kv, length + T, hs) each, no mask
+        def store_and_get(k, v):  # (B, n_kv, T, hs) each -> (B, n_kv, length + T, hs) each
             if self.k is None:
                 self.k, self.v = (k.new_empty(self.shape) for _ in range(2))
             end = self.length + k.size(2)
             self.k[i, :, :, self.length : end] = k
             self.v[i, :, :, self.length : end] = v
-            return self.k[i, :, :, :end], self.v[i, :, :, :end], None
+            return self.k[i, :, :, :end], self.v[i, :, :, :end]
 
         return store_and_get
 

@@ -161,10 +161,9 @@ class CausalSelfAttention(nn.Module):
         """x (B, T, C). rope: the (cos, sin) tables of these T positions, (T, hs/2) or per row
         (B, 1, T, hs/2), when the model uses RoPE. kv, when generating with a cache
         (inference.py): a function that stores this layer's new keys/values after the cached ones
-        and returns them all, with the mask of the keys each query sees, or None when each row
-        holds its keys from position 0 up to the new ones (then causality fixes the mask); or,
-        for several sequences packed into one row, an object whose attend(q, k, v, self.attend)
-        stores them and returns the attention output (B, nh, T, hs)."""
+        and returns them all (each row holds its keys from position 0 up to the new ones, so
+        causality fixes the mask); or, for several sequences packed into one row, an object whose
+        attend(q, k, v, self.attend) stores them and returns the attention output (B, nh, T, hs)."""
         B, T, C = x.size()
         hs = self.head_size
         q, k, v = self.c_attn(x).split([C, self.n_kv_head * hs, self.n_kv_head * hs], dim=2)
@@ -181,10 +180,8 @@ class CausalSelfAttention(nn.Module):
         else:
             causal, mask = True, None  # training, and several new tokens filling an empty cache
             if kv is not None:
-                k, v, mask = kv(k, v)  # (B, n_kv, cached + T, hs); mask None or (B, 1, T, cached + T)
-                if mask is not None:  # rows of different lengths, padded: the cache says which keys are real
-                    causal = False
-                elif T == 1:  # one new token sees every cached key: no mask (is_causal would leave it only the first)
+                k, v = kv(k, v)  # (B, n_kv, cached + T, hs): each row's keys from position 0
+                if T == 1:  # one new token sees every cached key: no mask (is_causal would leave it only the first)
                     causal = False
                 elif k.size(2) > T:  # several new tokens after cached ones: a conversation's next turn
                     # is_causal aligns its mask top-left; new token i must see every cached key and new ones up to i
@@ -337,12 +334,12 @@ class GPT(nn.Module):
         KVCache, idx continues the tokens already in it (at positions cache.length onward) and is
         added to it. logits_at (N,): only the logits of these positions of the flattened (B*T)
         batch, (N, vocab) (eval scores a few tokens per row: un-embedding the others would be most
-        of its work). cache.length is an int, or a (B,) tensor when each row has its own, or a (B, T)
-        tensor of every token's position (a server's packed batch, whose cache checks the room)."""
+        of its work). cache.length is an int, or a (B, T) tensor of every token's position (a
+        server's packed batch, whose cache checks the room)."""
         B, T = idx.size()
         start = 0 if cache is None else cache.length
-        if torch.is_tensor(start):  # each row continues at its own position, or (B, T) each token has its own
-            pos = start if start.dim() == 2 else start[:, None] + torch.arange(T, device=idx.device)  # (B, T)
+        if torch.is_tensor(start):  # (B, T): each token's own position (a server's packed step)
+            pos = start
         else:
             if start + T > self.config.block_size:
                 raise ValueError(f"sequence of length {start + T} is longer than block_size {self.config.block_size}")

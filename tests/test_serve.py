@@ -37,9 +37,31 @@ KEY = "test-key-123"
 
 # ---------------------------------------------------------------------------- the engine itself
 
+SHAPES = [{}, dict(n_kv_head=1, pos_encoding="rope", norm="rmsnorm", mlp="swiglu", bias=False)]  # GPT-2's block, Llama's
 
-@pytest.mark.parametrize("shape", [{}, dict(n_kv_head=1, pos_encoding="rope", norm="rmsnorm", mlp="swiglu", bias=False)],
-                         ids=["gpt2", "llama"])
+
+def peaked_model(**shape):
+    """A small GPT (vocab 50, 2 layers, context 64) with weights spread far from the init: peaked
+    next-token distributions, so greedy tokens have no near-ties."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50, n_layer=2, n_head=2, n_embd=32, block_size=64, **shape)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    return model
+
+
+def token_lists(*lengths):
+    """A fixed list of token ids (under 50) of each length."""
+    return [torch.randint(0, 50, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in lengths]
+
+
+def solo_greedy(model, prompts, budgets):
+    """generate()'s greedy new tokens for each prompt alone."""
+    return [inference.generate(model, torch.tensor([p]), n, temperature=0)[0, len(p) :].tolist() for p, n in zip(prompts, budgets)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=["gpt2", "llama"])
 def test_a_packed_step_gives_each_sequence_its_own_logits(shape):
     """One packed pass that decodes two rows (at positions 6 and 11) and takes in two new prompts
     (4 and 9 tokens) gives each of the four the logits the plain forward gives its own sequence
@@ -47,7 +69,7 @@ def test_a_packed_step_gives_each_sequence_its_own_logits(shape):
     decoding, a fifth prompt joining) matches too. Learned positions and RoPE alike."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=50, n_layer=2, n_head=4, n_embd=32, block_size=32, **shape)).eval()
-    seqs = [torch.randint(0, 50, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (6, 11, 4, 9, 3)]
+    seqs = token_lists(6, 11, 4, 9, 3)
 
     def alone(seq):  # the last position's logits of the plain forward, no cache
         return model(torch.tensor([seq]))[0][0, -1]
@@ -72,20 +94,14 @@ def test_a_packed_step_gives_each_sequence_its_own_logits(shape):
             torch.testing.assert_close(got, alone(seq), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("shape", [{}, dict(n_kv_head=1, pos_encoding="rope", norm="rmsnorm", mlp="swiglu", bias=False)],
-                         ids=["gpt2", "llama"])
+@pytest.mark.parametrize("shape", SHAPES, ids=["gpt2", "llama"])
 def test_engine_rows_of_any_length_give_solo_greedy_tokens(shape):
     """Seven requests of different prompt lengths and budgets through an engine of three rows
     (four wait, join as rows free up, rows move when others leave) give, token for token,
     generate()'s greedy tokens for each prompt alone."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=50, n_layer=2, n_head=2, n_embd=32, block_size=64, **shape)).eval()
-    with torch.no_grad():  # far from the init: peaked next-token distributions, no near-ties
-        for p in model.parameters():
-            p.normal_(0, 0.3)
-    prompts = [torch.randint(0, 50, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 9, 1, 20, 5, 2, 14)]
-    budgets = [20, 7, 25, 12, 3, 30, 16]
-    solo = [inference.generate(model, torch.tensor([p]), n, temperature=0)[0, len(p) :].tolist() for p, n in zip(prompts, budgets)]
+    model = peaked_model(**shape)
+    prompts, budgets = token_lists(3, 9, 1, 20, 5, 2, 14), [20, 7, 25, 12, 3, 30, 16]
+    solo = solo_greedy(model, prompts, budgets)
     engine = inference.Engine(model, rows=3, waiting=10).start()
     outs, ends, done = [[] for _ in prompts], [None] * len(prompts), threading.Semaphore(0)
     peak = []
@@ -101,20 +117,14 @@ def test_engine_rows_of_any_length_give_solo_greedy_tokens(shape):
     assert max(peak) == 3 and engine.held == 0
 
 
-@pytest.mark.parametrize("shape", [{}, dict(n_kv_head=1, pos_encoding="rope", norm="rmsnorm", mlp="swiglu", bias=False)],
-                         ids=["gpt2", "llama"])
+@pytest.mark.parametrize("shape", SHAPES, ids=["gpt2", "llama"])
 def test_requests_prefilled_together_give_solo_greedy_tokens(shape):
     """Five requests queued before the engine starts are prefilled in one pass, their prompts (1 to
     19 tokens) packed into one sequence, then decoded together: each gets, token for token,
     generate()'s greedy tokens for its prompt alone."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=50, n_layer=2, n_head=2, n_embd=32, block_size=64, **shape)).eval()
-    with torch.no_grad():  # far from the init: peaked next-token distributions, no near-ties
-        for p in model.parameters():
-            p.normal_(0, 0.3)
-    prompts = [torch.randint(0, 50, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (12, 1, 19, 7, 3)]
-    budgets = [9, 15, 6, 20, 11]
-    solo = [inference.generate(model, torch.tensor([p]), n, temperature=0)[0, len(p) :].tolist() for p, n in zip(prompts, budgets)]
+    model = peaked_model(**shape)
+    prompts, budgets = token_lists(12, 1, 19, 7, 3), [9, 15, 6, 20, 11]
+    solo = solo_greedy(model, prompts, budgets)
     engine = inference.Engine(model, rows=8)
     outs, done, batches = [[] for _ in prompts], threading.Semaphore(0), []
     step = engine._step
@@ -132,14 +142,9 @@ def test_a_compiled_model_in_the_engine_gives_solo_greedy_tokens():
     """serve.py --compile: the engine's packed steps through a torch.compile'd model (prompts joining
     a decoding row, rows of three lengths) give, token for token, generate()'s greedy tokens of the
     model as it was. The packed attention runs outside the compiled graphs, which take the rest."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=50, n_layer=2, n_head=2, n_embd=32, block_size=64)).eval()
-    with torch.no_grad():  # far from the init: peaked next-token distributions, no near-ties
-        for p in model.parameters():
-            p.normal_(0, 0.3)
-    prompts = [torch.randint(0, 50, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 9, 1, 20, 5)]
-    budgets = [10, 7, 12, 6, 9]
-    solo = [inference.generate(model, torch.tensor([p]), n, temperature=0)[0, len(p) :].tolist() for p, n in zip(prompts, budgets)]
+    model = peaked_model()
+    prompts, budgets = token_lists(3, 9, 1, 20, 5), [10, 7, 12, 6, 9]
+    solo = solo_greedy(model, prompts, budgets)
     model.compile()
     engine = inference.Engine(model, rows=3, waiting=10).start()
     outs, done = [[] for _ in prompts], threading.Semaphore(0)
