@@ -111,7 +111,7 @@ def load(cfg, rt, say):
     """(model, template) of a chat checkpoint or a Hugging Face directory with a chat template."""
     loaded = []  # said once the model is known to chat
     model, tok_spec = inference.load_model(cfg.init_from, cfg.out_dir, cfg.checkpoint, report=loaded.append)
-    template = inference.chat_template(model, tok_spec, cfg.init_from, cfg.out_dir)
+    template = inference.chat_template(model.config.vocab_size, tok_spec, cfg.init_from, cfg.out_dir)
     if cfg.context > model.config.block_size:
         raise UserError(f"context={cfg.context} is longer than the model's block_size={model.config.block_size}")
     for line in loaded:

@@ -234,9 +234,11 @@ class SampleConfig:
     device: str = "auto"  # 'auto', 'cpu', 'cuda', 'cuda:1', 'mps'
     dtype: str = "auto"  # 'auto', 'float32', 'bfloat16', 'float16'
     compile: bool = False  # torch.compile the model
+    engine: str = "process"  # where the model runs: 'process' (its own, beside the server's: the two use two cores) or 'thread' (serve.py's own)
 
     def __post_init__(self):
         _require_init_from(self.init_from, ("resume",))
+        _require_choice("engine", self.engine, ("process", "thread"))
         _require_choice("checkpoint", self.checkpoint, ("best", "latest"))
         _require(self.num_samples >= 1 and self.max_new_tokens >= 1, "num_samples and max_new_tokens must be at least 1")
         _require_sampling(self)
@@ -259,9 +261,11 @@ class ChatConfig:
     device: str = "auto"  # 'auto', 'cpu', 'cuda', 'cuda:1', 'mps'
     dtype: str = "auto"  # 'auto', 'float32', 'bfloat16', 'float16'
     compile: bool = False  # torch.compile the model
+    engine: str = "process"  # where the model runs: 'process' (its own, beside the server's: the two use two cores) or 'thread' (serve.py's own)
 
     def __post_init__(self):
         _require_init_from(self.init_from, ("resume",))
+        _require_choice("engine", self.engine, ("process", "thread"))
         _require_choice("checkpoint", self.checkpoint, ("best", "latest"))
         _require(self.prompt is None or self.prompt.strip(), "--prompt is empty; give the user's message, or leave it out to chat")
         _require(self.max_new_tokens >= 1, f"max_new_tokens={self.max_new_tokens} must be at least 1")
@@ -285,9 +289,11 @@ class ServeConfig:
     device: str = "auto"  # 'auto', 'cpu', 'cuda', 'cuda:1', 'mps'
     dtype: str = "auto"  # 'auto', 'float32', 'bfloat16', 'float16'
     compile: bool = False  # torch.compile the model
+    engine: str = "process"  # where the model runs: 'process' (its own, beside the server's: the two use two cores) or 'thread' (serve.py's own)
 
     def __post_init__(self):
         _require_init_from(self.init_from, ("resume",))
+        _require_choice("engine", self.engine, ("process", "thread"))
         _require_choice("checkpoint", self.checkpoint, ("best", "latest"))
         _require(0 <= self.port <= 65535, f"port={self.port} must be in 0..65535 (0: any free port)")
         _require(self.batch_size >= 1 and self.max_waiting >= 0, "batch_size must be at least 1 and max_waiting >= 0")

@@ -49,7 +49,7 @@ def load_model(init_from, out_dir, which="best", report=print):
     return loaded
 
 
-def chat_template(model, tok_spec, init_from, out_dir):
+def chat_template(vocab_size, tok_spec, init_from, out_dir):
     """The chat Template the model was trained with; UserError (saying to fine-tune first) when it
     has none. A run's checkpoint records its template; a Hugging Face directory has one when its
     tokenizer has the turn tokens and the model rows for them."""
@@ -60,9 +60,9 @@ def chat_template(model, tok_spec, init_from, out_dir):
     if tok_spec["kind"] == "tokenizers" and not os.path.isfile(tok_spec["path"]):
         raise UserError(f"the model's tokenizer {tok_spec['path']} is missing; restore it there")
     template = Template(tok_spec)
-    if template.vocab_size > model.config.vocab_size:
+    if template.vocab_size > vocab_size:
         raise UserError(f"{init_from} has no chat tokens (the template needs {template.vocab_size} tokens, the "
-                        f"model has {model.config.vocab_size}): fine-tune it on chat data first (python data/chat/prepare.py)")
+                        f"model has {vocab_size}): fine-tune it on chat data first (python data/chat/prepare.py)")
     return template
 
 

@@ -14,15 +14,23 @@ requests in flight at the same time are decoded together, one batch per step.
 Endpoints: POST /v1/chat/completions (models with a chat template), POST /v1/completions (any
 model), GET /v1/models, GET /health, GET / (static/chat.html). Requests and replies have OpenAI's
 shapes; a field the model cannot honour gets a 400, and every error is OpenAI's error JSON.
+
+Reads top to bottom: errors, request shapes, the model's side (a reply's text as the engine makes
+it, the Worker that owns the engine, the model's own process and serve.py's end of it), the
+server the event loop holds and its replies (one JSON object, or server-sent events), the app,
+main.
 """
 
 import asyncio
 import json
+import multiprocessing
 import os
 import secrets
+import signal
 import socket
 import sys
 import time
+import traceback
 import uuid
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -175,22 +183,21 @@ class CompletionRequest(Sampling):
     best_of: Optional[int] = None
 
 
-# ---------------------------------------------------------------------------- one reply
+# ---------------------------------------------------------------------------- the model's side
 
 
 class Reply:
-    """One request's reply text as the engine makes it: the engine's thread calls on_token and
-    on_done, the event loop reads `queue` (("text", piece), then ("done", finish_reason, tokens,
-    error)). Text that could be the start of a stop string, or a character whose bytes have not
-    all come, is held back; at a stop string the reply ends before it."""
+    """One request's reply text as the engine makes it, on the engine's thread: on_token and
+    on_done put ("text", piece), then ("done", finish_reason, tokens, error), in the worker's
+    outbox under the request's id. Text that could be the start of a stop string, or a character
+    whose bytes have not all come, is held back; at a stop string the reply ends before it."""
 
-    def __init__(self, outbox, decode, stops):
-        self.outbox, self.decode, self.stops = outbox, decode, stops
-        self.queue = asyncio.Queue()
+    def __init__(self, worker, rid, decode, stops):
+        self.worker, self.rid, self.decode, self.stops = worker, rid, decode, stops
         self.ids, self.text, self.sent, self.stopped = [], "", 0, False
 
     def _put(self, item):
-        self.outbox.append((self.queue, item))
+        self.worker.items.append((self.rid, item))
 
     def _send_to(self, end):
         if end > self.sent:
@@ -218,58 +225,202 @@ class Reply:
             self.text = self.decode(self.ids)
             self._send_to(len(self.text))
         self._put(("done", reason, tokens, error))
+        self.worker.requests.pop(self.rid, None)
 
 
-class Outbox:
-    """What the engine's thread has for the event loop (replies' text and ends), handed over once
-    per step: one wake-up of the loop for all rows' tokens, not one per token."""
+class Worker:
+    """The model, the engine that decodes every request, and each reply's text as it is made. It
+    lives where the model runs: in a process of its own (--engine=process), or in serve.py's own
+    (--engine=thread). After each step, send(items, stats) hands the event loop that step's
+    output, (request id, item) pairs, in one piece: one wake-up for all rows' tokens."""
 
-    def __init__(self):
-        self.items, self.loop = [], None  # items: (a Reply's queue, item), appended on the engine's thread
+    def __init__(self, cfg, rt, send):
+        model, tok_spec = inference.load_model(cfg.init_from, cfg.out_dir, cfg.checkpoint, report=print)
+        block_size = model.config.block_size
+        if cfg.context > block_size:
+            raise UserError(f"context={cfg.context} is longer than the model's block_size={block_size}")
+        context = cfg.context or min(block_size, MAX_CONTEXT)
+        self.info = {"tok_spec": tok_spec, "vocab_size": model.config.vocab_size, "context": context}
+        _, decode = tokenizer.load(tok_spec)
+        self.decoders = {False: decode}
+        try:
+            self.decoders[True] = inference.chat_template(model.config.vocab_size, tok_spec, cfg.init_from, cfg.out_dir).decode
+        except UserError:
+            pass  # the server's side says so to a chat request
+        model.eval().to(rt.device)
+        if cfg.compile:
+            model.compile()
+        self.send, self.items, self.requests = send, [], {}
+        self.engine = inference.Engine(model, rows=cfg.batch_size, waiting=cfg.max_waiting, room=context,
+                                       device=rt.device, autocast=rt.autocast, after_step=self.flush)
 
-    def append(self, item):
-        self.items.append(item)
+    def submit(self, rid, ids, max_tokens, sampling, chat, stop_ids, stops):
+        reply = Reply(self, rid, self.decoders[chat], stops)
+        request = inference.Request(ids, max_tokens, reply.on_token, reply.on_done, stop_ids=stop_ids, **sampling)
+        self.requests[rid] = request
+        if not self.engine.submit(request):  # closed: the server is going down
+            self.requests.pop(rid)
+            reply.on_done("cancelled", 0, None)
+            self.flush()
 
-    def flush(self):  # the engine's after_step
+    def cancel(self, rid):
+        request = self.requests.get(rid)
+        if request is not None:
+            request.cancelled = True  # its row is freed before the next step
+
+    def flush(self):  # the engine's after_step, on its thread
         if self.items:
             items, self.items = self.items, []
-            self.loop.call_soon_threadsafe(deliver, items)
+            self.send(items, self.engine.stats())
 
 
-def deliver(items):
-    for queue, item in items:
-        queue.put_nowait(item)
+def engine_process(cfg, inbox, outbox):
+    """The model's process (--engine=process): a Worker, its engine on a thread, and this thread
+    reading serve.py's requests and cancellations. It ends when serve.py says so or is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is serve.py's to handle: it then closes this process
+    try:
+        worker = Worker(cfg, runtime.setup(cfg.device, cfg.dtype), lambda items, stats: outbox.send((items, stats)))
+    except UserError as e:
+        outbox.send(("error", str(e)))
+        return
+    except Exception as e:  # noqa: BLE001 (our bug: the traceback goes to stderr, serve.py exits with it)
+        traceback.print_exc()
+        outbox.send(("bug", f"{type(e).__name__}: {e}"))
+        return
+    outbox.send(("ready", worker.info))
+    worker.engine.start()
+    try:
+        while (message := inbox.recv())[0] != "close":
+            getattr(worker, message[0])(*message[1:])  # submit or cancel
+    except EOFError:
+        pass  # serve.py went away without a word (killed): nobody is left to answer
+    finally:
+        worker.engine.close()
+
+
+class EngineProcess:
+    """serve.py's end of the model's process: it sends requests and cancellations down one pipe,
+    and the event loop reads each step's output from the other as it comes (a reader on the
+    pipe, no thread). The model and the event loop then run on two cores, each with its own
+    GIL; in one process every tensor op and every socket write took the GIL from the other."""
+
+    def __init__(self, cfg, deliver):
+        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no threads or device state forked
+        inbox, self.requests = context.Pipe(duplex=False)
+        self.outputs, outbox = context.Pipe(duplex=False)
+        self.process = context.Process(target=engine_process, args=(cfg, inbox, outbox), name="serve.py model", daemon=True)
+        self.process.start()
+        inbox.close()
+        outbox.close()
+        self.deliver, self.loop, self.stopped = deliver, None, None
+        try:
+            kind, what = self.outputs.recv()
+        except EOFError:
+            self.process.join()
+            raise RuntimeError(f"the model's process ended (exit code {self.process.exitcode}) while it loaded the model")
+        if kind == "error":
+            raise UserError(what)
+        if kind == "bug":
+            raise RuntimeError(f"the model's process failed while it loaded the model ({what})")
+        self.info = what
+
+    def listen(self, loop):
+        if self.loop is None:
+            self.loop = loop
+            loop.add_reader(self.outputs.fileno(), self._read)
+
+    def _read(self):
+        try:
+            while self.outputs.poll():
+                self.deliver(*self.outputs.recv())
+        except (EOFError, OSError):
+            self.loop.remove_reader(self.outputs.fileno())
+            self.process.join(5)
+            self.stopped = f"the model's process has stopped (exit code {self.process.exitcode}); restart serve.py"
+            self.deliver(None, None)
+
+    def send(self, *message):
+        if self.stopped:
+            raise APIError(503, self.stopped, code="engine_stopped", kind="server_error")
+        self.requests.send(message)
+
+    def close(self):
+        try:
+            self.requests.send(("close",))
+        except OSError:
+            pass  # already gone
+        self.process.join(30)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join()
 
 
 # ---------------------------------------------------------------------------- the server
 
 
 class Server:
-    """The model, its tokenizer and chat template, and the engine that decodes for every request."""
+    """What the event loop holds: the tokenizer and chat template that make a request's prompt,
+    each request's queue of reply items, and the model's side (a Worker, in a process of its own
+    or on a thread of this one: `cfg.engine`)."""
 
-    def __init__(self, cfg, rt):
+    def __init__(self, cfg):
         self.cfg = cfg
-        model, tok_spec = inference.load_model(cfg.init_from, cfg.out_dir, cfg.checkpoint, report=print)
         source = cfg.out_dir if cfg.init_from == "resume" else cfg.init_from
         self.name = cfg.name or os.path.basename(os.path.normpath(source))
-        block_size = model.config.block_size
-        if cfg.context > block_size:
-            raise UserError(f"context={cfg.context} is longer than the model's block_size={block_size}")
-        self.context = cfg.context or min(block_size, MAX_CONTEXT)
+        self.pending = {}  # request id -> its asyncio.Queue of reply items, until its ("done", ...)
+        self.cancelled = set()  # the ids of those of them cancelled
+        self.loop, self.stats = None, {"active": 0, "steps": 0}
+        if cfg.engine == "process":
+            self.process = EngineProcess(cfg, self.deliver)
+            self.worker, self.engine, info = None, None, self.process.info
+        else:
+            self.process = None
+            self.worker = Worker(cfg, runtime.setup(cfg.device, cfg.dtype), self.deliver_soon)
+            self.engine, info = self.worker.engine, self.worker.info  # tests reach into the engine
+        tok_spec, self.vocab_size, self.context = info["tok_spec"], info["vocab_size"], info["context"]
         try:
-            self.template, self.no_chat = inference.chat_template(model, tok_spec, cfg.init_from, cfg.out_dir), None
+            self.template, self.no_chat = inference.chat_template(self.vocab_size, tok_spec, cfg.init_from, cfg.out_dir), None
         except UserError as e:
             self.template, self.no_chat = None, str(e)
         self.encode, self.decode = tokenizer.load(tok_spec)
         self.eot = tokenizer.eot(tok_spec)
-        model.eval().to(rt.device)
-        if cfg.compile:
-            model.compile()
         self.api_key = cfg.api_key or os.environ.get("OPENAI_API_KEY", "")
-        self.outbox = Outbox()
-        self.engine = inference.Engine(model, rows=cfg.batch_size, waiting=cfg.max_waiting, room=self.context,
-                                       device=rt.device, autocast=rt.autocast, after_step=self.outbox.flush)
         self.created = int(time.time())
+
+    def start(self):
+        if self.engine is not None:
+            self.engine.start()
+        return self
+
+    def close(self):
+        if self.process is not None:
+            self.process.close()
+        else:
+            self.engine.close()
+
+    def deliver(self, items, stats):
+        """A step's output, on the event loop: each item to its request's queue. (None, None):
+        the model's process is gone, and every request still held ends with an error."""
+        if items is None:
+            items = [(rid, ("done", "error", 0, self.process.stopped)) for rid in self.pending]
+        else:
+            self.stats = stats
+        for rid, item in items:
+            if item[0] != "done":
+                self.pending[rid].put_nowait(item)
+            else:
+                self.pending.pop(rid).put_nowait(item)
+                self.cancelled.discard(rid)
+
+    def deliver_soon(self, items, stats):  # a thread's Worker: called on the engine's thread
+        self.loop.call_soon_threadsafe(self.deliver, items, stats)
+
+    def health(self):
+        if self.process is not None and self.process.stopped:
+            raise APIError(503, self.process.stopped, code="engine_stopped", kind="server_error")
+        active = min(self.stats["active"], len(self.pending))
+        return {"active": active, "waiting": len(self.pending) - active, "rows": self.cfg.batch_size,
+                "steps": self.stats["steps"]}
 
     def check_model(self, name):
         if name != self.name:
@@ -280,7 +431,7 @@ class Server:
         """The token ids of a completion request's prompt (sample.py's rules for an empty one)."""
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-            vocab = self.engine.model.config.vocab_size
+            vocab = self.vocab_size
             if not all(0 <= i < vocab for i in prompt):
                 raise APIError(400, f"prompt holds a token id outside this model's vocabulary 0..{vocab - 1}", "prompt")
             return list(prompt)
@@ -316,36 +467,57 @@ class Server:
                                 f"after the {n_prompt}-token prompt; ask for at most {left}", key, "context_length_exceeded")
         return wanted or left
 
-    def start(self, body, ids, decode, stop_ids, stops, loop):
-        """Hand the request to the engine: (the engine's Request, its Reply); 429 when full."""
-        self.outbox.loop = loop  # uvicorn's one loop (set before the engine can hold this request)
-        reply = Reply(self.outbox, decode, stops)
-        request = inference.Request(ids, self.limit(body, len(ids)), reply.on_token, reply.on_done,
-                                    temperature=1.0 if body.temperature is None else body.temperature,
-                                    top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k,
-                                    stop_ids=stop_ids, seed=body.seed)
-        if not self.engine.submit(request):
-            raise APIError(429, f"the server is full ({self.engine.rows} requests decoding, {self.engine.max_waiting} "
+    def start_request(self, body, ids, chat, stop_ids, stops):
+        """Hand the request to the model's side: (its id, the queue its reply items come to); 429
+        when every row is busy and max_waiting requests wait."""
+        if self.loop is None:
+            self.loop = asyncio.get_running_loop()  # uvicorn's one loop
+            if self.process is not None:
+                self.process.listen(self.loop)
+        max_tokens = self.limit(body, len(ids))
+        if len(self.pending) >= self.cfg.batch_size + self.cfg.max_waiting:
+            raise APIError(429, f"the server is full ({self.cfg.batch_size} requests decoding, {self.cfg.max_waiting} "
                                 f"waiting); retry in a moment", None, "server_busy", "rate_limit_error", {"Retry-After": "1"})
-        return request, reply
+        sampling = {"temperature": 1.0 if body.temperature is None else body.temperature,
+                    "top_p": 1.0 if body.top_p is None else body.top_p, "top_k": body.top_k, "seed": body.seed}
+        rid, queue = uuid.uuid4().hex, asyncio.Queue()
+        self.tell("submit", rid, ids, max_tokens, sampling, chat, stop_ids, stops)
+        self.pending[rid] = queue
+        return rid, queue
+
+    def cancel(self, rid):
+        """Free a request's row before the next step (a no-op once it has ended)."""
+        if rid in self.pending and rid not in self.cancelled:
+            self.cancelled.add(rid)
+            self.tell("cancel", rid)
+
+    def tell(self, kind, *args):
+        """A request ('submit') or a cancellation ('cancel') to the model's side, wherever it runs."""
+        if self.process is not None:
+            self.process.send(kind, *args)
+        else:
+            getattr(self.worker, kind)(*args)
 
 
 def usage(n_prompt, n_completion):
     return {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion}
 
 
-async def wait_done(http, request, reply):
-    """The end of a reply that is not streamed; a client that hangs up cancels it."""
+async def wait_done(http, server, rid, queue):
+    """The end of a reply that is not streamed, and its text; a client that hangs up cancels it."""
+    pieces = []
     while True:
         try:
-            item = await asyncio.wait_for(reply.queue.get(), timeout=0.25)
+            item = await asyncio.wait_for(queue.get(), timeout=0.25)
         except asyncio.TimeoutError:
             if await http.is_disconnected():  # its row is freed at the next step; nobody reads this answer
-                request.cancelled = True
+                server.cancel(rid)
                 raise APIError(499, "the client closed the connection")
             continue
-        if item[0] == "done":
-            return item
+        if item[0] == "text":
+            pieces.append(item[1])
+        else:
+            return item, "".join(pieces)
 
 
 def done_error(item):
@@ -355,28 +527,29 @@ def done_error(item):
     return reason
 
 
-async def respond(http, server, body, ids, decode, stop_ids, stops, chat):
+async def respond(http, server, body, ids, stop_ids, stops, chat):
     """The reply, as one JSON object or as server-sent events."""
-    request, reply = server.start(body, ids, decode, stop_ids, stops, asyncio.get_running_loop())
-    rid, created = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time())
-    head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created, "model": server.name}
+    rid, queue = server.start_request(body, ids, chat, stop_ids, stops)
+    created = int(time.time())
+    head = {"id": ("chatcmpl-" if chat else "cmpl-") + rid, "object": "chat.completion" if chat else "text_completion",
+            "created": created, "model": server.name}
     if not body.stream:
-        item = await wait_done(http, request, reply)
+        item, text = await wait_done(http, server, rid, queue)
         reason = done_error(item)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": reply.text, "refusal": None}} if chat
-                  else {"index": 0, "text": reply.text})
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text, "refusal": None}} if chat
+                  else {"index": 0, "text": text})
         return {**head, "choices": [{**choice, "logprobs": None, "finish_reason": reason}], "usage": usage(len(ids), item[2])}
     with_usage = body.stream_options is not None and body.stream_options.include_usage
 
     def hang_up():  # the client went away mid-stream: its row is freed at the next step, and the stream ends
-        request.cancelled = True
-        reply.queue.put_nowait(("gone",))
+        server.cancel(rid)
+        queue.put_nowait(("gone",))
 
-    return EventStream(events(request, reply, head, chat, len(ids), with_usage), hang_up,
+    return EventStream(events(server, rid, queue, head, chat, len(ids), with_usage), hang_up,
                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def events(request, reply, head, chat, n_prompt, with_usage):
+async def events(server, rid, queue, head, chat, n_prompt, with_usage):
     """OpenAI's chunks, as (text, last) pairs: the role first (chat), a chunk per piece of text
     (pieces that queued up while the client read go out together), one with finish_reason, the
     usage if asked for, then [DONE]. The role goes out with the first piece, and the end in one
@@ -401,11 +574,11 @@ async def events(request, reply, head, chat, n_prompt, with_usage):
     pending = chunk(role=True) if chat else ""  # sent with the first piece of text
     try:
         while True:
-            item = await reply.queue.get()
+            item = await queue.get()
             pieces = []
             while item is not None and item[0] == "text":  # text that came while the last chunk went out goes as one
                 pieces.append(item[1])
-                item = None if reply.queue.empty() else reply.queue.get_nowait()
+                item = None if queue.empty() else queue.get_nowait()
             if pieces:
                 yield pending + text("".join(pieces)), False
                 pending = ""
@@ -423,7 +596,7 @@ async def events(request, reply, head, chat, n_prompt, with_usage):
             yield "".join([pending, *end, "data: [DONE]\n\n"]), True
             return
     finally:
-        request.cancelled = True  # a no-op after the end
+        server.cancel(rid)  # a no-op after the end
 
 
 class EventStream(Response):
@@ -519,7 +692,7 @@ def make_app(server):
         stops = body.check()
         server.check_model(body.model)
         ids = server.chat_ids(body)
-        return await respond(http, server, body, ids, server.template.decode, (server.template.end_id,), stops, chat=True)
+        return await respond(http, server, body, ids, (server.template.end_id,), stops, chat=True)
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(body: CompletionRequest, http: Request):
@@ -527,7 +700,7 @@ def make_app(server):
         server.check_model(body.model)
         ids = server.prompt_ids(body)
         stop_ids = () if server.eot is None else (server.eot,)  # sample.py's stop_at_eot
-        return await respond(http, server, body, ids, server.decode, stop_ids, stops, chat=False)
+        return await respond(http, server, body, ids, stop_ids, stops, chat=False)
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models():
@@ -537,7 +710,7 @@ def make_app(server):
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": server.name, "chat": server.template is not None, "context": server.context,
-                **server.engine.stats()}
+                **server.health()}
 
     @app.get("/", include_in_schema=False)
     async def page():
@@ -565,20 +738,19 @@ def listen(host, port):
 def main(argv=None):
     cfg = parse(ServeConfig, argv)
     sock = listen(cfg.host, cfg.port)
-    rt = runtime.setup(cfg.device, cfg.dtype)
-    server = Server(cfg, rt)
+    server = Server(cfg)
     if cfg.host not in ("127.0.0.1", "localhost", "::1") and not server.api_key:
         print(f"warning: listening on {cfg.host} with no API key: anyone who can reach this machine can use the "
               f"model; set --api_key or OPENAI_API_KEY", file=sys.stderr)
     what = "chat and completions" if server.template is not None else "completions only (no chat template)"
     print(f"serving {server.name} ({what}, context {server.context}, {cfg.batch_size} rows) on "
           f"http://{cfg.host}:{sock.getsockname()[1]}/", file=sys.stderr, flush=True)
-    server.engine.start()
+    server.start()
     http = uvicorn.Server(uvicorn.Config(make_app(server), log_level="warning"))
     try:
         http.run(sockets=[sock])
     finally:
-        server.engine.close()
+        server.close()
     if http.should_exit:
         # uvicorn caught Ctrl-C (or SIGTERM) and shut down; it re-raises the signal inside asyncio.run,
         # which turns it into KeyboardInterrupt only if the main task was still running: end the same

@@ -175,7 +175,8 @@ def engine_runs(args, levels):
     import inference
 
     model, tok_spec = inference.load_model("resume", args.out_dir, report=lambda line: None)
-    template = inference.chat_template(model.eval(), tok_spec, "resume", args.out_dir)
+    model.eval()
+    template = inference.chat_template(model.config.vocab_size, tok_spec, "resume", args.out_dir)
     prompts = [template.render(messages, add_generation_prompt=True)[0] for messages in PROMPTS]
     room = model.config.block_size
 

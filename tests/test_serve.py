@@ -10,6 +10,7 @@ conversations instead of 1,200 on 60,000: enough to answer in the demo's format 
 replies with <|end|>, in about 20 s; test_chat.py checks what the longer runs answer."""
 
 import contextlib
+import itertools
 import os
 import signal
 import socket
@@ -26,7 +27,6 @@ import torch
 import uvicorn
 
 import inference
-import runtime
 import serve
 import tokenizer
 from configurator import ServeConfig, parse
@@ -199,8 +199,7 @@ def base(tmp_path_factory):
 @contextlib.contextmanager
 def running(*args):
     """serve.py's app under uvicorn in a thread, on a free loopback port."""
-    server = serve.Server(parse(ServeConfig, [*args, "--device=cpu"]), runtime.setup("cpu"))
-    server.engine.start()
+    server = serve.Server(parse(ServeConfig, ["--device=cpu", "--engine=thread", *args])).start()
     sock = serve.listen("127.0.0.1", 0)  # the command's own socket
     web = uvicorn.Server(uvicorn.Config(serve.make_app(server), log_level="warning"))
     thread = threading.Thread(target=web.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -213,13 +212,20 @@ def running(*args):
     finally:
         web.should_exit = True
         thread.join(10)
-        server.engine.close()
+        server.close()
         sock.close()
 
 
 @pytest.fixture(scope="module")
 def chat_server(demo):
     with running(f"--out_dir={demo[0]}", "--batch_size=16", "--max_waiting=8") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def chat_process(demo):
+    """The same server with the model in a process of its own, as `python serve.py` runs it."""
+    with running(f"--out_dir={demo[0]}", "--batch_size=16", "--max_waiting=8", "--engine=process") as s:
         yield s
 
 
@@ -258,7 +264,7 @@ def user_messages(heldout, n):
 
 def solo(s, body, path="/v1/chat/completions", headers=None):
     """A request served alone: nothing else is in the engine while it runs."""
-    assert s.engine.held == 0
+    assert not s.server.pending
     r = httpx.post(s.url + path, json=body, headers=headers, timeout=60)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
@@ -268,13 +274,14 @@ def solo(s, body, path="/v1/chat/completions", headers=None):
 # ---------------------------------------------------------------------------- the openai client
 
 
-def test_openai_client_gets_chat_py_replies(demo, chat_server):
+def test_openai_client_gets_chat_py_replies(demo, chat_server, chat_process):
     """chat.completions.create, streamed and not, returns exactly `chat.py --prompt --temperature=0`'s
     reply, with the system message too; usage counts the template's prompt ids, finish_reason says
     whether the reply ended at <|end|> or at max_tokens. Sampled with a seed, it is chat.py's sample
-    with that --seed (the request's own generator draws what chat.py's global one does)."""
+    with that --seed (the request's own generator draws what chat.py's global one does). Both
+    servers: the model on a thread of the server's process, and in a process of its own."""
     out_dir, heldout = demo
-    c = client(chat_server)
+    cs = [client(chat_server), client(chat_process)]
     template = chat_server.server.template
     cases = [(m, None, 40) for m in user_messages(heldout, 4)] + [("My name is Dovaki.", "Answer briefly.", 40),
                                                                  ("Repeat after me: sule pova kire dano", None, 3)]
@@ -282,20 +289,21 @@ def test_openai_client_gets_chat_py_replies(demo, chat_server):
     for message, system, n in cases:
         expected = chat_py(out_dir, message, n, system)
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": message}]
-        reply = c.chat.completions.create(model=chat_server.server.name, messages=messages, temperature=0, max_tokens=n)
-        assert reply.choices[0].message.content == expected, (message, expected)
-        assert reply.usage.prompt_tokens == len(template.render(messages, add_generation_prompt=True)[0])
+        for c in cs:
+            reply = c.chat.completions.create(model=chat_server.server.name, messages=messages, temperature=0, max_tokens=n)
+            assert reply.choices[0].message.content == expected, (message, expected)
+            assert reply.usage.prompt_tokens == len(template.render(messages, add_generation_prompt=True)[0])
+            stream = c.chat.completions.create(model=chat_server.server.name, messages=messages, temperature=0,
+                                               max_completion_tokens=n, stream=True, stream_options={"include_usage": True})
+            chunks = list(stream)
+            assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == expected
+            assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == reply.choices[0].finish_reason
+            assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
         reasons.append(reply.choices[0].finish_reason)
-        stream = c.chat.completions.create(model=chat_server.server.name, messages=messages, temperature=0,
-                                           max_completion_tokens=n, stream=True, stream_options={"include_usage": True})
-        chunks = list(stream)
-        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == expected
-        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == reasons[-1]
-        assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
     assert reasons[-1] == "length" and reasons.count("stop") >= 3, reasons  # the trained replies end by themselves
     greeting = chat_py(out_dir, "Hi, I'm Zuvaki.", 40)  # a stop string: the reply ends before its first match
     stop = greeting[6:9]
-    for stream in (False, True):
+    for c, stream in itertools.product(cs, (False, True)):
         reply = c.chat.completions.create(model=chat_server.server.name, messages=[{"role": "user", "content": "Hi, I'm Zuvaki."}],
                                           temperature=0, stop=["zzz", stop], stream=stream)
         chunks = list(reply) if stream else [reply]
@@ -303,9 +311,10 @@ def test_openai_client_gets_chat_py_replies(demo, chat_server):
         assert text == greeting[: greeting.index(stop)] and chunks[-1].choices[0].finish_reason == "stop", (greeting, stop, text)
     for seed, message in [(7, "Hi, I'm Zuvaki."), (11, "Repeat after me: sule pova kire")]:  # sampled: the seed's generator
         expected = chat_py(out_dir, message, 30, sampling=("--temperature=1.5", "--top_p=0.95", f"--seed={seed}"))
-        reply = c.chat.completions.create(model=chat_server.server.name, messages=[{"role": "user", "content": message}],
-                                          temperature=1.5, top_p=0.95, seed=seed, max_tokens=30)
-        assert reply.choices[0].message.content == expected
+        for c in cs:
+            reply = c.chat.completions.create(model=chat_server.server.name, messages=[{"role": "user", "content": message}],
+                                              temperature=1.5, top_p=0.95, seed=seed, max_tokens=30)
+            assert reply.choices[0].message.content == expected
 
 
 def test_openai_client_gets_sample_py_continuation(base, base_server):
@@ -434,6 +443,94 @@ def test_llama3_chat_decoded_together_gets_chat_py_replies(tmp_path):
                                                                           messages=[{"role": "user", "content": m}])
                                     .choices[0].message.content for m in messages])
     assert replies == expected and max(rows) == 4
+
+
+# ---------------------------------------------------------------------------- the model in its own process
+
+
+@contextlib.contextmanager
+def watched(server):
+    """What the server's event loop gets from the model's process and tells it: (the steps'
+    reported active rows, the requests' ends as (finish_reason, tokens), the cancellations sent)."""
+    deliver, tell = server.deliver, server.tell
+    active, ends, cancels = [], [], []
+
+    def watch_deliver(items, stats):
+        active.append(stats and stats["active"])
+        ends.extend(item[1:3] for _, item in items or () if item[0] == "done")
+        deliver(items, stats)
+
+    server.deliver = server.process.deliver = watch_deliver
+    server.tell = lambda kind, *args: (kind == "cancel" and cancels.append(args[0]), tell(kind, *args))[1]
+    try:
+        yield active, ends, cancels
+    finally:
+        server.deliver = server.process.deliver = deliver
+        server.tell = tell
+
+
+def test_the_model_in_its_own_process_decodes_together_and_frees_rows(demo, chat_server, chat_process):
+    """`serve.py` runs the model in a process of its own (--engine=process, the default): 16
+    concurrent clients each get the reply the thread server gives them alone, in steps shared
+    by many rows; a client that hangs up has its row cancelled in that process, long before its
+    max_tokens; and the server answers alone as before."""
+    _, heldout = demo
+    s, name = chat_process, chat_process.server.name
+    assert s.engine is None and s.server.process.process.is_alive()
+    bodies = [{"model": name, "messages": [{"role": "user", "content": m}], "temperature": 0, "max_tokens": 4 + 3 * i}
+              for i, m in enumerate(user_messages(heldout, 16))]
+    alone = [solo(chat_server, b) for b in bodies]
+    c = client(s)
+    steps = httpx.get(s.url + "/health").json()["steps"]
+    with watched(s.server) as (active, ends, _):
+        together = concurrently([lambda b=b: c.chat.completions.create(**b).choices[0].message.content for b in bodies])
+    assert together == alone
+    tokens = sum(n for _, n in ends)
+    assert len(ends) == 16 and httpx.get(s.url + "/health").json()["steps"] - steps < tokens and max(active) >= 2, (active, ends)
+    child = s.server.process.process.pid
+    body = {"model": name, "prompt": "Hi, I'm Zuvaki.", "max_tokens": 100, "temperature": 0, "stream": True}
+    with watched(s.server) as (_, ends, cancels):
+        os.kill(child, signal.SIGSTOP)  # no step runs until the hang-up has been sent
+        try:
+            with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as r:
+                assert r.status_code == 200
+            deadline = time.monotonic() + 10
+            while not cancels and time.monotonic() < deadline:
+                time.sleep(0.01)
+        finally:
+            os.kill(child, signal.SIGCONT)
+        while not ends and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert len(cancels) == 1 and ends[0][0] == "cancelled" and ends[0][1] < 50, (cancels, ends)
+    assert httpx.get(s.url + "/health").json()["active"] == 0
+    assert solo(s, bodies[0]) == alone[0]
+
+
+def test_a_model_process_that_dies_fails_its_requests_and_says_so(base):
+    """The model's process killed (out of memory, say) with a request in flight: that request gets
+    a 500 that names the cause, and every request after it, /health included, a 503 saying to
+    restart serve.py; a stream gets the error as its last event. Loading errors stay one line."""
+    with running(f"--out_dir={base}", "--engine=process") as s:
+        child = s.server.process.process.pid
+        body = {"model": s.server.name, "prompt": "The", "max_tokens": 20, "temperature": 0}
+        assert post(s, "/v1/completions", body)[0].status_code == 200
+        os.kill(child, signal.SIGSTOP)
+        results = []
+        thread = threading.Thread(target=lambda: results.append(post(s, "/v1/completions", body)))
+        thread.start()
+        with httpx.stream("POST", s.url + "/v1/completions", json={**body, "stream": True}, timeout=30) as r:
+            deadline = time.monotonic() + 10
+            while len(s.server.pending) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            os.kill(child, signal.SIGKILL)
+            events = [line for line in r.iter_lines() if line]
+        thread.join(30)
+        is_error(results[0][1], 500, results[0][0], "the model's process has stopped (exit code -9); restart serve.py")
+        assert events[-1] == "data: [DONE]" and "the model's process has stopped" in events[-2]
+        for r, payload in [post(s, "/v1/completions", body), (lambda r: (r, r.json()))(httpx.get(s.url + "/health"))]:
+            is_error(payload, 503, r, "the model's process has stopped (exit code -9); restart serve.py")
+    missing = run_script("serve.py", f"--out_dir={base}/nothing", "--port=0")
+    assert missing.returncode == 2 and len(missing.stderr.splitlines()) == 1 and missing.stderr.startswith("error: ")
 
 
 # ---------------------------------------------------------------------------- errors
