@@ -318,6 +318,8 @@ class EngineProcess:
         except EOFError:
             self.process.join()
             raise RuntimeError(f"the model's process ended (exit code {self.process.exitcode}) while it loaded the model")
+        if kind != "ready":
+            self.process.join()
         if kind == "error":
             raise UserError(what)
         if kind == "bug":
@@ -400,9 +402,9 @@ class Server:
 
     def deliver(self, items, stats):
         """A step's output, on the event loop: each item to its request's queue. (None, None):
-        the model's process is gone, and every request still held ends with an error."""
+        the model's process is gone, and every request still held ends ("stopped": a 503)."""
         if items is None:
-            items = [(rid, ("done", "error", 0, self.process.stopped)) for rid in self.pending]
+            items = [(rid, ("done", "stopped", 0, self.process.stopped)) for rid in self.pending]
         else:
             self.stats = stats
         for rid, item in items:
@@ -524,6 +526,8 @@ def done_error(item):
     _, reason, _, error = item
     if reason == "error":
         raise APIError(500, f"the server failed while generating ({error}); please report it", kind="server_error")
+    if reason == "stopped":  # the model's process is gone
+        raise APIError(503, error, code="engine_stopped", kind="server_error")
     return reason
 
 
@@ -587,8 +591,10 @@ async def events(server, rid, queue, head, chat, n_prompt, with_usage):
             if item[0] == "gone":  # the client hung up
                 return
             _, reason, n_completion, error = item
-            if reason == "error":
-                end = [f"data: {json.dumps(error_body(f'the server failed while generating ({error})', 'server_error'))}\n\n"]
+            if reason in ("error", "stopped"):
+                message, code = (error, "engine_stopped") if reason == "stopped" else \
+                    (f"the server failed while generating ({error})", None)
+                end = [f"data: {json.dumps(error_body(message, 'server_error', code=code))}\n\n"]
             else:
                 end = [chunk(reason=reason)]
                 if with_usage:

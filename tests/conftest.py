@@ -1,8 +1,10 @@
 """Shared test helpers: a tiny character dataset made on the spot, and running the scripts."""
 
+import fcntl
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -132,6 +134,34 @@ def read_metrics(out_dir):
 
     with open(Path(out_dir) / "metrics.jsonl") as f:
         return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="session")
+def shared_chat_demo(tmp_path_factory):
+    """The chat demo's path at a fifth of its steps (15,000 conversations, 48 held out, 250 steps),
+    trained once per test run: pytest-xdist's workers share it, the first to ask training it under
+    a lock while the others wait for it. (out_dir, held-out conversations). Read it only; copy
+    out_dir with chat_demo_copy to write there."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's directory, above every worker's own
+    root = root / "shared_chat_demo"
+    with open(f"{root}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (root / "trained").exists():
+            shutil.rmtree(root, ignore_errors=True)
+            root.mkdir()
+            train_chat_demo(root, n=15000, n_heldout=48, steps=250)
+            (root / "trained").touch()
+    return root / "out", [json.loads(line) for line in (root / "data" / "heldout.jsonl").read_text().splitlines()]
+
+
+def chat_demo_copy(shared, to):
+    """(a copy of the shared demo's out_dir at `to`, its held-out conversations): a module's own
+    checkpoint directory, to export into or train on."""
+    out_dir, heldout = shared
+    shutil.copytree(out_dir, to)
+    return to, heldout
 
 
 def train_chat_demo(root, n, n_heldout, steps):

@@ -16,7 +16,7 @@ import torch
 
 import tokenizer
 from configurator import TrainConfig, parse
-from conftest import REPO, load_script, run_script, train_chat_demo, train_tiny_run
+from conftest import REPO, chat_demo_copy, load_script, run_script, train_tiny_run
 from data.chat.template import Template
 from inference import KVCache, generate_tokens
 from model import GPT, GPTConfig
@@ -93,11 +93,10 @@ def test_synthetic_held_out_conversations_use_unseen_words(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
+def demo(tmp_path_factory, shared_chat_demo):
     """config/chat_demo_cpu.py's whole path at a fifth of its steps: synthetic conversations,
-    a 512-token tokenizer, prepare.py, train.py (in this process)."""
-    root = tmp_path_factory.mktemp("chat_demo")
-    return train_chat_demo(root, n=15000, n_heldout=48, steps=250)
+    a 512-token tokenizer, prepare.py, train.py (conftest's shared_chat_demo, copied here)."""
+    return chat_demo_copy(shared_chat_demo, tmp_path_factory.mktemp("chat_demo") / "out")
 
 
 def chat(out_dir, *args, stdin=None):

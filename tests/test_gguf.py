@@ -14,7 +14,7 @@ import torch
 
 import gguf_export
 import tokenizer
-from conftest import load_script, make_text, run_script, tiny_args, train_chat_demo, train_tiny_run
+from conftest import chat_demo_copy, load_script, make_text, run_script, tiny_args, train_tiny_run
 from data import corpus
 from data.chat.template import Template
 from model import GPT, GPTConfig
@@ -248,11 +248,10 @@ def greedy_ours(model, prompt, n_vocab, n=64):
 
 
 @pytest.fixture(scope="module")
-def chat_demo(tmp_path_factory):
-    """config/chat_demo_cpu.py's path, smaller: 8,000 synthetic conversations, the 512-token
-    tokenizer, 200 steps; its GGUF at f32."""
-    root = tmp_path_factory.mktemp("chat_demo")
-    out, heldout = train_chat_demo(root, n=8000, n_heldout=28, steps=200)
+def chat_demo(tmp_path_factory, shared_chat_demo):
+    """config/chat_demo_cpu.py's path, smaller (conftest's shared_chat_demo: 15,000 synthetic
+    conversations, the 512-token tokenizer, 250 steps); its GGUF at f32."""
+    out, heldout = chat_demo_copy(shared_chat_demo, tmp_path_factory.mktemp("chat_demo") / "out")
     export(out)
     single_turn = [c for c in heldout if c["intent"] != "recall"][:20]  # chat.py --prompt asks one message
     return out, single_turn

@@ -5,12 +5,13 @@ that hangs up; schemathesis from the server's own OpenAPI schema. And inference.
 against solo generation on the model, GPT-2 and Llama shaped.
 
 The chat model is the chat demo's path (data/chat/synthetic.py, a 512-token tokenizer trained
-on it, data/chat/prepare.py, config/chat_demo_cpu.py) trained for 100 steps on 4,000
-conversations instead of 1,200 on 60,000: enough to answer in the demo's format and end its
-replies with <|end|>, in about 20 s; test_chat.py checks what the longer runs answer."""
+on it, data/chat/prepare.py, config/chat_demo_cpu.py) trained for 250 steps on 15,000
+conversations instead of 1,200 on 60,000, once for the whole test run (conftest's
+shared_chat_demo, which test_chat.py and test_gguf.py use too)."""
 
 import contextlib
 import itertools
+import json
 import os
 import signal
 import socket
@@ -30,7 +31,7 @@ import inference
 import serve
 import tokenizer
 from configurator import ServeConfig, parse
-from conftest import REPO, load_script, run_script, train_chat_demo, train_tiny_run
+from conftest import REPO, chat_demo_copy, load_script, run_script, train_tiny_run
 from model import GPT, GPTConfig
 
 KEY = "test-key-123"
@@ -184,10 +185,9 @@ def test_a_failing_request_ends_alone():
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    """(out_dir, held-out conversations) of a shortened chat demo run."""
-    root = tmp_path_factory.mktemp("serve_demo")
-    return train_chat_demo(root, n=4000, n_heldout=40, steps=100)
+def demo(tmp_path_factory, shared_chat_demo):
+    """(out_dir, held-out conversations) of a shortened chat demo run (conftest's, copied here)."""
+    return chat_demo_copy(shared_chat_demo, tmp_path_factory.mktemp("serve_demo") / "out")
 
 
 @pytest.fixture(scope="module")
@@ -507,9 +507,9 @@ def test_the_model_in_its_own_process_decodes_together_and_frees_rows(demo, chat
 
 
 def test_a_model_process_that_dies_fails_its_requests_and_says_so(base):
-    """The model's process killed (out of memory, say) with a request in flight: that request gets
-    a 500 that names the cause, and every request after it, /health included, a 503 saying to
-    restart serve.py; a stream gets the error as its last event. Loading errors stay one line."""
+    """The model's process killed (out of memory, say) with requests in flight: they, and every
+    request after them, /health included, get a 503 saying to restart serve.py; a stream gets it
+    as its last event before [DONE]. A loading error in that process is the command's one line."""
     with running(f"--out_dir={base}", "--engine=process") as s:
         child = s.server.process.process.pid
         body = {"model": s.server.name, "prompt": "The", "max_tokens": 20, "temperature": 0}
@@ -525,8 +525,8 @@ def test_a_model_process_that_dies_fails_its_requests_and_says_so(base):
             os.kill(child, signal.SIGKILL)
             events = [line for line in r.iter_lines() if line]
         thread.join(30)
-        is_error(results[0][1], 500, results[0][0], "the model's process has stopped (exit code -9); restart serve.py")
-        assert events[-1] == "data: [DONE]" and "the model's process has stopped" in events[-2]
+        is_error(results[0][1], 503, results[0][0], "the model's process has stopped (exit code -9); restart serve.py")
+        assert events[-1] == "data: [DONE]" and json.loads(events[-2][6:])["error"]["code"] == "engine_stopped"
         for r, payload in [post(s, "/v1/completions", body), (lambda r: (r, r.json()))(httpx.get(s.url + "/health"))]:
             is_error(payload, 503, r, "the model's process has stopped (exit code -9); restart serve.py")
     missing = run_script("serve.py", f"--out_dir={base}/nothing", "--port=0")
