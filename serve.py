@@ -317,7 +317,8 @@ class EngineProcess:
             kind, what = self.outputs.recv()
         except EOFError:
             self.process.join()
-            raise RuntimeError(f"the model's process ended (exit code {self.process.exitcode}) while it loaded the model")
+            raise UserError(f"the model's process ended (exit code {self.process.exitcode}) while it loaded the model; "
+                            f"if it ran out of memory, try a smaller --context or --dtype=bfloat16")
         if kind != "ready":
             self.process.join()
         if kind == "error":
@@ -339,12 +340,19 @@ class EngineProcess:
             self.loop.remove_reader(self.outputs.fileno())
             self.process.join(5)
             self.stopped = f"the model's process has stopped (exit code {self.process.exitcode}); restart serve.py"
-            self.deliver(None, None)
+            self.deliver(None, None)  # every request still held ends with that
 
     def send(self, *message):
-        if self.stopped:
+        """A request or a cancellation to the model's process; a request gets 503 once it is gone (a
+        cancellation then has nothing left to cancel)."""
+        if not self.stopped:
+            try:
+                return self.requests.send(message)
+            except OSError:  # it died, and the reader has not seen the end of its pipe yet
+                self.process.join(5)
+                self.stopped = f"the model's process has stopped (exit code {self.process.exitcode}); restart serve.py"
+        if message[0] == "submit":
             raise APIError(503, self.stopped, code="engine_stopped", kind="server_error")
-        self.requests.send(message)
 
     def close(self):
         try:
