@@ -259,7 +259,6 @@ class Worker:
         request = inference.Request(ids, max_tokens, reply.on_token, reply.on_done, stop_ids=stop_ids, **sampling)
         self.requests[rid] = request
         if not self.engine.submit(request):  # closed: the server is going down
-            self.requests.pop(rid)
             reply.on_done("cancelled", 0, None)
             self.flush()
 
@@ -338,9 +337,17 @@ class EngineProcess:
                 self.deliver(*self.outputs.recv())
         except (EOFError, OSError):
             self.loop.remove_reader(self.outputs.fileno())
-            self.process.join(5)
-            self.stopped = f"the model's process has stopped (exit code {self.process.exitcode}); restart serve.py"
+            self._ended()
             self.deliver(None, None)  # every request still held ends with that
+
+    def _ended(self):
+        self.process.join(5)
+        self.stopped = f"the model's process has stopped (exit code {self.process.exitcode}); restart serve.py"
+
+    def check(self):
+        """APIError 503 once the model's process is gone."""
+        if self.stopped:
+            raise APIError(503, self.stopped, code="engine_stopped", kind="server_error")
 
     def send(self, *message):
         """A request or a cancellation to the model's process; a request gets 503 once it is gone (a
@@ -349,10 +356,9 @@ class EngineProcess:
             try:
                 return self.requests.send(message)
             except OSError:  # it died, and the reader has not seen the end of its pipe yet
-                self.process.join(5)
-                self.stopped = f"the model's process has stopped (exit code {self.process.exitcode}); restart serve.py"
+                self._ended()
         if message[0] == "submit":
-            raise APIError(503, self.stopped, code="engine_stopped", kind="server_error")
+            self.check()
 
     def close(self):
         try:
@@ -426,8 +432,8 @@ class Server:
         self.loop.call_soon_threadsafe(self.deliver, items, stats)
 
     def health(self):
-        if self.process is not None and self.process.stopped:
-            raise APIError(503, self.process.stopped, code="engine_stopped", kind="server_error")
+        if self.process is not None:
+            self.process.check()
         active = min(self.stats["active"], len(self.pending))
         return {"active": active, "waiting": len(self.pending) - active, "rows": self.cfg.batch_size,
                 "steps": self.stats["steps"]}

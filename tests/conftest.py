@@ -16,21 +16,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-# The files that take longest (worker-seconds under `make test`, 2026-11-24: test_serve 76,
-# test_dist 69, test_checkpoint_format 50, test_bench 39, test_fsdp 32; the next is 27). make test
-# hands whole files to its workers in collection order, so these go first: a long file that starts
-# last leaves the other worker idle until it ends.
-LONGEST_FIRST = ["test_serve.py", "test_dist.py", "test_checkpoint_format.py", "test_bench.py", "test_fsdp.py"]
-
-
-def pytest_collection_modifyitems(items):
-    def rank(item):
-        name = item.path.name
-        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
-
-    items.sort(key=rank)  # stable: every file's own order, and the other files', is kept
-
-
 def load_script(relpath):
     """Import a script that lives outside a package (data/<name>/prepare.py) as a module."""
     spec = importlib.util.spec_from_file_location(Path(relpath).stem, REPO / relpath)
