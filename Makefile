@@ -46,9 +46,13 @@ quickstart: venv
 
 # one test process per core (pytest-xdist), one thread each: the tests' models are tiny, and idle
 # OpenMP threads spinning beside another worker's cost more than they give. A file's tests stay on
-# one worker, so a module's shared fixture (a trained run, an FSDP launch) is built once.
+# one worker, so a module's shared fixture (a trained run, an FSDP launch) is built once; files go
+# out in the order tests/conftest.py gives them, the longest first (--no-loadscope-reorder).
+# Bytecode is cached (PYTHONDONTWRITEBYTECODE cleared, __pycache__ is git-ignored): the suite
+# starts some 150 Python processes, each compiling the repo's modules afresh without it.
 test: venv $(VENV)/.llama
-	SHAKESPEARE_TXT=$(abspath $(SHAKESPEARE_TXT)) OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto --dist loadfile tests
+	SHAKESPEARE_TXT=$(abspath $(SHAKESPEARE_TXT)) OMP_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE= \
+		$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder tests
 
 # llama-cpp-python, built from source once (tests/test_gguf.py runs llama.cpp on hf.py's GGUF files):
 # the library only, without llama.cpp's multimodal library (LLAVA_BUILD=OFF), tests, examples, tools,

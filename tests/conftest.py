@@ -16,6 +16,23 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
+# The files that take longest with a cold compile cache, as in CI (worker-seconds under `make test`,
+# 2026-11-24: test_compile 101, test_serve 94, test_dist 73, test_checkpoint_format 58, test_bench
+# 49, test_fsdp 44; the next is 27). make test hands whole files to its workers in collection order
+# (--no-loadscope-reorder: pytest-xdist would otherwise order files by their number of tests), so
+# these go first: a long file that starts last leaves the other worker idle until it ends.
+LONGEST_FIRST = ["test_compile.py", "test_serve.py", "test_dist.py", "test_checkpoint_format.py", "test_bench.py",
+                 "test_fsdp.py"]
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: every file's own order, and the other files', is kept
+
+
 def load_script(relpath):
     """Import a script that lives outside a package (data/<name>/prepare.py) as a module."""
     spec = importlib.util.spec_from_file_location(Path(relpath).stem, REPO / relpath)
@@ -136,24 +153,50 @@ def read_metrics(out_dir):
         return [json.loads(line) for line in f]
 
 
-@pytest.fixture(scope="session")
-def shared_chat_demo(tmp_path_factory):
-    """The chat demo's path at a fifth of its steps (15,000 conversations, 48 held out, 250 steps),
-    trained once per test run: pytest-xdist's workers share it, the first to ask training it under
-    a lock while the others wait for it. (out_dir, held-out conversations). Read it only; copy
-    out_dir with chat_demo_copy to write there."""
+def shared_dir(tmp_path_factory, name, build):
+    """A directory made once per test run by build(root) and shared by pytest-xdist's workers: the
+    first to ask builds it under a lock while the others wait for it. Read it only."""
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         root = root.parent  # the run's directory, above every worker's own
-    root = root / "shared_chat_demo"
+    root = root / name
     with open(f"{root}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if not (root / "trained").exists():
+        if not (root / "built").exists():
             shutil.rmtree(root, ignore_errors=True)
             root.mkdir()
-            train_chat_demo(root, n=15000, n_heldout=48, steps=250)
-            (root / "trained").touch()
+            build(root)
+            (root / "built").touch()
+    return root
+
+
+@pytest.fixture(scope="session")
+def shared_chat_demo(tmp_path_factory):
+    """The chat demo's path at a fifth of its steps (15,000 conversations, 48 held out, 250 steps),
+    trained once per test run (shared_dir). (out_dir, held-out conversations). Read it only; copy
+    out_dir with chat_demo_copy to write there."""
+    root = shared_dir(tmp_path_factory, "shared_chat_demo", lambda root: train_chat_demo(root, n=15000, n_heldout=48, steps=250))
     return root / "out", [json.loads(line) for line in (root / "data" / "heldout.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="session")
+def shared_shakespeare(tmp_path_factory):
+    """A model trained on the real tiny Shakespeare (SHAKESPEARE_TXT; the test skips without it),
+    once per test run (shared_dir): 2 layers of 128, 400 steps, evaluated at 200 and 400. Its out_dir;
+    read it only."""
+    if not os.environ.get("SHAKESPEARE_TXT"):
+        pytest.skip("set SHAKESPEARE_TXT to the tiny Shakespeare text")
+
+    def build(root):
+        prepared = run_script("data/shakespeare_char/prepare.py", "--input", os.environ["SHAKESPEARE_TXT"], "--out_dir", root / "data")
+        assert prepared.returncode == 0, prepared.stderr
+        trained = run_script("train.py", *tiny_args(root / "data", root / "out", n_layer=2, n_head=4, n_embd=128, block_size=64,
+                                                    batch_size=12, max_iters=400, lr_decay_iters=400, warmup_iters=50,
+                                                    learning_rate=5e-3, min_lr=5e-4, eval_interval=200, eval_iters=20),
+                             timeout=900)
+        assert trained.returncode == 0, trained.stderr
+
+    return shared_dir(tmp_path_factory, "shared_shakespeare", build) / "out"
 
 
 def chat_demo_copy(shared, to):

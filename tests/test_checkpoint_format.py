@@ -4,7 +4,7 @@ one-line messages for damaged checkpoints.
 
 The multi-process runs are shared by the tests (torchrun's start-up is most of their time):
   straight  FSDP on 2 ranks, sharded + async, 20 steps (keep_last=4: iters 5, 10, 15 and 20 stay)
-  split     the same, 10 steps, then resumed to 20
+  split     the straight run's out_dir as it stood at iter 10, resumed to 20 by a new launch
   full_disk the straight run's checkpoint resumed on 2 ranks, its next write hitting /dev/full
 """
 
@@ -51,8 +51,10 @@ def runs(tmp_path_factory):
     data = root / "chars"
     data.mkdir()
     load_script("data/shakespeare_char/prepare.py").prepare(make_text(), str(data))
-    results = {"straight": torchrun(data, root / "straight"),
-               "split": torchrun(data, root / "split", max_iters=10)}
+    results = {"straight": torchrun(data, root / "straight")}
+    # iter 10's checkpoint was written in the background while the straight run trained on
+    shutil.copytree(root / "straight", root / "split", symlinks=True,
+                    ignore=shutil.ignore_patterns("ckpt_0000015", "ckpt_0000020", "ckpt_best"))
     results["resumed"] = torchrun(data, root / "split", init_from="resume")
     for name, result in results.items():
         assert result.returncode == 0, (name, result.stderr[-3000:])
@@ -73,10 +75,9 @@ def test_fsdp_sharded_async_resume_is_exact(runs):
     assert a["iter_num"] == b["iter_num"] == 20 and len(a["rng"]["torch"]) == 2
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert all(torch.equal(v[s], b["optimizer"]["state"][k][s]) for k, v in a["optimizer"]["state"].items() for s in v)
-    # iter 10 was written in the background while the straight run trained on: the state was staged
-    # at the step boundary, so it equals the split run's iter 10, after which that run did nothing
-    a, b = (checkpoint.read_sharded(str(root / run / "ckpt_0000010")) for run in ("straight", "split"))
-    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    # the split run resumed from iter 10's checkpoint, which was written in the background while the
+    # straight run trained on: that every later loss and the final state are bit for bit the straight
+    # run's shows the state was staged at the step boundary, before step 10 changed a weight
 
 
 def test_a_sharded_checkpoint_is_a_directory_of_shards_committed_last(runs):

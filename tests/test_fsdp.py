@@ -1,16 +1,17 @@
 """Several processes on CPU (gloo) under torchrun: FSDP2 trains like DDP, saves the same
 checkpoint format and resumes exactly, and two torchrun launches rendezvous as two nodes.
 
-Four launches of two processes each, shared by the tests (torchrun's start-up is most of the time):
+Three launches of two processes each, shared by the tests (torchrun's start-up is most of the time):
   ddp       standalone, DDP, 8 steps
   two_node  two torchrun agents (--nnodes=2, c10d rendezvous on localhost), FSDP, 8 steps
-  split     standalone, FSDP, 4 steps, then resumed to 8
+  split     the two-node run's out_dir as it stood at iter 4, resumed to 8 by a standalone launch
 Every run also uses activation checkpointing, so its composition with DDP and FSDP is under test
 too, and has a NaN loss injected at step 5, which all ranks must skip (the gradient norm decides)."""
 
 import json
 import math
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -69,8 +70,11 @@ def runs(tmp_path_factory):
     # two "nodes" of one process each, meeting at a c10d rendezvous as separate machines would
     node = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=localhost:{free_port()}",
             "--rdzv_id=test-two-nodes"]
-    stdouts = finish(*(torchrun(node, root / "two_node", data, FSDP) for _ in range(2)))
-    finish(torchrun(standalone, root / "split", data, FSDP, "--max_iters=4"))
+    # checkpoints at iters 4 and 8 (eval_interval=4) besides ckpt.pt
+    stdouts = finish(*(torchrun(node, root / "two_node", data, FSDP, "--always_save_checkpoint=True", "--keep_last=2")
+                       for _ in range(2)))
+    # the two-node run as it stood at iter 4, resumed by a standalone launch
+    shutil.copytree(root / "two_node", root / "split", ignore=shutil.ignore_patterns("ckpt.pt", "ckpt_best.pt", "ckpt_0000008.pt"))
     finish(torchrun(standalone, root / "split", data, FSDP, "--init_from=resume"))
     return root, stdouts
 

@@ -246,16 +246,8 @@ def test_an_empty_prompt_starts_a_bpe_model_after_endoftext():
     assert sample.encode_prompt("", lambda text: [], eot=50256, block_size=8) == [50256]
 
 
-@pytest.mark.skipif(not os.environ.get("SHAKESPEARE_TXT"), reason="set SHAKESPEARE_TXT to the tiny Shakespeare text")
-def test_real_shakespeare_cached_equals_uncached_for_500_greedy_tokens(tmp_path):
-    data_dir = tmp_path / "shakespeare_char"
-    prepared = run_script("data/shakespeare_char/prepare.py", "--input", os.environ["SHAKESPEARE_TXT"], "--out_dir", data_dir)
-    assert prepared.returncode == 0, prepared.stderr
-    out = tmp_path / "out"
-    trained = run_script("train.py", *tiny_args(data_dir, out, n_layer=2, n_head=4, n_embd=128, block_size=64,
-                                                batch_size=12, max_iters=300, lr_decay_iters=300, warmup_iters=50,
-                                                learning_rate=5e-3, min_lr=5e-4, eval_interval=300, eval_iters=5))
-    assert trained.returncode == 0, trained.stderr
+def test_real_shakespeare_cached_equals_uncached_for_500_greedy_tokens(shared_shakespeare):
+    out = shared_shakespeare
     args = [f"--out_dir={out}", "--device=cpu", "--temperature=0", "--num_samples=1", "--max_new_tokens=500",
             "--start=ROMEO:"]
     cached, uncached = run_script("sample.py", *args), run_script("sample.py", *args, "--kv_cache=False")
