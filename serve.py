@@ -249,7 +249,10 @@ class Worker:
             pass  # the server's side says so to a chat request
         model.eval().to(rt.device)
         if cfg.compile:
-            model.compile()
+            # the engine's packed steps change shape from step to step (the tokens in flight): sizes
+            # symbolic from the start, where dynamo would compile each graph for the first shape and
+            # again, symbolic, at the next (13 graphs against 9 in tests/test_serve.py's engine test)
+            model.compile(dynamic=True)
         self.send, self.items, self.requests = send, [], {}
         self.engine = inference.Engine(model, rows=cfg.batch_size, waiting=cfg.max_waiting, room=context,
                                        device=rt.device, autocast=rt.autocast, after_step=self.flush)

@@ -146,7 +146,7 @@ def test_a_compiled_model_in_the_engine_gives_solo_greedy_tokens():
     model = peaked_model()
     prompts, budgets = token_lists(3, 9, 1, 20, 5), [10, 7, 12, 6, 9]
     solo = solo_greedy(model, prompts, budgets)
-    model.compile()
+    model.compile(dynamic=True)  # as serve.py --compile does
     engine = inference.Engine(model, rows=3, waiting=10).start()
     outs, done = [[] for _ in prompts], threading.Semaphore(0)
     for i, (p, n) in enumerate(zip(prompts, budgets)):
