@@ -1,13 +1,11 @@
 """Generation: the key/value cache against full recomputation, the sampling controls, and
 sample.py's batches, prompts file and streaming."""
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import run_script, tiny_args, train_tiny_run
+from conftest import run_script, train_tiny_run
 
 import sample
 import tokenizer

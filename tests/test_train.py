@@ -5,7 +5,6 @@ import os
 import sys
 import textwrap
 
-import pytest
 import torch
 
 from conftest import REPO, read_metrics, run_script, tiny_args
@@ -174,4 +173,5 @@ def test_sample_from_a_trained_checkpoint(char_data, tmp_path):
 def test_real_shakespeare_learns(shared_shakespeare):
     final = [r for r in read_metrics(shared_shakespeare) if "val_loss" in r][-1]
     assert final["iter"] == 400
+    # a unigram model of this text scores about 3.3 and the untrained one ln(65) = 4.17
     assert final["val_loss"] < 2.3
