@@ -15,13 +15,18 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+# torch.compile's backend for tests about graphs rather than kernels: dynamo's graphs, AOTAutograd's
+# forward and backward (the partitioner's split) and inductor's decompositions, run by ATen's kernels.
+# Inductor on a CPU builds each fused kernel with g++, about 1 s apiece with a cold cache (as in CI).
+ATEN_BACKEND = "aot_eager_decomp_partition"
+
 
 # The files that take longest with a cold compile cache, as in CI (worker-seconds under `make test`,
-# 2026-11-24: test_compile 101, test_serve 94, test_dist 73, test_checkpoint_format 58, test_bench
-# 49, test_fsdp 44; the next is 27). make test hands whole files to its workers in collection order
-# (--no-loadscope-reorder: pytest-xdist would otherwise order files by their number of tests), so
-# these go first: a long file that starts last leaves the other worker idle until it ends.
-LONGEST_FIRST = ["test_compile.py", "test_serve.py", "test_dist.py", "test_checkpoint_format.py", "test_bench.py",
+# 2026-11-24, 259 s in all: test_serve 85, test_dist 60, test_compile 57, test_checkpoint_format 40,
+# test_bench 32, test_fsdp 24; the next is 22). make test hands whole files to its workers in
+# collection order (--no-loadscope-reorder: pytest-xdist would otherwise order files by their number
+# of tests), so these go first: a long file that starts last leaves the other worker idle until it ends.
+LONGEST_FIRST = ["test_serve.py", "test_dist.py", "test_compile.py", "test_checkpoint_format.py", "test_bench.py",
                  "test_fsdp.py"]
 
 

@@ -1,12 +1,24 @@
-"""Compile hygiene on the CPU with inductor: training with evals in between compiles the training
-graph and eval's no_grad graph and nothing else, and every model variant compiles as one graph
-(fullgraph=True) in training and in cached decoding."""
+"""Compile hygiene on the CPU: training with evals in between compiles the training graph and eval's
+no_grad graph and nothing else, and every model variant compiles as one graph (fullgraph=True) in
+training and in cached decoding.
 
+One test compiles with inductor, the backend train.py, sample.py and serve.py use: every Llama
+option at once with activation checkpointing, forward and backward, against eager. The others
+count graphs, recompiles and graph breaks, which dynamo decides before any backend runs, so they
+compile with conftest.ATEN_BACKEND: dynamo's graphs, AOTAutograd's forward and backward split by the same
+partitioner, and inductor's decompositions, run by ATen's kernels instead of inductor's code. On a
+CPU inductor builds each fused kernel with g++ (about 1 s each); with a cold cache, as in CI, this
+file and the serving engine's compiled test took 84 s alone with inductor everywhere and 11 s with
+only the Llama test on it. Inductor itself, on the GPU's Triton kernels, is what tests/test_gpu.py
+runs."""
+import functools
 
 import numpy as np
 import pytest
 import torch
 from torch._dynamo.utils import counters
+
+from conftest import ATEN_BACKEND
 
 import runtime
 from batches import TrainBatches, eval_offsets
@@ -29,7 +41,8 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def test_training_with_evals_compiles_two_graphs_and_never_recompiles():
+def test_training_with_evals_compiles_two_graphs_and_never_recompiles(monkeypatch):
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=ATEN_BACKEND))  # wrap.build's compile
     cfg = TrainConfig(device="cpu", compile=True, batch_size=4, block_size=16, n_layer=2, n_head=4, n_embd=32,
                       gradient_accumulation_steps=2, eval_iters=3, dropout=0.0)
     torch.manual_seed(0)
@@ -71,7 +84,7 @@ def test_llama_options_and_checkpointing_train_as_one_graph():
     reference.load_state_dict(model.state_dict())
     model.activation_checkpointing = reference.activation_checkpointing = True
     x = torch.randint(0, 65, (2, 16))
-    _, loss = torch.compile(model, fullgraph=True, dynamic=False)(x, x)  # a graph break is an error
+    _, loss = torch.compile(model, fullgraph=True, dynamic=False)(x, x)  # inductor; a graph break is an error
     loss.backward()
     _, ref_loss = reference(x, x)
     ref_loss.backward()
@@ -87,5 +100,5 @@ def test_cached_decoding_is_one_graph(options):
     model = GPT(GPTConfig(**options)).eval()
     prompt = torch.randint(0, 65, (1, 4))
     expected = model.generate(prompt, 3, temperature=0)
-    model.compile(fullgraph=True)
+    model.compile(fullgraph=True, backend=ATEN_BACKEND)
     assert torch.equal(model.generate(prompt, 3, temperature=0), expected)

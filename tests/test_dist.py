@@ -4,7 +4,7 @@ loss on one rank only (fp16, as the GPU runs it), one eval shape on every rank, 
 gradients held once (gradient_as_bucket_view) as memory.py counts them.
 
 The compiled launches, shared by the tests (torchrun's start is most of their time):
-  eager      DDP, not compiled: the reference
+  eager      DDP, not compiled: the reference; which rank writes and logs, and the replicas' weights
   ddp        DDP, compiled, 8 steps
   resumed    a copy of ddp's out_dir as it stood at iter 4 (its ckpt_0000004.pt), resumed to 8
   fsdp       FSDP2, compiled, 8 steps
@@ -17,8 +17,8 @@ torch.compile's aot_eager backend: the same dynamo and AOTAutograd graphs, run b
 instead of inductor's generated C++. On a CPU inductor compiles each fused kernel with g++ (about
 1.3 s each, 38 for the DDP launch): with a cold cache, as in CI, the DDP launch took 50 s and the
 FSDP2 one 25 s with inductor, and 10.5 s and 12.8 s with aot_eager (alone on the 2-core machine).
-Inductor on these model options is tested in one process by tests/test_compile.py (training, with
-activation checkpointing, and cached decoding) and tests/test_serve.py (the serving engine)."""
+Inductor on these model options (every Llama option, activation checkpointing) is tested in one
+process by tests/test_compile.py."""
 
 import gc
 import json
@@ -58,15 +58,30 @@ TRAIN_ARGS = [
 ]
 
 # train.py under torchrun as a user runs it, recording for the test what a rank alone knows: its
-# exit code, its stderr, and torch.compile's counters (tests/test_compile.py reads the same ones)
+# exit code, its stderr, torch.compile's counters (tests/test_compile.py reads the same ones), the
+# checkpoint files it wrote, and the weights it put in its last checkpoint
 DRIVER = textwrap.dedent("""
     import json, os, runpy, sys
     sys.path.insert(0, {repo!r})
     import functools, torch
     from torch._dynamo.utils import counters
+    import checkpoint
     # train.py's torch.compile(model, ...) call, with the aot_eager backend (see the docstring)
     torch.compile = functools.partial(torch.compile, backend="aot_eager")
     report = os.path.join(sys.argv[1], "rank" + os.environ["RANK"])
+    save, make = checkpoint.save, checkpoint.make_checkpoint
+
+    def recording_save(state, path):
+        with open(report + ".writes", "a") as f:
+            f.write(path + "\\n")
+        save(state, path)
+
+    def make_and_keep(*args):
+        state = make(*args)
+        torch.save(state["model"], report + ".weights.pt")
+        return state
+
+    checkpoint.save, checkpoint.make_checkpoint = recording_save, make_and_keep
     err = os.open(report + ".err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(err, 2)
     sys.argv = ["train.py", *sys.argv[2:]]
@@ -159,6 +174,20 @@ def test_compiled_ddp_and_fsdp_train_like_eager(compiled):
     assert max(abs(a - b) for a, b in zip(eager, ddp)) < 2e-5
     assert max(abs(a - b) for a, b in zip(eager, fsdp)) < 2e-5
     assert eager[-1] < eager[0] - 0.3  # and they learned
+
+
+def test_only_rank_0_writes_and_logs_and_the_replicas_stay_equal(compiled):
+    """Plain DDP, as the eager launch ran it: rank 0 alone writes checkpoints and logs a line per
+    step, and the two ranks put the same weights in their last checkpoint (each trained on its own
+    batches; DDP's all-reduce keeps the replicas equal)."""
+    root, runs = compiled
+    out = root / "eager"
+    assert "2 rank(s) x 2 micro-steps" in runs["eager"][0]["stdout"]
+    assert (out / "rank0.writes").read_text() and not (out / "rank1.writes").exists()
+    w0, w1 = (torch.load(out / f"rank{r}.weights.pt", weights_only=True) for r in range(2))
+    assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
+    with open(out / "metrics.jsonl") as f:
+        assert [r["iter"] for r in map(json.loads, f) if "loss" in r] == list(range(8))
 
 
 @pytest.mark.parametrize("name", ["ddp", "resumed", "fsdp"])

@@ -31,7 +31,7 @@ import inference
 import serve
 import tokenizer
 from configurator import ServeConfig, parse
-from conftest import REPO, chat_demo_copy, load_script, run_script, train_tiny_run
+from conftest import ATEN_BACKEND, REPO, chat_demo_copy, load_script, run_script, train_tiny_run
 from model import GPT, GPTConfig
 
 KEY = "test-key-123"
@@ -142,11 +142,13 @@ def test_requests_prefilled_together_give_solo_greedy_tokens(shape):
 def test_a_compiled_model_in_the_engine_gives_solo_greedy_tokens():
     """serve.py --compile: the engine's packed steps through a torch.compile'd model (prompts joining
     a decoding row, rows of three lengths) give, token for token, generate()'s greedy tokens of the
-    model as it was. The packed attention runs outside the compiled graphs, which take the rest."""
+    model as it was. The packed attention runs outside the compiled graphs, which take the rest.
+    What is under test is dynamo's graphs and their symbolic shapes (the packed steps change shape
+    every step), so they run on ATen's kernels; inductor's are test_compile.py's and test_gpu.py's."""
     model = peaked_model()
     prompts, budgets = token_lists(3, 9, 1, 20, 5), [10, 7, 12, 6, 9]
     solo = solo_greedy(model, prompts, budgets)
-    model.compile(dynamic=True)  # as serve.py --compile does
+    model.compile(dynamic=True, backend=ATEN_BACKEND)  # as serve.py --compile does, on ATen's kernels (conftest)
     engine = inference.Engine(model, rows=3, waiting=10).start()
     outs, done = [[] for _ in prompts], threading.Semaphore(0)
     for i, (p, n) in enumerate(zip(prompts, budgets)):

@@ -108,51 +108,6 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
     assert checkpoint.load(str(path))["iter_num"] == 3
 
 
-DDP_DRIVER = textwrap.dedent("""
-    # train.main under torchrun, recording which rank writes checkpoints and each rank's final weights
-    import os, sys, torch
-    sys.path.insert(0, {repo!r})
-    import checkpoint, train
-    rank, out = os.environ["RANK"], sys.argv[1]
-    save, make = checkpoint.save, checkpoint.make_checkpoint
-
-    def recording_save(state, path):
-        with open(os.path.join(out, "writers.txt"), "a") as f:
-            f.write(rank + "\\n")
-        save(state, path)
-
-    def make_and_keep(*args):
-        state = make(*args)
-        torch.save(state["model"], os.path.join(out, f"weights-rank{{rank}}.pt"))
-        return state
-
-    checkpoint.save, checkpoint.make_checkpoint = recording_save, make_and_keep
-    train.main(sys.argv[2:])
-""")
-
-
-def test_ddp_two_cpu_processes(char_data, tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    driver = tmp_path / "driver.py"
-    driver.write_text(DDP_DRIVER.format(repo=str(REPO)))
-    args = tiny_args(char_data, out, gradient_accumulation_steps=4, max_iters=8, lr_decay_iters=8, eval_interval=4,
-                     dropout=0.1)
-    import subprocess
-
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(driver), str(out), *args],
-        cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "2 rank(s) x 2 micro-steps" in result.stdout
-    assert set((out / "writers.txt").read_text().split()) == {"0"}  # only rank 0 writes
-    w0, w1 = torch.load(out / "weights-rank0.pt"), torch.load(out / "weights-rank1.pt")
-    assert all(torch.equal(w0[k], w1[k]) for k in w0)  # the replicas stayed identical
-    steps = [r["iter"] for r in read_metrics(out) if "loss" in r]
-    assert steps == list(range(8))  # one line per step: rank 1 logged nothing
-
-
 def test_sample_from_a_trained_checkpoint(char_data, tmp_path):
     out = tmp_path / "out"
     train(char_data, out, max_iters=30, lr_decay_iters=30)
