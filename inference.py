@@ -194,9 +194,14 @@ class BatchCache:
     filled with the last one), so a step's keys are a slice, never a gather. The room grows as the
     longest row needs it, up to `room` (at most block_size)."""
 
-    def __init__(self, config, rows, room):
+    def __init__(self, config, rows, room, compiled=False):
         assert room <= config.block_size
         self.config, self.rows, self.room = config, rows, room
+        # a torch.compile'd model (serve.py --compile) runs the packed attention as it is: its loop
+        # over the prompts and its writes into the cache would otherwise be traced, and guarded on,
+        # step by step. Disabled here, not by a decorator: torch.compiler.disable imports dynamo, a
+        # second of every sample.py, chat.py and serve.py start that runs no compiled model
+        self.attend = torch.compiler.disable(_PackedLayer.run) if compiled else _PackedLayer.run
         self.k = self.v = None  # (L, rows, n_kv, allocated, hs), zeros: padding must be finite (0 * NaN is NaN)
         self.lengths = [0] * rows
 
@@ -264,9 +269,10 @@ class _PackedLayer:
     def __init__(self, step, i):
         self.step, self.i = step, i
 
-    @torch.compiler.disable  # a compiled model (serve.py --compile) runs this part as it is: its loop over the
-    # prompts and its writes into the cache would otherwise be traced, and guarded on, step by step
     def attend(self, q, k, v, attention):
+        return self.step.cache.attend(self, q, k, v, attention)  # run, outside a compiled model's graphs
+
+    def run(self, q, k, v, attention):
         """q (1, nh, N, hs), k and v (1, n_kv, N, hs) of the packed tokens: store every token's key
         and value at its row and position, and return the attention output (1, nh, N, hs)."""
         s, c, i = self.step, self.step.cache, self.i
@@ -321,11 +327,12 @@ class Engine:
     cancelled leaves before the next step. At most `rows` run at once and
     `waiting` wait; submit() refuses more (the server's 429). One thread owns the model."""
 
-    def __init__(self, model, rows=16, waiting=64, room=None, device="cpu", autocast=contextlib.nullcontext, after_step=None):
+    def __init__(self, model, rows=16, waiting=64, room=None, device="cpu", autocast=contextlib.nullcontext, after_step=None,
+                 compiled=False):
         self.model, self.device, self.autocast = model, device, autocast
         self.after_step = after_step or (lambda: None)  # called on the engine's thread after each step
         self.rows, self.max_waiting = rows, waiting
-        self.cache = BatchCache(model.config, rows, room or model.config.block_size)
+        self.cache = BatchCache(model.config, rows, room or model.config.block_size, compiled)  # compiled: model is torch.compile'd
         self.queue = collections.deque()
         self.active = []  # active[j] is in the cache's row j
         self.lock = threading.Condition()

@@ -255,7 +255,7 @@ class Worker:
             model.compile(dynamic=True)
         self.send, self.items, self.requests = send, [], {}
         self.engine = inference.Engine(model, rows=cfg.batch_size, waiting=cfg.max_waiting, room=context,
-                                       device=rt.device, autocast=rt.autocast, after_step=self.flush)
+                                       device=rt.device, autocast=rt.autocast, after_step=self.flush, compiled=cfg.compile)
 
     def submit(self, rid, ids, max_tokens, sampling, chat, stop_ids, stops):
         reply = Reply(self, rid, self.decoders[chat], stops)

@@ -139,7 +139,7 @@ def test_requests_prefilled_together_give_solo_greedy_tokens(shape):
     assert batches[0] == 5 and set(batches[1:]) == {0} and outs == solo
 
 
-def test_a_compiled_model_in_the_engine_gives_solo_greedy_tokens():
+def test_a_compiled_model_in_the_engine_gives_solo_greedy_tokens(monkeypatch):
     """serve.py --compile: the engine's packed steps through a torch.compile'd model (prompts joining
     a decoding row, rows of three lengths) give, token for token, generate()'s greedy tokens of the
     model as it was. The packed attention runs outside the compiled graphs, which take the rest.
@@ -149,7 +149,9 @@ def test_a_compiled_model_in_the_engine_gives_solo_greedy_tokens():
     prompts, budgets = token_lists(3, 9, 1, 20, 5), [10, 7, 12, 6, 9]
     solo = solo_greedy(model, prompts, budgets)
     model.compile(dynamic=True, backend=ATEN_BACKEND)  # as serve.py --compile does, on ATen's kernels (conftest)
-    engine = inference.Engine(model, rows=3, waiting=10).start()
+    traced, run = [], inference._PackedLayer.run
+    monkeypatch.setattr(inference._PackedLayer, "run", lambda *args: traced.append(torch.compiler.is_compiling()) or run(*args))
+    engine = inference.Engine(model, rows=3, waiting=10, compiled=True).start()
     outs, done = [[] for _ in prompts], threading.Semaphore(0)
     for i, (p, n) in enumerate(zip(prompts, budgets)):
         assert engine.submit(inference.Request(p, n, outs[i].append, lambda *end: done.release(), temperature=0))
@@ -157,6 +159,7 @@ def test_a_compiled_model_in_the_engine_gives_solo_greedy_tokens():
         assert done.acquire(timeout=300)
     engine.close()
     assert outs == solo
+    assert traced and not any(traced)  # the packed attention ran as it is at every step, never traced into a graph
 
 
 def test_a_failing_request_ends_alone():
