@@ -67,6 +67,44 @@ def char_data(tmp_path):
     return data_dir
 
 
+GPT2 = {"kind": "tiktoken", "name": "gpt2", "vocab_size": 50257}  # tokenizer.describe of GPT-2's BPE
+EVAL_WORDS = "the man picks up a ball and throws it to his dog who runs across the green field café naïve".split()
+
+
+def hellaswag_record(rng, i, long=False):
+    """A record in HellaSwag's official format (the fields eval.py ignores included)."""
+    ctx = " ".join(rng.choice(EVAL_WORDS, size=60 if long else rng.integers(4, 12)))
+    endings = [" ".join(rng.choice(EVAL_WORDS, size=rng.integers(1, 7))) + "." for _ in range(4)]
+    return {"ind": i, "activity_label": "Playing fetch", "ctx_a": ctx, "ctx_b": "", "ctx": ctx, "split": "val",
+            "split_type": "indomain", "label": int(rng.integers(4)), "endings": endings, "source_id": f"test~{i}"}
+
+
+def write_hellaswag(path, n, seed=0):
+    rng = np.random.default_rng(seed)
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps(hellaswag_record(rng, i, long=i % 7 == 0)) + "\n")
+    return path
+
+
+def bpe_eval_data(root):
+    """(root/data, root/hs.jsonl): a GPT-2 BPE dataset (train, val, test) and a HellaSwag-format file
+    of 30 records, for eval.py's tasks."""
+    import tokenizer
+    from data import tokens
+
+    enc = tokenizer.encoding("gpt2")
+    rng = np.random.default_rng(1)
+    data_dir = root / "data"
+    data_dir.mkdir()
+    for split, n_docs in (("train", 400), ("val", 40), ("test", 40)):
+        docs = [" ".join(rng.choice(EVAL_WORDS, size=rng.integers(5, 30))).capitalize() + "." for _ in range(n_docs)]
+        tokens.write(str(data_dir / f"{split}.bin"),
+                     np.array([t for d in docs for t in [enc.eot_token] + enc.encode_ordinary(d)], dtype=np.uint16))
+    (data_dir / "meta.json").write_text(json.dumps(GPT2))
+    return data_dir, write_hellaswag(root / "hs.jsonl", 30, seed=2)
+
+
 def train_tiny_run(root, **overrides):
     """root/out: a tiny character model trained on root/chars for a few steps (block_size 16)."""
     data_dir = root / "chars"

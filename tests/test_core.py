@@ -2,8 +2,8 @@
 counts of 0 and more and a multi-character continuation delimiter. Each example's verdict against
 a direct computation (nanochat's Jinja templates rendered by jinja2, its few-shot draw over an
 explicit list, the model's own logits per row); CORE against the meta CSV; batched against one
-example per forward; the same examples on every run; torchrun with 2 gloo ranks against 1; the
-bad-input catalogue; CORE in train.py's loop."""
+example per forward; the same examples on every run; torchrun with 2 gloo ranks against 1 (with
+eval.py's other tasks in the same launch); the bad-input catalogue; CORE in train.py's loop."""
 
 import csv
 import json
@@ -22,7 +22,7 @@ import core_eval
 import runtime
 import tokenizer
 from configurator import UserError
-from conftest import REPO, read_metrics, run_script, tiny_args
+from conftest import REPO, bpe_eval_data, read_metrics, run_script, tiny_args
 
 GPT2 = {"kind": "tiktoken", "name": "gpt2", "vocab_size": 50257}
 WORDS = "the man picks up a ball and throws it to his dog who runs across green field".split()
@@ -314,19 +314,28 @@ def gpt2_tiny(tmp_path_factory):
     return root / "gpt2-tiny"
 
 
-def test_torchrun_two_gloo_ranks_equal_one(setup, gpt2_tiny):
+def test_torchrun_two_gloo_ranks_equal_one(setup, gpt2_tiny, tmp_path):
+    """eval.py under torchrun, every task in one launch: CORE, HellaSwag, and val and test bits per
+    byte on 2 gloo ranks give what 1 rank gives."""
     root, model, bundle, rt = setup
-    args = [f"--init_from={gpt2_tiny}", "--tasks=core", f"--core_bundle={bundle}", "--device=cpu", "--batch_size=4", "--json=True"]
+    data_dir, hellaswag = bpe_eval_data(tmp_path)
+    args = [f"--init_from={gpt2_tiny}", "--tasks=core,hellaswag,val,test", f"--core_bundle={bundle}", f"--dataset={data_dir}",
+            f"--hellaswag_path={hellaswag}", "--device=cpu", "--batch_size=4", "--json=True"]
     one = run_script("eval.py", *args)
     assert one.returncode == 0, one.stderr
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                           str(REPO / "eval.py"), *args], cwd=REPO, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert two.returncode == 0, two.stderr
-    a, b = json.loads(one.stdout.strip().splitlines()[-1])["core"], json.loads(two.stdout.strip().splitlines()[-1])["core"]
-    assert {k: (r["accuracy"], r["examples"]) for k, r in a["tasks"].items()} == \
-        {k: (r["accuracy"], r["examples"]) for k, r in b["tasks"].items()}
-    assert a["core"] == b["core"] and a["examples"] == sum(n for *_, n, _ in TASKS.values())
+    a, b = (json.loads(run.stdout.strip().splitlines()[-1]) for run in (one, two))
+    assert {k: (r["accuracy"], r["examples"]) for k, r in a["core"]["tasks"].items()} == \
+        {k: (r["accuracy"], r["examples"]) for k, r in b["core"]["tasks"].items()}
+    assert a["core"]["core"] == b["core"]["core"] and a["core"]["examples"] == sum(n for *_, n, _ in TASKS.values())
+    assert a["hellaswag"] == b["hellaswag"] and a["hellaswag"]["n"] == 30
+    for split in ("val", "test"):
+        assert a[split]["tokens"] == b[split]["tokens"] > 0
+        for key in ("loss", "bpb"):
+            assert a[split][key] == pytest.approx(b[split][key], rel=1e-6)
     lines = one.stdout.splitlines()
     assert any(line.startswith("mc_fewshot: accuracy ") and "centered" in line for line in lines)
     assert any(line.startswith("CORE ") and "examples/s" in line for line in lines)

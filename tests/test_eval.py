@@ -1,5 +1,5 @@
 """eval.py: HellaSwag and multiple-choice scoring against transformers' GPT-2 and a hand-built
-case, bits per byte against a hand count, 2 ranks against 1, bad input, and train.py's hooks
+case, bits per byte against a hand count, bad input, and train.py's hooks
 (val/test bpb, HellaSwag every hellaswag_interval steps, its rhythm on resume), and no host read per
 batch in the eval loops."""
 
@@ -18,29 +18,9 @@ import eval as evals
 import runtime
 import scoring
 import tokenizer
-from conftest import REPO, read_metrics, run_script, tiny_args, train_tiny_run
+from conftest import GPT2, REPO, bpe_eval_data, read_metrics, run_script, tiny_args, train_tiny_run, write_hellaswag
 from data import tokens
 from model import GPT, GPTConfig
-
-GPT2 = {"kind": "tiktoken", "name": "gpt2", "vocab_size": 50257}
-WORDS = "the man picks up a ball and throws it to his dog who runs across the green field café naïve".split()
-
-
-def hellaswag_record(rng, i, long=False):
-    """A record in HellaSwag's official format (the fields eval.py ignores included)."""
-    ctx = " ".join(rng.choice(WORDS, size=60 if long else rng.integers(4, 12)))
-    endings = [" ".join(rng.choice(WORDS, size=rng.integers(1, 7))) + "." for _ in range(4)]
-    return {"ind": i, "activity_label": "Playing fetch", "ctx_a": ctx, "ctx_b": "", "ctx": ctx, "split": "val",
-            "split_type": "indomain", "label": int(rng.integers(4)), "endings": endings, "source_id": f"test~{i}"}
-
-
-def write_hellaswag(path, n, seed=0):
-    rng = np.random.default_rng(seed)
-    with open(path, "w") as f:
-        for i in range(n):
-            f.write(json.dumps(hellaswag_record(rng, i, long=i % 7 == 0)) + "\n")
-    return path
-
 
 def tiny_hf_gpt2(n_positions=64):
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -147,34 +127,7 @@ def bpe_setup(tmp_path_factory):
     """A tiny Hugging Face GPT-2 directory, a BPE dataset (val, test) and a HellaSwag-format file."""
     root = tmp_path_factory.mktemp("bpe")
     tiny_hf_gpt2(n_positions=64).save_pretrained(root / "gpt2-tiny")
-    enc = tokenizer.encoding("gpt2")
-    rng = np.random.default_rng(1)
-    data_dir = root / "data"
-    data_dir.mkdir()
-    for split, n_docs in (("train", 400), ("val", 40), ("test", 40)):
-        docs = [" ".join(rng.choice(WORDS, size=rng.integers(5, 30))).capitalize() + "." for _ in range(n_docs)]
-        tokens.write(str(data_dir / f"{split}.bin"),
-                     np.array([t for d in docs for t in [enc.eot_token] + enc.encode_ordinary(d)], dtype=np.uint16))
-    (data_dir / "meta.json").write_text(json.dumps(GPT2))
-    return root, data_dir, write_hellaswag(root / "hs.jsonl", 30, seed=2)
-
-
-def test_two_ranks_give_the_same_results_as_one(bpe_setup):
-    root, data_dir, hs = bpe_setup
-    args = [f"--init_from={root / 'gpt2-tiny'}", f"--dataset={data_dir}", "--tasks=hellaswag,val,test",
-            f"--hellaswag_path={hs}", "--device=cpu", "--batch_size=4", "--json=True"]
-    one = run_script("eval.py", *args)
-    assert one.returncode == 0, one.stderr
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          str(REPO / "eval.py"), *args], cwd=REPO, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert two.returncode == 0, two.stderr
-    a, b = json.loads(one.stdout.strip().splitlines()[-1]), json.loads(two.stdout.strip().splitlines()[-1])
-    assert a["hellaswag"] == b["hellaswag"] and a["hellaswag"]["n"] == 30
-    for split in ("val", "test"):
-        assert a[split]["tokens"] == b[split]["tokens"] > 0
-        for key in ("loss", "bpb"):
-            assert a[split][key] == pytest.approx(b[split][key], rel=1e-6)
+    return root, *bpe_eval_data(root)
 
 
 def test_training_logs_bpb_test_loss_and_hellaswag_in_rhythm_across_resume(bpe_setup, tmp_path):
