@@ -138,8 +138,9 @@ def test_sweep_keeps_tokens_per_step_and_marks_the_best(tmp_path):
 
 def test_profile_writes_a_trace(tmp_path):
     result = run_script("bench.py", "--device=cpu", "--compile=False", "--n_layer=1", "--n_head=2", "--n_embd=32",
-                        "--block_size=16", "--batch_size=2", "--gradient_accumulation_steps=1", "--bench_iters=1", "--bench_warmup=0", "--profile=True",
-                        "--profile_wait=1", "--profile_warmup=1", "--profile_active=2", f"--out_dir={tmp_path}")
+                        "--block_size=16", "--batch_size=2", "--gradient_accumulation_steps=1", "--bench_iters=1",
+                        "--bench_warmup=0", "--profile=True", "--profile_wait=1", "--profile_warmup=1", "--profile_active=2",
+                        f"--out_dir={tmp_path}")
     assert result.returncode == 0, result.stderr
     traces = list((tmp_path / "profile").glob("*.pt.trace.json"))
     assert len(traces) == 1

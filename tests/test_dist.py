@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from conftest import REPO, load_script, make_text
+from conftest import REPO, load_script, make_text, read_metrics
 
 import memory
 import runtime
@@ -186,8 +186,7 @@ def test_only_rank_0_writes_and_logs_and_the_replicas_stay_equal(compiled):
     assert (out / "rank0.writes").read_text() and not (out / "rank1.writes").exists()
     w0, w1 = (torch.load(out / f"rank{r}.weights.pt", weights_only=True) for r in range(2))
     assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
-    with open(out / "metrics.jsonl") as f:
-        assert [r["iter"] for r in map(json.loads, f) if "loss" in r] == list(range(8))
+    assert [r["iter"] for r in read_metrics(out) if "loss" in r] == list(range(8))
 
 
 @pytest.mark.parametrize("name", ["ddp", "resumed", "fsdp"])
