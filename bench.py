@@ -38,13 +38,13 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-import runtime
-import tokenizer
-from batches import TrainBatches, load_split
-from memory import auto_batch_size, with_batch_size
-from metrics import format_duration
-from step import train_step
-from wrap import build, make_model_args
+from gpt import runtime
+from gpt import tokenizer
+from gpt.batches import TrainBatches, load_split
+from gpt.memory import auto_batch_size, with_batch_size
+from gpt.metrics import format_duration
+from gpt.step import train_step
+from gpt.wrap import build, make_model_args
 from configurator import BenchConfig, UserError, override, parse, run_main
 from data import tokens
 from model import GPT, GPTConfig

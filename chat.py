@@ -26,11 +26,11 @@ import sys
 
 import torch
 
-import inference
-import runtime
-import tokenizer
+from gpt import inference
+from gpt import runtime
+from gpt import tokenizer
 from configurator import ChatConfig, UserError, parse, run_main
-from inference import KVCache
+from gpt.inference import KVCache
 
 MAX_CONTEXT = 8192  # context=0 takes the model's block_size up to this: Llama 3.2's 131072 would be an 8 GB cache
 

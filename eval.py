@@ -37,13 +37,13 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-import checkpoint
-import core_eval
+from gpt import checkpoint
+from gpt import core_eval
 import hf
-import runtime
-import scoring
-import tokenizer
-from batches import to_device
+from gpt import runtime
+from gpt import scoring
+from gpt import tokenizer
+from gpt.batches import to_device
 from configurator import EvalConfig, UserError, parse, run_main
 from data import corpus, tokens
 

@@ -38,9 +38,9 @@ import shutil
 
 import torch
 
-import checkpoint
-import gguf_export
-import tokenizer
+from gpt import checkpoint
+from gpt import gguf_export
+from gpt import tokenizer
 from configurator import GPT2_MODELS, ROPE_SCALING_KEYS, ExportConfig, UserError, parse, run_main
 from data.chat.template import Template, write_hf_tokenizer
 from model import GPT, GPT2_CONV1D, GPTConfig

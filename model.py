@@ -454,6 +454,6 @@ class GPT(nn.Module):
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, **options):
         """nanoGPT's call: idx (B, T) extended by max_new_tokens sampled tokens. Generation lives
         in inference.py (imported here, not at the top: inference imports this module)."""
-        import inference
+        from gpt import inference
 
         return inference.generate(self, idx, max_new_tokens, temperature, top_k, **options)

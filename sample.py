@@ -18,9 +18,9 @@ import time
 
 import torch
 
-import inference
-import runtime
-import tokenizer
+from gpt import inference
+from gpt import runtime
+from gpt import tokenizer
 from configurator import SampleConfig, UserError, parse, run_main
 
 SEPARATOR = "---------------"

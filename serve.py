@@ -42,9 +42,9 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
-import inference
-import runtime
-import tokenizer
+from gpt import inference
+from gpt import runtime
+from gpt import tokenizer
 from configurator import ServeConfig, UserError, parse, run_main
 
 PAGE = Path(__file__).resolve().parent / "static" / "chat.html"

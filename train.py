@@ -21,21 +21,21 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-import checkpoint
-import core_eval
+from gpt import checkpoint
+from gpt import core_eval
 import eval as evals
 import hf
-import optim
-import outdir
-import runtime
-import tokenizer
-from batches import ChatBatches, ChatData, TrainBatches, chat_eval_offsets, eval_offsets, load_split, packing
+from gpt import optim
+from gpt import outdir
+from gpt import runtime
+from gpt import tokenizer
+from gpt.batches import ChatBatches, ChatData, TrainBatches, chat_eval_offsets, eval_offsets, load_split, packing
 from configurator import TrainConfig, UserError, as_dict, parse, run_main
-from memory import auto_batch_size, with_batch_size
-from metrics import MetricsLog, Throughput, format_duration
+from gpt.memory import auto_batch_size, with_batch_size
+from gpt.metrics import MetricsLog, Throughput, format_duration
 from model import GPT, GPTConfig
-from step import BadSteps, eval_group, evaluate, train_step
-from wrap import build, make_model_args, uses_fsdp
+from gpt.step import BadSteps, eval_group, evaluate, train_step
+from gpt.wrap import build, make_model_args, uses_fsdp
 
 EXIT_STOPPED = 75  # stopped early (SIGTERM, SIGINT, max_minutes) with a checkpoint: resume to go on
 

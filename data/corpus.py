@@ -39,7 +39,7 @@ from collections import deque
 
 import numpy as np
 
-import tokenizer
+from gpt import tokenizer
 from configurator import UserError
 from data import tokens
 

@@ -29,7 +29,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
-import tokenizer  # noqa: E402 (after the path line above)
+from gpt import tokenizer  # noqa: E402 (after the path line above)
 from configurator import UserError, run_main  # noqa: E402
 from data import corpus  # noqa: E402
 from data.chat.template import RESERVED_TOKENS  # noqa: E402

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import checkpoint  # noqa: E402
-import runtime  # noqa: E402
+from gpt import checkpoint  # noqa: E402
+from gpt import runtime  # noqa: E402
 from configurator import TrainConfig, as_dict, parse, run_main  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 

@@ -29,8 +29,8 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 @torch.no_grad()
 def nanochat_way(model, tasks, spec, block_size):
     """{label: [0/1 per example]} by nanochat's per-example procedure (its steps, on our tokens)."""
-    import core_eval
-    import tokenizer
+    from gpt import core_eval
+    from gpt import tokenizer
 
     encode_batch, bos = tokenizer.batch_encoder(spec), tokenizer.eot(spec)
     verdicts = {}
@@ -64,8 +64,8 @@ def main():
     parser.add_argument("--batch", type=int, default=16, help="batch_tokens = batch x block_size (eval.py's --batch_size)")
     args = parser.parse_args()
 
-    import core_eval
-    import runtime
+    from gpt import core_eval
+    from gpt import runtime
     import test_core
     from model import GPT, GPTConfig
 

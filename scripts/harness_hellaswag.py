@@ -89,8 +89,8 @@ def ours(model_dir, data):
 
     import eval as evals
     import hf
-    import runtime
-    import scoring
+    from gpt import runtime
+    from gpt import scoring
 
     rt = runtime.setup("cpu", "float32")
     model, tok_spec = hf.load_pretrained(model_dir)

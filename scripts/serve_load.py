@@ -172,7 +172,7 @@ def engine_runs(args, levels):
     batching alone gives. Each of C clients submits its next request when its last one ends."""
     import threading
 
-    import inference
+    from gpt import inference
 
     model, tok_spec = inference.load_model("resume", args.out_dir, report=lambda line: None)
     model.eval()
@@ -267,7 +267,7 @@ def write_random_gpt2(out_dir):
 
     import torch
 
-    import tokenizer
+    from gpt import tokenizer
     from data.chat.template import Template
     from model import GPT, GPTConfig
 

@@ -90,7 +90,7 @@ def write_hellaswag(path, n, seed=0):
 def bpe_eval_data(root):
     """(root/data, root/hs.jsonl): a GPT-2 BPE dataset (train, val, test) and a HellaSwag-format file
     of 30 records, for eval.py's tasks."""
-    import tokenizer
+    from gpt import tokenizer
     from data import tokens
 
     enc = tokenizer.encoding("gpt2")

@@ -7,9 +7,9 @@ import time
 import pytest
 import torch
 
-import runtime
-import memory
-from memory import auto_batch_size, saved_activation_bytes, with_batch_size
+from gpt import runtime
+from gpt import memory
+from gpt.memory import auto_batch_size, saved_activation_bytes, with_batch_size
 from configurator import BenchConfig, TrainConfig
 from conftest import REPO, read_metrics, run_script, tiny_args
 from model import GPT, GPTConfig

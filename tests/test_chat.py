@@ -14,11 +14,11 @@ import sys
 import pytest
 import torch
 
-import tokenizer
+from gpt import tokenizer
 from configurator import TrainConfig, parse
 from conftest import REPO, chat_demo_copy, load_script, run_script, train_tiny_run
 from data.chat.template import Template
-from inference import KVCache, generate_tokens
+from gpt.inference import KVCache, generate_tokens
 from model import GPT, GPTConfig
 from test_chat_template import make_llama3_tokenizer
 
@@ -143,7 +143,7 @@ def test_repl_clear_blank_lines_and_exit(demo):
 def test_the_checkpoint_is_read_on_the_cpu_and_only_the_model_moved(demo, monkeypatch):
     """As sample.py: the checkpoint (its optimizer state too) is read into host memory, and only
     the model goes to the device ('meta' stands in for a GPU here)."""
-    import checkpoint
+    from gpt import checkpoint
 
     chat_py = load_script("chat.py")
     out_dir, _ = demo

@@ -8,7 +8,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-import tokenizer
+from gpt import tokenizer
 from configurator import UserError
 from conftest import load_script, run_script
 from data import tokens

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-import tokenizer
+from gpt import tokenizer
 from configurator import UserError
 from conftest import load_script, make_text
 from data.chat.template import Template, write_hf_tokenizer

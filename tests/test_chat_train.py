@@ -14,12 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from batches import IGNORE, ChatBatches, ChatData, chat_eval_offsets, eval_batch, packing
+from gpt.batches import IGNORE, ChatBatches, ChatData, chat_eval_offsets, eval_batch, packing
 from conftest import REPO, make_text, read_metrics, run_script, tiny_args
 from data import corpus, tokens
 from model import GPT, GPTConfig
-from runtime import Runtime
-from step import evaluate, train_step
+from gpt.runtime import Runtime
+from gpt.step import evaluate, train_step
 
 CPU = Runtime("cpu", "cpu", torch.float32)
 VOCAB = 40

@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoint
-import optim
-import runtime
-from batches import TrainBatches, load_split
+from gpt import checkpoint
+from gpt import optim
+from gpt import runtime
+from gpt.batches import TrainBatches, load_split
 from configurator import TrainConfig
 from conftest import load_script, make_text, read_metrics, run_script, tiny_args
 from model import GPT, GPTConfig
-from step import train_step
+from gpt.step import train_step
 
 COMMON = dict(max_iters=12, lr_decay_iters=12, eval_interval=6, dropout=0.1)
 
@@ -96,7 +96,7 @@ def test_a_sharded_gpu_checkpoint_reads_and_converts_in_one_cpu_process(runs, tm
     path = runs / "gpu_sharded" / "ckpt_0000006"
     whole = checkpoint.read_sharded(str(path))
     assert torch.equal(whole["rng"]["cuda"][0], philox_state(1337, 4 * 96))
-    result = run_script("checkpoint.py", str(path), str(tmp_path / "full.pt"))
+    result = run_script("scripts/checkpoint_convert.py", str(path), str(tmp_path / "full.pt"))
     assert result.returncode == 0, result.stderr
     assert torch.equal(checkpoint.load(str(tmp_path / "full.pt"))["rng"]["cuda"][0], philox_state(1337, 4 * 96))
 

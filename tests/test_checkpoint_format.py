@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import checkpoint
+from gpt import checkpoint
 from configurator import UserError
 from conftest import REPO, load_script, make_text, read_metrics, run_script, tiny_args
 
@@ -112,7 +112,7 @@ def test_the_sharded_checkpoint_resumes_on_one_rank_and_readers_need_no_process_
     assert sample.returncode == 0 and "ckpt_0000020 (iter 20" in sample.stdout + sample.stderr, sample.stderr
 
     converted = tmp_path / "converted.pt"  # the conversion command: the full format, as ckpt.pt is
-    result = run_script("checkpoint.py", root / "split" / "ckpt_0000020", converted)
+    result = run_script("scripts/checkpoint_convert.py", root / "split" / "ckpt_0000020", converted)
     assert result.returncode == 0, result.stderr
     state = checkpoint.load(str(converted))
     assert all(torch.equal(state["model"][k], whole["model"][k]) for k in whole["model"])

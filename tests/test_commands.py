@@ -6,7 +6,7 @@ import pytest
 
 from conftest import run_script
 
-COMMANDS = ["train.py", "sample.py", "eval.py", "hf.py", "bench.py", "plot.py", "checkpoint.py", "serve.py",
+COMMANDS = ["train.py", "sample.py", "eval.py", "hf.py", "bench.py", "plot.py", "scripts/checkpoint_convert.py", "serve.py",
             "data/shakespeare_char/prepare.py", "data/shakespeare/prepare.py", "data/openwebtext/prepare.py",
             "data/fineweb_edu/prepare.py", "chat.py", "data/train_tokenizer.py", "data/chat/prepare.py",
             "data/chat/synthetic.py", "scripts/chat_eval.py"]

@@ -21,10 +21,10 @@ from torch._dynamo.utils import counters
 
 from conftest import ATEN_BACKEND
 
-import runtime
-from batches import TrainBatches, eval_offsets
-from step import eval_group, evaluate, train_step
-from wrap import build
+from gpt import runtime
+from gpt.batches import TrainBatches, eval_offsets
+from gpt.step import eval_group, evaluate, train_step
+from gpt.wrap import build
 from configurator import TrainConfig
 from model import GPT, GPTConfig
 

@@ -18,9 +18,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import core_eval
-import runtime
-import tokenizer
+from gpt import core_eval
+from gpt import runtime
+from gpt import tokenizer
 from configurator import UserError
 from conftest import REPO, bpe_eval_data, read_metrics, run_script, tiny_args
 
@@ -371,7 +371,7 @@ def test_a_device_without_float64_sums_in_float32_with_the_same_results(setup, m
     # MPS has no float64: scoring.sum_dtype's branch, run on the CPU with the runtime saying 'mps'
     root, model, bundle, rt = setup
     import eval as evals
-    import scoring
+    from gpt import scoring
 
     mps = runtime.Runtime("cpu", "mps", torch.float32)
     assert scoring.sum_dtype(mps) == torch.float32 and scoring.sum_dtype(rt) == torch.float64

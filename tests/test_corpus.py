@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import sample
-import tokenizer
-from batches import load_split
+from gpt import tokenizer
+from gpt.batches import load_split
 import train
 from configurator import UserError
 from conftest import make_text, run_script, tiny_args

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import runtime
+from gpt import runtime
 from configurator import UserError
 from conftest import REPO
 
@@ -164,11 +164,11 @@ def trace_on_fake_cuda():
     from torch._subclasses import fake_tensor
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-    from batches import ChatBatches, ChatData, TrainBatches, chat_eval_offsets, eval_offsets, get_batch
+    from gpt.batches import ChatBatches, ChatData, TrainBatches, chat_eval_offsets, eval_offsets, get_batch
     from configurator import TrainConfig
     from model import GPT, GPTConfig
-    from step import evaluate, train_step
-    from wrap import build, make_model_args
+    from gpt.step import evaluate, train_step
+    from gpt.wrap import build, make_model_args
 
     mode = FakeTensorMode()  # no real tensor may enter an operation uncaught
     from_numpy = torch.from_numpy
@@ -247,9 +247,9 @@ def test_auto_batch_size_budgets_the_gpus_memory(monkeypatch):
     from types import SimpleNamespace
 
     from configurator import TrainConfig
-    from memory import auto_batch_size
+    from gpt.memory import auto_batch_size
     from model import GPT, GPTConfig
-    from wrap import make_model_args
+    from gpt.wrap import make_model_args
 
     asked = []
     monkeypatch.setattr(torch.cuda, "get_device_properties",
@@ -280,7 +280,7 @@ def test_the_stop_flag_of_gpu_ranks_travels_over_gloo(monkeypatch):
 
 
 def test_ddp_on_gpus_holds_the_gpu_of_the_local_rank(monkeypatch):
-    import wrap
+    from gpt import wrap
     from configurator import TrainConfig
     from model import GPT, GPTConfig
 

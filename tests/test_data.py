@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-import runtime
-import tokenizer
-from batches import TrainBatches, eval_offsets, get_batch, load_split
+from gpt import runtime
+from gpt import tokenizer
+from gpt.batches import TrainBatches, eval_offsets, get_batch, load_split
 from conftest import load_script, make_text, run_script
 
 CPU = runtime.Runtime("cpu", "cpu", torch.float32)

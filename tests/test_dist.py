@@ -38,13 +38,13 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from conftest import REPO, load_script, make_text, read_metrics
 
-import memory
-import runtime
-import step
-from batches import TrainBatches, eval_offsets
+from gpt import memory
+from gpt import runtime
+from gpt import step
+from gpt.batches import TrainBatches, eval_offsets
 from configurator import TrainConfig
 from model import GPT, GPTConfig
-from wrap import build
+from gpt.wrap import build
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -65,7 +65,7 @@ DRIVER = textwrap.dedent("""
     sys.path.insert(0, {repo!r})
     import functools, torch
     from torch._dynamo.utils import counters
-    import checkpoint
+    from gpt import checkpoint
     # train.py's torch.compile(model, ...) call, with the aot_eager backend (see the docstring)
     torch.compile = functools.partial(torch.compile, backend="aot_eager")
     report = os.path.join(sys.argv[1], "rank" + os.environ["RANK"])

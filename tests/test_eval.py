@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 import eval as evals
-import runtime
-import scoring
-import tokenizer
+from gpt import runtime
+from gpt import scoring
+from gpt import tokenizer
 from conftest import GPT2, REPO, bpe_eval_data, read_metrics, run_script, tiny_args, train_tiny_run, write_hellaswag
 from data import tokens
 from model import GPT, GPTConfig
@@ -146,7 +146,7 @@ def test_training_logs_bpb_test_loss_and_hellaswag_in_rhythm_across_resume(bpe_s
     assert [r["iter"] for r in evals_] == [0, 5, 6, 10]
     assert [r["iter"] for r in evals_ if "test_loss" in r] == [6, 10]  # once at the end of each run
     # val bpb by hand: the fixed eval windows' targets decoded to text (train.py's own offsets)
-    from batches import eval_offsets
+    from gpt.batches import eval_offsets
 
     enc = tokenizer.encoding("gpt2")
     val = tokens.Tokens.open(str(data_dir), "val")

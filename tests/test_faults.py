@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-import checkpoint
+from gpt import checkpoint
 from conftest import REPO, read_metrics, run_script, tiny_args
 
 EXIT_STOPPED = 75

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-import gguf_export
-import tokenizer
+from gpt import gguf_export
+from gpt import tokenizer
 from conftest import chat_demo_copy, load_script, make_text, run_script, tiny_args, train_tiny_run
 from data import corpus
 from data.chat.template import Template
@@ -173,7 +173,7 @@ EXACT_GELU = torch.nn.functional.gelu
 
 
 def ours(out_dir):
-    import checkpoint
+    from gpt import checkpoint
 
     model, spec = checkpoint.load_model(str(out_dir), report=lambda _: None)
     return model.eval(), spec

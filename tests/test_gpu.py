@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import bench
-import runtime
-from batches import TrainBatches, get_batch
-from step import train_step
+from gpt import runtime
+from gpt.batches import TrainBatches, get_batch
+from gpt.step import train_step
 from model import GPT, GPTConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -15,10 +15,10 @@ from conftest import REPO, make_text, run_script
 transformers = pytest.importorskip("transformers")
 from transformers import GPT2Config, GPT2LMHeadModel, GPT2Tokenizer  # noqa: E402
 
-import checkpoint  # noqa: E402
+from gpt import checkpoint  # noqa: E402
 import hf  # noqa: E402
 import sample  # noqa: E402
-import tokenizer  # noqa: E402
+from gpt import tokenizer  # noqa: E402
 from configurator import TrainConfig, UserError, parse  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 

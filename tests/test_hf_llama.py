@@ -17,12 +17,12 @@ transformers = pytest.importorskip("transformers")
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb  # noqa: E402
 
-import checkpoint  # noqa: E402
+from gpt import checkpoint  # noqa: E402
 import hf  # noqa: E402
 import sample  # noqa: E402
-import tokenizer  # noqa: E402
-from checkpoint import check_resumable
-from wrap import make_model_args
+from gpt import tokenizer  # noqa: E402
+from gpt.checkpoint import check_resumable
+from gpt.wrap import make_model_args
 import train  # noqa: E402
 from configurator import TrainConfig, UserError, parse  # noqa: E402
 from data import corpus  # noqa: E402

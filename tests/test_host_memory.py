@@ -7,9 +7,9 @@ in a temporary directory and points runtime at them."""
 import numpy as np
 import pytest
 
-import runtime
+from gpt import runtime
 import train
-from batches import load_split
+from gpt.batches import load_split
 from configurator import TrainConfig, UserError
 from data import tokens
 

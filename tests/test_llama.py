@@ -12,10 +12,10 @@ import torch.nn.functional as F
 
 from conftest import REPO, read_metrics, run_script
 
-from checkpoint import check_resumable
-from wrap import make_model_args
+from gpt.checkpoint import check_resumable
+from gpt.wrap import make_model_args
 from configurator import TrainConfig, UserError, parse
-from inference import KVCache
+from gpt.inference import KVCache
 from model import GPT, MLP, CausalSelfAttention, GPTConfig, apply_rope, make_norm, rope_tables
 
 LLAMA = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, block_size=16, vocab_size=65, dropout=0.0, bias=False,

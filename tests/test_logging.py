@@ -3,7 +3,7 @@ plot.py turning metrics.jsonl files into a PNG."""
 
 import struct
 
-import checkpoint
+from gpt import checkpoint
 from conftest import read_metrics, run_script, tiny_args
 
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-import batches
-import checkpoint
-import runtime
-import wrap
+from gpt import batches
+from gpt import checkpoint
+from gpt import runtime
+from gpt import wrap
 from configurator import TrainConfig, UserError
 from model import GPT, GPTConfig
 

@@ -16,13 +16,13 @@ import torch.distributed as dist
 from conftest import REPO, read_metrics, run_script, tiny_args
 
 import configurator
-import optim
-import runtime
-import tokenizer
-from batches import TrainBatches, load_split
-from optim import get_lr
-from step import train_step
-from wrap import make_model_args
+from gpt import optim
+from gpt import runtime
+from gpt import tokenizer
+from gpt.batches import TrainBatches, load_split
+from gpt.optim import get_lr
+from gpt.step import train_step
+from gpt.wrap import make_model_args
 from configurator import TrainConfig, UserError
 from model import GPT, GPTConfig
 

@@ -17,9 +17,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import checkpoint
-import outdir
-import runtime
+from gpt import checkpoint
+from gpt import outdir
+from gpt import runtime
 from configurator import TrainConfig, UserError, parse
 from conftest import REPO, load_script, make_text, read_metrics, run_script, tiny_args
 

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from conftest import run_script, train_tiny_run
 
 import sample
-import tokenizer
-from inference import KVCache, sample_next
+from gpt import tokenizer
+from gpt.inference import KVCache, sample_next
 from model import GPT, GPTConfig
 from test_model import TINY  # block_size 16
 
@@ -212,8 +212,8 @@ def test_sample_py_prompts_file(trained, capsys, tmp_path):
 def test_sample_py_reads_the_checkpoint_on_the_cpu_and_moves_only_the_weights(trained, monkeypatch):
     """The checkpoint also holds the optimizer state (twice the weights for AdamW): it is read into
     host memory, and only the model goes to the device ('meta' stands in for a GPU here)."""
-    import checkpoint
-    import runtime
+    from gpt import checkpoint
+    from gpt import runtime
 
     map_locations, models = [], []
     real_load, real_load_model = torch.load, checkpoint.load_model

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-import runtime
-from optim import get_lr
-from step import train_step
+from gpt import runtime
+from gpt.optim import get_lr
+from gpt.step import train_step
 from configurator import TrainConfig
 from model import GPT, GPTConfig
 

@@ -27,9 +27,9 @@ import pytest
 import torch
 import uvicorn
 
-import inference
+from gpt import inference
 import serve
-import tokenizer
+from gpt import tokenizer
 from configurator import ServeConfig, parse
 from conftest import ATEN_BACKEND, REPO, chat_demo_copy, load_script, run_script, train_tiny_run
 from model import GPT, GPTConfig

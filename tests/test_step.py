@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoint
-import runtime
-from batches import TrainBatches
-from step import train_step
+from gpt import checkpoint
+from gpt import runtime
+from gpt.batches import TrainBatches
+from gpt.step import train_step
 from conftest import read_metrics, run_script, tiny_args
 from model import GPT, GPTConfig
 

@@ -11,7 +11,7 @@ import pytest
 import tiktoken
 import tiktoken.registry
 
-import tokenizer
+from gpt import tokenizer
 from configurator import UserError
 from conftest import REPO, run_script
 
@@ -46,7 +46,7 @@ def test_gpt2_offline_in_a_fresh_process(tmp_path):
         socket.socket.connect = refuse
         socket.getaddrinfo = refuse
         sys.path.insert(0, {str(REPO)!r})
-        import tokenizer
+        from gpt import tokenizer
         encode, decode = tokenizer.load({{"kind": "tiktoken", "name": "gpt2"}})
         enc = tokenizer.encoding("gpt2")
         print(encode("Hello world"), enc.encode_ordinary("Hello world"), encode("<|endoftext|>"), enc.eot_token,

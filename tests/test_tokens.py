@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-import runtime
-from batches import get_batch, load_split
+from gpt import runtime
+from gpt.batches import get_batch, load_split
 import train
 from configurator import UserError
 from conftest import run_script, tiny_args

@@ -9,7 +9,7 @@ import torch
 
 from conftest import REPO, read_metrics, run_script, tiny_args
 
-import checkpoint
+from gpt import checkpoint
 
 
 def train(data_dir, out_dir, **overrides):
@@ -74,7 +74,7 @@ def test_best_val_loss_is_never_overwritten_by_a_worse_one(char_data, tmp_path):
 KILL_DURING_SAVE = textwrap.dedent("""
     import io, os, signal, sys, torch
     sys.path.insert(0, {repo!r})
-    import checkpoint
+    from gpt import checkpoint
     path = sys.argv[1]
     checkpoint.save({{"model": {{"w": torch.zeros(1000)}}, "model_args": {{}}, "iter_num": 1}}, path)
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tiktoken
 
-import tokenizer
+from gpt import tokenizer
 import train
 from configurator import UserError
 from conftest import tiny_args

@@ -7,7 +7,7 @@ import re
 import numpy as np
 import pytest
 
-import tokenizer
+from gpt import tokenizer
 from configurator import UserError
 from conftest import load_script, make_text, run_script
 from data import corpus, tokens

@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import numpy as np  # noqa: E402
 
-import tokenizer  # noqa: E402 (after the path line above)
+from gpt import tokenizer  # noqa: E402 (after the path line above)
 from configurator import UserError, run_main  # noqa: E402
 from data import corpus, tokens  # noqa: E402
 from data.chat.template import ROLES, Template  # noqa: E402

@@ -31,7 +31,7 @@ import json
 import os
 import shutil
 
-import tokenizer
+from gpt import tokenizer
 from configurator import UserError
 
 ROLES = ("system", "user", "assistant")

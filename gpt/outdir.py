@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-import checkpoint
+from gpt import checkpoint
 from configurator import UserError, as_dict
 
 try:

@@ -10,7 +10,7 @@
 Either is written synchronously or in the background (Checkpointer, which train.py drives).
 Nothing is unpickled on load: torch.load(weights_only=True), DCP's tensors and JSON.
 
-    python checkpoint.py out/ckpt_0000200 out/ckpt_0000200.pt   # a sharded checkpoint as one full file
+A sharded checkpoint becomes one full file with scripts/checkpoint_convert.py.
 """
 
 import concurrent.futures
@@ -24,8 +24,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-import tokenizer
-from configurator import UserError, run_main
+from gpt import tokenizer
+from configurator import UserError
 from model import GPT, GPTConfig
 
 
@@ -630,23 +630,3 @@ def _link_best(path):
         os.replace(link + ".tmp", link)
     else:
         link_or_copy(path, os.path.join(os.path.dirname(path), "ckpt_best.pt"))
-
-
-# ---------------------------------------------------------------------------- conversion
-
-
-def main(argv=None):
-    args = sys.argv[1:] if argv is None else argv
-    usage = "python checkpoint.py out/ckpt_<iter> out/ckpt_<iter>.pt (a sharded checkpoint directory, then the single file to write)"
-    if args in (["--help"], ["-h"]):
-        print(f"usage: {usage}")
-        return 0
-    if len(args) != 2 or not os.path.isdir(args[0]):
-        raise UserError(f"usage: {usage}")
-    state = read_sharded(args[0])
-    save(state, args[1])
-    print(f"wrote {args[1]} (iter {state['iter_num']}): the full format, as checkpoint_format='full' writes it")
-
-
-if __name__ == "__main__":
-    run_main(main)

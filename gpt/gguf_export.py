@@ -28,7 +28,7 @@ import os
 import numpy as np
 import torch
 
-import tokenizer
+from gpt import tokenizer
 from configurator import UserError
 from data.chat.template import Template, json_tokenizer
 from model import rope_tables

@@ -6,7 +6,7 @@ import os
 import time
 import weakref
 
-import runtime
+from gpt import runtime
 from configurator import as_dict
 
 

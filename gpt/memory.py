@@ -5,7 +5,7 @@ import dataclasses
 
 import torch
 
-import runtime
+from gpt import runtime
 from configurator import UserError
 
 

@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import checkpoint
-import optim
+from gpt import checkpoint
+from gpt import optim
 from configurator import UserError
 
 

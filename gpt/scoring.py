@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from batches import to_device
+from gpt.batches import to_device
 
 
 @torch.no_grad()

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from batches import IGNORE, eval_batch
+from gpt.batches import IGNORE, eval_batch
 
 
 class StepResult(NamedTuple):

@@ -35,9 +35,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-import scoring
-import tokenizer
-from batches import to_device
+from gpt import scoring
+from gpt import tokenizer
+from gpt.batches import to_device
 from configurator import UserError
 from data import corpus
 

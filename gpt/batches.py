@@ -18,7 +18,7 @@ from collections import deque
 import numpy as np
 import torch
 
-import runtime
+from gpt import runtime
 from configurator import UserError
 from data import tokens
 

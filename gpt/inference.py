@@ -2,7 +2,7 @@
 batch at a time (sample.py, chat.py), or many requests decoded together as they come and go
 (serve.py's Engine).
 
-    import inference
+    from gpt import inference
     model, tok_spec = inference.load_model("resume", "out-chat-demo")
     out = inference.generate(model.eval(), idx, max_new_tokens=100, temperature=0.8, top_k=200)
     for next_id in inference.generate_tokens(model, idx, 100, temperature=0, stop_token=eot): ...
@@ -28,7 +28,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-import checkpoint
+from gpt import checkpoint
 import hf
 from configurator import UserError
 from data.chat.template import Template
