@@ -50,9 +50,15 @@ quickstart: venv
 # out in the order tests/conftest.py gives them, the longest first (--no-loadscope-reorder).
 # Bytecode is cached (PYTHONDONTWRITEBYTECODE cleared, __pycache__ is git-ignored): the suite
 # starts some 150 Python processes, each compiling the repo's modules afresh without it.
+# No test can take the run down or hold it for ever: native code that can crash (llama.cpp) runs in a
+# child process (tests/conftest.py in_child); a test still running at --timeout seconds fails
+# (pytest-timeout, by SIGALRM inside the test, so the worker lives on); and a worker that dies anyway
+# is not replaced (--max-worker-restart=0): pytest-xdist's replacement under --dist loadfile can wait
+# for ever, while without one the run ends, failed, naming the test that was running.
 test: venv $(VENV)/.llama
 	SHAKESPEARE_TXT=$(abspath $(SHAKESPEARE_TXT)) OMP_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE= \
-		$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder tests
+		$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --max-worker-restart=0 \
+		--timeout=300 --timeout-method=signal tests
 
 # llama-cpp-python, built from source once (tests/test_gguf.py runs llama.cpp on hf.py's GGUF files):
 # the library only, without llama.cpp's multimodal library (LLAVA_BUILD=OFF), tests, examples, tools,

@@ -40,6 +40,28 @@ GPT4_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}
               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
+# llama.cpp's CPU backend moves the matrix weights of these types into its AMX buffer on CPUs with
+# AMX (its qtype_has_amx_kernels), and its AMX matrix multiply crashes (SIGSEGV) on them: our q8_0
+# files and llama-quantize's alike, so no way of writing the file avoids it. Loading with weight
+# repacking off (llama-server --no-repack) keeps them in the plain CPU buffer: docs/gguf.md.
+AMX_TYPES = ("q8_0",)
+
+
+def amx_warning(dtype, cpuinfo="/proc/cpuinfo"):
+    """The line to print when a file of this dtype is written on a CPU with AMX; '' otherwise."""
+    if dtype not in AMX_TYPES:
+        return ""
+    try:
+        with open(cpuinfo) as f:
+            amx = any(line.startswith("flags") and "amx_int8" in line.split(":", 1)[-1].split() for line in f)
+    except OSError:
+        return ""
+    if not amx:
+        return ""
+    return (f"warning: this CPU has AMX, where llama.cpp crashes on {dtype} weights unless weight repacking is off: "
+            "run llama-server or llama-cli with --no-repack (llama-cpp-python: see docs/gguf.md)")
+
+
 def _gguf():
     try:
         import gguf

@@ -1,10 +1,11 @@
-"""Load on serve.py: aggregate generated tokens/s and time to first token with 1, 4, 16 and 64
-concurrent streaming clients, and a check that every reply under load is the one its prompt gets
-alone.
+"""Load on serve.py, or on any OpenAI-compatible server (llama.cpp's llama-server): aggregate
+generated tokens/s and time to first token with 1, 4, 16 and 64 concurrent streaming clients, and a
+check that every reply under load is the one its prompt gets alone.
 
     python scripts/serve_load.py --out_dir=out-chat-demo                    # starts serve.py on a free port
     python scripts/serve_load.py --out_dir=out-gpt2-124m-random --random_gpt2=124m --max_tokens=32 --repeats=1
     python scripts/serve_load.py --url=http://127.0.0.1:8000 --api_key=KEY  # a server already running
+    python scripts/serve_load.py --url=http://127.0.0.1:8001,http://127.0.0.1:8002 --clients=1,16   # two, interleaved
     python scripts/serve_load.py --out_dir=out-chat-demo --engine_only      # no HTTP: inference.Engine alone
     python scripts/serve_load.py --help
 
@@ -17,6 +18,12 @@ completion_tokens (a request whose text differs counts its streamed chunks, and 
 
     tokens/s         generated tokens of all requests / wall time from the first send to the last [DONE]
     TTFT p50 / p99   time from a request's send to its first content chunk (nearest rank)
+
+Every request goes on a connection of its own (the client never reuses one), so a server that
+closes its connection after each reply, as llama-server does after a stream, is measured like one
+that keeps it open. With several --url servers, the repeats interleave them (all levels on the
+first, then the second, ..., then the next repeat), so a drift in the machine's speed falls on each
+alike, and each server gets its own table.
 
 --engine_only puts the same load on inference.Engine in this process (each client submits its
 next request when its last one ends; replies checked token for token against one-at-a-time runs):
@@ -141,27 +148,40 @@ def nearest_rank(sorted_values, p):
     return sorted_values[max(0, -(-len(sorted_values) * p // 100) - 1)]
 
 
-async def measure(url, api_key, levels, args):
+async def prepare(client, url, args):
+    """(model id, solo references) of one server, after one warm-up stream."""
+    async with client.get("/v1/models") as models:
+        if models.status != 200:
+            raise UserError(f"GET {url}/v1/models answered {models.status}: {(await models.text())[:300]}")
+        model = (await models.json())["data"][0]["id"]
+    references = [await solo(client, model, messages, args.max_tokens) for messages in PROMPTS]
+    for i, (reply, n) in enumerate(references):
+        print(f"{url} solo {i}: {n} tokens: {reply!r}", file=sys.stderr)
+    await stream_one(client, model, PROMPTS[0], args.max_tokens)  # warm-up
+    return model, references
+
+
+async def measure(urls, api_key, levels, args):
+    """{url: [the figures of each level of each repeat]}, the servers interleaved repeat by repeat."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    connector = aiohttp.TCPConnector(limit=max(levels) + 4)
     timeout = aiohttp.ClientTimeout(600)
-    async with aiohttp.ClientSession(url, headers=headers, connector=connector, timeout=timeout) as client:
-        async with client.get("/v1/models") as models:
-            if models.status != 200:
-                raise UserError(f"GET /v1/models answered {models.status}: {(await models.text())[:300]}")
-            model = (await models.json())["data"][0]["id"]
-        references = [await solo(client, model, messages, args.max_tokens) for messages in PROMPTS]
-        for i, (reply, n) in enumerate(references):
-            print(f"solo {i}: {n} tokens: {reply!r}", file=sys.stderr)
-        await stream_one(client, model, PROMPTS[0], args.max_tokens)  # warm-up
-        runs = []
+    clients = [aiohttp.ClientSession(url, headers=headers, timeout=timeout,
+                                     connector=aiohttp.TCPConnector(limit=max(levels) + 4, force_close=True))
+               for url in urls]
+    try:
+        prepared = [await prepare(client, url, args) for client, url in zip(clients, urls)]
+        runs = {url: [] for url in urls}
         for repeat in range(args.repeats):
-            for clients in levels:
-                figures = await level(client, model, clients, max(clients * args.rounds, args.min_requests), references,
-                                      args.max_tokens)
-                print(json.dumps({"repeat": repeat, **figures}), file=sys.stderr, flush=True)
-                runs.append(figures)
+            for url, client, (model, references) in zip(urls, clients, prepared):
+                for n_clients in levels:
+                    figures = await level(client, model, n_clients, max(n_clients * args.rounds, args.min_requests),
+                                          references, args.max_tokens)
+                    print(json.dumps({"url": url, "repeat": repeat, **figures}), file=sys.stderr, flush=True)
+                    runs[url].append(figures)
         return runs
+    finally:
+        for client in clients:
+            await client.close()
 
 
 # ---------------------------------------------------------------------------- the engine alone
@@ -301,12 +321,17 @@ def report(runs, levels, client=True):
 
 
 def served_runs(args, levels):
-    """The levels against --url, or against serve.py started here on --out_dir (and stopped after)."""
-    process, url = (None, args.url.rstrip("/")) if args.url else start_server(args.out_dir, args.serve_args.split())
+    """{url: runs}: the levels against each --url, or against serve.py started here on --out_dir
+    (and stopped after)."""
+    process, urls = None, [u.rstrip("/") for u in args.url.split(",")] if args.url else []
+    if not urls:
+        process, url = start_server(args.out_dir, args.serve_args.split())
+        urls = [url]
     try:
-        return asyncio.run(measure(url, args.api_key, levels, args))
+        return asyncio.run(measure(urls, args.api_key, levels, args))
     except aiohttp.ClientConnectionError as e:
-        raise UserError(f"cannot talk to {url}: {e}; start serve.py there, or leave --url out to start one")
+        raise UserError(f"cannot talk to {' or '.join(urls)}: {e}; start the server there, or leave --url out to "
+                        f"start serve.py")
     finally:
         if process is not None:
             process.terminate()
@@ -315,7 +340,8 @@ def served_runs(args, levels):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--url", help="a running server; without it serve.py is started on --out_dir")
+    p.add_argument("--url", help="a running server, or several (comma-separated, measured interleaved); "
+                                 "without it serve.py is started on --out_dir")
     p.add_argument("--out_dir", default="out-chat-demo", help="the checkpoint serve.py serves (default: %(default)s)")
     p.add_argument("--serve_args", default="--device=cpu", help="more serve.py flags, space-separated (default: %(default)s)")
     p.add_argument("--random_gpt2", choices=["124m"], help="first write a random GPT-2-124M-shaped checkpoint into --out_dir")
@@ -333,14 +359,17 @@ def main(argv=None):
         raise UserError("--clients, --repeats and --rounds must be positive")
     if args.random_gpt2 and not os.path.exists(os.path.join(args.out_dir, "ckpt.pt")):
         write_random_gpt2(args.out_dir)
-    runs = engine_runs(args, levels) if args.engine_only else served_runs(args, levels)
-    report(runs, levels, client=not args.engine_only)
-    wrong = sum(r["wrong"] for r in runs)
-    if wrong:
-        print(f"{wrong} request(s) under load differ from their solo reply; the first: "
-              f"{next(r['first_wrong'] for r in runs if r['wrong'])}", file=sys.stderr)
-        return 1
-    return 0
+    by_server = {"engine": engine_runs(args, levels)} if args.engine_only else served_runs(args, levels)
+    wrong = 0
+    for server, runs in by_server.items():
+        if len(by_server) > 1:
+            print(f"\n{server}\n")
+        report(runs, levels, client=not args.engine_only)
+        wrong += sum(r["wrong"] for r in runs)
+        if any(r["wrong"] for r in runs):
+            print(f"{server}: {sum(r['wrong'] for r in runs)} request(s) under load differ from their solo reply; the "
+                  f"first: {next(r['first_wrong'] for r in runs if r['wrong'])}", file=sys.stderr)
+    return 1 if wrong else 0
 
 
 if __name__ == "__main__":

@@ -127,6 +127,56 @@ def tiny_args(data_dir, out_dir, **overrides):
     return [f"--{k}={v}" for k, v in args.items()]
 
 
+def in_child(fn, *args, timeout=240):
+    """fn(*args) in a fresh Python process (multiprocessing's spawn), its result sent back by pickle.
+
+    For native code that can die on its own (llama.cpp): a signal there kills the child, not this
+    pytest-xdist worker, and fails the calling test with one line naming the signal; a hang is
+    ended at `timeout` seconds and fails it too. fn must be importable by name (a module-level
+    function of a module on sys.path), and so must what it returns."""
+    import multiprocessing
+    import signal
+
+    ctx = multiprocessing.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_child, args=(send, fn, args), daemon=True)
+    child.start()
+    send.close()
+    what = f"{fn.__module__}.{fn.__name__} in a child process"
+    result = None
+    try:
+        if receive.poll(timeout):
+            result = receive.recv()
+    except EOFError:  # the child ended without sending anything: it died
+        pass
+    finally:
+        receive.close()
+    child.join(30 if result is not None else 1)  # one that died has ended by now; one that hangs has not
+    if child.exitcode is None:
+        child.kill()
+        child.join()
+        pytest.fail(f"{what} gave no result in {timeout} s: killed", pytrace=False)
+    if result is None:
+        code = child.exitcode
+        cause = f"died of {signal.Signals(-code).name}" if code is not None and code < 0 else f"exited with code {code}"
+        pytest.fail(f"{what} {cause}", pytrace=False)
+    ok, value = result
+    if not ok:
+        pytest.fail(f"{what} raised:\n{value}", pytrace=False)
+    return value
+
+
+def _child(send, fn, args):
+    import traceback
+
+    try:
+        result = (True, fn(*args))
+    except BaseException:
+        result = (False, traceback.format_exc())
+    send.send(result)
+    send.close()
+
+
 def run_script(script, *args, cwd=REPO, env=None, timeout=300, isolated=False):
     """Run one of the repo's scripts as `python script args...` would; returns a CompletedProcess.
 

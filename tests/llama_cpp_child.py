@@ -1,0 +1,93 @@
+"""llama.cpp's side of tests/test_gguf.py, run in a child process (conftest.in_child): llama.cpp is
+native code that can die of a signal (a segmentation fault in its CPU kernels), and a death inside a
+pytest-xdist worker takes the worker down and can leave the whole run waiting. In a child it is one
+failed test that names the signal. This module imports only llama_cpp and numpy, so a child starts
+in a fraction of a second.
+
+On CPUs with AMX (Intel Xeon from Sapphire Rapids on, `amx_int8` in /proc/cpuinfo), llama.cpp's CPU
+backend moves q8_0 (and q4_0, q4_1, q4_K, q5_K, q6_K, iq4_xs) matrix weights into its AMX buffer
+type, and its AMX matrix multiply crashes on our q8_0 files (and on llama-quantize's own); see
+docs/gguf.md. Loading with no extra buffer types (`use_extra_bufts = false`, what llama-server's
+--no-repack sets) keeps the weights in the plain CPU buffer. llama-cpp-python's Llama has no argument
+for it, so `load` sets it on the model parameters llama-cpp-python starts from."""
+
+import contextlib
+import itertools
+
+F32 = 0  # GGML_TYPE_F32: llama.cpp's key/value cache in float32 (its default is f16)
+
+
+def cpu_has_amx(cpuinfo="/proc/cpuinfo"):
+    try:
+        with open(cpuinfo) as f:
+            return any(line.startswith("flags") and "amx_int8" in line.split(":", 1)[-1].split() for line in f)
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def no_extra_buffer_types():
+    """llama-cpp-python's Llama with use_extra_bufts=False: no weight repacking, no AMX buffer."""
+    import llama_cpp.llama_cpp as lib
+
+    default = lib.llama_model_default_params
+
+    def without_extra():
+        params = default()
+        params.use_extra_bufts = False
+        return params
+
+    lib.llama_model_default_params = without_extra
+    try:
+        yield
+    finally:
+        lib.llama_model_default_params = default
+
+
+def load(path, no_repack=None, **kwargs):
+    """A Llama on one thread; no_repack None: the workaround where the CPU needs it (AMX)."""
+    import llama_cpp
+
+    no_repack = cpu_has_amx() if no_repack is None else no_repack
+    with no_extra_buffer_types() if no_repack else contextlib.nullcontext():
+        return llama_cpp.Llama(model_path=str(path), n_threads=1, n_threads_batch=1, verbose=False, **kwargs)
+
+
+def tokenize(path, texts, special=True):
+    """{metadata, bos, eos, ids: [llama.cpp's ids of each text]} from a vocab-only load."""
+    llm = load(path, vocab_only=True)
+    return {"metadata": dict(llm.metadata), "bos": llm.token_bos(), "eos": llm.token_eos(),
+            "ids": [llm.tokenize(t.encode("utf-8"), add_bos=False, special=special) for t in texts]}
+
+
+def render_and_tokenize(path, conversations, eos_token="", bos_token=""):
+    """The GGUF's chat template rendered by llama-cpp-python for each message list, then tokenized."""
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    llm = load(path, vocab_only=True)
+    render = Jinja2ChatFormatter(template=llm.metadata["tokenizer.chat_template"], eos_token=eos_token, bos_token=bos_token)
+    return [llm.tokenize(render(messages=m).prompt.encode("utf-8"), add_bos=False, special=True) for m in conversations]
+
+
+def scores_and_greedy(path, ids, prompt, n_ctx, n=64, no_repack=None):
+    """(logits at every position of ids as a (len(ids), n_vocab) array, n greedy tokens after prompt)."""
+    import numpy as np
+
+    llm = load(path, no_repack=no_repack, n_ctx=n_ctx, logits_all=True, type_k=F32, type_v=F32)
+    llm.eval(ids)
+    scores = np.array(llm.scores[: len(ids)])
+    greedy = list(itertools.islice(llm.generate(prompt, temp=0.0, repeat_penalty=1.0), n))
+    return scores, greedy
+
+
+def chat_replies(path, conversations, n_ctx=128):
+    """{metadata, eos, prompts: the rendered prompts' ids, replies: create_chat_completion at temperature 0}."""
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    llm = load(path, n_ctx=n_ctx, type_k=F32, type_v=F32)
+    render = Jinja2ChatFormatter(template=llm.metadata["tokenizer.chat_template"], eos_token="<|end|>",
+                                 bos_token="<|endoftext|>")
+    prompts = [llm.tokenize(render(messages=m).prompt.encode("utf-8"), add_bos=False, special=True) for m in conversations]
+    replies = [llm.create_chat_completion(m, temperature=0.0, repeat_penalty=1.0)["choices"][0]["message"]["content"]
+               for m in conversations]
+    return {"metadata": dict(llm.metadata), "eos": llm.token_eos(), "prompts": prompts, "replies": replies}

@@ -1,0 +1,183 @@
+"""The house: commands at the root, the library in gpt/, arrows one way (commands -> library ->
+model.py and configurator.py), no circles, no command imported by anything, files and functions of
+a readable size, and a README file tree that names what is there.
+
+Every import is read with ast, those inside functions too, from every Python file outside tests/."""
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CORE = {"model", "configurator"}  # the root's two modules that are not commands
+MAX_FILE_LINES, MAX_FUNCTION_LINES, MAX_ROOT_FILES = 650, 80, 10
+
+
+def sources(repo=REPO):
+    """{module name: path} of the repo's Python files outside tests/ and hidden folders."""
+    found = {}
+    for path in sorted(repo.rglob("*.py")):
+        rel = path.relative_to(repo)
+        if rel.parts[0] in ("tests",) or any(part.startswith(".") for part in rel.parts):
+            continue
+        parts = list(rel.with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def commands(modules):
+    """The root's commands: its modules that run as a program (a __main__ guard), but model.py and
+    configurator.py."""
+    return {m for m, path in modules.items() if "." not in m and path.name != "__init__.py" and m not in CORE
+            and re.search(r"^if __name__ == .__main__.:", path.read_text(), re.M)}
+
+
+def imports_of(path, modules):
+    """The repo modules one file imports, anywhere in it (module level or inside a function)."""
+    def resolve(name):  # the longest repo module the dotted name starts with
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name
+
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out |= {resolve(alias.name) for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            # `from gpt import checkpoint` imports the module gpt.checkpoint; `from model import GPT`, model
+            out |= {resolve(f"{node.module}.{alias.name}") for alias in node.names}
+    return out - {""}
+
+
+def graph(repo=REPO):
+    modules = sources(repo)
+    return modules, {m: imports_of(path, modules) - {m} for m, path in modules.items()}
+
+
+def circles(edges):
+    """Each strongly connected component of more than one module, as one circle through it (Tarjan)."""
+    index, low, stack, on_stack, found, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(component)
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return [f"{cycle_through(c, edges)} (the circle's modules: {', '.join(sorted(c))})" for c in found]
+
+
+def cycle_through(component, edges):
+    """'a -> b -> ... -> a' for one shortest circle from the component's first module."""
+    start = min(component)
+    paths, seen = [[start]], {start}
+    while paths:
+        path = paths.pop(0)
+        for w in sorted(edges[path[-1]] & component):
+            if w == start:
+                return " -> ".join(path + [start])
+            if w not in seen:
+                seen.add(w)
+                paths.append(path + [w])
+    return " / ".join(sorted(component))
+
+
+def problems(repo=REPO):
+    """Every broken rule of the arrows, one line each."""
+    modules, edges = graph(repo)
+    cmds = commands(modules)
+    found = [f"import circle: {c}" for c in circles(edges)]
+    found += [f"{m} imports the command {t}" for m in sorted(edges) for t in sorted(edges[m] & cmds)]
+    found += [f"{m} (the network or the config) imports {t}" for m in sorted(CORE & set(edges))
+              for t in sorted(edges[m]) if t not in CORE]
+    found += [f"{m} imports the script {t}" for m in sorted(edges) for t in sorted(edges[m])
+              if t.startswith("scripts.")]
+    return found
+
+
+def test_arrows_run_one_way():
+    """No circle, counting imports inside functions; nothing imports a command or a script;
+    model.py and configurator.py import nothing of the repo's but each other."""
+    found = problems()
+    assert not found, "\n".join(found)
+
+
+def test_the_check_finds_a_circle_and_a_command_import(tmp_path):
+    """The check itself, on a small tree: a circle made by an import inside a function, and a
+    command that imports another."""
+    (tmp_path / "gpt").mkdir()
+    (tmp_path / "gpt" / "__init__.py").write_text("")
+    (tmp_path / "model.py").write_text("def generate():\n    from gpt import inference\n")
+    (tmp_path / "gpt" / "inference.py").write_text("from gpt import checkpoint\n")
+    (tmp_path / "gpt" / "checkpoint.py").write_text("from model import GPT\n")
+    (tmp_path / "train.py").write_text("import eval as evals\nfrom gpt import checkpoint\n")
+    (tmp_path / "eval.py").write_text("import model\n\nif __name__ == '__main__':\n    pass\n")
+    assert problems(tmp_path) == ["import circle: gpt.checkpoint -> model -> gpt.inference -> gpt.checkpoint "
+                                  "(the circle's modules: gpt.checkpoint, gpt.inference, model)",
+                                  "train imports the command eval",
+                                  "model (the network or the config) imports gpt.inference"]
+
+
+def test_the_root_holds_the_commands_and_the_library_is_one_package():
+    root = sorted(p.name for p in REPO.glob("*.py"))
+    assert len(root) <= MAX_ROOT_FILES, root
+    assert {"train.py", "model.py", "configurator.py", "sample.py", "bench.py"} <= set(root)
+    assert (REPO / "gpt" / "__init__.py").exists()
+
+
+def test_the_readme_file_tree_names_every_module_and_no_other():
+    """The annotated file tree in README.md lists the root's Python files and gpt/'s modules, and
+    names none that is not there."""
+    readme = (REPO / "README.md").read_text()
+    tree = re.search(r"## Files\n.*?```(?:text)?\n(.*?)```", readme, re.S)
+    assert tree, "README.md has no '## Files' section with a code block"
+    named = set(re.findall(r"([\w/]+\.py)\b", tree.group(1)))
+    root = {p.name for p in REPO.glob("*.py")}
+    package = {p.name for p in (REPO / "gpt").glob("*.py") if p.name != "__init__.py"}
+    missing = sorted((root | package) - {Path(n).name for n in named})
+    assert not missing, f"README.md's file tree lacks {missing}"
+    absent = sorted(n for n in named if not any((REPO / d / n).exists() for d in ("", "gpt", "scripts", "data", "tests",
+                                                                                    "config")))
+    assert not absent, f"README.md's file tree names files that do not exist: {absent}"
+
+
+def long_functions(path):
+    tree = ast.parse(path.read_text(), str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            length = node.end_lineno - node.lineno + 1
+            if length > MAX_FUNCTION_LINES:
+                yield f"{path.relative_to(REPO)}:{node.lineno} {node.name} is {length} lines"
+
+
+@pytest.mark.parametrize("limit", ["files", "functions"])
+def test_no_file_or_function_is_oversized(limit):
+    paths = sources().values()
+    if limit == "files":
+        found = [f"{p.relative_to(REPO)} is {n} lines" for p in paths if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES]
+    else:
+        found = [line for p in paths for line in long_functions(p)]
+    assert not found, "\n".join(found)
