@@ -197,8 +197,12 @@ class BenchConfig(TrainConfig):
     json: bool = False  # print the results as one JSON object on the last line
     estimate_params: float = 0.0  # time-to-train: parameters of the model to train (0: this config's model)
     estimate_tokens: float = 0.0  # time-to-train: its training tokens (0: 20 per parameter)
-    suite: bool = False  # run the standard battery for this device; report.md and report.json go to out_dir
-    suite_parts: str = "env,attention,sweep,llama,baby,smoke"  # the parts --suite runs, comma-separated (one 10-minute call each on an H100)
+
+
+@dataclass
+class BatteryConfig(BenchConfig):
+    # every bench.py key, plus which parts of scripts/gpu_battery.py run; report.md and report.json go to out_dir
+    suite_parts: str = "env,attention,sweep,llama,baby,smoke"  # the parts to run, comma-separated (one 10-minute call each on an H100)
     suite_baby_iters: int = 0  # part baby: train.py's steps; 0: the config's own on a GPU, 300 on a CPU
 
     def __post_init__(self):
@@ -208,7 +212,7 @@ class BenchConfig(TrainConfig):
         _require(self.suite_baby_iters >= 0, f"suite_baby_iters={self.suite_baby_iters} must be >= 0")
 
 
-SUITE_PARTS = ("env", "attention", "sweep", "llama", "baby", "smoke")  # bench.py --suite=True, in the order they run
+SUITE_PARTS = ("env", "attention", "sweep", "llama", "baby", "smoke")  # scripts/gpu_battery.py's parts, in the order they run
 
 
 GPT2_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # released weights init_from can name (hf.py)

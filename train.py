@@ -238,9 +238,6 @@ def train(cfg, rt, stop, out):
     cfg = run.cfg  # batch_size='auto' is now a number
     if rt.master:
         run.describe()
-    # test-only fault injection: a NaN loss at these iters, on these ranks (all when unset)
-    nan_iters = {int(i) for i in os.environ.get("TRAIN_TEST_NAN_ITERS", "").split(",") if i}
-    nan_ranks = {int(r) for r in os.environ.get("TRAIN_TEST_NAN_RANKS", "").split(",") if r} or {rt.rank}
 
     # The loop runs once more after the last step, so the final eval and save live in one place.
     while True:
@@ -266,8 +263,7 @@ def train(cfg, rt, stop, out):
         lr = optim.get_lr(run.iter_num, cfg)
         ratio_due = rt.master and cfg.update_ratio_interval > 0 and run.iter_num % cfg.update_ratio_interval == 0
         before = optim.snapshot(run.raw_model) if ratio_due else None  # the N-th step only: off the hot path
-        result = train_step(run.train_model, run.optimizer, run.scaler, run.batches, lr, run.accum_steps, cfg.grad_clip,
-                            rt, poison=run.iter_num in nan_iters and rt.rank in nan_ranks)
+        result = train_step(run.train_model, run.optimizer, run.scaler, run.batches, lr, run.accum_steps, cfg.grad_clip, rt)
         if ratio_due:
             run.metrics.write({"iter": run.iter_num, **optim.update_ratios(run.raw_model, before)})
         run.bad.record(result.stepped)

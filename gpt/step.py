@@ -22,11 +22,10 @@ class StepResult(NamedTuple):
     stepped: torch.Tensor  # () bool on the device; False: the step was non-finite and did not touch the weights
 
 
-def train_step(model, optimizer, scaler, next_batch, lr, accum_steps, grad_clip, rt, poison=False):
+def train_step(model, optimizer, scaler, next_batch, lr, accum_steps, grad_clip, rt):
     """One optimizer step over accum_steps micro-batches. A step whose gradient norm is not
     finite is skipped: the weights and optimizer state stay as they were. Nothing here waits
-    for the device (with fused AdamW): the caller reads the results when it logs. (`poison`
-    turns the loss into NaN, for the tests of that path.)"""
+    for the device (with fused AdamW): the caller reads the results when it logs."""
     for group in optimizer.param_groups:
         group["lr"] = lr * group.get("lr_scale", 1.0)  # a group with its own peak (e.g. Muon's) scales with the schedule
     total = torch.zeros((), device=rt.device)
@@ -45,8 +44,6 @@ def train_step(model, optimizer, scaler, next_batch, lr, accum_steps, grad_clip,
                     # each micro-batch's mean loss, scaled so the accumulated gradient is that of the
                     # mean over the whole batch, not the sum
                     loss = loss / accum_steps
-            if poison:
-                loss = loss * float("nan")
             if not last:
                 x, y, *weight = next_batch()  # gathered while the device still runs the forward pass
             scaler.scale(loss).backward()

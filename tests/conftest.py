@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -177,16 +178,17 @@ def _child(send, fn, args):
     send.close()
 
 
-def run_script(script, *args, cwd=REPO, env=None, timeout=300, isolated=False):
+def run_script(script, *args, cwd=REPO, env=None, timeout=300, isolated=False, patched=False):
     """Run one of the repo's scripts as `python script args...` would; returns a CompletedProcess.
 
     By default it runs in this interpreter (runpy, as __main__, with file descriptors 1 and 2
     redirected, so output from C++ is caught too): a fresh interpreter costs ~1 s of imports,
     which over the suite's ~100 runs was most of `make test`'s time. isolated=True starts a new
     process, for what depends on one: import-time settings (HF_HUB_OFFLINE), signals, a kill,
-    a real interpreter start. GPT_TESTS_ISOLATED=1 makes every run isolated."""
+    a real interpreter start. GPT_TESTS_ISOLATED=1 makes every run isolated, except patched=True
+    ones: the test has patched what the script calls (nan_steps), which only this process sees."""
     args = [*map(str, args)]
-    if isolated or os.environ.get("GPT_TESTS_ISOLATED") == "1":
+    if isolated or (os.environ.get("GPT_TESTS_ISOLATED") == "1" and not patched):
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         return subprocess.run([sys.executable, str(REPO / script), *args], cwd=cwd, env=full_env,
                               capture_output=True, text=True, timeout=timeout)
@@ -237,6 +239,40 @@ def _run_in_process(path, args, cwd, env):
         err.seek(0)
         stdout, stderr = (f.read().decode("utf-8", errors="replace") for f in (out, err))
     return subprocess.CompletedProcess([sys.executable, str(path), *args], code, stdout, stderr)
+
+
+@contextmanager
+def nan_loss(model):
+    """Every forward of `model` returns a NaN loss while inside: a step that diverged, as
+    gpt.step.train_step meets one (its gradients are NaN too)."""
+    handle = model.register_forward_hook(lambda module, args, out: (out[0], out[1] * float("nan")))
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def nan_steps(setattr, iters, ranks=None):
+    """train.py's steps at `iters` (on `ranks`; None: every rank) get a NaN loss (nan_loss).
+    gpt.step.train_step learns the iteration from the schedule, which train.py asks for each step's
+    learning rate just before the step (gpt.optim.get_lr(iter_num, cfg)). `setattr` is
+    monkeypatch.setattr in the test's process (then run_script(..., patched=True)), or the builtin
+    in a torchrun driver, before it runs train.py."""
+    from gpt import optim, step
+
+    get_lr, train_step, now = optim.get_lr, step.train_step, {}
+
+    def recording_get_lr(it, cfg):
+        now["iter"] = it
+        return get_lr(it, cfg)
+
+    def nan_train_step(model, optimizer, scaler, next_batch, lr, accum_steps, grad_clip, rt):
+        bad = now.get("iter") in iters and (ranks is None or rt.rank in ranks)
+        with nan_loss(model) if bad else nullcontext():
+            return train_step(model, optimizer, scaler, next_batch, lr, accum_steps, grad_clip, rt)
+
+    setattr(optim, "get_lr", recording_get_lr)
+    setattr(step, "train_step", nan_train_step)
 
 
 def read_metrics(out_dir):

@@ -1,4 +1,5 @@
-"""MFU accounting (peaks, world size, never above 100%), bench.py's modes, batch_size='auto'."""
+"""MFU accounting (peaks, world size, never above 100%), bench.py's modes, batch_size='auto', and the
+GPU battery (scripts/gpu_battery.py) at CPU scale and as planned for an H100."""
 
 import gc
 import json
@@ -7,14 +8,17 @@ import time
 import pytest
 import torch
 
+from gpt import benchmark
 from gpt import runtime
 from gpt import memory
 from gpt.memory import auto_batch_size, saved_activation_bytes, with_batch_size
-from configurator import BenchConfig, TrainConfig
-from conftest import REPO, read_metrics, run_script, tiny_args
+from configurator import BatteryConfig, BenchConfig, TrainConfig
+from conftest import REPO, load_script, read_metrics, run_script, tiny_args
 from model import GPT, GPTConfig
 
 import bench
+
+battery = load_script("scripts/gpu_battery.py")
 
 # names exactly as torch.cuda.get_device_name() reports them
 DEVICE_PEAKS = [
@@ -272,7 +276,7 @@ def test_suite_runs_every_part_on_a_cpu_and_writes_its_reports(char_data, tmp_pa
     work = tmp_path / "work"
     (work / "data").mkdir(parents=True)
     char_data.rename(work / "data" / "shakespeare_char")  # the baby part trains on data/shakespeare_char
-    result = run_script("bench.py", "--suite=True", "--device=cpu", f"--out_dir={work / 'report'}", "--bench_iters=1",
+    result = run_script("scripts/gpu_battery.py", "--device=cpu", f"--out_dir={work / 'report'}", "--bench_iters=1",
                         "--bench_warmup=1", "--suite_baby_iters=20", cwd=work)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((work / "report" / "report.json").read_text())
@@ -301,19 +305,19 @@ def test_suite_runs_every_part_on_a_cpu_and_writes_its_reports(char_data, tmp_pa
 
 def test_suite_parts_are_checked():
     with pytest.raises(Exception, match="suite_parts: 'speed' not among env, attention"):
-        BenchConfig(suite_parts="env,speed")
+        BatteryConfig(suite_parts="env,speed")
 
 
 # ---------------------------------------------------------------------------- the suite on an H100, planned on a CPU
 
-# Each part's time on one H100, estimated from the plan the suite runs there (bench.suite_plan at
+# Each part's time on one H100, estimated from the plan the suite runs there (gpu_battery.suite_plan at
 # the CUDA scale), for GPU machines that allow 10 minutes a command. Assumptions:
 H100_PEAK, MFU = 989e12, 0.40  # bf16 dense peak; the model's FLOPs run at 40% of it
 MIN_STEP_S, MIN_FORWARD_S = 0.036, 0.012  # small models run far below 40% MFU: nanoGPT's baby GPT took ~3 min
 # for 5000 iterations on an A100 (36 ms an iteration, evals included); a forward pass is a third of a step
 SETUP_S = 10  # each configuration: build the model, its optimizer and data, warm the allocator
 PROCESS_S = 20  # each Python process a part starts (imports, CUDA context)
-COMMAND_S = 30  # each bench.py command's own start-up
+COMMAND_S = 30  # each gpu_battery.py command's own start-up
 
 
 def compile_seconds(params):
@@ -330,16 +334,16 @@ def h100_seconds(rows):
     return total
 
 
-# the commands README.md and bench.py's docstring give for running the suite on a GPU
+# the commands README.md and gpu_battery.py's docstring give for running the suite on a GPU
 SUITE_COMMANDS = ("env,attention,smoke", "sweep", "llama", "baby")
 
 
 def test_every_suite_part_fits_8_minutes_on_an_h100_and_every_documented_command_10():
     """Printed with pytest -s: each part's estimate and each command's."""
     cuda = runtime.Runtime("cuda:0", "cuda", torch.bfloat16)
-    plan = bench.suite_plan(BenchConfig(), bench.suite_scale(cuda))  # the defaults: python bench.py --suite=True
-    assert list(plan) == list(bench.SUITE)
-    assert sorted(",".join(SUITE_COMMANDS).split(",")) == sorted(bench.SUITE)  # every part, once
+    plan = battery.suite_plan(BatteryConfig(), battery.suite_scale(cuda))  # the defaults: python scripts/gpu_battery.py
+    assert list(plan) == list(battery.SUITE)
+    assert sorted(",".join(SUITE_COMMANDS).split(",")) == sorted(battery.SUITE)  # every part, once
     llama = plan["llama"][0]
     assert llama["params"] == 1_235_814_400 and llama["tokens_per_step"] == 32_768  # the 1B's shapes, two micro-batches
     assert plan["baby"][0]["steps"] == 5000  # the baby config's own run: nanoGPT's 5000 iterations
@@ -347,10 +351,10 @@ def test_every_suite_part_fits_8_minutes_on_an_h100_and_every_documented_command
         seconds = h100_seconds(rows)
         print(f"suite part {part}: {seconds / 60:.1f} min on an H100 ({len(rows)} configuration(s))")
         assert seconds <= 8 * 60, part
-    docs = (REPO / "README.md").read_text() + bench.__doc__
+    docs = (REPO / "README.md").read_text() + battery.__doc__
     for command in SUITE_COMMANDS:
         seconds = COMMAND_S + sum(h100_seconds(plan[part]) for part in command.split(","))
-        print(f"python bench.py --suite=True --suite_parts={command}: {seconds / 60:.1f} min")
+        print(f"python scripts/gpu_battery.py --suite_parts={command}: {seconds / 60:.1f} min")
         assert seconds <= 10 * 60, command
         assert f"--suite_parts={command} " in docs, command
 
@@ -368,22 +372,22 @@ OOM_ERRORS = [
 @pytest.mark.parametrize("error", OOM_ERRORS, ids=lambda e: str(e)[:40])
 def test_every_kind_of_out_of_memory_is_a_row_that_did_not_fit(monkeypatch, error):
     calls = []
-    monkeypatch.setattr(bench, "measure", lambda *args: (_ for _ in ()).throw(error))
+    monkeypatch.setattr(benchmark, "measure", lambda *args: (_ for _ in ()).throw(error))
     monkeypatch.setattr(gc, "collect", lambda: calls.append("gc.collect"))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
     cuda = runtime.Runtime("cuda:0", "cuda", torch.bfloat16)
-    assert bench.measure_or_oom(BenchConfig(), cuda, None, 65) is None
+    assert benchmark.measure_or_oom(BenchConfig(), cuda, None, 65) is None
     assert calls == ["gc.collect", "empty_cache"]  # the failed step's cycles first, then the cached blocks
 
 
 def test_other_runtime_errors_still_stop_the_run(monkeypatch):
-    monkeypatch.setattr(bench, "measure", lambda *args: (_ for _ in ()).throw(RuntimeError("mat1 and mat2 shapes cannot be multiplied")))
+    monkeypatch.setattr(benchmark, "measure", lambda *args: (_ for _ in ()).throw(RuntimeError("mat1 and mat2 shapes cannot be multiplied")))
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
-        bench.measure_or_oom(BenchConfig(), runtime.Runtime("cpu", "cpu", torch.float32), None, 65)
+        benchmark.measure_or_oom(BenchConfig(), runtime.Runtime("cpu", "cpu", torch.float32), None, 65)
 
 
 def test_a_sweep_row_that_runs_out_of_cublas_memory_is_reported_not_raised(monkeypatch, capsys):
-    """bench.py --sweep shares measure_or_oom with the suite."""
+    """bench.py --sweep shares measure_or_oom with the GPU battery."""
 
     def measure(cfg, rt, data, vocab_size, profiler=None):
         if cfg.batch_size == 4:
@@ -391,7 +395,7 @@ def test_a_sweep_row_that_runs_out_of_cublas_memory_is_reported_not_raised(monke
         return {"batch_size": cfg.batch_size, "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
                 "ms_per_iter": 10.0, "tokens_per_s": 1000.0, "tflops": 1.0, "mfu": None, "peak_mem_mb": 1.0, "warmup_s": 1.0}
 
-    monkeypatch.setattr(bench, "measure", measure)
+    monkeypatch.setattr(benchmark, "measure", measure)
     cfg = BenchConfig(device="cpu", compile=False, n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=8,
                       gradient_accumulation_steps=1, sweep="batch_size=2,4")
     bench.run(cfg, runtime.Runtime("cpu", "cpu", torch.float32))
@@ -410,13 +414,13 @@ def test_the_baby_part_reads_an_unbuffered_train_py(monkeypatch, tmp_path):
         started.append((args, kwargs))
         raise InterruptedError  # what it would run is all this test needs
 
-    monkeypatch.setattr(bench.subprocess, "Popen", popen)
+    monkeypatch.setattr(battery.subprocess, "Popen", popen)
     cuda = runtime.Runtime("cuda:0", "cuda", torch.bfloat16)
     with pytest.raises(InterruptedError):
-        bench.part_baby(BenchConfig(out_dir=str(tmp_path / "suite")), cuda, bench.suite_scale(cuda), {})
+        battery.part_baby(BatteryConfig(out_dir=str(tmp_path / "suite")), cuda, battery.suite_scale(cuda), {})
     (args, kwargs), = started
     unbuffered = args[1] == "-u" or kwargs.get("env", {}).get("PYTHONUNBUFFERED") == "1"
-    assert args[0] == bench.sys.executable and unbuffered, args
+    assert args[0] == battery.sys.executable and unbuffered, args
     assert "--device=cuda:0" in args
 
 
@@ -431,13 +435,13 @@ def test_the_smoke_compares_cache_and_no_cache_with_tf32_off(monkeypatch, tmp_pa
         return generate(self, *args, **kwargs)
 
     monkeypatch.setattr(GPT, "generate", recording_generate)
-    monkeypatch.setattr(bench, "resume_check", lambda *args: {"ok": True})  # train.py subprocesses: tested above
+    monkeypatch.setattr(battery, "resume_check", lambda *args: {"ok": True})  # train.py subprocesses: tested above
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # as setup() leaves a GPU
     try:
         cpu = runtime.Runtime("cpu", "cpu", torch.float32)
         report = {}
-        bench.part_smoke(BenchConfig(out_dir=str(tmp_path)), cpu, bench.suite_scale(cpu), report)
+        battery.part_smoke(BatteryConfig(out_dir=str(tmp_path)), cpu, battery.suite_scale(cpu), report)
         after = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
@@ -446,7 +450,7 @@ def test_the_smoke_compares_cache_and_no_cache_with_tf32_off(monkeypatch, tmp_pa
     assert report["smoke"]["kv_cache_greedy_equals_uncached"]["ok"]
 
 
-# profiler event names from GPU runs (see bench.SDPA_KINDS for where each was seen)
+# profiler event names from GPU runs (see gpu_battery.SDPA_KINDS for where each was seen)
 KERNEL_NAMES = [
     ("cudnn_generated_fort_native_sdpa_sm90_knob_7_64x128x128_4x1x1_kernel0_0", "cudnn"),
     ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1_kernel0_0", "cudnn"),
@@ -473,4 +477,4 @@ KERNEL_NAMES = [
 
 @pytest.mark.parametrize("name, kind", KERNEL_NAMES, ids=[n[:50] for n, _ in KERNEL_NAMES])
 def test_profiler_events_are_told_apart_by_kernel(name, kind):
-    assert bench.sdpa_kernel_kind(name) == kind
+    assert battery.sdpa_kernel_kind(name) == kind

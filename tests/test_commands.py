@@ -9,7 +9,7 @@ from conftest import run_script
 COMMANDS = ["train.py", "sample.py", "eval.py", "hf.py", "bench.py", "plot.py", "scripts/checkpoint_convert.py", "serve.py",
             "data/shakespeare_char/prepare.py", "data/shakespeare/prepare.py", "data/openwebtext/prepare.py",
             "data/fineweb_edu/prepare.py", "chat.py", "data/train_tokenizer.py", "data/chat/prepare.py",
-            "data/chat/synthetic.py", "scripts/chat_eval.py"]
+            "data/chat/synthetic.py", "scripts/chat_eval.py", "scripts/gpu_battery.py"]
 
 
 @pytest.mark.parametrize("script", COMMANDS)

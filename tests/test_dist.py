@@ -59,10 +59,16 @@ TRAIN_ARGS = [
 
 # train.py under torchrun as a user runs it, recording for the test what a rank alone knows: its
 # exit code, its stderr, torch.compile's counters (tests/test_compile.py reads the same ones), the
-# checkpoint files it wrote, and the weights it put in its last checkpoint
+# checkpoint files it wrote, and the weights it put in its last checkpoint. With nan_at, the
+# steps at those iters on those ranks have a NaN loss (conftest.nan_steps)
 DRIVER = textwrap.dedent("""
     import json, os, runpy, sys
     sys.path.insert(0, {repo!r})
+    nan_at = {nan_at!r}
+    if nan_at:
+        sys.path.insert(0, os.path.join({repo!r}, "tests"))
+        from conftest import nan_steps
+        nan_steps(setattr, *nan_at)
     import functools, torch
     from torch._dynamo.utils import counters
     from gpt import checkpoint
@@ -100,18 +106,19 @@ DRIVER = textwrap.dedent("""
 """)
 
 
-def torchrun(root, name, data_dir, *extra, env=None, timeout=300):
+def torchrun(root, name, data_dir, *extra, nan_at=None, timeout=300):
     """`torchrun --nproc_per_node=2 train.py TRAIN_ARGS extra` in root/name (out_dir and each rank's
-    report); killed, with the test failing, if it runs past `timeout` (a rank waiting forever)."""
+    report); killed, with the test failing, if it runs past `timeout` (a rank waiting forever).
+    nan_at=(iters, ranks): those steps on those ranks have a NaN loss."""
     out = root / name
     out.mkdir(exist_ok=True)
     driver = root / "driver.py"
-    driver.write_text(DRIVER.format(repo=str(REPO)))
+    driver.write_text(DRIVER.format(repo=str(REPO), nan_at=nan_at))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(driver), str(out),
            *TRAIN_ARGS, f"--dataset={data_dir}", f"--out_dir={out}", *extra]
     # inductor compiles in the rank's own process: a pool of compile workers per rank costs more
     # to start on two cores than it saves. Its cache is torch's default, as in tests/test_compile.py
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1", **(env or {})}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
@@ -227,7 +234,7 @@ def test_one_rank_non_finite_loss_is_skipped_by_every_rank(data_dir):
     iter 3, and at iter 7 both stop with the same line and exit code; none waits for the other."""
     code, stdout, stderr, ranks = torchrun(
         data_dir, "nan_one_rank", data_dir / "chars", "--dtype=float16", "--max_iters=10", "--eval_interval=100",
-        "--max_bad_steps=2", env={"TRAIN_TEST_NAN_ITERS": "3,6,7", "TRAIN_TEST_NAN_RANKS": "1"}, timeout=120)
+        "--max_bad_steps=2", nan_at=({3, 6, 7}, {1}), timeout=120)
     assert "iter 3: non-finite loss or gradient norm, 1 step(s) skipped since the last log (1 in a row)" in stdout
     assert "iter 4: loss" in stdout and "iter 7: loss" not in stdout
     assert [r["exit"] for r in ranks] == [3, 3] and code != 0

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gpt import checkpoint
-from conftest import REPO, read_metrics, run_script, tiny_args
+from conftest import REPO, nan_steps, read_metrics, run_script, tiny_args
 
 EXIT_STOPPED = 75
 
@@ -67,11 +67,11 @@ def test_time_budget_stops_with_a_checkpoint(char_data, tmp_path):
     assert checkpoint.load(str(out / "ckpt.pt"))["iter_num"] > 0
 
 
-def test_a_non_finite_step_leaves_the_weights_alone(char_data, tmp_path):
+def test_a_non_finite_step_leaves_the_weights_alone(char_data, tmp_path, monkeypatch):
     """Step 5 is poisoned: the weights after steps 0-5 equal those after steps 0-4."""
     five = run_script("train.py", *tiny_args(char_data, tmp_path / "five", max_iters=5, eval_interval=1000))
-    poisoned = run_script("train.py", *tiny_args(char_data, tmp_path / "six", max_iters=6, eval_interval=1000),
-                          env={"TRAIN_TEST_NAN_ITERS": "5"})
+    nan_steps(monkeypatch.setattr, {5})
+    poisoned = run_script("train.py", *tiny_args(char_data, tmp_path / "six", max_iters=6, eval_interval=1000), patched=True)
     assert five.returncode == 0 and poisoned.returncode == 0, poisoned.stderr
     assert "iter 5: non-finite loss or gradient norm, 1 step(s) skipped since the last log (1 in a row)" in poisoned.stdout
     a = checkpoint.load(str(tmp_path / "five" / "ckpt.pt"))
@@ -80,11 +80,11 @@ def test_a_non_finite_step_leaves_the_weights_alone(char_data, tmp_path):
     assert all(torch.equal(x, y) for x, y in zip(a["optimizer"]["state"][0].values(), b["optimizer"]["state"][0].values()))
 
 
-def test_too_many_bad_steps_stop_the_run_with_the_last_good_checkpoint(char_data, tmp_path):
+def test_too_many_bad_steps_stop_the_run_with_the_last_good_checkpoint(char_data, tmp_path, monkeypatch):
     out = tmp_path / "out"
+    nan_steps(monkeypatch.setattr, {9, 10, 11, 12})
     result = run_script("train.py", *tiny_args(char_data, out, max_iters=50, eval_interval=4, max_bad_steps=3,
-                                               always_save_checkpoint=True),
-                        env={"TRAIN_TEST_NAN_ITERS": "9,10,11,12"})
+                                               always_save_checkpoint=True), patched=True)
     assert result.returncode == 3
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert "3 steps in a row" in result.stderr

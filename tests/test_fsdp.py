@@ -15,6 +15,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -37,11 +38,21 @@ TRAIN_ARGS = [
 FSDP = "--parallelism=fsdp"
 NAN_STEP = 5
 
+# train.py under torchrun, with a NaN loss at step NAN_STEP on every rank (conftest.nan_steps)
+DRIVER = textwrap.dedent("""
+    import os, runpy, sys
+    sys.path[:0] = [{repo!r}, os.path.join({repo!r}, "tests")]
+    from conftest import nan_steps
+    nan_steps(setattr, {{{step}}})
+    sys.argv[0] = "train.py"
+    runpy.run_path("train.py", run_name="__main__")
+""")
+
 
 def torchrun(launch, out_dir, data_dir, *extra):
-    """Start `torchrun <launch> train.py ...`; returns the Popen."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TRAIN_TEST_NAN_ITERS": str(NAN_STEP)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", *launch, "train.py", *TRAIN_ARGS,
+    """Start `torchrun <launch> train.py ...` (by the driver beside out_dir); returns the Popen."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launch, str(out_dir.parent / "driver.py"), *TRAIN_ARGS,
            f"--dataset={data_dir}", f"--out_dir={out_dir}", *extra]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -62,6 +73,7 @@ def free_port():
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp")
+    (root / "driver.py").write_text(DRIVER.format(repo=str(REPO), step=NAN_STEP))
     data = root / "chars"
     data.mkdir()
     load_script("data/shakespeare_char/prepare.py").prepare(make_text(), str(data))

@@ -6,13 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-import bench
 from gpt import runtime
 from gpt.batches import TrainBatches, get_batch
 from gpt.step import train_step
+from conftest import load_script, nan_loss
 from model import GPT, GPTConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+battery = load_script("scripts/gpu_battery.py")  # sdpa_kernel_kind: which kernel a profiler event belongs to
 
 MODEL = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=128, block_size=64, vocab_size=65, dropout=0.0, bias=False)
 
@@ -51,7 +53,8 @@ def test_a_step_never_waits_for_the_gpu_and_a_poisoned_one_changes_nothing(rt):
     state = [{k: v.clone() for k, v in s.items()} for s in optimizer.state.values()]
     torch.cuda.set_sync_debug_mode("error")  # any synchronizing call raises
     try:
-        result = train_step(model, optimizer, scaler, batches, 1e-3, 2, 1.0, rt, poison=True)
+        with nan_loss(model):
+            result = train_step(model, optimizer, scaler, batches, 1e-3, 2, 1.0, rt)
         good = train_step(model, optimizer, scaler, batches, 1e-3, 2, 1.0, rt)
     finally:
         torch.cuda.set_sync_debug_mode("default")
@@ -59,7 +62,8 @@ def test_a_step_never_waits_for_the_gpu_and_a_poisoned_one_changes_nothing(rt):
     # replay without the good step: the poisoned one alone leaves everything bit-unchanged
     model2, optimizer2, scaler2, batches2 = setup_step(rt)
     train_step(model2, optimizer2, scaler2, batches2, 1e-3, 2, 1.0, rt)
-    train_step(model2, optimizer2, scaler2, batches2, 1e-3, 2, 1.0, rt, poison=True)
+    with nan_loss(model2):
+        train_step(model2, optimizer2, scaler2, batches2, 1e-3, 2, 1.0, rt)
     assert all(torch.equal(a, b) for a, b in zip(weights, model2.parameters()))
     assert all(torch.equal(a[k], b[k]) for a, b in zip(state, optimizer2.state.values()) for k in a)
 
@@ -85,6 +89,6 @@ def test_each_attention_value_runs_its_kernel_with_the_same_loss(rt, attention):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             losses[name] = train_step(model, optimizer, scaler, batches, 1e-3, 1, 1.0, rt).loss.item()
             torch.cuda.synchronize()
-        kinds = {bench.sdpa_kernel_kind(e.key) for e in prof.key_averages()} - {None}
+        kinds = {battery.sdpa_kernel_kind(e.key) for e in prof.key_averages()} - {None}
     assert kinds == {attention}, sorted(e.key for e in prof.key_averages())  # cuDNN's kernels say "flash" too
     assert losses[attention] == pytest.approx(losses["math"], abs=2e-2)  # bf16 rounding differs per kernel

@@ -2,6 +2,8 @@
 step (counted by instrumenting the reads), a non-finite step is skipped on the device with the
 weights and optimizer state bit-unchanged, and max_bad_steps still stops the run (exit 3)."""
 
+from contextlib import nullcontext
+
 import numpy as np
 import pytest
 import torch
@@ -10,7 +12,7 @@ from gpt import checkpoint
 from gpt import runtime
 from gpt.batches import TrainBatches
 from gpt.step import train_step
-from conftest import read_metrics, run_script, tiny_args
+from conftest import nan_loss, nan_steps, read_metrics, run_script, tiny_args
 from model import GPT, GPTConfig
 
 CPU = runtime.Runtime("cpu", "cpu", torch.float32)
@@ -48,7 +50,8 @@ def setup_step(optimizer_kind="fused"):
 
 
 def step(model, optimizer, scaler, batches, poison=False):
-    return train_step(model, optimizer, scaler, batches, 1e-3, 2, 1.0, CPU, poison=poison)
+    with nan_loss(model) if poison else nullcontext():
+        return train_step(model, optimizer, scaler, batches, 1e-3, 2, 1.0, CPU)
 
 
 def test_a_step_reads_nothing_from_the_device(reads):
@@ -87,13 +90,13 @@ def test_a_poisoned_step_leaves_weights_and_optimizer_state_bit_unchanged():
     assert not all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
 
 
-def test_bad_steps_between_logs_stop_the_run_at_the_next_log(char_data, tmp_path):
+def test_bad_steps_between_logs_stop_the_run_at_the_next_log(char_data, tmp_path, monkeypatch):
     """Steps 6-8 are non-finite, max_bad_steps=3, a log every 5 steps: the run stops at the log at
     step 10, with the checkpoint of the eval at 8 (the bad steps never touched the weights)."""
     out = tmp_path / "out"
+    nan_steps(monkeypatch.setattr, {6, 7, 8})
     result = run_script("train.py", *tiny_args(char_data, out, max_iters=50, eval_interval=4, max_bad_steps=3,
-                                               log_interval=5, always_save_checkpoint=True),
-                        env={"TRAIN_TEST_NAN_ITERS": "6,7,8"})
+                                               log_interval=5, always_save_checkpoint=True), patched=True)
     assert result.returncode == 3, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "3 steps in a row" in result.stderr
     assert "iter 10: non-finite loss or gradient norm, 1 step(s) skipped since the last log (0 in a row)" in result.stdout

@@ -1,0 +1,132 @@
+"""Timing the training step train.py runs: what bench.py and scripts/gpu_battery.py share. The
+data a measurement reads, the measurement itself (ms/iter, tokens/s, TFLOPS, MFU, peak memory),
+and a configuration that does not fit reported as such rather than raised."""
+
+import gc
+import os
+import resource
+import time
+
+import numpy as np
+import torch
+
+from gpt import runtime
+from gpt import tokenizer
+from gpt.batches import TrainBatches, load_split
+from gpt.memory import auto_batch_size, with_batch_size
+from gpt.step import train_step
+from gpt.wrap import build, make_model_args
+from configurator import UserError
+from data import tokens
+from model import GPT, GPTConfig
+
+
+def synthetic(vocab_size, block_size, seed=0):
+    """Random tokens, enough for any batch of block_size sequences."""
+    size = max(1_000_000, 4 * block_size)
+    return np.random.default_rng(seed).integers(0, vocab_size, size=size).astype(tokens.dtype_for(vocab_size))
+
+
+def bench_data(cfg):
+    """(tokens, vocab_size): the real train split, or random tokens; the vocabulary is the
+    dataset's when it has one (meta.json), else GPT-2's, as in train.py."""
+    data_dir = os.path.join("data", cfg.dataset)
+    vocab_size = tokenizer.vocab_size(tokenizer.describe(data_dir)) or 50304
+    if cfg.data == "real":
+        data = load_split(data_dir, "train", cfg.data_mode, share=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # a copy per local rank
+        data.check_vocab(vocab_size)
+        return data, vocab_size
+    if cfg.data != "synthetic":
+        raise UserError(f"data='{cfg.data}' is not 'synthetic' or 'real'")
+    return synthetic(vocab_size, cfg.block_size), vocab_size
+
+
+def peak_memory_mb(rt):
+    """Peak memory of the run: the CUDA allocator's high-water mark, or on CPU the process's peak
+    resident set (which includes the Python interpreter and libraries, ~0.3-0.5 GB)."""
+    if rt.device_type == "cuda":
+        return torch.cuda.max_memory_allocated(rt.device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def measure(cfg, rt, data, vocab_size, profiler=None):
+    """Time cfg.bench_iters optimizer steps after cfg.bench_warmup untimed ones."""
+    torch.manual_seed(cfg.seed)
+    raw_model = GPT(GPTConfig(**make_model_args(cfg, vocab_size))).to(rt.device)
+    if cfg.batch_size == "auto":
+        cfg = with_batch_size(cfg, auto_batch_size(raw_model, cfg, rt), cfg.total_batch_size)
+    model, train_model, optimizer, scaler = build(raw_model, cfg, rt)
+    batches = TrainBatches(data, cfg.batch_size, cfg.block_size, cfg.seed, rt)
+    accum_steps = cfg.gradient_accumulation_steps // rt.world_size
+
+    def step():
+        return train_step(train_model, optimizer, scaler, batches, cfg.learning_rate, accum_steps, cfg.grad_clip, rt).loss
+
+    if profiler is not None:
+        with profiler:
+            for _ in range(cfg.profile_wait + cfg.profile_warmup + cfg.profile_active):
+                step()
+                profiler.step()
+    warmup_start = time.perf_counter()
+    for _ in range(cfg.bench_warmup):
+        step()
+    runtime.synchronize(rt)  # the clock starts with the device idle...
+    warmup_seconds = time.perf_counter() - warmup_start
+    if rt.device_type == "cuda":
+        torch.cuda.reset_peak_memory_stats(rt.device)
+    start = time.perf_counter()
+    for _ in range(cfg.bench_iters):
+        loss = step()
+    loss.item()
+    runtime.synchronize(rt)  # ...and stops when the device has finished the last step
+    seconds = (time.perf_counter() - start) / cfg.bench_iters
+    tokens = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
+    flops = raw_model.flops_per_token() * tokens
+    peak = runtime.device_peak_flops(rt, cfg.peak_flops)
+    return {
+        "batch_size": cfg.batch_size,
+        "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+        "ms_per_iter": seconds * 1000,
+        "tokens_per_s": tokens / seconds,
+        "tflops": flops / seconds / rt.world_size / 1e12,  # per device
+        "mfu": runtime.mfu(flops, seconds, peak, rt.world_size),
+        "peak_mem_mb": peak_memory_mb(rt),
+        "warmup_s": warmup_seconds,  # the untimed steps, compilation included
+        "params": raw_model.num_params(),
+        "flops_per_token": raw_model.flops_per_token(),
+    }
+
+
+# cuBLAS and cuDNN report a failed allocation as a RuntimeError of their own, not as torch's
+# OutOfMemoryError (e.g. "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+OOM_MESSAGES = ("CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED", "out of memory")
+
+
+def measure_or_oom(cfg, rt, data, vocab_size, profiler=None):
+    """measure(cfg), or None when the configuration does not fit in the device's memory; the next
+    one starts with the memory freed and compiles afresh."""
+    torch._dynamo.reset()
+    try:
+        return measure(cfg, rt, data, vocab_size, profiler)
+    except RuntimeError as e:  # torch.OutOfMemoryError is one
+        if not (isinstance(e, torch.OutOfMemoryError) or any(m in str(e) for m in OOM_MESSAGES)):
+            raise
+        return None
+    finally:
+        gc.collect()  # the failed step's tensors live in reference cycles (its frames) until collected...
+        if rt.device_type == "cuda":
+            torch.cuda.empty_cache()  # ...and only then can the allocator hand their blocks back
+
+
+def device_name(rt):
+    """The GPU's name, or the CPU and the threads torch uses on it."""
+    return torch.cuda.get_device_name(rt.device) if rt.device_type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+
+
+def format_mfu(mfu):
+    return f"{mfu:.1%}" if mfu is not None else "n/a"  # None: no known peak for this device
+
+
+def profiler_activities(rt):
+    """What torch.profiler records on rt's device: the CPU's operators, and the GPU's kernels."""
+    return [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if rt.device_type == "cuda" else [])
