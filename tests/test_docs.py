@@ -76,24 +76,25 @@ def commands_in(path):
                 segment.append(token)
         segments.append(segment)
         for tokens in segments:
-            command = parse_command(tokens, where)
-            if command:
-                yield command
+            script, args = script_and_args(tokens)
+            if script:
+                yield Command(where, script, args)
 
 
-def parse_command(tokens, where):
+def script_and_args(tokens):
+    """(script, its arguments) of one shell command, or (None, None) when it runs no script."""
     for i, token in enumerate(tokens):
         if PYTHON.match(token):
             rest = tokens[i + 1:]
             if not rest or rest[0].startswith("-") or not rest[0].endswith(".py"):
-                return None  # python -m ..., python -c ..., a bare interpreter
-            return Command(where, rest[0], rest[1:])
+                return None, None  # python -m ..., python -c ..., a bare interpreter
+            return rest[0], rest[1:]
         if token == "torchrun":
             for j, arg in enumerate(tokens[i + 1:], i + 1):
                 if arg.endswith(".py"):
-                    return Command(where, arg, tokens[j + 1:])
-            return None
-    return None
+                    return arg, tokens[j + 1:]
+            return None, None
+    return None, None
 
 
 ALL = [c for path in DOCS for c in commands_in(path)]
@@ -124,7 +125,7 @@ def accepted(script):
         if kind == "config":
             return "config", {f.name for f in dataclasses.fields(what)}
         return "argparse", {option for option in what._option_string_actions}
-    except SystemExit:
+    except (SystemExit, Exception):  # it printed its own usage, or took --help for a file name
         pass
     finally:
         sys.argv, cwd, configurator.usage, argparse.ArgumentParser.print_help = saved
@@ -152,7 +153,7 @@ def test_every_documented_command_names_real_files_and_known_keys(command):
     assert not command.error, f"{where}: {command.error}"
     assert (REPO / script).is_file(), f"{where}: {script} does not exist"
     flags = [a for a in command.args if a.startswith("--") and a != "--help"]
-    kind, keys = keys_of(script) if flags else (None, set())
+    kind, keys = keys_of(script) if command.args else (None, set())
     if kind == "config":
         # configurator.parse reads every positional argument as a config file
         for arg in command.args:
