@@ -10,7 +10,7 @@
 #   python chat.py --out_dir=out-chat-demo
 #   python scripts/chat_eval.py --out_dir=out-chat-demo --heldout=data/chat_demo/heldout.jsonl   # accuracy
 #
-# How it was chosen (BENCHMARKS.md §10 has the runs):
+# How it was chosen (BENCHMARKS.md, "The chat demo on a CPU", has the runs):
 # - The replies are copied from the prompt, so the model must learn to copy (induction heads)
 #   rather than remember words: 60,000 conversations are about one pass at 1,200 steps; 20,000
 #   seen three times answered 188 of 200 held-out prompts against 193.

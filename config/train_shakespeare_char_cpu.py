@@ -2,7 +2,7 @@
 # in ~26 s on 2 CPU cores, 0.23x the time of nanoGPT's own CPU recipe (2000 steps of a 4-layer
 # model, ~1.89). `make quickstart` runs it:  python train.py config/train_shakespeare_char_cpu.py
 #
-# How it was chosen (trials and timings in BENCHMARKS.md):
+# How it was chosen (the timings: BENCHMARKS.md, "The CPU quick start" and "Muon beside AdamW"):
 # - On a CPU, time per step is the budget. Two layers cost ~35 ms a step against ~55 ms for
 #   four, and over a one-minute run the shallower model ends lower: it gets more steps in.
 # - A larger batch or bfloat16 autocast gave more tokens/s but fewer optimizer steps, and ended

@@ -1,4 +1,4 @@
-"""A picture of the chat page mid-conversation (the README's docs/chat.png): headless Chromium on
+"""A picture of the chat page mid-conversation (docs/chat.png): headless Chromium on
 a running serve.py, a system message, three messages typed into the page.
 
     python serve.py --out_dir=out-chat-demo --port=8000 &

@@ -10,7 +10,7 @@ the torch pinned in requirements.txt.
 import re
 import sys
 
-FLOOR = (2, 11)  # the oldest torch whose every API this trainer calls was checked (README: "Which torch")
+FLOOR = (2, 11)  # the oldest torch whose every API this trainer calls was checked (docs/install.md, "Which torch versions work")
 
 
 def decide():
