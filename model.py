@@ -15,8 +15,6 @@ groups and FLOPs count. Generation and the key/value caches are in inference.py.
 """
 
 import math
-import re
-import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Optional
@@ -271,38 +269,11 @@ class GPT(nn.Module):
 
     def set_attention(self, name):
         """Run every layer's attention with one SDPA kernel ('flash', 'cudnn', 'efficient', 'math'),
-        or let PyTorch choose ('auto'). A kernel that cannot take the inputs fails in forward;
-        attention_error() checks first."""
+        or let PyTorch choose ('auto'). A kernel that cannot take the inputs fails in forward
+        (gpt/wrap.py's attention_error() checks first)."""
         assert name == "auto" or name in SDPA_BACKENDS, name
         for block in self.transformer.h:
             block.attn.attention = name
-
-    def attention_error(self, name, device, dtype):
-        """None when SDPA kernel `name` runs this model's attention (its heads, dropout, GQA;
-        forward and backward) on `device` under autocast to `dtype`; else PyTorch's reason."""
-        if name == "auto":
-            return None
-        c = self.config
-        hs = c.n_embd // c.n_head
-        device_type = torch.device(device).type
-        q = torch.randn(1, c.n_head, 8, hs, device=device, dtype=dtype, requires_grad=True)
-        k, v = (torch.randn(1, c.n_kv_head, 8, hs, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
-        if c.n_kv_head != c.n_head and dtype == torch.float32 and device_type != "cpu":
-            k, v = k.repeat_interleave(c.n_head // c.n_kv_head, dim=1), v.repeat_interleave(c.n_head // c.n_kv_head, dim=1)
-        with warnings.catch_warnings(record=True) as caught:  # on CUDA, PyTorch warns why each kernel declined
-            warnings.simplefilter("always")
-            try:
-                with torch.random.fork_rng(devices=[device] if device_type == "cuda" else []), sdpa_kernel(SDPA_BACKENDS[name]):
-                    y = F.scaled_dot_product_attention(q, k, v, dropout_p=c.dropout, is_causal=True,
-                                                       enable_gqa=k.size(1) != c.n_head)
-                    y.sum().backward()
-            except RuntimeError as e:
-                # torch warns a header ("Memory efficient kernel not used because:") and then one
-                # warning per reason, each ending in "(Triggered internally at <file>:<line>.)"
-                lines = [re.sub(r"\s*\(Triggered internally at .*\)$", "", str(w.message).strip()) for w in caught]
-                reasons = [line for line in lines if line and not line.endswith("not used because:")]
-                return "; ".join(reasons) or str(e).strip().splitlines()[0]
-        return None
 
     def _init_weights(self, module):
         # norms keep their own init: weight 1, bias 0
