@@ -36,22 +36,22 @@ SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_
 class GPTConfig:
     block_size: int = 1024  # longest context the position embedding covers
     vocab_size: int = 50304  # tokens the data can contain (GPT-2: 50257, padded up by nanoGPT configs)
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
-    dropout: float = 0.0
-    bias: bool = True  # biases in Linear and LayerNorm, as GPT-2 had
+    n_layer: int = 12  # transformer blocks
+    n_head: int = 12  # attention heads (query heads)
+    n_embd: int = 768  # model width: the residual stream's size
+    dropout: float = 0.0  # 0 for pretraining; try 0.1+ for finetuning
+    bias: bool = True  # biases in Linear and LayerNorm layers, as GPT-2 had
     # the options below default to GPT-2; Llama 3 is rope, rmsnorm, swiglu, n_kv_head < n_head, bias=False
-    pos_encoding: str = "learned"  # 'learned' (a wpe table, GPT-2) or 'rope' (rotary, on q and k)
+    pos_encoding: str = "learned"  # 'learned' (a wpe table, GPT-2) or 'rope' (rotary, on q and k: Llama)
     rope_theta: float = 10000.0  # RoPE base: the slowest pair turns once in ~2*pi*theta positions (Llama 3: 500000)
-    rope_scaling: Optional[dict] = None  # Llama 3's frequency scaling (see rope_tables); None: plain RoPE
-    norm: str = "layernorm"  # 'layernorm' or 'rmsnorm' (no mean subtraction, no bias)
-    norm_eps: float = 1e-5  # added to the variance in every norm (Llama 3.2: 1e-5, Llama 2: 1e-6)
-    mlp: str = "gelu"  # 'gelu', 'gelu_tanh' (GPT-2's released weights' approximation) or 'swiglu'
+    rope_scaling: Optional[dict] = None  # Llama 3's frequency scaling (model.rope_tables); None: plain RoPE. Llama 3.2's: {'factor': 32.0, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0, 'original_max_position_embeddings': 8192}
+    norm: str = "layernorm"  # 'layernorm' (GPT-2) or 'rmsnorm' (Llama: no mean subtraction, no bias)
+    norm_eps: float = 1e-5  # added to the variance in every norm (Hugging Face's layer_norm_epsilon / rms_norm_eps)
+    mlp: str = "gelu"  # 'gelu', 'gelu_tanh' (GPT-2's released weights' approximation) or 'swiglu' (Llama)
     mlp_hidden: int = 0  # MLP width; 0: 4*n_embd, or for swiglu 8/3*n_embd rounded up to a multiple of 64
     n_kv_head: int = 0  # key/value heads (grouped-query attention); 0: n_head (plain multi-head)
-    qk_norm: bool = False  # RMSNorm q and k per head before attention
-    tie_embeddings: bool = True  # lm_head shares the token embedding matrix
+    qk_norm: bool = False  # RMSNorm each head's q and k before attention
+    tie_embeddings: bool = True  # lm_head shares the token embedding matrix (False: two matrices)
 
     def __post_init__(self):
         # resolve the "0 means the usual" keys once, so every reader sees real sizes
