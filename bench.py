@@ -38,6 +38,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+from gpt import inference
 from gpt import runtime
 from gpt import tokenizer
 from gpt.batches import TrainBatches, load_split
@@ -447,8 +448,8 @@ def part_smoke(cfg, rt, scale, report):
     prompt = torch.as_tensor(data[: base.block_size // 4].astype(np.int64), device=rt.device)[None]
     new = min(2 * base.block_size, 200)  # past block_size: the window slides too
     with torch.no_grad(), exact_float32():
-        cached = model.generate(prompt, new, temperature=0, kv_cache=True)
-        uncached = model.generate(prompt, new, temperature=0, kv_cache=False)
+        cached = inference.generate(model, prompt, new, temperature=0, kv_cache=True)
+        uncached = inference.generate(model, prompt, new, temperature=0, kv_cache=False)
     same = int((cached == uncached).all(dim=0).long().cumprod(0).sum()) - prompt.size(1)
     checks["kv_cache_greedy_equals_uncached"] = {"tokens": new, "identical_prefix": same, "ok": same == new}
 
