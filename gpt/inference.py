@@ -121,7 +121,7 @@ class KVCache:
         return torch.arange(end - T, end, dtype=torch.long, device=device)
 
     def layer(self, i):
-        return Layer(self, i)
+        return CacheLayer(self, i)
 
     def attend(self, i, q, k, v, sdpa):
         """Layer i: store the new keys and values (B, n_kv, T, hs) after the cached ones, and attend
@@ -142,7 +142,7 @@ class KVCache:
         return sdpa(q, k, v, mask)
 
 
-class Layer:
+class CacheLayer:
     """Layer i of a cache, as CausalSelfAttention sees it: attend(q, k, v, sdpa)."""
 
     def __init__(self, cache, i):
@@ -297,7 +297,7 @@ class Packed:
         return self.packed_positions  # (1, N): every token's position in its own row
 
     def layer(self, i):
-        return Layer(self, i)
+        return CacheLayer(self, i)
 
     def attend(self, i, q, k, v, sdpa):
         return self.cache.run(self, i, q, k, v, sdpa)  # outside a compiled model's graphs (BatchCache)
