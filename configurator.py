@@ -83,22 +83,22 @@ class TrainConfig:
     block_size: int = 1024  # context length in tokens
     data_mode: str = "auto"  # 'ram', 'memmap', or 'auto' (RAM when the files are small against free memory)
     seed: int = 1337  # seeds init, dropout and the batch order; a resumed run keeps its own RNG state
-    # model
-    n_layer: int = 12  # transformer blocks
-    n_head: int = 12  # attention heads
-    n_embd: int = 768  # model width
-    dropout: float = 0.0  # 0 for pretraining; try 0.1+ for finetuning
-    bias: bool = False  # biases in Linear and LayerNorm layers (GPT-2 had them)
-    pos_encoding: str = "learned"  # 'learned' position embedding (GPT-2) or 'rope' (rotary, Llama)
-    rope_theta: float = 10000.0  # RoPE base: the slowest rotation turns once in ~2*pi*theta tokens (Llama 3: 500000)
-    rope_scaling: Optional[dict] = None  # Llama 3's RoPE frequency scaling, e.g. {'factor': 32.0, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0, 'original_max_position_embeddings': 8192} (Llama 3.2); None: plain RoPE
-    norm: str = "layernorm"  # 'layernorm' (GPT-2) or 'rmsnorm' (Llama)
-    norm_eps: float = 1e-5  # epsilon of every norm (Hugging Face's layer_norm_epsilon / rms_norm_eps)
-    mlp: str = "gelu"  # 'gelu', 'gelu_tanh' (GPT-2's released weights) or 'swiglu' (Llama)
-    mlp_hidden: int = 0  # MLP width; 0: 4*n_embd, or for swiglu 8/3*n_embd rounded up to a multiple of 64
-    n_kv_head: int = 0  # key/value heads for grouped-query attention; 0 (or n_head): plain multi-head
-    qk_norm: bool = False  # RMSNorm each head's queries and keys before attention
-    tie_embeddings: bool = True  # lm_head shares the token embedding matrix (False: two matrices)
+    # model: GPTConfig's keys, each described once, on GPTConfig in model.py (--help shows it there too)
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = False
+    pos_encoding: str = "learned"
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    mlp: str = "gelu"
+    mlp_hidden: int = 0
+    n_kv_head: int = 0
+    qk_norm: bool = False
+    tie_embeddings: bool = True
     # optimizer
     learning_rate: float = 6e-4  # peak learning rate (with optimizer=muon: AdamW's part; Muon's is muon_lr)
     max_iters: int = 600000  # total optimizer steps
@@ -437,6 +437,11 @@ def as_dict(cfg):
 
 def usage(cls):
     help_text = _field_comments(cls)
+    if any(f.name not in help_text for f in dataclasses.fields(cls)):
+        # the model's keys are described on GPTConfig; imported for --help only, as model.py brings torch
+        from model import GPTConfig
+
+        help_text = {**_field_comments(GPTConfig), **help_text}
     flags = {f.name: f"--{f.name}={f.default!r}" for f in dataclasses.fields(cls)}
     width = max(map(len, flags.values()))
     lines = ["keys (set in a config file or as --key=value; defaults shown):"]
@@ -446,7 +451,7 @@ def usage(cls):
 
 def _field_comments(cls):
     # The trailing comment on each field is its documentation; read it from the source
-    # so the dataclass stays the one place where keys are described.
+    # so the dataclass (for the model's keys, GPTConfig) stays the one place where keys are described.
     comments = {}
     for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):  # base classes' keys too
         for line in inspect.getsource(klass).splitlines():

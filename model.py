@@ -7,16 +7,15 @@ through scaled_dot_product_attention.
                           pos_encoding="rope", rope_theta=500000.0, norm="rmsnorm", mlp="swiglu",
                           mlp_hidden=8192, bias=False))   # Llama-3.2-1B's shapes
     logits, loss = model(idx, targets)          # idx, targets: (B, T) int64
-    out = model.generate(idx, max_new_tokens=100, temperature=0.8, top_k=200, top_p=0.95)  # inference.py's
+    out = model.generate(idx, max_new_tokens=100, temperature=0.8, top_k=200)  # nanoGPT's sampler
 
 Reads top to bottom: the config, the small pieces the options choose between (norms,
 rotary position embedding), attention, MLP, block, then the GPT with its init, optimizer
-groups and FLOPs count. Generation and the key/value caches are in inference.py.
+groups, FLOPs count and nanoGPT's sampler. The key/value caches, and generation that uses
+them, are gpt/inference.py's: the model asks a cache for positions and attention, nothing more.
 """
 
 import math
-import re
-import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Optional
@@ -38,22 +37,22 @@ SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_
 class GPTConfig:
     block_size: int = 1024  # longest context the position embedding covers
     vocab_size: int = 50304  # tokens the data can contain (GPT-2: 50257, padded up by nanoGPT configs)
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
-    dropout: float = 0.0
-    bias: bool = True  # biases in Linear and LayerNorm, as GPT-2 had
+    n_layer: int = 12  # transformer blocks
+    n_head: int = 12  # attention heads (query heads)
+    n_embd: int = 768  # model width: the residual stream's size
+    dropout: float = 0.0  # 0 for pretraining; try 0.1+ for finetuning
+    bias: bool = True  # biases in Linear and LayerNorm layers, as GPT-2 had
     # the options below default to GPT-2; Llama 3 is rope, rmsnorm, swiglu, n_kv_head < n_head, bias=False
-    pos_encoding: str = "learned"  # 'learned' (a wpe table, GPT-2) or 'rope' (rotary, on q and k)
+    pos_encoding: str = "learned"  # 'learned' (a wpe table, GPT-2) or 'rope' (rotary, on q and k: Llama)
     rope_theta: float = 10000.0  # RoPE base: the slowest pair turns once in ~2*pi*theta positions (Llama 3: 500000)
-    rope_scaling: Optional[dict] = None  # Llama 3's frequency scaling (see rope_tables); None: plain RoPE
-    norm: str = "layernorm"  # 'layernorm' or 'rmsnorm' (no mean subtraction, no bias)
-    norm_eps: float = 1e-5  # added to the variance in every norm (Llama 3.2: 1e-5, Llama 2: 1e-6)
-    mlp: str = "gelu"  # 'gelu', 'gelu_tanh' (GPT-2's released weights' approximation) or 'swiglu'
+    rope_scaling: Optional[dict] = None  # Llama 3's frequency scaling (model.rope_tables); None: plain RoPE. Llama 3.2's: {'factor': 32.0, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0, 'original_max_position_embeddings': 8192}
+    norm: str = "layernorm"  # 'layernorm' (GPT-2) or 'rmsnorm' (Llama: no mean subtraction, no bias)
+    norm_eps: float = 1e-5  # added to the variance in every norm (Hugging Face's layer_norm_epsilon / rms_norm_eps)
+    mlp: str = "gelu"  # 'gelu', 'gelu_tanh' (GPT-2's released weights' approximation) or 'swiglu' (Llama)
     mlp_hidden: int = 0  # MLP width; 0: 4*n_embd, or for swiglu 8/3*n_embd rounded up to a multiple of 64
     n_kv_head: int = 0  # key/value heads (grouped-query attention); 0: n_head (plain multi-head)
-    qk_norm: bool = False  # RMSNorm q and k per head before attention
-    tie_embeddings: bool = True  # lm_head shares the token embedding matrix
+    qk_norm: bool = False  # RMSNorm each head's q and k before attention
+    tie_embeddings: bool = True  # lm_head shares the token embedding matrix (False: two matrices)
 
     def __post_init__(self):
         # resolve the "0 means the usual" keys once, so every reader sees real sizes
@@ -129,9 +128,10 @@ def rope_tables(head_size, length, theta, scaling=None):
 
 
 def apply_rope(x, cos, sin):
-    """Rotate x (B, nh, T, hs) by the angles of its positions (T, hs/2). Pairs are (i, i + hs/2),
-    the layout of Hugging Face's Llama weights. A rotation of q by m and k by n leaves q.k
-    depending on m - n only: attention sees relative positions."""
+    """Rotate x (B, nh, T, hs) by the angles of its positions, (1, T, hs/2) or one row each
+    (B, 1, T, hs/2). Pairs are (i, i + hs/2), the layout of Hugging Face's Llama weights. A
+    rotation of q by m and k by n leaves q.k depending on m - n only: attention sees relative
+    positions."""
     x1, x2 = x.chunk(2, dim=-1)
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
@@ -157,13 +157,11 @@ class CausalSelfAttention(nn.Module):
             self.q_norm = nn.RMSNorm(self.head_size, eps=config.norm_eps)
             self.k_norm = nn.RMSNorm(self.head_size, eps=config.norm_eps)
 
-    def forward(self, x, rope=None, kv=None):
-        """x (B, T, C). rope: the (cos, sin) tables of these T positions, (T, hs/2) or per row
-        (B, 1, T, hs/2), when the model uses RoPE. kv, when generating with a cache
-        (inference.py): a function that stores this layer's new keys/values after the cached ones
-        and returns them all (each row holds its keys from position 0 up to the new ones, so
-        causality fixes the mask); or, for several sequences packed into one row, an object whose
-        attend(q, k, v, self.attend) stores them and returns the attention output (B, nh, T, hs)."""
+    def forward(self, x, rope=None, cache=None):
+        """x (B, T, C). rope: the (cos, sin) tables of these T positions, (1, T, hs/2) or per row
+        (B, 1, T, hs/2), when the model uses RoPE. cache, when generating (inference.py): this
+        layer's view of a key/value cache, which stores the new keys and values beside the ones it
+        holds and runs attention over them, masked as its rows need."""
         B, T, C = x.size()
         hs = self.head_size
         q, k, v = self.c_attn(x).split([C, self.n_kv_head * hs, self.n_kv_head * hs], dim=2)
@@ -173,21 +171,10 @@ class CausalSelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        if kv is not None and hasattr(kv, "attend"):
-            # several sequences packed into one row (a server's step, inference.Engine): the cache
-            # stores their keys/values and runs attention sequence by sequence, through self.attend
-            y = kv.attend(q, k, v, self.attend)
+        if cache is None:
+            y = self.attend(q, k, v, causal=True)  # each token sees itself and the tokens before it
         else:
-            causal, mask = True, None  # training, and several new tokens filling an empty cache
-            if kv is not None:
-                k, v = kv(k, v)  # (B, n_kv, cached + T, hs): each row's keys from position 0
-                if T == 1:  # one new token sees every cached key: no mask (is_causal would leave it only the first)
-                    causal = False
-                elif k.size(2) > T:  # several new tokens after cached ones: a conversation's next turn
-                    # is_causal aligns its mask top-left; new token i must see every cached key and new ones up to i
-                    mask = torch.ones(T, k.size(2), dtype=torch.bool, device=q.device).tril(k.size(2) - T)  # (T, cached + T)
-                    causal = False
-            y = self.attend(q, k, v, mask, causal)
+            y = cache.attend(q, k, v, self.attend)  # (B, nh, T, hs), through this layer's kernel choice
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
         return self.resid_dropout(self.c_proj(y))
 
@@ -234,9 +221,9 @@ class Block(nn.Module):
         self.ln_2 = make_norm(config, config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x, rope=None, kv=None):
+    def forward(self, x, rope=None, cache=None):
         # pre-norm: the residual stream itself is never normalized, which keeps deep stacks trainable
-        x = x + self.attn(self.ln_1(x), rope, kv)
+        x = x + self.attn(self.ln_1(x), rope, cache)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -271,38 +258,11 @@ class GPT(nn.Module):
 
     def set_attention(self, name):
         """Run every layer's attention with one SDPA kernel ('flash', 'cudnn', 'efficient', 'math'),
-        or let PyTorch choose ('auto'). A kernel that cannot take the inputs fails in forward;
-        attention_error() checks first."""
+        or let PyTorch choose ('auto'). A kernel that cannot take the inputs fails in forward
+        (gpt/wrap.py's attention_error() checks first)."""
         assert name == "auto" or name in SDPA_BACKENDS, name
         for block in self.transformer.h:
             block.attn.attention = name
-
-    def attention_error(self, name, device, dtype):
-        """None when SDPA kernel `name` runs this model's attention (its heads, dropout, GQA;
-        forward and backward) on `device` under autocast to `dtype`; else PyTorch's reason."""
-        if name == "auto":
-            return None
-        c = self.config
-        hs = c.n_embd // c.n_head
-        device_type = torch.device(device).type
-        q = torch.randn(1, c.n_head, 8, hs, device=device, dtype=dtype, requires_grad=True)
-        k, v = (torch.randn(1, c.n_kv_head, 8, hs, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
-        if c.n_kv_head != c.n_head and dtype == torch.float32 and device_type != "cpu":
-            k, v = k.repeat_interleave(c.n_head // c.n_kv_head, dim=1), v.repeat_interleave(c.n_head // c.n_kv_head, dim=1)
-        with warnings.catch_warnings(record=True) as caught:  # on CUDA, PyTorch warns why each kernel declined
-            warnings.simplefilter("always")
-            try:
-                with torch.random.fork_rng(devices=[device] if device_type == "cuda" else []), sdpa_kernel(SDPA_BACKENDS[name]):
-                    y = F.scaled_dot_product_attention(q, k, v, dropout_p=c.dropout, is_causal=True,
-                                                       enable_gqa=k.size(1) != c.n_head)
-                    y.sum().backward()
-            except RuntimeError as e:
-                # torch warns a header ("Memory efficient kernel not used because:") and then one
-                # warning per reason, each ending in "(Triggered internally at <file>:<line>.)"
-                lines = [re.sub(r"\s*\(Triggered internally at .*\)$", "", str(w.message).strip()) for w in caught]
-                reasons = [line for line in lines if line and not line.endswith("not used because:")]
-                return "; ".join(reasons) or str(e).strip().splitlines()[0]
-        return None
 
     def _init_weights(self, module):
         # norms keep their own init: weight 1, bias 0
@@ -326,43 +286,40 @@ class GPT(nn.Module):
                 n -= self.transformer.wte.weight.numel()
         return n
 
-    def forward(self, idx, targets=None, all_logits=False, cache=None, reduction="mean", logits_at=None):
-        """idx (B, T) -> (logits, loss). With targets, logits cover every position and loss
-        is the mean cross-entropy over the targets that are not -1 (or with reduction='sum', their
-        sum: chat batches weigh micro-batches by their trained tokens); without, only the last
-        position's logits are computed (all that sampling needs) unless all_logits=True. With a
-        KVCache, idx continues the tokens already in it (at positions cache.length onward) and is
-        added to it. logits_at (N,): only the logits of these positions of the flattened (B*T)
-        batch, (N, vocab) (eval scores a few tokens per row: un-embedding the others would be most
-        of its work). cache.length is an int, or a (B, T) tensor of every token's position (a
-        server's packed batch, whose cache checks the room)."""
+    def forward(self, idx, targets=None, cache=None, logits_at=None, reduction="mean"):
+        """idx (B, T) -> (logits, loss). With targets, loss is the mean cross-entropy over the
+        targets that are not -1 (reduction='sum': their sum, for chat batches, which weigh
+        micro-batches by their trained tokens). The logits are every position's with targets, else
+        the last position's only (all that sampling needs); logits_at='all' asks for every
+        position's, and a tensor (N,) of positions in the flattened (B*T) batch for those alone,
+        (N, vocab) (eval scores a few tokens per row: un-embedding the others would be most of its
+        work). cache, when generating (inference.py's caches): idx continues the tokens the cache
+        holds; cache.positions gives the new tokens' positions, and cache.layer(i) stores layer i's
+        keys and values and runs its attention over them (CausalSelfAttention.forward)."""
         B, T = idx.size()
-        start = 0 if cache is None else cache.length
-        if torch.is_tensor(start):  # (B, T): each token's own position (a server's packed step)
-            pos = start
+        if cache is None:
+            if T > self.config.block_size:
+                raise ValueError(f"sequence of length {T} is longer than block_size {self.config.block_size}")
+            pos = torch.arange(T, dtype=torch.long, device=idx.device)  # (T,)
         else:
-            if start + T > self.config.block_size:
-                raise ValueError(f"sequence of length {start + T} is longer than block_size {self.config.block_size}")
-            pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)  # (T,)
+            pos = cache.positions(T, idx.device)  # (T,), or (B, T) when every row has its own positions
         x, rope = self.transformer.wte(idx), None  # (B, T, C)
         if "wpe" in self.transformer:
             x = x + self.transformer.wpe(pos)
-        elif pos.dim() == 1:
-            rope = (self.rope_cos[start : start + T], self.rope_sin[start : start + T])  # (T, hs/2) each
-        else:
-            rope = (self.rope_cos[pos][:, None], self.rope_sin[pos][:, None])  # (B, 1, T, hs/2): broadcast over heads
+        else:  # (1, T, hs/2) or (B, 1, T, hs/2) each: broadcast over the heads
+            rope = (self.rope_cos[pos].unsqueeze(-3), self.rope_sin[pos].unsqueeze(-3))
         x = self.transformer.drop(x)
         for i, block in enumerate(self.transformer.h):
-            if self.activation_checkpointing and self.training and cache is None:
+            if cache is not None:
+                x = block(x, rope, cache.layer(i))
+            elif self.activation_checkpointing and self.training:
                 x = checkpoint(block, x, rope, use_reentrant=False)  # dropout masks replay exactly
             else:
-                x = block(x, rope, None if cache is None else cache.layer(i))
-        if cache is not None:
-            cache.length += T
+                x = block(x, rope)
         x = self.transformer.ln_f(x)
-        if logits_at is not None:
+        if torch.is_tensor(logits_at):
             x = x.flatten(0, 1).index_select(0, logits_at)  # (N, C)
-        elif targets is None and not all_logits:
+        elif targets is None and logits_at != "all":
             x = x[:, [-1], :]  # (B, 1, C)
         logits = self.lm_head(x)[..., : self.config.vocab_size]  # drop the padding rows
         loss = None
@@ -451,9 +408,19 @@ class GPT(nn.Module):
         return 6 * self.num_params() + 12 * L * H * Q * T
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, **options):
-        """nanoGPT's call: idx (B, T) extended by max_new_tokens sampled tokens. Generation lives
-        in inference.py (imported here, not at the top: inference imports this module)."""
-        from gpt import inference
-
-        return inference.generate(self, idx, max_new_tokens, temperature, top_k, **options)
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
+        """nanoGPT's sampler: idx (B, T) extended by max_new_tokens tokens, each drawn from the
+        softmax of the last position's logits / temperature (restricted to the top_k most likely).
+        The whole context (its last block_size tokens) runs for every token; gpt/inference.py's
+        generate is the fast one (a key/value cache), with greedy decoding, top_p and stop tokens."""
+        for _ in range(max_new_tokens):
+            idx_cond = idx if idx.size(1) <= self.config.block_size else idx[:, -self.config.block_size :]
+            logits, _ = self(idx_cond)
+            logits = logits[:, -1, :] / temperature  # (B, vocab)
+            if top_k is not None:
+                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                logits[logits < v[:, [-1]]] = -float("inf")
+            probs = F.softmax(logits, dim=-1)
+            idx_next = torch.multinomial(probs, num_samples=1)  # (B, 1)
+            idx = torch.cat((idx, idx_next), dim=1)
+        return idx

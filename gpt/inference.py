@@ -95,28 +95,61 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=1.0, generator=None):
 class KVCache:
     """Keys and values of the tokens generated so far, for every layer, so a new token
     costs one position's work instead of the whole context's. Room for `room` tokens (default
-    block_size); the first `length` positions of every row are filled (GPT.forward advances it;
-    setting it to 0 empties the cache)."""
+    block_size); the first `length` positions of every row are filled (each forward pass adds its
+    tokens; setting it to 0 empties the cache).
+
+    What GPT.forward asks of a cache, this one and the server's (Packed): positions(T, device),
+    the positions of the T new tokens, and layer(i), layer i's view, whose attend(q, k, v, sdpa)
+    stores the new keys and values and returns the attention output, masked as the cache's rows
+    need, through sdpa, the layer's own scaled dot-product attention (its kernel choice)."""
 
     def __init__(self, config, batch_size, room=None):
         # n_kv_head heads: grouped-query attention shrinks the cache by n_head / n_kv_head
         self.room = room or config.block_size
+        self.block_size = config.block_size
         self.shape = (config.n_layer, batch_size, config.n_kv_head, self.room, config.n_embd // config.n_head)
         self.k = self.v = None  # (L, B, n_kv, room, hs), made on first use in the dtype attention computes in
         self.length = 0
 
+    def positions(self, T, device):
+        """(T,): the positions of T new tokens, after the ones held; the cache counts them from here on."""
+        end = self.length + T
+        if end > self.room:
+            raise ValueError(f"sequence of length {end} does not fit the cache's room of {self.room} "
+                             f"(block_size {self.block_size})")
+        self.length = end
+        return torch.arange(end - T, end, dtype=torch.long, device=device)
+
     def layer(self, i):
-        """The `kv` function CausalSelfAttention calls for layer i."""
+        return CacheLayer(self, i)
 
-        def store_and_get(k, v):  # (B, n_kv, T, hs) each -> (B, n_kv, length + T, hs) each
-            if self.k is None:
-                self.k, self.v = (k.new_empty(self.shape) for _ in range(2))
-            end = self.length + k.size(2)
-            self.k[i, :, :, self.length : end] = k
-            self.v[i, :, :, self.length : end] = v
-            return self.k[i, :, :, :end], self.v[i, :, :, :end]
+    def attend(self, i, q, k, v, sdpa):
+        """Layer i: store the new keys and values (B, n_kv, T, hs) after the cached ones, and attend
+        with q (B, nh, T, hs) over them all (each row's keys from position 0): (B, nh, T, hs)."""
+        if self.k is None:
+            self.k, self.v = (k.new_empty(self.shape) for _ in range(2))
+        T, end = k.size(2), self.length  # positions() has counted the new tokens already
+        start = end - T
+        self.k[i, :, :, start:end], self.v[i, :, :, start:end] = k, v
+        k, v = self.k[i, :, :, :end], self.v[i, :, :, :end]  # (B, n_kv, end, hs)
+        if T == 1:  # one new token sees every cached key: no mask (is_causal would leave it only the first)
+            return sdpa(q, k, v)
+        if start == 0:  # a prompt into an empty cache: plain causal attention
+            return sdpa(q, k, v, causal=True)
+        # several new tokens after cached ones, a conversation's next turn: is_causal aligns its mask
+        # top-left, but new token t must see every cached key and the new ones up to t
+        mask = torch.ones(T, end, dtype=torch.bool, device=q.device).tril(start)  # (T, end)
+        return sdpa(q, k, v, mask)
 
-        return store_and_get
+
+class CacheLayer:
+    """Layer i of a cache, as CausalSelfAttention sees it: attend(q, k, v, sdpa)."""
+
+    def __init__(self, cache, i):
+        self.cache, self.i = cache, i
+
+    def attend(self, q, k, v, sdpa):
+        return self.cache.attend(self.i, q, k, v, sdpa)
 
 
 @torch.no_grad()
@@ -201,7 +234,7 @@ class BatchCache:
         # over the prompts and its writes into the cache would otherwise be traced, and guarded on,
         # step by step. Disabled here, not by a decorator: torch.compiler.disable imports dynamo, a
         # second of every sample.py, chat.py and serve.py start that runs no compiled model
-        self.attend = torch.compiler.disable(_PackedLayer.run) if compiled else _PackedLayer.run
+        self.run = torch.compiler.disable(Packed.run) if compiled else Packed.run
         self.k = self.v = None  # (L, rows, n_kv, allocated, hs), zeros: padding must be finite (0 * NaN is NaN)
         self.lengths = [0] * rows
 
@@ -235,8 +268,9 @@ class Packed:
     whole prompts from position 0. The matmuls so run over exactly the N real tokens, with no
     padding and one pass for everything (decoding and prompts); attention runs sequence by
     sequence: one masked pass over the cache for the decoding rows, one causal pass per prompt
-    over its own keys. GPT.forward reads `length`, every token's position; `last` is where each
-    row's logits are read (its token, or its prompt's last). The Engine advances the cache's lengths."""
+    over its own keys. GPT.forward takes it as it takes a KVCache (positions, layer); `last` is
+    where each row's logits are read (its token, or its prompt's last). The Engine advances the
+    cache's lengths."""
 
     def __init__(self, cache, n, sizes, device):
         lengths = cache.lengths[:n]
@@ -248,46 +282,42 @@ class Packed:
             raise ValueError(f"{n + len(sizes)} rows do not fit the cache's {cache.rows}")
         self.cache, self.n, self.sizes = cache, n, sizes
         rows = list(range(n)) + [n + r for r, size in enumerate(sizes) for _ in range(size)]  # each token's row
-        positions = lengths + [j for size in sizes for j in range(size)]  # and its position there
+        columns = lengths + [j for size in sizes for j in range(size)]  # and its position there
         ends = list(itertools.accumulate(sizes, initial=n))  # where each prompt starts in the packed sequence, then ends
         last = list(range(n)) + [end - 1 for end in ends[1:]]  # each row's last token
         # tensors of their own, none a view of another: a compiled model (serve.py --compile) takes them
         # as inputs, and inputs that share memory are guarded on as one
-        self.rows, self.positions, self.last = (torch.tensor(x, device=device) for x in (rows, positions, last))
-        self.length = torch.tensor([positions], device=device)  # (1, N): GPT.forward's positions, which it advances
+        self.rows, self.columns, self.last = (torch.tensor(x, device=device) for x in (rows, columns, last))
+        self.packed_positions = torch.tensor([columns], device=device)  # (1, N): GPT.forward's positions
         if n:  # key j is seen by decoding row r's query when j <= lengths[r]: its cached keys and its new one
             keys = torch.arange(self.end_decoding, device=device)
-            self.mask = (keys[None, :] <= self.positions[:n, None])[:, None, None, :]  # (n, 1, 1, end_decoding)
+            self.mask = (keys[None, :] <= self.columns[:n, None])[:, None, None, :]  # (n, 1, 1, end_decoding)
+
+    def positions(self, T, device):
+        return self.packed_positions  # (1, N): every token's position in its own row
 
     def layer(self, i):
-        return _PackedLayer(self, i)
+        return CacheLayer(self, i)
 
+    def attend(self, i, q, k, v, sdpa):
+        return self.cache.run(self, i, q, k, v, sdpa)  # outside a compiled model's graphs (BatchCache)
 
-class _PackedLayer:
-    """Layer i of a Packed step: what CausalSelfAttention calls (its attend)."""
-
-    def __init__(self, step, i):
-        self.step, self.i = step, i
-
-    def attend(self, q, k, v, attention):
-        return self.step.cache.attend(self, q, k, v, attention)  # run, outside a compiled model's graphs
-
-    def run(self, q, k, v, attention):
-        """q (1, nh, N, hs), k and v (1, n_kv, N, hs) of the packed tokens: store every token's key
-        and value at its row and position, and return the attention output (1, nh, N, hs)."""
-        s, c, i = self.step, self.step.cache, self.i
-        c._ensure(s.end, k)
-        c.k[i, s.rows, :, s.positions] = k[0].transpose(0, 1)  # (N, n_kv, hs), each at its own row and position
-        c.v[i, s.rows, :, s.positions] = v[0].transpose(0, 1)
-        parts, n = [], s.n
+    def run(self, i, q, k, v, sdpa):
+        """Layer i: q (1, nh, N, hs), k and v (1, n_kv, N, hs) of the packed tokens: store every token's
+        key and value at its row and position, and return the attention output (1, nh, N, hs)."""
+        c = self.cache
+        c._ensure(self.end, k)
+        c.k[i, self.rows, :, self.columns] = k[0].transpose(0, 1)  # (N, n_kv, hs), each at its own row and position
+        c.v[i, self.rows, :, self.columns] = v[0].transpose(0, 1)
+        parts, n = [], self.n
         if n:  # the decoding rows: one query each, over their cached keys (n, n_kv, end, hs), masked per row
-            end = s.end_decoding
-            y = attention(q[0, :, :n, None].transpose(0, 1), c.k[i, :n, :, :end], c.v[i, :n, :, :end], s.mask)
+            end = self.end_decoding
+            y = sdpa(q[0, :, :n, None].transpose(0, 1), c.k[i, :n, :, :end], c.v[i, :n, :, :end], self.mask)
             parts.append(y[:, :, 0].transpose(0, 1)[None])  # (n, nh, 1, hs) -> (1, nh, n, hs)
         start = n
-        for size in s.sizes:  # each prompt over its own keys, causal: what it gets alone
+        for size in self.sizes:  # each prompt over its own keys, causal: what it gets alone
             part = slice(start, start + size)
-            parts.append(attention(q[:, :, part], k[:, :, part], v[:, :, part], None, True))
+            parts.append(sdpa(q[:, :, part], k[:, :, part], v[:, :, part], None, True))
             start += size
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 

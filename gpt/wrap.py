@@ -2,15 +2,19 @@
 which adds the optimizer and GradScaler, restores a checkpoint's state, checks the attention
 kernel, compiles, and wraps the model in DDP or shards it with FSDP2 under torchrun."""
 
+import re
 import warnings
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.attention import sdpa_kernel
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gpt import checkpoint
 from gpt import optim
 from configurator import UserError
+from model import SDPA_BACKENDS
 
 
 MODEL_KEYS = tuple(k for k in checkpoint.SHAPE_KEYS if k != "vocab_size") + ("dropout",)  # GPTConfig's keys that TrainConfig has
@@ -35,7 +39,7 @@ def build(raw_model, cfg, rt, state=None):
     scaler = torch.amp.GradScaler(rt.device_type, enabled=rt.dtype == torch.float16)  # loss scaling only for fp16
     if state is not None:
         checkpoint.restore(state, raw_model, optimizer, scaler, fsdp)
-    error = raw_model.attention_error(cfg.attention, rt.device, rt.dtype)
+    error = attention_error(raw_model.config, cfg.attention, rt.device, rt.dtype)
     if error:
         raise UserError(f"attention='{cfg.attention}' cannot run on {rt.device} in {str(rt.dtype).removeprefix('torch.')} "
                         f"for this model ({error}); use --attention=auto")
@@ -48,6 +52,34 @@ def build(raw_model, cfg, rt, state=None):
     train_model = DDP(model, device_ids=[rt.local_rank] if rt.device_type == "cuda" else None,
                       gradient_as_bucket_view=True) if rt.ddp and not fsdp else model
     return model, train_model, optimizer, scaler
+
+
+def attention_error(config, name, device, dtype):
+    """None when SDPA kernel `name` runs the attention of a GPT of this config (its heads, dropout,
+    GQA; forward and backward) on `device` under autocast to `dtype`; else PyTorch's reason."""
+    if name == "auto":
+        return None
+    hs = config.n_embd // config.n_head
+    device_type = torch.device(device).type
+    q = torch.randn(1, config.n_head, 8, hs, device=device, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(1, config.n_kv_head, 8, hs, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+    groups = config.n_head // config.n_kv_head
+    if groups > 1 and dtype == torch.float32 and device_type != "cpu":  # as CausalSelfAttention.attend gives them
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    with warnings.catch_warnings(record=True) as caught:  # on CUDA, PyTorch warns why each kernel declined
+        warnings.simplefilter("always")
+        try:
+            with torch.random.fork_rng(devices=[device] if device_type == "cuda" else []), sdpa_kernel(SDPA_BACKENDS[name]):
+                y = F.scaled_dot_product_attention(q, k, v, dropout_p=config.dropout, is_causal=True,
+                                                   enable_gqa=k.size(1) != config.n_head)
+                y.sum().backward()
+        except RuntimeError as e:
+            # torch warns a header ("Memory efficient kernel not used because:") and then one
+            # warning per reason, each ending in "(Triggered internally at <file>:<line>.)"
+            lines = [re.sub(r"\s*\(Triggered internally at .*\)$", "", str(w.message).strip()) for w in caught]
+            reasons = [line for line in lines if line and not line.endswith("not used because:")]
+            return "; ".join(reasons) or str(e).strip().splitlines()[0]
+    return None
 
 
 def uses_fsdp(cfg, rt):

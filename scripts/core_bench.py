@@ -41,7 +41,7 @@ def nanochat_way(model, tasks, spec, block_size):
             x = torch.full((len(rows), max(len(ids) for ids, _ in rows)), bos, dtype=torch.long)  # right-padded with BOS
             for r, (ids, _) in enumerate(rows):
                 x[r, : len(ids)] = torch.tensor(ids)
-            logits, _ = model(x, all_logits=True)  # (B, T, vocab): every position
+            logits, _ = model(x, logits_at="all")  # (B, T, vocab): every position
             losses = F.cross_entropy(logits.flatten(0, 1), torch.roll(x, -1, 1).flatten(), reduction="none").view(x.shape)
             predictions = logits.argmax(-1)
             spans = [(len(ids) - n, len(ids)) for ids, n in rows]

@@ -34,7 +34,7 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 sys.path.insert(0, REPO)
-from gpt import runtime  # noqa: E402 (after the path line above)
+from gpt import inference, runtime  # noqa: E402 (after the path line above)
 from gpt.batches import TrainBatches  # noqa: E402
 from gpt.benchmark import device_name, format_mfu, measure_or_oom, profiler_activities, synthetic  # noqa: E402
 from gpt.memory import with_batch_size  # noqa: E402
@@ -299,8 +299,8 @@ def part_smoke(cfg, rt, scale, report):
     prompt = torch.as_tensor(data[: base.block_size // 4].astype(np.int64), device=rt.device)[None]
     new = min(2 * base.block_size, 200)  # past block_size: the window slides too
     with torch.no_grad(), exact_float32():
-        cached = model.generate(prompt, new, temperature=0, kv_cache=True)
-        uncached = model.generate(prompt, new, temperature=0, kv_cache=False)
+        cached = inference.generate(model, prompt, new, temperature=0, kv_cache=True)
+        uncached = inference.generate(model, prompt, new, temperature=0, kv_cache=False)
     same = int((cached == uncached).all(dim=0).long().cumprod(0).sum()) - prompt.size(1)
     checks["kv_cache_greedy_equals_uncached"] = {"tokens": new, "identical_prefix": same, "ok": same == new}
 

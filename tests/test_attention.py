@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from conftest import run_script, tiny_args
+from gpt.wrap import attention_error
 from model import GPT, GPTConfig
 
 MODEL = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, block_size=16, vocab_size=65, dropout=0.0)
@@ -46,8 +47,8 @@ def test_the_chosen_kernel_is_the_one_that_runs():
 
 def test_probe_says_which_kernels_a_cpu_lacks():
     model = GPT(GPTConfig(**MODEL))
-    assert model.attention_error("flash", "cpu", torch.float32) is None
-    assert model.attention_error("cudnn", "cpu", torch.float32)  # a reason, not None
+    assert attention_error(model.config, "flash", "cpu", torch.float32) is None
+    assert attention_error(model.config, "cudnn", "cpu", torch.float32)  # a reason, not None
 
 
 # What CUDA's torch warns when a kernel declines, as users have pasted it (pytorch's warnings quoted
@@ -70,7 +71,7 @@ def test_an_unavailable_kernel_is_explained_by_its_reason_not_the_header(monkeyp
         raise RuntimeError("No available kernel. Aborting execution.")
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", declining_sdpa)
-    reason = GPT(GPTConfig(**MODEL)).attention_error(attention, "cpu", torch.float32)
+    reason = attention_error(GPTConfig(**MODEL), attention, "cpu", torch.float32)
     assert reason == CUDA_DECLINES[attention][1].split(" (Triggered")[0]  # the reason, without where torch raised it
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from gpt import benchmark
+from gpt import inference
 from gpt import runtime
 from gpt import memory
 from gpt.memory import auto_batch_size, saved_activation_bytes, with_batch_size
@@ -428,13 +429,13 @@ def test_the_smoke_compares_cache_and_no_cache_with_tf32_off(monkeypatch, tmp_pa
     """On CUDA, runtime.setup turns TF32 on; the float32 exactness check must run without it, and
     leave it as it found it."""
     seen = []
-    generate = GPT.generate
+    generate = inference.generate
 
-    def recording_generate(self, *args, **kwargs):
+    def recording_generate(model, *args, **kwargs):
         seen.append((torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32))
-        return generate(self, *args, **kwargs)
+        return generate(model, *args, **kwargs)
 
-    monkeypatch.setattr(GPT, "generate", recording_generate)
+    monkeypatch.setattr(inference, "generate", recording_generate)
     monkeypatch.setattr(battery, "resume_check", lambda *args: {"ok": True})  # train.py subprocesses: tested above
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # as setup() leaves a GPU

@@ -18,7 +18,7 @@ from gpt import tokenizer
 from configurator import TrainConfig, parse
 from conftest import REPO, chat_demo_copy, load_script, run_script, train_tiny_run
 from data.chat.template import Template
-from gpt.inference import KVCache, generate_tokens
+from gpt.inference import KVCache, generate, generate_tokens
 from model import GPT, GPTConfig
 from test_chat_template import make_llama3_tokenizer
 
@@ -39,7 +39,7 @@ def test_a_carried_cache_generates_what_the_whole_history_does(shape):
     history = torch.randint(0, 50, (1, 7))
     cache = KVCache(model.config, 1, 64)
     for turn in range(4):
-        theirs = model.generate(history, 6, temperature=0, kv_cache=False)[:, history.size(1) :]
+        theirs = generate(model, history, 6, temperature=0, kv_cache=False)[:, history.size(1) :]
         ours = torch.cat(list(generate_tokens(model, history, 6, temperature=0, cache=cache)), dim=1)
         assert torch.equal(ours, theirs)
         assert cache.length == history.size(1) + 5  # every token given to the model: all but the last new one
@@ -48,8 +48,8 @@ def test_a_carried_cache_generates_what_the_whole_history_does(shape):
     cache = KVCache(model.config, 1, 64)
     with torch.no_grad():
         model(history[:, :10], cache=cache)
-        chunk, _ = model(history[:, 10:], cache=cache, all_logits=True)
-        full, _ = model(history, all_logits=True)
+        chunk, _ = model(history[:, 10:], cache=cache, logits_at="all")
+        full, _ = model(history, logits_at="all")
     torch.testing.assert_close(chunk, full[:, 10:], rtol=1e-5, atol=1e-5)
 
 

@@ -123,7 +123,7 @@ def hand_loss(model, data, first, targets_at_untrained=None):
     y = torch.from_numpy(ids[:, 1:]).clone()
     if targets_at_untrained is not None:
         y[~torch.from_numpy(trained)] = targets_at_untrained[~torch.from_numpy(trained)]
-    logits, _ = model(x, all_logits=True)
+    logits, _ = model(x, logits_at="all")
     per_token = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1), reduction="none").reshape(y.shape)
     mask = torch.from_numpy(trained).float()
     return (per_token * mask).sum() / mask.sum()

@@ -21,7 +21,7 @@ from torch._dynamo.utils import counters
 
 from conftest import ATEN_BACKEND
 
-from gpt import runtime
+from gpt import inference, runtime
 from gpt.batches import TrainBatches, eval_offsets
 from gpt.step import eval_group, evaluate, train_step
 from gpt.wrap import build
@@ -100,6 +100,6 @@ def test_cached_decoding_is_one_graph(options):
     torch.manual_seed(0)
     model = GPT(GPTConfig(**options)).eval()
     prompt = torch.randint(0, 65, (1, 4))
-    expected = model.generate(prompt, 3, temperature=0)
+    expected = inference.generate(model, prompt, 3, temperature=0)
     model.compile(fullgraph=True, backend=ATEN_BACKEND)
-    assert torch.equal(model.generate(prompt, 3, temperature=0), expected)
+    assert torch.equal(inference.generate(model, prompt, 3, temperature=0), expected)

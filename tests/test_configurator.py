@@ -9,6 +9,7 @@ import pytest
 
 import configurator
 from configurator import SampleConfig, TrainConfig, UserError, parse
+from model import GPTConfig
 
 
 def write(tmp_path, name, text):
@@ -250,7 +251,7 @@ def test_help_lists_every_key_with_default_and_comment(cls, capsys):
     assert info.value.code in (0, None)
     out = capsys.readouterr().out
     lines = {line.split("=")[0].strip(): line for line in out.splitlines() if line.strip().startswith("--")}
-    comments = _source_comments(cls)
+    comments = {**_source_comments(GPTConfig), **_source_comments(cls)}  # the model's keys: described on GPTConfig
     for f in dataclasses.fields(cls):
         line = lines[f"--{f.name}"]
         assert repr(f.default) in line, line

@@ -47,8 +47,8 @@ class Bigram(torch.nn.Module):
         self.bias = torch.zeros(vocab)
         self.bias[[tokenizer.encoding("gpt2").encode_ordinary(" " + w)[0] for w in WORDS]] = 30.0  # greedy picks a word
 
-    def forward(self, idx, all_logits=False, logits_at=None):
-        idx = idx if logits_at is None else idx.flatten()[logits_at]  # a position's logits depend on its token only
+    def forward(self, idx, logits_at=None):
+        idx = idx.flatten()[logits_at] if torch.is_tensor(logits_at) else idx  # a position's logits depend on its token only
         return self.table[idx] @ self.proj + self.bias, None
 
     def greedy_next(self, token):
@@ -184,7 +184,7 @@ def reference_verdicts(bundle, label, model, max_per_task=0):
         for t, (s, e) in zip(toks, spans):
             crop = max(0, len(t) - BLOCK)
             t, s, e = t[crop:], s - crop, e - crop
-            logits = model(torch.tensor([t]), all_logits=True)[0][0]  # (T, vocab)
+            logits = model(torch.tensor([t]), logits_at="all")[0][0]  # (T, vocab)
             if kind == "language_modeling":
                 scores.append(bool((logits[s - 1 : e - 1].argmax(-1) == torch.tensor(t[s:e])).all()))
             else:

@@ -164,6 +164,7 @@ def trace_on_fake_cuda():
     from torch._subclasses import fake_tensor
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+    from gpt import inference
     from gpt.batches import ChatBatches, ChatData, TrainBatches, chat_eval_offsets, eval_offsets, get_batch
     from configurator import TrainConfig
     from model import GPT, GPTConfig
@@ -221,8 +222,8 @@ def trace_on_fake_cuda():
         print("evaluate:", ", ".join(evaluate(model, {"val": (data, eval_offsets(data, 2, 4, 16, 0))}, 16, rt)))
         raw.eval()
         with rt.autocast():
-            out = raw.generate(torch.zeros(2, 4, dtype=torch.long, device=rt.device), 20, temperature=0.8, top_k=10,
-                               top_p=0.9, stop_token=3)
+            out = inference.generate(raw, torch.zeros(2, 4, dtype=torch.long, device=rt.device), 20, temperature=0.8,
+                                     top_k=10, top_p=0.9, stop_token=3)
         print(f"generate: {tuple(out.shape)} on {out.device}")
         raw.train()
         # chat rows (batches.chat_batch): the summed loss weighted by the step's trained tokens

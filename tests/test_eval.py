@@ -114,7 +114,7 @@ def test_bits_per_byte_equals_a_hand_count(make, tmp_path, cpu):
     x = torch.from_numpy(ids[: n * 16].astype(np.int64)).view(n, 16)
     y = torch.from_numpy(ids[1 : n * 16 + 1].astype(np.int64)).view(n, 16)
     with torch.no_grad():
-        nats = F.cross_entropy(model(x, all_logits=True)[0].reshape(-1, model.config.vocab_size), y.reshape(-1),
+        nats = F.cross_entropy(model(x, logits_at="all")[0].reshape(-1, model.config.vocab_size), y.reshape(-1),
                                reduction="sum").item()
     expected = nats / (math.log(2) * text_bytes(ids[1 : n * 16 + 1].tolist()))
     assert result["tokens"] == n * 16

@@ -190,13 +190,13 @@ def test_llama_cpp_logits_and_greedy_tokens_are_ours(trained, shape, monkeypatch
     theirs = torch.from_numpy(scores)
     n_vocab = theirs.shape[-1]
     with torch.no_grad():
-        logits = model(torch.tensor([ids]), all_logits=True)[0][0, :, :n_vocab]
+        logits = model(torch.tensor([ids]), logits_at="all")[0][0, :, :n_vocab]
         scale = logits.abs().max().item()
         tol = 1e-5 * scale
         diff = (theirs - logits).abs().max().item()
         if shape == "gpt2":
             monkeypatch.setattr(torch.nn.functional, "gelu", ggml_gelu)
-            emulated = model(torch.tensor([ids]), all_logits=True)[0][0, :, :n_vocab]
+            emulated = model(torch.tensor([ids]), logits_at="all")[0][0, :, :n_vocab]
             monkeypatch.undo()
             gelu_effect = (emulated - logits).abs().max().item()
             print(f"gpt2 f32: max |llama.cpp - ours| {diff:.2e}, - ours with ggml's GELU "

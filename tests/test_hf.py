@@ -46,7 +46,7 @@ def max_diff(a, b):
 
 @torch.no_grad()
 def our_logits(model, idx):
-    return model.eval()(idx, all_logits=True)[0]
+    return model.eval()(idx, logits_at="all")[0]
 
 
 @torch.no_grad()
@@ -267,7 +267,7 @@ def test_nanogpt_from_pretrained_gives_transformers_logits(tmp_path):
         "reference = GPT2LMHeadModel.from_pretrained('gpt2').eval()\n"
         "idx = torch.randint(0, 50257, (2, 64), generator=torch.Generator().manual_seed(1))\n"
         "with torch.no_grad():\n"
-        "    ours, theirs = model(idx, all_logits=True)[0], reference(idx).logits\n"
+        "    ours, theirs = model(idx, logits_at='all')[0], reference(idx).logits\n"
         "assert model.config.mlp == 'gelu_tanh' and model.config.dropout == 0.0\n"
         "print((ours - theirs).abs().max().item())\n"
     )

@@ -15,7 +15,7 @@ from conftest import REPO, read_metrics, run_script
 from gpt.checkpoint import check_resumable
 from gpt.wrap import make_model_args
 from configurator import TrainConfig, UserError, parse
-from gpt.inference import KVCache
+from gpt.inference import KVCache, generate
 from model import GPT, MLP, CausalSelfAttention, GPTConfig, apply_rope, make_norm, rope_tables
 
 LLAMA = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, block_size=16, vocab_size=65, dropout=0.0, bias=False,
@@ -149,7 +149,7 @@ def test_n_kv_head_equal_to_n_head_is_plain_multi_head_attention():
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert a["transformer.h.0.attn.c_attn.weight"].shape == (3 * 32, 32)
     x = idx(2, 16)
-    assert torch.equal(models[0](x, all_logits=True)[0], models[1](x, all_logits=True)[0])
+    assert torch.equal(models[0](x, logits_at="all")[0], models[1](x, logits_at="all")[0])
 
 
 def test_qk_norm_normalizes_each_heads_queries_and_keys():
@@ -270,7 +270,7 @@ def test_cached_step_logits_equal_a_full_forward_for_a_llama_model():
 def test_cached_generation_equals_uncached_past_block_size(window_shift):
     model = llama()
     prompt = idx(3, 5)
-    uncached = model.generate(prompt, 40, temperature=0, kv_cache=False, window_shift=window_shift)  # 45 tokens, block_size 16
+    uncached = generate(model, prompt, 40, temperature=0, kv_cache=False, window_shift=window_shift)  # 45 tokens, block_size 16
     # by hand: the last block_size tokens (or the window a larger shift keeps) through the whole model
     out, start = prompt, 0
     for _ in range(40):
@@ -279,7 +279,7 @@ def test_cached_generation_equals_uncached_past_block_size(window_shift):
         logits, _ = model(out[:, start:])
         out = torch.cat([out, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(uncached, out)
-    assert torch.equal(model.generate(prompt, 40, temperature=0, window_shift=window_shift), out)
+    assert torch.equal(generate(model, prompt, 40, temperature=0, window_shift=window_shift), out)
 
 
 def test_activation_checkpointing_gives_the_same_gradients():
@@ -365,7 +365,7 @@ def test_gpt2_default_is_unchanged(bias):
     assert model.transformer.wte.weight is model.lm_head.weight
     x = idx(2, T)
     with torch.no_grad():
-        torch.testing.assert_close(model(x, all_logits=True)[0], reference_gpt2_logits(reference, x, L, nh)[..., :V],
+        torch.testing.assert_close(model(x, logits_at="all")[0], reference_gpt2_logits(reference, x, L, nh)[..., :V],
                                    atol=1e-5, rtol=1e-4)
 
 

@@ -33,7 +33,7 @@ def test_output_shapes():
     assert loss.dim() == 0 and torch.isfinite(loss)
     logits, loss = model(idx)
     assert logits.shape == (B, 1, V) and loss is None
-    all_logits, _ = model(idx, all_logits=True)
+    all_logits, _ = model(idx, logits_at="all")
     assert all_logits.shape == (B, T, V)
     # the last-position shortcut is the last row of the full computation
     torch.testing.assert_close(logits[:, 0], all_logits[:, -1])
@@ -70,11 +70,11 @@ def test_generate_never_emits_padding_ids():
 def test_causality():
     model = tiny_model()
     idx = random_idx(2, 16)
-    base, _ = model(idx, all_logits=True)
+    base, _ = model(idx, logits_at="all")
     t = 9
     changed_idx = idx.clone()
     changed_idx[:, t] = (changed_idx[:, t] + 1) % 65
-    changed, _ = model(changed_idx, all_logits=True)
+    changed, _ = model(changed_idx, logits_at="all")
     assert torch.equal(changed[:, :t], base[:, :t])  # exactly: the past never sees the future
     assert not torch.allclose(changed[:, t:], base[:, t:])
     # every later position is affected, not only position t

@@ -9,7 +9,7 @@ from conftest import run_script, train_tiny_run
 
 import sample
 from gpt import tokenizer
-from gpt.inference import KVCache, sample_next
+from gpt.inference import KVCache, generate, sample_next
 from model import GPT, GPTConfig
 from test_model import TINY  # block_size 16
 
@@ -59,17 +59,17 @@ def test_cached_step_logits_equal_a_full_forward():
 def test_cached_greedy_equals_uncached_past_block_size():
     model = tiny_model()
     idx = prompts()
-    uncached = model.generate(idx, 60, temperature=0, kv_cache=False, window_shift=1)  # 65 tokens, block_size 16
+    uncached = generate(model, idx, 60, temperature=0, kv_cache=False, window_shift=1)  # 65 tokens, block_size 16
     assert torch.equal(uncached, reference(model, idx, 60, greedy))  # nanoGPT's context, token for token
-    assert torch.equal(model.generate(idx, 60, temperature=0, window_shift=1), uncached)
+    assert torch.equal(generate(model, idx, 60, temperature=0, window_shift=1), uncached)
 
 
 def test_a_prompt_longer_than_block_size_is_cropped_the_same_way():
     model = tiny_model()
     idx = prompts(T=40)
-    cached = model.generate(idx, 10, temperature=0)
+    cached = generate(model, idx, 10, temperature=0)
     assert torch.equal(cached[:, :40], idx)
-    assert torch.equal(cached, model.generate(idx, 10, temperature=0, kv_cache=False))
+    assert torch.equal(cached, generate(model, idx, 10, temperature=0, kv_cache=False))
 
 
 @pytest.mark.parametrize("shift", [None, 4, 15])
@@ -83,8 +83,8 @@ def test_window_shift_slides_the_context_as_documented(shift):
     model = tiny_model()
     idx = prompts()
     expected = reference(model, idx, 60, greedy, window)
-    assert torch.equal(model.generate(idx, 60, temperature=0, window_shift=shift), expected)
-    assert torch.equal(model.generate(idx, 60, temperature=0, window_shift=shift, kv_cache=False), expected)
+    assert torch.equal(generate(model, idx, 60, temperature=0, window_shift=shift), expected)
+    assert torch.equal(generate(model, idx, 60, temperature=0, window_shift=shift, kv_cache=False), expected)
 
 
 def test_prefill_equals_the_plain_forward_and_a_full_cache_takes_no_more():
@@ -105,7 +105,7 @@ def test_same_seed_same_samples():
     runs = []
     for seed in (7, 7, 8):
         torch.manual_seed(seed)
-        runs.append(model.generate(prompts(), 40, temperature=1.0, top_k=20, top_p=0.9))
+        runs.append(generate(model, prompts(), 40, temperature=1.0, top_k=20, top_p=0.9))
     assert torch.equal(runs[0], runs[1])
     assert not torch.equal(runs[0], runs[2])
 
@@ -116,15 +116,15 @@ def test_top_p_1_and_no_top_k_is_plain_sampling():
     torch.manual_seed(3)
     expected = reference(model, prompts(), 40, plain)
     torch.manual_seed(3)
-    assert torch.equal(model.generate(prompts(), 40, temperature=0.9, top_k=None, top_p=1.0, window_shift=1), expected)
+    assert torch.equal(generate(model, prompts(), 40, temperature=0.9, top_k=None, top_p=1.0, window_shift=1), expected)
 
 
 def test_top_k_1_and_a_tiny_top_p_are_greedy():
     model = tiny_model()
-    greedy_out = model.generate(prompts(), 30, temperature=0)
-    assert torch.equal(model.generate(prompts(), 30, temperature=1.0, top_k=1), greedy_out)
+    greedy_out = generate(model, prompts(), 30, temperature=0)
+    assert torch.equal(generate(model, prompts(), 30, temperature=1.0, top_k=1), greedy_out)
     # a nucleus of mass 1e-6 holds only the most likely token
-    assert torch.equal(model.generate(prompts(), 30, temperature=1.5, top_p=1e-6), greedy_out)
+    assert torch.equal(generate(model, prompts(), 30, temperature=1.5, top_p=1e-6), greedy_out)
 
 
 def test_top_p_keeps_the_smallest_set_that_reaches_p():
@@ -142,20 +142,20 @@ def test_top_p_keeps_the_smallest_set_that_reaches_p():
 def test_a_batch_is_the_same_as_single_rows():
     model = tiny_model()
     one = prompts(B=1)
-    batch = model.generate(one.repeat(4, 1), 40, temperature=0)
-    assert torch.equal(batch, model.generate(one, 40, temperature=0).repeat(4, 1))
+    batch = generate(model, one.repeat(4, 1), 40, temperature=0)
+    assert torch.equal(batch, generate(model, one, 40, temperature=0).repeat(4, 1))
     torch.manual_seed(0)
-    sampled = model.generate(one.repeat(4, 1), 40, temperature=1.0)
+    sampled = generate(model, one.repeat(4, 1), 40, temperature=1.0)
     assert len({tuple(row.tolist()) for row in sampled}) == 4  # each row its own sample, not copies
 
 
 def test_stop_token_ends_each_row_and_then_the_batch():
     model = tiny_model()
     idx = prompts(B=2)
-    free = model.generate(idx, 30, temperature=0)[:, 5:]
+    free = generate(model, idx, 30, temperature=0)[:, 5:]
     stop = free[0, 3].item()
     first = [row.tolist().index(stop) if stop in row else None for row in free]
-    out = model.generate(idx, 30, temperature=0, stop_token=stop)[:, 5:]
+    out = generate(model, idx, 30, temperature=0, stop_token=stop)[:, 5:]
     ends = [30 if f is None else f + 1 for f in first]
     assert out.size(1) == max(ends)
     for row, free_row, end in zip(out, free, ends):

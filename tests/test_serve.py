@@ -149,8 +149,8 @@ def test_a_compiled_model_in_the_engine_gives_solo_greedy_tokens(monkeypatch):
     prompts, budgets = token_lists(3, 9, 1, 20, 5), [10, 7, 12, 6, 9]
     solo = solo_greedy(model, prompts, budgets)
     model.compile(dynamic=True, backend=ATEN_BACKEND)  # as serve.py --compile does, on ATen's kernels (conftest)
-    traced, run = [], inference._PackedLayer.run
-    monkeypatch.setattr(inference._PackedLayer, "run", lambda *args: traced.append(torch.compiler.is_compiling()) or run(*args))
+    traced, run = [], inference.Packed.run
+    monkeypatch.setattr(inference.Packed, "run", lambda *args: traced.append(torch.compiler.is_compiling()) or run(*args))
     engine = inference.Engine(model, rows=3, waiting=10, compiled=True).start()
     outs, done = [[] for _ in prompts], threading.Semaphore(0)
     for i, (p, n) in enumerate(zip(prompts, budgets)):
