@@ -202,14 +202,14 @@ class BenchConfig(TrainConfig):
 @dataclass
 class BatteryConfig(BenchConfig):
     # every bench.py key, plus which parts of scripts/gpu_battery.py run; report.md and report.json go to out_dir
-    suite_parts: str = "env,attention,sweep,llama,baby,smoke"  # the parts to run, comma-separated (one 10-minute call each on an H100)
-    suite_baby_iters: int = 0  # part baby: train.py's steps; 0: the config's own on a GPU, 300 on a CPU
+    parts: str = "env,attention,sweep,llama,baby,smoke"  # the parts to run, comma-separated (one 10-minute call each on an H100)
+    baby_iters: int = 0  # part baby: train.py's steps; 0: the config's own on a GPU, 300 on a CPU
 
     def __post_init__(self):
         super().__post_init__()
-        unknown = [p for p in self.suite_parts.split(",") if p not in SUITE_PARTS]
-        _require(not unknown, f"suite_parts: {', '.join(map(repr, unknown))} not among {', '.join(SUITE_PARTS)}")
-        _require(self.suite_baby_iters >= 0, f"suite_baby_iters={self.suite_baby_iters} must be >= 0")
+        unknown = [p for p in self.parts.split(",") if p not in SUITE_PARTS]
+        _require(not unknown, f"parts: {', '.join(map(repr, unknown))} not among {', '.join(SUITE_PARTS)}")
+        _require(self.baby_iters >= 0, f"baby_iters={self.baby_iters} must be >= 0")
 
 
 SUITE_PARTS = ("env", "attention", "sweep", "llama", "baby", "smoke")  # scripts/gpu_battery.py's parts, in the order they run

@@ -5,19 +5,19 @@ correctness smoke (bf16 against fp32, the KV cache against none, resume). report
 and report.json go to out_dir, rewritten after each part. A developer's tool: nothing imports it.
 
     python scripts/gpu_battery.py --out_dir=suite                                   # every part
-    python scripts/gpu_battery.py --suite_parts=env,attention --out_dir=suite       # some of its parts
+    python scripts/gpu_battery.py --parts=env,attention --out_dir=suite       # some of its parts
 
 On one GPU the whole battery takes ~25 minutes; these four commands each stay under 10 (the H100
 estimates of tests/test_bench.py, from what each part runs: its FLOPs at 40% MFU, compilation,
 start-up):
 
-    python scripts/gpu_battery.py --suite_parts=env,attention,smoke --out_dir=suite/1   # ~7 min
-    python scripts/gpu_battery.py --suite_parts=sweep --out_dir=suite/2                 # ~7 min
-    python scripts/gpu_battery.py --suite_parts=llama --out_dir=suite/3                 # ~5 min
-    python scripts/gpu_battery.py --suite_parts=baby --out_dir=suite/4                  # ~7 min
+    python scripts/gpu_battery.py --parts=env,attention,smoke --out_dir=suite/1   # ~7 min
+    python scripts/gpu_battery.py --parts=sweep --out_dir=suite/2                 # ~7 min
+    python scripts/gpu_battery.py --parts=llama --out_dir=suite/3                 # ~5 min
+    python scripts/gpu_battery.py --parts=baby --out_dir=suite/4                  # ~7 min
 
 On a CPU the same parts run at tiny shapes in under a minute. Every bench.py key works here too
-(`python scripts/gpu_battery.py --help`); --suite_baby_iters shortens the baby run.
+(`python scripts/gpu_battery.py --help`); --baby_iters shortens the baby run.
 """
 
 import dataclasses
@@ -206,7 +206,7 @@ def baby_args(cfg, scale, device):
     # --overwrite=True: a suite run again into the same out_dir replaces its own earlier baby run
     args = [os.path.join(REPO, scale["baby_config"]), f"--out_dir={os.path.join(cfg.out_dir, 'baby')}", f"--device={device}",
             "--overwrite=True", *scale["baby_overrides"]]
-    iters = cfg.suite_baby_iters or scale["baby_iters"]
+    iters = cfg.baby_iters or scale["baby_iters"]
     if iters:
         warmup = min(parse(BenchConfig, [os.path.join(REPO, scale["baby_config"])]).warmup_iters, iters // 10)
         args += [f"--max_iters={iters}", f"--lr_decay_iters={iters}", f"--warmup_iters={warmup}"]
@@ -411,10 +411,10 @@ def rows_table(rows):
 
 
 def run_suite(cfg, rt):
-    """Every part in cfg.suite_parts, in order; report.md and report.json are rewritten after each
+    """Every part in cfg.parts, in order; report.md and report.json are rewritten after each
     part, so a part that runs out of time leaves the others' results."""
     device = device_name(rt)
-    report = {"device": device, "torch": torch.__version__, "parts": cfg.suite_parts.split(","), "rows": []}
+    report = {"device": device, "torch": torch.__version__, "parts": cfg.parts.split(","), "rows": []}
     scale = suite_scale(rt)
     os.makedirs(cfg.out_dir, exist_ok=True)
     sections = [f"# scripts/gpu_battery.py: {device}, torch {torch.__version__}\n"]

@@ -278,7 +278,7 @@ def test_suite_runs_every_part_on_a_cpu_and_writes_its_reports(char_data, tmp_pa
     (work / "data").mkdir(parents=True)
     char_data.rename(work / "data" / "shakespeare_char")  # the baby part trains on data/shakespeare_char
     result = run_script("scripts/gpu_battery.py", "--device=cpu", f"--out_dir={work / 'report'}", "--bench_iters=1",
-                        "--bench_warmup=1", "--suite_baby_iters=20", cwd=work)
+                        "--bench_warmup=1", "--baby_iters=20", cwd=work)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((work / "report" / "report.json").read_text())
     assert report["torch"] == torch.__version__ and report["device"].startswith("CPU")
@@ -304,9 +304,9 @@ def test_suite_runs_every_part_on_a_cpu_and_writes_its_reports(char_data, tmp_pa
         assert title in markdown and title in result.stdout
 
 
-def test_suite_parts_are_checked():
-    with pytest.raises(Exception, match="suite_parts: 'speed' not among env, attention"):
-        BatteryConfig(suite_parts="env,speed")
+def test_battery_parts_are_checked():
+    with pytest.raises(Exception, match="parts: 'speed' not among env, attention"):
+        BatteryConfig(parts="env,speed")
 
 
 # ---------------------------------------------------------------------------- the suite on an H100, planned on a CPU
@@ -335,7 +335,7 @@ def h100_seconds(rows):
     return total
 
 
-# the commands README.md and gpu_battery.py's docstring give for running the suite on a GPU
+# the commands docs/benchmarking.md and gpu_battery.py's docstring give for running the suite on a GPU
 SUITE_COMMANDS = ("env,attention,smoke", "sweep", "llama", "baby")
 
 
@@ -352,12 +352,12 @@ def test_every_suite_part_fits_8_minutes_on_an_h100_and_every_documented_command
         seconds = h100_seconds(rows)
         print(f"suite part {part}: {seconds / 60:.1f} min on an H100 ({len(rows)} configuration(s))")
         assert seconds <= 8 * 60, part
-    docs = (REPO / "README.md").read_text() + battery.__doc__
+    docs = (REPO / "docs" / "benchmarking.md").read_text() + battery.__doc__
     for command in SUITE_COMMANDS:
         seconds = COMMAND_S + sum(h100_seconds(plan[part]) for part in command.split(","))
-        print(f"python scripts/gpu_battery.py --suite_parts={command}: {seconds / 60:.1f} min")
+        print(f"python scripts/gpu_battery.py --parts={command}: {seconds / 60:.1f} min")
         assert seconds <= 10 * 60, command
-        assert f"--suite_parts={command} " in docs, command
+        assert f"--parts={command} " in docs, command
 
 
 # ---------------------------------------------------------------------------- GPU-only paths of the suite, on a CPU
