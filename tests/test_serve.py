@@ -27,9 +27,11 @@ import pytest
 import torch
 import uvicorn
 
+from gpt import api
 from gpt import inference
-import serve
+from gpt import serving
 from gpt import tokenizer
+import serve
 from configurator import ServeConfig, parse
 from conftest import ATEN_BACKEND, REPO, chat_demo_copy, load_script, run_script, train_tiny_run
 from model import GPT, GPTConfig
@@ -204,9 +206,9 @@ def base(tmp_path_factory):
 @contextlib.contextmanager
 def running(*args):
     """serve.py's app under uvicorn in a thread, on a free loopback port."""
-    server = serve.Server(parse(ServeConfig, ["--device=cpu", "--engine=thread", *args])).start()
+    server = serving.Server(parse(ServeConfig, ["--device=cpu", "--engine=thread", *args])).start()
     sock = serve.listen("127.0.0.1", 0)  # the command's own socket
-    web = uvicorn.Server(uvicorn.Config(serve.make_app(server), log_level="warning"))
+    web = uvicorn.Server(uvicorn.Config(api.make_app(server), log_level="warning"))
     thread = threading.Thread(target=web.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     while not web.started:
