@@ -18,7 +18,7 @@ from typing import Any, Literal, Optional, Union
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException
 
 from gpt.serving import APIError
@@ -35,6 +35,26 @@ def error_body(message, kind="invalid_request_error", param=None, code=None):
 
 def error_response(e):
     return JSONResponse(error_body(e.message, e.kind, e.param, e.code), status_code=e.status, headers=e.headers)
+
+
+def not_unicode(value, path=""):
+    """The dotted path to the first string in a JSON value that is not valid Unicode (a key's: the
+    path to its object), or None. JSON's \\u escapes can spell half of a UTF-16 surrogate pair
+    alone, and Python's json reads that into a str that neither UTF-8 nor a tokenizer can encode."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return path
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(key, str) and not_unicode(key) is not None:
+            return path
+        found = not_unicode(item, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
 
 
 def validation_message(errors):
@@ -105,6 +125,17 @@ class Sampling(BaseModel):
     logit_bias: Optional[dict[str, float]] = None
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def unicode_only(cls, body):
+        """A 400 that says so for text that is not Unicode, before anything reads it or echoes it
+        in an error (pydantic lets an APIError through to the app's handler)."""
+        where = not_unicode(body)
+        if where is not None:
+            raise APIError(400, f"{where or 'the body'} holds text that is not valid Unicode (half of a UTF-16 "
+                                f"surrogate pair, \\ud800 to \\udfff, alone); send valid UTF-8 text", where or None)
+        return body
 
     def check(self):
         """The stop strings; APIError for what the model cannot honour."""
@@ -331,6 +362,10 @@ def make_app(server):
 
     @app.exception_handler(HTTPException)
     async def http_error(_, e):
+        bad = e.__cause__  # FastAPI's "error parsing the body" from bytes that Python's json cannot decode
+        if isinstance(bad, UnicodeDecodeError):
+            return error_response(APIError(400, f"the body is not valid {bad.encoding.upper()} (byte {bad.start}: {bad.reason}); "
+                                                f"send JSON in UTF-8"))
         return error_response(APIError(e.status_code, str(e.detail), headers=getattr(e, "headers", None)))
 
     @app.exception_handler(Exception)

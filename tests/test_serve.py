@@ -609,6 +609,36 @@ def test_errors_base(base_server):
     assert httpx.get(s.url + "/health").status_code == 200 and httpx.get(s.url + "/v1/models").status_code == 401
 
 
+def test_text_that_is_not_unicode_gets_400(chat_server, base_server):
+    """JSON's \\u escapes can spell half a surrogate pair alone (and Python's json takes UTF-8 bytes
+    for one): wherever such text is, the request gets a 400 that says so, as do bytes that are not
+    UTF-8 at all, and the next request is answered as usual."""
+    chat, base, auth = chat_server, base_server, {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    hi = b'[{"role": "user", "content": "Hi"}]'
+    cases = [  # (server, path, raw body, param, words)
+        (chat, "/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": "Hi \\ud800"}]}',
+         "messages.0.content", ["not valid Unicode", "surrogate"]),
+        (chat, "/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": [{"type": "text", '
+                                       b'"text": "\xed\xa0\x80"}]}]}', "messages.0.content.0.text", ["not valid Unicode"]),
+        (chat, "/v1/chat/completions", b'{"model": "M", "messages": %s, "stop": ["a", "\\udc00"]}' % hi, "stop.1",
+         ["not valid Unicode"]),
+        (chat, "/v1/chat/completions", b'{"model": "M", "messages": %s, "\\ud800": 1}' % hi, None,
+         ["the body holds text that is not valid Unicode"]),
+        (chat, "/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": "Hi \xff"}]}', None,
+         ["the body is not valid UTF-8"]),
+        (base, "/v1/completions", b'{"model": "M", "prompt": "The \\udfff king"}', "prompt", ["not valid Unicode"]),
+        (base, "/v1/completions", b'{"model": "M", "prompt": ["The", "\\ud800"]}', "prompt.1", ["not valid Unicode"]),
+        (base, "/v1/completions", b'{"model": "M", "prompt": "The", "stop": "\\ud800"}', "stop", ["not valid Unicode"]),
+    ]
+    for s, path, body, param, words in cases:
+        r, payload = post(s, path, content=body.replace(b'"M"', b'"%s"' % s.server.name.encode()), headers=auth)
+        assert is_error(payload, 400, r, *words)["param"] == param, (body, payload)
+        if s is chat:
+            assert solo(s, {"model": s.server.name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
+        else:
+            assert solo(s, {"model": s.server.name, "prompt": "The", "max_tokens": 3}, "/v1/completions", auth)
+
+
 def test_connections_send_without_nagle(base_server):
     """The server's side of an accepted connection has TCP_NODELAY set: without it each streamed
     chunk after the first waits for the client's delayed ACK (about 40 ms on Linux) before it leaves."""
