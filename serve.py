@@ -6,6 +6,7 @@ requests in flight at the same time are decoded together, one batch per step.
     python serve.py --init_from=gpt2 --batch_size=32              # released GPT-2 (transformers)
     python serve.py --init_from=Llama-3.2-1B-Instruct --context=4096
     OPENAI_API_KEY=secret python serve.py --out_dir=out-chat-demo --host=0.0.0.0   # on the network: a key
+    OPENAI_API_KEY=secret python serve.py --out_dir=out-chat-demo --host=0.0.0.0 --allowed_hosts=box.lan  # http://box.lan:8000/
     python serve.py --help
 
     curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
@@ -13,7 +14,9 @@ requests in flight at the same time are decoded together, one batch per step.
 
 Endpoints: POST /v1/chat/completions (models with a chat template), POST /v1/completions (any
 model), GET /v1/models, GET /health, GET / (static/chat.html). Requests and replies have OpenAI's
-shapes; a field the model cannot honour gets a 400, and every error is OpenAI's error JSON.
+shapes; a field the model cannot honour gets a 400, and every error is OpenAI's error JSON. A
+request whose Host header is not an IP address, localhost or a name in --allowed_hosts gets a 421:
+a web page cannot point a name it owns at this server (DNS rebinding) and read its replies.
 
 The model runs in gpt/serving.py (a process of its own by default, --engine=process) and the API
 in gpt/api.py; this command listens, loads the model, and runs the app under uvicorn.

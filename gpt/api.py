@@ -1,6 +1,7 @@
 """OpenAI's API over a serving.Server: the request shapes (a field the model cannot honour gets a
 400), OpenAI's error JSON for every error, replies as one JSON object or as server-sent events,
-and the FastAPI app with its middleware. serve.py listens and runs it under uvicorn.
+and the FastAPI app with its middleware (a limit on the body, a check of the Host header). serve.py
+listens and runs it under uvicorn.
 
     from gpt import api, serving
     app = api.make_app(serving.Server(cfg).start())
@@ -9,6 +10,7 @@ Reads top to bottom: errors, request shapes, replies, the app.
 """
 
 import asyncio
+import ipaddress
 import json
 import secrets
 import time
@@ -346,10 +348,47 @@ class BodyLimit:
         await self.app(scope, limited, send)
 
 
+def host_name(host):
+    """The name in a Host header, as allowed_hosts holds it: 'Box.lan:8000' -> 'box.lan', '[::1]:8000' -> '::1'."""
+    name = host[1:].partition("]")[0] if host.startswith("[") else host.partition(":")[0]
+    return name.lower().rstrip(".")
+
+
+class HostCheck:
+    """ASGI middleware against DNS rebinding: a web page can point a name it owns at this machine
+    (127.0.0.1, say) and then read what the server answers, as if from its own origin; the Host
+    header keeps that name. So a request is answered only when its Host is an IP address (which
+    cannot be rebound), localhost, or one of the `names` ('*': any); others get 421, the status
+    for a request sent to a server that does not serve its host."""
+
+    def __init__(self, app, names):
+        self.app, self.names = app, names
+
+    def answers(self, name):
+        if name == "localhost" or name in self.names or "*" in self.names:
+            return True
+        try:
+            ipaddress.ip_address(name)
+        except ValueError:
+            return False
+        return True
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
+            if not self.answers(host_name(host)):
+                refused = APIError(421, f"Host {host!r} is not a name this server answers to (a guard against DNS rebinding): "
+                                        f"use its IP address or localhost, or start serve.py with "
+                                        f"--allowed_hosts={host_name(host) or 'NAME'}", code="host_not_allowed")
+                return await error_response(refused)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
 def make_app(server):
     """The FastAPI app of a Server."""
     app = FastAPI(title="gpt-trainer serve.py", version="1", summary="OpenAI-compatible completions from one model")
     app.add_middleware(BodyLimit, limit=server.cfg.max_body)
+    app.add_middleware(HostCheck, names=server.cfg.host_names())  # the outer one: it runs first
 
     @app.exception_handler(APIError)
     async def api_error(_, e):

@@ -32,7 +32,7 @@ from gpt import inference
 from gpt import serving
 from gpt import tokenizer
 import serve
-from configurator import ServeConfig, parse
+from configurator import ServeConfig, UserError, parse
 from conftest import ATEN_BACKEND, REPO, chat_demo_copy, load_script, run_script, train_tiny_run
 from model import GPT, GPTConfig
 
@@ -637,6 +637,35 @@ def test_text_that_is_not_unicode_gets_400(chat_server, base_server):
             assert solo(s, {"model": s.server.name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
         else:
             assert solo(s, {"model": s.server.name, "prompt": "The", "max_tokens": 3}, "/v1/completions", auth)
+
+
+def test_a_host_header_naming_another_host_gets_421(base, chat_server):
+    """DNS rebinding: a page on attacker.example that points its name at 127.0.0.1 reaches the
+    server, but its requests say Host: attacker.example, and get OpenAI's error JSON with a 421
+    on every endpoint; 127.0.0.1, localhost and [::1] are answered, and no CORS header lets a
+    page elsewhere read a reply. On 0.0.0.0, --allowed_hosts adds names (IP addresses are
+    answered as on loopback); a name that is not a host name is one line at the start."""
+    s = chat_server
+    port, name = s.url.rsplit(":", 1)[1], s.server.name
+    chat = {"model": name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+    requests = [("POST", "/v1/chat/completions", chat), ("POST", "/v1/completions", {"model": name, "prompt": "Hi", "max_tokens": 3}),
+                ("GET", "/v1/models", None), ("GET", "/", None)]
+    for method, path, body in requests:
+        r = httpx.request(method, s.url + path, json=body, headers={"Host": f"attacker.example:{port}"}, timeout=30)
+        error = is_error(r.json(), 421, r, f"Host 'attacker.example:{port}'", "DNS rebinding", "--allowed_hosts=attacker.example")
+        assert error["code"] == "host_not_allowed" and error["type"] == "invalid_request_error"
+        for host in ("localhost", "127.0.0.1", "[::1]", "127.3.2.1"):
+            r = httpx.request(method, s.url + path, json=body, headers={"Host": f"{host}:{port}", "Origin": "http://attacker.example"},
+                              timeout=30)
+            assert r.status_code == 200 and not any(h.startswith("access-control-") for h in r.headers), (host, path, r.text)
+    with running(f"--out_dir={base}", "--host=0.0.0.0", "--allowed_hosts=serve.example, Box.LAN") as s:
+        port, body = s.url.rsplit(":", 1)[1], {"model": s.server.name, "prompt": "The", "max_tokens": 3}
+        for host, status in [("serve.example", 200), ("box.lan.", 200), ("BOX.lan", 200), ("192.168.1.7", 200), ("localhost", 200),
+                             ("attacker.example", 421), ("lan", 421), ("serve.example.attacker.example", 421)]:
+            r = httpx.post(s.url + "/v1/completions", json=body, headers={"Host": f"{host}:{port}"}, timeout=30)
+            assert r.status_code == status, (host, r.text)
+    with pytest.raises(UserError, match="allowed_hosts: 'http://box.lan' is not a host name"):
+        parse(ServeConfig, ["--allowed_hosts=box.lan,http://box.lan"])
 
 
 def test_connections_send_without_nagle(base_server):
