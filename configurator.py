@@ -284,6 +284,7 @@ class ServeConfig:
     checkpoint: str = "best"  # 'best' (ckpt_best.pt or ckpt_best/ when present) or 'latest' (ckpt.pt or the newest ckpt_<iter>/)
     host: str = "127.0.0.1"  # the address to listen on; '0.0.0.0' lets anyone who can reach this machine use the model (README: serve.py)
     port: int = 8000  # the TCP port
+    allowed_hosts: str = ""  # names to answer to besides IP addresses and localhost, comma-separated ('*': any); other Host headers get 421 (DNS rebinding)
     api_key: str = ""  # clients must send 'Authorization: Bearer <api_key>'; '': the OPENAI_API_KEY environment variable, or none
     name: str = ""  # the model's name in the API (GET /v1/models, a request's "model"); '': out_dir's or init_from's last part
     batch_size: int = 16  # requests decoded together, at most (the batch's rows)
@@ -303,6 +304,13 @@ class ServeConfig:
         _require(self.batch_size >= 1 and self.max_waiting >= 0, "batch_size must be at least 1 and max_waiting >= 0")
         _require(self.context >= 0, f"context={self.context} must be >= 0 (0: the model's block_size)")
         _require(self.max_body >= 1024, f"max_body={self.max_body} must be at least 1024 bytes")
+        for name in self.host_names():
+            _require(re.fullmatch(r"[a-z0-9_.-]+|\*", name), f"allowed_hosts: {name!r} is not a host name; give names "
+                                                             f"alone (no scheme, port or path), comma-separated")
+
+    def host_names(self):
+        """allowed_hosts as a set of names, in lower case as a Host header's are compared."""
+        return {name.strip().lower().rstrip(".") for name in self.allowed_hosts.split(",") if name.strip()}
 
 
 @dataclass

@@ -27,10 +27,12 @@ import pytest
 import torch
 import uvicorn
 
+from gpt import api
 from gpt import inference
-import serve
+from gpt import serving
 from gpt import tokenizer
-from configurator import ServeConfig, parse
+import serve
+from configurator import ServeConfig, UserError, parse
 from conftest import ATEN_BACKEND, REPO, chat_demo_copy, load_script, run_script, train_tiny_run
 from model import GPT, GPTConfig
 
@@ -204,9 +206,9 @@ def base(tmp_path_factory):
 @contextlib.contextmanager
 def running(*args):
     """serve.py's app under uvicorn in a thread, on a free loopback port."""
-    server = serve.Server(parse(ServeConfig, ["--device=cpu", "--engine=thread", *args])).start()
+    server = serving.Server(parse(ServeConfig, ["--device=cpu", "--engine=thread", *args])).start()
     sock = serve.listen("127.0.0.1", 0)  # the command's own socket
-    web = uvicorn.Server(uvicorn.Config(serve.make_app(server), log_level="warning"))
+    web = uvicorn.Server(uvicorn.Config(api.make_app(server), log_level="warning"))
     thread = threading.Thread(target=web.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     while not web.started:
@@ -605,6 +607,65 @@ def test_errors_base(base_server):
     r, payload = post(s, "/v1/completions", {"model": name, "prompt": "The king 東京"}, headers=auth)
     is_error(payload, 400, r, "characters this model never saw")
     assert httpx.get(s.url + "/health").status_code == 200 and httpx.get(s.url + "/v1/models").status_code == 401
+
+
+def test_text_that_is_not_unicode_gets_400(chat_server, base_server):
+    """JSON's \\u escapes can spell half a surrogate pair alone (and Python's json takes UTF-8 bytes
+    for one): wherever such text is, the request gets a 400 that says so, as do bytes that are not
+    UTF-8 at all, and the next request is answered as usual."""
+    chat, base, auth = chat_server, base_server, {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    hi = b'[{"role": "user", "content": "Hi"}]'
+    cases = [  # (server, path, raw body, param, words)
+        (chat, "/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": "Hi \\ud800"}]}',
+         "messages.0.content", ["not valid Unicode", "surrogate"]),
+        (chat, "/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": [{"type": "text", '
+                                       b'"text": "\xed\xa0\x80"}]}]}', "messages.0.content.0.text", ["not valid Unicode"]),
+        (chat, "/v1/chat/completions", b'{"model": "M", "messages": %s, "stop": ["a", "\\udc00"]}' % hi, "stop.1",
+         ["not valid Unicode"]),
+        (chat, "/v1/chat/completions", b'{"model": "M", "messages": %s, "\\ud800": 1}' % hi, None,
+         ["the body holds text that is not valid Unicode"]),
+        (chat, "/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": "Hi \xff"}]}', None,
+         ["the body is not valid UTF-8"]),
+        (base, "/v1/completions", b'{"model": "M", "prompt": "The \\udfff king"}', "prompt", ["not valid Unicode"]),
+        (base, "/v1/completions", b'{"model": "M", "prompt": ["The", "\\ud800"]}', "prompt.1", ["not valid Unicode"]),
+        (base, "/v1/completions", b'{"model": "M", "prompt": "The", "stop": "\\ud800"}', "stop", ["not valid Unicode"]),
+    ]
+    for s, path, body, param, words in cases:
+        r, payload = post(s, path, content=body.replace(b'"M"', b'"%s"' % s.server.name.encode()), headers=auth)
+        assert is_error(payload, 400, r, *words)["param"] == param, (body, payload)
+        if s is chat:
+            assert solo(s, {"model": s.server.name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
+        else:
+            assert solo(s, {"model": s.server.name, "prompt": "The", "max_tokens": 3}, "/v1/completions", auth)
+
+
+def test_a_host_header_naming_another_host_gets_421(base, chat_server):
+    """DNS rebinding: a page on attacker.example that points its name at 127.0.0.1 reaches the
+    server, but its requests say Host: attacker.example, and get OpenAI's error JSON with a 421
+    on every endpoint; 127.0.0.1, localhost and [::1] are answered, and no CORS header lets a
+    page elsewhere read a reply. On 0.0.0.0, --allowed_hosts adds names (IP addresses are
+    answered as on loopback); a name that is not a host name is one line at the start."""
+    s = chat_server
+    port, name = s.url.rsplit(":", 1)[1], s.server.name
+    chat = {"model": name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+    requests = [("POST", "/v1/chat/completions", chat), ("POST", "/v1/completions", {"model": name, "prompt": "Hi", "max_tokens": 3}),
+                ("GET", "/v1/models", None), ("GET", "/", None)]
+    for method, path, body in requests:
+        r = httpx.request(method, s.url + path, json=body, headers={"Host": f"attacker.example:{port}"}, timeout=30)
+        error = is_error(r.json(), 421, r, f"Host 'attacker.example:{port}'", "DNS rebinding", "--allowed_hosts=attacker.example")
+        assert error["code"] == "host_not_allowed" and error["type"] == "invalid_request_error"
+        for host in ("localhost", "127.0.0.1", "[::1]", "127.3.2.1"):
+            r = httpx.request(method, s.url + path, json=body, headers={"Host": f"{host}:{port}", "Origin": "http://attacker.example"},
+                              timeout=30)
+            assert r.status_code == 200 and not any(h.startswith("access-control-") for h in r.headers), (host, path, r.text)
+    with running(f"--out_dir={base}", "--host=0.0.0.0", "--allowed_hosts=serve.example, Box.LAN") as s:
+        port, body = s.url.rsplit(":", 1)[1], {"model": s.server.name, "prompt": "The", "max_tokens": 3}
+        for host, status in [("serve.example", 200), ("box.lan.", 200), ("BOX.lan", 200), ("192.168.1.7", 200), ("localhost", 200),
+                             ("attacker.example", 421), ("lan", 421), ("serve.example.attacker.example", 421)]:
+            r = httpx.post(s.url + "/v1/completions", json=body, headers={"Host": f"{host}:{port}"}, timeout=30)
+            assert r.status_code == status, (host, r.text)
+    with pytest.raises(UserError, match="allowed_hosts: 'http://box.lan' is not a host name"):
+        parse(ServeConfig, ["--allowed_hosts=box.lan,http://box.lan"])
 
 
 def test_connections_send_without_nagle(base_server):

@@ -1,0 +1,372 @@
+"""The model's side of serve.py: a Worker that owns the model and the engine that decodes every
+request together (in a process of its own, or on a thread of the server's), each reply's text as
+the engine makes it, and the Server the event loop holds: a request's prompt ids and limits, its
+queue of reply items, and the way to the Worker.
+
+    from gpt import serving
+    server = serving.Server(parse(ServeConfig, ["--out_dir=out-chat-demo"])).start()
+    rid, queue = server.start_request(body, ids, chat, stop_ids, stops)  # on the event loop
+    server.close()
+
+Reads top to bottom: a refused request, a reply's text (Reply), the Worker, the model's own
+process and the server's end of it (EngineProcess), the Server. gpt/api.py puts OpenAI's API
+over a Server.
+"""
+
+import asyncio
+import multiprocessing
+import os
+import signal
+import time
+import traceback
+import uuid
+
+from gpt import inference
+from gpt import runtime
+from gpt import tokenizer
+from configurator import UserError
+
+MAX_CONTEXT = 8192  # context=0 takes the model's block_size up to this, as chat.py does
+
+
+class APIError(Exception):
+    """A request the server refuses: gpt/api.py makes it OpenAI's error JSON with this status."""
+
+    def __init__(self, status, message, param=None, code=None, kind="invalid_request_error", headers=None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind, self.headers = status, message, param, code, kind, headers
+
+
+# ---------------------------------------------------------------------------- the model's side
+
+
+class Reply:
+    """One request's reply text as the engine makes it, on the engine's thread: on_token and
+    on_done put ("text", piece), then ("done", finish_reason, tokens, error), in the worker's
+    outbox under the request's id. Text that could be the start of a stop string, or a character
+    whose bytes have not all come, is held back; at a stop string the reply ends before it."""
+
+    def __init__(self, worker, rid, decode, stops):
+        self.worker, self.rid, self.decode, self.stops = worker, rid, decode, stops
+        self.ids, self.text, self.sent, self.stopped = [], "", 0, False
+
+    def _put(self, item):
+        self.worker.items.append((self.rid, item))
+
+    def _send_to(self, end):
+        if end > self.sent:
+            self._put(("text", self.text[self.sent : end]))
+            self.sent = end
+
+    def on_token(self, token):
+        self.ids.append(token)
+        text = self.decode(self.ids)
+        if text.endswith("\ufffd") or not text.startswith(self.text[: self.sent]):
+            return False  # a character still being made (BPE bytes): wait for the next token
+        self.text = text
+        longest = max(map(len, self.stops), default=0)
+        hits = [i for i in (text.find(s, max(0, self.sent - longest)) for s in self.stops) if i >= 0]
+        if hits:
+            self.text, self.stopped = text[: min(hits)], True
+            self._send_to(len(self.text))
+            return True
+        held = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        self._send_to(len(text) - held)
+        return False
+
+    def on_done(self, reason, tokens, error):
+        if not self.stopped:
+            self.text = self.decode(self.ids)
+            self._send_to(len(self.text))
+        self._put(("done", reason, tokens, error))
+        self.worker.requests.pop(self.rid, None)
+
+
+class Worker:
+    """The model, the engine that decodes every request, and each reply's text as it is made. It
+    lives where the model runs: in a process of its own (--engine=process), or in serve.py's own
+    (--engine=thread). After each step, send(items, stats) hands the event loop that step's
+    output, (request id, item) pairs, in one piece: one wake-up for all rows' tokens."""
+
+    def __init__(self, cfg, rt, send):
+        model, tok_spec = inference.load_model(cfg.init_from, cfg.out_dir, cfg.checkpoint, report=print)
+        block_size = model.config.block_size
+        if cfg.context > block_size:
+            raise UserError(f"context={cfg.context} is longer than the model's block_size={block_size}")
+        context = cfg.context or min(block_size, MAX_CONTEXT)
+        self.info = {"tok_spec": tok_spec, "vocab_size": model.config.vocab_size, "context": context}
+        _, decode = tokenizer.load(tok_spec)
+        self.decoders = {False: decode}
+        try:
+            self.decoders[True] = inference.chat_template(model.config.vocab_size, tok_spec, cfg.init_from, cfg.out_dir).decode
+        except UserError:
+            pass  # the server's side says so to a chat request
+        model.eval().to(rt.device)
+        if cfg.compile:
+            # the engine's packed steps change shape from step to step (the tokens in flight): sizes
+            # symbolic from the start, where dynamo would compile each graph for the first shape and
+            # again, symbolic, at the next (13 graphs against 9 in tests/test_serve.py's engine test)
+            model.compile(dynamic=True)
+        self.send, self.items, self.requests = send, [], {}
+        self.engine = inference.Engine(model, rows=cfg.batch_size, waiting=cfg.max_waiting, room=context,
+                                       device=rt.device, autocast=rt.autocast, after_step=self.flush, compiled=cfg.compile)
+
+    def submit(self, rid, ids, max_tokens, sampling, chat, stop_ids, stops):
+        reply = Reply(self, rid, self.decoders[chat], stops)
+        request = inference.Request(ids, max_tokens, reply.on_token, reply.on_done, stop_ids=stop_ids, **sampling)
+        self.requests[rid] = request
+        if not self.engine.submit(request):  # closed: the server is going down
+            reply.on_done("cancelled", 0, None)
+            self.flush()
+
+    def cancel(self, rid):
+        request = self.requests.get(rid)
+        if request is not None:
+            request.cancelled = True  # its row is freed before the next step
+
+    def flush(self):  # the engine's after_step, on its thread
+        if self.items:
+            items, self.items = self.items, []
+            self.send(items, self.engine.stats())
+
+
+def engine_process(cfg, inbox, outbox):
+    """The model's process (--engine=process): a Worker, its engine on a thread, and this thread
+    reading serve.py's requests and cancellations. It ends when serve.py says so or is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is serve.py's to handle: it then closes this process
+    try:
+        worker = Worker(cfg, runtime.setup(cfg.device, cfg.dtype), lambda items, stats: outbox.send((items, stats)))
+    except UserError as e:
+        outbox.send(("error", str(e)))
+        return
+    except Exception as e:  # noqa: BLE001 (our bug: the traceback goes to stderr, serve.py exits with it)
+        traceback.print_exc()
+        outbox.send(("bug", f"{type(e).__name__}: {e}"))
+        return
+    outbox.send(("ready", worker.info))
+    worker.engine.start()
+    try:
+        while (message := inbox.recv())[0] != "close":
+            getattr(worker, message[0])(*message[1:])  # submit or cancel
+    except EOFError:
+        pass  # serve.py went away without a word (killed): nobody is left to answer
+    finally:
+        worker.engine.close()
+
+
+class EngineProcess:
+    """serve.py's end of the model's process: it sends requests and cancellations down one pipe,
+    and the event loop reads each step's output from the other as it comes (a reader on the
+    pipe, no thread). The model and the event loop then run on two cores, each with its own
+    GIL; in one process every tensor op and every socket write took the GIL from the other."""
+
+    def __init__(self, cfg, deliver):
+        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no threads or device state forked
+        inbox, self.requests = context.Pipe(duplex=False)
+        self.outputs, outbox = context.Pipe(duplex=False)
+        self.process = context.Process(target=engine_process, args=(cfg, inbox, outbox), name="serve.py model", daemon=True)
+        self.process.start()
+        inbox.close()
+        outbox.close()
+        self.deliver, self.loop, self.stopped = deliver, None, None
+        try:
+            kind, what = self.outputs.recv()
+        except EOFError:
+            self.process.join()
+            raise UserError(f"the model's process ended (exit code {self.process.exitcode}) while it loaded the model; "
+                            f"if it ran out of memory, try a smaller --context or --dtype=bfloat16")
+        if kind != "ready":
+            self.process.join()
+        if kind == "error":
+            raise UserError(what)
+        if kind == "bug":
+            raise RuntimeError(f"the model's process failed while it loaded the model ({what})")
+        self.info = what
+
+    def listen(self, loop):
+        if self.loop is None:
+            self.loop = loop
+            loop.add_reader(self.outputs.fileno(), self._read)
+
+    def _read(self):
+        try:
+            while self.outputs.poll():
+                self.deliver(*self.outputs.recv())
+        except (EOFError, OSError):
+            self.loop.remove_reader(self.outputs.fileno())
+            self._ended()
+            self.deliver(None, None)  # every request still held ends with that
+
+    def _ended(self):
+        self.process.join(5)
+        self.stopped = f"the model's process has stopped (exit code {self.process.exitcode}); restart serve.py"
+
+    def check(self):
+        """APIError 503 once the model's process is gone."""
+        if self.stopped:
+            raise APIError(503, self.stopped, code="engine_stopped", kind="server_error")
+
+    def send(self, *message):
+        """A request or a cancellation to the model's process; a request gets 503 once it is gone (a
+        cancellation then has nothing left to cancel)."""
+        if not self.stopped:
+            try:
+                return self.requests.send(message)
+            except OSError:  # it died, and the reader has not seen the end of its pipe yet
+                self._ended()
+        if message[0] == "submit":
+            self.check()
+
+    def close(self):
+        try:
+            self.requests.send(("close",))
+        except OSError:
+            pass  # already gone
+        self.process.join(30)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join()
+
+
+# ---------------------------------------------------------------------------- the server
+
+
+class Server:
+    """What the event loop holds: the tokenizer and chat template that make a request's prompt,
+    each request's queue of reply items, and the model's side (a Worker, in a process of its own
+    or on a thread of this one: `cfg.engine`)."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        source = cfg.out_dir if cfg.init_from == "resume" else cfg.init_from
+        self.name = cfg.name or os.path.basename(os.path.normpath(source))
+        self.pending = {}  # request id -> its asyncio.Queue of reply items, until its ("done", ...)
+        self.cancelled = set()  # the ids of those of them cancelled
+        self.loop, self.stats = None, {"active": 0, "steps": 0}
+        if cfg.engine == "process":
+            self.process = EngineProcess(cfg, self.deliver)
+            self.worker, self.engine, info = None, None, self.process.info
+        else:
+            self.process = None
+            self.worker = Worker(cfg, runtime.setup(cfg.device, cfg.dtype), self.deliver_soon)
+            self.engine, info = self.worker.engine, self.worker.info  # tests reach into the engine
+        tok_spec, self.vocab_size, self.context = info["tok_spec"], info["vocab_size"], info["context"]
+        try:
+            self.template, self.no_chat = inference.chat_template(self.vocab_size, tok_spec, cfg.init_from, cfg.out_dir), None
+        except UserError as e:
+            self.template, self.no_chat = None, str(e)
+        self.encode, self.decode = tokenizer.load(tok_spec)
+        self.eot = tokenizer.eot(tok_spec)
+        self.api_key = cfg.api_key or os.environ.get("OPENAI_API_KEY", "")
+        self.created = int(time.time())
+
+    def start(self):
+        if self.engine is not None:
+            self.engine.start()
+        return self
+
+    def close(self):
+        if self.process is not None:
+            self.process.close()
+        else:
+            self.engine.close()
+
+    def deliver(self, items, stats):
+        """A step's output, on the event loop: each item to its request's queue. (None, None):
+        the model's process is gone, and every request still held ends ("stopped": a 503)."""
+        if items is None:
+            items = [(rid, ("done", "stopped", 0, self.process.stopped)) for rid in self.pending]
+        else:
+            self.stats = stats
+        for rid, item in items:
+            if item[0] != "done":
+                self.pending[rid].put_nowait(item)
+            else:
+                self.pending.pop(rid).put_nowait(item)
+                self.cancelled.discard(rid)
+
+    def deliver_soon(self, items, stats):  # a thread's Worker: called on the engine's thread
+        self.loop.call_soon_threadsafe(self.deliver, items, stats)
+
+    def health(self):
+        if self.process is not None:
+            self.process.check()
+        active = min(self.stats["active"], len(self.pending))
+        return {"active": active, "waiting": len(self.pending) - active, "rows": self.cfg.batch_size,
+                "steps": self.stats["steps"]}
+
+    def check_model(self, name):
+        if name != self.name:
+            raise APIError(404, f"the model {name!r} does not exist: this server serves {self.name!r} (GET /v1/models)",
+                           "model", "model_not_found")
+
+    def prompt_ids(self, body):
+        """The token ids of a completion request's prompt (sample.py's rules for an empty one)."""
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            vocab = self.vocab_size
+            if not all(0 <= i < vocab for i in prompt):
+                raise APIError(400, f"prompt holds a token id outside this model's vocabulary 0..{vocab - 1}", "prompt")
+            return list(prompt)
+        if isinstance(prompt, list):
+            if len(prompt) != 1:
+                raise APIError(400, f"prompt is a list of {len(prompt)} strings: send one prompt per request", "prompt")
+            prompt = prompt[0]
+        try:
+            ids = self.encode(prompt)
+        except UserError as e:
+            raise APIError(400, str(e), "prompt")
+        if not ids and self.eot is None:
+            raise APIError(400, "the prompt is empty; give it some text", "prompt")
+        return ids or [self.eot]  # GPT-2 saw <|endoftext|> before every document: an empty prompt starts one
+
+    def chat_ids(self, body):
+        if self.template is None:
+            raise APIError(400, f"{self.name} has no chat template, so it cannot chat: use /v1/completions, or "
+                                f"fine-tune it on conversations first ({self.no_chat.split(': ', 1)[-1]})", "messages")
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+        return self.template.render(messages, add_generation_prompt=True)[0]
+
+    def limit(self, body, n_prompt):
+        """The most new tokens for this request: max_(completion_)tokens, checked against the context."""
+        if n_prompt >= self.context:
+            raise APIError(400, f"the prompt is {n_prompt} tokens, longer than this model's context of {self.context} "
+                                f"tokens (with room for one new token); shorten it", "messages", "context_length_exceeded")
+        left = self.context - n_prompt
+        wanted = body.max_completion_tokens or body.max_tokens
+        if wanted is not None and wanted > left:
+            key = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+            raise APIError(400, f"{key}={wanted} is more than the {left} tokens left of the context of {self.context} "
+                                f"after the {n_prompt}-token prompt; ask for at most {left}", key, "context_length_exceeded")
+        return wanted or left
+
+    def start_request(self, body, ids, chat, stop_ids, stops):
+        """Hand the request to the model's side: (its id, the queue its reply items come to); 429
+        when every row is busy and max_waiting requests wait."""
+        if self.loop is None:
+            self.loop = asyncio.get_running_loop()  # uvicorn's one loop
+            if self.process is not None:
+                self.process.listen(self.loop)
+        max_tokens = self.limit(body, len(ids))
+        if len(self.pending) >= self.cfg.batch_size + self.cfg.max_waiting:
+            raise APIError(429, f"the server is full ({self.cfg.batch_size} requests decoding, {self.cfg.max_waiting} "
+                                f"waiting); retry in a moment", None, "server_busy", "rate_limit_error", {"Retry-After": "1"})
+        sampling = {"temperature": 1.0 if body.temperature is None else body.temperature,
+                    "top_p": 1.0 if body.top_p is None else body.top_p, "top_k": body.top_k, "seed": body.seed}
+        rid, queue = uuid.uuid4().hex, asyncio.Queue()
+        self.tell("submit", rid, ids, max_tokens, sampling, chat, stop_ids, stops)
+        self.pending[rid] = queue
+        return rid, queue
+
+    def cancel(self, rid):
+        """Free a request's row before the next step (a no-op once it has ended)."""
+        if rid in self.pending and rid not in self.cancelled:
+            self.cancelled.add(rid)
+            self.tell("cancel", rid)
+
+    def tell(self, kind, *args):
+        """A request ('submit') or a cancellation ('cancel') to the model's side, wherever it runs."""
+        if self.process is not None:
+            self.process.send(kind, *args)
+        else:
+            getattr(self.worker, kind)(*args)
