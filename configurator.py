@@ -284,7 +284,7 @@ class ServeConfig:
     checkpoint: str = "best"  # 'best' (ckpt_best.pt or ckpt_best/ when present) or 'latest' (ckpt.pt or the newest ckpt_<iter>/)
     host: str = "127.0.0.1"  # the address to listen on; '0.0.0.0' lets anyone who can reach this machine use the model (README: serve.py)
     port: int = 8000  # the TCP port
-    allowed_hosts: str = ""  # names to answer to besides IP addresses and localhost, comma-separated ('*': any); other Host headers get 421 (DNS rebinding)
+    allowed_hosts: str = ""  # host names to answer to, comma-separated ('*': any); always answered: localhost and loopback addresses, and on a non-loopback host any IP address; other Host headers get 421 (DNS rebinding)
     api_key: str = ""  # clients must send 'Authorization: Bearer <api_key>'; '': the OPENAI_API_KEY environment variable, or none
     name: str = ""  # the model's name in the API (GET /v1/models, a request's "model"); '': out_dir's or init_from's last part
     batch_size: int = 16  # requests decoded together, at most (the batch's rows)

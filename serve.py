@@ -14,9 +14,11 @@ requests in flight at the same time are decoded together, one batch per step.
 
 Endpoints: POST /v1/chat/completions (models with a chat template), POST /v1/completions (any
 model), GET /v1/models, GET /health, GET / (static/chat.html). Requests and replies have OpenAI's
-shapes; a field the model cannot honour gets a 400, and every error is OpenAI's error JSON. A
-request whose Host header is not an IP address, localhost or a name in --allowed_hosts gets a 421:
-a web page cannot point a name it owns at this server (DNS rebinding) and read its replies.
+shapes; a field the model cannot honour gets a 400, and every error is OpenAI's error JSON. On a
+loopback address (the default) a request is answered only when its Host header names loopback
+(127.0.0.1, localhost, [::1]); on another address also any IP address; on either, the names in
+--allowed_hosts. Others get a 421: a web page cannot point a name it owns at this server (DNS
+rebinding) and read its replies.
 
 The model runs in gpt/serving.py (a process of its own by default, --engine=process) and the API
 in gpt/api.py; this command listens, loads the model, and runs the app under uvicorn.

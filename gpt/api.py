@@ -348,6 +348,14 @@ class BodyLimit:
         await self.app(scope, limited, send)
 
 
+def is_loopback(host):
+    """Whether a listen address is loopback: 127.0.0.0/8, ::1 or localhost."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def host_name(host):
     """The name in a Host header, as allowed_hosts holds it: 'Box.lan:8000' -> 'box.lan', '[::1]:8000' -> '::1'."""
     name = host[1:].partition("]")[0] if host.startswith("[") else host.partition(":")[0]
@@ -357,28 +365,29 @@ def host_name(host):
 class HostCheck:
     """ASGI middleware against DNS rebinding: a web page can point a name it owns at this machine
     (127.0.0.1, say) and then read what the server answers, as if from its own origin; the Host
-    header keeps that name. So a request is answered only when its Host is an IP address (which
-    cannot be rebound), localhost, or one of the `names` ('*': any); others get 421, the status
-    for a request sent to a server that does not serve its host."""
+    header keeps that name. So a server on a loopback address answers only a Host that names
+    loopback (127.x.y.z, ::1, localhost); one on another address also any IP address (which cannot
+    be rebound); either, the `names` the user allowed ('*': any). Others get 421, the status for a
+    request sent to a server that does not serve its host."""
 
-    def __init__(self, app, names):
-        self.app, self.names = app, names
+    def __init__(self, app, names, loopback):
+        self.app, self.names, self.loopback = app, names, loopback
 
     def answers(self, name):
         if name == "localhost" or name in self.names or "*" in self.names:
             return True
         try:
-            ipaddress.ip_address(name)
+            ip = ipaddress.ip_address(name)
         except ValueError:
             return False
-        return True
+        return ip.is_loopback or not self.loopback
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
             host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
             if not self.answers(host_name(host)):
                 refused = APIError(421, f"Host {host!r} is not a name this server answers to (a guard against DNS rebinding): "
-                                        f"use its IP address or localhost, or start serve.py with "
+                                        f"use {'127.0.0.1' if self.loopback else 'its IP address'} or localhost, or start serve.py with "
                                         f"--allowed_hosts={host_name(host) or 'NAME'}", code="host_not_allowed")
                 return await error_response(refused)(scope, receive, send)
         await self.app(scope, receive, send)
@@ -388,7 +397,7 @@ def make_app(server):
     """The FastAPI app of a Server."""
     app = FastAPI(title="gpt-trainer serve.py", version="1", summary="OpenAI-compatible completions from one model")
     app.add_middleware(BodyLimit, limit=server.cfg.max_body)
-    app.add_middleware(HostCheck, names=server.cfg.host_names())  # the outer one: it runs first
+    app.add_middleware(HostCheck, names=server.cfg.host_names(), loopback=is_loopback(server.cfg.host))  # runs first
 
     @app.exception_handler(APIError)
     async def api_error(_, e):

@@ -643,8 +643,8 @@ def test_a_host_header_naming_another_host_gets_421(base, chat_server):
     """DNS rebinding: a page on attacker.example that points its name at 127.0.0.1 reaches the
     server, but its requests say Host: attacker.example, and get OpenAI's error JSON with a 421
     on every endpoint; 127.0.0.1, localhost and [::1] are answered, and no CORS header lets a
-    page elsewhere read a reply. On 0.0.0.0, --allowed_hosts adds names (IP addresses are
-    answered as on loopback); a name that is not a host name is one line at the start."""
+    page elsewhere read a reply; nor is another IP address. On 0.0.0.0 IP addresses are answered
+    and --allowed_hosts adds names; a name that is not a host name is one line at the start."""
     s = chat_server
     port, name = s.url.rsplit(":", 1)[1], s.server.name
     chat = {"model": name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
@@ -654,6 +654,8 @@ def test_a_host_header_naming_another_host_gets_421(base, chat_server):
         r = httpx.request(method, s.url + path, json=body, headers={"Host": f"attacker.example:{port}"}, timeout=30)
         error = is_error(r.json(), 421, r, f"Host 'attacker.example:{port}'", "DNS rebinding", "--allowed_hosts=attacker.example")
         assert error["code"] == "host_not_allowed" and error["type"] == "invalid_request_error"
+        r = httpx.request(method, s.url + path, json=body, headers={"Host": f"10.0.0.5:{port}"}, timeout=30)
+        assert r.status_code == 421, r.text  # on loopback, not even another IP address
         for host in ("localhost", "127.0.0.1", "[::1]", "127.3.2.1"):
             r = httpx.request(method, s.url + path, json=body, headers={"Host": f"{host}:{port}", "Origin": "http://attacker.example"},
                               timeout=30)
