@@ -27,6 +27,7 @@ import sys
 import torch
 
 from gpt import inference
+from gpt.load import chat_template, for_inference
 from gpt import runtime
 from gpt import tokenizer
 from configurator import ChatConfig, UserError, parse, run_main
@@ -110,8 +111,8 @@ class Conversation:
 def load(cfg, rt, say):
     """(model, template) of a chat checkpoint or a Hugging Face directory with a chat template."""
     loaded = []  # said once the model is known to chat
-    model, tok_spec = inference.load_model(cfg.init_from, cfg.out_dir, cfg.checkpoint, report=loaded.append)
-    template = inference.chat_template(model.config.vocab_size, tok_spec, cfg.init_from, cfg.out_dir)
+    model, tok_spec = for_inference(cfg.init_from, cfg.out_dir, cfg.checkpoint, report=loaded.append)
+    template = chat_template(model.config.vocab_size, tok_spec, cfg.init_from, cfg.out_dir)
     if cfg.context > model.config.block_size:
         raise UserError(f"context={cfg.context} is longer than the model's block_size={model.config.block_size}")
     for line in loaded:

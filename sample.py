@@ -19,6 +19,7 @@ import time
 import torch
 
 from gpt import inference
+from gpt import load
 from gpt import runtime
 from gpt import tokenizer
 from configurator import SampleConfig, UserError, parse, run_main
@@ -82,7 +83,7 @@ def sample_prompt(model, cfg, ids, stop, device, stream=None):
 def main(argv=None):
     cfg = parse(SampleConfig, argv)
     rt = runtime.setup(cfg.device, cfg.dtype)
-    model, tok_spec = inference.load_model(cfg.init_from, cfg.out_dir, cfg.checkpoint)
+    model, tok_spec = load.for_inference(cfg.init_from, cfg.out_dir, cfg.checkpoint)
     model.eval().to(rt.device)
     block_size = model.config.block_size
     if cfg.window_shift is not None and cfg.window_shift >= block_size:

@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from gpt import checkpoint
 from gpt import core_eval
-import eval as evals
-import hf
+from gpt import evaluation
+from gpt import load
 from gpt import optim
 from gpt import outdir
 from gpt import runtime
@@ -110,7 +110,7 @@ def load_data(cfg, say):
             where = data.paths[0] if len(data.paths) == 1 else os.path.join(data_dir, f"{name}_*.bin")
             raise UserError(f"block_size={cfg.block_size} is longer than {where} ({len(data)} tokens); lower block_size")
         data.check_vocab(vocab_size)  # an id past the embedding table would fail mid-run, or worse on GPU
-    hellaswag = evals.encode_examples(evals.load_hellaswag(cfg.hellaswag_path, cfg.hellaswag_examples), tok_spec) \
+    hellaswag = evaluation.encode_examples(evaluation.load_hellaswag(cfg.hellaswag_path, cfg.hellaswag_examples), tok_spec) \
         if cfg.hellaswag_interval else None
     if cfg.core_interval and tok_spec["kind"] == "char":
         raise UserError("core_interval needs a tokenizer that encodes any text; this data is character-level: set core_interval=0")
@@ -136,7 +136,7 @@ def make_model(cfg, rt, data, say):
     if cfg.init_from in ("scratch", "resume"):
         raw_model = GPT(GPTConfig(**model_args))
     else:  # GPT-2's weights by name, or a Hugging Face GPT-2 or Llama directory; they fix the model's shape
-        raw_model, model_args = hf.load_for_training(cfg, data.tok_spec, report=say)
+        raw_model, model_args = load.for_training(cfg, data.tok_spec, report=say)
     return raw_model.to(rt.device), model_args, state
 
 
@@ -152,7 +152,7 @@ def eval_bytes_per_split(cfg, data, eval_splits, say):
     except UserError as e:
         say(f"note: no bits per byte in this run: {e}")
         return None
-    return {split: evals.target_bytes(d, offsets, cfg.block_size, token_bytes)
+    return {split: evaluation.target_bytes(d, offsets, cfg.block_size, token_bytes)
             for split, (d, offsets) in eval_splits.items() if split != "train"}
 
 
@@ -283,7 +283,7 @@ def evaluate_and_save(run, last):
         run.check_bad_steps()  # before a checkpoint can be written
     if run.data.hellaswag is not None and due(cfg.hellaswag_interval):
         # the plain model: the padded lengths vary, which a compiled one would recompile for
-        scores = evals.score_choices(run.raw_model, run.data.hellaswag, cfg.block_size, rt, cfg.batch_size)
+        scores = evaluation.score_choices(run.raw_model, run.data.hellaswag, cfg.block_size, rt, cfg.batch_size)
         if rt.master:
             print(f"step {it}: hellaswag acc {scores['acc']:.4f}, acc_norm_tokens {scores['acc_norm_tokens']:.4f}, "
                   f"acc_norm_chars {scores['acc_norm_chars']:.4f} ({scores['n']} examples)")
@@ -304,7 +304,7 @@ def evaluate_and_save(run, last):
     group = eval_group(cfg, run.raw_model.config.padded_vocab_size, rt.world_size)
     losses = evaluate(run.model, splits, cfg.block_size, rt, group)
     eval_tokens = cfg.eval_iters * cfg.batch_size * cfg.block_size
-    bpb = {k: evals.bits_per_byte(losses[k], eval_tokens, run.eval_bytes[k]) for k in losses if k != "train"} \
+    bpb = {k: evaluation.bits_per_byte(losses[k], eval_tokens, run.eval_bytes[k]) for k in losses if k != "train"} \
         if run.eval_bytes is not None else {}
     if rt.master:
         text = lambda k: f"{k} loss {losses[k]:.4f}" + (f" ({bpb[k]:.4f} bpb)" if k in bpb else "")

@@ -18,7 +18,6 @@ import json
 import os
 import re
 import shutil
-import sys
 import warnings
 
 import torch

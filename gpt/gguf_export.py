@@ -5,7 +5,7 @@ llama-server), ollama, LM Studio and llamafile run. hf.py's command writes it:
     python hf.py --out_dir=out-chat-demo --format=gguf --gguf_dtype=q8_0     # 8-bit weights
     llama-cli -m out-shakespeare/model.gguf -p "ROMEO:" -n 64 --temp 0
 
-The architecture is the Hugging Face export's (hf.export_architecture): a GPT-2-shaped model is
+The architecture is the Hugging Face export's (huggingface.export_architecture): a GPT-2-shaped model is
 llama.cpp's `gpt2` (learned positions, LayerNorm, GELU; zero biases where the model has none),
 a Llama-shaped one its `llama` (RoPE, RMSNorm, SwiGLU, grouped-query attention, Llama 3's RoPE
 scaling as the rope_freqs tensor). llama.cpp rotates the adjacent pairs (2i, 2i + 1) of each
@@ -47,16 +47,18 @@ GPT4_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}
 AMX_TYPES = ("q8_0",)
 
 
-def amx_warning(dtype, cpuinfo="/proc/cpuinfo"):
-    """The line to print when a file of this dtype is written on a CPU with AMX; '' otherwise."""
-    if dtype not in AMX_TYPES:
-        return ""
+def cpu_has_amx():
+    """Whether this Linux CPU has Intel's AMX (amx_int8 in /proc/cpuinfo's flags)."""
     try:
-        with open(cpuinfo) as f:
-            amx = any(line.startswith("flags") and "amx_int8" in line.split(":", 1)[-1].split() for line in f)
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and "amx_int8" in line.split(":", 1)[-1].split() for line in f)
     except OSError:
-        return ""
-    if not amx:
+        return False
+
+
+def amx_warning(dtype):
+    """The line to print when a file of this dtype is written on a CPU with AMX; '' otherwise."""
+    if dtype not in AMX_TYPES or not cpu_has_amx():
         return ""
     return (f"warning: this CPU has AMX, where llama.cpp crashes on {dtype} weights unless weight repacking is off: "
             "run llama-server or llama-cli with --no-repack (llama-cpp-python: see docs/gguf.md)")
@@ -261,7 +263,7 @@ def _encode(gguf, name, t, dtype):
 
 def write(model, tok_spec, path, arch, dtype="f32", name="nanogpt"):
     """Write model (our GPT) and its tokenizer to path as GGUF: llama.cpp architecture arch
-    ('gpt2' or 'llama', from hf.export_architecture), weights in dtype (f32, f16, q8_0)."""
+    ('gpt2' or 'llama', from huggingface.export_architecture), weights in dtype (f32, f16, q8_0)."""
     assert dtype in DTYPES and arch in ("gpt2", "llama"), (dtype, arch)
     gguf, c = _gguf(), model.config
     vocab = vocabulary(tok_spec, _rows(model, tok_spec))

@@ -1,14 +1,13 @@
-"""A model loaded for inference, the key/value caches, sampling, and generation: one prompt
-batch at a time (sample.py, chat.py), or many requests decoded together as they come and go
+"""The key/value caches, sampling, and generation: one prompt batch at a time (sample.py, chat.py), or many requests decoded together as they come and go
 (serve.py's Engine).
 
-    from gpt import inference
-    model, tok_spec = inference.load_model("resume", "out-chat-demo")
+    from gpt import inference, load
+    model, tok_spec = load.for_inference("resume", "out-chat-demo")
     out = inference.generate(model.eval(), idx, max_new_tokens=100, temperature=0.8, top_k=200)
     for next_id in inference.generate_tokens(model, idx, 100, temperature=0, stop_token=eot): ...
     engine = inference.Engine(model, rows=16); engine.start(); engine.submit(inference.Request(ids, 50, ...))
 
-Reads top to bottom: loading, sampling one token, the single-sequence-length cache with
+Reads top to bottom: sampling one token, the single-sequence-length cache with
 generate_tokens (the window that slides past block_size), then the batch cache whose rows each
 have their own length (and the packed step over them), and the Engine that runs one forward pass
 per step over all of its rows and the prompts that join them.
@@ -16,9 +15,7 @@ per step over all of its rows and the prompts that join them.
 
 import collections
 import contextlib
-import io
 import itertools
-import os
 import random
 import threading
 import traceback
@@ -27,43 +24,6 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
-
-from gpt import checkpoint
-import hf
-from configurator import UserError
-from data.chat.template import Template
-
-# ---------------------------------------------------------------------------- loading
-
-
-def load_model(init_from, out_dir, which="best", report=print):
-    """(model, tokenizer description): a training run's checkpoint (init_from='resume', read on the
-    CPU: the file also holds the optimizer state, which inference never uses), released GPT-2
-    weights, or a Hugging Face directory. float32, on the CPU; lines about what was read go to report."""
-    if init_from == "resume":
-        return checkpoint.load_model(out_dir, which, report=report)
-    with contextlib.redirect_stdout(io.StringIO()) as said:
-        loaded = hf.load_pretrained(init_from)
-    for line in said.getvalue().splitlines():
-        report(line)
-    return loaded
-
-
-def chat_template(vocab_size, tok_spec, init_from, out_dir):
-    """The chat Template the model was trained with; UserError (saying to fine-tune first) when it
-    has none. A run's checkpoint records its template; a Hugging Face directory has one when its
-    tokenizer has the turn tokens and the model rows for them."""
-    if init_from == "resume" and "chat" not in tok_spec:
-        raise UserError(f"the model in {out_dir} was not trained on conversations (its tokenizer has no chat "
-                        f"template): fine-tune it on chat data first (python data/chat/prepare.py, then train.py "
-                        f"--init_from=... --dataset=<that directory>)")
-    if tok_spec["kind"] == "tokenizers" and not os.path.isfile(tok_spec["path"]):
-        raise UserError(f"the model's tokenizer {tok_spec['path']} is missing; restore it there")
-    template = Template(tok_spec)
-    if template.vocab_size > vocab_size:
-        raise UserError(f"{init_from} has no chat tokens (the template needs {template.vocab_size} tokens, the "
-                        f"model has {vocab_size}): fine-tune it on chat data first (python data/chat/prepare.py)")
-    return template
 
 
 # ---------------------------------------------------------------------------- one token

@@ -22,6 +22,7 @@ import traceback
 import uuid
 
 from gpt import inference
+from gpt import load
 from gpt import runtime
 from gpt import tokenizer
 from configurator import UserError
@@ -89,7 +90,7 @@ class Worker:
     output, (request id, item) pairs, in one piece: one wake-up for all rows' tokens."""
 
     def __init__(self, cfg, rt, send):
-        model, tok_spec = inference.load_model(cfg.init_from, cfg.out_dir, cfg.checkpoint, report=print)
+        model, tok_spec = load.for_inference(cfg.init_from, cfg.out_dir, cfg.checkpoint, report=print)
         block_size = model.config.block_size
         if cfg.context > block_size:
             raise UserError(f"context={cfg.context} is longer than the model's block_size={block_size}")
@@ -98,7 +99,7 @@ class Worker:
         _, decode = tokenizer.load(tok_spec)
         self.decoders = {False: decode}
         try:
-            self.decoders[True] = inference.chat_template(model.config.vocab_size, tok_spec, cfg.init_from, cfg.out_dir).decode
+            self.decoders[True] = load.chat_template(model.config.vocab_size, tok_spec, cfg.init_from, cfg.out_dir).decode
         except UserError:
             pass  # the server's side says so to a chat request
         model.eval().to(rt.device)
@@ -252,7 +253,7 @@ class Server:
             self.engine, info = self.worker.engine, self.worker.info  # tests reach into the engine
         tok_spec, self.vocab_size, self.context = info["tok_spec"], info["vocab_size"], info["context"]
         try:
-            self.template, self.no_chat = inference.chat_template(self.vocab_size, tok_spec, cfg.init_from, cfg.out_dir), None
+            self.template, self.no_chat = load.chat_template(self.vocab_size, tok_spec, cfg.init_from, cfg.out_dir), None
         except UserError as e:
             self.template, self.no_chat = None, str(e)
         self.encode, self.decode = tokenizer.load(tok_spec)

@@ -12,7 +12,6 @@ They run in turn, --rounds times; the medians are printed, and the verdicts comp
 """
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile

@@ -47,17 +47,17 @@ def make_records(n, seed=0):
 
 
 def make_model(export_dir, n_positions=64):
-    """A random GPT-2-shaped model (released GPT-2's layout, tiny) exported by hf.py."""
+    """A random GPT-2-shaped model (released GPT-2's layout, tiny) exported as hf.py exports."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    import hf
+    from gpt import huggingface
 
     torch.manual_seed(0)
     hf_model = GPT2LMHeadModel(GPT2Config(vocab_size=50257, n_positions=n_positions, n_embd=64, n_layer=2, n_head=2,
                                                initializer_range=0.3))  # large weights: logits far from uniform
-    model = hf.gpt_from_hf(hf_model)[0]
-    hf.export(model, {"kind": "tiktoken", "name": "gpt2", "vocab_size": 50257}, export_dir)
+    model = huggingface.gpt_from_hf(hf_model)[0]
+    huggingface.export(model, {"kind": "tiktoken", "name": "gpt2", "vocab_size": 50257}, export_dir)
 
 
 HARNESS = r"""
@@ -87,24 +87,24 @@ def ours(model_dir, data):
     """Per example the log-likelihood of each choice and the verdicts, by eval.py's own code."""
     import numpy as np
 
-    import eval as evals
-    import hf
+    from gpt import evaluation
+    from gpt import load
     from gpt import runtime
     from gpt import scoring
 
     rt = runtime.setup("cpu", "float32")
-    model, tok_spec = hf.load_pretrained(model_dir)
+    model, tok_spec = load.pretrained(model_dir)
     model.eval()
-    examples = evals.load_hellaswag(data, style="harness")
-    encoded = evals.encode_examples(examples, tok_spec, joint=True)
+    examples = evaluation.load_hellaswag(data, style="harness")
+    encoded = evaluation.encode_examples(examples, tok_spec, joint=True)
     per_example = []
     for e, (context, choices, answer, chars) in zip(examples, encoded):
-        rows = [evals._cropped(context, c, model.config.block_size + 1) for c in choices]
+        rows = [evaluation._cropped(context, c, model.config.block_size + 1) for c in choices]
         lls = (-scoring.row_losses(model, rows, rt)[0]).tolist()
         per_example.append({"lls": lls, "acc": float(np.argmax(lls) == answer),
                             "acc_norm": float(np.argmax(np.array(lls) / np.array(chars)) == answer),
                             "query": e.context, "choices": e.choices})
-    scores = evals.score_choices(model, encoded, model.config.block_size, rt, batch_size=8)
+    scores = evaluation.score_choices(model, encoded, model.config.block_size, rt, batch_size=8)
     return scores, per_example
 
 

@@ -192,11 +192,11 @@ def engine_runs(args, levels):
     batching alone gives. Each of C clients submits its next request when its last one ends."""
     import threading
 
-    from gpt import inference
+    from gpt import inference, load
 
-    model, tok_spec = inference.load_model("resume", args.out_dir, report=lambda line: None)
+    model, tok_spec = load.for_inference("resume", args.out_dir, report=lambda line: None)
     model.eval()
-    template = inference.chat_template(model.config.vocab_size, tok_spec, "resume", args.out_dir)
+    template = load.chat_template(model.config.vocab_size, tok_spec, "resume", args.out_dir)
     prompts = [template.render(messages, add_generation_prompt=True)[0] for messages in PROMPTS]
     room = model.config.block_size
 

@@ -370,7 +370,7 @@ def test_training_logs_core_in_rhythm_and_plots_it(setup, tmp_path):
 def test_a_device_without_float64_sums_in_float32_with_the_same_results(setup, monkeypatch):
     # MPS has no float64: scoring.sum_dtype's branch, run on the CPU with the runtime saying 'mps'
     root, model, bundle, rt = setup
-    import eval as evals
+    from gpt import evaluation
     from gpt import scoring
 
     mps = runtime.Runtime("cpu", "mps", torch.float32)
@@ -382,9 +382,9 @@ def test_a_device_without_float64_sums_in_float32_with_the_same_results(setup, m
     a = core_eval.evaluate_core(model, tasks, GPT2, BLOCK, mps, 8 * BLOCK, per_example=True)
     b = core_eval.evaluate_core(model, tasks, GPT2, BLOCK, rt, 8 * BLOCK, per_example=True)
     assert {k: r["correct"] for k, r in a["tasks"].items()} == {k: r["correct"] for k, r in b["tasks"].items()}
-    examples = [evals.Example("the man picks up", ["a ball.", "his dog who runs.", "the green field."], 1)] * 5
-    encoded = evals.encode_examples(examples, GPT2)
-    assert evals.score_choices(model, encoded, BLOCK, mps, 2) == evals.score_choices(model, encoded, BLOCK, rt, 2)
+    examples = [evaluation.Example("the man picks up", ["a ball.", "his dog who runs.", "the green field."], 1)] * 5
+    encoded = evaluation.encode_examples(examples, GPT2)
+    assert evaluation.score_choices(model, encoded, BLOCK, mps, 2) == evaluation.score_choices(model, encoded, BLOCK, rt, 2)
     assert set(reads) == {torch.float32, torch.float64}
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import eval as evals
+from gpt import evaluation
 from gpt import runtime
 from gpt import scoring
 from gpt import tokenizer
@@ -36,14 +36,14 @@ def cpu():
 
 
 def test_choice_losses_equal_transformers_gpt2(tmp_path, cpu):
-    import hf
+    from gpt import huggingface
 
     hf_model = tiny_hf_gpt2(n_positions=64)
-    model = hf.gpt_from_hf(hf_model)[0].eval()
-    examples = evals.load_hellaswag(str(write_hellaswag(tmp_path / "hs.jsonl", 12)))
-    encoded = evals.encode_examples(examples, GPT2)
+    model = huggingface.gpt_from_hf(hf_model)[0].eval()
+    examples = evaluation.load_hellaswag(str(write_hellaswag(tmp_path / "hs.jsonl", 12)))
+    encoded = evaluation.encode_examples(examples, GPT2)
     assert any(len(c) + max(map(len, ch)) > 65 for c, ch, *_ in encoded)  # some contexts are cut to their end
-    rows = [evals._cropped(context, choice, 65) for context, choices, *_ in encoded for choice in choices]
+    rows = [evaluation._cropped(context, choice, 65) for context, choices, *_ in encoded for choice in choices]
     totals, _ = scoring.row_losses(model, rows, cpu)
     i = 0
     for context, choices, *_ in encoded:
@@ -79,7 +79,7 @@ def test_acc_and_both_acc_norms_on_a_hand_built_case(cpu):
     encoded = [([0], [short, long], 0, [10, 5]),  # answer the short one: right by total and by characters
                ([0, 0], [long, short], 0, [5, 10]),  # answer the long one: right by mean only
                ([0], [short, long, [1, 1]], 0, [10, 5, 5])]  # short beats [1, 1] (4.61, mean 2.30) and long by total
-    result = evals.score_choices(model, encoded, block_size=8, rt=cpu, batch_size=2)
+    result = evaluation.score_choices(model, encoded, block_size=8, rt=cpu, batch_size=2)
     assert result == {"acc": 2 / 3, "acc_norm_tokens": 1 / 3, "acc_norm_chars": 2 / 3, "n": 3}
 
 
@@ -109,7 +109,7 @@ def test_bits_per_byte_equals_a_hand_count(make, tmp_path, cpu):
     path = str(tmp_path / "val.bin")
     tokens.write(path, ids)
     data = tokens.Tokens.open(str(tmp_path), "val")
-    result = evals.split_loss(model, data, 16, cpu, tokenizer.token_bytes(spec), batch_size=3)
+    result = evaluation.split_loss(model, data, 16, cpu, tokenizer.token_bytes(spec), batch_size=3)
     n = (len(ids) - 1) // 16
     x = torch.from_numpy(ids[: n * 16].astype(np.int64)).view(n, 16)
     y = torch.from_numpy(ids[1 : n * 16 + 1].astype(np.int64)).view(n, 16)
@@ -219,15 +219,15 @@ def test_eval_loops_read_the_device_once_whatever_the_number_of_batches(monkeypa
     tokens.write(str(tmp_path / "val.bin"), np.random.default_rng(0).integers(0, 50257, 3000).astype(np.uint16))
     data = tokens.Tokens.open(str(tmp_path), "val")
     token_bytes = tokenizer.token_bytes(GPT2)
-    encoded = evals.encode_examples(evals.load_hellaswag(str(write_hellaswag(tmp_path / "hs.jsonl", 16))), GPT2)
+    encoded = evaluation.encode_examples(evaluation.load_hellaswag(str(write_hellaswag(tmp_path / "hs.jsonl", 16))), GPT2)
     calls = count_host_reads(monkeypatch)
     reads = {}
     for batches in (1, 8):
         del calls[:]
-        evals.split_loss(model, data, 16, cpu, token_bytes, batch_size=8 // batches, max_tokens=8 * 16)
+        evaluation.split_loss(model, data, 16, cpu, token_bytes, batch_size=8 // batches, max_tokens=8 * 16)
         reads["split_loss", batches] = sorted(calls)
         del calls[:]
-        evals.score_choices(model, encoded, 16, cpu, batch_size=16 // batches)
+        evaluation.score_choices(model, encoded, 16, cpu, batch_size=16 // batches)
         reads["score_choices", batches] = sorted(calls)
     assert reads["split_loss", 1] == reads["split_loss", 8], reads
     assert reads["score_choices", 1] == reads["score_choices", 8], reads

@@ -391,3 +391,19 @@ def test_a_failed_write_leaves_the_old_file_whole(tmp_path, monkeypatch, failure
             gguf_export.write(model, spec, str(out_dir / "model.gguf"), "gpt2")
     assert sorted(p.name for p in out_dir.iterdir()) == out_dir_files
     assert (out_dir / "model.gguf").read_bytes() == old
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_a_q8_0_export_on_an_amx_cpu_says_how_to_load_it(tmp_path, monkeypatch, capsys, amx):
+    """On a CPU with AMX, hf.py warns that llama.cpp needs --no-repack for q8_0 (its AMX path crashes
+    on it); not for f16, which that path never takes, and not on other CPUs."""
+    import hf
+
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=50257))
+    out_dir = save_checkpoint(tmp_path / "out", model, {"kind": "tiktoken", "name": "gpt2", "vocab_size": 50257})
+    monkeypatch.setattr(gguf_export, "cpu_has_amx", lambda: amx)
+    for dtype in ("q8_0", "f16"):
+        hf.main([f"--out_dir={out_dir}", "--format=gguf", f"--gguf_dtype={dtype}"])
+        said = capsys.readouterr().out
+        warned = "warning: this CPU has AMX" in said and "--no-repack" in said
+        assert warned == (amx and dtype == "q8_0"), said

@@ -16,6 +16,8 @@ transformers = pytest.importorskip("transformers")
 from transformers import GPT2Config, GPT2LMHeadModel, GPT2Tokenizer  # noqa: E402
 
 from gpt import checkpoint  # noqa: E402
+from gpt import huggingface  # noqa: E402
+from gpt import load  # noqa: E402
 import hf  # noqa: E402
 import sample  # noqa: E402
 from gpt import tokenizer  # noqa: E402
@@ -64,7 +66,7 @@ def their_logits(hf_model, idx):
 ])
 def test_import_gives_transformers_logits(options):
     reference = randomize(GPT2LMHeadModel(GPT2Config(**SMALL, **options)))
-    model, model_args = hf.gpt_from_hf(reference)
+    model, model_args = huggingface.gpt_from_hf(reference)
     idx = tokens()
     assert max_diff(our_logits(model, idx), their_logits(reference, idx)) <= TOL
     # model_args rebuild the same model, as sample.py and resume do from a checkpoint
@@ -77,7 +79,7 @@ def test_import_gives_transformers_logits(options):
 def test_from_pretrained_reads_a_directory(tmp_path):
     reference = randomize(GPT2LMHeadModel(GPT2Config(**SMALL)))
     reference.save_pretrained(tmp_path / "gpt2")
-    model = hf.from_pretrained(str(tmp_path / "gpt2"))
+    model = huggingface.from_pretrained(str(tmp_path / "gpt2"))
     assert isinstance(model, GPT)
     idx = tokens()
     assert max_diff(our_logits(model, idx), their_logits(reference, idx)) <= TOL
@@ -87,25 +89,25 @@ def test_import_refuses_what_our_gpt_cannot_reproduce():
     for options, named in [(dict(activation_function="relu"), "activation_function"),
                            (dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx")]:
         with pytest.raises(UserError, match=named):
-            hf.gpt_from_hf(GPT2LMHeadModel(GPT2Config(**SMALL, **options)))
+            huggingface.gpt_from_hf(GPT2LMHeadModel(GPT2Config(**SMALL, **options)))
 
 
 def test_a_directory_without_gpt2_is_a_one_line_error(tmp_path):
     with pytest.raises(UserError, match="no config.json"):
-        hf.from_pretrained(str(tmp_path))
+        huggingface.from_pretrained(str(tmp_path))
     (tmp_path / "config.json").write_text('{"model_type": "gpt_neox"}')
     with pytest.raises(UserError, match="'gpt_neox' model; only GPT-2 and Llama"):
-        hf.from_pretrained(str(tmp_path))
+        huggingface.from_pretrained(str(tmp_path))
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
     with pytest.raises(UserError, match="cannot load the GPT-2 model in"):  # no weights
-        hf.from_pretrained(str(tmp_path))
+        huggingface.from_pretrained(str(tmp_path))
     with pytest.raises(UserError, match="init_from='gpt7' is not one of"):
         parse(TrainConfig, ["--init_from=gpt7"])
     assert parse(TrainConfig, ["--init_from=gpt2-xl"]).init_from == "gpt2-xl"
     cfg = parse(TrainConfig, [f"--init_from={tmp_path}"])
     assert cfg.init_from == str(tmp_path)
     with pytest.raises(UserError, match="needs data tokenized with GPT-2's BPE"):
-        hf.load_for_training(cfg, {"kind": "char", "chars": "ab"})
+        load.for_training(cfg, {"kind": "char", "chars": "ab"})
 
 
 def test_an_unreachable_hub_is_a_one_line_error(tmp_path):
@@ -135,12 +137,12 @@ def test_export_loads_in_transformers_with_our_logits(tmp_path, options):
     model = randomize(GPT(GPTConfig(**{**dict(n_layer=2, n_head=4, n_embd=64, block_size=64, vocab_size=50257), **options})))
     idx = tokens()
     ours = our_logits(model, idx)[..., :50257]
-    hf.export(model, hf.GPT2_TOKENIZER, str(tmp_path / "hf"))
+    huggingface.export(model, huggingface.GPT2_TOKENIZER, str(tmp_path / "hf"))
     reference = GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
     assert reference.config.vocab_size == 50257
     assert max_diff(their_logits(reference, idx), ours) <= TOL
     # and back: the exported directory imports to the same model
-    again, _ = hf.load_gpt2(str(tmp_path / "hf"))
+    again, _ = huggingface.load_gpt2(str(tmp_path / "hf"))
     assert max_diff(our_logits(again, idx), ours) <= TOL
 
 
@@ -154,7 +156,7 @@ def test_export_loads_in_transformers_with_our_logits(tmp_path, options):
 def test_export_refuses_models_gpt2_cannot_hold(tmp_path, options, named):
     model = GPT(GPTConfig(n_layer=1, n_head=4, n_embd=32, block_size=16, vocab_size=65, **options))
     with pytest.raises(UserError, match=named):
-        hf.export(model, {"kind": "char", "chars": "x" * 65}, str(tmp_path / "hf"))
+        huggingface.export(model, {"kind": "char", "chars": "x" * 65}, str(tmp_path / "hf"))
     assert not (tmp_path / "hf").exists()
 
 
@@ -164,9 +166,9 @@ def test_chat_data_takes_gpt2s_padding_rows_for_its_turn_tokens(tmp_path):
     cfg = parse(TrainConfig, [f"--init_from={tmp_path / 'gpt2'}", "--block_size=64", "--dropout=0.0"])
     notes = []
     turn_ids = [50257, 50258, 50259, 50260]  # what data/chat/template.py gives GPT-2
-    chat_spec = {**hf.GPT2_TOKENIZER, "vocab_size": 50261, "chat": {
+    chat_spec = {**huggingface.GPT2_TOKENIZER, "vocab_size": 50261, "chat": {
         "format": "role_tokens", "tokens": {"bos": {"id": 50256}, **{n: {"id": i} for n, i in zip(("system", "user", "assistant", "end"), turn_ids)}}}}
-    model, model_args = hf.load_for_training(cfg, chat_spec, report=notes.append)
+    model, model_args = load.for_training(cfg, chat_spec, report=notes.append)
     assert model.config.vocab_size == model_args["vocab_size"] == 50261 and model.config.padded_vocab_size == 50304
     wte = model.transformer.wte.weight
     mean = wte[:50257].mean(dim=0)
@@ -176,10 +178,10 @@ def test_chat_data_takes_gpt2s_padding_rows_for_its_turn_tokens(tmp_path):
     assert any("the chat template's turn tokens 50257, 50258, 50259, 50260 start as the mean" in n for n in notes)
     # without chat data (or past the padding) a larger tokenizer is still refused
     with pytest.raises(UserError, match="more than the vocab_size=50257"):
-        hf.load_for_training(cfg, {**hf.GPT2_TOKENIZER, "vocab_size": 50261}, report=notes.append)
+        load.for_training(cfg, {**huggingface.GPT2_TOKENIZER, "vocab_size": 50261}, report=notes.append)
     far = {**chat_spec, "vocab_size": 50400, "chat": {"format": "role_tokens", "tokens": {"end": {"id": 50399}}}}
     with pytest.raises(UserError, match="more than the vocab_size=50257"):
-        hf.load_for_training(cfg, far, report=notes.append)
+        load.for_training(cfg, far, report=notes.append)
 
 
 # ---------------------------------------------------------------------------- finetuning end to end
@@ -192,7 +194,7 @@ def finetuned(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     reference = randomize(GPT2LMHeadModel(GPT2Config(**SMALL)), std=0.05)
     reference.save_pretrained(root / "gpt2")
-    encode, _ = tokenizer.load(hf.GPT2_TOKENIZER)
+    encode, _ = tokenizer.load(huggingface.GPT2_TOKENIZER)
     ids = np.array(encode(make_text(20000)), dtype=np.uint16)  # headerless uint16, as prepare.py writes
     (root / "data").mkdir()
     ids[: len(ids) * 9 // 10].tofile(root / "data" / "train.bin")
@@ -242,7 +244,7 @@ def test_sample_py_from_a_gpt2_directory_is_transformers_greedy(finetuned, capsy
     sample.main([f"--init_from={root / 'gpt2'}", "--device=cpu", "--temperature=0", "--num_samples=1",
                  "--max_new_tokens=8", "--start=ROMEO:", "--stream=False", "--stop_at_eot=False"])
     out = capsys.readouterr().out
-    encode, decode = tokenizer.load(hf.GPT2_TOKENIZER)
+    encode, decode = tokenizer.load(huggingface.GPT2_TOKENIZER)
     prompt = torch.tensor([encode("ROMEO:")])
     greedy = reference.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=50256)
     assert out.split("\n", 1)[1] == "ROMEO:" + decode(greedy[0, prompt.size(1) :].tolist()) + "\n" + sample.SEPARATOR + "\n"

@@ -18,6 +18,8 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb  # noqa: E402
 
 from gpt import checkpoint  # noqa: E402
+from gpt import huggingface  # noqa: E402
+from gpt import load  # noqa: E402
 import hf  # noqa: E402
 import sample  # noqa: E402
 from gpt import tokenizer  # noqa: E402
@@ -104,7 +106,7 @@ def test_rope_is_transformers_rotation(scaling):
 def test_import_gives_transformers_logits(tmp_path, case):
     theirs = reference(case)
     theirs.save_pretrained(tmp_path / "llama")
-    model = hf.from_pretrained(str(tmp_path / "llama"))
+    model = huggingface.from_pretrained(str(tmp_path / "llama"))
     idx = tokens()
     assert max_diff(our_logits(model, idx), their_logits(theirs, idx)) <= TOL
     c = theirs.config
@@ -118,7 +120,7 @@ def test_sharded_safetensors_import(tmp_path):
     theirs.save_pretrained(tmp_path / "llama", max_shard_size="40KB")
     assert len(list((tmp_path / "llama").glob("model-*-of-*.safetensors"))) > 2
     assert (tmp_path / "llama" / "model.safetensors.index.json").exists()
-    model, model_args = hf.load_llama(str(tmp_path / "llama"))
+    model, model_args = huggingface.load_llama(str(tmp_path / "llama"))
     idx = tokens()
     assert max_diff(our_logits(model, idx), their_logits(theirs, idx)) <= TOL
     # the scaling is a model key: model_args, as a checkpoint records them, rebuild the same model
@@ -130,7 +132,7 @@ def test_sharded_safetensors_import(tmp_path):
 
 def test_llama_3_2_1b_config_builds_with_its_parameter_count(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_2_1B))
-    model_args = hf.llama_model_args(hf.read_config(str(tmp_path)))
+    model_args = huggingface.llama_model_args(huggingface.read_config(str(tmp_path)))
     with torch.device("meta"):
         model = GPT(GPTConfig(**model_args))
     assert model.num_params(non_embedding=False) == 1_235_814_400
@@ -147,20 +149,20 @@ def test_llama_3_2_1b_config_builds_with_its_parameter_count(tmp_path):
 
 @pytest.mark.parametrize("case", CASES)
 def test_export_loads_in_transformers_with_our_logits(tmp_path, case):
-    model = GPT(GPTConfig(**hf.llama_model_args(llama_config(case).to_dict())))
+    model = GPT(GPTConfig(**huggingface.llama_model_args(llama_config(case).to_dict())))
     torch.manual_seed(0)
     with torch.no_grad():  # every weight random, norm gains and biases too
         for p in model.parameters():
             p.normal_(0, 0.2)
     idx = tokens()
     ours = our_logits(model, idx)
-    assert hf.export(model, {"kind": "char", "chars": "x" * V}, str(tmp_path / "hf")) == "llama"
+    assert huggingface.export(model, {"kind": "char", "chars": "x" * V}, str(tmp_path / "hf")) == "llama"
     exported = LlamaForCausalLM.from_pretrained(tmp_path / "hf")
     assert max_diff(their_logits(exported, idx), ours) <= TOL
     assert exported.config.num_key_value_heads == model.config.n_kv_head
     assert exported.config.rms_norm_eps == model.config.norm_eps
     # and back: the exported directory imports to the same model
-    again, _ = hf.load_llama(str(tmp_path / "hf"))
+    again, _ = huggingface.load_llama(str(tmp_path / "hf"))
     assert max_diff(our_logits(again, idx), ours) <= TOL
 
 
@@ -221,7 +223,7 @@ def test_sample_py_from_the_llama_directory_is_transformers_greedy(finetuned, ca
     sample.main([f"--init_from={root / 'llama'}", "--device=cpu", "--temperature=0", "--num_samples=1",
                  "--max_new_tokens=8", "--start=The king", "--stream=False", "--stop_at_eot=False"])
     out = capsys.readouterr().out
-    encode, decode = tokenizer.load(hf.llama_tokenizer(str(root / "llama")))
+    encode, decode = tokenizer.load(huggingface.llama_tokenizer(str(root / "llama")))
     prompt = torch.tensor([encode("The king")])
     greedy = theirs.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert out.split("\n", 1)[1] == "The king" + decode(greedy[0, prompt.size(1):].tolist()) + "\n" + sample.SEPARATOR + "\n"
@@ -263,14 +265,14 @@ def test_finetuning_needs_data_from_the_directorys_tokenizer(finetuned, tmp_path
     root, _, _, _ = finetuned
     cfg = parse(TrainConfig, [f"--init_from={root / 'llama'}", "--dataset=shakespeare"])
     with pytest.raises(UserError, match="needs data tokenized with its .*tokenizer.json.*--tokenizer="):
-        hf.load_for_training(cfg, hf.GPT2_TOKENIZER)
+        load.for_training(cfg, huggingface.GPT2_TOKENIZER)
     other = tmp_path / "tokenizer.json"
     make_bpe_tokenizer(other)
     text = json.loads(other.read_text())
     text["model"]["vocab"] = {k: (v + 1) % len(text["model"]["vocab"]) for k, v in text["model"]["vocab"].items()}
     other.write_text(json.dumps(text))
     with pytest.raises(UserError, match="needs data tokenized with its"):
-        hf.load_for_training(cfg, tokenizer.make_spec(str(other)))
+        load.for_training(cfg, tokenizer.make_spec(str(other)))
 
 
 # ---------------------------------------------------------------------------- bad input, one line each
@@ -293,12 +295,12 @@ def test_missing_weights_are_one_line(tmp_path):
     theirs.save_pretrained(tmp_path / "whole")
     (tmp_path / "whole" / "model.safetensors").unlink()
     with pytest.raises(UserError, match="has no model.safetensors nor model.safetensors.index.json") as e:
-        hf.from_pretrained(str(tmp_path / "whole"))
+        huggingface.from_pretrained(str(tmp_path / "whole"))
     assert_one_line(e)
     theirs.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
     next((tmp_path / "sharded").glob("model-00002-*.safetensors")).unlink()
     with pytest.raises(UserError, match=r"model-00002-of-\d+\.safetensors is missing") as e:
-        hf.from_pretrained(str(tmp_path / "sharded"))
+        huggingface.from_pretrained(str(tmp_path / "sharded"))
     assert_one_line(e)
 
 
@@ -312,7 +314,7 @@ def test_weights_that_disagree_with_config_json_are_one_line(tmp_path):
                               ("num_hidden_layers", 1, r"has 9 weight\(s\) this Llama has no place for \(model.layers.1.")]:
         (tmp_path / "llama" / "config.json").write_text(json.dumps({**config, key: value}))
         with pytest.raises(UserError, match=named) as e:
-            hf.from_pretrained(str(tmp_path / "llama"))
+            huggingface.from_pretrained(str(tmp_path / "llama"))
         assert_one_line(e)
 
 
@@ -327,7 +329,7 @@ def test_settings_our_gpt_cannot_reproduce_are_refused(tmp_path, setting, named)
     config = {**LLAMA_3_2_1B, **setting}
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(UserError, match=named) as e:
-        hf.from_pretrained(str(tmp_path))  # refused before any weights are looked for
+        huggingface.from_pretrained(str(tmp_path))  # refused before any weights are looked for
     assert_one_line(e)
 
 
@@ -338,7 +340,7 @@ def test_settings_our_gpt_cannot_reproduce_are_refused(tmp_path, setting, named)
 def test_export_refuses_models_neither_format_can_hold(tmp_path, options, named):
     model = GPT(GPTConfig(n_layer=1, n_head=4, n_embd=32, block_size=16, vocab_size=65, **options))
     with pytest.raises(UserError, match=named) as e:
-        hf.export(model, {"kind": "char", "chars": "x" * 65}, str(tmp_path / "hf"))
+        huggingface.export(model, {"kind": "char", "chars": "x" * 65}, str(tmp_path / "hf"))
     assert_one_line(e)
     assert not (tmp_path / "hf").exists()
 
