@@ -215,12 +215,12 @@ class BatteryConfig(BenchConfig):
 SUITE_PARTS = ("env", "attention", "sweep", "llama", "baby", "smoke")  # scripts/gpu_battery.py's parts, in the order they run
 
 
-GPT2_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # released weights init_from can name (hf.py)
+GPT2_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # released weights init_from can name (gpt/huggingface.py)
 
 
 @dataclass
 class SampleConfig:
-    init_from: str = "resume"  # 'resume' (a checkpoint from out_dir), 'gpt2'/'gpt2-medium'/'gpt2-large'/'gpt2-xl' or a Hugging Face GPT-2 or Llama directory
+    init_from: str = "resume"  # 'resume' (a checkpoint from out_dir), 'gpt2'/'gpt2-medium'/'gpt2-large'/'gpt2-xl', a Hugging Face GPT-2 or Llama directory, or another run's out_dir
     out_dir: str = "out"  # where the checkpoint is
     checkpoint: str = "best"  # 'best' (ckpt_best.pt or ckpt_best/ when present) or 'latest' (ckpt.pt or the newest ckpt_<iter>/)
     start: str = "\n"  # the prompt, or FILE:path to read it from a file
@@ -279,7 +279,7 @@ class ChatConfig:
 
 @dataclass
 class ServeConfig:
-    init_from: str = "resume"  # 'resume' (a checkpoint from out_dir), 'gpt2'/'gpt2-medium'/'gpt2-large'/'gpt2-xl' or a Hugging Face GPT-2 or Llama directory
+    init_from: str = "resume"  # 'resume' (a checkpoint from out_dir), 'gpt2'/'gpt2-medium'/'gpt2-large'/'gpt2-xl', a Hugging Face GPT-2 or Llama directory, or another run's out_dir
     out_dir: str = "out"  # where the checkpoint is
     checkpoint: str = "best"  # 'best' (ckpt_best.pt or ckpt_best/ when present) or 'latest' (ckpt.pt or the newest ckpt_<iter>/)
     host: str = "127.0.0.1"  # the address to listen on; '0.0.0.0' lets anyone who can reach this machine use the model (README: serve.py)
@@ -333,7 +333,7 @@ HELLASWAG_STYLES = ("nanogpt", "harness")
 
 @dataclass
 class EvalConfig:
-    init_from: str = "resume"  # 'resume' (a training run's checkpoint in out_dir), 'gpt2'/'gpt2-medium'/'gpt2-large'/'gpt2-xl' or a Hugging Face GPT-2 directory
+    init_from: str = "resume"  # 'resume' (a training run's checkpoint in out_dir), 'gpt2'/'gpt2-medium'/'gpt2-large'/'gpt2-xl', a Hugging Face GPT-2 or Llama directory, or another run's out_dir
     out_dir: str = "out"  # the training run to evaluate
     checkpoint: str = "best"  # 'best' (ckpt_best.pt when present) or 'latest' (ckpt.pt)
     tasks: str = ""  # comma list of hellaswag, mc, val, test, core; '': hellaswag (unless character-level), mc (with mc_path), and the splits the data has
@@ -385,7 +385,7 @@ def _require_sampling(cfg):
 
 
 def _require_init_from(value, own):
-    # a directory is checked for a GPT-2 or Llama inside when it is loaded (hf.py)
+    # a directory is checked for a GPT-2 or Llama inside when it is loaded (gpt/load.py)
     _require(value in own + GPT2_MODELS or os.path.isdir(value),
              f"init_from={value!r} is not one of {', '.join(map(repr, own + GPT2_MODELS))}, "
              f"nor a directory (a Hugging Face GPT-2 or Llama model, or a training run's out_dir)")
