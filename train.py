@@ -274,31 +274,28 @@ def train(cfg, rt, stop, out):
 
 
 def evaluate_and_save(run, last):
-    """HellaSwag, CORE and the eval losses when due, and a checkpoint when val improved (or always,
-    with always_save_checkpoint); True when a checkpoint was written."""
-    cfg, rt, it = run.cfg, run.rt, run.iter_num
+    """The eval losses when due and a checkpoint when val improved (or always, with
+    always_save_checkpoint, or at the last step), then HellaSwag and CORE when due: after the
+    step's checkpoint, so a downstream eval that fails costs no training. True when a checkpoint
+    was written."""
+    cfg, it = run.cfg, run.iter_num
     due = lambda interval: cfg.eval_only or ((it % interval == 0 or last) and it != run.resumed_at)
     evaluating = due(cfg.eval_interval)
     if evaluating or last:
         run.check_bad_steps()  # before a checkpoint can be written
+    saved = evaluate_losses_and_save(run, last) if evaluating else False
+    if last and not saved and not cfg.eval_only and it != run.resumed_at:
+        run.save()  # the run's end is saved before its last downstream evals
+        saved = True
     if run.data.hellaswag is not None and due(cfg.hellaswag_interval):
-        # the plain model: the padded lengths vary, which a compiled one would recompile for
-        scores = evaluation.score_choices(run.raw_model, run.data.hellaswag, cfg.block_size, rt, cfg.batch_size)
-        if rt.master:
-            print(f"step {it}: hellaswag acc {scores['acc']:.4f}, acc_norm_tokens {scores['acc_norm_tokens']:.4f}, "
-                  f"acc_norm_chars {scores['acc_norm_chars']:.4f} ({scores['n']} examples)")
-            run.metrics.write({"iter": it, "hellaswag_acc": scores["acc"], "hellaswag_acc_norm": scores["acc_norm_tokens"],
-                               "hellaswag_acc_norm_chars": scores["acc_norm_chars"]})
-        run.throughput.restart()
+        downstream(run, "hellaswag", score_hellaswag)
     if run.data.core is not None and due(cfg.core_interval):
-        core = core_eval.evaluate_core(run.raw_model, run.data.core, run.data.tok_spec, cfg.block_size, rt,
-                                       cfg.batch_size * cfg.block_size)
-        if rt.master:
-            print(f"step {it}: CORE {core['core']:.4f} ({core['examples']} examples, {core['examples_per_s']:.0f}/s)")
-            run.metrics.write({"iter": it, "core": core["core"], **{f"core/{k}": v["centered"] for k, v in core["tasks"].items()}})
-        run.throughput.restart()
-    if not evaluating:
-        return False
+        downstream(run, "core", score_core)
+    return saved
+
+
+def evaluate_losses_and_save(run, last):
+    cfg, rt, it = run.cfg, run.rt, run.iter_num
     final = last or cfg.eval_only  # the test split is scored once, at the end
     splits = {k: v for k, v in run.eval_splits.items() if k != "test" or final}
     group = eval_group(cfg, run.raw_model.config.padded_vocab_size, rt.world_size)
@@ -319,6 +316,51 @@ def evaluate_and_save(run, last):
         run.save(best=improved)
         return True
     return False
+
+
+def downstream(run, name, score):
+    """One downstream eval of this step. Training goes on when it fails, out of memory included:
+    what it held is freed, the model is put back in training mode, and the failure is one line
+    and a metrics record ({name}_failed). Under torchrun a failure on one rank alone can leave the
+    others waiting in the eval's all-reduce; there `python eval.py` on the checkpoint is the safe way."""
+    cfg, rt, it = run.cfg, run.rt, run.iter_num
+    try:
+        record = score(run)
+    except Exception as e:  # noqa: BLE001 (any eval failure: the run matters more than one score)
+        run.raw_model.train()
+        if rt.device_type == "cuda":
+            torch.cuda.empty_cache()
+        if cfg.eval_only:
+            raise
+        why = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        message = f"{type(e).__name__}: {why}"[:300]
+        if rt.master:
+            print(f"step {it}: {name} failed, training goes on ({message})")
+            run.metrics.write({"iter": it, f"{name}_failed": message})
+    else:
+        if rt.master:
+            run.metrics.write({"iter": it, **record})
+    run.throughput.restart()
+
+
+def score_hellaswag(run):
+    """HellaSwag on the plain model: the padded lengths vary, which a compiled one would recompile for."""
+    cfg, rt, it = run.cfg, run.rt, run.iter_num
+    scores = evaluation.score_choices(run.raw_model, run.data.hellaswag, cfg.block_size, rt, cfg.batch_size)
+    if rt.master:
+        print(f"step {it}: hellaswag acc {scores['acc']:.4f}, acc_norm_tokens {scores['acc_norm_tokens']:.4f}, "
+              f"acc_norm_chars {scores['acc_norm_chars']:.4f} ({scores['n']} examples)")
+    return {"hellaswag_acc": scores["acc"], "hellaswag_acc_norm": scores["acc_norm_tokens"],
+            "hellaswag_acc_norm_chars": scores["acc_norm_chars"]}
+
+
+def score_core(run):
+    cfg, rt, it = run.cfg, run.rt, run.iter_num
+    core = core_eval.evaluate_core(run.raw_model, run.data.core, run.data.tok_spec, cfg.block_size, rt,
+                                   cfg.batch_size * cfg.block_size)
+    if rt.master:
+        print(f"step {it}: CORE {core['core']:.4f} ({core['examples']} examples, {core['examples_per_s']:.0f}/s)")
+    return {"core": core["core"], **{f"core/{k}": v["centered"] for k, v in core["tasks"].items()}}
 
 
 def log_step(run, result, lr):

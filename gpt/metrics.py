@@ -56,7 +56,8 @@ class MetricsLog:
             self.wandb.log(values, step=record["iter"])
         if self.tensorboard is not None:
             for key, value in values.items():
-                self.tensorboard.add_scalar(key, value, record["iter"])
+                if isinstance(value, (int, float)):  # a failed eval's message is text
+                    self.tensorboard.add_scalar(key, value, record["iter"])
             self.tensorboard.flush()  # a preempted run keeps what it logged
 
 

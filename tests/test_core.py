@@ -367,6 +367,40 @@ def test_training_logs_core_in_rhythm_and_plots_it(setup, tmp_path):
     assert width > 2000  # a fourth panel, CORE
 
 
+def test_an_in_loop_eval_that_runs_out_of_memory_costs_the_run_nothing(setup, tmp_path, monkeypatch):
+    """CORE raising out-of-memory at steps 4 and 6 (patched here): the run trains on to its end, the
+    step's checkpoint was already written when CORE started, and each failure is one line and a
+    record in metrics.jsonl."""
+    root, model, bundle, rt = setup
+    data_dir, _ = bpe_eval_data(tmp_path)
+    out = tmp_path / "out"
+    scored, found = core_eval.evaluate_core, []
+
+    def failing(*args, **kwargs):
+        iters = [r["iter"] for r in read_metrics(out) if "train_loss" in r]
+        found.append(torch.load(out / "ckpt.pt", weights_only=True)["iter_num"] if iters[-1] > 0 else None)
+        if iters[-1] in (4, 6):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return scored(*args, **kwargs)
+
+    monkeypatch.setattr(core_eval, "evaluate_core", failing)
+    result = run_script("train.py", *tiny_args(data_dir, out, max_iters=8, lr_decay_iters=8, eval_interval=2,
+                                               block_size=BLOCK, always_save_checkpoint=True, core_interval=2,
+                                               core_max_per_task=5, core_bundle=bundle), patched=True)
+    assert result.returncode == 0, result.stderr
+    assert found == [None, 2, 4, 6, 8]  # CORE ran after its step's checkpoint
+    records = read_metrics(out)
+    assert [r["iter"] for r in records if "core" in r] == [0, 2, 8]
+    failed = [r for r in records if "core_failed" in r]
+    assert [r["iter"] for r in failed] == [4, 6]
+    assert all(r["core_failed"] == "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB" for r in failed)
+    assert [r["iter"] for r in records if "loss" in r] == list(range(8))  # every step trained
+    said = [line for line in result.stdout.splitlines() if "CORE failed" in line or "core failed" in line]
+    assert said == [f"step {i}: core failed, training goes on (OutOfMemoryError: CUDA out of memory. Tried to allocate "
+                    f"2.00 GiB)" for i in (4, 6)]
+    assert torch.load(out / "ckpt.pt", weights_only=True)["iter_num"] == 8
+
+
 def test_a_device_without_float64_sums_in_float32_with_the_same_results(setup, monkeypatch):
     # MPS has no float64: scoring.sum_dtype's branch, run on the CPU with the runtime saying 'mps'
     root, model, bundle, rt = setup
