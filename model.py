@@ -150,6 +150,7 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * kv_size, bias=config.bias)  # q, k, v in one matmul
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
+        self.qk_norm = config.qk_norm
         if config.qk_norm:
             # RMSNorm of each head's q and k (as nanochat and modded-nanogpt do, here with a
             # learned gain): the attention logits cannot grow with the weights, which steadies
@@ -167,7 +168,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.c_attn(x).split([C, self.n_kv_head * hs, self.n_kv_head * hs], dim=2)
         q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         k, v = (t.view(B, T, self.n_kv_head, hs).transpose(1, 2) for t in (k, v))  # (B, n_kv, T, hs)
-        if hasattr(self, "q_norm"):  # before the rotation, as in Qwen3 and OLMo 2
+        if self.qk_norm:  # before the rotation, as in Qwen3 and OLMo 2
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
