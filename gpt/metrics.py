@@ -20,8 +20,10 @@ class MetricsLog:
         self.path = path or os.path.join(out_dir, "metrics.jsonl")
         if resume_iter is not None:
             self._truncate(resume_iter)
-        # one handle for the whole run: it follows the file when outdir.py moves it into place
-        self.file = open(self.path, "a")
+        # one handle for the whole run: it follows the file when outdir.py moves it into place.
+        # Unbuffered, in append mode: each record is one write() at the file's end, never torn or
+        # interleaved with a watcher's (gpt/watch.py appends the same way), and a killed run keeps it
+        self.file = open(self.path, "ab", buffering=0)
         weakref.finalize(self, self.file.close)
         self.wandb = self.tensorboard = self.wandb_run_id = None
         if cfg.wandb_log:
@@ -49,8 +51,7 @@ class MetricsLog:
         os.replace(self.path + ".tmp", self.path)
 
     def write(self, record):
-        self.file.write(json.dumps(record) + "\n")  # json keeps every digit of a float
-        self.file.flush()  # a killed run keeps what it logged
+        self.file.write((json.dumps(record) + "\n").encode())  # json keeps every digit of a float
         values = {k: v for k, v in record.items() if k != "iter" and v is not None}
         if self.wandb is not None:
             self.wandb.log(values, step=record["iter"])

@@ -1,0 +1,258 @@
+"""Evaluating while it trains (gpt/watch.py, eval.py --watch=True, train.py's eval_async=True): each
+checkpoint scored once, as eval.py scores it afterwards, in both formats; a watcher SIGKILLed and
+restarted; one that falls behind (retention); one checkpoint removed while read; a second watcher
+refused; the records in TensorBoard and wandb."""
+
+import json
+import os
+import random
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from gpt import checkpoint
+from gpt import load
+from gpt import outdir
+from gpt import watch
+from conftest import REPO, bpe_eval_data, load_script, make_text, read_metrics, run_script, tiny_args
+
+
+def watch_records(out):
+    return [r for r in read_metrics(out) if any(k.startswith("watch/") for k in r)]
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    """(a GPT-2 BPE dataset with val and test, a HellaSwag-format file of 30 records)."""
+    return bpe_eval_data(tmp_path_factory.mktemp("bpe"))
+
+
+@pytest.fixture(scope="module")
+def chars(tmp_path_factory):
+    data_dir = tmp_path_factory.mktemp("chars")
+    load_script("data/shakespeare_char/prepare.py").prepare(make_text(), str(data_dir))
+    return data_dir
+
+
+@pytest.fixture(scope="module")
+def finished_run(chars, tmp_path_factory):
+    """A finished character-level run with 10 checkpoints (iters 2, 4, ..., 20), all kept. Copy it to write there."""
+    out = tmp_path_factory.mktemp("finished") / "out"
+    result = run_script("train.py", *tiny_args(chars, out, max_iters=20, eval_interval=2, keep_last=100, log_interval=10))
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def copy_of(run, tmp_path):
+    shutil.copytree(run, tmp_path / "out", symlinks=True)
+    return tmp_path / "out"
+
+
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_the_watcher_beside_a_run_scores_each_checkpoint_once_as_eval_py_does(fmt, bpe, tmp_path, monkeypatch):
+    data_dir, hs = bpe
+    out, kept = tmp_path / "out", tmp_path / "kept"
+    kept.mkdir()
+    committed = outdir.OutDir.committed
+
+    def keeping(self, path):  # a copy of each checkpoint as it is complete: keep_last=2 removes them
+        iter_num = checkpoint.load(path)["iter_num"] if os.path.isfile(path) else int(path.rsplit("_", 1)[1])
+        (shutil.copyfile if os.path.isfile(path) else shutil.copytree)(path, kept / f"ckpt_{iter_num:07d}{'.pt' * os.path.isfile(path)}")
+        committed(self, path)
+
+    monkeypatch.setattr(outdir.OutDir, "committed", keeping)
+    result = run_script("train.py", *tiny_args(data_dir, out, block_size=32, max_iters=12, lr_decay_iters=12, eval_interval=4,
+                                               keep_last=2, checkpoint_format=fmt, eval_async=True, hellaswag_interval=4,
+                                               hellaswag_path=hs, hellaswag_examples=8, tensorboard_log=fmt == "full"),
+                        patched=True)
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert "watch: the run is over; 3 checkpoint(s) scored, 0 skipped" in result.stdout
+    records = watch_records(out)
+    assert [r["iter"] for r in records] == [4, 8, 12]  # every saved step once, in order
+    assert sorted(os.listdir(kept)) == [f"ckpt_{i:07d}{'.pt' * (fmt == 'full')}" for i in (4, 8, 12)]
+    assert not any("hellaswag_acc" in r for r in read_metrics(out))  # the loop ran no HellaSwag itself
+    assert json.loads((out / "watch.json").read_text()) == {"scored": [4, 8, 12], "skipped": [], "scoring": None}
+
+    # eval.py afterwards, with the watcher's own command (as train.py printed it), on each kept copy
+    command = shlex.split(next(line for line in result.stdout.splitlines() if line.startswith("eval_async:")).partition(": ")[2].partition(": ")[2])
+    args = [a for a in command[2:] if a != "--watch=True"]
+    assert "--tasks=val,test,hellaswag" in args
+    record = load_script("eval.py").record
+    for r in records:
+        copy = kept / f"ckpt_{r['iter']:07d}{'.pt' * (fmt == 'full')}"
+        after = run_script("eval.py", *args, f"--checkpoint={copy}", "--json=True")
+        assert after.returncode == 0, after.stderr
+        expected = {f"watch/{k}": v for k, v in record(json.loads(after.stdout.strip().splitlines()[-1])).items()}
+        assert r == {"iter": r["iter"], **expected}  # every loss bitwise, every accuracy exactly
+        assert set(expected) == {f"watch/{k}" for k in ("val_loss", "val_bpb", "test_loss", "test_bpb", "hellaswag_acc",
+                                                        "hellaswag_acc_norm", "hellaswag_acc_norm_chars")}
+
+    if fmt == "full":  # TensorBoard, read back with its own reader: the same numbers at the training steps
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(out / "tensorboard" / "watch"))
+        events.Reload()
+        for key in ("watch/val_loss", "watch/hellaswag_acc"):
+            scalars = events.Scalars(key)
+            assert [e.step for e in scalars] == [4, 8, 12]
+            assert [e.value for e in scalars] == pytest.approx([r[key] for r in records], rel=1e-6)  # stored as float32
+
+
+def test_a_watcher_killed_at_random_moments_and_restarted_scores_each_checkpoint_once(finished_run, tmp_path):
+    out = copy_of(finished_run, tmp_path)
+    command = [sys.executable, str(REPO / "eval.py"), "--watch=True", f"--out_dir={out}", "--device=cpu", "--tasks=val",
+               "--split_tokens=0"]
+    rng, kills, scored_at_kill = random.Random(0), 0, []
+    while kills < 10:
+        watcher = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        while watcher.poll() is None and f'"pid": {watcher.pid},' not in _read(out / "watch.lock"):
+            time.sleep(0.02)  # until it holds the lock: its imports are behind it
+        time.sleep(rng.uniform(0, 0.3))  # then anywhere: scoring, appending a record, replacing watch.json
+        if watcher.poll() is not None:
+            break  # it finished before this kill
+        watcher.send_signal(signal.SIGKILL)
+        watcher.wait()
+        kills += 1
+        scored_at_kill.append(len(watch_records(out)))
+    assert kills == 10, "the watcher finished too early to be killed 10 times"
+    assert any(0 < n < 10 for n in scored_at_kill), scored_at_kill  # killed midway, not only before or after the work
+    last = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert last.returncode == 0, last.stderr
+    records = watch_records(out)
+    assert sorted(r["iter"] for r in records) == list(range(2, 21, 2))  # none missing, none twice
+    assert not any("watch/skipped" in r for r in records)
+    assert json.loads((out / "watch.json").read_text())["scored"] == list(range(2, 21, 2))
+
+
+def _read(path):
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+class ThreadWatcher:
+    """watch.Child's stand-in: the watcher in a thread of this process, with the test's scorer."""
+
+    def __init__(self, out, score):
+        self.thread = threading.Thread(target=lambda: self.counts.update(watch.follow(str(out), score, poll_s=0.05)))
+        self.counts = {}
+        self.thread.start()
+
+    def finish(self):
+        self.thread.join()
+
+
+def test_a_watcher_that_falls_behind_holds_keep_unscored_checkpoints_and_skips_the_older_ones(chars, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    seen = {}
+
+    def slow_score(path):
+        """The first checkpoint takes until the run is over; the rest are quick."""
+        it = int(os.path.basename(path)[5:12])
+        if not seen:
+            seen["first"] = it
+            while watch.run_is_live(str(out)):
+                time.sleep(0.05)
+            seen["on_disk"] = sorted(watch.complete_checkpoints(str(out)))  # what training left: nothing more is removed
+        return {"n": it}
+
+    monkeypatch.setattr(watch, "Child", lambda command: ThreadWatcher(out, slow_score))
+    result = run_script("train.py", *tiny_args(chars, out, max_iters=20, eval_interval=2, keep_last=2, keep_unscored=3,
+                                               eval_async=True), patched=True)
+    assert result.returncode == 0, result.stderr
+    first, saved = seen["first"], list(range(2, 21, 2))
+    # at the run's end: 18 and 20 (keep_last=2), the three newest unscored before them (keep_unscored=3), and the
+    # one being scored all along; training never waited for it
+    assert seen["on_disk"] == sorted({first, 12, 14, 16, 18, 20})
+    records = {r["iter"]: r for r in watch_records(out)}
+    assert sorted(records) == saved  # every saved step has one record: scored or skipped
+    scored = sorted(i for i, r in records.items() if "watch/n" in r)
+    skipped = sorted(i for i, r in records.items() if "watch/skipped" in r)
+    assert scored == sorted({first, 12, 14, 16, 18, 20}), (scored, skipped)
+    assert skipped == [i for i in saved if i not in scored] and "released unscored" in records[skipped[0]]["watch/skipped"]
+    assert f"note: iter {skipped[0]}'s checkpoint was released by training before it was scored" in result.stdout
+
+
+def test_a_checkpoint_removed_while_it_is_read_is_skipped_with_one_line(finished_run, tmp_path, monkeypatch):
+    out = copy_of(finished_run, tmp_path)
+    for_inference = load.for_inference
+
+    def removed_first(init_from, out_dir, which, report=print):
+        if which == "ckpt_0000004.pt":
+            os.remove(os.path.join(out_dir, which))
+        return for_inference(init_from, out_dir, which, report)
+
+    monkeypatch.setattr(load, "for_inference", removed_first)
+    result = run_script("eval.py", "--watch=True", f"--out_dir={out}", "--device=cpu", "--tasks=val", patched=True)
+    assert result.returncode == 0 and "Traceback" not in result.stderr + result.stdout, result.stderr
+    assert [line for line in result.stdout.splitlines() if "ckpt_0000004.pt" in line] == \
+        ["note: ckpt_0000004.pt disappeared while it was read (training removed it); skipped"]
+    records = {r["iter"]: r for r in watch_records(out)}
+    assert sorted(records) == list(range(2, 21, 2)) and list(records[4]) == ["iter", "watch/skipped"]
+
+
+def test_a_second_watcher_is_refused_naming_the_first(finished_run, tmp_path):
+    out = copy_of(finished_run, tmp_path)
+    fd = outdir.lock_watcher(str(out))
+    try:
+        result = run_script("eval.py", "--watch=True", f"--out_dir={out}", "--device=cpu")
+    finally:
+        os.close(fd)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"error: out_dir={out} is already watched by another watcher (pid {os.getpid()} on ")
+    assert not (out / "watch.json").exists()
+
+
+def test_the_watchers_records_are_in_the_runs_wandb_run_at_the_training_steps(chars, tmp_path):
+    pytest.importorskip("wandb")
+    from wandb.proto import wandb_internal_pb2
+
+    out = tmp_path / "out"
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    result = run_script("train.py", *tiny_args(chars, out, max_iters=8, eval_interval=4, keep_last=2, wandb_log=True,
+                                               eval_async=True), env=env, isolated=True)  # wandb: one per interpreter
+    assert result.returncode == 0, result.stderr
+    run_id = checkpoint.load(str(out / "ckpt.pt"))["wandb_run_id"]
+    runs = sorted((out / "wandb").glob(f"offline-run-*-{run_id}"))
+    assert len(runs) == 2  # the trainer's and the watcher's, one wandb run
+    logged = []
+    for run in runs:
+        for data in wandb_records(run / f"run-{run_id}.wandb"):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(data)
+            if record.WhichOneof("record_type") == "history":
+                items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+                if "watch/iter" in items:
+                    logged.append(items)
+    expected = watch_records(out)
+    assert [r["iter"] for r in expected] == [4, 8]
+    assert [(i["watch/iter"], i["watch/val_loss"]) for i in logged] == [(r["iter"], r["watch/val_loss"]) for r in expected]
+
+
+def wandb_records(path, block=32768):
+    """The protobuf records of a .wandb file: LevelDB's log format (blocks of 32 KiB; in each, chunks
+    of a 7-byte header, crc32 uint32, length uint16, type uint8: 1 full, 2 first, 3 middle, 4 last)
+    after wandb's own 7-byte header (':W&B', magic 0xBEE1, version)."""
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, pending = 7, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind == 0:
+            break
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            yield pending
