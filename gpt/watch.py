@@ -7,7 +7,8 @@ itself is the caller's (eval.py's tasks): follow() takes it as a function of a c
                alone (keep_last=1, rewritten at every save) is scored once the run has ended.
   the records  one line per checkpoint in out_dir/metrics.jsonl, {"iter": N, "watch/<name>": ...},
                each line one write() in append mode, as the trainer's: no line is torn or
-               interleaved. Also TensorBoard (out_dir/tensorboard/watch) and the run's wandb run.
+               interleaved (gpt/metrics.py). Also TensorBoard (out_dir/tensorboard/watch) and the
+               run's wandb run.
   progress     out_dir/watch.json, replaced atomically: the iters scored and skipped, and the one
                being scored. A restart also reads the records (a kill can fall between a record
                and the progress), so none is scored twice and none is skipped.
@@ -29,20 +30,12 @@ import subprocess
 import time
 
 from gpt import checkpoint
+from gpt import metrics
 from gpt import outdir
 
 PREFIX = "watch/"  # the watcher's names in metrics.jsonl, TensorBoard and wandb
 PROGRESS, RELEASED = outdir.WATCH_FILES  # watch.json, watch_released.jsonl
 NUMBERED = re.compile(r"ckpt_(\d+)(\.pt)?")
-
-
-def append(path, record):
-    """One JSON line at the end of `path` in a single write(): never torn, never interleaved."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, (json.dumps(record) + "\n").encode())
-    finally:
-        os.close(fd)
 
 
 def complete_checkpoints(out_dir):
@@ -155,7 +148,7 @@ class Log:
         self.out_dir, self.cfg, self.tensorboard, self.wandb = out_dir, None, None, None
 
     def write(self, record, path):
-        append(os.path.join(self.out_dir, "metrics.jsonl"), record)
+        metrics.append_record(os.path.join(self.out_dir, "metrics.jsonl"), record)
         if self.cfg is None:  # read once there is a checkpoint: the run has written it by then
             try:
                 with open(os.path.join(self.out_dir, "config.json")) as f:

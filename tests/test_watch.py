@@ -94,6 +94,8 @@ def test_the_watcher_beside_a_run_scores_each_checkpoint_once_as_eval_py_does(fm
         assert set(expected) == {f"watch/{k}" for k in ("val_loss", "val_bpb", "test_loss", "test_bpb", "hellaswag_acc",
                                                         "hellaswag_acc_norm", "hellaswag_acc_norm_chars")}
 
+    plotted = run_script("plot.py", out)  # the watcher's HellaSwag alone makes the HellaSwag panel
+    assert plotted.returncode == 0 and int.from_bytes((out / "metrics.png").read_bytes()[16:20], "big") > 2000, plotted.stderr
     if fmt == "full":  # TensorBoard, read back with its own reader: the same numbers at the training steps
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -197,6 +199,53 @@ def test_a_checkpoint_removed_while_it_is_read_is_skipped_with_one_line(finished
         ["note: ckpt_0000004.pt disappeared while it was read (training removed it); skipped"]
     records = {r["iter"]: r for r in watch_records(out)}
     assert sorted(records) == list(range(2, 21, 2)) and list(records[4]) == ["iter", "watch/skipped"]
+
+
+def test_a_resumed_run_keeps_the_watchers_records_and_a_second_watch_fills_in_the_new_ones(finished_run, chars, tmp_path):
+    out = copy_of(finished_run, tmp_path)
+    first = run_script("eval.py", "--watch=True", f"--out_dir={out}", "--device=cpu", "--tasks=val")
+    assert first.returncode == 0 and "10 checkpoint(s) scored" in first.stdout, first.stderr
+    before = watch_records(out)
+    resumed = run_script("train.py", *tiny_args(chars, out, max_iters=24, lr_decay_iters=24, eval_interval=2, keep_last=100,
+                                                init_from="resume"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert watch_records(out) == before  # the resumed run's truncation of metrics.jsonl kept them
+    again = run_script("eval.py", "--watch=True", f"--out_dir={out}", "--device=cpu", "--tasks=val")
+    assert again.returncode == 0 and "2 checkpoint(s) scored, 0 skipped" in again.stdout, again.stderr
+    assert [r["iter"] for r in watch_records(out)] == list(range(2, 25, 2))
+
+
+APPENDER = """
+import sys
+sys.path.insert(0, {repo!r})
+from gpt import metrics
+print("ready", flush=True)
+sys.stdin.readline()  # go: both write at once
+for i in range(1000):
+    metrics.append_record({path!r}, {{"iter": i, "watch/text": "w" * 8000}})
+"""
+
+
+def test_the_trainers_and_the_watchers_appends_never_tear_or_interleave(tmp_path):
+    from types import SimpleNamespace
+
+    from gpt.metrics import MetricsLog
+
+    log = MetricsLog(str(tmp_path), None, SimpleNamespace(wandb_log=False, tensorboard_log=False))
+    other = subprocess.Popen([sys.executable, "-c", APPENDER.format(repo=str(REPO), path=str(tmp_path / "metrics.jsonl"))],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert other.stdout.readline() == "ready\n"
+    other.stdin.write("go\n")
+    other.stdin.flush()
+    for i in range(1000):  # lines of 8 kB, past what one write() to a pipe keeps whole
+        log.write({"iter": i, "text": "t" * 8000})
+    assert other.wait(timeout=60) == 0
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]  # each line whole
+    assert sorted(r["iter"] for r in records if "text" in r) == list(range(1000))
+    assert sorted(r["iter"] for r in records if "watch/text" in r) == list(range(1000))
+    assert all(set(r.get("text", r.get("watch/text"))) <= {"t", "w"} and len(set(r.get("text", r.get("watch/text")))) == 1
+               for r in records)
 
 
 def test_a_second_watcher_is_refused_naming_the_first(finished_run, tmp_path):
