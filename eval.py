@@ -81,7 +81,7 @@ def _check_same_tokenizer(data_dir, tok_spec):
 def main(argv=None):
     cfg = parse(EvalConfig, argv)
     if cfg.watch:
-        return follow(cfg)
+        return watch_run(cfg)
     rt = runtime.setup(cfg.device, cfg.dtype, cfg.backend)
     finished = False
     try:
@@ -94,7 +94,7 @@ def main(argv=None):
     return 0
 
 
-def follow(cfg):
+def watch_run(cfg):
     """--watch=True: every checkpoint of out_dir's run scored once as it lands, as --checkpoint=<it>
     would score it, until the run is over (gpt/watch.py)."""
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:

@@ -60,7 +60,7 @@ def main(argv=None):
     finished, out, watcher = False, None, None
     try:
         out = outdir.claim(cfg, rt)  # the out_dir lock; a used out_dir refused; init_from='auto' resolved
-        if cfg.eval_async and rt.master:
+        if cfg.eval_async and rt.master and not cfg.eval_only:
             watcher = watch.Child(watcher_command(out.cfg))
         code = train(out.cfg, rt, stop, out)
         finished = True

@@ -204,8 +204,8 @@ def _holder(path, what="another run"):
 
 def lock_watcher(out_dir):
     """One watcher (eval.py --watch, gpt/watch.py) per out_dir: an OS lock on out_dir/watch.lock,
-    held for the watcher's life and naming it, as train.lock names the run. The file descriptor
-    (None where the filesystem cannot lock); a second watcher is a UserError naming the first."""
+    held for the watcher's life and naming it, as train.lock names the run. The file descriptor, to
+    close at the end; a second watcher is a UserError naming the first."""
     path = os.path.join(out_dir, WATCH_LOCK)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)

@@ -36,6 +36,8 @@ from gpt import outdir
 PREFIX = "watch/"  # the watcher's names in metrics.jsonl, TensorBoard and wandb
 PROGRESS, RELEASED = outdir.WATCH_FILES  # watch.json, watch_released.jsonl
 NUMBERED = re.compile(r"ckpt_(\d+)(\.pt)?")
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+                      "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
 
 
 def complete_checkpoints(out_dir):
@@ -262,8 +264,7 @@ def follow(out_dir, score, poll_s=1.0, say=print):
             counts[watcher.done[it]] += 1
     finally:
         watcher.log.close()
-        if lock is not None:
-            os.close(lock)
+        os.close(lock)
 
 
 class Child:
@@ -272,7 +273,9 @@ class Child:
 
     def __init__(self, command, say=print):
         self.command, self.say = command, say
-        self.process = subprocess.Popen(command)
+        # one process of its own, not a rank: without the variables torchrun gave the run
+        env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES and not k.startswith("TORCHELASTIC_")}
+        self.process = subprocess.Popen(command, env=env)
         say(f"eval_async: the watcher (pid {self.process.pid}) scores each checkpoint: {shlex.join(command)}")
 
     def finish(self):
