@@ -2,9 +2,11 @@
 unless asked.
 
   the lock    the writing process (rank 0) holds an OS lock (flock) on out_dir/train.lock for the
-              whole run; the file says who holds it (pid, host, start time). The OS drops the lock
-              when the process dies, kill -9 included, so it never goes stale. sample.py, eval.py
-              and hf.py only read and take no lock.
+              whole run; the file says who holds it (pid, host, start time), and is emptied when
+              the run ends (a watcher, gpt/watch.py, reads it). The OS drops the lock when the
+              process dies, kill -9 included, so it never goes stale. sample.py, eval.py
+              and hf.py only read and take no lock; a watcher (eval.py --watch) takes its own,
+              out_dir/watch.lock: one watcher per out_dir.
   a used dir  out_dir holding a checkpoint refuses init_from='scratch' and pretrained starts; the
               user chooses --init_from=resume, --overwrite=True or another --out_dir.
               init_from='auto' resumes when there is a checkpoint and starts from scratch when not.
