@@ -361,3 +361,15 @@ def wandb_records(path, block=32768):
         pending = chunk if kind in (1, 2) else pending + chunk
         if kind in (1, 4):
             yield pending
+
+
+def test_bad_input_is_one_line(tmp_path):
+    cases = [("eval.py", ["--watch=True", f"--out_dir={tmp_path / 'missing'}"], "out_dir=" + str(tmp_path / "missing") +
+              " does not exist"),
+             ("eval.py", ["--watch=True", "--init_from=gpt2"], "--watch follows a training run: give its --out_dir"),
+             ("eval.py", [f"--out_dir={tmp_path}", "--checkpoint=ckpt_0000099.pt"], "no checkpoint at"),
+             ("train.py", ["--eval_async=True", "--keep_unscored=-1"], "keep_unscored=-1 must be >= 0")]
+    for script, args, message in cases:
+        result = run_script(script, "--device=cpu", *args)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1 and message in lines[0], (args, result.stderr)
