@@ -11,7 +11,8 @@
 The story of a run: main() reads the config and sets up the device; train() loads the data
 (load_data), makes the model (make_model), builds what trains it, and runs the loop, which
 evaluates and saves (evaluate_and_save), steps, and logs (log_step). The pieces live in the
-library modules: batches, step, optim, wrap, memory, checkpoint, metrics, runtime.
+library modules: batches, step, optim, wrap, memory, checkpoint, metrics, runtime; eval_async starts
+the watcher (gpt/watch.py, eval.py --watch) as a child process beside the run.
 """
 
 import glob
