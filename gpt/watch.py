@@ -32,6 +32,7 @@ import time
 from gpt import checkpoint
 from gpt import metrics
 from gpt import outdir
+from configurator import UserError
 
 PREFIX = "watch/"  # the watcher's names in metrics.jsonl, TensorBoard and wandb
 PROGRESS, RELEASED = outdir.WATCH_FILES  # watch.json, watch_released.jsonl
@@ -169,16 +170,22 @@ class Log:
         if self.cfg.get("wandb_log") and numbers:
             if self.wandb is None:
                 self.wandb = self._resume_wandb(path)
-            self.wandb.log({**numbers, PREFIX + "iter": record["iter"]})
+            if self.wandb is not None:
+                self.wandb.log({**numbers, PREFIX + "iter": record["iter"]})
 
     def _resume_wandb(self, path):
+        """The run's wandb run, by the id in the checkpoint just scored; None (tried again at the
+        next record) when training has removed it meanwhile."""
         import wandb  # optional, as in metrics.py
 
-        if os.path.isdir(path):
-            with open(os.path.join(path, checkpoint.COMMIT)) as f:
-                run_id = json.load(f).get("wandb_run_id")
-        else:
-            run_id = checkpoint.load(path, mmap=True).get("wandb_run_id")
+        try:
+            if os.path.isdir(path):
+                with open(os.path.join(path, checkpoint.COMMIT)) as f:
+                    run_id = json.load(f).get("wandb_run_id")
+            else:
+                run_id = checkpoint.load(path, mmap=True).get("wandb_run_id")
+        except (OSError, ValueError, UserError):
+            return None
         run = wandb.init(project=self.cfg.get("wandb_project"), name=self.cfg.get("wandb_run_name"), id=run_id,
                          resume="allow", dir=self.out_dir)
         run.define_metric(PREFIX + "iter")
