@@ -61,6 +61,9 @@ class TrainConfig:
     core_interval: int = 0  # score CORE (eval.py --tasks=core) every this many iterations; 0: off. Needs a tokenizer that encodes text
     core_max_per_task: int = 100  # CORE in the loop: this many examples per task, the same ones every time; 0: all (~90k examples)
     core_bundle: str = ""  # the CORE eval bundle (a directory or zip); '': data/core/eval_bundle.zip, downloaded once
+    eval_async: bool = False  # score each checkpoint in a watcher process beside the run (eval.py --watch): val, test, and HellaSwag/CORE when their interval is set; the loop then runs no HellaSwag or CORE itself (docs/watch.md)
+    eval_async_device: str = "cpu"  # the watcher's device: 'cpu', 'cuda:7' (a GPU training does not use), 'mps', 'auto'
+    keep_unscored: int = 4  # eval_async: checkpoints past keep_last that the watcher has not scored are kept, this many at most; older ones are removed and logged as skipped
     always_save_checkpoint: bool = True  # write ckpt.pt at every eval, not only when val improves
     keep_last: int = 1  # checkpoints kept: ckpt.pt is the newest; with N > 1 the N newest also stay as ckpt_<iter>.pt
     checkpoint_format: str = "auto"  # 'full' (one file, ckpt.pt), 'sharded' (a directory ckpt_<iter>/ of per-rank shards) or 'auto' (sharded under FSDP, else full)
@@ -144,6 +147,7 @@ class TrainConfig:
                  "core_interval and core_max_per_task must be >= 0 (0: off, and all examples)")
         _require(self.max_minutes >= 0 and self.max_bad_steps >= 1, "max_minutes must be >= 0 and max_bad_steps >= 1")
         _require(self.keep_last >= 1, f"keep_last={self.keep_last} must be at least 1 (ckpt.pt is always kept)")
+        _require(self.keep_unscored >= 0, f"keep_unscored={self.keep_unscored} must be >= 0 (0: the watcher scores what keep_last keeps)")
         _require(self.n_embd % self.n_head == 0,
                  f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; each head gets n_embd/n_head dims")
         _require(0 <= self.dropout < 1, f"dropout={self.dropout} must be in [0, 1)")
@@ -335,7 +339,8 @@ HELLASWAG_STYLES = ("nanogpt", "harness")
 class EvalConfig:
     init_from: str = "resume"  # 'resume' (a training run's checkpoint in out_dir), 'gpt2'/'gpt2-medium'/'gpt2-large'/'gpt2-xl', a Hugging Face GPT-2 or Llama directory, or another run's out_dir
     out_dir: str = "out"  # the training run to evaluate
-    checkpoint: str = "best"  # 'best' (ckpt_best.pt when present) or 'latest' (ckpt.pt)
+    checkpoint: str = "best"  # 'best' (ckpt_best.pt when present), 'latest' (ckpt.pt), or one by name: ckpt_<iter>.pt or ckpt_<iter> in out_dir, or a path
+    watch: bool = False  # follow out_dir's run: score each checkpoint once as it lands, then exit when the run is over (docs/watch.md)
     tasks: str = ""  # comma list of hellaswag, mc, val, test, core; '': hellaswag (unless character-level), mc (with mc_path), and the splits the data has
     dataset: str = ""  # data/<dataset> holds val and test; '': the run's own (its config.json)
     split_tokens: int = 10_000_000  # val/test: score this many tokens from the split's start, each once; 0: the whole split
@@ -354,7 +359,8 @@ class EvalConfig:
 
     def __post_init__(self):
         _require_init_from(self.init_from, ("resume",))
-        _require_choice("checkpoint", self.checkpoint, ("best", "latest"))
+        _require(not self.watch or self.init_from == "resume", "--watch follows a training run: give its --out_dir, "
+                 f"not --init_from={self.init_from}")
         _require_choice("backend", self.backend, ("auto", "nccl", "gloo"))
         for task in self.task_list():
             _require(task in EVAL_TASKS, f"unknown task {task!r} in --tasks; choose from {', '.join(EVAL_TASKS)}")

@@ -11,11 +11,16 @@ the val and test splits in nats per token and bits per byte.
     python eval.py --out_dir=out --tasks=mc --mc_path=questions.jsonl
     python eval.py --out_dir=out --json=True                 # the last line is one JSON object
     torchrun --standalone --nproc_per_node=8 eval.py --init_from=gpt2-xl --tasks=hellaswag,core
+    python eval.py --out_dir=out --watch=True --tasks=val,hellaswag   # each checkpoint as it lands, until the run ends
+    python eval.py --out_dir=out --checkpoint=ckpt_0002000.pt --tasks=val   # one checkpoint by name
     python eval.py --help                                    # every key
 
 The scoring is gpt/evaluation.py's (how a choice is scored, the two acc_norms, bits per byte).
-Under torchrun the examples (or windows) are shared out between the ranks and the sums all-reduced."""
+Under torchrun the examples (or windows) are shared out between the ranks and the sums all-reduced.
+--watch=True is gpt/watch.py's loop around the same tasks: one record per checkpoint in the run's
+metrics.jsonl, named watch/<train.py's name> (watch/val_loss, watch/hellaswag_acc_norm, watch/core)."""
 
+import dataclasses
 import json
 import os
 
@@ -26,6 +31,7 @@ from gpt import evaluation
 from gpt import load
 from gpt import runtime
 from gpt import tokenizer
+from gpt import watch
 from configurator import EvalConfig, UserError, parse, run_main
 from data import tokens
 
@@ -74,6 +80,8 @@ def _check_same_tokenizer(data_dir, tok_spec):
 
 def main(argv=None):
     cfg = parse(EvalConfig, argv)
+    if cfg.watch:
+        return watch_run(cfg)
     rt = runtime.setup(cfg.device, cfg.dtype, cfg.backend)
     finished = False
     try:
@@ -84,6 +92,37 @@ def main(argv=None):
     if rt.master and cfg.json:
         print(json.dumps(results))
     return 0
+
+
+def watch_run(cfg):
+    """--watch=True: every checkpoint of out_dir's run scored once as it lands, as --checkpoint=<it>
+    would score it, until the run is over (gpt/watch.py)."""
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        raise UserError("--watch=True runs in one process: start it with python, not torchrun")
+    if not os.path.isdir(cfg.out_dir):
+        raise UserError(f"out_dir={cfg.out_dir} does not exist; point --out_dir at a training run's directory")
+    rt = runtime.setup(cfg.device, cfg.dtype, cfg.backend)
+    score = lambda path: record(evaluate_all(dataclasses.replace(cfg, checkpoint=os.path.basename(path)), rt))
+    try:
+        counts = watch.follow(cfg.out_dir, score)
+    finally:
+        runtime.teardown(rt, all_finished=True)
+    print(f"watch: the run is over; {counts['scored']} checkpoint(s) scored, {counts['skipped']} skipped")
+    return 0
+
+
+def record(results):
+    """evaluate_all's results as one metrics record, in train.py's names: val_loss, val_bpb,
+    hellaswag_acc, hellaswag_acc_norm (per token), hellaswag_acc_norm_chars, mc_..., core, core/<task>."""
+    out = {}
+    for task, r in results.items():
+        if task in ("val", "test"):
+            out.update({f"{task}_loss": r["loss"], f"{task}_bpb": r["bpb"]})
+        elif task == "core":
+            out.update({"core": r["core"], **{f"core/{k}": v["centered"] for k, v in r["tasks"].items()}})
+        else:
+            out.update({f"{task}_acc": r["acc"], f"{task}_acc_norm": r["acc_norm_tokens"], f"{task}_acc_norm_chars": r["acc_norm_chars"]})
+    return out
 
 
 def evaluate_all(cfg, rt):

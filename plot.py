@@ -1,5 +1,6 @@
 """Plot runs side by side from their metrics.jsonl: loss, learning rate and throughput
-against iterations, one colour per run; HellaSwag accuracy and CORE too when a run logged them.
+against iterations, one colour per run; HellaSwag accuracy and CORE too when a run logged them,
+in the loop or by a watcher (eval.py --watch, its watch/ records: dashed, at the checkpoints' steps).
 
     python plot.py out-shakespeare-char                        # writes out-shakespeare-char/metrics.png
     python plot.py out-a out-b --out=compare.png               # two runs on the same axes
@@ -46,14 +47,21 @@ def series(records, key):
     return [p[0] for p in points], [p[1] for p in points]
 
 
+def watched(ax, records, key, label, color):
+    """A watcher's records of `key` (eval.py --watch: watch/<key>), dotted, at the checkpoints' steps."""
+    x, y = series(records, "watch/" + key)
+    if x:
+        ax.plot(x, y, color=color, marker="s", markersize=3, linestyle=":", label=label)
+
+
 def plot(runs, out):
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
-    hellaswag = any(r.get("hellaswag_acc") is not None for _, records in runs for r in records)
-    core = any(r.get("core") is not None for _, records in runs for r in records)
+    logged = lambda key: any(r.get(key) is not None or r.get("watch/" + key) is not None for _, records in runs for r in records)
+    hellaswag, core = logged("hellaswag_acc"), logged("core")
     titles = ["loss", "learning rate", "tokens/s"] + ["HellaSwag"] * hellaswag + ["CORE"] * core
     fig, axes = plt.subplots(1, len(titles), figsize=(5.3 * len(titles), 4.5))
     loss_ax, lr_ax, speed_ax = axes[:3]
@@ -66,11 +74,14 @@ def plot(runs, out):
         x, y = series(records, "test_loss")
         if x:
             loss_ax.plot(x, y, color=color, marker="x", markersize=8, linestyle="none", label=f"{label} test")
+        watched(loss_ax, records, "val_loss", f"{label} val (watcher)", color)
         if hellaswag:
             axes[3].plot(*series(records, "hellaswag_acc_norm"), color=color, marker="o", markersize=3, label=f"{label} acc_norm_tokens")
             axes[3].plot(*series(records, "hellaswag_acc"), color=color, linestyle="--", label=f"{label} acc")
+            watched(axes[3], records, "hellaswag_acc_norm", f"{label} acc_norm_tokens (watcher)", color)
         if core:
             axes[-1].plot(*series(records, "core"), color=color, marker="o", markersize=3, label=f"{label} CORE")
+            watched(axes[-1], records, "core", f"{label} CORE (watcher)", color)
         lr_ax.plot(*series(records, "lr"), color=color, label=label)
         speed_ax.plot(*series(records, "tokens_per_s"), color=color, label=label)
     for ax, title in zip(axes, titles):

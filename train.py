@@ -5,16 +5,19 @@
     python train.py config/train_shakespeare_char.py --init_from=resume      # continue where it stopped
     python train.py config/train_shakespeare_char.py --init_from=auto        # resume if out_dir holds a run, else start
     torchrun --standalone --nproc_per_node=8 train.py config/train_gpt2.py   # DDP on one node
+    python train.py config/train_shakespeare_char.py --eval_async=True --keep_last=2   # a watcher scores each checkpoint
     python train.py --help                                                   # every key
 
 The story of a run: main() reads the config and sets up the device; train() loads the data
 (load_data), makes the model (make_model), builds what trains it, and runs the loop, which
 evaluates and saves (evaluate_and_save), steps, and logs (log_step). The pieces live in the
-library modules: batches, step, optim, wrap, memory, checkpoint, metrics, runtime.
+library modules: batches, step, optim, wrap, memory, checkpoint, metrics, runtime; eval_async starts
+the watcher (gpt/watch.py, eval.py --watch) as a child process beside the run.
 """
 
 import glob
 import os
+import sys
 import textwrap
 from typing import NamedTuple, Optional
 
@@ -29,6 +32,7 @@ from gpt import optim
 from gpt import outdir
 from gpt import runtime
 from gpt import tokenizer
+from gpt import watch
 from gpt.batches import ChatBatches, ChatData, TrainBatches, chat_eval_offsets, eval_offsets, load_split, packing
 from configurator import TrainConfig, UserError, as_dict, parse, run_main
 from gpt.memory import auto_batch_size, with_batch_size
@@ -54,9 +58,11 @@ def main(argv=None):
         )
     rt = runtime.setup(cfg.device, cfg.dtype, cfg.backend)
     stop = runtime.StopRequest(cfg.max_minutes)
-    finished, out = False, None
+    finished, out, watcher = False, None, None
     try:
         out = outdir.claim(cfg, rt)  # the out_dir lock; a used out_dir refused; init_from='auto' resolved
+        if cfg.eval_async and rt.master and not cfg.eval_only:
+            watcher = watch.Child(watcher_command(out.cfg))
         code = train(out.cfg, rt, stop, out)
         finished = True
         return code
@@ -64,7 +70,25 @@ def main(argv=None):
         stop.restore()
         runtime.teardown(rt, all_finished=finished)
         if out is not None:
-            out.release()
+            out.release()  # the watcher sees the run is over: it scores what is left, then exits
+        if watcher is not None:
+            watcher.finish()
+
+
+def watcher_command(cfg):
+    """eval_async: eval.py --watch=True on eval_async_device, scoring each checkpoint's val (and
+    test) loss on the first eval_iters x batch_size x block_size tokens, and HellaSwag and CORE as
+    the loop would (when their interval is set)."""
+    data_dir = os.path.join("data", cfg.dataset)
+    tasks = ["val"] + ["test"] * bool(glob.glob(os.path.join(glob.escape(data_dir), "test*.bin"))) \
+        + ["hellaswag"] * bool(cfg.hellaswag_interval) + ["core"] * bool(cfg.core_interval)
+    rows = cfg.batch_size if cfg.batch_size != "auto" else cfg.total_batch_size // cfg.block_size
+    keys = {"watch": True, "out_dir": cfg.out_dir, "dataset": cfg.dataset, "tasks": ",".join(tasks),
+            "device": cfg.eval_async_device, "split_tokens": cfg.eval_iters * rows * cfg.block_size,
+            "hellaswag_path": cfg.hellaswag_path, "hellaswag_examples": cfg.hellaswag_examples,
+            "core_bundle": cfg.core_bundle, "core_max_per_task": cfg.core_max_per_task}
+    return [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "eval.py"),
+            *(f"--{k}={v}" for k, v in keys.items())]
 
 
 # ---------------------------------------------------------------------------- setup
@@ -111,10 +135,10 @@ def load_data(cfg, say):
             raise UserError(f"block_size={cfg.block_size} is longer than {where} ({len(data)} tokens); lower block_size")
         data.check_vocab(vocab_size)  # an id past the embedding table would fail mid-run, or worse on GPU
     hellaswag = evaluation.encode_examples(evaluation.load_hellaswag(cfg.hellaswag_path, cfg.hellaswag_examples), tok_spec) \
-        if cfg.hellaswag_interval else None
+        if cfg.hellaswag_interval and not cfg.eval_async else None  # eval_async: the watcher's
     if cfg.core_interval and tok_spec["kind"] == "char":
         raise UserError("core_interval needs a tokenizer that encodes any text; this data is character-level: set core_interval=0")
-    core = core_eval.load_tasks(cfg.core_bundle, cfg.core_max_per_task) if cfg.core_interval else None
+    core = core_eval.load_tasks(cfg.core_bundle, cfg.core_max_per_task) if cfg.core_interval and not cfg.eval_async else None
     return Data(splits["train"], splits["val"], splits.get("test"), tok_spec, vocab_size, hellaswag, core)
 
 
@@ -195,7 +219,9 @@ class Run:
             out.write_config(cfg)
             self.metrics = MetricsLog(cfg.out_dir, self.resumed_at, cfg, wandb_run_id, path=out.path("metrics.jsonl"))
         fmt = cfg.checkpoint_format if cfg.checkpoint_format != "auto" else "sharded" if uses_fsdp(cfg, rt) else "full"
-        self.saver = checkpoint.Checkpointer(cfg.out_dir, fmt, cfg.keep_last, cfg.async_checkpoint, rt, on_commit=out.committed)
+        spare = watch.Retention(cfg.out_dir, cfg.keep_unscored) if cfg.eval_async else None  # the watcher's unscored
+        self.saver = checkpoint.Checkpointer(cfg.out_dir, fmt, cfg.keep_last, cfg.async_checkpoint, rt, on_commit=out.committed,
+                                             spare=spare)
         self.bad = BadSteps(rt.device)
         self.throughput = Throughput(rt)
         self.flops_per_iter = raw_model.flops_per_token() * self.tokens_per_iter

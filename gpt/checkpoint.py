@@ -83,21 +83,23 @@ def link_or_copy(src, dst):
     os.replace(tmp, dst)
 
 
-def save_rotating(state, out_dir, keep_last=1):
-    """Write `state` as out_dir/ckpt.pt, always the newest checkpoint. With keep_last > 1 it is
-    first written as ckpt_<iter>.pt, ckpt.pt becomes a hard link to it, and only then are the
-    numbered files beyond the keep_last newest removed. Returns the path of ckpt.pt."""
+def save_rotating(state, out_dir, keep_last=1, spare=None):
+    """Write `state` as out_dir/ckpt.pt, always the newest checkpoint. With keep_last > 1 (or a
+    spare) it is first written as ckpt_<iter>.pt, ckpt.pt becomes a hard link to it, and only then
+    are the numbered files beyond the keep_last newest removed, but those spare(iters) keeps
+    (gpt/watch.py's: not yet scored). Returns the path of ckpt.pt."""
     latest = os.path.join(out_dir, "ckpt.pt")
-    if keep_last <= 1:
+    if keep_last <= 1 and spare is None:
         save(state, latest)
         return latest
     numbered = os.path.join(out_dir, f"ckpt_{state['iter_num']:07d}.pt")
     save(state, numbered)
     link_or_copy(numbered, latest)
     history = _numbered(out_dir)
-    for iter_num in sorted(history, reverse=True)[keep_last:]:
-        if iter_num != state["iter_num"]:  # an earlier run's newer files wait for outdir.py's takeover
-            os.remove(history[iter_num])
+    # an earlier run's newer files wait for outdir.py's takeover
+    doomed = [i for i in sorted(history, reverse=True)[keep_last:] if i != state["iter_num"]]
+    for iter_num in set(doomed) - (spare(doomed) if spare else set()):
+        os.remove(history[iter_num])
     return latest
 
 
@@ -429,12 +431,15 @@ def holds_checkpoint(path):
 
 def load_model(out_dir, which="best", map_location="cpu", report=print):
     """(model, tokenizer description) from a training run's checkpoint of either format:
-    ckpt_best.pt / ckpt_best when which='best' and it exists, else the newest. The model is in
-    float32 on map_location. A sharded checkpoint is read in this one process, weights only."""
+    ckpt_best.pt / ckpt_best when which='best' and it exists, else the newest; any other `which`
+    names one (ckpt_<iter>.pt or ckpt_<iter>/ in out_dir, or a path). The model is in float32 on
+    map_location. A sharded checkpoint is read in this one process, weights only."""
     if not os.path.isdir(out_dir):
         raise UserError(f"out_dir={out_dir} does not exist; point --out_dir at a training run's directory")
     best = [p for p in (os.path.join(out_dir, "ckpt_best.pt"), os.path.join(out_dir, "ckpt_best")) if os.path.exists(p)]
-    if which == "best" and best:
+    if which not in ("best", "latest"):
+        path = os.path.join(out_dir, which)  # an absolute `which` stays itself
+    elif which == "best" and best:
         path = max(best, key=lambda p: os.lstat(p).st_mtime)  # the newer, should a run have changed format
     else:
         path = os.path.join(out_dir, "ckpt.pt")
@@ -483,9 +488,9 @@ class Checkpointer:
     complete checkpoint stays. `latest` is the newest committed checkpoint's path. on_commit(path)
     is called on rank 0 as each checkpoint becomes complete, before ckpt_best and the rotation."""
 
-    def __init__(self, out_dir, fmt, keep_last, asynchronous, rt, on_commit=None):
+    def __init__(self, out_dir, fmt, keep_last, asynchronous, rt, on_commit=None, spare=None):
         self.out_dir, self.fmt, self.keep_last, self.asynchronous, self.rt = out_dir, fmt, keep_last, asynchronous, rt
-        self.on_commit = on_commit
+        self.on_commit, self.spare = on_commit, spare  # spare: see save_rotating
         self.latest = os.path.join(out_dir, "ckpt.pt")
         self.pending = None  # (future, path, best, checkpoint.json's content or None)
         # gloo groups of their own, so host-side checks and DCP's background thread never
@@ -505,9 +510,9 @@ class Checkpointer:
             path = os.path.join(self.out_dir, "ckpt.pt")
             state = make_checkpoint(raw_model, optimizer, scaler, fsdp, info, batches, self.rt)
             if self.rt.master and self.asynchronous:
-                future = self.writer.submit(save_rotating, _to_host(state), self.out_dir, self.keep_last)
+                future = self.writer.submit(save_rotating, _to_host(state), self.out_dir, self.keep_last, self.spare)
             elif self.rt.master:
-                future = _done(save_rotating, state, self.out_dir, self.keep_last)
+                future = _done(save_rotating, state, self.out_dir, self.keep_last, self.spare)
         else:
             import torch.distributed.checkpoint as dcp
 
@@ -569,12 +574,15 @@ class Checkpointer:
 
     def _rotate_sharded(self, latest):
         """Keep the keep_last newest complete directories, ckpt_best's and `latest`, the one just
-        committed; remove the rest, incomplete ones included (what a crash left)."""
+        committed, and those spare keeps; remove the rest, incomplete ones included (what a crash left)."""
         best = os.path.realpath(os.path.join(self.out_dir, "ckpt_best"))
         dirs = sorted(_sharded_dirs(self.out_dir).items(), reverse=True)
-        complete = [p for _, p in dirs if os.path.isfile(os.path.join(p, COMMIT))]
+        complete = [(i, p) for i, p in dirs if os.path.isfile(os.path.join(p, COMMIT))]
+        doomed = [i for i, p in complete[self.keep_last:] if os.path.realpath(p) != best and p != latest]
+        spared = self.spare(doomed) if self.spare else set()
+        kept = {p for _, p in complete[: self.keep_last]} | {p for i, p in complete if i in spared}
         for _, p in dirs:
-            if p not in complete[: self.keep_last] and os.path.realpath(p) != best and p != latest:
+            if p not in kept and os.path.realpath(p) != best and p != latest:
                 shutil.rmtree(p, ignore_errors=True)
 
 

@@ -9,6 +9,11 @@ import weakref
 from gpt import runtime
 from configurator import as_dict
 
+try:
+    import fcntl
+except ImportError:  # not a POSIX system: no flock
+    fcntl = None
+
 
 class MetricsLog:
     """out_dir/metrics.jsonl, one JSON object per line, appended to and never truncated; wandb
@@ -20,8 +25,10 @@ class MetricsLog:
         self.path = path or os.path.join(out_dir, "metrics.jsonl")
         if resume_iter is not None:
             self._truncate(resume_iter)
-        # one handle for the whole run: it follows the file when outdir.py moves it into place
-        self.file = open(self.path, "a")
+        # one handle for the whole run: it follows the file when outdir.py moves it into place.
+        # Unbuffered, in append mode: each record is one write() at the file's end, never torn or
+        # interleaved with a watcher's (gpt/watch.py appends the same way), and a killed run keeps it
+        self.file = open(self.path, "ab", buffering=0)
         weakref.finalize(self, self.file.close)
         self.wandb = self.tensorboard = self.wandb_run_id = None
         if cfg.wandb_log:
@@ -42,15 +49,16 @@ class MetricsLog:
         if not os.path.exists(self.path):
             return
         with open(self.path) as f:
+            if fcntl is not None:
+                fcntl.flock(f, fcntl.LOCK_EX)  # a watcher's append (append_record) waits until the file is replaced
             records = [json.loads(line) for line in f if line.strip()]
-        keep = [r for r in records if r["iter"] < resume_iter or ("loss" not in r and r["iter"] == resume_iter)]  # its evals
-        with open(self.path + ".tmp", "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in keep)
-        os.replace(self.path + ".tmp", self.path)
+            keep = [r for r in records if r["iter"] < resume_iter or ("loss" not in r and r["iter"] == resume_iter)]  # evals
+            with open(self.path + ".tmp", "w") as tmp:
+                tmp.writelines(json.dumps(r) + "\n" for r in keep)
+            os.replace(self.path + ".tmp", self.path)
 
     def write(self, record):
-        self.file.write(json.dumps(record) + "\n")  # json keeps every digit of a float
-        self.file.flush()  # a killed run keeps what it logged
+        self.file.write((json.dumps(record) + "\n").encode())  # json keeps every digit of a float
         values = {k: v for k, v in record.items() if k != "iter" and v is not None}
         if self.wandb is not None:
             self.wandb.log(values, step=record["iter"])
@@ -59,6 +67,23 @@ class MetricsLog:
                 if isinstance(value, (int, float)):  # a failed eval's message is text
                     self.tensorboard.add_scalar(key, value, record["iter"])
             self.tensorboard.flush()  # a preempted run keeps what it logged
+
+
+def append_record(path, record):
+    """One record at the end of a run's metrics.jsonl from another process (gpt/watch.py): one
+    write() in append mode, as MetricsLog's, so lines never tear or interleave; under the lock a
+    resuming run holds while it rewrites the file, and into the file that is there afterwards."""
+    line = (json.dumps(record) + "\n").encode()
+    while True:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            if fcntl is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:  # else a resuming run replaced it meanwhile: reopen
+                os.write(fd, line)
+                return
+        finally:
+            os.close(fd)
 
 
 def format_duration(seconds):

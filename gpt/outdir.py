@@ -2,9 +2,11 @@
 unless asked.
 
   the lock    the writing process (rank 0) holds an OS lock (flock) on out_dir/train.lock for the
-              whole run; the file says who holds it (pid, host, start time). The OS drops the lock
-              when the process dies, kill -9 included, so it never goes stale. sample.py, eval.py
-              and hf.py only read and take no lock.
+              whole run; the file says who holds it (pid, host, start time), and is emptied when
+              the run ends (a watcher, gpt/watch.py, reads it). The OS drops the lock when the
+              process dies, kill -9 included, so it never goes stale. sample.py, eval.py
+              and hf.py only read and take no lock; a watcher (eval.py --watch) takes its own,
+              out_dir/watch.lock: one watcher per out_dir.
   a used dir  out_dir holding a checkpoint refuses init_from='scratch' and pretrained starts; the
               user chooses --init_from=resume, --overwrite=True or another --out_dir.
               init_from='auto' resumes when there is a checkpoint and starts from scratch when not.
@@ -44,9 +46,11 @@ except ImportError:  # not a POSIX system: no flock, said at start
     fcntl = None
 
 LOCK = "train.lock"
+WATCH_LOCK = "watch.lock"  # the watcher's (gpt/watch.py)
 STAGED = "staged"  # the new run's files until it takes the directory over
 JOURNAL = "takeover.json"
 RUN_FILES = ("config.json", "metrics.jsonl")  # what a run writes besides checkpoints; staged until the takeover
+WATCH_FILES = ("watch.json", "watch_released.jsonl")  # a watcher's progress on the old run's checkpoints: removed with them
 CHECKPOINT_NAME = re.compile(r"ckpt\.pt|ckpt_(\d+|best)(\.pt)?")  # ckpt.pt, ckpt_<iter>.pt, ckpt_best.pt, ckpt_<iter>/, ckpt_best
 # filesystems where a lock taken on one machine may not be seen on another (it depends on the mount)
 NETWORK_FILESYSTEMS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "glusterfs", "fuse.glusterfs",
@@ -91,6 +95,8 @@ class OutDir:
         if self.created and os.listdir(self.cfg.out_dir) == [LOCK]:  # a run that stopped before writing anything
             os.remove(lock)
             os.rmdir(self.cfg.out_dir)
+        else:
+            os.ftruncate(self.fd, 0)  # names no holder: a watcher (gpt/watch.py) sees the run has ended
         os.close(self.fd)  # drops the lock
         self.fd = None
 
@@ -177,21 +183,46 @@ def _lock(fd, out_dir, say):
     if fstype:
         say(f"warning: out_dir={out_dir} is on {fstype}, where the lock may not be seen by runs on other machines; "
             f"start one run per out_dir")
+    _write_holder(fd)
+    return True
+
+
+def _write_holder(fd):
     holder = {"pid": os.getpid(), "host": socket.gethostname(),
               "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
-    return True
 
 
-def _holder(path):
+def _holder(path, what="another run"):
     """'another run (pid 123 on h, started 2025-01-01T12:00:00+00:00)', from the lock file the holder wrote."""
     try:
         with open(path) as f:
             h = json.load(f)
-        return f"another run (pid {h['pid']} on {h['host']}, started {h['started']})"
+        return f"{what} (pid {h['pid']} on {h['host']}, started {h['started']})"
     except (OSError, ValueError, KeyError, TypeError):  # it holds the lock but has not written its name yet
-        return "another run"
+        return what
+
+
+def lock_watcher(out_dir):
+    """One watcher (eval.py --watch, gpt/watch.py) per out_dir: an OS lock on out_dir/watch.lock,
+    held for the watcher's life and naming it, as train.lock names the run. The file descriptor, to
+    close at the end; a second watcher is a UserError naming the first."""
+    path = os.path.join(out_dir, WATCH_LOCK)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise UserError(_cannot_write(out_dir, e))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise UserError(f"out_dir={out_dir} is already watched by {_holder(path, 'another watcher')}; let it finish "
+                        f"(or stop it) first")
+    except (OSError, AttributeError):  # no flock here: nothing keeps a second watcher out
+        return fd
+    _write_holder(fd)
+    return fd
 
 
 def network_filesystem(path, mounts="/proc/mounts"):
@@ -256,6 +287,7 @@ def _identity(path):
 def _old_run(out_dir):
     """{relative path: identity} of the earlier run's checkpoints and TensorBoard event files."""
     old = {name: _identity(os.path.join(out_dir, name)) for name in _entries(out_dir)}
+    old.update({name: _identity(os.path.join(out_dir, name)) for name in WATCH_FILES if os.path.exists(os.path.join(out_dir, name))})
     events = os.path.join(out_dir, "tensorboard")
     for root, _, files in os.walk(events):
         for name in files:
