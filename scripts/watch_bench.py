@@ -23,7 +23,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from configurator import parse, run_main  # noqa: E402
+from configurator import UserError, parse, run_main  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -41,7 +41,8 @@ def run(args, eval_async):
            f"--max_iters={args.max_iters}", f"--lr_decay_iters={args.max_iters}", f"--eval_interval={args.eval_interval}",
            "--always_save_checkpoint=True", "--keep_last=2", f"--eval_async={eval_async}"]
     start = time.perf_counter()
-    subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+    if subprocess.run(cmd, cwd=REPO, stdout=subprocess.DEVNULL).returncode != 0:
+        raise UserError("train.py failed (its error is above); nothing was measured")
     wall = time.perf_counter() - start
     with open(os.path.join(out, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
