@@ -563,7 +563,7 @@ class Checkpointer:
             raise UserError(str(error) if isinstance(error, UserError) else _write_failed(path, _cause(error)))
         if self.rt.master:
             if meta is not None:
-                _write_json(os.path.join(path, COMMIT), meta)  # last: from here on the directory is complete
+                write_json(os.path.join(path, COMMIT), meta)  # last: from here on the directory is complete
             if self.on_commit is not None:
                 self.on_commit(path)
             if best:
@@ -617,7 +617,8 @@ def _to_host(obj):
     return obj
 
 
-def _write_json(path, obj):
+def write_json(path, obj):
+    """obj as path's JSON, replaced whole and synced: a reader sees the old file or the new one."""
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(obj, f)

@@ -307,7 +307,7 @@ def _stage(out_dir):
         return False
     staged = os.path.join(out_dir, STAGED)
     os.makedirs(staged, exist_ok=True)
-    checkpoint._write_json(os.path.join(staged, JOURNAL), {"old": old})
+    checkpoint.write_json(os.path.join(staged, JOURNAL), {"old": old})
     return True
 
 

@@ -46,13 +46,13 @@ def complete_checkpoints(out_dir):
     found = {}
     for name in os.listdir(out_dir):
         m = NUMBERED.fullmatch(name)
-        path = os.path.join(out_dir, name)
-        if m and (os.path.isfile(path) if m.group(2) else os.path.isfile(os.path.join(path, checkpoint.COMMIT))):
-            found[int(m.group(1))] = path
+        if m and is_complete(os.path.join(out_dir, name)):
+            found[int(m.group(1))] = os.path.join(out_dir, name)
     return found
 
 
 def is_complete(path):
+    """A ckpt_<iter>.pt that is there (renamed into place whole), or a directory with its commit marker."""
     return os.path.isfile(os.path.join(path, checkpoint.COMMIT) if os.path.isdir(path) else path)
 
 
@@ -213,7 +213,7 @@ class Watcher:
 
     def save(self, scoring=None):
         done = sorted(self.done.items())
-        checkpoint._write_json(os.path.join(self.out_dir, PROGRESS),
+        checkpoint.write_json(os.path.join(self.out_dir, PROGRESS),
                                {"scored": [i for i, s in done if s == "scored"], "skipped": [i for i, s in done if s == "skipped"],
                                 "scoring": scoring})
 

@@ -291,3 +291,32 @@ def test_ddp_on_gpus_holds_the_gpu_of_the_local_rank(monkeypatch):
     rt = runtime.Runtime("cpu", "cuda", torch.float32, rank=1, local_rank=1, world_size=2)  # weights stay on the CPU
     wrap.build(GPT(GPTConfig(**wrap.make_model_args(cfg, 65))), cfg, rt)
     assert wrapped == [([1], {"gradient_as_bucket_view": True})]
+
+
+def test_an_in_loop_eval_out_of_memory_on_a_gpu_empties_the_cache_and_training_goes_on(monkeypatch, capsys):
+    """train.downstream on a CUDA runtime: the failed eval's memory goes back to the device
+    (torch.cuda.empty_cache, recorded here), the model is back in training mode, and the failure
+    is one line and a record."""
+    import types
+
+    import train
+
+    emptied, written = [], []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    model = torch.nn.Linear(2, 2).eval()
+    run = types.SimpleNamespace(
+        cfg=types.SimpleNamespace(eval_only=False), rt=runtime.Runtime("cuda:0", "cuda", torch.bfloat16), iter_num=7,
+        raw_model=model, metrics=types.SimpleNamespace(write=written.append),
+        throughput=types.SimpleNamespace(restart=lambda: None))
+
+    def out_of_memory(run):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+
+    train.downstream(run, "hellaswag", out_of_memory)
+    assert emptied == [True] and model.training
+    assert written == [{"iter": 7, "hellaswag_failed": "OutOfMemoryError: CUDA out of memory. Tried to allocate 8.00 GiB"}]
+    assert capsys.readouterr().out == ("step 7: hellaswag failed, training goes on (OutOfMemoryError: CUDA out of memory. "
+                                       "Tried to allocate 8.00 GiB)\n")
+    run.rt = runtime.Runtime("cpu", "cpu", torch.float32)
+    train.downstream(run, "core", out_of_memory)
+    assert emptied == [True]  # a CPU run has no device cache to empty
