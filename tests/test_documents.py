@@ -11,11 +11,11 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
 
 import model as model_module
-from conftest import GPT2, make_text, load_script, read_metrics, run_script, tiny_args
+from conftest import GPT2, read_metrics, run_script, tiny_args
 from configurator import UserError
 from data import tokens
 from gpt import checkpoint, runtime
-from gpt.batches import DocumentBatches, TrainBatches, load_split, row_starts
+from gpt.batches import DocumentBatches, TrainBatches, row_starts
 from gpt.step import train_step
 from model import GPT, GPTConfig, document_mask
 
@@ -121,29 +121,52 @@ def test_the_plain_forward_calls_attention_as_before(monkeypatch):
     torch.testing.assert_close(one_doc, plain)
 
 
+class OnCuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA: GPT.forward then builds the mask it builds on a GPU."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+def spy_masks(monkeypatch):
+    """The masks GPT.forward builds (model.document_mask's results), as they are built."""
+    made = []
+    monkeypatch.setattr(model_module, "document_mask", lambda docs, flex: made.append(document_mask(docs, flex)) or made[-1])
+    return made
+
+
 @torch.no_grad()  # FlexAttention has no backward on a CPU
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-@pytest.mark.parametrize("flex", [False, True], ids=["sdpa", "flex"])
+@pytest.mark.parametrize("cuda", [False, True], ids=["cpu", "cuda"])
 @pytest.mark.parametrize("pos_encoding", ["learned", "rope"])
-def test_a_masked_row_computes_each_document_alone(monkeypatch, flex, pos_encoding):
+def test_a_masked_row_computes_each_document_alone(monkeypatch, cuda, pos_encoding):
     """Rows packed from documents, docs as get_batch makes them: every segment's logits are those
-    of the segment run through the model alone. flex=True is the mask CUDA gets (a BlockMask for
-    FlexAttention), here on the CPU."""
-    model = tiny_gpt(pos_encoding=pos_encoding, n_kv_head=2)
-    made = []
-    monkeypatch.setattr(model_module, "document_mask", lambda docs, _: made.append(document_mask(docs, flex)) or made[-1])
+    of the segment run through the model alone. On CUDA the mask is FlexAttention's BlockMask (run
+    here on the CPU), elsewhere SDPA's dense boolean mask."""
+    model, made = tiny_gpt(pos_encoding=pos_encoding, n_kv_head=2), spy_masks(monkeypatch)
     eot, rng = 64, np.random.default_rng(3)
     rows = [[eot, *rng.integers(1, 64, 11), eot, *rng.integers(1, 64, 4), eot, *rng.integers(1, 64, 14)],
             [*rng.integers(1, 64, 20), eot, *rng.integers(1, 64, 11)]]
     x = torch.tensor(rows)
     docs = torch.cumsum(x == eot, dim=1)  # what get_batch gives with eot
-    logits, _ = model(x, logits_at="all", docs=docs)
-    assert all(isinstance(m, BlockMask) == flex for m in made) and made
+    logits, _ = model(x, logits_at="all", docs=docs.as_subclass(OnCuda) if cuda else docs)
+    assert len(made) == 1 and isinstance(made[0], BlockMask) == cuda
     for b in range(2):
         for d in docs[b].unique():
             seg = docs[b] == d
             alone, _ = model(x[b][seg][None], logits_at="all")
-            torch.testing.assert_close(logits[b][seg], alone[0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(logits[b][seg].as_subclass(torch.Tensor), alone[0], atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_cuda_training_with_attention_dropout_takes_the_dense_mask(monkeypatch):
+    """FlexAttention has no dropout: with dropout on, CUDA's training forward takes SDPA's mask."""
+    made, x = spy_masks(monkeypatch), torch.randint(1, 65, (2, 32))
+    tiny_gpt(dropout=0.1).train()(x, x, docs=torch.zeros_like(x).as_subclass(OnCuda))
+    tiny_gpt(dropout=0.1).eval()(x, x, docs=torch.zeros_like(x).as_subclass(OnCuda))
+    assert [isinstance(m, BlockMask) for m in made] == [False, True]
 
 
 def test_the_flex_mask_is_the_dense_mask():
@@ -220,3 +243,22 @@ def test_character_data_is_refused_in_one_line(char_data, tmp_path, keys):
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert "end-of-text" in result.stderr and "character-level" in result.stderr
+
+
+def test_compiled_masked_forwards_compile_once():
+    """The document numbers are an input like the tokens: new rows, new documents, no new graph."""
+    model, graphs = tiny_gpt().train(), []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    data, _ = counting_documents()
+    data = np.where(data == EOT, 64, data % 63 + 1).astype(np.uint16)
+    batches = DocumentBatches(data, 2, 32, seed=0, rt=CPU, eot=64, doc_mask=True)
+    for _ in range(4):
+        x, y, docs = batches()
+        _, loss = compiled(x, y, docs=docs)
+        loss.backward()
+    assert len(graphs) == 1
