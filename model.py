@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 # the `attention` key: which scaled_dot_product_attention kernel runs; 'auto' leaves it to PyTorch,
@@ -127,6 +128,28 @@ def rope_tables(head_size, length, theta, scaling=None):
     return angles.cos(), angles.sin()
 
 
+def document_mask(docs, flex=False):
+    """The attention mask of packed documents: docs (B, T), each token's document number in its
+    row -> a boolean (B, 1, T, T), True where a query may see a key: the same document, and not
+    later. flex: FlexAttention's BlockMask of the same mask instead (the CUDA kernel: it skips the
+    blocks a row's documents never see, and never builds T x T)."""
+    B, T = docs.shape
+    if flex:
+        same_doc_causal = lambda b, h, q, k: (docs[b, q] == docs[b, k]) & (q >= k)
+        return create_block_mask(same_doc_causal, B, None, T, T, device=docs.device)
+    causal = torch.ones(T, T, dtype=torch.bool, device=docs.device).tril()
+    return ((docs[:, :, None] == docs[:, None, :]) & causal).unsqueeze(1)
+
+
+def document_positions(docs):
+    """docs (B, T) -> each token's position in its own document (B, T): a document packed
+    after others is embedded as if it began its row."""
+    t = torch.arange(docs.size(1), device=docs.device).expand_as(docs)
+    first = torch.ones_like(docs, dtype=torch.bool)
+    first[:, 1:] = docs[:, 1:] != docs[:, :-1]
+    return t - torch.where(first, t, 0).cummax(dim=1).values
+
+
 def apply_rope(x, cos, sin):
     """Rotate x (B, nh, T, hs) by the angles of its positions, (1, T, hs/2) or one row each
     (B, 1, T, hs/2). Pairs are (i, i + hs/2), the layout of Hugging Face's Llama weights. A
@@ -158,9 +181,10 @@ class CausalSelfAttention(nn.Module):
             self.q_norm = nn.RMSNorm(self.head_size, eps=config.norm_eps)
             self.k_norm = nn.RMSNorm(self.head_size, eps=config.norm_eps)
 
-    def forward(self, x, rope=None, cache=None):
+    def forward(self, x, rope=None, cache=None, mask=None):
         """x (B, T, C). rope: the (cos, sin) tables of these T positions, (1, T, hs/2) or per row
-        (B, 1, T, hs/2), when the model uses RoPE. cache, when generating (inference.py): this
+        (B, 1, T, hs/2), when the model uses RoPE. mask: document_mask's, for packed documents
+        (None: causal over the whole row). cache, when generating (inference.py): this
         layer's view of a key/value cache, which stores the new keys and values beside the ones it
         holds and runs attention over them, masked as its rows need."""
         B, T, C = x.size()
@@ -172,8 +196,10 @@ class CausalSelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        if cache is None:
-            y = self.attend(q, k, v, causal=True)  # each token sees itself and the tokens before it
+        if isinstance(mask, BlockMask):  # CUDA's document mask (GPT.forward)
+            y = flex_attention(q, k, v, block_mask=mask, enable_gqa=k.size(1) != self.n_head)
+        elif cache is None:
+            y = self.attend(q, k, v, mask, causal=mask is None)  # each token sees itself and the tokens before it
         else:
             y = cache.attend(q, k, v, self.attend)  # (B, nh, T, hs), through this layer's kernel choice
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
@@ -222,9 +248,9 @@ class Block(nn.Module):
         self.ln_2 = make_norm(config, config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x, rope=None, cache=None):
+    def forward(self, x, rope=None, cache=None, mask=None):
         # pre-norm: the residual stream itself is never normalized, which keeps deep stacks trainable
-        x = x + self.attn(self.ln_1(x), rope, cache)
+        x = x + self.attn(self.ln_1(x), rope, cache, mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -287,7 +313,7 @@ class GPT(nn.Module):
                 n -= self.transformer.wte.weight.numel()
         return n
 
-    def forward(self, idx, targets=None, cache=None, logits_at=None, reduction="mean"):
+    def forward(self, idx, targets=None, cache=None, logits_at=None, reduction="mean", docs=None):
         """idx (B, T) -> (logits, loss). With targets, loss is the mean cross-entropy over the
         targets that are not -1 (reduction='sum': their sum, for chat batches, which weigh
         micro-batches by their trained tokens). The logits are every position's with targets, else
@@ -296,12 +322,18 @@ class GPT(nn.Module):
         (N, vocab) (eval scores a few tokens per row: un-embedding the others would be most of its
         work). cache, when generating (inference.py's caches): idx continues the tokens the cache
         holds; cache.positions gives the new tokens' positions, and cache.layer(i) stores layer i's
-        keys and values and runs its attention over them (CausalSelfAttention.forward)."""
+        keys and values and runs its attention over them (CausalSelfAttention.forward). docs (B, T),
+        for rows packed from documents (gpt/batches.py): each token's document number in its row;
+        a token then sees only its own document, whose positions start at 0, as if it ran alone."""
         B, T = idx.size()
+        mask = None
         if cache is None:
             if T > self.config.block_size:
                 raise ValueError(f"sequence of length {T} is longer than block_size {self.config.block_size}")
             pos = torch.arange(T, dtype=torch.long, device=idx.device)  # (T,)
+            if docs is not None:  # (B, T) positions, and a mask to keep each document to itself
+                flex = docs.is_cuda and not (self.training and self.config.dropout > 0)  # FlexAttention has no dropout
+                pos, mask = document_positions(docs), document_mask(docs, flex)
         else:
             pos = cache.positions(T, idx.device)  # (T,), or (B, T) when every row has its own positions
         x, rope = self.transformer.wte(idx), None  # (B, T, C)
@@ -314,9 +346,9 @@ class GPT(nn.Module):
             if cache is not None:
                 x = block(x, rope, cache.layer(i))
             elif self.activation_checkpointing and self.training:
-                x = checkpoint(block, x, rope, use_reentrant=False)  # dropout masks replay exactly
+                x = checkpoint(block, x, rope, None, mask, use_reentrant=False)  # dropout masks replay exactly
             else:
-                x = block(x, rope)
+                x = block(x, rope, mask=mask)
         x = self.transformer.ln_f(x)
         if torch.is_tensor(logits_at):
             x = x.flatten(0, 1).index_select(0, logits_at)  # (N, C)
