@@ -198,7 +198,7 @@ ROWS = {"val_loss": "final val loss", "wall_s": "wall time per run (s)",
 
 
 def fmt(x, digits):
-    return "n/a" if x is None else f"{x:.{digits}f}"
+    return f"{x:.{digits}f}"
 
 
 def cell(s, digits):
@@ -233,10 +233,14 @@ def table(result):
     s, target = result["summary"], result["target"]
     n = len(result["seeds"])
     reached = lambda side: sum(r.get("target_iter") is not None for r in result["runs"] if r["side"] == side)
-    lines = [f"A: train.py {' '.join(result['args']['A'])}", f"B: train.py {' '.join(result['args']['B'])}",
-             f"seeds {', '.join(map(str, result['seeds']))} on each side, run A, B, A, B, ...; mean [95% t interval]; "
-             f"B - A [Welch's 95% interval], p from Welch's t-test",
-             f"val loss: each run's final checkpoint on the same {result['runs'][0]['val_tokens']:,} val tokens",
+    extra = lambda key: f"`{result[key]}`" if result[key] else "nothing more"
+    tokens_scored = " and ".join(sorted({f"{r['val_tokens']:,}" for r in result["runs"]}))
+    lines = [f"- both sides: `python train.py {shlex.join(result['common'])}`",
+             f"- A: {extra('compare')}", f"- B: {extra('against')}",
+             f"- seeds {', '.join(map(str, result['seeds']))} on each side; runs interleaved A, B, A, B, ...",
+             f"- val loss: each run's final checkpoint on the same {tokens_scored} val tokens "
+             f"({'all of val' if not result['compare_eval_tokens'] else 'compare_eval_tokens from its start'})",
+             "- cells: mean [95% t interval]; B - A [Welch's 95% interval]; p: Welch's t-test (unequal variances)",
              "", "| | A | B | B - A | p |", "|---|---|---|---|---|"]
     digits = {"val_loss": 4, "wall_s": 1, "target_iter": 0, "target_train_s": 1}
     for key in [k for k in ROWS if k in s]:
@@ -245,7 +249,8 @@ def table(result):
         a, b = cell(s[key]["A"], digits[key]), cell(s[key]["B"], digits[key])
         if key.startswith("target"):
             a, b = f"{a} ({reached('A')}/{n})", f"{b} ({reached('B')}/{n})"
-        lines.append(f"| {name} | {a} | {b} | {diff_cell(d, digits[key])} | {fmt(d['p'], 3) if d['p'] is not None else 'n/a'} |")
+        p = "n/a" if d["p"] is None else f"{d['p']:.3g}"
+        lines.append(f"| {name} | {a} | {b} | {diff_cell(d, digits[key])} | {p} |")
     ms = s["ms_per_iter"]
     lines.append(f"| ms/iter (median) | {ms['A']:.1f} | {ms['B']:.1f} | B/A {ms['B/A']:.3f} | |")
     loss = lambda side: [r["val_loss"] for r in result["runs"] if r["side"] == side]
@@ -281,7 +286,8 @@ def plot(result, records, path):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     if result["target"]:
-        axes[1].axhline(result["target"], color="gray", linestyle="--", linewidth=0.8)
+        axes[1].axhline(result["target"], color="gray", linestyle="--", linewidth=0.8, label=f"target {result['target']}")
+        axes[1].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -313,7 +319,7 @@ def run(cfg, argv, rt):
         print(f"  val loss {r['val_loss']:.4f} on {r['val_tokens']:,} tokens, {r['wall_s']:.1f} s, "
               f"{r['ms_per_iter']:.1f} ms/iter", flush=True)
     check_seeds_matter(runs)
-    result = {"args": {"A": args_a, "B": args_b}, "seeds": seeds, "target": cfg.target,
+    result = {"common": base, "compare": cfg.compare, "against": cfg.against, "args": {"A": args_a, "B": args_b}, "seeds": seeds, "target": cfg.target,
               "compare_eval_tokens": cfg.compare_eval_tokens, "runs": runs, "summary": summarize(runs, cfg.target)}
     text = table(result)
     print(text)

@@ -97,7 +97,18 @@ def test_two_identical_sides_show_no_significant_difference(char_data, tmp_path,
     assert len(set(side(result, "A"))) == 5  # and the seeds give five different runs
     p = result["summary"]["val_loss"]["B-A"]["p"]
     assert p == stats.ttest_ind(side(result, "B"), side(result, "A"), equal_var=False).pvalue and p > 0.05
-    assert "no significant difference at 0.05" in out and "equal" not in out.replace("not evidence that the two are equal", "")
+    assert "no significant difference at 0.05 (p = 1): A and B ended at the same val loss seed for seed" in out
+
+
+def test_a_difference_too_small_for_five_seeds_is_not_called_one(char_data, tmp_path, fast_runs, capsys):
+    # B: dropout 0.01, a change to the runs' randomness far below the spread between seeds
+    result = compare_run(char_data, tmp_path, seeds=5, against="--dropout=0.01")
+    verdict = [line for line in capsys.readouterr().out.splitlines() if line.startswith("no significant")]
+    assert side(result, "A") != side(result, "B")
+    p = result["summary"]["val_loss"]["B-A"]["p"]
+    assert p == pytest.approx(stats.ttest_ind(side(result, "B"), side(result, "A"), equal_var=False).pvalue) and p > 0.05
+    assert verdict == [f"no significant difference at 0.05 (p = {p:.3g}, Welch's t-test): not evidence that the two are "
+                       f"equal; more seeds narrow the interval"]
 
 
 def test_repeats_of_one_seed_are_refused_before_training(char_data, tmp_path, capsys):
@@ -115,15 +126,19 @@ def test_a_seed_that_does_not_reach_the_training_is_refused(char_data, tmp_path,
     assert "\n" not in str(e.value)
 
 
-def test_two_seeds_are_too_few_and_say_so_through_real_train_processes(char_data, tmp_path, capsys):
-    # the product's path: python train.py, one process a run
-    result = compare_run(char_data, tmp_path, seeds=2, max_iters=10, lr_decay_iters=10,
-                         against=f"--learning_rate={LR / 30}")
-    out = capsys.readouterr().out
-    assert "too few to tell anything: no p-value" in out
-    assert result["summary"]["val_loss"]["B-A"]["p"] is None
+def test_two_seeds_are_too_few_and_say_so(char_data, tmp_path, fast_runs, capsys):
+    result = compare_run(char_data, tmp_path, seeds=2, max_iters=10, lr_decay_iters=10, against=f"--learning_rate={LR / 30}")
+    assert "2 seed(s) per side is too few to tell anything: no p-value" in capsys.readouterr().out
+    assert result["summary"]["val_loss"]["B-A"]["p"] is None and result["summary"]["val_loss"]["A"]["low"] is not None
+
+
+def test_the_runs_are_train_py_processes(char_data, tmp_path, capsys):
+    # the product's own path: python train.py, a process per run, its output in <side>-s<seed>.log
+    result = compare_run(char_data, tmp_path, seeds=1, max_iters=10, lr_decay_iters=10, against=f"--learning_rate={LR / 30}")
+    assert "1 seed(s) per side is too few" in capsys.readouterr().out
     assert all(math.isfinite(r["val_loss"]) and r["wall_s"] > 0 for r in result["runs"])
-    assert "iter 9: loss" in (tmp_path / "cmp" / "B-s2.log").read_text()
+    assert "iter 9: loss" in (tmp_path / "cmp" / "B-s1.log").read_text()
+    assert json.loads((tmp_path / "cmp" / "B-s1" / "config.json").read_text())["learning_rate"] == pytest.approx(LR / 30)
 
 
 def test_a_mistake_in_a_side_is_one_line_before_any_run(char_data, tmp_path):
