@@ -33,6 +33,7 @@ from data import tokens
 
 SIDES = ("A", "B")
 TRAIN_PY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py")
+STOPPED = 75  # train.py's exit code for a run stopped with a checkpoint (its EXIT_STOPPED): max_minutes ended it
 MIN_SEEDS = 3  # fewer runs per side: a t-test's variance estimate is too poor to tell anything
 ALPHA = 0.05
 
@@ -122,15 +123,17 @@ def score(out_dir, dataset, rt, max_tokens):
                                  max_tokens=max_tokens)
 
 
-def one_run(side, seed, args, dataset, cfg, rt):
+def one_run(side, seed, args, side_cfg, cfg, rt):
+    """Train one side with one seed and score its final checkpoint: the run's numbers, and its
+    metrics records for the plot. A run max_minutes stopped is finished: a time budget is a fair race."""
     out_dir = os.path.join(cfg.compare_dir, f"{side}-s{seed}")
     log = out_dir + ".log"
     start = time.perf_counter()
     code = run_train([*args, *run_flags(seed, out_dir)], log)
     wall = time.perf_counter() - start
-    if code != 0:
+    if code != 0 and not (code == STOPPED and side_cfg.max_minutes):
         raise UserError(f"side {side}, seed {seed}: train.py exited with {code} ({last_line(log)}); its output is in {log}")
-    scored = score(out_dir, dataset, rt, cfg.compare_eval_tokens)
+    scored = score(out_dir, side_cfg.dataset, rt, cfg.compare_eval_tokens)
     records = read_records(out_dir)
     run = {"side": side, "seed": seed, "out_dir": out_dir, "val_loss": scored["loss"], "val_bpb": scored["bpb"],
            "val_tokens": scored["tokens"], "wall_s": wall, **curve_numbers(records, cfg.target)}
@@ -185,8 +188,8 @@ def summarize(runs, target):
         a, b = by(key, "A"), by(key, "B")
         all_reached = all(r.get(key) is not None for r in runs)
         summary[key] = {"A": interval(a), "B": interval(b), "B-A": welch(a, b) if all_reached else welch([], [])}
-    ms_a, ms_b = statistics.median(by("ms_per_iter", "A")), statistics.median(by("ms_per_iter", "B"))
-    summary["ms_per_iter"] = {"A": ms_a, "B": ms_b, "B/A": ms_b / ms_a}
+    ms_a, ms_b = (statistics.median(by("ms_per_iter", side)) if by("ms_per_iter", side) else None for side in SIDES)
+    summary["ms_per_iter"] = {"A": ms_a, "B": ms_b, "B/A": ms_b / ms_a if ms_a and ms_b else None}
     return summary
 
 
@@ -207,6 +210,10 @@ def cell(s, digits):
     if s["low"] is None:
         return fmt(s["mean"], digits)
     return f"{fmt(s['mean'], digits)} [{fmt(s['low'], digits)}, {fmt(s['high'], digits)}]"
+
+
+def cell_ms(ms):
+    return "no steps logged" if ms is None else f"{ms:.1f}"
 
 
 def diff_cell(d, digits):
@@ -252,7 +259,8 @@ def table(result):
         p = "n/a" if d["p"] is None else f"{d['p']:.3g}"
         lines.append(f"| {name} | {a} | {b} | {diff_cell(d, digits[key])} | {p} |")
     ms = s["ms_per_iter"]
-    lines.append(f"| ms/iter (median) | {ms['A']:.1f} | {ms['B']:.1f} | B/A {ms['B/A']:.3f} | |")
+    ratio = "n/a" if ms["B/A"] is None else f"B/A {ms['B/A']:.3f}"
+    lines.append(f"| ms/iter (median of the runs' medians) | {cell_ms(ms['A'])} | {cell_ms(ms['B'])} | {ratio} | |")
     loss = lambda side: [r["val_loss"] for r in result["runs"] if r["side"] == side]
     lines += ["", verdict(s["val_loss"]["B-A"], n, loss("A") == loss("B"))]
     if target:
@@ -307,17 +315,19 @@ def run(cfg, argv, rt):
     if cfg_a.dataset != cfg_b.dataset:
         raise UserError(f"A trains on {cfg_a.dataset!r} and B on {cfg_b.dataset!r}: their val losses are not comparable; "
                         f"give both the same dataset")
+    if not (cfg_a.max_iters and cfg_b.max_iters):
+        raise UserError("a side trains for max_iters=0: there is nothing to compare; give both sides some steps")
     seeds = seed_list(cfg.seeds)
     os.makedirs(cfg.compare_dir, exist_ok=True)
     runs, records = [], []
-    order = [(seed, side, args) for seed in seeds for side, args in (("A", args_a), ("B", args_b))]
-    for i, (seed, side, args) in enumerate(order, 1):
+    order = [(seed, *sides) for seed in seeds for sides in (("A", args_a, cfg_a), ("B", args_b, cfg_b))]
+    for i, (seed, side, args, side_cfg) in enumerate(order, 1):
         print(f"run {i}/{len(order)}: {side}, seed {seed} ...", flush=True)
-        r, recs = one_run(side, seed, args, cfg_a.dataset, cfg, rt)
+        r, recs = one_run(side, seed, args, side_cfg, cfg, rt)
         runs.append(r)
         records.append(recs)
-        print(f"  val loss {r['val_loss']:.4f} on {r['val_tokens']:,} tokens, {r['wall_s']:.1f} s, "
-              f"{r['ms_per_iter']:.1f} ms/iter", flush=True)
+        speed = "no steps logged" if r["ms_per_iter"] is None else f"{r['ms_per_iter']:.1f} ms/iter"
+        print(f"  val loss {r['val_loss']:.4f} on {r['val_tokens']:,} tokens, {r['wall_s']:.1f} s, {speed}", flush=True)
     check_seeds_matter(runs)
     result = {"common": base, "compare": cfg.compare, "against": cfg.against, "args": {"A": args_a, "B": args_b}, "seeds": seeds, "target": cfg.target,
               "compare_eval_tokens": cfg.compare_eval_tokens, "runs": runs, "summary": summarize(runs, cfg.target)}

@@ -151,3 +151,15 @@ def test_a_mistake_in_a_side_is_one_line_before_any_run(char_data, tmp_path):
 def test_only_train_keys_and_config_files_pass_to_the_sides():
     argv = ["config/x.py", "--max_iters=5", "--bench_iters=3", "--against=--mlp=swiglu", "--seeds=3"]
     assert compare.train_keys(argv) == ["config/x.py", "--max_iters=5"]
+
+
+def test_a_failed_run_stops_the_comparison_in_one_line_and_a_time_budget_is_a_finish(char_data, tmp_path, fast_runs):
+    with pytest.raises(UserError, match=r"^side B, seed 1: train.py exited with 2 \(error: block_size=4096 is longer "
+                                        r"than .*\); its output is in .*B-s1\.log$"):
+        compare_run(char_data, tmp_path, seeds=1, max_iters=10, lr_decay_iters=10, against="--block_size=4096")
+    # max_minutes stops B with a checkpoint (exit 75) long before max_iters: it is scored as it stands
+    result = compare_run(char_data, tmp_path, seeds=1, max_iters=10, lr_decay_iters=10,
+                         against="--max_minutes=1e-6 --max_iters=100000 --lr_decay_iters=100000")
+    stopped = result["runs"][1]
+    assert "stopped at iter" in Path(stopped["out_dir"] + ".log").read_text()
+    assert max(r["iter"] for r in read_metrics(stopped["out_dir"])) < 1000 and math.isfinite(stopped["val_loss"])
