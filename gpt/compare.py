@@ -25,6 +25,8 @@ import subprocess
 import sys
 import time
 
+import torch
+
 from gpt import evaluation
 from gpt import load
 from gpt import tokenizer
@@ -119,8 +121,12 @@ def score(out_dir, dataset, rt, max_tokens):
     model, tok_spec = load.for_inference("resume", out_dir, "latest", report=lambda message: None)
     model.to(rt.device)
     data = tokens.Tokens.open(os.path.join("data", dataset), "val")
-    return evaluation.split_loss(model, data, model.config.block_size, rt, tokenizer.token_bytes(tok_spec),
-                                 max_tokens=max_tokens)
+    scored = evaluation.split_loss(model, data, model.config.block_size, rt, tokenizer.token_bytes(tok_spec),
+                                   max_tokens=max_tokens)
+    del model
+    if rt.device_type == "cuda":
+        torch.cuda.empty_cache()  # the GPU memory this process cached goes back to the next run's train.py
+    return scored
 
 
 def one_run(side, seed, args, side_cfg, cfg, rt):
@@ -308,7 +314,8 @@ def run(cfg, argv, rt):
     """Train A and B with each seed, interleaved; score, test, and write compare.md, compare.json
     and compare.png to compare_dir. Returns the result written to compare.json."""
     if rt.world_size > 1:
-        raise UserError("a comparison runs train.py once per seed and side, each in one process: start bench.py with python, not torchrun")
+        raise UserError("a comparison runs train.py once per seed and side, each in one process: start bench.py with "
+                        "python, not torchrun")
     base = train_keys(argv)
     (args_a, cfg_a), (args_b, cfg_b) = (side_args(base, spec, side, key, cfg.compare_dir)
                                         for side, spec, key in (("A", cfg.compare, "compare"), ("B", cfg.against, "against")))
@@ -329,8 +336,9 @@ def run(cfg, argv, rt):
         speed = "no steps logged" if r["ms_per_iter"] is None else f"{r['ms_per_iter']:.1f} ms/iter"
         print(f"  val loss {r['val_loss']:.4f} on {r['val_tokens']:,} tokens, {r['wall_s']:.1f} s, {speed}", flush=True)
     check_seeds_matter(runs)
-    result = {"common": base, "compare": cfg.compare, "against": cfg.against, "args": {"A": args_a, "B": args_b}, "seeds": seeds, "target": cfg.target,
-              "compare_eval_tokens": cfg.compare_eval_tokens, "runs": runs, "summary": summarize(runs, cfg.target)}
+    result = {"common": base, "compare": cfg.compare, "against": cfg.against, "args": {"A": args_a, "B": args_b},
+              "seeds": seeds, "target": cfg.target, "compare_eval_tokens": cfg.compare_eval_tokens, "runs": runs,
+              "summary": summarize(runs, cfg.target)}
     text = table(result)
     print(text)
     paths = {name: os.path.join(cfg.compare_dir, name) for name in ("compare.md", "compare.json", "compare.png")}

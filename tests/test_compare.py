@@ -2,16 +2,19 @@
 the runs it wrote, its refusals, and its files. The runs are train.py in this process (run_script)
 for speed, except one test that runs the product's own subprocess."""
 
+import dataclasses
 import json
 import math
 from pathlib import Path
 
 import pytest
+import torch
 from scipy import stats
 
 from conftest import read_metrics, run_script
 
 from gpt import compare
+from gpt import runtime
 from configurator import UserError
 
 import bench
@@ -163,3 +166,18 @@ def test_a_failed_run_stops_the_comparison_in_one_line_and_a_time_budget_is_a_fi
     stopped = result["runs"][1]
     assert "stopped at iter" in Path(stopped["out_dir"] + ".log").read_text()
     assert max(r["iter"] for r in read_metrics(stopped["out_dir"])) < 1000 and math.isfinite(stopped["val_loss"])
+
+
+def test_scoring_on_a_gpu_hands_its_cached_memory_back_before_the_next_run(char_data, tmp_path, monkeypatch):
+    # the parent scores between runs; on CUDA what its allocator cached would be missing from the next train.py
+    out = tmp_path / "run"
+    assert in_process(bench_args(char_data, tmp_path, max_iters=5, lr_decay_iters=5)[:-1] + [f"--out_dir={out}"],
+                      tmp_path / "log") == 0
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)  # no CUDA here to pin host memory for
+    cpu = runtime.Runtime(device="cpu", device_type="cpu", dtype=torch.float32)
+    on_cpu = compare.score(str(out), str(char_data), cpu, 0)
+    assert emptied == []
+    as_cuda = compare.score(str(out), str(char_data), dataclasses.replace(cpu, device_type="cuda"), 0)
+    assert emptied == [True] and as_cuda == on_cpu
