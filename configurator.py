@@ -202,7 +202,7 @@ class BenchConfig(TrainConfig):
     estimate_params: float = 0.0  # time-to-train: parameters of the model to train (0: this config's model)
     estimate_tokens: float = 0.0  # time-to-train: its training tokens (0: 20 per parameter)
     # comparison: setting `against` trains two configurations with several seeds each and tests the difference (gpt/compare.py)
-    compare: str = ""  # side A: train.py arguments after this command's own config, e.g. 'config/a.py --mlp=gelu'; '': that config as it is
+    compare: str = ""  # side A: train.py arguments (config files, --key=value) after this command's own, e.g. '--optimizer=adamw'; '': this command's config as it is
     against: str = ""  # side B, the same way, e.g. '--mlp=swiglu'; set, bench.py compares A with B instead of timing a step
     seeds: Union[int, list, tuple] = 5  # the seeds each side trains with: N means 1..N, or the seeds themselves (--seeds=1,2,3); both sides get the same ones
     target: float = 0.0  # also report the iterations and the training time to the loop's first eval with val loss <= this; 0: off
