@@ -8,20 +8,30 @@ tokens/s, TFLOPS, MFU and peak memory.
     python bench.py config/train_shakespeare_char_cpu.py --profile=True        # trace in out_dir/profile
     python bench.py --estimate_params=1.24e9                                   # time-to-train at the measured speed
     python bench.py ... --json=True                                            # last line: one JSON object
+    python bench.py config/train_shakespeare_char_cpu.py --max_iters=500 --against="--mlp=swiglu" --seeds=5
+    python bench.py config/train_shakespeare_char_cpu.py --compare="--optimizer=adamw" --against="--optimizer=muon" --target=1.9
 
 Every train.py key works here too (`python bench.py --help`). The step is train.py's
 train_step on the model train.py builds; data is random tokens unless --data=real. The standard
 battery for a GPU (attention kernels, GPT-2 sweep, the 1B Llama, the baby GPT, correctness) is a
 developer tool on the same measurement: scripts/gpu_battery.py.
+
+--against=... compares two configurations instead (gpt/compare.py): train.py runs each side (A:
+this command's config plus --compare, B: plus --against) once per seed, interleaved, scores every
+final checkpoint on the same val tokens, and reports means with 95% intervals, B - A with Welch's
+p-value, the step-time ratio and, with --target, the iterations and time to that val loss;
+compare.md, compare.json and compare.png go to --compare_dir.
 """
 
 import json
 import os
+import sys
 
 import torch
 
 from gpt import runtime
 from gpt import benchmark
+from gpt import compare
 from gpt.memory import with_batch_size
 from gpt.metrics import format_duration
 from configurator import BenchConfig, UserError, override, parse, run_main
@@ -70,10 +80,14 @@ def time_to_train(result, cfg, rt):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
     cfg = parse(BenchConfig, argv)
     rt = runtime.setup(cfg.device, cfg.dtype, cfg.backend)
     try:
-        run(cfg, rt)
+        if cfg.against:
+            compare.run(cfg, argv, rt)  # the sides' train.py arguments start from this command's own
+        else:
+            run(cfg, rt)
     finally:
         runtime.teardown(rt)
 

@@ -205,6 +205,26 @@ class BenchConfig(TrainConfig):
     json: bool = False  # print the results as one JSON object on the last line
     estimate_params: float = 0.0  # time-to-train: parameters of the model to train (0: this config's model)
     estimate_tokens: float = 0.0  # time-to-train: its training tokens (0: 20 per parameter)
+    # comparison: setting `against` trains two configurations with several seeds each and tests the difference (gpt/compare.py)
+    compare: str = ""  # side A: train.py arguments (config files, --key=value) after this command's own, e.g. '--optimizer=adamw'; '': this command's config as it is
+    against: str = ""  # side B, the same way, e.g. '--mlp=swiglu'; set, bench.py compares A with B instead of timing a step
+    seeds: Union[int, list, tuple] = 5  # the seeds each side trains with: N means 1..N, or the seeds themselves (--seeds=1,2,3); both sides get the same ones
+    target: float = 0.0  # also report the iterations and the training time to the loop's first eval with val loss <= this; 0: off
+    compare_dir: str = "out-compare"  # each run's out_dir (<A|B>-s<seed>) and its log, compare.md, compare.json, compare.png
+    compare_eval_tokens: int = 0  # every run's final checkpoint is scored on this many tokens from val's start, the same for all; 0: all of val
+
+    def __post_init__(self):
+        super().__post_init__()
+        _require(not self.compare or self.against, f"compare={self.compare!r} names side A; name side B with --against=...")
+        seeds = self.seeds
+        if isinstance(seeds, int):
+            _require(seeds >= 1, f"seeds={seeds} must be at least 1 (a count), or the seeds themselves, e.g. --seeds=1,2,3")
+        else:
+            _require(seeds and all(isinstance(s, int) and not isinstance(s, bool) for s in seeds),
+                     f"seeds={seeds!r} must be a count or whole numbers, e.g. --seeds=1,2,3")
+            _require(len(set(seeds)) == len(seeds), f"seeds={seeds!r} repeats a seed: a repeat with the same seed is the same run "
+                                                     f"again, not another sample; give distinct seeds")
+        _require(self.target >= 0 and self.compare_eval_tokens >= 0, "target and compare_eval_tokens must be >= 0 (0: off, and all of val)")
 
 
 @dataclass
