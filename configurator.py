@@ -208,7 +208,7 @@ class BenchConfig(TrainConfig):
     # comparison: setting `against` trains two configurations with several seeds each and tests the difference (gpt/compare.py)
     compare: str = ""  # side A: train.py arguments (config files, --key=value) after this command's own, e.g. '--optimizer=adamw'; '': this command's config as it is
     against: str = ""  # side B, the same way, e.g. '--mlp=swiglu'; set, bench.py compares A with B instead of timing a step
-    seeds: Union[int, list, tuple] = 5  # the seeds each side trains with: N means 1..N, or the seeds themselves (--seeds=1,2,3); both sides get the same ones
+    seeds: Union[int, list, tuple] = 5  # the seeds each side trains with: N means 1..N, or the seeds themselves (--seeds=1,2,3): side A's; side B's are as many after A's largest (independent samples)
     target: float = 0.0  # also report the iterations and the training time to the loop's first eval with val loss <= this; 0: off
     compare_dir: str = "out-compare"  # each run's out_dir (<A|B>-s<seed>) and its log, compare.md, compare.json, compare.png
     compare_eval_tokens: int = 0  # every run's final checkpoint is scored on this many tokens from val's start, the same for all; 0: all of val

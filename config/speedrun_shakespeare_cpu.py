@@ -1,0 +1,50 @@
+# The speedrun recipe (config/speedrun_gpt2.py) at CPU scale: the same levers and data order on
+# Shakespeare in GPT-2's tokens, a minute or two on 2 cores. It is the recipe's smoke test and a
+# proxy for comparisons (bench.py --against, docs/speedrun.md), not a result about GPT-2 scale.
+#   python data/shakespeare/prepare.py
+#   python train.py config/speedrun_shakespeare_cpu.py
+#   python bench.py config/speedrun_shakespeare_cpu.py --against="--mlp=gelu" --seeds=5
+
+out_dir = "out-speedrun-shakespeare-cpu"
+dataset = "shakespeare"  # 295k train tokens; its speeches end in <|endoftext|>: documents
+device = "cpu"
+compile = False
+dtype = "float32"
+
+batch_size = 8
+block_size = 128
+gradient_accumulation_steps = 1
+batch_order = "documents"
+doc_mask = True
+
+n_layer = 4
+n_head = 4
+n_embd = 128
+bias = False
+dropout = 0.0
+pos_encoding = "rope"
+norm = "rmsnorm"
+qk_norm = True
+mlp = "relu2"
+tie_embeddings = False
+zero_init_proj = True
+logit_softcap = 15.0
+value_embeds = True
+unet_skips = True
+
+optimizer = "muon"
+muon_lr = 0.02
+muon_momentum = 0.9
+learning_rate = 3e-3
+min_lr = 3e-4
+weight_decay = 0.0
+beta2 = 0.99
+lr_schedule = "wsd"
+decay_frac = 0.4
+warmup_iters = 10
+max_iters = 300
+
+eval_interval = 100
+eval_iters = 10
+log_interval = 25
+always_save_checkpoint = False
