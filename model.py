@@ -349,9 +349,9 @@ class GPT(nn.Module):
         elif targets is None and logits_at != "all":
             x = x[:, [-1], :]  # (B, 1, C)
         logits = self.lm_head(x)[..., : self.config.vocab_size]  # drop the padding rows
-        if self.config.logit_softcap:  # squash smoothly into (-cap, cap): no logit runs away (float32: tanh saturates early in bf16)
-            cap = self.config.logit_softcap
-            logits = cap * torch.tanh(logits.float() / cap)
+        if self.config.logit_softcap:  # squash smoothly into (-cap, cap): no logit runs away
+            cap = self.config.logit_softcap  # in float32 at least: in bfloat16, tanh's steps near +-cap are coarse
+            logits = cap * torch.tanh(logits.to(torch.promote_types(logits.dtype, torch.float32)) / cap)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1,

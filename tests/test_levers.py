@@ -157,11 +157,12 @@ def test_gradients_through_each_lever_match_finite_differences(lever):
     params = dict(model.named_parameters())
     idx = tokens(2, 4, 11)
 
-    def loss(*tensors):
-        return torch.func.functional_call(model, {**params, **dict(zip(names, tensors))}, (idx, idx))[1]
+    def loss(*tensors):  # in float64 throughout (the model's own loss is float32)
+        logits, _ = torch.func.functional_call(model, {**params, **dict(zip(names, tensors))}, (idx,), {"logits_at": "all"})
+        return F.cross_entropy(logits.flatten(0, 1), idx.flatten())
 
     inputs = [params[n].detach().clone().requires_grad_() for n in names]
-    assert torch.autograd.gradcheck(loss, inputs, eps=1e-6, atol=1e-5)
+    assert torch.autograd.gradcheck(loss, inputs, eps=1e-6, atol=1e-5, fast_mode=True)
 
 
 # ---------------------------------------------------------------------------- off is as before
@@ -231,10 +232,10 @@ def test_optimizer_groups_param_counts_and_flops():
 def test_llama_and_speedrun_options_train_on_gpt2s_shape(options):
     torch.manual_seed(0)
     model = GPT(GPTConfig(**{**TINY, **options}))
-    optimizer = model.configure_optimizers(0.0, 1e-2, (0.9, 0.95), "cpu")
+    optimizer = model.configure_optimizers(0.0, 2e-3, (0.9, 0.95), "cpu")
     idx = tokens()
     losses = []
-    for _ in range(3):
+    for _ in range(4):
         _, loss = model(idx, idx)
         loss.backward()
         optimizer.step()
