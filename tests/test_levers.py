@@ -278,6 +278,16 @@ def test_the_serving_engine_gives_each_request_the_uncached_greedy_tokens():
     assert outs == solo
 
 
+def test_cached_decoding_with_every_lever_is_one_graph():
+    torch._dynamo.reset()
+    model = randomized(GPT(GPTConfig(**TINY, **LEVERS)), std=0.2).eval()
+    prompt = tokens(1, 4)
+    expected = inference.generate(model, prompt, 3, temperature=0)
+    model.compile(fullgraph=True, backend=ATEN_BACKEND)  # as sample.py compiles it; a graph break is an error
+    assert torch.equal(inference.generate(model, prompt, 3, temperature=0), expected)
+    torch._dynamo.reset()
+
+
 def test_all_levers_compile_to_one_graph_that_never_recompiles(monkeypatch):
     torch._dynamo.reset()
     counters.clear()
@@ -368,6 +378,15 @@ def test_exports_refuse_each_lever_they_cannot_compute_in_one_line(tmp_path, opt
     assert lines[0].startswith("error: this model cannot be exported: neither") and named in lines[0]
     assert lines[0].endswith("or train without them to export")
     assert sorted(p.name for p in out_dir.iterdir()) == ["ckpt.pt"]  # nothing written
+
+
+def test_the_gguf_writer_itself_refuses_the_levers(tmp_path):
+    from gpt import gguf_export
+
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=50257, value_embeds=True))
+    with pytest.raises(UserError, match="neither GGUF's gpt2 nor its llama computes its value_embeds=True") as e:
+        gguf_export.write(model, tokenizer.make_spec("gpt2"), str(tmp_path / "model.gguf"), "gpt2")
+    assert "\n" not in str(e.value) and not (tmp_path / "model.gguf").exists()
 
 
 def test_zero_init_proj_is_only_an_init_and_exports(tmp_path):
