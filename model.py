@@ -1,5 +1,6 @@
-"""The GPT: GPT-2's architecture by default, Llama's ingredients by config key; attention
-through scaled_dot_product_attention.
+"""The GPT: GPT-2's architecture by default, Llama's ingredients and the speedruns' levers
+(modded-nanogpt's, nanochat's: ReLU², zero-initialised projections, logit soft-capping, value
+embeddings, U-net skips) by config key; attention through scaled_dot_product_attention.
 
     from model import GPT, GPTConfig
     model = GPT(GPTConfig(n_layer=6, n_head=6, n_embd=384, block_size=256, vocab_size=65))
@@ -329,7 +330,8 @@ class GPT(nn.Module):
         (N, vocab) (eval scores a few tokens per row: un-embedding the others would be most of its
         work). cache, when generating (inference.py's caches): idx continues the tokens the cache
         holds; cache.positions gives the new tokens' positions, and cache.layer(i) stores layer i's
-        keys and values and runs its attention over them (CausalSelfAttention.forward)."""
+        keys and values and runs its attention over them (CausalSelfAttention.forward). With
+        logit_softcap the logits are capped (and float32) on every path, the loss's included."""
         B, T = idx.size()
         if cache is None:
             if T > self.config.block_size:
@@ -359,9 +361,11 @@ class GPT(nn.Module):
         return logits, loss
 
     def blocks(self, x, idx, rope, cache):
-        """The residual stream x (B, T, C) through the blocks. Value embeddings are looked up from
-        the tokens idx (B, T); U-net skips: the first half's outputs are kept, and the second half
-        takes them back in mirror order, the last block the first block's."""
+        """The residual stream x (B, T, C) through the blocks. value_embeds: each table's rows for
+        the tokens idx (B, T) go to its layer's attention. unet_skips: the first half's outputs are
+        kept, and the second half takes them back in mirror order (block n-1-i block i's output,
+        the last block the first's), so late blocks see early features without their having to
+        survive the blocks in between. Per forward pass: a cached step skips within its new tokens."""
         n, ves, skips = self.config.n_layer, self.transformer["ve"] if "ve" in self.transformer else {}, []
         for i, block in enumerate(self.transformer.h):
             if self.config.unet_skips and i >= n - n // 2:

@@ -136,6 +136,9 @@ def test_zero_init_proj_starts_projections_at_zero_and_they_still_learn():
     _, loss = model(idx, idx)
     loss.backward()
     assert all(p.grad.abs().sum() > 0 for p in projections.values()), "zero-init must not stop learning"
+    torch.manual_seed(0)  # the init draws what it drew before: every other weight is the default model's
+    default = GPT(GPTConfig(**TINY, bias=True)).state_dict()
+    assert all(torch.equal(p, default[n]) for n, p in model.state_dict().items() if ".c_proj." not in n)
     optimizer = model.configure_optimizers(0.0, 1e-2, (0.9, 0.95), "cpu")
     optimizer.step()
     assert model(idx, idx)[1] < loss
