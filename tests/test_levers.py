@@ -21,7 +21,7 @@ from gpt import checkpoint, inference, load, optim, runtime, tokenizer
 from gpt.batches import TrainBatches
 from gpt.step import train_step
 from gpt.wrap import build, make_model_args
-from configurator import TrainConfig, UserError
+from configurator import TrainConfig, UserError, parse
 from model import GPT, MLP, CausalSelfAttention, GPTConfig
 
 TINY = dict(n_layer=4, n_head=4, n_embd=32, block_size=16, vocab_size=65, dropout=0.0)
@@ -312,6 +312,15 @@ def test_all_levers_compile_to_one_graph_that_never_recompiles(monkeypatch):
 # ---------------------------------------------------------------------------- train.py, torchrun, exports
 
 LEVER_FLAGS = dict(mlp="relu2", zero_init_proj=True, logit_softcap=15.0, value_embeds=True, unet_skips=True, n_layer=3)
+
+
+def test_a_config_file_sets_the_levers_for_the_model(tmp_path):
+    (tmp_path / "speedrun.py").write_text("".join(f"{k} = {v!r}\n" for k, v in LEVER_FLAGS.items()))
+    args = make_model_args(parse(TrainConfig, [str(tmp_path / "speedrun.py")]), 65)
+    assert all(args[k] == v for k, v in LEVER_FLAGS.items())
+    assert all(getattr(GPT(GPTConfig(**args)).config, k) == v for k, v in LEVER_FLAGS.items())
+    with pytest.raises(UserError, match="logit_softcap=-1.0 must be >= 0"):
+        parse(TrainConfig, ["--logit_softcap=-1"])
 
 
 def test_resume_with_every_lever_is_exact(char_data, tmp_path):
