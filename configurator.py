@@ -86,6 +86,9 @@ class TrainConfig:
     block_size: int = 1024  # context length in tokens
     data_mode: str = "auto"  # 'ram', 'memmap', or 'auto' (RAM when the files are small against free memory)
     seed: int = 1337  # seeds init, dropout and the batch order; a resumed run keeps its own RNG state
+    # document-aligned batches (docs/data.md): token data whose documents end with end-of-text
+    batch_order: str = "random"  # 'random': windows at random offsets; 'documents': rows that start at a document, each once per epoch
+    doc_mask: bool = False  # attention stays inside each document of a row, whose positions restart at 0 (train batches only)
     # model: GPTConfig's keys, each described once, on GPTConfig in model.py (--help shows it there too)
     n_layer: int = 12
     n_head: int = 12
@@ -190,6 +193,7 @@ class TrainConfig:
         _require(not self.overwrite or self.init_from not in ("resume", "auto"),
                  f"overwrite=True replaces the run in out_dir, init_from={self.init_from!r} continues it: drop one of the two")
         _require_choice("data_mode", self.data_mode, ("auto", "ram", "memmap"))
+        _require_choice("batch_order", self.batch_order, ("random", "documents"))
         _require_choice("backend", self.backend, ("auto", "nccl", "gloo"))
 
 

@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 # the `attention` key: which scaled_dot_product_attention kernel runs; 'auto' leaves it to PyTorch,
@@ -142,6 +143,28 @@ def rope_tables(head_size, length, theta, scaling=None):
     return angles.cos(), angles.sin()
 
 
+def document_mask(docs, flex=False):
+    """The attention mask of packed documents: docs (B, T), each token's document number in its
+    row -> a boolean (B, 1, T, T), True where a query may see a key: the same document, and not
+    later. flex: FlexAttention's BlockMask of the same mask instead (the CUDA kernel: it skips the
+    blocks a row's documents never see, and never builds T x T)."""
+    B, T = docs.shape
+    if flex:
+        same_doc_causal = lambda b, h, q, k: (docs[b, q] == docs[b, k]) & (q >= k)
+        return create_block_mask(same_doc_causal, B, None, T, T, device=docs.device)
+    causal = torch.ones(T, T, dtype=torch.bool, device=docs.device).tril()
+    return ((docs[:, :, None] == docs[:, None, :]) & causal).unsqueeze(1)
+
+
+def document_positions(docs):
+    """docs (B, T) -> each token's position in its own document (B, T): a document packed
+    after others is embedded as if it began its row."""
+    t = torch.arange(docs.size(1), device=docs.device).expand_as(docs)
+    first = torch.ones_like(docs, dtype=torch.bool)
+    first[:, 1:] = docs[:, 1:] != docs[:, :-1]
+    return t - torch.where(first, t, 0).cummax(dim=1).values
+
+
 def apply_rope(x, cos, sin):
     """Rotate x (B, nh, T, hs) by the angles of its positions, (1, T, hs/2) or one row each
     (B, 1, T, hs/2). Pairs are (i, i + hs/2), the layout of Hugging Face's Llama weights. A
@@ -175,9 +198,10 @@ class CausalSelfAttention(nn.Module):
         if value_embed:  # value_embeds: how much of the token's value embedding each k/v head takes
             self.ve_gate = nn.Parameter(torch.ones(self.n_kv_head))  # (n_kv,)
 
-    def forward(self, x, rope=None, cache=None, ve=None):
+    def forward(self, x, rope=None, cache=None, mask=None, ve=None):
         """x (B, T, C). rope: the (cos, sin) tables of these T positions, (1, T, hs/2) or per row
-        (B, 1, T, hs/2), when the model uses RoPE. cache, when generating (inference.py): this
+        (B, 1, T, hs/2), when the model uses RoPE. mask: document_mask's, for packed documents
+        (None: causal over the whole row). cache, when generating (inference.py): this
         layer's view of a key/value cache, which stores the new keys and values beside the ones it
         holds and runs attention over them, masked as its rows need. ve (B, T, n_kv*hs): the value
         embedding of these tokens (value_embeds), added to v before v is used or cached."""
@@ -192,8 +216,10 @@ class CausalSelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        if cache is None:
-            y = self.attend(q, k, v, causal=True)  # each token sees itself and the tokens before it
+        if isinstance(mask, BlockMask):  # CUDA's document mask (GPT.forward)
+            y = flex_attention(q, k, v, block_mask=mask, enable_gqa=k.size(1) != self.n_head)
+        elif cache is None:
+            y = self.attend(q, k, v, mask, causal=mask is None)  # each token sees itself and the tokens before it
         else:
             y = cache.attend(q, k, v, self.attend)  # (B, nh, T, hs), through this layer's kernel choice
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
@@ -244,9 +270,9 @@ class Block(nn.Module):
         self.ln_2 = make_norm(config, config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x, rope=None, cache=None, ve=None):
+    def forward(self, x, rope=None, cache=None, mask=None, ve=None):
         # pre-norm: the residual stream itself is never normalized, which keeps deep stacks trainable
-        x = x + self.attn(self.ln_1(x), rope, cache, ve)
+        x = x + self.attn(self.ln_1(x), rope, cache, mask, ve)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -321,7 +347,7 @@ class GPT(nn.Module):
                 n -= sum(p.numel() for p in self.transformer.ve.parameters())
         return n
 
-    def forward(self, idx, targets=None, cache=None, logits_at=None, reduction="mean"):
+    def forward(self, idx, targets=None, cache=None, logits_at=None, reduction="mean", docs=None):
         """idx (B, T) -> (logits, loss). With targets, loss is the mean cross-entropy over the
         targets that are not -1 (reduction='sum': their sum, for chat batches, which weigh
         micro-batches by their trained tokens). The logits are every position's with targets, else
@@ -330,13 +356,19 @@ class GPT(nn.Module):
         (N, vocab) (eval scores a few tokens per row: un-embedding the others would be most of its
         work). cache, when generating (inference.py's caches): idx continues the tokens the cache
         holds; cache.positions gives the new tokens' positions, and cache.layer(i) stores layer i's
-        keys and values and runs its attention over them (CausalSelfAttention.forward). With
-        logit_softcap the logits are capped (and float32) on every path, the loss's included."""
+        keys and values and runs its attention over them (CausalSelfAttention.forward). docs (B, T),
+        for rows packed from documents (gpt/batches.py): each token's document number in its row;
+        a token then sees only its own document, whose positions start at 0, as if it ran alone.
+        With logit_softcap the logits are capped (and float32) on every path, the loss's included."""
         B, T = idx.size()
+        mask = None
         if cache is None:
             if T > self.config.block_size:
                 raise ValueError(f"sequence of length {T} is longer than block_size {self.config.block_size}")
             pos = torch.arange(T, dtype=torch.long, device=idx.device)  # (T,)
+            if docs is not None:  # (B, T) positions, and a mask to keep each document to itself
+                flex = docs.is_cuda and not (self.training and self.config.dropout > 0)  # FlexAttention has no dropout
+                pos, mask = document_positions(docs), document_mask(docs, flex)
         else:
             pos = cache.positions(T, idx.device)  # (T,), or (B, T) when every row has its own positions
         x, rope = self.transformer.wte(idx), None  # (B, T, C)
@@ -344,7 +376,7 @@ class GPT(nn.Module):
             x = x + self.transformer.wpe(pos)
         else:  # (1, T, hs/2) or (B, 1, T, hs/2) each: broadcast over the heads
             rope = (self.rope_cos[pos].unsqueeze(-3), self.rope_sin[pos].unsqueeze(-3))
-        x = self.blocks(self.transformer.drop(x), idx, rope, cache)
+        x = self.blocks(self.transformer.drop(x), idx, rope, cache, mask)
         x = self.transformer.ln_f(x)
         if torch.is_tensor(logits_at):
             x = x.flatten(0, 1).index_select(0, logits_at)  # (N, C)
@@ -360,23 +392,24 @@ class GPT(nn.Module):
                                    reduction=reduction)
         return logits, loss
 
-    def blocks(self, x, idx, rope, cache):
-        """The residual stream x (B, T, C) through the blocks. value_embeds: each table's rows for
-        the tokens idx (B, T) go to its layer's attention. unet_skips: the first half's outputs are
-        kept, and the second half takes them back in mirror order (block n-1-i block i's output,
-        the last block the first's), so late blocks see early features without their having to
-        survive the blocks in between. Per forward pass: a cached step skips within its new tokens."""
+    def blocks(self, x, idx, rope, cache, mask):
+        """The residual stream x (B, T, C) through the blocks; mask: the documents' (or None).
+        value_embeds: each table's rows for the tokens idx (B, T) go to its layer's attention.
+        unet_skips: the first half's outputs are kept, and the second half takes them back in
+        mirror order (block n-1-i block i's output, the last block the first's), so late blocks
+        see early features without their having to survive the blocks in between. Per forward
+        pass: a cached step skips within its new tokens."""
         n, ves, skips = self.config.n_layer, self.transformer["ve"] if "ve" in self.transformer else {}, []
         for i, block in enumerate(self.transformer.h):
             if self.config.unet_skips and i >= n - n // 2:
                 x = x + self.skip_weights[n - 1 - i] * skips.pop()
             ve = ves[str(i)](idx) if str(i) in ves else None  # (B, T, n_kv*hs)
             if cache is not None:
-                x = block(x, rope, cache.layer(i), ve)
+                x = block(x, rope, cache.layer(i), ve=ve)
             elif self.activation_checkpointing and self.training:
-                x = checkpoint(block, x, rope, None, ve, use_reentrant=False)  # dropout masks replay exactly
+                x = checkpoint(block, x, rope, None, mask, ve, use_reentrant=False)  # dropout masks replay exactly
             else:
-                x = block(x, rope, None, ve)
+                x = block(x, rope, None, mask, ve)
             if self.config.unet_skips and i < n // 2:
                 skips.append(x)
         return x

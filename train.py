@@ -33,7 +33,7 @@ from gpt import outdir
 from gpt import runtime
 from gpt import tokenizer
 from gpt import watch
-from gpt.batches import ChatBatches, ChatData, TrainBatches, chat_eval_offsets, eval_offsets, load_split, packing
+from gpt.batches import ChatBatches, ChatData, DocumentBatches, TrainBatches, chat_eval_offsets, eval_offsets, load_split, packing
 from configurator import TrainConfig, UserError, as_dict, parse, run_main
 from gpt.memory import auto_batch_size, with_batch_size
 from gpt.metrics import MetricsLog, Throughput, format_duration
@@ -102,6 +102,7 @@ class Data(NamedTuple):
     vocab_size: int
     hellaswag: Optional[list]  # encoded examples, when hellaswag_interval asks for them
     core: Optional[list]  # CORE's tasks (core_eval.Task), when core_interval asks for them
+    eot: Optional[int] = None  # the end-of-text id that ends each document, when batch_order or doc_mask needs it
 
 
 def load_data(cfg, say):
@@ -139,7 +140,23 @@ def load_data(cfg, say):
     if cfg.core_interval and tok_spec["kind"] == "char":
         raise UserError("core_interval needs a tokenizer that encodes any text; this data is character-level: set core_interval=0")
     core = core_eval.load_tasks(cfg.core_bundle, cfg.core_max_per_task) if cfg.core_interval and not cfg.eval_async else None
-    return Data(splits["train"], splits["val"], splits.get("test"), tok_spec, vocab_size, hellaswag, core)
+    eot = end_of_text(cfg, tok_spec, data_dir) if cfg.batch_order == "documents" or cfg.doc_mask else None
+    return Data(splits["train"], splits["val"], splits.get("test"), tok_spec, vocab_size, hellaswag, core, eot)
+
+
+def end_of_text(cfg, tok_spec, data_dir):
+    """The token that ends every document (data/corpus.py writes one after each), which
+    batch_order='documents' and doc_mask find the documents by."""
+    keys = f"batch_order={cfg.batch_order!r} doc_mask={cfg.doc_mask}"
+    if "chat" in tok_spec:
+        raise UserError(f"{keys}: {data_dir} is chat data, whose rows already start at a conversation; "
+                        f"set batch_order='random' and doc_mask=False")
+    eot = tokenizer.eot(tok_spec)
+    if eot is None:
+        raise UserError(f"{keys} needs documents that end with an end-of-text token, and {data_dir} is character-level "
+                        f"(meta.json), which has none: set batch_order='random' and doc_mask=False, or use GPT-2 BPE "
+                        f"data (python data/shakespeare/prepare.py ends each speech with one)")
+    return eot
 
 
 def make_model(cfg, rt, data, say):
@@ -157,6 +174,9 @@ def make_model(cfg, rt, data, say):
         if trained_with["optimizer"] != cfg.optimizer:
             raise UserError(f"cannot resume: the checkpoint was trained with optimizer={trained_with['optimizer']!r}, whose "
                             f"state this run's optimizer={cfg.optimizer!r} cannot take; resume with --optimizer={trained_with['optimizer']}")
+        if trained_with["batch_order"] != cfg.batch_order:
+            raise UserError(f"cannot resume: the checkpoint was trained with batch_order={trained_with['batch_order']!r}, whose "
+                            f"data position this run's {cfg.batch_order!r} cannot take; resume with --batch_order={trained_with['batch_order']}")
     if cfg.init_from in ("scratch", "resume"):
         raw_model = GPT(GPTConfig(**model_args))
     else:  # GPT-2's weights by name, or a Hugging Face GPT-2 or Llama directory; they fix the model's shape
@@ -200,8 +220,12 @@ class Run:
         self.chat = isinstance(data.train, ChatData)
         if self.chat:
             self.batches = ChatBatches(data.train, cfg.batch_size, cfg.block_size, cfg.seed, rt, self.accum_steps)
-        else:
-            self.batches = TrainBatches(data.train, cfg.batch_size, cfg.block_size, cfg.seed, rt)
+        elif cfg.batch_order == "documents":
+            self.batches = DocumentBatches(data.train, cfg.batch_size, cfg.block_size, cfg.seed, rt, data.eot, cfg.doc_mask)
+            say(f"documents: {self.batches.documents:,} in train, {len(self.batches.starts):,} rows of block_size="
+                f"{cfg.block_size} an epoch (~{len(self.batches.starts) // (cfg.batch_size * cfg.gradient_accumulation_steps):,} iterations)")
+        else:  # data.eot: doc_mask on random windows
+            self.batches = TrainBatches(data.train, cfg.batch_size, cfg.block_size, cfg.seed, rt, data.eot)
         self.iter_num, self.best_val_loss, wandb_run_id = 0, float("inf"), None
         if state is not None:
             checkpoint.restore_rng(state, self.batches, rt)

@@ -7,6 +7,9 @@ tokens the model is trained to produce (the assistant's).
     batches = TrainBatches(data, batch_size=12, block_size=256, seed=1337, rt=rt)
     x, y = batches()                                   # (B, T) each, on rt.device; y is x shifted by one
 
+    batches = DocumentBatches(data, batch_size=12, block_size=1024, seed=1337, rt=rt, eot=50256, doc_mask=True)
+    x, y, docs = batches()                             # rows that start at a document; docs: (B, T) document numbers
+
     chat = ChatData.open("data/my_chat", "train")
     batches = ChatBatches(chat, batch_size=8, block_size=1024, seed=1337, rt=rt, accum_steps=4)
     x, y, weight = batches()                           # y is -1 where nothing is trained
@@ -42,11 +45,17 @@ def load_split(data_dir, split, mode="auto", share=1):
     return data
 
 
-def get_batch(data, offsets, block_size, rt):
+def get_batch(data, offsets, block_size, rt, eot=None):
     """Windows starting at `offsets` (B,) -> x, y (B, T) on the device, y = x shifted by one.
-    One vectorized gather of (B, T+1) ids and one host-to-device copy."""
-    rows = data[offsets[:, None] + np.arange(block_size + 1)]
-    t = to_device(torch.from_numpy(rows.astype(np.int64)), rt)
+    One vectorized gather of (B, T+1) ids and one host-to-device copy. With eot (the end-of-text
+    id), also docs (B, T): each x token's document number in its row, which goes up by one at
+    every end-of-text, so a separator begins the document after it (model.GPT.forward's docs)."""
+    rows = data[offsets[:, None] + np.arange(block_size + 1)].astype(np.int64)
+    if eot is not None:
+        docs = np.cumsum(rows[:, :-1] == eot, axis=1)
+        t = to_device(torch.from_numpy(np.concatenate([rows, docs], axis=1)), rt)
+        return t[:, :block_size], t[:, 1 : block_size + 1], t[:, block_size + 1 :]
+    t = to_device(torch.from_numpy(rows), rt)
     return t[:, :-1], t[:, 1:]
 
 
@@ -60,14 +69,98 @@ class TrainBatches:
     and resumable. Every rank draws the whole global batch from the same generator and keeps
     its own slice: ranks see disjoint windows and the state to checkpoint is one value."""
 
-    def __init__(self, data, batch_size, block_size, seed, rt):
+    def __init__(self, data, batch_size, block_size, seed, rt, eot=None):
         self.data, self.batch_size, self.block_size, self.rt = data, batch_size, block_size, rt
+        self.eot = eot  # doc_mask: the end-of-text id, and batches carry document numbers (get_batch)
         self.rng = np.random.default_rng(seed)
 
     def __call__(self):
         B, rank = self.batch_size, self.rt.rank
         offsets = self.rng.integers(0, len(self.data) - self.block_size, size=B * self.rt.world_size)
-        return get_batch(self.data, offsets[rank * B : (rank + 1) * B], self.block_size, self.rt)
+        return get_batch(self.data, offsets[rank * B : (rank + 1) * B], self.block_size, self.rt, self.eot)
+
+    def state_dict(self):
+        """The data position a checkpoint keeps: the generator's state."""
+        return self.rng.bit_generator.state
+
+    def load_state_dict(self, state):
+        self.rng.bit_generator.state = state
+
+
+# ---------------------------------------------------------------------------- document-aligned batches
+
+
+SCAN_CHUNK = 1 << 24  # tokens per step of the separator scan: bounded memory on a memory-mapped split
+
+
+def separators(data, eot):
+    """The positions (int64) of every end-of-text token in a split, found a chunk at a time."""
+    return np.concatenate([lo + np.flatnonzero(data[lo : lo + SCAN_CHUNK] == eot)
+                           for lo in range(0, len(data), SCAN_CHUNK)]).astype(np.int64)
+
+
+def row_starts(data, eot, block_size):
+    """(where each row of an epoch starts, the number of documents). Every document ends with
+    end-of-text (data/corpus.py), so a document's row starts at the separator before it, which
+    serves as its beginning-of-sequence token (the split's first document, which has none, at
+    token 0). A document longer than a row gets more rows, every block_size tokens after the
+    first, so each of its tokens is some row's target. A row runs on into the documents after
+    its own and is cut at block_size + 1 tokens; rows that would run past the split's end are
+    dropped."""
+    seps = separators(data, eot)
+    if len(seps) == 0:
+        raise UserError(f"batch_order='documents' and doc_mask need documents that end with end-of-text (id {eot}), and "
+                        f"the train split has none: set batch_order='random' and doc_mask=False, or prepare the data again")
+    firsts = seps[seps < len(data) - 1]  # a separator begins the document after it
+    if int(data[0:1][0]) != eot:
+        firsts = np.concatenate([[0], firsts])
+    length = np.diff(np.append(firsts, len(data)))  # each document's x positions, its separator included
+    rows = -(-length // block_size)  # (n_docs,) rows per document
+    within = np.arange(rows.sum()) - np.repeat(np.cumsum(rows) - rows, rows)  # 0, 1, .. in each document
+    starts = np.repeat(firsts, rows) + block_size * within
+    return starts[starts + block_size + 1 <= len(data)], len(firsts)
+
+
+class DocumentBatches:
+    """Rows that start where a document does (row_starts), in epochs: an epoch visits every row
+    start once, in a permutation drawn from (seed, epoch), then the next epoch draws another.
+    Every rank takes the next global batch of the permutation and keeps its own slice, so ranks
+    see disjoint rows; the state to checkpoint is (seed, epoch, position). doc_mask: batches
+    carry each token's document number too (get_batch), and no token attends across documents."""
+
+    def __init__(self, data, batch_size, block_size, seed, rt, eot, doc_mask=False):
+        self.data, self.batch_size, self.block_size, self.rt = data, batch_size, block_size, rt
+        self.eot, self.doc_mask = eot, doc_mask
+        self.starts, self.documents = row_starts(data, eot, block_size)
+        if len(self.starts) < batch_size * rt.world_size:
+            raise UserError(f"the train split's {len(self.starts)} rows of documents are fewer than one global batch "
+                            f"({rt.world_size} x batch_size={batch_size}): lower batch_size or use batch_order='random'")
+        self.seed, self.epoch, self.position = seed, 0, 0
+        self.order = self._permutation()
+
+    def _permutation(self):
+        return np.random.default_rng([self.seed, self.epoch]).permutation(len(self.starts))
+
+    def __call__(self):
+        B, rank, n = self.batch_size, self.rt.rank, self.batch_size * self.rt.world_size
+        picked = self.order[self.position : self.position + n]  # (n,) the global batch's rows
+        self.position += len(picked)
+        if self.position == len(self.order):  # the epoch is over: the next one begins, and tops the batch up
+            self.epoch, self.position = self.epoch + 1, n - len(picked)
+            self.order = self._permutation()
+            picked = np.concatenate([picked, self.order[: self.position]])
+        offsets = self.starts[picked[rank * B : (rank + 1) * B]]
+        return get_batch(self.data, offsets, self.block_size, self.rt, self.eot if self.doc_mask else None)
+
+    def state_dict(self):
+        return {"seed": self.seed, "epoch": self.epoch, "position": self.position, "rows": len(self.starts)}
+
+    def load_state_dict(self, state):
+        if state.get("rows") != len(self.starts):
+            raise UserError(f"cannot resume the document order: the checkpoint's epochs have {state.get('rows')} rows, "
+                            f"this data and block_size make {len(self.starts)}; resume on the data and block_size it trained with")
+        self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]
+        self.order = self._permutation()
 
 
 def eval_offsets(data, eval_iters, batch_size, block_size, seed):
@@ -162,6 +255,12 @@ class ChatBatches:
         self.rng = np.random.default_rng(seed)
         self.pending = deque()
         self.step_tokens = 0  # trained tokens in the step drawn last, over all ranks
+
+    def state_dict(self):
+        return self.rng.bit_generator.state
+
+    def load_state_dict(self, state):
+        self.rng.bit_generator.state = state
 
     def __call__(self):
         if not self.pending:

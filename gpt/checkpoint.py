@@ -147,7 +147,7 @@ def make_checkpoint(raw_model, optimizer, scaler, fsdp, info, batches, rt):
         "optimizer": optimizer_state,
         "scaler": scaler.state_dict() if scaler.is_enabled() else None,
         **info,  # model_args, config, tokenizer, iter_num, best_val_loss, wandb_run_id
-        "rng": {**gather_rng(rt), "batches": batches.rng.bit_generator.state},
+        "rng": {**gather_rng(rt), "batches": batches.state_dict()},
     }
 
 
@@ -249,7 +249,7 @@ def restore_rng(state, batches, rt):
         _restore_device_rng(rng, rt)
     elif rt.master:
         print(f"note: checkpoint was written by {len(rng['torch'])} rank(s), this run has {rt.world_size}: dropout RNG reseeded")
-    batches.rng.bit_generator.state = rng["batches"]
+    batches.load_state_dict(rng["batches"])
 
 
 def _restore_device_rng(rng, rt):
@@ -290,7 +290,7 @@ def sharded_meta(scaler, info, batches, param_groups, rt):
     earlier versions; this one finds the RNG states a checkpoint carries in DCP's metadata.)"""
     return {**info, "format": "sharded", "world_size": rt.world_size, "cuda_rng": rt.device_type == "cuda",
             "scaler": scaler.state_dict() if scaler.is_enabled() else None,
-            "batches": batches.rng.bit_generator.state, "param_groups": param_groups}
+            "batches": batches.state_dict(), "param_groups": param_groups}
 
 
 def _check_sharded(path):

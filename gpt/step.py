@@ -29,8 +29,12 @@ def train_step(model, optimizer, scaler, next_batch, lr, accum_steps, grad_clip,
     for group in optimizer.param_groups:
         group["lr"] = lr * group.get("lr_scale", 1.0)  # a group with its own peak (e.g. Muon's) scales with the schedule
     total = torch.zeros((), device=rt.device)
-    x, y, *weight = next_batch()  # chat batches add the weight of their summed loss (batches.ChatBatches)
+    x, y, *more = next_batch()
     for micro in range(accum_steps):
+        # chat batches add the weight of their summed loss (batches.ChatBatches); doc_mask batches,
+        # each token's document number in its row (a tensor: batches.get_batch)
+        weight = [m for m in more if not torch.is_tensor(m)]
+        docs = {"docs": m for m in more if torch.is_tensor(m)}
         last = micro == accum_steps - 1
         # DDP all-reduces gradients in backward; only the last micro-step needs it. (FSDP
         # reduce-scatters every micro-step: holding whole gradients would undo its memory saving)
@@ -40,12 +44,12 @@ def train_step(model, optimizer, scaler, next_batch, lr, accum_steps, grad_clip,
                     _, loss = model(x, y, reduction="sum")
                     loss = loss * weight[0]
                 else:
-                    _, loss = model(x, y)
+                    _, loss = model(x, y, **docs)
                     # each micro-batch's mean loss, scaled so the accumulated gradient is that of the
                     # mean over the whole batch, not the sum
                     loss = loss / accum_steps
             if not last:
-                x, y, *weight = next_batch()  # gathered while the device still runs the forward pass
+                x, y, *more = next_batch()  # gathered while the device still runs the forward pass
             scaler.scale(loss).backward()
         total += loss.detach()
     scaler.unscale_(optimizer)  # clip and check the true gradients, not the fp16-scaled ones

@@ -9,7 +9,6 @@ writes them; resuming on a GPU is checkpoint.restore and restore_rng with torch.
 
 import json
 import shutil
-import types
 
 import numpy as np
 import pytest
@@ -125,7 +124,7 @@ def restore_on(rt, out_dir):
     model = GPT(GPTConfig(**state["model_args"]))
     optimizer = optim.configure(model, TrainConfig(**state["config"]), "cpu")
     checkpoint.restore(state, model, optimizer, torch.amp.GradScaler("cpu", enabled=False), fsdp=False)
-    batches = types.SimpleNamespace(rng=np.random.default_rng(0))
+    batches = TrainBatches(np.zeros(32, np.uint16), 1, 8, 0, rt)  # the generator restore_rng sets
     checkpoint.restore_rng(state, batches, rt)
     return state, batches
 

@@ -125,6 +125,17 @@ def test_unet_skips_and_value_embeds_match_a_manual_loop_over_the_blocks(n_layer
     torch.testing.assert_close(model.train()(idx, idx)[0], manual_forward(model, idx))
 
 
+def test_packed_documents_with_every_lever_each_run_as_if_alone():
+    model = randomized(GPT(GPTConfig(**TINY, **LEVERS)), std=0.1)
+    idx = tokens(2, 16)
+    docs = torch.tensor([[0] * 5 + [1] * 11, [0] * 9 + [1] * 7])  # (B, T): each token's document in its row
+    packed = model(idx, idx, docs=docs)[0]
+    for row, start in enumerate((5, 9)):
+        for part in (slice(0, start), slice(start, 16)):
+            alone = model(idx[row : row + 1, part], logits_at="all")[0][0]
+            torch.testing.assert_close(packed[row, part], alone, rtol=1e-5, atol=1e-5)
+
+
 def test_zero_init_proj_starts_projections_at_zero_and_they_still_learn():
     torch.manual_seed(0)
     model = GPT(GPTConfig(**TINY, bias=True, zero_init_proj=True))

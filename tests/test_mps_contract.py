@@ -5,7 +5,6 @@ autocast dtype, the GradScaler, the optimizer, pinned memory, compile, synchroni
 RNG state in checkpoints, and what MPS cannot do (torchrun; bfloat16 before macOS 14). No MPS
 kernel runs here: tensors stay on the CPU, the decisions are what is checked."""
 
-import types
 
 import numpy as np
 import pytest
@@ -126,10 +125,10 @@ def test_a_checkpoint_carries_the_mps_rng_and_restores_it_on_mps(mps, capsys):
     state = {"rng": {**rng, "batches": np.random.default_rng(3).bit_generator.state}}
     cpu_rng = torch.get_rng_state()
     mps.clear()
-    checkpoint.restore_rng(state, types.SimpleNamespace(rng=np.random.default_rng(0)), rt)
+    checkpoint.restore_rng(state, batches.TrainBatches(np.zeros(32, np.uint16), 1, 8, 0, rt), rt)
     assert len(mps) == 1 and mps[0][0] == "set_rng_state" and torch.equal(mps[0][1], MPS_RNG)
     # the same checkpoint on a CPU: the MPS state has no generator to go to, and that is said
-    checkpoint.restore_rng(state, types.SimpleNamespace(rng=np.random.default_rng(0)), runtime.setup("cpu", "float32"))
+    checkpoint.restore_rng(state, batches.TrainBatches(np.zeros(32, np.uint16), 1, 8, 0, rt), runtime.setup("cpu", "float32"))
     assert "note: checkpoint was written on mps, this run is on cpu: its mps RNG state is unused" in capsys.readouterr().out
     torch.set_rng_state(cpu_rng)
 

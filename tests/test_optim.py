@@ -40,7 +40,9 @@ def run_train(data_dir, out_dir, **overrides):
 # ---------------------------------------------------------------------------- the optimizer
 
 
-def test_muon_half_steps_as_torch_muon_and_the_rest_as_adamw():
+def test_muon_half_steps_as_torch_muon_and_the_rest_as_adamw(monkeypatch):
+    # on a CPU ours orthogonalizes in float32; in torch's bfloat16 it must be torch's step, bit for bit
+    monkeypatch.setattr(optim, "CPU_NS_DTYPE", torch.bfloat16)
     cfg = TrainConfig(optimizer="muon", learning_rate=1e-2, muon_lr=0.03, muon_momentum=0.9, muon_weight_decay=0.05,
                       weight_decay=0.1, warmup_iters=1, max_iters=4, lr_decay_iters=4, min_lr=1e-3)
     torch.manual_seed(0)
@@ -77,6 +79,31 @@ def test_muon_half_steps_as_torch_muon_and_the_rest_as_adamw():
         assert torch.equal(p, ref_named[name]), name  # the same kernels on the same numbers: bit for bit
         moved = max(moved, (p - init[name]).abs().max().item())
     assert moved > 1e-3
+
+
+def test_muon_on_a_cpu_orthogonalizes_in_float32_closer_to_the_exact_iteration_than_bfloat16():
+    torch.manual_seed(0)
+    coefficients = (3.4445, -4.7750, 2.0315)
+    for shape in ((48, 16), (16, 48), (32, 32)):
+        m = torch.randn(shape)
+        exact = optim.orthogonalize(m.double(), coefficients, 5, 1e-7, torch.float64)
+        ours = optim.orthogonalize(m, coefficients, 5, 1e-7, optim.CPU_NS_DTYPE)
+        torchs = torch.optim._muon._zeropower_via_newtonschulz(m, coefficients, 5, 1e-7)
+        assert torch.equal(optim.orthogonalize(m, coefficients, 5, 1e-7, torch.bfloat16), torchs)  # the same iteration
+        assert ours.dtype == torch.float32 and (ours.double() - exact).abs().max() < 1e-5
+        assert (torchs.double() - exact).abs().max() > 1e-3  # bfloat16's 8 bits of mantissa
+        # and it orthogonalizes: singular values pushed into Newton-Schulz's band around 1
+        s = torch.linalg.svdvals(ours)
+        assert s.min() > 0.5 and s.max() < 1.5
+
+
+def test_muon_off_the_cpu_is_torchs_own_step(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.optim.Muon, "step", lambda self, closure=None: calls.append(self))
+    p = torch.nn.Parameter(torch.zeros(4, 4, device="meta"))  # any device but the CPU: a GPU's path
+    opt = optim.Muon([p], lr=0.02)
+    opt.step()
+    assert calls == [opt]
 
 
 def test_optimizers_state_dict_round_trip_keeps_this_runs_muon_lr():

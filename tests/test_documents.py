@@ -1,0 +1,264 @@
+"""Document-aligned batches (batch_order='documents') and the document mask (doc_mask): rows
+that start at a document, each once per epoch and on one rank only, an exact resume, and a
+masked row that computes what its documents compute alone."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask
+
+import model as model_module
+from conftest import GPT2, read_metrics, run_script, tiny_args
+from configurator import UserError
+from data import tokens
+from gpt import checkpoint, runtime
+from gpt.batches import DocumentBatches, TrainBatches, row_starts
+from gpt.step import train_step
+from model import GPT, GPTConfig, document_mask
+
+CPU = runtime.Runtime("cpu", "cpu", torch.float32)
+EOT = 0  # the separator of the counting data below
+
+
+def counting_documents(n_docs=60, seed=0, longest=40):
+    """(data, first): documents of 1..longest tokens, each followed by EOT, as data/corpus.py
+    writes them; every other token is its position + 1, so a row tells where it starts.
+    first: the position where each document's row starts (its separator before it; 0 for the first)."""
+    lengths = np.random.default_rng(seed).integers(1, longest + 1, size=n_docs)
+    ends = np.cumsum(lengths + 1) - 1  # where each document's separator is
+    data = np.arange(1, ends[-1] + 2, dtype=np.uint32)
+    data[ends] = EOT
+    return data, np.concatenate([[0], ends[:-1]])
+
+
+def offsets_of(x):
+    """The data offset of each counting-data row (B,): read from its first non-separator token."""
+    return np.where(x[:, 0] == EOT, x[:, 1] - 2, x[:, 0] - 1)
+
+
+def test_rows_start_at_documents_and_continue_inside_long_ones():
+    data, first = counting_documents()
+    T = 16
+    starts, n_docs = row_starts(data, EOT, T)
+    expected = []  # a row at each document's start, and every T tokens after it while still inside it
+    for b, e in zip(first, list(first[1:]) + [len(data)]):
+        expected += [s for s in range(b, e, T) if s + T + 1 <= len(data)]
+    assert n_docs == len(first) and starts.tolist() == expected
+    assert len(expected) > len(first) - 3  # documents longer than T got more rows than one
+    # the sampler's rows are those: a document's separator (or the split's start) first, then the document
+    x, y = DocumentBatches(data, 8, T, seed=0, rt=CPU, eot=EOT)()
+    assert set(offsets_of(x.numpy())) <= set(expected) and torch.equal(x[:, 1:], y[:, :-1])
+    short, short_first = counting_documents(longest=10)
+    x, _ = DocumentBatches(short, 8, T, seed=0, rt=CPU, eot=EOT)()
+    assert set(offsets_of(x.numpy())) <= set(short_first.tolist())
+    assert all(row[0] == EOT or offset == 0 for row, offset in zip(x.tolist(), offsets_of(x.numpy())))
+
+
+def draw_global(samplers, calls):
+    """The rows (offsets) each call gave every rank, rank 0's first: (calls, world_size * B)."""
+    return np.stack([np.concatenate([offsets_of(s()[0].numpy()) for s in samplers]) for _ in range(calls)])
+
+
+def test_an_epoch_draws_every_row_once_split_between_ranks():
+    data, _ = counting_documents()
+    starts, _ = row_starts(data, EOT, 16)
+    ranks = [DocumentBatches(data, 3, 16, seed=4, rt=runtime.Runtime("cpu", "cpu", torch.float32, rank=r, world_size=2),
+                             eot=EOT) for r in range(2)]
+    calls = 2 * len(starts) // 6 + 2  # past two epochs, with an epoch ending inside a global batch
+    drawn = draw_global(ranks, calls)
+    assert all(not set(step[:3]) & set(step[3:]) for step in drawn)  # the ranks' rows in a step are disjoint
+    order = drawn.reshape(-1)
+    epoch1, epoch2 = order[: len(starts)], order[len(starts) : 2 * len(starts)]
+    assert sorted(epoch1) == sorted(epoch2) == starts.tolist()  # each row once in each epoch
+    assert epoch1.tolist() != epoch2.tolist()  # a new permutation each epoch
+    # one rank drawing the whole global batch sees the same order: the data order does not depend on world_size
+    single = DocumentBatches(data, 6, 16, seed=4, rt=CPU, eot=EOT)
+    assert np.array_equal(draw_global([single], calls), drawn)
+
+
+def test_the_state_resumes_mid_epoch_exactly():
+    data, _ = counting_documents()
+    batches = DocumentBatches(data, 4, 16, seed=1, rt=CPU, eot=EOT, doc_mask=True)
+    for _ in range(7):
+        batches()
+    state = json.loads(json.dumps(batches.state_dict()))  # survives a JSON round trip (sharded checkpoints)
+    assert state["epoch"] == 0 < state["position"]
+    expected = [torch.cat(batches()) for _ in range(30)]  # into the next epochs
+    resumed = DocumentBatches(data, 4, 16, seed=999, rt=CPU, eot=EOT, doc_mask=True)
+    resumed.load_state_dict(state)
+    assert all(torch.equal(a, torch.cat(resumed())) for a in expected)
+    with pytest.raises(UserError, match="block_size"):
+        DocumentBatches(data, 4, 12, seed=1, rt=CPU, eot=EOT).load_state_dict(state)
+
+
+def test_random_order_is_the_old_windows():
+    """batch_order='random' without doc_mask: the windows the generator has always drawn."""
+    data = np.random.default_rng(0).integers(1, 65, size=3000).astype(np.uint16)
+    rng, batches = np.random.default_rng(7), TrainBatches(data, 4, 16, seed=7, rt=CPU)
+    for x, y in (batches() for _ in range(3)):
+        offsets = rng.integers(0, len(data) - 16, size=4)  # the draw TrainBatches has always made
+        rows = torch.from_numpy(data[offsets[:, None] + np.arange(17)].astype(np.int64))
+        assert torch.equal(x, rows[:, :-1]) and torch.equal(y, rows[:, 1:])
+
+
+def tiny_gpt(**overrides):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=32, vocab_size=65, **overrides)).eval()
+
+
+def test_the_plain_forward_calls_attention_as_before(monkeypatch):
+    model, x = tiny_gpt(), torch.randint(1, 65, (2, 32))
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda *a, **k: calls.append((k["attn_mask"], k["is_causal"])) or sdpa(*a, **k))
+    plain, _ = model(x, logits_at="all")
+    assert calls == [(None, True)] * 2
+    one_doc, _ = model(x, logits_at="all", docs=torch.zeros_like(x))  # one document: the same function, by a mask
+    torch.testing.assert_close(one_doc, plain)
+
+
+class OnCuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA: GPT.forward then builds the mask it builds on a GPU."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+def spy_masks(monkeypatch):
+    """The masks GPT.forward builds (model.document_mask's results), as they are built."""
+    made = []
+    monkeypatch.setattr(model_module, "document_mask", lambda docs, flex: made.append(document_mask(docs, flex)) or made[-1])
+    return made
+
+
+@torch.no_grad()  # FlexAttention has no backward on a CPU
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("cuda", [False, True], ids=["cpu", "cuda"])
+@pytest.mark.parametrize("pos_encoding", ["learned", "rope"])
+def test_a_masked_row_computes_each_document_alone(monkeypatch, cuda, pos_encoding):
+    """Rows packed from documents, docs as get_batch makes them: every segment's logits are those
+    of the segment run through the model alone. On CUDA the mask is FlexAttention's BlockMask (run
+    here on the CPU), elsewhere SDPA's dense boolean mask."""
+    model, made = tiny_gpt(pos_encoding=pos_encoding, n_kv_head=2), spy_masks(monkeypatch)
+    eot, rng = 64, np.random.default_rng(3)
+    rows = [[eot, *rng.integers(1, 64, 11), eot, *rng.integers(1, 64, 4), eot, *rng.integers(1, 64, 14)],
+            [*rng.integers(1, 64, 20), eot, *rng.integers(1, 64, 11)]]
+    x = torch.tensor(rows)
+    docs = torch.cumsum(x == eot, dim=1)  # what get_batch gives with eot
+    logits, _ = model(x, logits_at="all", docs=docs.as_subclass(OnCuda) if cuda else docs)
+    assert len(made) == 1 and isinstance(made[0], BlockMask) == cuda
+    for b in range(2):
+        for d in docs[b].unique():
+            seg = docs[b] == d
+            alone, _ = model(x[b][seg][None], logits_at="all")
+            torch.testing.assert_close(logits[b][seg].as_subclass(torch.Tensor), alone[0], atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_cuda_training_with_attention_dropout_takes_the_dense_mask(monkeypatch):
+    """FlexAttention has no dropout: with dropout on, CUDA's training forward takes SDPA's mask."""
+    made, x = spy_masks(monkeypatch), torch.randint(1, 65, (2, 32))
+    tiny_gpt(dropout=0.1).train()(x, x, docs=torch.zeros_like(x).as_subclass(OnCuda))
+    tiny_gpt(dropout=0.1).eval()(x, x, docs=torch.zeros_like(x).as_subclass(OnCuda))
+    assert [isinstance(m, BlockMask) for m in made] == [False, True]
+
+
+def test_the_flex_mask_is_the_dense_mask():
+    docs = torch.tensor([[0] * 5 + [1] * 20 + [2] * 7, [0] * 32])
+    flex = document_mask(docs, flex=True)
+    assert isinstance(flex, BlockMask)
+    b, q, k = torch.meshgrid(torch.arange(2), torch.arange(32), torch.arange(32), indexing="ij")
+    assert torch.equal(flex.mask_mod(b, 0, q, k), document_mask(docs)[:, 0])
+    assert torch.equal(document_mask(docs)[1, 0], torch.ones(32, 32, dtype=torch.bool).tril())
+
+
+def test_accumulated_masked_steps_equal_one_big_batch():
+    """train_step hands each micro-batch's document numbers to the model: two micro-batches of 2
+    rows give the gradient of one of 4."""
+    data, _ = counting_documents(n_docs=80)
+    data = np.where(data == EOT, 64, data % 63 + 1).astype(np.uint16)  # ids of a 65-token vocabulary, EOT 64
+    grads = []
+    for batch_size, accum, doc_mask in ((4, 1, True), (2, 2, True), (4, 1, False)):
+        model = tiny_gpt()
+        batches = DocumentBatches(data, batch_size, 32, seed=0, rt=CPU, eot=64, doc_mask=doc_mask)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        model.zero_grad()
+        step = train_step(model.train(), optimizer, torch.amp.GradScaler("cpu", enabled=False),
+                          lambda: batches(), 0.0, accum, 0.0, CPU)
+        grads.append(step.grad_norm)
+    torch.testing.assert_close(grads[0], grads[1])
+    assert not torch.allclose(grads[0], grads[2])  # the document numbers reached the model
+
+
+# ---------------------------------------------------------------------------- through train.py
+
+
+@pytest.fixture
+def document_data(tmp_path):
+    """A GPT-2 BPE-style dataset (meta.json: tiktoken gpt2) of short documents, each followed by
+    end-of-text as data/corpus.py writes them: a few dozen rows of 16 tokens an epoch."""
+    data_dir = tmp_path / "docs"
+    data_dir.mkdir()
+    eot = 50256
+    for split, n_docs in (("train", 40), ("val", 20)):
+        lengths = np.random.default_rng(len(split)).integers(3, 30, size=n_docs)
+        ids = [t for n in lengths for t in [*np.random.default_rng(n).integers(0, 300, n), eot]]
+        tokens.write(str(data_dir / f"{split}.bin"), np.array(ids, dtype=np.uint16))
+    (data_dir / "meta.json").write_text(json.dumps(GPT2))
+    return data_dir
+
+
+def train(data_dir, out_dir, **overrides):
+    return run_script("train.py", *tiny_args(data_dir, out_dir, **overrides), timeout=900)
+
+
+def test_resume_mid_epoch_is_exact(document_data, tmp_path):
+    """16 steps straight == 8, stop, resume to 16, with epochs of ~11 steps: the same losses and
+    weights to the last bit."""
+    common = dict(max_iters=16, lr_decay_iters=16, eval_interval=4, dropout=0.1, batch_order="documents", doc_mask=True)
+    runs = [train(document_data, tmp_path / "straight", **common),
+            train(document_data, tmp_path / "split", **{**common, "max_iters": 8}),
+            train(document_data, tmp_path / "split", **common, init_from="resume")]
+    assert all(r.returncode == 0 for r in runs), [r.stderr for r in runs]
+    assert "documents: 40 in train" in runs[0].stdout and "resuming at iter 8" in runs[2].stdout
+    untimed = lambda records: [{k: v for k, v in r.items() if k not in ("dt_ms", "tokens_per_s")} for r in records]
+    assert untimed(read_metrics(tmp_path / "split")) == untimed(read_metrics(tmp_path / "straight"))
+    a = checkpoint.load(str(tmp_path / "straight" / "ckpt.pt"))
+    b = checkpoint.load(str(tmp_path / "split" / "ckpt.pt"))
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert b["rng"]["batches"]["epoch"] == 1  # the run crossed into its second epoch
+    other = train(document_data, tmp_path / "split", **{**common, "max_iters": 20, "batch_order": "random"}, init_from="resume")
+    assert other.returncode != 0 and "batch_order='documents'" in other.stderr and "Traceback" not in other.stderr
+
+
+@pytest.mark.parametrize("keys", [dict(batch_order="documents"), dict(doc_mask=True)])
+def test_character_data_is_refused_in_one_line(char_data, tmp_path, keys):
+    result = train(char_data, tmp_path / "out", **keys)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "end-of-text" in result.stderr and "character-level" in result.stderr
+
+
+def test_compiled_masked_forwards_compile_once():
+    """The document numbers are an input like the tokens: new rows, new documents, no new graph."""
+    model, graphs = tiny_gpt().train(), []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    data, _ = counting_documents()
+    data = np.where(data == EOT, 64, data % 63 + 1).astype(np.uint16)
+    batches = DocumentBatches(data, 2, 32, seed=0, rt=CPU, eot=64, doc_mask=True)
+    for _ in range(4):
+        x, y, docs = batches()
+        _, loss = compiled(x, y, docs=docs)
+        loss.backward()
+    assert len(graphs) == 1
