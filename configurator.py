@@ -105,6 +105,11 @@ class TrainConfig:
     n_kv_head: int = 0
     qk_norm: bool = False
     tie_embeddings: bool = True
+    # speedrun levers (GPTConfig's keys too; described there)
+    zero_init_proj: bool = False
+    logit_softcap: float = 0.0
+    value_embeds: bool = False
+    unet_skips: bool = False
     # optimizer
     learning_rate: float = 6e-4  # peak learning rate (with optimizer=muon: AdamW's part; Muon's is muon_lr)
     max_iters: int = 600000  # total optimizer steps
@@ -164,7 +169,8 @@ class TrainConfig:
         _require_rope_scaling(self.rope_scaling, self.pos_encoding)
         _require(self.norm_eps > 0, f"norm_eps={self.norm_eps} must be > 0")
         _require_choice("norm", self.norm, ("layernorm", "rmsnorm"))
-        _require_choice("mlp", self.mlp, ("gelu", "gelu_tanh", "swiglu"))
+        _require_choice("mlp", self.mlp, ("gelu", "gelu_tanh", "swiglu", "relu2"))
+        _require(self.logit_softcap >= 0, f"logit_softcap={self.logit_softcap} must be >= 0 (0: off; e.g. 15 or 30)")
         _require_choice("parallelism", self.parallelism, ("ddp", "fsdp"))
         _require_choice("checkpoint_format", self.checkpoint_format, ("auto", "full", "sharded"))
         _require_choice("attention", self.attention, ("auto", "flash", "cudnn", "efficient", "math"))

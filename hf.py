@@ -23,7 +23,7 @@ def export_gguf(cfg):
     """--format=gguf: model.gguf in export_dir (default out_dir)."""
     export_dir = cfg.export_dir or cfg.out_dir
     model, tok_spec = load.for_inference("resume", cfg.out_dir, cfg.checkpoint)
-    arch = huggingface.export_architecture(model.config, ("GGUF's gpt2", "its llama"))
+    arch = huggingface.export_architecture(model.config, gguf_export.TARGETS)
     try:
         os.makedirs(export_dir, exist_ok=True)
     except OSError as e:

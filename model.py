@@ -1,5 +1,6 @@
-"""The GPT: GPT-2's architecture by default, Llama's ingredients by config key; attention
-through scaled_dot_product_attention.
+"""The GPT: GPT-2's architecture by default, Llama's ingredients and the speedruns' levers
+(modded-nanogpt's, nanochat's: ReLU², zero-initialised projections, logit soft-capping, value
+embeddings, U-net skips) by config key; attention through scaled_dot_product_attention.
 
     from model import GPT, GPTConfig
     model = GPT(GPTConfig(n_layer=6, n_head=6, n_embd=384, block_size=256, vocab_size=65))
@@ -49,11 +50,17 @@ class GPTConfig:
     rope_scaling: Optional[dict] = None  # Llama 3's frequency scaling (model.rope_tables); None: plain RoPE. Llama 3.2's: {'factor': 32.0, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0, 'original_max_position_embeddings': 8192}
     norm: str = "layernorm"  # 'layernorm' (GPT-2) or 'rmsnorm' (Llama: no mean subtraction, no bias)
     norm_eps: float = 1e-5  # added to the variance in every norm (Hugging Face's layer_norm_epsilon / rms_norm_eps)
-    mlp: str = "gelu"  # 'gelu', 'gelu_tanh' (GPT-2's released weights' approximation) or 'swiglu' (Llama)
+    mlp: str = "gelu"  # 'gelu', 'gelu_tanh' (GPT-2's released weights' approximation), 'swiglu' (Llama) or 'relu2': relu(x)**2 (modded-nanogpt, nanochat)
     mlp_hidden: int = 0  # MLP width; 0: 4*n_embd, or for swiglu 8/3*n_embd rounded up to a multiple of 64
     n_kv_head: int = 0  # key/value heads (grouped-query attention); 0: n_head (plain multi-head)
     qk_norm: bool = False  # RMSNorm each head's q and k before attention
     tie_embeddings: bool = True  # lm_head shares the token embedding matrix (False: two matrices)
+    # speedrun levers (modded-nanogpt, nanochat), all off by default; with mlp='relu2' and the
+    # Llama keys above they make the speedruns' architecture
+    zero_init_proj: bool = False  # start every block's attn.c_proj and mlp.c_proj at exactly zero: each block begins as the identity (init only)
+    logit_softcap: float = 0.0  # 0: off; else logits = cap * tanh(logits / cap), in float32, in training and inference alike (modded-nanogpt: 30, nanochat: 15)
+    value_embeds: bool = False  # layers n_layer-1, n_layer-3, ... (every other, the last included: nanochat's) add a token embedding of their own, (vocab, n_kv_head*hs), to attention's values: v + gate * ve, one learned gate per k/v head, starting at 1
+    unet_skips: bool = False  # U-net: block i's output (i < n_layer//2) is added, times a learned scalar starting at 1, to the input of its mirror block n_layer-1-i (modded-nanogpt)
 
     def __post_init__(self):
         # resolve the "0 means the usual" keys once, so every reader sees real sizes
@@ -64,7 +71,8 @@ class GPTConfig:
             # count (and FLOPs) of the 4*n_embd GELU MLP, rounded up to suit the GPU's tiles
             self.mlp_hidden = 4 * self.n_embd if self.mlp != "swiglu" else math.ceil(8 * self.n_embd / 3 / 64) * 64
         assert self.pos_encoding in ("learned", "rope") and self.norm in ("layernorm", "rmsnorm")
-        assert self.mlp in ("gelu", "gelu_tanh", "swiglu")
+        assert self.mlp in ("gelu", "gelu_tanh", "swiglu", "relu2")
+        assert self.logit_softcap >= 0, "logit_softcap: 0 (off) or a positive cap"
         assert self.n_embd % self.n_head == 0 and self.n_head % self.n_kv_head == 0
         assert self.pos_encoding != "rope" or (self.n_embd // self.n_head) % 2 == 0, "RoPE rotates pairs: even head size"
         assert self.rope_scaling is None or self.pos_encoding == "rope"
@@ -108,6 +116,13 @@ def make_norm(config, dim):
     if config.norm == "rmsnorm":
         return nn.RMSNorm(dim, eps=config.norm_eps)
     return nn.LayerNorm(dim, eps=config.norm_eps, bias=config.bias)
+
+
+def has_value_embed(config, i):
+    """Whether layer i mixes a value embedding into its values: with value_embeds, every other
+    layer counting back from the last (the last always), as nanochat: half the tables' memory for
+    most of the gain."""
+    return config.value_embeds and i % 2 == (config.n_layer - 1) % 2
 
 
 def rope_tables(head_size, length, theta, scaling=None):
@@ -161,7 +176,7 @@ def apply_rope(x, cos, sin):
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, value_embed=False):
         super().__init__()
         assert config.n_embd % config.n_head == 0
         self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
@@ -180,17 +195,22 @@ class CausalSelfAttention(nn.Module):
             # training at high learning rates
             self.q_norm = nn.RMSNorm(self.head_size, eps=config.norm_eps)
             self.k_norm = nn.RMSNorm(self.head_size, eps=config.norm_eps)
+        if value_embed:  # value_embeds: how much of the token's value embedding each k/v head takes
+            self.ve_gate = nn.Parameter(torch.ones(self.n_kv_head))  # (n_kv,)
 
-    def forward(self, x, rope=None, cache=None, mask=None):
+    def forward(self, x, rope=None, cache=None, mask=None, ve=None):
         """x (B, T, C). rope: the (cos, sin) tables of these T positions, (1, T, hs/2) or per row
         (B, 1, T, hs/2), when the model uses RoPE. mask: document_mask's, for packed documents
         (None: causal over the whole row). cache, when generating (inference.py): this
         layer's view of a key/value cache, which stores the new keys and values beside the ones it
-        holds and runs attention over them, masked as its rows need."""
+        holds and runs attention over them, masked as its rows need. ve (B, T, n_kv*hs): the value
+        embedding of these tokens (value_embeds), added to v before v is used or cached."""
         B, T, C = x.size()
         hs = self.head_size
         q, k, v = self.c_attn(x).split([C, self.n_kv_head * hs, self.n_kv_head * hs], dim=2)
         q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        if ve is not None:  # value embeddings (ResFormer, nanochat): the token's identity straight into v
+            v = v + (self.ve_gate.view(-1, 1) * ve.view(B, T, self.n_kv_head, hs)).flatten(2)
         k, v = (t.view(B, T, self.n_kv_head, hs).transpose(1, 2) for t in (k, v))  # (B, n_kv, T, hs)
         if self.qk_norm:  # before the rotation, as in Qwen3 and OLMo 2
             q, k = self.q_norm(q), self.k_norm(k)
@@ -235,22 +255,24 @@ class MLP(nn.Module):
         if self.kind == "swiglu":
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up  # (B, T, hidden)
+        elif self.kind == "relu2":  # sparse and cheap, and better than GELU in modded-nanogpt's speedruns
+            h = F.relu(h).square()
         else:
             h = F.gelu(h, approximate="tanh" if self.kind == "gelu_tanh" else "none")
         return self.dropout(self.c_proj(h))
 
 
 class Block(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, i=0):
         super().__init__()
         self.ln_1 = make_norm(config, config.n_embd)
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config, has_value_embed(config, i))
         self.ln_2 = make_norm(config, config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x, rope=None, cache=None, mask=None):
+    def forward(self, x, rope=None, cache=None, mask=None, ve=None):
         # pre-norm: the residual stream itself is never normalized, which keeps deep stacks trainable
-        x = x + self.attn(self.ln_1(x), rope, cache, mask)
+        x = x + self.attn(self.ln_1(x), rope, cache, mask, ve)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -262,9 +284,15 @@ class GPT(nn.Module):
         layers = dict(wte=nn.Embedding(config.padded_vocab_size, C))
         if config.pos_encoding == "learned":
             layers["wpe"] = nn.Embedding(config.block_size, C)
-        layers.update(drop=nn.Dropout(config.dropout), h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+        layers.update(drop=nn.Dropout(config.dropout), h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
                       ln_f=make_norm(config, C))
+        if config.value_embeds:  # value_embeds: a (vocab, n_kv*hs) table per layer that has one, keyed by its index
+            kv_size = config.n_kv_head * (C // config.n_head)
+            layers["ve"] = nn.ModuleDict({str(i): nn.Embedding(config.padded_vocab_size, kv_size)
+                                          for i in range(config.n_layer) if has_value_embed(config, i)})
         self.transformer = nn.ModuleDict(layers)
+        if config.unet_skips:  # the weight of block i's output in the input of block n_layer-1-i
+            self.skip_weights = nn.Parameter(torch.ones(config.n_layer // 2))
         self.lm_head = nn.Linear(C, config.padded_vocab_size, bias=False)
         if config.tie_embeddings:
             self.transformer.wte.weight = self.lm_head.weight  # one matrix embeds and un-embeds
@@ -279,6 +307,10 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+                if config.zero_init_proj:
+                    # each block starts as the identity and the residual stream as the embedding
+                    # (modded-nanogpt, nanochat); c_proj's gradient, h^T dy, is not zero, so it learns
+                    nn.init.zeros_(p)
         # recompute each block's activations in backward instead of keeping them: less memory for
         # long contexts, about a third more compute (train.py sets it from activation_checkpointing)
         self.activation_checkpointing = False
@@ -311,6 +343,8 @@ class GPT(nn.Module):
                 n -= self.transformer.wpe.weight.numel()
             if not self.config.tie_embeddings:
                 n -= self.transformer.wte.weight.numel()
+            if "ve" in self.transformer:  # value embeddings: lookups too
+                n -= sum(p.numel() for p in self.transformer.ve.parameters())
         return n
 
     def forward(self, idx, targets=None, cache=None, logits_at=None, reduction="mean", docs=None):
@@ -324,7 +358,8 @@ class GPT(nn.Module):
         holds; cache.positions gives the new tokens' positions, and cache.layer(i) stores layer i's
         keys and values and runs its attention over them (CausalSelfAttention.forward). docs (B, T),
         for rows packed from documents (gpt/batches.py): each token's document number in its row;
-        a token then sees only its own document, whose positions start at 0, as if it ran alone."""
+        a token then sees only its own document, whose positions start at 0, as if it ran alone.
+        With logit_softcap the logits are capped (and float32) on every path, the loss's included."""
         B, T = idx.size()
         mask = None
         if cache is None:
@@ -341,25 +376,43 @@ class GPT(nn.Module):
             x = x + self.transformer.wpe(pos)
         else:  # (1, T, hs/2) or (B, 1, T, hs/2) each: broadcast over the heads
             rope = (self.rope_cos[pos].unsqueeze(-3), self.rope_sin[pos].unsqueeze(-3))
-        x = self.transformer.drop(x)
-        for i, block in enumerate(self.transformer.h):
-            if cache is not None:
-                x = block(x, rope, cache.layer(i))
-            elif self.activation_checkpointing and self.training:
-                x = checkpoint(block, x, rope, None, mask, use_reentrant=False)  # dropout masks replay exactly
-            else:
-                x = block(x, rope, mask=mask)
+        x = self.blocks(self.transformer.drop(x), idx, rope, cache, mask)
         x = self.transformer.ln_f(x)
         if torch.is_tensor(logits_at):
             x = x.flatten(0, 1).index_select(0, logits_at)  # (N, C)
         elif targets is None and logits_at != "all":
             x = x[:, [-1], :]  # (B, 1, C)
         logits = self.lm_head(x)[..., : self.config.vocab_size]  # drop the padding rows
+        if self.config.logit_softcap:  # squash smoothly into (-cap, cap): no logit runs away
+            cap = self.config.logit_softcap  # in float32 at least: in bfloat16, tanh's steps near +-cap are coarse
+            logits = cap * torch.tanh(logits.to(torch.promote_types(logits.dtype, torch.float32)) / cap)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1,
                                    reduction=reduction)
         return logits, loss
+
+    def blocks(self, x, idx, rope, cache, mask):
+        """The residual stream x (B, T, C) through the blocks; mask: the documents' (or None).
+        value_embeds: each table's rows for the tokens idx (B, T) go to its layer's attention.
+        unet_skips: the first half's outputs are kept, and the second half takes them back in
+        mirror order (block n-1-i block i's output, the last block the first's), so late blocks
+        see early features without their having to survive the blocks in between. Per forward
+        pass: a cached step skips within its new tokens."""
+        n, ves, skips = self.config.n_layer, self.transformer["ve"] if "ve" in self.transformer else {}, []
+        for i, block in enumerate(self.transformer.h):
+            if self.config.unet_skips and i >= n - n // 2:
+                x = x + self.skip_weights[n - 1 - i] * skips.pop()
+            ve = ves[str(i)](idx) if str(i) in ves else None  # (B, T, n_kv*hs)
+            if cache is not None:
+                x = block(x, rope, cache.layer(i), ve=ve)
+            elif self.activation_checkpointing and self.training:
+                x = checkpoint(block, x, rope, None, mask, ve, use_reentrant=False)  # dropout masks replay exactly
+            else:
+                x = block(x, rope, None, mask, ve)
+            if self.config.unet_skips and i < n // 2:
+                skips.append(x)
+        return x
 
     def crop_block_size(self, block_size):
         """Shorten the context (e.g. to finetune a 1024-token model on 256-token blocks)."""

@@ -375,9 +375,11 @@ def _sharded_dirs(out_dir):
 # ---------------------------------------------------------------------------- finding the newest
 
 
-# keys that fix the shapes of the weights: a checkpoint only resumes under the same values
+# keys that fix the model, the shapes of its weights and what it computes with them: a checkpoint
+# only resumes under the same values
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "pos_encoding", "rope_theta", "norm",
-              "mlp", "mlp_hidden", "n_kv_head", "qk_norm", "tie_embeddings", "rope_scaling", "norm_eps")
+              "mlp", "mlp_hidden", "n_kv_head", "qk_norm", "tie_embeddings", "rope_scaling", "norm_eps",
+              "logit_softcap", "value_embeds", "unet_skips")  # the last: speedrun levers
 
 
 def check_resumable(saved, wanted):

@@ -28,12 +28,14 @@ import os
 import numpy as np
 import torch
 
+from gpt import huggingface
 from gpt import tokenizer
 from configurator import UserError
 from data.chat.template import Template, json_tokenizer
 from model import rope_tables
 
 DTYPES = ("f32", "f16", "q8_0")
+TARGETS = ("GGUF's gpt2", "its llama")  # how huggingface.export_architecture's refusals name them
 # GPT-4's split pattern (data/train_tokenizer.py's, Llama 3's): the regex of llama.cpp's LLAMA3
 # pre-tokenizer ('llama-bpe' and 'dbrx' name it, see pre_tokenizer)
 GPT4_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -266,6 +268,8 @@ def write(model, tok_spec, path, arch, dtype="f32", name="nanogpt"):
     ('gpt2' or 'llama', from huggingface.export_architecture), weights in dtype (f32, f16, q8_0)."""
     assert dtype in DTYPES and arch in ("gpt2", "llama"), (dtype, arch)
     gguf, c = _gguf(), model.config
+    if huggingface.levers_lacked(c):  # llama.cpp has no graph for them: refused in one line (hf.py's check does it first)
+        huggingface.export_architecture(c, TARGETS)
     vocab = vocabulary(tok_spec, _rows(model, tok_spec))
     n_vocab = len(vocab["tokens"])
     weights = [(n, *_encode(gguf, n, t, dtype)) for n, t in tensors(model, arch, n_vocab)]

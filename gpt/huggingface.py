@@ -304,6 +304,18 @@ def from_pretrained(name_or_path, dropout=0.0):
 # ---------------------------------------------------------------------------- out
 
 
+def levers_lacked(c):
+    """The speedrun levers of our GPTConfig c that neither GPT-2 nor Llama computes (in Hugging
+    Face or llama.cpp). zero_init_proj is only how training started: it exports."""
+    checks = {  # option: whether c uses it
+        "mlp='relu2'": c.mlp == "relu2",
+        f"logit_softcap={c.logit_softcap}": c.logit_softcap > 0,
+        "value_embeds=True": c.value_embeds,
+        "unet_skips=True": c.unet_skips,
+    }
+    return [option for option, used in checks.items() if used]
+
+
 def gpt2_lacks(c):
     """What of our GPTConfig c a Hugging Face GPT-2 cannot hold. bias=False is fine: zero
     biases compute the same."""
@@ -314,7 +326,7 @@ def gpt2_lacks(c):
         f"n_kv_head={c.n_kv_head}": c.n_kv_head != c.n_head,
         "qk_norm=True": c.qk_norm,
     }
-    return [option for option, lacking in checks.items() if lacking]
+    return [option for option, lacking in checks.items() if lacking] + [o for o in levers_lacked(c) if o not in checks]
 
 
 def llama_lacks(c):
@@ -326,13 +338,17 @@ def llama_lacks(c):
         f"mlp={c.mlp!r}": c.mlp != "swiglu",
         "qk_norm=True": c.qk_norm,
     }
-    return [option for option, lacking in checks.items() if lacking]
+    return [option for option, lacking in checks.items() if lacking] + [o for o in levers_lacked(c) if o not in checks]
 
 
 def export_architecture(c, targets=("a Hugging Face GPT-2", "a Llama")):
     """'gpt2' or 'llama': the architecture that holds a model of GPTConfig c, or a one-line error
     naming what neither of `targets` can hold. GGUF's gpt2 and llama (llama.cpp's) hold what
     Hugging Face's do."""
+    levers = levers_lacked(c)
+    if levers:
+        raise UserError(f"this model cannot be exported: neither {targets[0]} nor {targets[1]} computes its "
+                        f"{', '.join(levers)} (speedrun levers); sample, serve or evaluate it here, or train without them to export")
     gpt2, llama = gpt2_lacks(c), llama_lacks(c)
     if not gpt2 or not llama:
         return "gpt2" if not gpt2 else "llama"

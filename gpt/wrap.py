@@ -17,7 +17,8 @@ from configurator import UserError
 from model import SDPA_BACKENDS
 
 
-MODEL_KEYS = tuple(k for k in checkpoint.SHAPE_KEYS if k != "vocab_size") + ("dropout",)  # GPTConfig's keys that TrainConfig has
+# GPTConfig's keys that TrainConfig has: those that fix the model, and two that only start it (zero_init_proj: an init)
+MODEL_KEYS = tuple(k for k in checkpoint.SHAPE_KEYS if k != "vocab_size") + ("dropout", "zero_init_proj")
 
 
 def make_model_args(cfg, vocab_size):

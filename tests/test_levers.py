@@ -1,0 +1,426 @@
+"""The speedrun levers (GPTConfig's zero_init_proj, logit_softcap, value_embeds, unet_skips and
+mlp='relu2'): each against its formula computed here by hand, in backward (gradcheck in float64),
+and together through what a run does with a model: torch.compile without recompiles, train.py's
+exact resume, DDP on two gloo ranks, the key/value caches of generation and of the serving engine,
+old checkpoints, and the exports that must refuse what they cannot compute. Off, they change
+nothing: a default model is the one it was before."""
+
+import dataclasses
+import functools
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+from conftest import ATEN_BACKEND, read_metrics, run_script, tiny_args
+
+from gpt import checkpoint, inference, load, optim, runtime, tokenizer
+from gpt.batches import TrainBatches
+from gpt.step import train_step
+from gpt.wrap import build, make_model_args
+from configurator import TrainConfig, UserError, parse
+from model import GPT, MLP, CausalSelfAttention, GPTConfig
+
+TINY = dict(n_layer=4, n_head=4, n_embd=32, block_size=16, vocab_size=65, dropout=0.0)
+LEVERS = dict(mlp="relu2", zero_init_proj=True, logit_softcap=15.0, value_embeds=True, unet_skips=True)
+OFF = dict(zero_init_proj=False, logit_softcap=0.0, value_embeds=False, unet_skips=False)
+CPU = runtime.Runtime("cpu", "cpu", torch.float32)
+
+
+def randomized(model, std=0.3, seed=0):
+    """model with every parameter drawn afresh (zero projections, unit gates and skip weights
+    would hide a wrong formula)."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, std)
+    return model
+
+
+def tokens(B=2, T=16, vocab=65, seed=1):
+    return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def causal_attention(q, k, v):
+    """Softmax attention written out: q, k, v (B, nh, T, hs)."""
+    T = q.size(2)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
+    scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+# ---------------------------------------------------------------------------- each lever by hand
+
+
+def test_relu2_mlp_is_relu_squared_between_its_two_matmuls():
+    config = GPTConfig(**TINY, mlp="relu2")
+    assert config.mlp_hidden == 4 * config.n_embd
+    mlp = randomized(MLP(config))
+    x = torch.randn(2, 5, 32)
+    h = x @ mlp.c_fc.weight.T + mlp.c_fc.bias
+    expected = torch.where(h > 0, h * h, 0.0) @ mlp.c_proj.weight.T + mlp.c_proj.bias
+    torch.testing.assert_close(mlp(x), expected)
+
+
+def test_logit_softcap_is_cap_tanh_of_the_uncapped_logits_in_training_and_inference():
+    plain = randomized(GPT(GPTConfig(**TINY)), std=1.0)  # logits far past the cap
+    capped = GPT(GPTConfig(**TINY, logit_softcap=3.0))
+    capped.load_state_dict(plain.state_dict())
+    idx = tokens()
+    z, _ = plain(idx, logits_at="all")
+    assert z.abs().max() > 3.0
+    logits, loss = capped(idx, idx)
+    torch.testing.assert_close(logits, 3.0 * torch.tanh(z / 3.0))
+    torch.testing.assert_close(loss, F.cross_entropy((3.0 * torch.tanh(z / 3.0)).flatten(0, 1), idx.flatten()))
+    last, _ = capped(idx)  # inference: the last position's, capped the same way
+    torch.testing.assert_close(last, 3.0 * torch.tanh(z[:, -1:] / 3.0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # capped in float32 under autocast too
+        assert capped(idx)[0].dtype == torch.float32
+
+
+def test_value_embedding_attention_adds_the_gated_embedding_to_v():
+    config = GPTConfig(**TINY, n_kv_head=2, value_embeds=True)
+    attn = randomized(CausalSelfAttention(config, value_embed=True))
+    B, T, C, hs = 2, 7, 32, 8
+    x, ve = torch.randn(B, T, C), torch.randn(B, T, 2 * hs)
+    q, k, v = (x @ attn.c_attn.weight.T + attn.c_attn.bias).split([C, 2 * hs, 2 * hs], dim=-1)
+    heads = lambda t, n: t.reshape(B, T, n, hs).transpose(1, 2)
+    v = heads(v, 2) + attn.ve_gate[None, :, None, None] * heads(ve, 2)  # each k/v head its own gate
+    y = causal_attention(heads(q, 4), *(t.repeat_interleave(2, dim=1) for t in (heads(k, 2), v)))  # 2 q heads a k/v head
+    expected = y.transpose(1, 2).reshape(B, T, C) @ attn.c_proj.weight.T + attn.c_proj.bias
+    torch.testing.assert_close(attn(x, ve=ve), expected)
+
+
+def manual_forward(model, idx):
+    """GPT.forward written as a plain loop: block i takes its value embedding table's rows for idx,
+    and block n-1-i (second half) takes skip_weights[i] * the output of block i (first half)."""
+    t, c, n = model.transformer, model.config, model.config.n_layer
+    x = t.wte(idx) + t.wpe(torch.arange(idx.size(1)))
+    outputs = []
+    for i, block in enumerate(t.h):
+        mirror = n - 1 - i
+        if c.unet_skips and mirror < n // 2 and mirror < i:
+            x = x + model.skip_weights[mirror] * outputs[mirror]
+        ve = t.ve[str(i)](idx) if c.value_embeds and str(i) in t.ve else None
+        x = block(x, ve=ve)
+        outputs.append(x)
+    logits = model.lm_head(t.ln_f(x))[..., : c.vocab_size]
+    return c.logit_softcap * torch.tanh(logits / c.logit_softcap) if c.logit_softcap else logits
+
+
+@pytest.mark.parametrize("n_layer", [4, 5])
+def test_unet_skips_and_value_embeds_match_a_manual_loop_over_the_blocks(n_layer):
+    model = randomized(GPT(GPTConfig(**{**TINY, "n_layer": n_layer}, **LEVERS)), std=0.1)
+    # value embeddings on every other layer counting back from the last; a skip weight per pair
+    ve_layers = [n_layer - 1 - 2 * j for j in range((n_layer + 1) // 2)]
+    assert sorted(int(i) for i in model.transformer.ve) == sorted(ve_layers)
+    assert [i for i, b in enumerate(model.transformer.h) if hasattr(b.attn, "ve_gate")] == sorted(ve_layers)
+    assert model.skip_weights.shape == (n_layer // 2,)
+    idx = tokens()
+    torch.testing.assert_close(model(idx, logits_at="all")[0], manual_forward(model, idx))
+    model.activation_checkpointing = True  # the same blocks, recomputed in backward
+    torch.testing.assert_close(model.train()(idx, idx)[0], manual_forward(model, idx))
+
+
+def test_packed_documents_with_every_lever_each_run_as_if_alone():
+    model = randomized(GPT(GPTConfig(**TINY, **LEVERS)), std=0.1)
+    idx = tokens(2, 16)
+    docs = torch.tensor([[0] * 5 + [1] * 11, [0] * 9 + [1] * 7])  # (B, T): each token's document in its row
+    packed = model(idx, idx, docs=docs)[0]
+    for row, start in enumerate((5, 9)):
+        for part in (slice(0, start), slice(start, 16)):
+            alone = model(idx[row : row + 1, part], logits_at="all")[0][0]
+            torch.testing.assert_close(packed[row, part], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_zero_init_proj_starts_projections_at_zero_and_they_still_learn():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY, bias=True, zero_init_proj=True))
+    projections = {n: p for n, p in model.named_parameters() if ".c_proj." in n}
+    assert len(projections) == 4 * 2 * 2  # attention's and the MLP's, weight and bias, in every block
+    assert all(torch.equal(p, torch.zeros_like(p)) for p in projections.values())
+    assert model.lm_head.weight.std() > 0.01  # the head keeps its init: a zero head would give no gradient to anything below it
+    idx = tokens()
+    _, loss = model(idx, idx)
+    loss.backward()
+    assert all(p.grad.abs().sum() > 0 for p in projections.values()), "zero-init must not stop learning"
+    torch.manual_seed(0)  # the init draws what it drew before: every other weight is the default model's
+    default = GPT(GPTConfig(**TINY, bias=True)).state_dict()
+    assert all(torch.equal(p, default[n]) for n, p in model.state_dict().items() if ".c_proj." not in n)
+    optimizer = model.configure_optimizers(0.0, 1e-2, (0.9, 0.95), "cpu")
+    optimizer.step()
+    assert model(idx, idx)[1] < loss
+
+
+LEVER_PARAMS = {  # a lever, and the parameters whose gradient it changes
+    "relu2": (dict(mlp="relu2"), ["transformer.h.0.mlp.c_fc.weight"]),
+    "softcap": (dict(logit_softcap=0.5), ["lm_head.weight"]),
+    "value_embeds": (dict(value_embeds=True), ["transformer.ve.1.weight", "transformer.h.1.attn.ve_gate"]),
+    "unet_skips": (dict(unet_skips=True), ["skip_weights", "transformer.h.0.attn.c_attn.weight"]),
+}
+
+
+@pytest.mark.parametrize("lever", LEVER_PARAMS)
+def test_gradients_through_each_lever_match_finite_differences(lever):
+    options, names = LEVER_PARAMS[lever]
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=8, block_size=4, vocab_size=11, tie_embeddings=False, **options))
+    model = randomized(model, std=0.5).double()
+    params = dict(model.named_parameters())
+    idx = tokens(2, 4, 11)
+
+    def loss(*tensors):  # in float64 throughout (the model's own loss is float32)
+        logits, _ = torch.func.functional_call(model, {**params, **dict(zip(names, tensors))}, (idx,), {"logits_at": "all"})
+        return F.cross_entropy(logits.flatten(0, 1), idx.flatten())
+
+    inputs = [params[n].detach().clone().requires_grad_() for n in names]
+    assert torch.autograd.gradcheck(loss, inputs, eps=1e-6, atol=1e-5, fast_mode=True)
+
+
+# ---------------------------------------------------------------------------- off is as before
+
+
+def test_levers_off_leave_the_model_as_it_was():
+    torch.manual_seed(0)
+    default = GPT(GPTConfig(**TINY))
+    torch.manual_seed(0)
+    explicit = GPT(GPTConfig(**TINY, **OFF))
+    a, b = default.state_dict(), explicit.state_dict()
+    assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert not any(".ve" in k or "skip" in k for k in a)  # no new weights in an old model's state_dict
+    idx = tokens()
+    assert torch.equal(default(idx, idx)[0], explicit(idx, idx)[0])
+    # the init draws the same numbers as before the levers: the first block's c_proj is still the scaled normal
+    assert 0.5 < a["transformer.h.0.attn.c_proj.weight"].std() / (0.02 / math.sqrt(2 * 4)) < 1.5
+
+
+def test_an_old_checkpoint_without_the_keys_loads_with_the_levers_off(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY))
+    old_args = {k: v for k, v in dataclasses.asdict(model.config).items() if k not in OFF}
+    (tmp_path / "out").mkdir()
+    torch.save({"model": model.state_dict(), "model_args": old_args, "config": {}, "iter_num": 0,
+                "best_val_loss": math.nan, "tokenizer": {"kind": "char", "chars": "".join(map(chr, range(32, 97)))}},
+               tmp_path / "out" / "ckpt.pt")
+    loaded, _ = load.for_inference("resume", str(tmp_path / "out"), report=lambda *_: None)
+    assert all(getattr(loaded.config, k) == v for k, v in OFF.items())
+    idx = tokens()
+    assert torch.equal(loaded(idx)[0], model(idx)[0])
+    cfg = TrainConfig(**{k: v for k, v in old_args.items() if k != "vocab_size"})
+    checkpoint.check_resumable(old_args, make_model_args(cfg, 65))  # resumes under a config without the levers
+    for lever, named in [(dict(value_embeds=True), "value_embeds False -> True"), (dict(unet_skips=True), "unet_skips False -> True"),
+                         (dict(logit_softcap=30.0), "logit_softcap 0.0 -> 30.0"), (dict(mlp="relu2"), "mlp gelu -> relu2")]:
+        with pytest.raises(UserError, match=f"differs in {named};"):  # but not into another model
+            checkpoint.check_resumable(old_args, make_model_args(dataclasses.replace(cfg, **lever), 65))
+
+
+# ---------------------------------------------------------------------------- what the rest of the code does with them
+
+
+def test_optimizer_groups_param_counts_and_flops():
+    model = GPT(GPTConfig(**TINY, **LEVERS))
+    named = dict(model.named_parameters())
+    extra = [n for n in named if ".ve" in n or "skip" in n]
+    assert extra and not any(optim.is_muon_param(n, named[n]) for n in extra)  # tables and gates go to AdamW
+    groups = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu").param_groups
+    decayed, plain = ({id(p) for p in g["params"]} for g in groups)
+    assert all(id(named[n]) in decayed for n in extra if n.startswith("transformer.ve."))  # embeddings decay, as wte
+    assert all(id(named[n]) in plain for n in extra if not n.startswith("transformer.ve."))  # gates and skip weights do not
+    # the value embedding tables are lookups: no matmul FLOPs; relu2 has GELU's matmuls
+    tables = sum(p.numel() for n, p in named.items() if n.startswith("transformer.ve."))
+    gates = sum(p.numel() for n, p in named.items() if "ve_gate" in n or "skip" in n)
+    base = GPT(GPTConfig(**TINY))
+    assert model.num_params() == base.num_params() + gates
+    assert model.num_params(non_embedding=False) == base.num_params(non_embedding=False) + tables + gates
+    assert GPT(GPTConfig(**TINY, mlp="relu2")).flops_per_token() == base.flops_per_token()
+
+
+@pytest.mark.parametrize("options", [
+    dict(pos_encoding="rope", norm="layernorm", bias=True),  # GPT-2's block with RoPE
+    dict(pos_encoding="rope", bias=True, qk_norm=True, tie_embeddings=False, n_kv_head=2),
+    dict(norm="rmsnorm", bias=True, qk_norm=True, mlp="relu2"),
+    dict(pos_encoding="rope", norm="rmsnorm", bias=False, qk_norm=True, tie_embeddings=False, **LEVERS),  # a speedrun
+], ids=["rope-layernorm-bias", "rope-qknorm-untied-gqa", "rmsnorm-learned-relu2", "speedrun"])
+def test_llama_and_speedrun_options_train_on_gpt2s_shape(options):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**{**TINY, **options}))
+    optimizer = model.configure_optimizers(0.0, 2e-3, (0.9, 0.95), "cpu")
+    idx = tokens()
+    losses = []
+    for _ in range(4):
+        _, loss = model(idx, idx)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("options", [dict(LEVERS), dict(LEVERS, pos_encoding="rope", n_kv_head=2)], ids=["learned", "rope-gqa"])
+def test_cached_greedy_generation_is_the_argmax_of_the_uncached_forward(options):
+    model = randomized(GPT(GPTConfig(**{**TINY, **options})), std=0.2).eval()
+    idx = tokens(2, 3)
+    got = inference.generate(model, idx, 10, temperature=0)  # a KV cache, prefill then one token a step
+    expected = idx
+    with torch.no_grad():
+        for _ in range(10):
+            expected = torch.cat([expected, model(expected)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(got, expected)
+
+
+def test_the_serving_engine_gives_each_request_the_uncached_greedy_tokens():
+    import threading
+
+    model = randomized(GPT(GPTConfig(**{**TINY, **LEVERS}, pos_encoding="rope")), std=0.2).eval()
+    prompts, budgets = [[1, 2, 3], [7], [5, 9, 11, 13, 4]], [6, 9, 4]
+    solo = []
+    with torch.no_grad():
+        for p, n in zip(prompts, budgets):
+            seq = torch.tensor([p])
+            for _ in range(n):
+                seq = torch.cat([seq, model(seq)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
+            solo.append(seq[0, len(p):].tolist())
+    engine = inference.Engine(model, rows=2, waiting=5).start()  # rows=2: the third joins as another leaves
+    outs, done = [[] for _ in prompts], threading.Semaphore(0)
+    for i, (p, n) in enumerate(zip(prompts, budgets)):
+        assert engine.submit(inference.Request(p, n, outs[i].append, lambda *_: done.release(), temperature=0))
+    for _ in prompts:
+        assert done.acquire(timeout=60)
+    engine.close()
+    assert outs == solo
+
+
+def test_cached_decoding_with_every_lever_is_one_graph():
+    torch._dynamo.reset()
+    model = randomized(GPT(GPTConfig(**TINY, **LEVERS)), std=0.2).eval()
+    prompt = tokens(1, 4)
+    expected = inference.generate(model, prompt, 3, temperature=0)
+    model.compile(fullgraph=True, backend=ATEN_BACKEND)  # as sample.py compiles it; a graph break is an error
+    assert torch.equal(inference.generate(model, prompt, 3, temperature=0), expected)
+    torch._dynamo.reset()
+
+
+def test_all_levers_compile_to_one_graph_that_never_recompiles(monkeypatch):
+    torch._dynamo.reset()
+    counters.clear()
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=ATEN_BACKEND))  # wrap.build's compile
+    cfg = TrainConfig(device="cpu", compile=True, batch_size=4, block_size=16, n_layer=4, n_head=4, n_embd=32,
+                      gradient_accumulation_steps=2, dropout=0.0, optimizer="muon", **LEVERS)
+    torch.manual_seed(0)
+    model, train_model, optimizer, scaler = build(GPT(GPTConfig(**make_model_args(cfg, 65))), cfg, CPU)
+    data = np.random.default_rng(0).integers(0, 65, size=4000).astype(np.uint16)
+    batches = TrainBatches(data, cfg.batch_size, cfg.block_size, 0, CPU)
+    step = lambda: train_step(train_model, optimizer, scaler, batches, 1e-3, 2, 1.0, CPU).loss.item()
+    losses = [step()]  # warm-up: the one compile
+    with torch.compiler.set_stance("fail_on_recompile"):  # new data, same shapes: a recompile is an error
+        losses += [step() for _ in range(3)]
+    assert all(math.isfinite(x) for x in losses)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------------------- train.py, torchrun, exports
+
+LEVER_FLAGS = dict(mlp="relu2", zero_init_proj=True, logit_softcap=15.0, value_embeds=True, unet_skips=True, n_layer=3)
+
+
+def test_a_config_file_sets_the_levers_for_the_model(tmp_path):
+    (tmp_path / "speedrun.py").write_text("".join(f"{k} = {v!r}\n" for k, v in LEVER_FLAGS.items()))
+    args = make_model_args(parse(TrainConfig, [str(tmp_path / "speedrun.py")]), 65)
+    assert all(args[k] == v for k, v in LEVER_FLAGS.items())
+    assert all(getattr(GPT(GPTConfig(**args)).config, k) == v for k, v in LEVER_FLAGS.items())
+    with pytest.raises(UserError, match="logit_softcap=-1.0 must be >= 0"):
+        parse(TrainConfig, ["--logit_softcap=-1"])
+
+
+def test_resume_with_every_lever_is_exact(char_data, tmp_path):
+    """8 steps straight == 4 steps, stop, resume to 8, with Muon (the levers' tables and gates in
+    its AdamW): the same losses and weights to the last bit; the checkpoint holds the levers."""
+    common = dict(LEVER_FLAGS, max_iters=8, lr_decay_iters=8, eval_interval=4, optimizer="muon")
+
+    def train(out, **overrides):
+        result = run_script("train.py", *tiny_args(char_data, tmp_path / out, **{**common, **overrides}))
+        assert result.returncode == 0, result.stderr
+        return result
+
+    train("straight")
+    train("split", max_iters=4)
+    assert "resuming at iter 4" in train("split", init_from="resume").stdout
+    untimed = lambda out: [{k: v for k, v in r.items() if k not in ("dt_ms", "tokens_per_s", "mfu")} for r in read_metrics(tmp_path / out)]
+    assert untimed("split") == untimed("straight")
+    a, b = (checkpoint.load(str(tmp_path / out / "ckpt.pt")) for out in ("straight", "split"))
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert all(a["model_args"][k] == v for k, v in LEVER_FLAGS.items())
+    # sample.py rebuilds the same model from it
+    model, _ = load.for_inference("resume", str(tmp_path / "straight"), report=lambda *_: None)
+    assert all(getattr(model.config, k) == v for k, v in LEVER_FLAGS.items())
+    # a resume that drops a lever is refused, naming it
+    result = run_script("train.py", *tiny_args(char_data, tmp_path / "split", **{**common, "unet_skips": False, "init_from": "resume"}))
+    assert result.returncode != 0 and "unet_skips True -> False" in result.stderr
+
+
+def test_ddp_on_two_gloo_ranks_keeps_the_replicas_equal(tmp_path):
+    from conftest import load_script, make_text
+    from test_dist import losses, torchrun
+
+    (tmp_path / "chars").mkdir()
+    load_script("data/shakespeare_char/prepare.py").prepare(make_text(), str(tmp_path / "chars"))
+    flags = [f"--{k}={v}" for k, v in LEVER_FLAGS.items() if k != "n_layer"]
+    code, _, stderr, ranks = torchrun(tmp_path, "levers", tmp_path / "chars", *flags, "--max_iters=4", "--eval_interval=4")
+    assert code == 0, stderr[-3000:] + "".join(r["stderr"][-3000:] for r in ranks)
+    w0, w1 = (torch.load(tmp_path / "levers" / f"rank{r}.weights.pt", weights_only=True) for r in range(2))
+    assert any(k.startswith("transformer.ve.") for k in w0) and "skip_weights" in w0
+    assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
+    trained = losses(tmp_path / "levers")
+    assert all(math.isfinite(x) for x in trained) and trained[3] < trained[0]
+
+
+def saved(out_dir, **options):
+    """A checkpoint of a GPT-2-shaped model with `options`, as train.py writes one, for hf.py."""
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=50257, **options))
+    out_dir.mkdir()
+    torch.save({"model": model.state_dict(), "model_args": dataclasses.asdict(model.config), "config": {}, "iter_num": 0,
+                "best_val_loss": math.nan, "tokenizer": tokenizer.make_spec("gpt2")}, out_dir / "ckpt.pt")
+    return out_dir, model
+
+
+@pytest.mark.parametrize("options, named", [
+    (dict(mlp="relu2"), "mlp='relu2'"),
+    (dict(logit_softcap=30.0), "logit_softcap=30.0"),
+    (dict(value_embeds=True), "value_embeds=True"),
+    (dict(unet_skips=True), "unet_skips=True"),
+    (dict(pos_encoding="rope", norm="rmsnorm", mlp="swiglu", bias=False, unet_skips=True), "unet_skips=True"),  # a Llama but for it
+])
+@pytest.mark.parametrize("format", ["hf", "gguf"])
+def test_exports_refuse_each_lever_they_cannot_compute_in_one_line(tmp_path, options, named, format):
+    out_dir, _ = saved(tmp_path / "out", **options)
+    result = run_script("hf.py", f"--out_dir={out_dir}", f"--format={format}")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode != 0 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: this model cannot be exported: neither") and named in lines[0]
+    assert lines[0].endswith("or train without them to export")
+    assert sorted(p.name for p in out_dir.iterdir()) == ["ckpt.pt"]  # nothing written
+
+
+def test_the_gguf_writer_itself_refuses_the_levers(tmp_path):
+    from gpt import gguf_export
+
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=50257, value_embeds=True))
+    with pytest.raises(UserError, match="neither GGUF's gpt2 nor its llama computes its value_embeds=True") as e:
+        gguf_export.write(model, tokenizer.make_spec("gpt2"), str(tmp_path / "model.gguf"), "gpt2")
+    assert "\n" not in str(e.value) and not (tmp_path / "model.gguf").exists()
+
+
+def test_zero_init_proj_is_only_an_init_and_exports(tmp_path):
+    from transformers import GPT2LMHeadModel
+
+    out_dir, model = saved(tmp_path / "out", zero_init_proj=True)
+    result = run_script("hf.py", f"--out_dir={out_dir}")
+    assert result.returncode == 0, result.stderr
+    idx = tokens(1, 8, 50257)
+    with torch.no_grad():
+        theirs = GPT2LMHeadModel.from_pretrained(out_dir / "hf")(idx).logits
+        torch.testing.assert_close(theirs, model(idx, logits_at="all")[0][..., :50257], rtol=1e-4, atol=1e-4)
