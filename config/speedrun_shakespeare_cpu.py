@@ -12,7 +12,7 @@ compile = False
 dtype = "float32"
 
 batch_size = 8
-block_size = 128
+block_size = 64
 gradient_accumulation_steps = 1
 batch_order = "documents"
 doc_mask = True
