@@ -71,7 +71,7 @@ def time_to_train(result, cfg, rt):
 
 def main(argv=None):
     cfg = parse(BenchConfig, argv)
-    rt = runtime.setup(cfg.device, cfg.dtype, cfg.backend)
+    rt = runtime.setup(cfg.device, cfg.dtype, cfg.backend, cfg.dist_timeout_s)
     try:
         run(cfg, rt)
     finally:

@@ -122,6 +122,7 @@ class TrainConfig:
     decay_frac: float = 0.2  # lr_schedule='wsd': the fraction of max_iters spent decaying, in (0, 1]
     # system
     backend: str = "auto"  # torch.distributed backend: 'nccl', 'gloo', or 'auto' (nccl on CUDA, else gloo)
+    dist_timeout_s: int = 600  # under torchrun: a rank waiting this long to join the group, or in any collective, fails instead of hanging (torchrun then restarts the job or stops)
     device: str = "auto"  # 'auto' (cuda, else mps, else cpu), 'cpu', 'cuda', 'cuda:1', 'mps'
     dtype: str = "auto"  # 'auto', 'float32', 'bfloat16' or 'float16' (float16 uses a GradScaler)
     compile: bool = True  # torch.compile the model (slow to start, faster per step on GPUs)
@@ -185,6 +186,7 @@ class TrainConfig:
                  f"overwrite=True replaces the run in out_dir, init_from={self.init_from!r} continues it: drop one of the two")
         _require_choice("data_mode", self.data_mode, ("auto", "ram", "memmap"))
         _require_choice("backend", self.backend, ("auto", "nccl", "gloo"))
+        _require(self.dist_timeout_s > 0, f"dist_timeout_s={self.dist_timeout_s} must be a positive number of seconds")
 
 
 @dataclass

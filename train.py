@@ -56,7 +56,7 @@ def main(argv=None):
             f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} does not divide among "
             f"{world_size} processes; make it a multiple of {world_size}"
         )
-    rt = runtime.setup(cfg.device, cfg.dtype, cfg.backend)
+    rt = runtime.setup(cfg.device, cfg.dtype, cfg.backend, cfg.dist_timeout_s)
     stop = runtime.StopRequest(cfg.max_minutes)
     finished, out, watcher = False, None, None
     try:
