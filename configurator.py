@@ -130,6 +130,11 @@ class TrainConfig:
     activation_checkpointing: bool = False  # recompute each block's activations in backward: less memory, ~1/3 more compute
     peak_flops: float = 0.0  # the device's dense peak FLOP/s for MFU (e.g. 989e12); 0: look it up by GPU name
     attention: str = "auto"  # SDPA kernel: 'auto' (PyTorch's choice), 'flash', 'cudnn', 'efficient' or 'math'
+    # fault-tolerant replica groups (torchft; docs/fault_tolerance.md)
+    ft_replica_group: int = -1  # this process's replica group, 0..ft_groups-1; -1: off. Each group is one process, writing out_dir/group<g>
+    ft_groups: int = 2  # replica groups expected; gradient_accumulation_steps is summed over them, and group g draws slice g of the global batch
+    ft_min_groups: int = 1  # a step commits only when at least this many groups take part
+    ft_lighthouse: str = ""  # the torchft lighthouse's address, e.g. http://host:29510; '': the TORCHFT_LIGHTHOUSE environment variable
 
     def __post_init__(self):
         for key in ("block_size", "n_layer", "n_head", "n_embd", "gradient_accumulation_steps",
@@ -186,6 +191,14 @@ class TrainConfig:
                  f"overwrite=True replaces the run in out_dir, init_from={self.init_from!r} continues it: drop one of the two")
         _require_choice("data_mode", self.data_mode, ("auto", "ram", "memmap"))
         _require_choice("backend", self.backend, ("auto", "nccl", "gloo"))
+        if self.ft_replica_group >= 0:
+            _require(1 <= self.ft_min_groups <= self.ft_groups and self.ft_replica_group < self.ft_groups,
+                     f"ft_replica_group={self.ft_replica_group} must be below ft_groups={self.ft_groups}, and ft_min_groups="
+                     f"{self.ft_min_groups} between 1 and ft_groups")
+            _require(self.batch_size != "auto" and self.gradient_accumulation_steps % self.ft_groups == 0,
+                     f"replica groups share gradient_accumulation_steps={self.gradient_accumulation_steps}: make it a multiple "
+                     f"of ft_groups={self.ft_groups}, with a fixed batch_size")
+            _require(self.parallelism == "ddp", "ft_replica_group runs one process per group: use parallelism='ddp'")
         _require(self.dist_timeout_s > 0, f"dist_timeout_s={self.dist_timeout_s} must be a positive number of seconds")
 
 

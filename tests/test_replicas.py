@@ -1,0 +1,129 @@
+"""Fault-tolerant replica groups (gpt/replicas.py, torchft): two groups of one process each,
+meeting at a torchft lighthouse run in this process, train as plain 2-rank DDP does; one group
+SIGKILLed mid-run leaves the other stepping alone, and restarted it heals from the live one to
+the same weights, bit for bit."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from unittest import mock
+
+import pytest
+import torch
+
+from conftest import REPO, read_metrics, tiny_args
+
+from gpt import checkpoint
+
+torchft = pytest.importorskip("torchft")
+from torchft.coordination import LighthouseServer  # noqa: E402
+
+COMMON = dict(max_iters=24, lr_decay_iters=24, eval_interval=12, gradient_accumulation_steps=2, dist_timeout_s=60)
+
+
+def start(args, log):
+    """A process whose output goes to the file `log` (torchft's Rust side logs every quorum: a pipe
+    nobody reads while it runs would fill and stop it)."""
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, *map(str, args)], cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+                                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+                                start_new_session=True)
+    proc.log = log
+    return proc
+
+
+def finish(proc, timeout=120):
+    """The process's output, once it exited 0 within `timeout` seconds."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        pytest.fail(f"still running after {timeout} s: a group is waiting for ever")
+    output = open(proc.log).read()
+    assert proc.returncode == 0, output[-3000:]
+    return output
+
+
+def group(char_data, out, g, lighthouse, log, **extra):
+    keys = {**COMMON, "ft_replica_group": g, "ft_groups": 2, "ft_lighthouse": lighthouse, **extra}
+    return start([REPO / "train.py", *tiny_args(char_data, out, **keys)], log)
+
+
+def steps(out_dir):
+    return {r["iter"]: r for r in read_metrics(out_dir) if "loss" in r}
+
+
+def test_two_groups_train_like_two_rank_ddp(char_data, tmp_path):
+    """No failure: the lighthouse waits for both groups (min_replicas=2), every step averages
+    both, and the mean of the two groups' losses is DDP's loss at every step."""
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
+    try:
+        groups = [group(char_data, tmp_path / "ft", g, lighthouse.address(), tmp_path / f"group{g}.log") for g in range(2)]
+        ddp = start(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", REPO / "train.py",
+                     *tiny_args(char_data, tmp_path / "ddp", **COMMON)], tmp_path / "ddp.log")
+        for proc in [*groups, ddp]:
+            finish(proc)
+    finally:
+        lighthouse.shutdown()
+    ref = steps(tmp_path / "ddp")
+    mine = [steps(tmp_path / "ft" / f"group{g}") for g in range(2)]
+    assert sorted(ref) == sorted(mine[0]) == sorted(mine[1]) == list(range(24))
+    assert all(m[i]["groups"] == 2 for m in mine for i in ref)
+    # float32; the groups average their gradients over gloo as DDP does, in another reduction order at most
+    assert max(abs((mine[0][i]["loss"] + mine[1][i]["loss"]) / 2 - ref[i]["loss"]) for i in ref) < 1e-5
+    a, b = (checkpoint.load(str(tmp_path / "ft" / f"group{g}" / "ckpt.pt"))["model"] for g in range(2))
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the replicas stay equal
+
+
+def test_a_killed_group_restarts_and_heals_to_the_survivors_weights(char_data, tmp_path):
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, heartbeat_timeout_ms=1000)
+    out = tmp_path / "ft"
+    extra = dict(max_iters=1200, lr_decay_iters=1200, eval_interval=400, init_from="auto")
+    try:
+        survivor = group(char_data, out, 0, lighthouse.address(), tmp_path / "survivor.log", **extra)
+        victim = group(char_data, out, 1, lighthouse.address(), tmp_path / "victim.log", **extra)
+        deadline = time.monotonic() + 120
+        while not any(r.get("groups") == 2 for r in steps_or_empty(out / "group1").values()):
+            assert time.monotonic() < deadline and victim.poll() is None and survivor.poll() is None
+            time.sleep(0.05)
+        time.sleep(0.3)
+        os.killpg(victim.pid, signal.SIGKILL)
+        victim.wait()
+        killed_at = max(steps_or_empty(out / "group0"))
+        # the survivor goes on alone
+        while not any(i > killed_at and r["groups"] == 1 for i, r in steps_or_empty(out / "group0").items()):
+            assert time.monotonic() < deadline and survivor.poll() is None, open(survivor.log).read()[-3000:]
+            time.sleep(0.05)
+        restarted = group(char_data, out, 1, lighthouse.address(), tmp_path / "restarted.log", **extra)
+        stdout = finish(restarted)
+        finish(survivor)
+    finally:
+        lighthouse.shutdown()
+    assert "healing is required" in stdout  # torchft's log: it took the survivor's state, not only its checkpoint
+    a, b = (checkpoint.load(str(out / f"group{g}" / "ckpt.pt")) for g in range(2))
+    assert a["iter_num"] == b["iter_num"] == 1200
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert all(torch.equal(x, y) for k in a["optimizer"]["state"]
+               for x, y in zip(a["optimizer"]["state"][k].values(), b["optimizer"]["state"][k].values()))
+
+
+def steps_or_empty(out_dir):
+    try:
+        return steps(out_dir)
+    except (OSError, ValueError):
+        return {}
+
+
+def test_the_process_group_is_nccl_in_a_child_on_cuda_and_gloo_on_the_cpu():
+    from datetime import timedelta
+    from torchft.process_group import ProcessGroupBabyNCCL, ProcessGroupGloo
+
+    from gpt import replicas
+
+    with mock.patch.object(torch.cuda, "is_available", return_value=True):
+        pg = replicas.process_group("cuda", timedelta(seconds=5))
+    assert isinstance(pg, ProcessGroupBabyNCCL)
+    assert isinstance(replicas.process_group("cpu", timedelta(seconds=5)), ProcessGroupGloo)
