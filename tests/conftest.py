@@ -27,9 +27,10 @@ ATEN_BACKEND = "aot_eager_decomp_partition"
 # test_bench 32, test_fsdp 24; the next is 22). make test hands whole files to its workers in
 # collection order (--no-loadscope-reorder: pytest-xdist would otherwise order files by their number
 # of tests), so these go first: a long file that starts last leaves the other worker idle until it ends.
-# test_watch.py joined them (2026-11-25: about 50 s in one process: a torchrun launch, watcher processes).
-LONGEST_FIRST = ["test_serve.py", "test_dist.py", "test_watch.py", "test_compile.py", "test_checkpoint_format.py",
-                 "test_bench.py", "test_fsdp.py"]
+# test_watch.py joined them (2026-11-25: about 50 s in one process: a torchrun launch, watcher processes),
+# and test_replicas.py (2026-11-25: about 80 s alone on the shared 2-core machine: replica groups and a torchrun launch).
+LONGEST_FIRST = ["test_serve.py", "test_replicas.py", "test_dist.py", "test_watch.py", "test_compile.py",
+                 "test_checkpoint_format.py", "test_bench.py", "test_fsdp.py"]
 
 
 def pytest_collection_modifyitems(items):

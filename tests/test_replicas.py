@@ -79,7 +79,7 @@ def test_two_groups_train_like_two_rank_ddp(char_data, tmp_path):
 
 
 def test_a_killed_group_restarts_and_heals_to_the_survivors_weights(char_data, tmp_path):
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, heartbeat_timeout_ms=1000)
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000)
     out = tmp_path / "ft"
     extra = dict(max_iters=1200, lr_decay_iters=1200, eval_interval=400, init_from="auto")
     try:
