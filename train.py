@@ -257,8 +257,9 @@ class Run:
     def describe(self):
         cfg, rt = self.cfg, self.rt
         print(textwrap.fill("config: " + " ".join(f"{k}={v!r}" for k, v in as_dict(cfg).items()), 120, subsequent_indent="  "))
+        groups = f"{self.groups} replica groups x " if self.groups > 1 else ""
         print(f"{self.raw_model.num_params() / 1e6:.2f}M parameters | {self.tokens_per_iter:,} tokens/iter "
-              f"({rt.world_size} rank(s) x {self.accum_steps} micro-steps x {cfg.batch_size} x {cfg.block_size}) | "
+              f"({groups}{rt.world_size} rank(s) x {self.accum_steps} micro-steps x {cfg.batch_size} x {cfg.block_size}) | "
               f"{rt.device} {str(rt.dtype).removeprefix('torch.')}"
               + (f" | resuming at iter {self.iter_num}" if self.resumed_at is not None else ""))
 
