@@ -22,14 +22,13 @@ from datetime import timedelta
 
 import torch
 from torch.distributed import TCPStore
-
-from gpt import optim
-from configurator import UserError
-
 from torchft.ddp import DistributedDataParallel
 from torchft.manager import Manager
 from torchft.optim import OptimizerWrapper
 from torchft.process_group import ProcessGroupBabyNCCL, ProcessGroupGloo
+
+from gpt import optim
+from configurator import UserError
 
 
 def group_out_dir(cfg):
