@@ -128,3 +128,15 @@ def test_the_process_group_is_nccl_in_a_child_on_cuda_and_gloo_on_the_cpu():
         pg = replicas.process_group("cuda", timedelta(seconds=5))
     assert isinstance(pg, ProcessGroupBabyNCCL)
     assert isinstance(replicas.process_group("cpu", timedelta(seconds=5)), ProcessGroupGloo)
+
+
+def test_replica_group_mistakes_are_one_line(char_data, tmp_path, monkeypatch):
+    from conftest import run_script
+
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    cases = {"no lighthouse is named": dict(gradient_accumulation_steps=2),
+             "make it a multiple of ft_groups=2": dict(gradient_accumulation_steps=3)}
+    for message, keys in cases.items():
+        result = run_script("train.py", *tiny_args(char_data, tmp_path / "out", ft_replica_group=0, **keys))
+        assert result.returncode != 0 and "Traceback" not in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr, result.stderr
