@@ -54,14 +54,18 @@ def start(args, out_dir, g, lighthouse, log):
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def records(out_dir, g):
-    """The group's logged steps, {iter: record}; records of a previous life are overwritten by newer ones."""
+def logged(out_dir, g):
+    """The group's step records in order (a step that did not commit is logged again at the same iter)."""
     try:
         with open(os.path.join(out_dir, f"group{g}", "metrics.jsonl")) as f:
-            lines = [json.loads(line) for line in f if '"loss"' in line]
+            return [json.loads(line) for line in f if '"loss"' in line]
     except (OSError, ValueError):
-        return {}
-    return {r["iter"]: r for r in lines}
+        return []
+
+
+def records(out_dir, g):
+    """{iter: the newest record of that step}."""
+    return {r["iter"]: r for r in logged(out_dir, g)}
 
 
 def equal_states(out_dir):
@@ -103,8 +107,7 @@ def one_run(args, rng, out_dir):
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
         lighthouse.shutdown()
-    survivor = records(out_dir, 1 - victim)
-    stall = max((r["dt_ms"] for i, r in survivor.items() if i > killed_at), default=0) / 1000
+    stall = max((r["dt_ms"] for r in logged(out_dir, 1 - victim) if r["iter"] >= killed_at), default=0) / 1000
     if timed_out:
         return "timeout", stall, heal, False
     codes = [p.returncode for p in procs]
