@@ -108,6 +108,12 @@ def setup(device="auto", dtype="auto", backend="auto", timeout_s=600):
             raise UserError(f"rank {rank} of {world_size} gave up joining the process group at {where} after "
                             f"dist_timeout_s={timeout_s} ({str(e).strip().splitlines()[0]}): start every rank, "
                             f"or raise --dist_timeout_s") from None
+        if rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" \
+                and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0:
+            # torchrun keeps one store for every attempt; a restarted rank can read the previous
+            # attempt's addresses there and fail to connect (pytorch/pytorch#135712)
+            print("note: torchrun --max-restarts with one store for every attempt: restarts can fail to connect; "
+                  "launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (docs/distributed.md)")
         if device_type != "cuda":
             # several ranks share this machine's cores; oversubscribing them is much slower
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
