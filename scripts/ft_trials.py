@@ -5,7 +5,7 @@ each SIGKILLing one group at a random moment and restarting it.
     python scripts/ft_trials.py                          # 10 runs
     python scripts/ft_trials.py --runs=3 --max_iters=1000 --out_dir=/tmp/ft_trials
 
-Each run starts a torchft lighthouse in this process (min_replicas=1), then groups 0 and 1 with
+Each run starts torchft_lighthouse (min_replicas=1), then groups 0 and 1 with
 init_from=auto. Once both take part in steps, one of them, chosen at random, is SIGKILLed after a
 random delay (0 to 3 s), and started again at once. Reported per run: whether both groups ended
 within `timeout` seconds (a run past it is killed and counts as failed), the survivor's longest
@@ -18,6 +18,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -27,7 +28,6 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 import torch  # noqa: E402
-from torchft.coordination import LighthouseServer  # noqa: E402
 
 from configurator import UserError, parse, run_main  # noqa: E402
 from gpt import checkpoint  # noqa: E402
@@ -40,6 +40,22 @@ class Args:
     timeout: float = 300.0  # seconds a run may take; past it every process is killed and the run failed
     seed: int = 0  # of the kill times and the killed groups
     out_dir: str = "/tmp/ft_trials"  # scratch space, emptied first
+
+
+def lighthouse(log):
+    """(the torchft_lighthouse process, its address): a process of its own, as a user runs it."""
+    binary = os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")
+    with open(log, "w") as f:
+        proc = subprocess.Popen([binary, "--min_replicas=1", "--join_timeout_ms=1000", "--bind=[::]:0"],
+                                stdout=f, stderr=subprocess.STDOUT)
+    for _ in range(600):
+        with open(log) as f:
+            found = re.search(r"listening on: (\S+)", f.read())
+        if found:
+            return proc, found.group(1)
+        time.sleep(0.05)
+    proc.kill()
+    raise UserError(f"torchft_lighthouse did not start; see {log}")
 
 
 def start(args, out_dir, g, lighthouse, log):
@@ -68,6 +84,12 @@ def records(out_dir, g):
     return {r["iter"]: r for r in logged(out_dir, g)}
 
 
+def shared_step(log):
+    """True once the restarted group's log has a step both groups took part in."""
+    with open(log) as f:
+        return any(line.startswith("iter ") and "2/2 groups" in line for line in f)
+
+
 def equal_states(out_dir):
     a, b = (checkpoint.load(os.path.join(out_dir, f"group{g}", "ckpt.pt")) for g in range(2))
     same = lambda x, y: all(torch.equal(x[k], y[k]) for k in x)
@@ -79,9 +101,9 @@ def one_run(args, rng, out_dir):
     """(outcome, survivor's longest step in s, seconds from restart to the first shared step, equal)."""
     shutil.rmtree(out_dir, ignore_errors=True)
     os.makedirs(out_dir)
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000)
+    beacon, address = lighthouse(os.path.join(out_dir, "lighthouse.log"))
     deadline = time.monotonic() + args.timeout
-    procs = [start(args, out_dir, g, lighthouse.address(), os.path.join(out_dir, f"group{g}.log")) for g in range(2)]
+    procs = [start(args, out_dir, g, address, os.path.join(out_dir, f"group{g}.log")) for g in range(2)]
     victim, heal, killed_at = rng.randrange(2), None, 0
     try:
         wait = lambda ok: all(p.poll() is None for p in procs) and time.monotonic() < deadline and not ok()
@@ -91,9 +113,9 @@ def one_run(args, rng, out_dir):
         os.killpg(procs[victim].pid, signal.SIGKILL)
         procs[victim].wait()
         killed_at = max(records(out_dir, 1 - victim), default=0)
-        restarted = time.monotonic()
-        procs[victim] = start(args, out_dir, victim, lighthouse.address(), os.path.join(out_dir, f"group{victim}.restart.log"))
-        while wait(lambda: any(i > killed_at and r.get("groups") == 2 for i, r in records(out_dir, victim).items())):
+        restarted, log = time.monotonic(), os.path.join(out_dir, f"group{victim}.restart.log")
+        procs[victim] = start(args, out_dir, victim, address, log)
+        while wait(lambda: shared_step(log)):
             time.sleep(0.05)
         heal = time.monotonic() - restarted
         for p in procs:
@@ -106,7 +128,8 @@ def one_run(args, rng, out_dir):
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
-        lighthouse.shutdown()
+        beacon.kill()
+        beacon.wait()
     stall = max((r["dt_ms"] for r in logged(out_dir, 1 - victim) if r["iter"] >= killed_at), default=0) / 1000
     if timed_out:
         return "timeout", stall, heal, False
