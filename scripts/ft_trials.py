@@ -36,7 +36,7 @@ from gpt import checkpoint  # noqa: E402
 @dataclasses.dataclass
 class Args:
     runs: int = 10  # runs, each with one group killed and restarted
-    max_iters: int = 1500  # training steps per run
+    max_iters: int = 4000  # training steps per run: the survivor must still be running when the restart joins
     timeout: float = 300.0  # seconds a run may take; past it every process is killed and the run failed
     seed: int = 0  # of the kill times and the killed groups
     out_dir: str = "/tmp/ft_trials"  # scratch space, emptied first
@@ -117,7 +117,7 @@ def one_run(args, rng, out_dir):
         procs[victim] = start(args, out_dir, victim, address, log)
         while wait(lambda: shared_step(log)):
             time.sleep(0.05)
-        heal = time.monotonic() - restarted
+        heal = time.monotonic() - restarted if shared_step(log) else None
         for p in procs:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:

@@ -107,7 +107,7 @@ def test_a_killed_group_restarts_and_heals_to_the_survivors_weights(char_data, t
     (torchft logs it), so the two end with the same weights and optimizer state, bit for bit."""
     lighthouse = Lighthouse(tmp_path / "lighthouse.log", min_replicas=1, join_timeout_ms=1000)
     out = tmp_path / "ft"
-    extra = dict(max_iters=1500, lr_decay_iters=1500, eval_interval=1000, init_from="auto")
+    extra = dict(max_iters=2000, lr_decay_iters=2000, eval_interval=1000, init_from="auto")
     try:
         survivor = group(char_data, out, 0, lighthouse.address(), tmp_path / "survivor.log", **extra)
         victim = group(char_data, out, 1, lighthouse.address(), tmp_path / "victim.log", **extra)
@@ -126,9 +126,9 @@ def test_a_killed_group_restarts_and_heals_to_the_survivors_weights(char_data, t
     alone = [i for i, r in steps(out / "group0").items() if i > killed_at and r["groups"] == 1]
     assert alone, "the survivor did not step on alone"
     assert "healing is required" in output  # torchft's log: the restarted group took the survivor's state
-    assert len(steps(out / "group1")) <= 1500 - len(alone) + 1  # it skipped the steps taken without it
+    assert len(steps(out / "group1")) <= 2000 - len(alone) + 1  # it skipped the steps taken without it
     a, b = (checkpoint.load(str(out / f"group{g}" / "ckpt.pt")) for g in range(2))
-    assert a["iter_num"] == b["iter_num"] == 1500
+    assert a["iter_num"] == b["iter_num"] == 2000
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert all(torch.equal(x, y) for k in a["optimizer"]["state"]
                for x, y in zip(a["optimizer"]["state"][k].values(), b["optimizer"]["state"][k].values()))
