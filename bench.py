@@ -82,7 +82,7 @@ def time_to_train(result, cfg, rt):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     cfg = parse(BenchConfig, argv)
-    rt = runtime.setup(cfg.device, cfg.dtype, cfg.backend)
+    rt = runtime.setup(cfg.device, cfg.dtype, cfg.backend, cfg.dist_timeout_s)
     try:
         if cfg.against:
             compare.run(cfg, argv, rt)  # the sides' train.py arguments start from this command's own

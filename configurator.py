@@ -130,6 +130,7 @@ class TrainConfig:
     decay_frac: float = 0.2  # lr_schedule='wsd': the fraction of max_iters spent decaying, in (0, 1]
     # system
     backend: str = "auto"  # torch.distributed backend: 'nccl', 'gloo', or 'auto' (nccl on CUDA, else gloo)
+    dist_timeout_s: int = 600  # under torchrun: a rank waiting this long to join the group, or in any collective, fails instead of hanging (torchrun then restarts the job or stops)
     device: str = "auto"  # 'auto' (cuda, else mps, else cpu), 'cpu', 'cuda', 'cuda:1', 'mps'
     dtype: str = "auto"  # 'auto', 'float32', 'bfloat16' or 'float16' (float16 uses a GradScaler)
     compile: bool = True  # torch.compile the model (slow to start, faster per step on GPUs)
@@ -137,6 +138,11 @@ class TrainConfig:
     activation_checkpointing: bool = False  # recompute each block's activations in backward: less memory, ~1/3 more compute
     peak_flops: float = 0.0  # the device's dense peak FLOP/s for MFU (e.g. 989e12); 0: look it up by GPU name
     attention: str = "auto"  # SDPA kernel: 'auto' (PyTorch's choice), 'flash', 'cudnn', 'efficient' or 'math'
+    # fault-tolerant replica groups (torchft; docs/fault_tolerance.md)
+    ft_replica_group: int = -1  # this process's replica group, 0..ft_groups-1; -1: off. Each group is one process, writing out_dir/group<g>
+    ft_groups: int = 2  # replica groups expected; gradient_accumulation_steps is summed over them, and group g draws slice g of the global batch
+    ft_min_groups: int = 1  # a step commits only when at least this many groups take part
+    ft_lighthouse: str = ""  # the torchft lighthouse's address, e.g. http://host:29510; '': the TORCHFT_LIGHTHOUSE environment variable
 
     def __post_init__(self):
         for key in ("block_size", "n_layer", "n_head", "n_embd", "gradient_accumulation_steps",
@@ -195,6 +201,15 @@ class TrainConfig:
         _require_choice("data_mode", self.data_mode, ("auto", "ram", "memmap"))
         _require_choice("batch_order", self.batch_order, ("random", "documents"))
         _require_choice("backend", self.backend, ("auto", "nccl", "gloo"))
+        if self.ft_replica_group >= 0:
+            _require(1 <= self.ft_min_groups <= self.ft_groups and self.ft_replica_group < self.ft_groups,
+                     f"ft_replica_group={self.ft_replica_group} must be below ft_groups={self.ft_groups}, and ft_min_groups="
+                     f"{self.ft_min_groups} between 1 and ft_groups")
+            _require(self.batch_size != "auto" and self.gradient_accumulation_steps % self.ft_groups == 0,
+                     f"replica groups share gradient_accumulation_steps={self.gradient_accumulation_steps}: make it a multiple "
+                     f"of ft_groups={self.ft_groups}, with a fixed batch_size")
+            _require(self.parallelism == "ddp", "ft_replica_group runs one process per group: use parallelism='ddp'")
+        _require(self.dist_timeout_s > 0, f"dist_timeout_s={self.dist_timeout_s} must be a positive number of seconds")
 
 
 @dataclass

@@ -30,6 +30,7 @@ from gpt import evaluation
 from gpt import load
 from gpt import optim
 from gpt import outdir
+from gpt import replicas
 from gpt import runtime
 from gpt import tokenizer
 from gpt import watch
@@ -56,7 +57,9 @@ def main(argv=None):
             f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} does not divide among "
             f"{world_size} processes; make it a multiple of {world_size}"
         )
-    rt = runtime.setup(cfg.device, cfg.dtype, cfg.backend)
+    rt = runtime.setup(cfg.device, cfg.dtype, cfg.backend, cfg.dist_timeout_s)
+    if cfg.ft_replica_group >= 0:
+        cfg = replicas.group_out_dir(cfg)  # each replica group writes its own out_dir/group<g>
     stop = runtime.StopRequest(cfg.max_minutes)
     finished, out, watcher = False, None, None
     try:
@@ -214,23 +217,27 @@ class Run:
             batch_size = state["config"]["batch_size"] if state is not None else auto_batch_size(raw_model, cfg, rt)
             cfg = with_batch_size(cfg, batch_size, cfg.total_batch_size)
         self.cfg, self.rt, self.data, self.raw_model = cfg, rt, data, raw_model
-        self.accum_steps = cfg.gradient_accumulation_steps // rt.world_size
+        self.groups = cfg.ft_groups if cfg.ft_replica_group >= 0 else 1  # replica groups share the global batch too
+        self.accum_steps = cfg.gradient_accumulation_steps // (rt.world_size * self.groups)
         self.tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
         self.model, self.train_model, self.optimizer, self.scaler = build(raw_model, cfg, rt, state)
         self.chat = isinstance(data.train, ChatData)
+        data_rt = replicas.data_view(cfg, rt) if self.groups > 1 else rt  # group g draws as rank g would
         if self.chat:
-            self.batches = ChatBatches(data.train, cfg.batch_size, cfg.block_size, cfg.seed, rt, self.accum_steps)
+            self.batches = ChatBatches(data.train, cfg.batch_size, cfg.block_size, cfg.seed, data_rt, self.accum_steps)
         elif cfg.batch_order == "documents":
-            self.batches = DocumentBatches(data.train, cfg.batch_size, cfg.block_size, cfg.seed, rt, data.eot, cfg.doc_mask)
+            self.batches = DocumentBatches(data.train, cfg.batch_size, cfg.block_size, cfg.seed, data_rt, data.eot, cfg.doc_mask)
             say(f"documents: {self.batches.documents:,} in train, {len(self.batches.starts):,} rows of block_size="
                 f"{cfg.block_size} an epoch (~{len(self.batches.starts) // (cfg.batch_size * cfg.gradient_accumulation_steps):,} iterations)")
         else:  # data.eot: doc_mask on random windows
-            self.batches = TrainBatches(data.train, cfg.batch_size, cfg.block_size, cfg.seed, rt, data.eot)
+            self.batches = TrainBatches(data.train, cfg.batch_size, cfg.block_size, cfg.seed, data_rt, data.eot)
         self.iter_num, self.best_val_loss, wandb_run_id = 0, float("inf"), None
         if state is not None:
             checkpoint.restore_rng(state, self.batches, rt)
             self.iter_num, self.best_val_loss, wandb_run_id = state["iter_num"], state["best_val_loss"], state.get("wandb_run_id")
             del state  # free the host copy of the weights
+        # torchft's wrappers around train_model and the optimizer; a restarted group heals from a live one
+        self.ft = replicas.join(cfg, rt, self) if cfg.ft_replica_group >= 0 else None
         self.resumed_at = self.iter_num if cfg.init_from == "resume" else None  # no eval or save again at this iter
         offsets = lambda d, seed: chat_eval_offsets(d, cfg.eval_iters, cfg.batch_size, seed) if self.chat \
             else eval_offsets(d, cfg.eval_iters, cfg.batch_size, cfg.block_size, seed)
@@ -274,21 +281,31 @@ class Run:
     def describe(self):
         cfg, rt = self.cfg, self.rt
         print(textwrap.fill("config: " + " ".join(f"{k}={v!r}" for k, v in as_dict(cfg).items()), 120, subsequent_indent="  "))
+        groups = f"{self.groups} replica groups x " if self.groups > 1 else ""
         print(f"{self.raw_model.num_params() / 1e6:.2f}M parameters | {self.tokens_per_iter:,} tokens/iter "
-              f"({rt.world_size} rank(s) x {self.accum_steps} micro-steps x {cfg.batch_size} x {cfg.block_size}) | "
+              f"({groups}{rt.world_size} rank(s) x {self.accum_steps} micro-steps x {cfg.batch_size} x {cfg.block_size}) | "
               f"{rt.device} {str(rt.dtype).removeprefix('torch.')}"
               + (f" | resuming at iter {self.iter_num}" if self.resumed_at is not None else ""))
 
 
 def train(cfg, rt, stop, out):
-    """The training loop; returns the process exit code (0, or EXIT_STOPPED)."""
+    """Build the run and loop; returns the process exit code (0, or EXIT_STOPPED)."""
     torch.manual_seed(cfg.seed + rt.rank)
     say = print if rt.master else (lambda message: None)  # notes from the pieces below: rank 0 prints them
     run = Run(cfg, rt, load_data(cfg, say), say, out)
     cfg = run.cfg  # batch_size='auto' is now a number
     if rt.master:
         run.describe()
+    try:
+        return loop(run, stop)
+    finally:
+        if run.ft is not None:
+            run.ft.shutdown()
 
+
+def loop(run, stop):
+    """Evaluate, save and step until max_iters or a stop request; returns the exit code."""
+    cfg, rt = run.cfg, run.rt
     # The loop runs once more after the last step, so the final eval and save live in one place.
     while True:
         last = run.iter_num >= cfg.max_iters
@@ -320,7 +337,7 @@ def train(cfg, rt, stop, out):
         run.throughput.end_step()
         if run.iter_num % cfg.log_interval == 0:
             log_step(run, result, lr)
-        run.iter_num += 1
+        run.iter_num = run.ft.step_done() if run.ft else run.iter_num + 1  # a healed group jumps to its peers' step
 
 
 def evaluate_and_save(run, last):
@@ -426,14 +443,18 @@ def log_step(run, result, lr):
     clipped = cfg.grad_clip > 0 and norm_value > cfg.grad_clip
     dt, warm = run.throughput.read()
     mfu = runtime.mfu(run.flops_per_iter, dt, run.peak, rt.world_size) if warm else None
+    # replica groups: only the groups that took part in the step trained tokens (the loss is this group's)
+    tokens = run.tokens_per_iter * (run.ft.participants / run.groups if run.ft else 1)
+    groups = f", {run.ft.participants}/{run.groups} groups" if run.ft else ""
     if rt.master:
         eta = format_duration(dt * (cfg.max_iters - run.iter_num - 1))
         mfu_text = f"{mfu:.1%}" if mfu is not None else "n/a"
         print(f"iter {run.iter_num}: loss {loss_value:.4f}, lr {lr:.2e}, grad norm {norm_value:.3g}{' (clipped)' if clipped else ''}, "
-              f"{dt * 1000:.1f} ms/iter, {run.tokens_per_iter / dt:,.0f} tok/s, "
+              f"{dt * 1000:.1f} ms/iter, {tokens / dt:,.0f} tok/s{groups}, "
               f"{run.flops_per_iter / dt / 1e12 / rt.world_size:.3g} TFLOPS/device, mfu {mfu_text}, eta {eta}")
         run.metrics.write({"iter": run.iter_num, "loss": loss_value, "lr": lr, "grad_norm": norm_value, "clipped": clipped,
-                           "dt_ms": dt * 1000, "tokens_per_s": run.tokens_per_iter / dt, "mfu": mfu,
+                           "dt_ms": dt * 1000, "tokens_per_s": tokens / dt, "mfu": mfu,
+                           **({"groups": run.ft.participants} if run.ft else {}),
                            **({"trained_tokens": run.batches.step_tokens} if run.chat else {})})
 
 

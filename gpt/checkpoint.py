@@ -497,8 +497,8 @@ class Checkpointer:
         self.pending = None  # (future, path, best, checkpoint.json's content or None)
         # gloo groups of their own, so host-side checks and DCP's background thread never
         # interleave with the training's collectives, or with each other's
-        self.status = dist.new_group(backend="gloo") if rt.ddp else None
-        self.dcp_group = dist.new_group(backend="gloo") if rt.ddp and fmt == "sharded" else None
+        self.status = dist.new_group(backend="gloo", timeout=rt.timeout) if rt.ddp else None
+        self.dcp_group = dist.new_group(backend="gloo", timeout=rt.timeout) if rt.ddp and fmt == "sharded" else None
         self.writer = concurrent.futures.ThreadPoolExecutor(1) if asynchronous and fmt == "full" else None
         _single_process_is_meant()
 

@@ -8,6 +8,7 @@ import signal
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ class Runtime:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
+    timeout: timedelta = timedelta(seconds=600)  # of the process group and of every group made beside it
 
     @property
     def master(self):
@@ -73,8 +75,11 @@ def pick_dtype(name, device_type):
     return DTYPES[name]
 
 
-def setup(device="auto", dtype="auto", backend="auto"):
-    """Pick device and dtype, and join the process group when launched by torchrun."""
+def setup(device="auto", dtype="auto", backend="auto", timeout_s=600):
+    """Pick device and dtype, and join the process group when launched by torchrun. timeout_s
+    bounds the wait to join (the store's connect, the other ranks' arrival) and every collective:
+    a rank whose peer died fails after it instead of waiting for ever, so torchrun can restart
+    the job (--max-restarts) or end it."""
     rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
     device = pick_device(device)
     device_type = device.split(":")[0]
@@ -96,12 +101,25 @@ def setup(device="auto", dtype="auto", backend="auto"):
     if world_size > 1:
         if backend == "auto":
             backend = "nccl" if device_type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend)
+        try:
+            dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+        except dist.DistError as e:  # the store's connect or the other ranks' arrival timed out
+            where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+            raise UserError(f"rank {rank} of {world_size} gave up joining the process group at {where} after "
+                            f"dist_timeout_s={timeout_s} ({str(e).strip().splitlines()[0]}): start every rank, "
+                            f"or raise --dist_timeout_s") from None
+        if rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" \
+                and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0:
+            # torchrun keeps one store for every attempt; a restarted rank can read the previous
+            # attempt's addresses there and fail to connect (pytorch/pytorch#135712)
+            print("note: torchrun --max-restarts with one store for every attempt: restarts can fail to connect; "
+                  "launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (docs/distributed.md)")
         if device_type != "cuda":
             # several ranks share this machine's cores; oversubscribing them is much slower
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    return Runtime(device, device_type, pick_dtype(dtype, device_type), rank, local_rank, world_size)
+    return Runtime(device, device_type, pick_dtype(dtype, device_type), rank, local_rank, world_size,
+                   timedelta(seconds=timeout_s))
 
 
 def teardown(rt, all_finished=False):
@@ -225,7 +243,7 @@ class StopRequest:
             # every step, so the flag travels on the host: over gloo (a group of its own when NCCL
             # carries the gradients) the ranks wait for each other, never for their GPUs
             if self.group is None:
-                self.group = dist.new_group(backend="gloo") if rt.device_type == "cuda" else dist.group.WORLD
+                self.group = dist.new_group(backend="gloo", timeout=rt.timeout) if rt.device_type == "cuda" else dist.group.WORLD
             flag = torch.tensor(float(stop))
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
             stop = bool(flag.item())

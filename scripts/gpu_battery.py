@@ -433,7 +433,7 @@ def run_suite(cfg, rt):
 
 def main(argv=None):
     cfg = parse(BatteryConfig, argv)
-    rt = runtime.setup(cfg.device, cfg.dtype, cfg.backend)
+    rt = runtime.setup(cfg.device, cfg.dtype, cfg.backend, cfg.dist_timeout_s)
     try:
         run_suite(cfg, rt)
     finally:

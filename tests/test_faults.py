@@ -143,3 +143,36 @@ def test_a_full_disk_stops_with_one_line_and_the_old_checkpoint(char_data, tmp_p
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "No space left on device" in result.stderr
     assert (out / "ckpt.pt").read_bytes() == before and not os.path.lexists(out / "ckpt.pt.tmp")
+
+
+def test_a_rank_whose_peer_never_comes_gives_up_after_dist_timeout_s(char_data, tmp_path):
+    """Rank 0 of 2 alone (rank 1 never starts): it stops waiting at dist_timeout_s with one line,
+    instead of hanging (torch's default wait is 30 minutes for gloo)."""
+    import socket
+
+    with socket.socket() as s:  # a free port for rank 0's store
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+    result = run_script("train.py", *tiny_args(char_data, tmp_path / "out", gradient_accumulation_steps=2,
+                                               dist_timeout_s=2), env=env, isolated=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        f"error: rank 0 of 2 gave up joining the process group at 127.0.0.1:{port} after dist_timeout_s=2")
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_restarts_with_torchruns_shared_store_get_a_note(monkeypatch, capsys, shared):
+    """torchrun --max-restarts keeps one store for every attempt unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    (then it tells the ranks TORCHELASTIC_USE_AGENT_STORE=False): rank 0 says how to launch instead."""
+    from gpt import runtime
+
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_MAX_RESTARTS": "3",
+           "TORCHELASTIC_USE_AGENT_STORE": str(shared)}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(runtime.dist, "init_process_group", lambda **kwargs: None)  # no peers here
+    monkeypatch.setattr(runtime.torch, "set_num_threads", lambda n: None)
+    runtime.setup("cpu", "float32", "gloo", 5)
+    assert ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in capsys.readouterr().out) == shared

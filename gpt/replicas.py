@@ -1,0 +1,162 @@
+"""Fault-tolerant replica groups (torchft): R copies of the run, each one process, that average
+their gradients every step through torchft's Manager. A group that dies costs the others one
+failed step; they go on without it, and when it comes back it copies the live weights, optimizer
+state, data position and step from a peer (healing) instead of reading a checkpoint.
+
+    torchft_lighthouse --min_replicas=1 --join_timeout_ms=10000 &
+    TORCHFT_LIGHTHOUSE=http://localhost:29510 python train.py ... --ft_replica_group=0 --ft_groups=2 --init_from=auto
+    TORCHFT_LIGHTHOUSE=http://localhost:29510 python train.py ... --ft_replica_group=1 --ft_groups=2 --init_from=auto
+
+What train.py calls: group_out_dir (each group writes its own out_dir/group<g>), data_view (the
+rank and world size the batches are drawn with: group g of R takes slice g of the global batch,
+as DDP's rank g would), join (wraps the model in torchft's DistributedDataParallel and the
+optimizer in its OptimizerWrapper, and starts the first quorum), and Replicas.step_done (the
+step count after a step: the Manager's, which jumps forward when this group healed).
+"""
+
+import copy
+import os
+import socket
+from dataclasses import replace
+from datetime import timedelta
+
+import torch
+from torch.distributed import TCPStore
+
+from gpt import optim
+from configurator import UserError
+
+try:
+    from torchft.ddp import DistributedDataParallel
+    from torchft.manager import Manager
+    from torchft.optim import OptimizerWrapper
+    from torchft.process_group import ProcessGroupBabyNCCL, ProcessGroupGloo
+except ImportError:  # torchft has wheels for Linux x86-64 only: elsewhere train.py runs, and replica groups are refused
+    DistributedDataParallel = OptimizerWrapper = object
+    Manager = None
+
+
+def group_out_dir(cfg):
+    """cfg with out_dir/group<g> as its out_dir: one writer per file, so each group checkpoints
+    and logs on its own (their weights are the same at every step they share). The first call a
+    replica group makes: without torchft it stops here, in one line."""
+    if Manager is None:
+        raise UserError("ft_replica_group needs torchft, which is not installed here (its wheels are for Linux x86-64): "
+                        "pip install torchft on such a machine, or train without --ft_replica_group")
+    return replace(cfg, out_dir=os.path.join(cfg.out_dir, f"group{cfg.ft_replica_group}"))
+
+
+def data_view(cfg, rt):
+    """The Runtime the training batches are drawn with: group g of R is rank g of R."""
+    return replace(rt, rank=cfg.ft_replica_group, world_size=cfg.ft_groups)
+
+
+def process_group(device_type, timeout):
+    """torchft's reconfigurable process group between the groups: NCCL in a child process (which
+    it can kill when a peer dies mid-collective) on GPUs, gloo on the CPU."""
+    return ProcessGroupBabyNCCL(timeout=timeout) if device_type == "cuda" else ProcessGroupGloo(timeout=timeout)
+
+
+class _DDP(DistributedDataParallel):
+    """torchft's DistributedDataParallel (gradients averaged over the groups in the quorum by the
+    Manager), with a communication hook that survives a failed all-reduce: torchft 0.2's asserts
+    on the placeholder the Manager returns once a peer died. The bucket is then left as it is;
+    the step does not commit, so its gradients are never used."""
+
+    @staticmethod
+    def _comm_hook(manager, bucket):
+        manager.allreduce(bucket.buffer()).wait()  # in place: summed, divided by the participants
+        done = torch.futures.Future()
+        done.set_result(bucket.buffer())
+        return done
+
+
+class _Optimizer(OptimizerWrapper):
+    """torchft's OptimizerWrapper (zero_grad starts the next quorum, step steps only when every
+    group's Manager agreed to commit), which also keeps the data position of the step committed
+    last for a healing peer, and sets the learning rate of the step this group healed to."""
+
+    def __init__(self, manager, inner, replicas):
+        super().__init__(manager, inner)
+        self.replicas = replicas
+
+    def step(self, closure=None):
+        committed = self.manager.should_commit()  # a pending heal is applied in here
+        self.replicas.participants = self.manager.num_participants() if committed else 0
+        if committed:
+            if self.replicas.healed:
+                lr = optim.get_lr(self.manager.current_step() - 1, self.replicas.cfg)  # the commit counted the step
+                for group in self.optim.param_groups:
+                    group["lr"] = lr * group.get("lr_scale", 1.0)
+                self.replicas.healed = False
+            self.optim.step()
+        self.replicas.snapshot()
+
+
+class Replicas:
+    """This group's Manager and what it sends a healing peer: weights, optimizer state, the data
+    generator's state for the next step, and best_val_loss (the step is the Manager's own)."""
+
+    def __init__(self, cfg, rt, run, lighthouse):
+        self.cfg, self.run, self.healed, self.data_state = cfg, run, False, None
+        self.participants = 0  # groups whose gradients the last step averaged (0: it did not commit)
+        timeout = timedelta(seconds=cfg.dist_timeout_s)
+        # the group's own store (one process per group): the Manager's and, when this group is
+        # the quorum's first, the one the groups meet at to connect their process group
+        self.store = TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
+        self.manager = Manager(pg=process_group(rt.device_type, timeout), load_state_dict=self.load_state_dict,
+                               state_dict=self.state_dict, min_replica_size=cfg.ft_min_groups, timeout=timeout,
+                               quorum_timeout=timeout, connect_timeout=timeout, rank=0, world_size=1,
+                               store_addr=socket.gethostname(), store_port=self.store.port, lighthouse_addr=lighthouse,
+                               replica_id=f"group{cfg.ft_replica_group}", init_sync=False)
+        # the groups start from the same seed, so their initial weights are already equal (init_sync=False)
+        self.manager.load_state_dict({"step": run.iter_num, "batches_committed": 0})
+        self.snapshot()
+
+    def snapshot(self):
+        """The data generator's state now, between steps: what a peer healing next step takes."""
+        self.data_state = dict(self.run.batches.rng.bit_generator.state)
+
+    def state_dict(self):
+        """Copies, taken at the start of the step (torchft calls this in its quorum, before this
+        group's all-reduce): the peer fetches them later, while this group may already be updating
+        its own weights in place."""
+        run = self.run
+        return copy.deepcopy({"model": run.raw_model.state_dict(), "optimizer": run.optimizer.optim.state_dict(),
+                              "batches": self.data_state, "best_val_loss": run.best_val_loss})
+
+    def load_state_dict(self, state):
+        """Healing, inside should_commit of the step the peer is at: this step commits the peer's
+        averaged gradient on the peer's weights, and the next draws the peer's next batch."""
+        run = self.run
+        run.raw_model.load_state_dict(state["model"])
+        run.optimizer.optim.load_state_dict(state["optimizer"])
+        run.batches.rng.bit_generator.state = state["batches"]
+        for _ in range(run.accum_steps):  # past this step's batches, which the peer drew already
+            run.batches()
+        run.best_val_loss = state["best_val_loss"]
+        self.healed = True
+
+    def step_done(self):
+        """The step count after a step: one more when it committed, the peer's when this group healed."""
+        return self.manager.current_step()
+
+    def shutdown(self):
+        self.manager.shutdown(wait=False)
+
+
+def join(cfg, rt, run):
+    """Join the replica groups: run.train_model and run.optimizer become torchft's wrappers, and
+    the first quorum is started (the wrapper's zero_grad). Returns the Replicas."""
+    lighthouse = cfg.ft_lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
+    if not lighthouse:
+        raise UserError("ft_replica_group is set but no lighthouse is named: start torchft_lighthouse and pass "
+                        "--ft_lighthouse=http://HOST:29510 (or set TORCHFT_LIGHTHOUSE)")
+    if rt.ddp:
+        raise UserError("a replica group is one process here: start each group with python train.py "
+                        "(not torchrun --nproc_per_node>1)")
+    replicas = Replicas(cfg, rt, run, lighthouse)
+    run.train_model = _DDP(replicas.manager, run.train_model)
+    run.optimizer = _Optimizer(replicas.manager, run.optimizer, replicas)
+    run.optimizer.zero_grad()
+    return replicas

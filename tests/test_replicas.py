@@ -1,0 +1,177 @@
+"""Fault-tolerant replica groups (gpt/replicas.py, torchft): two groups of one process each,
+meeting at a torchft lighthouse, train as plain 2-rank DDP does; one group
+SIGKILLed mid-run leaves the other stepping alone, and restarted it heals from the live one to
+the same weights, bit for bit."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from unittest import mock
+
+import pytest
+import torch
+
+from conftest import REPO, read_metrics, tiny_args
+
+from gpt import checkpoint
+
+torchft = pytest.importorskip("torchft")
+
+COMMON = dict(max_iters=24, lr_decay_iters=24, eval_interval=12, gradient_accumulation_steps=2, dist_timeout_s=60)
+
+
+class Lighthouse:
+    """torchft_lighthouse in a process of its own, as a user starts it; address() as torchft's
+    in-process LighthouseServer has it."""
+
+    def __init__(self, log, **flags):
+        binary = os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")
+        with open(log, "w") as f:
+            self.proc = subprocess.Popen([binary, "--bind=[::]:0", *(f"--{k}={v}" for k, v in flags.items())],
+                                         stdout=f, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while not (found := re.search(r"listening on: (\S+)", open(log).read())):
+            assert time.monotonic() < deadline and self.proc.poll() is None, open(log).read()
+            time.sleep(0.05)
+        self.url = found.group(1)
+
+    def address(self):
+        return self.url
+
+    def shutdown(self):
+        self.proc.kill()
+        self.proc.wait()
+
+
+def start(args, log):
+    """A process whose output goes to the file `log` (torchft's Rust side logs every quorum: a pipe
+    nobody reads while it runs would fill and stop it)."""
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, *map(str, args)], cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+                                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+                                start_new_session=True)
+    proc.log = log
+    return proc
+
+
+def finish(proc, timeout=120):
+    """The process's output, once it exited 0 within `timeout` seconds."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        pytest.fail(f"still running after {timeout} s: a group is waiting for ever")
+    output = open(proc.log).read()
+    assert proc.returncode == 0, output[-3000:]
+    return output
+
+
+def group(char_data, out, g, lighthouse, log, **extra):
+    keys = {**COMMON, "ft_replica_group": g, "ft_groups": 2, "ft_lighthouse": lighthouse, **extra}
+    return start([REPO / "train.py", *tiny_args(char_data, out, **keys)], log)
+
+
+def steps(out_dir):
+    return {r["iter"]: r for r in read_metrics(out_dir) if "loss" in r}
+
+
+def test_two_groups_train_like_two_rank_ddp(char_data, tmp_path):
+    """No failure: the lighthouse waits for both groups (min_replicas=2), every step averages
+    both, and the mean of the two groups' losses is DDP's loss at every step."""
+    lighthouse = Lighthouse(tmp_path / "lighthouse.log", min_replicas=2)
+    try:
+        groups = [group(char_data, tmp_path / "ft", g, lighthouse.address(), tmp_path / f"group{g}.log") for g in range(2)]
+        ddp = start(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", REPO / "train.py",
+                     *tiny_args(char_data, tmp_path / "ddp", **COMMON)], tmp_path / "ddp.log")
+        for proc in [*groups, ddp]:
+            finish(proc)
+    finally:
+        lighthouse.shutdown()
+    ref = steps(tmp_path / "ddp")
+    mine = [steps(tmp_path / "ft" / f"group{g}") for g in range(2)]
+    assert sorted(ref) == sorted(mine[0]) == sorted(mine[1]) == list(range(24))
+    assert all(m[i]["groups"] == 2 for m in mine for i in ref)
+    # float32; the groups average their gradients over gloo as DDP does, in another reduction order at most
+    assert max(abs((mine[0][i]["loss"] + mine[1][i]["loss"]) / 2 - ref[i]["loss"]) for i in ref) < 1e-5
+    a, b = (checkpoint.load(str(tmp_path / "ft" / f"group{g}" / "ckpt.pt"))["model"] for g in range(2))
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the replicas stay equal
+
+
+def test_a_killed_group_restarts_and_heals_to_the_survivors_weights(char_data, tmp_path):
+    """Group 1 is SIGKILLed once both groups step together, and started again at once: group 0
+    steps alone meanwhile (its start-up takes seconds), and the restarted group heals from it
+    (torchft logs it), so the two end with the same weights and optimizer state, bit for bit."""
+    lighthouse = Lighthouse(tmp_path / "lighthouse.log", min_replicas=1, join_timeout_ms=1000)
+    out = tmp_path / "ft"
+    extra = dict(max_iters=2000, lr_decay_iters=2000, eval_interval=1000, init_from="auto")
+    try:
+        survivor = group(char_data, out, 0, lighthouse.address(), tmp_path / "survivor.log", **extra)
+        victim = group(char_data, out, 1, lighthouse.address(), tmp_path / "victim.log", **extra)
+        deadline = time.monotonic() + 120
+        while not any(r.get("groups") == 2 for r in steps_or_empty(out / "group1").values()):
+            assert time.monotonic() < deadline and victim.poll() is None and survivor.poll() is None
+            time.sleep(0.05)
+        os.killpg(victim.pid, signal.SIGKILL)
+        victim.wait()
+        killed_at = max(steps_or_empty(out / "group0"))
+        restarted = group(char_data, out, 1, lighthouse.address(), tmp_path / "restarted.log", **extra)
+        output = finish(restarted)
+        finish(survivor)
+    finally:
+        lighthouse.shutdown()
+    alone = [i for i, r in steps(out / "group0").items() if i > killed_at and r["groups"] == 1]
+    assert alone, "the survivor did not step on alone"
+    assert "healing is required" in output  # torchft's log: the restarted group took the survivor's state
+    assert len(steps(out / "group1")) <= 2000 - len(alone) + 1  # it skipped the steps taken without it
+    a, b = (checkpoint.load(str(out / f"group{g}" / "ckpt.pt")) for g in range(2))
+    assert a["iter_num"] == b["iter_num"] == 2000
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert all(torch.equal(x, y) for k in a["optimizer"]["state"]
+               for x, y in zip(a["optimizer"]["state"][k].values(), b["optimizer"]["state"][k].values()))
+
+
+def steps_or_empty(out_dir):
+    try:
+        return steps(out_dir)
+    except (OSError, ValueError):
+        return {}
+
+
+def test_the_process_group_is_nccl_in_a_child_on_cuda_and_gloo_on_the_cpu():
+    from datetime import timedelta
+    from torchft.process_group import ProcessGroupBabyNCCL, ProcessGroupGloo
+
+    from gpt import replicas
+
+    with mock.patch.object(torch.cuda, "is_available", return_value=True):
+        pg = replicas.process_group("cuda", timedelta(seconds=5))
+    assert isinstance(pg, ProcessGroupBabyNCCL)
+    assert isinstance(replicas.process_group("cpu", timedelta(seconds=5)), ProcessGroupGloo)
+
+
+def test_replica_group_mistakes_are_one_line(char_data, tmp_path, monkeypatch):
+    from conftest import run_script
+
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    cases = {"no lighthouse is named": dict(gradient_accumulation_steps=2),
+             "make it a multiple of ft_groups=2": dict(gradient_accumulation_steps=3)}
+    for message, keys in cases.items():
+        result = run_script("train.py", *tiny_args(char_data, tmp_path / "out", ft_replica_group=0, **keys))
+        assert result.returncode != 0 and "Traceback" not in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr, result.stderr
+
+
+def test_without_torchft_training_runs_and_replica_groups_are_one_line(tmp_path):
+    # torchft's wheels are Linux x86-64 only: on a Mac train.py must import, and a replica group must say why not
+    script = "import runpy, sys; sys.modules['torchft'] = None; sys.argv[0] = 'train.py'; runpy.run_path('train.py', run_name='__main__')"
+    args = [sys.executable, "-c", script, "--dataset=none", "--ft_replica_group=0", "--ft_groups=2",
+            f"--out_dir={tmp_path / 'out'}", "--device=cpu"]
+    out = subprocess.run(args, capture_output=True, text=True, cwd=REPO)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines() == ["error: ft_replica_group needs torchft, which is not installed here (its wheels "
+                                               "are for Linux x86-64): pip install torchft on such a machine, or train "
+                                               "without --ft_replica_group"]
