@@ -113,3 +113,15 @@ def test_diloco_with_outer_lr_1_and_no_momentum_averages_the_weights(data, tmp_p
                 assert torch.equal(synced[0][k], reference[k]), k
             else:
                 torch.testing.assert_close(synced[0][k], reference[k], rtol=0, atol=1e-6)
+
+
+def test_sync_mistakes_are_one_line(data, tmp_path):
+    from conftest import run_script, tiny_args
+
+    cases = {"set --ft_replica_group too": dict(sync_every=4),
+             "outer_method='adam' is not one of 'diloco', 'localsgd'": dict(sync_every=4, ft_replica_group=0,
+                                                                           gradient_accumulation_steps=2, outer_method="adam")}
+    for message, keys in cases.items():
+        result = run_script("train.py", *tiny_args(data, tmp_path / "out", **keys))
+        assert result.returncode != 0 and "Traceback" not in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr, result.stderr
