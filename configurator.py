@@ -143,6 +143,11 @@ class TrainConfig:
     ft_groups: int = 2  # replica groups expected; gradient_accumulation_steps is summed over them, and group g draws slice g of the global batch
     ft_min_groups: int = 1  # a step commits only when at least this many groups take part
     ft_lighthouse: str = ""  # the torchft lighthouse's address, e.g. http://host:29510; '': the TORCHFT_LIGHTHOUSE environment variable
+    # DiLoCo / LocalSGD on the replica groups (torchft; docs/fault_tolerance.md)
+    sync_every: int = 0  # H: each group steps alone and the groups sync every H steps (outer_method); 0: gradients averaged every step
+    outer_method: str = "diloco"  # sync_every: 'diloco' (outer SGD on the averaged change of the weights since the last sync) or 'localsgd' (the weights averaged)
+    outer_lr: float = 0.7  # DiLoCo's outer learning rate
+    outer_momentum: float = 0.9  # DiLoCo's outer Nesterov momentum (0: plain SGD)
 
     def __post_init__(self):
         for key in ("block_size", "n_layer", "n_head", "n_embd", "gradient_accumulation_steps",
@@ -209,6 +214,9 @@ class TrainConfig:
                      f"replica groups share gradient_accumulation_steps={self.gradient_accumulation_steps}: make it a multiple "
                      f"of ft_groups={self.ft_groups}, with a fixed batch_size")
             _require(self.parallelism == "ddp", "ft_replica_group runs one process per group: use parallelism='ddp'")
+        _require(self.sync_every == 0 or (self.sync_every > 0 and self.ft_replica_group >= 0),
+                 f"sync_every={self.sync_every} syncs replica groups every that many steps: set --ft_replica_group too (0: every step)")
+        _require_choice("outer_method", self.outer_method, ("diloco", "localsgd"))
         _require(self.dist_timeout_s > 0, f"dist_timeout_s={self.dist_timeout_s} must be a positive number of seconds")
 
 

@@ -231,13 +231,14 @@ class Run:
                 f"{cfg.block_size} an epoch (~{len(self.batches.starts) // (cfg.batch_size * cfg.gradient_accumulation_steps):,} iterations)")
         else:  # data.eot: doc_mask on random windows
             self.batches = TrainBatches(data.train, cfg.batch_size, cfg.block_size, cfg.seed, data_rt, data.eot)
-        self.iter_num, self.best_val_loss, wandb_run_id = 0, float("inf"), None
+        self.iter_num, self.best_val_loss, wandb_run_id, outer = 0, float("inf"), None, None
         if state is not None:
             checkpoint.restore_rng(state, self.batches, rt)
             self.iter_num, self.best_val_loss, wandb_run_id = state["iter_num"], state["best_val_loss"], state.get("wandb_run_id")
+            outer = state.get("outer")  # DiLoCo's outer optimizer and last-sync weights (sync_every)
             del state  # free the host copy of the weights
         # torchft's wrappers around train_model and the optimizer; a restarted group heals from a live one
-        self.ft = replicas.join(cfg, rt, self) if cfg.ft_replica_group >= 0 else None
+        self.ft = replicas.join(cfg, rt, self, outer) if cfg.ft_replica_group >= 0 else None
         self.resumed_at = self.iter_num if cfg.init_from == "resume" else None  # no eval or save again at this iter
         offsets = lambda d, seed: chat_eval_offsets(d, cfg.eval_iters, cfg.batch_size, seed) if self.chat \
             else eval_offsets(d, cfg.eval_iters, cfg.batch_size, cfg.block_size, seed)
@@ -262,7 +263,8 @@ class Run:
         """A checkpoint of this step (the keep_last history, ckpt_best when best), written now or in the background."""
         info = {"model_args": self.model_args, "config": as_dict(self.cfg), "tokenizer": self.data.tok_spec,
                 "iter_num": self.iter_num, "best_val_loss": self.best_val_loss,
-                "wandb_run_id": self.metrics.wandb_run_id if self.rt.master else None}
+                "wandb_run_id": self.metrics.wandb_run_id if self.rt.master else None,
+                **({"outer": self.ft.outer_state()} if self.ft is not None and self.cfg.sync_every else {})}
         self.saver.save(self.raw_model, self.optimizer, self.scaler, uses_fsdp(self.cfg, self.rt), info, self.batches, best)
 
     def check_bad_steps(self):
@@ -445,7 +447,7 @@ def log_step(run, result, lr):
     mfu = runtime.mfu(run.flops_per_iter, dt, run.peak, rt.world_size) if warm else None
     # replica groups: only the groups that took part in the step trained tokens (the loss is this group's)
     tokens = run.tokens_per_iter * (run.ft.participants / run.groups if run.ft else 1)
-    groups = f", {run.ft.participants}/{run.groups} groups" if run.ft else ""
+    groups = f", {run.ft.participants}/{run.groups} groups, sync {run.ft.sent():,} B" if run.ft else ""
     if rt.master:
         eta = format_duration(dt * (cfg.max_iters - run.iter_num - 1))
         mfu_text = f"{mfu:.1%}" if mfu is not None else "n/a"
@@ -454,7 +456,7 @@ def log_step(run, result, lr):
               f"{run.flops_per_iter / dt / 1e12 / rt.world_size:.3g} TFLOPS/device, mfu {mfu_text}, eta {eta}")
         run.metrics.write({"iter": run.iter_num, "loss": loss_value, "lr": lr, "grad_norm": norm_value, "clipped": clipped,
                            "dt_ms": dt * 1000, "tokens_per_s": tokens / dt, "mfu": mfu,
-                           **({"groups": run.ft.participants} if run.ft else {}),
+                           **({"groups": run.ft.participants, "sync_bytes": run.ft.sent()} if run.ft else {}),
                            **({"trained_tokens": run.batches.step_tokens} if run.chat else {})})
 
 

@@ -12,6 +12,12 @@ rank and world size the batches are drawn with: group g of R takes slice g of th
 as DDP's rank g would), join (wraps the model in torchft's DistributedDataParallel and the
 optimizer in its OptimizerWrapper, and starts the first quorum), and Replicas.step_done (the
 step count after a step: the Manager's, which jumps forward when this group healed).
+
+With sync_every=H > 0 the groups do not average gradients: each steps its own optimizer, and
+every H steps torchft's DiLoCo (an outer SGD step, Nesterov momentum, on the averaged change of
+the weights since the last sync) or LocalSGD (the weights averaged) syncs them over the Manager.
+The outer state (DiLoCo's outer optimizer and the weights of the last sync) goes into the
+checkpoint (outer_state), so a resume between syncs continues exactly.
 """
 
 import copy
@@ -28,12 +34,13 @@ from configurator import UserError
 
 try:
     from torchft.ddp import DistributedDataParallel
+    from torchft.local_sgd import DiLoCo, LocalSGD
     from torchft.manager import Manager
     from torchft.optim import OptimizerWrapper
     from torchft.process_group import ProcessGroupBabyNCCL, ProcessGroupGloo
 except ImportError:  # torchft has wheels for Linux x86-64 only: elsewhere train.py runs, and replica groups are refused
     DistributedDataParallel = OptimizerWrapper = object
-    Manager = None
+    Manager = DiLoCo = LocalSGD = None
 
 
 def group_out_dir(cfg):
@@ -55,6 +62,17 @@ def process_group(device_type, timeout):
     """torchft's reconfigurable process group between the groups: NCCL in a child process (which
     it can kill when a peer dies mid-collective) on GPUs, gloo on the CPU."""
     return ProcessGroupBabyNCCL(timeout=timeout) if device_type == "cuda" else ProcessGroupGloo(timeout=timeout)
+
+
+class _Manager(Manager or object):
+    """torchft's Manager, counting the bytes this group all-reduces (sent): the gradients of an
+    every-step run, the weights or pseudo-gradients of a sync."""
+
+    sent = 0
+
+    def allreduce(self, tensor, *args, **kwargs):
+        self.sent += tensor.nbytes
+        return super().allreduce(tensor, *args, **kwargs)
 
 
 class _DDP(DistributedDataParallel):
@@ -93,6 +111,50 @@ class _Optimizer(OptimizerWrapper):
         self.replicas.snapshot()
 
 
+class _Local:
+    """The run's optimizer (a torch optimizer, or optim.Optimizers around several) with the step
+    hooks torchft's DiLoCo and LocalSGD register: they count the steps and sync after every H-th."""
+
+    def __init__(self, inner):
+        self.optim, self.pre, self.post = inner, [], []
+
+    @property
+    def param_groups(self):
+        return self.optim.param_groups
+
+    def register_step_pre_hook(self, hook):
+        self.pre.append(hook)
+        return _Hook(self.pre, hook)
+
+    def register_step_post_hook(self, hook):
+        self.post.append(hook)
+        return _Hook(self.post, hook)
+
+    def step(self, closure=None):
+        for hook in self.pre:
+            hook(self, (), {})
+        self.optim.step()
+        for hook in self.post:
+            hook(self, (), {})
+
+    def zero_grad(self, set_to_none=True):
+        self.optim.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        return self.optim.state_dict()
+
+    def load_state_dict(self, state):
+        self.optim.load_state_dict(state)
+
+
+class _Hook:
+    def __init__(self, hooks, hook):
+        self.hooks, self.hook = hooks, hook
+
+    def remove(self):
+        self.hooks.remove(self.hook)
+
+
 class Replicas:
     """This group's Manager and what it sends a healing peer: weights, optimizer state, the data
     generator's state for the next step, and best_val_loss (the step is the Manager's own)."""
@@ -104,13 +166,17 @@ class Replicas:
         # the group's own store (one process per group): the Manager's and, when this group is
         # the quorum's first, the one the groups meet at to connect their process group
         self.store = TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
-        self.manager = Manager(pg=process_group(rt.device_type, timeout), load_state_dict=self.load_state_dict,
+        self.sync_every, self.sync = cfg.sync_every, None
+        self.manager = _Manager(pg=process_group(rt.device_type, timeout), load_state_dict=self.load_state_dict,
                                state_dict=self.state_dict, min_replica_size=cfg.ft_min_groups, timeout=timeout,
                                quorum_timeout=timeout, connect_timeout=timeout, rank=0, world_size=1,
                                store_addr=socket.gethostname(), store_port=self.store.port, lighthouse_addr=lighthouse,
-                               replica_id=f"group{cfg.ft_replica_group}", init_sync=False)
-        # the groups start from the same seed, so their initial weights are already equal (init_sync=False)
-        self.manager.load_state_dict({"step": run.iter_num, "batches_committed": 0})
+                               replica_id=f"group{cfg.ft_replica_group}", init_sync=False,
+                               use_async_quorum=not self.sync_every)  # DiLoCo needs the quorum at the sync
+        # the groups start from the same seed, so their initial weights are already equal (init_sync=False);
+        # the Manager counts the steps that committed: every step, or every sync
+        commits = run.iter_num // self.sync_every if self.sync_every else run.iter_num
+        self.manager.load_state_dict({"step": commits, "batches_committed": 0})
         self.snapshot()
 
     def snapshot(self):
@@ -138,16 +204,56 @@ class Replicas:
         self.healed = True
 
     def step_done(self):
-        """The step count after a step: one more when it committed, the peer's when this group healed."""
+        """The step count after a step: one more when it committed, the peer's when this group
+        healed; with sync_every, one more. The bytes sent count from here for the next step."""
+        self.manager.sent = 0
+        if self.sync_every:
+            if self.sync._local_step == 0:  # this step synced: the groups in its quorum
+                self.participants = self.manager.num_participants()
+            return self.run.iter_num + 1
         return self.manager.current_step()
+
+    def sent(self):
+        """Bytes this group all-reduced in the step just taken."""
+        return self.manager.sent
+
+    def start_sync(self, cfg, outer):
+        """torchft's DiLoCo or LocalSGD around the run's optimizer, at the step of the run (the
+        checkpoint's outer state, from outer_state, when it resumed between syncs)."""
+        run = self.run
+        run.optimizer = _Local(run.optimizer)
+        if cfg.outer_method == "diloco":
+            self.outer = torch.optim.SGD(run.raw_model.parameters(), lr=cfg.outer_lr, momentum=cfg.outer_momentum,
+                                         nesterov=cfg.outer_momentum > 0)
+            self.sync = DiLoCo(self.manager, [run.raw_model], run.optimizer, self.outer, sync_every=cfg.sync_every)
+        else:
+            self.sync = LocalSGD(self.manager, run.raw_model, run.optimizer, sync_every=cfg.sync_every)
+        self.sync.__enter__()  # registers its step hooks on the optimizer
+        self.sync._local_step = run.iter_num % cfg.sync_every  # steps since the last sync
+        self.participants = cfg.ft_groups
+        if outer is not None and cfg.outer_method == "diloco":
+            outer = copy.deepcopy(outer)  # the checkpoint's tensors may be memory-mapped
+            self.outer.load_state_dict(outer["optimizer"])
+            last = self.sync._fragments[0].original_parameters  # the weights of the last sync
+            for name, p in outer["last_sync"].items():
+                last[name].copy_(p)
+
+    def outer_state(self):
+        """What a checkpoint holds beside the weights and inner optimizer: DiLoCo's outer
+        optimizer and the weights of the last sync (LocalSGD has none)."""
+        if self.sync is None or not isinstance(self.sync, DiLoCo):
+            return None
+        last = self.sync._fragments[0].original_parameters
+        return {"optimizer": self.outer.state_dict(), "last_sync": {k: v.clone() for k, v in last.items()}}
 
     def shutdown(self):
         self.manager.shutdown(wait=False)
 
 
-def join(cfg, rt, run):
+def join(cfg, rt, run, outer=None):
     """Join the replica groups: run.train_model and run.optimizer become torchft's wrappers, and
-    the first quorum is started (the wrapper's zero_grad). Returns the Replicas."""
+    the first quorum is started (the wrapper's zero_grad). With sync_every, the optimizer steps
+    alone and DiLoCo or LocalSGD syncs (outer: the checkpoint's outer_state). Returns the Replicas."""
     lighthouse = cfg.ft_lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
     if not lighthouse:
         raise UserError("ft_replica_group is set but no lighthouse is named: start torchft_lighthouse and pass "
@@ -156,6 +262,9 @@ def join(cfg, rt, run):
         raise UserError("a replica group is one process here: start each group with python train.py "
                         "(not torchrun --nproc_per_node>1)")
     replicas = Replicas(cfg, rt, run, lighthouse)
+    if cfg.sync_every:
+        replicas.start_sync(cfg, outer)
+        return replicas
     run.train_model = _DDP(replicas.manager, run.train_model)
     run.optimizer = _Optimizer(replicas.manager, run.optimizer, replicas)
     run.optimizer.zero_grad()

@@ -30,8 +30,9 @@ ATEN_BACKEND = "aot_eager_decomp_partition"
 # test_watch.py joined them (2026-11-25: about 50 s in one process: a torchrun launch, watcher processes),
 # test_compare.py (2026-11-25: about 35 s of CPU in one process: ~50 tiny train.py runs, two of them processes),
 # test_levers.py (2026-11-25: about 55 s alone on one core: a torchrun launch, compiles, gradchecks)
-# and test_replicas.py (2026-11-25: about 80 s alone on the shared 2-core machine: replica groups and a torchrun launch).
-LONGEST_FIRST = ["test_serve.py", "test_replicas.py", "test_dist.py", "test_watch.py", "test_levers.py", "test_compile.py",
+# and test_replicas.py (2026-11-25: about 80 s alone on the shared 2-core machine: replica groups and a torchrun launch),
+# test_diloco.py (2026-11-25: about 70 s alone on the shared 2-core machine: 6 pairs of replica groups).
+LONGEST_FIRST = ["test_serve.py", "test_replicas.py", "test_diloco.py", "test_dist.py", "test_watch.py", "test_levers.py", "test_compile.py",
                  "test_checkpoint_format.py", "test_compare.py", "test_bench.py", "test_fsdp.py"]
 
 

@@ -17,6 +17,7 @@ import torch
 from conftest import REPO, read_metrics, tiny_args
 
 from gpt import checkpoint
+from model import GPT, GPTConfig
 
 torchft = pytest.importorskip("torchft")
 
@@ -95,6 +96,10 @@ def test_two_groups_train_like_two_rank_ddp(char_data, tmp_path):
     mine = [steps(tmp_path / "ft" / f"group{g}") for g in range(2)]
     assert sorted(ref) == sorted(mine[0]) == sorted(mine[1]) == list(range(24))
     assert all(m[i]["groups"] == 2 for m in mine for i in ref)
+    # every step all-reduces the gradients: one float32 per parameter (test_diloco: once every sync_every steps)
+    model_args = checkpoint.load(str(tmp_path / "ft" / "group0" / "ckpt.pt"))["model_args"]
+    size = sum(p.nbytes for p in GPT(GPTConfig(**model_args)).parameters())
+    assert all(m[i]["sync_bytes"] == size for m in mine for i in ref)
     # float32; the groups average their gradients over gloo as DDP does, in another reduction order at most
     assert max(abs((mine[0][i]["loss"] + mine[1][i]["loss"]) / 2 - ref[i]["loss"]) for i in ref) < 1e-5
     a, b = (checkpoint.load(str(tmp_path / "ft" / f"group{g}" / "ckpt.pt"))["model"] for g in range(2))

@@ -1,0 +1,127 @@
+"""DiLoCo and LocalSGD on the replica groups (gpt/replicas.py, sync_every): two groups of one
+process each step alone and sync every H steps through torchft's DiLoCo or LocalSGD. Checked
+against the groups' own weights: equal after every sync, apart between; with outer_lr=1 and no
+momentum DiLoCo is the average of the weights the groups reached alone; the bytes sent are the
+parameters' once every H steps; a resume between syncs goes on bit for bit."""
+
+import pytest
+import torch
+
+from conftest import load_script, make_text, read_metrics
+from test_replicas import Lighthouse, finish, group, steps
+
+from gpt import checkpoint
+from model import GPT, GPTConfig
+
+torchft = pytest.importorskip("torchft")
+
+H = 4
+RUN = dict(max_iters=12, lr_decay_iters=12, eval_interval=2, keep_last=10, gradient_accumulation_steps=2,
+           dist_timeout_s=60, sync_every=H)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    data_dir = tmp_path_factory.mktemp("chars")
+    load_script("data/shakespeare_char/prepare.py").prepare(make_text(), str(data_dir))
+    return data_dir
+
+
+def pairs(data, root, runs):
+    """Each run in `runs` (name -> train.py keys) as two groups meeting at a lighthouse of their
+    own, all started at once; returns root/name for each."""
+    started = []
+    for name, keys in runs.items():
+        lighthouse = Lighthouse(root / f"{name}-lighthouse.log", min_replicas=2)
+        procs = [group(data, root / name, g, lighthouse.address(), root / f"{name}-group{g}.log", **keys) for g in range(2)]
+        started.append((lighthouse, procs))
+    try:
+        for _, procs in started:
+            for proc in procs:
+                finish(proc)
+    finally:
+        for lighthouse, _ in started:
+            lighthouse.shutdown()
+    return {name: root / name for name in runs}
+
+
+def weights(out, g, it):
+    return checkpoint.load(str(out / f"group{g}" / f"ckpt_{it:07d}.pt"))["model"]
+
+
+def equal(a, b):
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def diloco(data, tmp_path_factory):
+    """Two groups, DiLoCo every H=4 steps (outer_lr 0.7, Nesterov 0.9), 12 steps; the same run
+    stopped at step 6 (between two syncs) and resumed to 12."""
+    root = tmp_path_factory.mktemp("diloco")
+    out = pairs(data, root, {"whole": RUN, "stopped": {**RUN, "max_iters": 6}})
+    pairs(data, root, {"stopped": {**RUN, "init_from": "resume"}})
+    return out
+
+
+def parameter_bytes(out):
+    model_args = checkpoint.load(str(out / "group0" / "ckpt.pt"))["model_args"]
+    return sum(p.nbytes for p in GPT(GPTConfig(**model_args)).parameters())
+
+
+def test_the_groups_are_equal_after_each_sync_and_apart_between(diloco):
+    out = diloco["whole"]
+    for it in range(2, 13, 2):
+        assert equal(weights(out, 0, it), weights(out, 1, it)) == (it % H == 0), it
+
+
+def test_a_sync_sends_the_parameters_once_every_h_steps(diloco):
+    records = [steps(diloco["whole"] / f"group{g}") for g in range(2)]
+    size = parameter_bytes(diloco["whole"])
+    for r in records:
+        assert [r[i]["sync_bytes"] for i in range(12)] == [size if (i + 1) % H == 0 else 0 for i in range(12)]
+        # every-step averaging (test_replicas) sends `size` each step: H times as many bytes
+        assert sum(r[i]["sync_bytes"] for i in range(12)) / 12 == size / H
+
+
+def test_a_resume_between_syncs_goes_on_bit_for_bit(diloco):
+    for g in range(2):
+        whole, resumed = (steps(diloco[name] / f"group{g}") for name in ("whole", "stopped"))
+        assert sorted(resumed) == sorted(whole) == list(range(12))
+        assert [resumed[i]["loss"] for i in range(6, 12)] == [whole[i]["loss"] for i in range(6, 12)]
+        assert equal(weights(diloco["whole"], g, 12), weights(diloco["stopped"], g, 12))
+        vals = [{r["iter"]: r["val_loss"] for r in read_metrics(diloco[name] / f"group{g}") if "val_loss" in r}
+                for name in ("whole", "stopped")]
+        assert vals[0][12] == vals[1][12]
+
+
+def test_diloco_with_outer_lr_1_and_no_momentum_averages_the_weights(data, tmp_path):
+    """The reference: the weights each group reached alone after H steps (a run whose sync never
+    comes), averaged. LocalSGD is that average bit for bit; DiLoCo (lr 1, no momentum) takes
+    last - mean(last - w_g), the same up to rounding."""
+    four = dict(RUN, max_iters=H, lr_decay_iters=12, eval_interval=H)
+    out = pairs(data, tmp_path, {"alone": {**four, "sync_every": 100},
+                                 "localsgd": {**four, "outer_method": "localsgd"},
+                                 "diloco": {**four, "outer_lr": 1.0, "outer_momentum": 0.0}})
+    alone = [weights(out["alone"], g, H) for g in range(2)]
+    assert not equal(*alone)
+    reference = {k: (alone[0][k] + alone[1][k]) / 2 for k in alone[0]}
+    for method in ("localsgd", "diloco"):
+        synced = [weights(out[method], g, H) for g in range(2)]
+        assert equal(*synced)
+        for k in reference:
+            if method == "localsgd":
+                assert torch.equal(synced[0][k], reference[k]), k
+            else:
+                torch.testing.assert_close(synced[0][k], reference[k], rtol=0, atol=1e-6)
+
+
+def test_sync_mistakes_are_one_line(data, tmp_path):
+    from conftest import run_script, tiny_args
+
+    cases = {"set --ft_replica_group too": dict(sync_every=4),
+             "outer_method='adam' is not one of 'diloco', 'localsgd'": dict(sync_every=4, ft_replica_group=0,
+                                                                           gradient_accumulation_steps=2, outer_method="adam")}
+    for message, keys in cases.items():
+        result = run_script("train.py", *tiny_args(data, tmp_path / "out", **keys))
+        assert result.returncode != 0 and "Traceback" not in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr, result.stderr
