@@ -376,7 +376,26 @@ class GPT(nn.Module):
             x = x + self.transformer.wpe(pos)
         else:  # (1, T, hs/2) or (B, 1, T, hs/2) each: broadcast over the heads
             rope = (self.rope_cos[pos].unsqueeze(-3), self.rope_sin[pos].unsqueeze(-3))
-        x = self.blocks(self.transformer.drop(x), idx, rope, cache, mask)
+        # the blocks, in forward itself: under FSDP2 dynamo leaves this frame eager and compiles each
+        # block's own; a helper method here would be one more frame, broken at every block's hooks.
+        # value_embeds: each table's rows for these tokens go to its layer's attention. unet_skips:
+        # the first half's outputs are kept, and the second half takes them back in mirror order
+        # (block n-1-i block i's output), so late blocks see early features without their having to
+        # survive the blocks in between; a cached step skips within its new tokens
+        x, n, skips = self.transformer.drop(x), self.config.n_layer, []
+        ves = self.transformer["ve"] if "ve" in self.transformer else {}
+        for i, block in enumerate(self.transformer.h):
+            if self.config.unet_skips and i >= n - n // 2:
+                x = x + self.skip_weights[n - 1 - i] * skips.pop()
+            ve = ves[str(i)](idx) if str(i) in ves else None  # (B, T, n_kv*hs)
+            if cache is not None:
+                x = block(x, rope, cache.layer(i), ve=ve)
+            elif self.activation_checkpointing and self.training:
+                x = checkpoint(block, x, rope, None, mask, ve, use_reentrant=False)  # dropout masks replay exactly
+            else:
+                x = block(x, rope, None, mask, ve)
+            if self.config.unet_skips and i < n // 2:
+                skips.append(x)
         x = self.transformer.ln_f(x)
         if torch.is_tensor(logits_at):
             x = x.flatten(0, 1).index_select(0, logits_at)  # (N, C)
@@ -391,28 +410,6 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1,
                                    reduction=reduction)
         return logits, loss
-
-    def blocks(self, x, idx, rope, cache, mask):
-        """The residual stream x (B, T, C) through the blocks; mask: the documents' (or None).
-        value_embeds: each table's rows for the tokens idx (B, T) go to its layer's attention.
-        unet_skips: the first half's outputs are kept, and the second half takes them back in
-        mirror order (block n-1-i block i's output, the last block the first's), so late blocks
-        see early features without their having to survive the blocks in between. Per forward
-        pass: a cached step skips within its new tokens."""
-        n, ves, skips = self.config.n_layer, self.transformer["ve"] if "ve" in self.transformer else {}, []
-        for i, block in enumerate(self.transformer.h):
-            if self.config.unet_skips and i >= n - n // 2:
-                x = x + self.skip_weights[n - 1 - i] * skips.pop()
-            ve = ves[str(i)](idx) if str(i) in ves else None  # (B, T, n_kv*hs)
-            if cache is not None:
-                x = block(x, rope, cache.layer(i), ve=ve)
-            elif self.activation_checkpointing and self.training:
-                x = checkpoint(block, x, rope, None, mask, ve, use_reentrant=False)  # dropout masks replay exactly
-            else:
-                x = block(x, rope, None, mask, ve)
-            if self.config.unet_skips and i < n // 2:
-                skips.append(x)
-        return x
 
     def crop_block_size(self, block_size):
         """Shorten the context (e.g. to finetune a 1024-token model on 256-token blocks)."""

@@ -3,6 +3,7 @@
 torchrun. No GPU runs here; tests/test_gpu.py is for that."""
 
 import dataclasses
+import datetime
 import shutil
 import subprocess
 import sys
@@ -64,7 +65,8 @@ def test_torchrun_rank_takes_the_gpu_of_its_local_rank(two_gpus, monkeypatch, de
     rt = runtime.setup(device, "auto")
     assert (rt.device, rt.rank, rt.local_rank, rt.world_size, rt.master) == ("cuda:1", 3, 1, 4, False)
     assert two_gpus["set_device"] == [1]
-    assert two_gpus["init_process_group"] == [{"backend": "nccl"}]
+    # every collective bounded: a rank whose peer died fails after dist_timeout_s, and torchrun can restart it
+    assert two_gpus["init_process_group"] == [{"backend": "nccl", "timeout": datetime.timedelta(seconds=600)}]
 
 
 def test_more_ranks_than_gpus_is_one_line(two_gpus, monkeypatch):
@@ -269,15 +271,17 @@ def test_the_stop_flag_of_gpu_ranks_travels_over_gloo(monkeypatch):
     """NCCL carries the gradients; the per-step stop flag goes over a gloo group of its own, made
     once, so ranks wait for each other's hosts, never for their GPUs."""
     groups, reduced = [], []
-    monkeypatch.setattr(torch.distributed, "new_group", lambda backend: groups.append(backend) or "gloo-group")
+    monkeypatch.setattr(torch.distributed, "new_group", lambda backend, timeout: groups.append((backend, timeout)) or "gloo-group")
     monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, op, group: reduced.append((t.device.type, group)))
-    rt = runtime.Runtime("cuda:1", "cuda", torch.bfloat16, rank=1, local_rank=1, world_size=2)
+    rt = runtime.Runtime("cuda:1", "cuda", torch.bfloat16, rank=1, local_rank=1, world_size=2,
+                         timeout=datetime.timedelta(seconds=42))
     stop = runtime.StopRequest()
     try:
         assert stop.check(rt) is False and stop.check(rt) is False
     finally:
         stop.restore()
-    assert groups == ["gloo"] and reduced == [("cpu", "gloo-group")] * 2
+    assert groups == [("gloo", datetime.timedelta(seconds=42))]  # the run's dist_timeout_s, not gloo's 30 minutes
+    assert reduced == [("cpu", "gloo-group")] * 2
 
 
 def test_ddp_on_gpus_holds_the_gpu_of_the_local_rank(monkeypatch):
