@@ -66,7 +66,7 @@ def main():
     ratios = []
     for seed in args.seeds.split(","):
         nano_wall, _, nano_val = race(NANOGPT_CPU + [f"--out_dir=out-race-{seed}"], args.nanogpt, args.target)
-        ours = [args.config, f"--seed={seed}", f"--out_dir=out-race-{seed}", "--overwrite=True"]
+        ours = ["train.py", args.config, f"--seed={seed}", f"--out_dir=out-race-{seed}", "--overwrite=True"]
         wall, first, val = race(ours, HERE, args.target)
         reached = f"{first[0]}, {first[1]:.1f}" if first else "never"
         ratio = first[1] / nano_wall if first else float("nan")
