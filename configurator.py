@@ -139,7 +139,7 @@ class TrainConfig:
     peak_flops: float = 0.0  # the device's dense peak FLOP/s for MFU (e.g. 989e12); 0: look it up by GPU name
     attention: str = "auto"  # SDPA kernel: 'auto' (PyTorch's choice), 'flash', 'cudnn', 'efficient' or 'math'
     # fault-tolerant replica groups (torchft; docs/fault_tolerance.md)
-    ft_replica_group: int = -1  # this process's replica group, 0..ft_groups-1; -1: off. Each group is one process, writing out_dir/group<g>
+    ft_replica_group: int = -1  # this process's replica group, 0..ft_groups-1; -1: off. A group is one process or a torchrun job (DDP inside), writing out_dir/group<g>
     ft_groups: int = 2  # replica groups expected; gradient_accumulation_steps is summed over them, and group g draws slice g of the global batch
     ft_min_groups: int = 1  # a step commits only when at least this many groups take part
     ft_lighthouse: str = ""  # the torchft lighthouse's address, e.g. http://host:29510; '': the TORCHFT_LIGHTHOUSE environment variable
@@ -213,7 +213,7 @@ class TrainConfig:
             _require(self.batch_size != "auto" and self.gradient_accumulation_steps % self.ft_groups == 0,
                      f"replica groups share gradient_accumulation_steps={self.gradient_accumulation_steps}: make it a multiple "
                      f"of ft_groups={self.ft_groups}, with a fixed batch_size")
-            _require(self.parallelism == "ddp", "ft_replica_group runs one process per group: use parallelism='ddp'")
+            _require(self.parallelism == "ddp", "a replica group runs DDP inside (FSDP2 is not built for replica groups here): use parallelism='ddp'")
         _require(self.sync_every == 0 or (self.sync_every > 0 and self.ft_replica_group >= 0),
                  f"sync_every={self.sync_every} syncs replica groups every that many steps: set --ft_replica_group too (0: every step)")
         _require_choice("outer_method", self.outer_method, ("diloco", "localsgd"))

@@ -1,15 +1,20 @@
-"""Fault-tolerant replica groups (torchft): R copies of the run, each one process, that average
-their gradients every step through torchft's Manager. A group that dies costs the others one
-failed step; they go on without it, and when it comes back it copies the live weights, optimizer
+"""Fault-tolerant replica groups (torchft): R copies of the run, each one process or a torchrun
+job (DDP inside), that average their gradients every step through torchft's Manager. A group
+that dies costs the others one failed step; they go on without it, and when it comes back it copies the live weights, optimizer
 state, data position and step from a peer (healing) instead of reading a checkpoint.
 
     torchft_lighthouse --min_replicas=1 --join_timeout_ms=10000 &
     TORCHFT_LIGHTHOUSE=http://localhost:29510 python train.py ... --ft_replica_group=0 --ft_groups=2 --init_from=auto
     TORCHFT_LIGHTHOUSE=http://localhost:29510 python train.py ... --ft_replica_group=1 --ft_groups=2 --init_from=auto
 
+A group of W ranks is started with torchrun --nproc_per_node=W train.py ... --ft_replica_group=g.
+Its rank r averages the gradients with its own group's ranks (torchrun's process group), then
+with rank r of every other group (torchft's), so each step averages them over all R x W ranks as
+one R x W-rank DDP job would; healing, rank r copies rank r of a live group.
+
 What train.py calls: group_out_dir (each group writes its own out_dir/group<g>), data_view (the
-rank and world size the batches are drawn with: group g of R takes slice g of the global batch,
-as DDP's rank g would), join (wraps the model in torchft's DistributedDataParallel and the
+rank and world size the batches are drawn with: rank r of group g takes slice g x W + r of the
+global batch, as DDP's rank g x W + r would), join (wraps the model in torchft's DistributedDataParallel and the
 optimizer in its OptimizerWrapper, and starts the first quorum), and Replicas.step_done (the
 step count after a step: the Manager's, which jumps forward when this group healed).
 
@@ -27,6 +32,7 @@ from dataclasses import replace
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 from torch.distributed import TCPStore
 
 from gpt import optim
@@ -54,8 +60,9 @@ def group_out_dir(cfg):
 
 
 def data_view(cfg, rt):
-    """The Runtime the training batches are drawn with: group g of R is rank g of R."""
-    return replace(rt, rank=cfg.ft_replica_group, world_size=cfg.ft_groups)
+    """The Runtime the training batches are drawn with: rank r of group g (W ranks a group, R
+    groups) is rank g x W + r of R x W."""
+    return replace(rt, rank=cfg.ft_replica_group * rt.world_size + rt.rank, world_size=cfg.ft_groups * rt.world_size)
 
 
 def process_group(device_type, timeout):
@@ -77,13 +84,18 @@ class _Manager(Manager or object):
 
 class _DDP(DistributedDataParallel):
     """torchft's DistributedDataParallel (gradients averaged over the groups in the quorum by the
-    Manager), with a communication hook that survives a failed all-reduce: torchft 0.2's asserts
-    on the placeholder the Manager returns once a peer died. The bucket is then left as it is;
-    the step does not commit, so its gradients are never used."""
+    Manager), averaged first over the group's own ranks when it is a torchrun job, with a
+    communication hook that survives a failed all-reduce: torchft 0.2's asserts on the
+    placeholder the Manager returns once a peer died. The bucket is then left as it is; the step
+    does not commit, so its gradients are never used."""
 
     @staticmethod
     def _comm_hook(manager, bucket):
-        manager.allreduce(bucket.buffer()).wait()  # in place: summed, divided by the participants
+        buffer = bucket.buffer()
+        if dist.is_initialized():  # the group's own ranks; one that dies takes its group down, and torchrun restarts it
+            dist.all_reduce(buffer)
+            buffer /= dist.get_world_size()
+        manager.allreduce(buffer).wait()  # in place: summed over the groups, divided by the participants
         done = torch.futures.Future()
         done.set_result(bucket.buffer())
         return done
@@ -163,14 +175,17 @@ class Replicas:
         self.cfg, self.run, self.healed, self.data_state = cfg, run, False, None
         self.participants = 0  # groups whose gradients the last step averaged (0: it did not commit)
         timeout = timedelta(seconds=cfg.dist_timeout_s)
-        # the group's own store (one process per group): the Manager's and, when this group is
-        # the quorum's first, the one the groups meet at to connect their process group
-        self.store = TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
-        self.sync_every, self.sync = cfg.sync_every, None
+        # the group's own store, on its rank 0: the Manager's and, when this group is the quorum's
+        # first, the one the groups meet at to connect their process group
+        self.store = TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False) if rt.master else None
+        where = [socket.gethostname(), self.store.port if rt.master else 0]
+        if rt.ddp:  # a torchrun group: its other ranks connect to rank 0's store
+            dist.broadcast_object_list(where, src=0)
+        self.sync_every, self.sync, self.ranks = cfg.sync_every, None, rt.world_size
         self.manager = _Manager(pg=process_group(rt.device_type, timeout), load_state_dict=self.load_state_dict,
                                state_dict=self.state_dict, min_replica_size=cfg.ft_min_groups, timeout=timeout,
-                               quorum_timeout=timeout, connect_timeout=timeout, rank=0, world_size=1,
-                               store_addr=socket.gethostname(), store_port=self.store.port, lighthouse_addr=lighthouse,
+                               quorum_timeout=timeout, connect_timeout=timeout, rank=rt.rank, world_size=rt.world_size,
+                               store_addr=where[0], store_port=where[1], lighthouse_addr=lighthouse,
                                replica_id=f"group{cfg.ft_replica_group}", init_sync=False,
                                use_async_quorum=not self.sync_every)  # DiLoCo needs the quorum at the sync
         # the groups start from the same seed, so their initial weights are already equal (init_sync=False);
@@ -186,36 +201,48 @@ class Replicas:
     def state_dict(self):
         """Copies, taken at the start of the step (torchft calls this in its quorum, before this
         group's all-reduce): the peer fetches them later, while this group may already be updating
-        its own weights in place."""
+        its own weights in place. With sync_every the quorum is the sync's, after this step's
+        inner update: the data position is then the next step's."""
         run = self.run
+        batches = dict(run.batches.rng.bit_generator.state) if self.sync_every else self.data_state
         return copy.deepcopy({"model": run.raw_model.state_dict(), "optimizer": run.optimizer.optim.state_dict(),
-                              "batches": self.data_state, "best_val_loss": run.best_val_loss})
+                              "batches": batches, "best_val_loss": run.best_val_loss, "iter_num": run.iter_num})
 
     def load_state_dict(self, state):
-        """Healing, inside should_commit of the step the peer is at: this step commits the peer's
-        averaged gradient on the peer's weights, and the next draws the peer's next batch."""
+        """Healing. Every step: inside should_commit of the step the peer is at; this step commits
+        the peer's averaged gradient on the peer's weights, and the next draws the peer's next
+        batch. With sync_every: at the sync's quorum, where torchft's DiLoCo adds its own state
+        (the outer optimizer, the weights of the last sync); this group then syncs as the peer
+        does and goes on from the peer's step, whatever step it restarted from."""
         run = self.run
         run.raw_model.load_state_dict(state["model"])
         run.optimizer.optim.load_state_dict(state["optimizer"])
         run.batches.rng.bit_generator.state = state["batches"]
-        for _ in range(run.accum_steps):  # past this step's batches, which the peer drew already
-            run.batches()
+        if self.sync_every:
+            self.healed_at = state["iter_num"]  # the peer's step: step_done goes on from it
+        else:
+            for _ in range(run.accum_steps):  # past this step's batches, which the peer drew already
+                run.batches()
         run.best_val_loss = state["best_val_loss"]
         self.healed = True
 
     def step_done(self):
         """The step count after a step: one more when it committed, the peer's when this group
-        healed; with sync_every, one more. The bytes sent count from here for the next step."""
+        healed; with sync_every, one more than this step's, or than the peer's when this group
+        healed at this step's sync. The bytes sent count from here for the next step."""
         self.manager.sent = 0
         if self.sync_every:
             if self.sync._local_step == 0:  # this step synced: the groups in its quorum
                 self.participants = self.manager.num_participants()
-            return self.run.iter_num + 1
+            step = self.healed_at if self.healed else self.run.iter_num
+            self.healed = False
+            return step + 1
         return self.manager.current_step()
 
     def sent(self):
-        """Bytes this group all-reduced in the step just taken."""
-        return self.manager.sent
+        """Bytes this group all-reduced with the others in the step just taken: each of its ranks
+        sends as many as rank 0."""
+        return self.manager.sent * self.ranks
 
     def start_sync(self, cfg, outer):
         """torchft's DiLoCo or LocalSGD around the run's optimizer, at the step of the run (the
@@ -258,9 +285,9 @@ def join(cfg, rt, run, outer=None):
     if not lighthouse:
         raise UserError("ft_replica_group is set but no lighthouse is named: start torchft_lighthouse and pass "
                         "--ft_lighthouse=http://HOST:29510 (or set TORCHFT_LIGHTHOUSE)")
-    if rt.ddp:
-        raise UserError("a replica group is one process here: start each group with python train.py "
-                        "(not torchrun --nproc_per_node>1)")
+    if rt.ddp:  # a torchrun group's ranks start from its rank 0's weights, as DDP's do (torchft's DDP broadcasts nothing)
+        for t in run.raw_model.state_dict().values():
+            dist.broadcast(t, src=0)
     replicas = Replicas(cfg, rt, run, lighthouse)
     if cfg.sync_every:
         replicas.start_sync(cfg, outer)
