@@ -128,7 +128,7 @@ class _Local:
     hooks torchft's DiLoCo and LocalSGD register: they count the steps and sync after every H-th."""
 
     def __init__(self, inner):
-        self.optim, self.pre, self.post = inner, [], []
+        self.optim, self.pre, self.post, self.stepped = inner, [], [], False
 
     @property
     def param_groups(self):
@@ -143,9 +143,21 @@ class _Local:
         return _Hook(self.post, hook)
 
     def step(self, closure=None):
+        self._hooked(self.optim.step)
+        self.stepped = True
+
+    def count_skipped(self):
+        """After each step of the loop: a step it skipped (a non-finite gradient norm, or fp16's
+        GradScaler) never called step(); the hooks still count it, with no update, so every group
+        syncs at the same steps."""
+        if not self.stepped:
+            self._hooked(lambda: None)
+        self.stepped = False
+
+    def _hooked(self, update):
         for hook in self.pre:
             hook(self, (), {})
-        self.optim.step()
+        update()
         for hook in self.post:
             hook(self, (), {})
 
@@ -232,6 +244,7 @@ class Replicas:
         healed at this step's sync. The bytes sent count from here for the next step."""
         self.manager.sent = 0
         if self.sync_every:
+            self.run.optimizer.count_skipped()
             if self.sync._local_step == 0:  # this step synced: the groups in its quorum
                 self.participants = self.manager.num_participants()
             step = self.healed_at if self.healed else self.run.iter_num

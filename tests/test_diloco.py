@@ -125,3 +125,18 @@ def test_sync_mistakes_are_one_line(data, tmp_path):
         result = run_script("train.py", *tiny_args(data, tmp_path / "out", **keys))
         assert result.returncode != 0 and "Traceback" not in result.stderr
         assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr, result.stderr
+
+
+def test_a_skipped_step_still_counts_toward_the_sync():
+    """The loop skips optimizer.step() on a non-finite gradient norm: DiLoCo's hooks must count the
+    step all the same (without an update), or that group would sync a step after the others."""
+    from gpt.replicas import _Local
+
+    p = torch.nn.Parameter(torch.ones(3))
+    local, counted = _Local(torch.optim.SGD([p], lr=0.5)), []
+    local.register_step_post_hook(lambda *_: counted.append(p.detach().clone()))
+    p.grad = torch.ones(3)
+    local.step()  # a step taken
+    local.count_skipped()  # ...is counted once
+    local.count_skipped()  # a step skipped: counted, nothing updated
+    assert len(counted) == 2 and torch.equal(counted[0], torch.full((3,), 0.5)) and torch.equal(counted[1], counted[0])
