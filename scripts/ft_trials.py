@@ -4,6 +4,7 @@ each SIGKILLing one group at a random moment and restarting it.
     python data/shakespeare_char/prepare.py
     python scripts/ft_trials.py                          # 10 runs
     python scripts/ft_trials.py --runs=3 --max_iters=1000 --out_dir=/tmp/ft_trials
+    python scripts/ft_trials.py --sync_every=4                   # DiLoCo groups, killed between syncs
 
 Each run starts torchft_lighthouse (min_replicas=1), then groups 0 and 1 with
 init_from=auto. Once both take part in steps, one of them, chosen at random, is SIGKILLed after a
@@ -11,7 +12,8 @@ random delay (0 to 3 s), and started again at once. Reported per run: whether bo
 within `timeout` seconds (a run past it is killed and counts as failed), the survivor's longest
 step (its stall: the failed all-reduce and the quorum without the dead group), the time from the
 restart to the restarted group's first step beside the survivor (start-up, quorum, healing), and
-whether the two groups' final weights and optimizer states are bitwise equal.
+whether the two groups' final weights and optimizer states are bitwise equal (with DiLoCo: the
+weights and the outer state; each group's inner optimizer keeps moments of its own data).
 """
 
 import dataclasses
@@ -39,6 +41,7 @@ class Args:
     max_iters: int = 4000  # training steps per run: the survivor must still be running when the restart joins
     timeout: float = 300.0  # seconds a run may take; past it every process is killed and the run failed
     seed: int = 0  # of the kill times and the killed groups
+    sync_every: int = 0  # DiLoCo every that many steps (a divisor of max_iters); 0: gradients averaged every step
     out_dir: str = "/tmp/ft_trials"  # scratch space, emptied first
 
 
@@ -63,7 +66,7 @@ def start(args, out_dir, g, lighthouse, log):
                 n_layer=2, n_head=2, n_embd=32, block_size=16, batch_size=4, gradient_accumulation_steps=2,
                 max_iters=args.max_iters, lr_decay_iters=args.max_iters, warmup_iters=10, learning_rate=1e-2,
                 min_lr=1e-3, eval_interval=500, eval_iters=2, log_interval=1, dist_timeout_s=60,
-                ft_replica_group=g, ft_groups=2, ft_lighthouse=lighthouse)
+                ft_replica_group=g, ft_groups=2, ft_lighthouse=lighthouse, sync_every=args.sync_every)
     cmd = [sys.executable, "train.py", *(f"--{k}={v}" for k, v in keys.items())]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     with open(log, "w") as f:
@@ -84,15 +87,21 @@ def records(out_dir, g):
     return {r["iter"]: r for r in logged(out_dir, g)}
 
 
-def shared_step(log):
-    """True once the restarted group's log has a step both groups took part in."""
+def shared_step(log, killed_at):
+    """True once the restarted group's log has a step both groups took part in, past the step the
+    survivor was at when the other died (the restarted group healed and jumped to it)."""
     with open(log) as f:
-        return any(line.startswith("iter ") and "2/2 groups" in line for line in f)
+        return any(int(m.group(1)) > killed_at and "2/2 groups" in line
+                   for line in f if (m := re.match(r"iter (\d+):", line)))
 
 
-def equal_states(out_dir):
+def equal_states(out_dir, diloco):
     a, b = (checkpoint.load(os.path.join(out_dir, f"group{g}", "ckpt.pt")) for g in range(2))
-    same = lambda x, y: all(torch.equal(x[k], y[k]) for k in x)
+    same = lambda x, y: all(torch.equal(x[k], y[k]) if torch.is_tensor(x[k]) else x[k] == y[k] for k in x)
+    if diloco:
+        return a["iter_num"] == b["iter_num"] and same(a["model"], b["model"]) and \
+            same(a["outer"]["last_sync"], b["outer"]["last_sync"]) and \
+            all(same(x, y) for x, y in zip(a["outer"]["optimizer"]["state"].values(), b["outer"]["optimizer"]["state"].values()))
     return a["iter_num"] == b["iter_num"] and same(a["model"], b["model"]) and all(
         same(a["optimizer"]["state"][k], b["optimizer"]["state"][k]) for k in a["optimizer"]["state"])
 
@@ -115,9 +124,9 @@ def one_run(args, rng, out_dir):
         killed_at = max(records(out_dir, 1 - victim), default=0)
         restarted, log = time.monotonic(), os.path.join(out_dir, f"group{victim}.restart.log")
         procs[victim] = start(args, out_dir, victim, address, log)
-        while wait(lambda: shared_step(log)):
+        while wait(lambda: shared_step(log, killed_at)):
             time.sleep(0.05)
-        heal = time.monotonic() - restarted if shared_step(log) else None
+        heal = time.monotonic() - restarted if shared_step(log, killed_at) else None
         for p in procs:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
@@ -135,11 +144,13 @@ def one_run(args, rng, out_dir):
         return "timeout", stall, heal, False
     codes = [p.returncode for p in procs]
     outcome = "completed" if codes == [0, 0] else f"exit {codes}"
-    return outcome, stall, heal, outcome == "completed" and equal_states(out_dir)
+    return outcome, stall, heal, outcome == "completed" and equal_states(out_dir, args.sync_every > 0)
 
 
 def main(argv=None):
     args = parse(Args, argv)
+    if args.sync_every and args.max_iters % args.sync_every:
+        raise UserError(f"max_iters={args.max_iters} must be a multiple of sync_every={args.sync_every}, to end on a sync")
     if not os.path.exists(os.path.join(REPO, "data", "shakespeare_char", "train.bin")):
         raise UserError("data/shakespeare_char/train.bin not found: run python data/shakespeare_char/prepare.py")
     shutil.rmtree(args.out_dir, ignore_errors=True)
