@@ -30,7 +30,6 @@ from gpt import evaluation
 from gpt import load
 from gpt import optim
 from gpt import outdir
-from gpt import replicas
 from gpt import runtime
 from gpt import tokenizer
 from gpt import watch
@@ -59,6 +58,8 @@ def main(argv=None):
         )
     rt = runtime.setup(cfg.device, cfg.dtype, cfg.backend, cfg.dist_timeout_s)
     if cfg.ft_replica_group >= 0:
+        from gpt import replicas  # here, not at the top: torchft takes a second to import, and only replica groups need it
+
         cfg = replicas.group_out_dir(cfg)  # each replica group writes its own out_dir/group<g>
     stop = runtime.StopRequest(cfg.max_minutes)
     finished, out, watcher = False, None, None
@@ -218,11 +219,13 @@ class Run:
             cfg = with_batch_size(cfg, batch_size, cfg.total_batch_size)
         self.cfg, self.rt, self.data, self.raw_model = cfg, rt, data, raw_model
         self.groups = cfg.ft_groups if cfg.ft_replica_group >= 0 else 1  # replica groups share the global batch too
+        if cfg.ft_replica_group >= 0:
+            from gpt import replicas  # (see main)
         self.accum_steps = cfg.gradient_accumulation_steps // (rt.world_size * self.groups)
         self.tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
         self.model, self.train_model, self.optimizer, self.scaler = build(raw_model, cfg, rt, state)
         self.chat = isinstance(data.train, ChatData)
-        data_rt = replicas.data_view(cfg, rt) if self.groups > 1 else rt  # group g draws as rank g would
+        data_rt = replicas.data_view(cfg, rt) if cfg.ft_replica_group >= 0 else rt  # group g draws as rank g would
         if self.chat:
             self.batches = ChatBatches(data.train, cfg.batch_size, cfg.block_size, cfg.seed, data_rt, self.accum_steps)
         elif cfg.batch_order == "documents":
