@@ -5,10 +5,12 @@ each SIGKILLing one group at a random moment and restarting it.
     python scripts/ft_trials.py                          # 10 runs
     python scripts/ft_trials.py --runs=3 --max_iters=1000 --out_dir=/tmp/ft_trials
     python scripts/ft_trials.py --sync_every=4                   # DiLoCo groups, killed between syncs
+    python scripts/ft_trials.py --ranks_per_group=2              # torchrun groups: a worker killed, torchrun restarts its group
 
 Each run starts torchft_lighthouse (min_replicas=1), then groups 0 and 1 with
 init_from=auto. Once both take part in steps, one of them, chosen at random, is SIGKILLed after a
-random delay (0 to 3 s), and started again at once. Reported per run: whether both groups ended
+random delay (0 to 3 s), and started again at once. With ranks_per_group > 1 each group is a
+torchrun job (--max-restarts=3): one worker of it is SIGKILLed, and torchrun starts the group again. Reported per run: whether both groups ended
 within `timeout` seconds (a run past it is killed and counts as failed), the survivor's longest
 step (its stall: the failed all-reduce and the quorum without the dead group), the time from the
 restart to the restarted group's first step beside the survivor (start-up, quorum, healing), and
@@ -42,6 +44,7 @@ class Args:
     timeout: float = 300.0  # seconds a run may take; past it every process is killed and the run failed
     seed: int = 0  # of the kill times and the killed groups
     sync_every: int = 0  # DiLoCo every that many steps (a divisor of max_iters); 0: gradients averaged every step
+    ranks_per_group: int = 1  # above 1: each group a torchrun job of that many ranks (DDP inside)
     out_dir: str = "/tmp/ft_trials"  # scratch space, emptied first
 
 
@@ -63,12 +66,15 @@ def lighthouse(log):
 
 def start(args, out_dir, g, lighthouse, log):
     keys = dict(dataset="shakespeare_char", device="cpu", compile=False, out_dir=out_dir, init_from="auto",
-                n_layer=2, n_head=2, n_embd=32, block_size=16, batch_size=4, gradient_accumulation_steps=2,
+                n_layer=2, n_head=2, n_embd=32, block_size=16, batch_size=4, gradient_accumulation_steps=2 * args.ranks_per_group,
                 max_iters=args.max_iters, lr_decay_iters=args.max_iters, warmup_iters=10, learning_rate=1e-2,
                 min_lr=1e-3, eval_interval=500, eval_iters=2, log_interval=1, dist_timeout_s=60,
                 ft_replica_group=g, ft_groups=2, ft_lighthouse=lighthouse, sync_every=args.sync_every)
-    cmd = [sys.executable, "train.py", *(f"--{k}={v}" for k, v in keys.items())]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks_per_group}",
+                "--max-restarts=3"] if args.ranks_per_group > 1 else []
+    cmd = [sys.executable, *launcher, "train.py", *(f"--{k}={v}" for k, v in keys.items())]
+    # a fresh store for each of torchrun's attempts (docs/fault_tolerance.md)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     with open(log, "w") as f:
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -119,11 +125,17 @@ def one_run(args, rng, out_dir):
         while wait(lambda: any(r.get("groups") == 2 for r in records(out_dir, victim).values())):
             time.sleep(0.05)
         time.sleep(rng.uniform(0, 3))
-        os.killpg(procs[victim].pid, signal.SIGKILL)
-        procs[victim].wait()
-        killed_at = max(records(out_dir, 1 - victim), default=0)
-        restarted, log = time.monotonic(), os.path.join(out_dir, f"group{victim}.restart.log")
-        procs[victim] = start(args, out_dir, victim, address, log)
+        if args.ranks_per_group > 1:  # one worker of the torchrun job: torchrun restarts the group
+            workers = subprocess.run(["pgrep", "-P", str(procs[victim].pid)], capture_output=True, text=True).stdout.split()
+            os.kill(int(rng.choice(workers)), signal.SIGKILL)
+            killed_at = max(records(out_dir, 1 - victim), default=0) + 1  # the victim logged this far at most
+            restarted, log = time.monotonic(), os.path.join(out_dir, f"group{victim}.log")
+        else:
+            os.killpg(procs[victim].pid, signal.SIGKILL)
+            procs[victim].wait()
+            killed_at = max(records(out_dir, 1 - victim), default=0)
+            restarted, log = time.monotonic(), os.path.join(out_dir, f"group{victim}.restart.log")
+            procs[victim] = start(args, out_dir, victim, address, log)
         while wait(lambda: shared_step(log, killed_at)):
             time.sleep(0.05)
         heal = time.monotonic() - restarted if shared_step(log, killed_at) else None
