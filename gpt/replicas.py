@@ -73,13 +73,23 @@ def process_group(device_type, timeout):
 
 class _Manager(Manager or object):
     """torchft's Manager, counting the bytes this group all-reduces (sent): the gradients of an
-    every-step run, the weights or pseudo-gradients of a sync."""
+    every-step run, the weights or pseudo-gradients of a sync; and a quorum that never came (the
+    lighthouse is gone, or fewer than ft_min_groups groups are up) in one line, not a traceback."""
 
     sent = 0
 
     def allreduce(self, tensor, *args, **kwargs):
         self.sent += tensor.nbytes
         return super().allreduce(tensor, *args, **kwargs)
+
+    def wait_quorum(self):
+        try:
+            super().wait_quorum()
+        except TimeoutError:
+            raise UserError(f"no quorum from the torchft lighthouse at {self.lighthouse} within dist_timeout_s="
+                            f"{self._quorum_timeout.total_seconds():g}: is it running, with at least ft_min_groups="
+                            f"{self._min_replica_size} group(s) up? Restart it, then the groups with --init_from=auto "
+                            f"(each resumes from its newest checkpoint)") from None
 
 
 class _DDP(DistributedDataParallel):
@@ -194,6 +204,7 @@ class Replicas:
         if rt.ddp:  # a torchrun group: its other ranks connect to rank 0's store
             dist.broadcast_object_list(where, src=0)
         self.sync_every, self.sync, self.ranks = cfg.sync_every, None, rt.world_size
+        _Manager.lighthouse = lighthouse
         self.manager = _Manager(pg=process_group(rt.device_type, timeout), load_state_dict=self.load_state_dict,
                                state_dict=self.state_dict, min_replica_size=cfg.ft_min_groups, timeout=timeout,
                                quorum_timeout=timeout, connect_timeout=timeout, rank=rt.rank, world_size=rt.world_size,

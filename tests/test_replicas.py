@@ -214,6 +214,22 @@ def steps_or_empty(out_dir):
         return {}
 
 
+def test_a_lighthouse_that_dies_stops_the_group_in_one_line(char_data, tmp_path):
+    """The lighthouse SIGKILLed under a running group: its next quorum times out after
+    dist_timeout_s, and train.py ends with one line that says what to do, not a traceback."""
+    lighthouse = Lighthouse(tmp_path / "lighthouse.log", min_replicas=1)
+    try:
+        proc = group(char_data, tmp_path / "ft", 0, lighthouse.address(), tmp_path / "group0.log",
+                     max_iters=100_000, lr_decay_iters=100, dist_timeout_s=3)
+        wait_for(lambda: len(steps_or_empty(tmp_path / "ft" / "group0")) > 2, time.monotonic() + 120, proc)
+    finally:
+        lighthouse.shutdown()
+    output = finish(proc, expect=2)
+    last = output.strip().splitlines()[-1]
+    assert "Traceback" not in output and last.startswith("error: no quorum from the torchft lighthouse at "), last
+    assert "within dist_timeout_s=3: is it running" in last
+
+
 def test_the_process_group_is_nccl_in_a_child_on_cuda_and_gloo_on_the_cpu():
     from datetime import timedelta
     from torchft.process_group import ProcessGroupBabyNCCL, ProcessGroupGloo
