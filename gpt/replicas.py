@@ -27,6 +27,7 @@ checkpoint (outer_state), so a resume between syncs continues exactly.
 
 import copy
 import os
+import re
 import socket
 from dataclasses import replace
 from datetime import timedelta
@@ -85,11 +86,13 @@ class _Manager(Manager or object):
     def wait_quorum(self):
         try:
             super().wait_quorum()
-        except TimeoutError:
+        except (TimeoutError, RuntimeError) as e:  # torchft's client: a deadline, or another gRPC status
+            found = re.search(r'message: "([^"]*)"', str(e))  # a gRPC status: its message alone
+            reason = found.group(1) if found else (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise UserError(f"no quorum from the torchft lighthouse at {self.lighthouse} within dist_timeout_s="
                             f"{self._quorum_timeout.total_seconds():g}: is it running, with at least ft_min_groups="
                             f"{self._min_replica_size} group(s) up? Restart it, then the groups with --init_from=auto "
-                            f"(each resumes from its newest checkpoint)") from None
+                            f"(each resumes from its newest checkpoint) [{reason}]") from None
 
 
 class _DDP(DistributedDataParallel):
