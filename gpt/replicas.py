@@ -1,7 +1,8 @@
 """Fault-tolerant replica groups (torchft): R copies of the run, each one process or a torchrun
 job (DDP inside), that average their gradients every step through torchft's Manager. A group
-that dies costs the others one failed step; they go on without it, and when it comes back it copies the live weights, optimizer
-state, data position and step from a peer (healing) instead of reading a checkpoint.
+that dies costs the others one failed step; they go on without it, and when it comes back it
+copies the live weights, optimizer state, data position and step from a peer (healing) instead
+of reading a checkpoint.
 
     torchft_lighthouse --min_replicas=1 --join_timeout_ms=10000 &
     TORCHFT_LIGHTHOUSE=http://localhost:29510 python train.py ... --ft_replica_group=0 --ft_groups=2 --init_from=auto
@@ -14,9 +15,10 @@ one R x W-rank DDP job would; healing, rank r copies rank r of a live group.
 
 What train.py calls: group_out_dir (each group writes its own out_dir/group<g>), data_view (the
 rank and world size the batches are drawn with: rank r of group g takes slice g x W + r of the
-global batch, as DDP's rank g x W + r would), join (wraps the model in torchft's DistributedDataParallel and the
-optimizer in its OptimizerWrapper, and starts the first quorum), and Replicas.step_done (the
-step count after a step: the Manager's, which jumps forward when this group healed).
+global batch, as DDP's rank g x W + r would), join (wraps the model in torchft's
+DistributedDataParallel and the optimizer in its OptimizerWrapper, and starts the first quorum),
+and Replicas.step_done (the step count after a step: the Manager's, which jumps forward when this
+group healed).
 
 With sync_every=H > 0 the groups do not average gradients: each steps its own optimizer, and
 every H steps torchft's DiLoCo (an outer SGD step, Nesterov momentum, on the averaged change of
@@ -207,13 +209,13 @@ class Replicas:
         if rt.ddp:  # a torchrun group: its other ranks connect to rank 0's store
             dist.broadcast_object_list(where, src=0)
         self.sync_every, self.sync, self.ranks = cfg.sync_every, None, rt.world_size
-        _Manager.lighthouse = lighthouse
         self.manager = _Manager(pg=process_group(rt.device_type, timeout), load_state_dict=self.load_state_dict,
                                state_dict=self.state_dict, min_replica_size=cfg.ft_min_groups, timeout=timeout,
                                quorum_timeout=timeout, connect_timeout=timeout, rank=rt.rank, world_size=rt.world_size,
                                store_addr=where[0], store_port=where[1], lighthouse_addr=lighthouse,
                                replica_id=f"group{cfg.ft_replica_group}", init_sync=False,
                                use_async_quorum=not self.sync_every)  # DiLoCo needs the quorum at the sync
+        self.manager.lighthouse = lighthouse  # named in the error when no quorum comes
         # the groups start from the same seed, so their initial weights are already equal (init_sync=False);
         # the Manager counts the steps that committed: every step, or every sync
         commits = run.iter_num // self.sync_every if self.sync_every else run.iter_num
