@@ -33,7 +33,7 @@ from gpt import outdir
 from gpt import runtime
 from gpt import tokenizer
 from gpt import watch
-from gpt.batches import ChatBatches, ChatData, DocumentBatches, TrainBatches, chat_eval_offsets, eval_offsets, load_split, packing
+from gpt.batches import ChatBatches, ChatData, DocumentBatches, TrainBatches, chat_eval_offsets, end_of_text, eval_offsets, load_split, packing
 from configurator import TrainConfig, UserError, as_dict, parse, run_main
 from gpt.memory import auto_batch_size, with_batch_size
 from gpt.metrics import MetricsLog, Throughput, format_duration
@@ -146,21 +146,6 @@ def load_data(cfg, say):
     core = core_eval.load_tasks(cfg.core_bundle, cfg.core_max_per_task) if cfg.core_interval and not cfg.eval_async else None
     eot = end_of_text(cfg, tok_spec, data_dir) if cfg.batch_order == "documents" or cfg.doc_mask else None
     return Data(splits["train"], splits["val"], splits.get("test"), tok_spec, vocab_size, hellaswag, core, eot)
-
-
-def end_of_text(cfg, tok_spec, data_dir):
-    """The token that ends every document (data/corpus.py writes one after each), which
-    batch_order='documents' and doc_mask find the documents by."""
-    keys = f"batch_order={cfg.batch_order!r} doc_mask={cfg.doc_mask}"
-    if "chat" in tok_spec:
-        raise UserError(f"{keys}: {data_dir} is chat data, whose rows already start at a conversation; "
-                        f"set batch_order='random' and doc_mask=False")
-    eot = tokenizer.eot(tok_spec)
-    if eot is None:
-        raise UserError(f"{keys} needs documents that end with an end-of-text token, and {data_dir} is character-level "
-                        f"(meta.json), which has none: set batch_order='random' and doc_mask=False, or use GPT-2 BPE "
-                        f"data (python data/shakespeare/prepare.py ends each speech with one)")
-    return eot
 
 
 def make_model(cfg, rt, data, say):

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from gpt import runtime
+from gpt import tokenizer
 from configurator import UserError
 from data import tokens
 
@@ -62,6 +63,21 @@ def get_batch(data, offsets, block_size, rt, eot=None):
 def to_device(t, rt):
     """One host-to-device copy; to a GPU from pinned memory, so it overlaps the queued GPU work."""
     return t.pin_memory().to(rt.device, non_blocking=True) if rt.device_type == "cuda" else t.to(rt.device)
+
+
+def end_of_text(cfg, tok_spec, data_dir):
+    """The token that ends every document (data/corpus.py writes one after each), which
+    batch_order='documents' and doc_mask find the documents by."""
+    keys = f"batch_order={cfg.batch_order!r} doc_mask={cfg.doc_mask}"
+    if "chat" in tok_spec:
+        raise UserError(f"{keys}: {data_dir} is chat data, whose rows already start at a conversation; "
+                        f"set batch_order='random' and doc_mask=False")
+    eot = tokenizer.eot(tok_spec)
+    if eot is None:
+        raise UserError(f"{keys} needs documents that end with an end-of-text token, and {data_dir} is character-level "
+                        f"(meta.json), which has none: set batch_order='random' and doc_mask=False, or use GPT-2 BPE "
+                        f"data (python data/shakespeare/prepare.py ends each speech with one)")
+    return eot
 
 
 class TrainBatches:

@@ -12,7 +12,7 @@ import torch
 
 from gpt import runtime
 from gpt import tokenizer
-from gpt.batches import TrainBatches, load_split
+from gpt.batches import DocumentBatches, TrainBatches, end_of_text, load_split
 from gpt.memory import auto_batch_size, with_batch_size
 from gpt.step import train_step
 from gpt.wrap import build, make_model_args
@@ -21,10 +21,27 @@ from data import tokens
 from model import GPT, GPTConfig
 
 
-def synthetic(vocab_size, block_size, seed=0):
-    """Random tokens, enough for any batch of block_size sequences."""
+def synthetic(vocab_size, block_size, seed=0, eot=None):
+    """Random tokens, enough for any batch of block_size sequences. With eot, documents too: an
+    end-of-text where each token has a 1 in block_size chance of being one, so a row holds about
+    two documents (FineWeb's average document, ~1,000 tokens, in GPT-2's 1,024-token rows)."""
     size = max(1_000_000, 4 * block_size)
-    return np.random.default_rng(seed).integers(0, vocab_size, size=size).astype(tokens.dtype_for(vocab_size))
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, vocab_size, size=size).astype(tokens.dtype_for(vocab_size))
+    if eot is not None:
+        data[rng.random(size) < 1 / block_size] = eot
+    return data
+
+
+def document_eot(cfg, vocab_size):
+    """The end-of-text id that batch_order='documents' and doc_mask find documents by, as train.py
+    finds it in real data; for synthetic data the last id; None when neither key is set."""
+    if cfg.batch_order != "documents" and not cfg.doc_mask:
+        return None
+    if cfg.data == "real":
+        data_dir = os.path.join("data", cfg.dataset)
+        return end_of_text(cfg, tokenizer.describe(data_dir), data_dir)
+    return vocab_size - 1
 
 
 def bench_data(cfg):
@@ -38,7 +55,7 @@ def bench_data(cfg):
         return data, vocab_size
     if cfg.data != "synthetic":
         raise UserError(f"data='{cfg.data}' is not 'synthetic' or 'real'")
-    return synthetic(vocab_size, cfg.block_size), vocab_size
+    return synthetic(vocab_size, cfg.block_size, eot=document_eot(cfg, vocab_size)), vocab_size
 
 
 def peak_memory_mb(rt):
@@ -50,13 +67,18 @@ def peak_memory_mb(rt):
 
 
 def measure(cfg, rt, data, vocab_size, profiler=None):
-    """Time cfg.bench_iters optimizer steps after cfg.bench_warmup untimed ones."""
+    """Time cfg.bench_iters optimizer steps after cfg.bench_warmup untimed ones, on batches drawn
+    as training draws them (batch_order, doc_mask)."""
     torch.manual_seed(cfg.seed)
     raw_model = GPT(GPTConfig(**make_model_args(cfg, vocab_size))).to(rt.device)
     if cfg.batch_size == "auto":
         cfg = with_batch_size(cfg, auto_batch_size(raw_model, cfg, rt), cfg.total_batch_size)
     model, train_model, optimizer, scaler = build(raw_model, cfg, rt)
-    batches = TrainBatches(data, cfg.batch_size, cfg.block_size, cfg.seed, rt)
+    eot = document_eot(cfg, vocab_size)
+    if cfg.batch_order == "documents":
+        batches = DocumentBatches(data, cfg.batch_size, cfg.block_size, cfg.seed, rt, eot, cfg.doc_mask)
+    else:
+        batches = TrainBatches(data, cfg.batch_size, cfg.block_size, cfg.seed, rt, eot if cfg.doc_mask else None)
     accum_steps = cfg.gradient_accumulation_steps // rt.world_size
 
     def step():

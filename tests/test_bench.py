@@ -5,10 +5,12 @@ import gc
 import json
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from gpt import benchmark
+from gpt.batches import row_starts
 from gpt import inference
 from gpt import runtime
 from gpt import memory
@@ -479,3 +481,35 @@ KERNEL_NAMES = [
 @pytest.mark.parametrize("name, kind", KERNEL_NAMES, ids=[n[:50] for n, _ in KERNEL_NAMES])
 def test_profiler_events_are_told_apart_by_kernel(name, kind):
     assert battery.sdpa_kernel_kind(name) == kind
+
+
+@pytest.mark.parametrize("keys", [dict(), dict(doc_mask=True), dict(batch_order="documents"),
+                                  dict(batch_order="documents", doc_mask=True)])
+def test_the_timed_steps_draw_batches_as_training_does(keys, monkeypatch):
+    """batch_order and doc_mask: the timed steps take rows that start at documents, and with
+    doc_mask the model gets each token's document number (its masked attention is what is timed)."""
+    seen = []
+    forward = GPT.forward
+
+    def recording(self, idx, targets=None, **kwargs):
+        seen.append((idx.detach().clone(), kwargs.get("docs")))
+        return forward(self, idx, targets, **kwargs)
+
+    monkeypatch.setattr(GPT, "forward", recording)
+    cfg = BenchConfig(device="cpu", compile=False, n_layer=1, n_head=2, n_embd=32, block_size=64, batch_size=4,
+                      gradient_accumulation_steps=1, bench_iters=2, bench_warmup=1, dataset="none", **keys)
+    data, vocab = benchmark.bench_data(cfg)
+    eot = vocab - 1
+    assert benchmark.document_eot(cfg, vocab) == (eot if keys else None)
+    benchmark.measure(cfg, runtime.Runtime("cpu", "cpu", torch.float32), data, vocab)
+    assert len(seen) == 3
+    starts = set(row_starts(data, eot, 64)[0].tolist())
+    for idx, docs in seen:
+        assert (docs is not None) == bool(keys.get("doc_mask"))
+        if docs is not None:  # document numbers count the end-of-texts before each token in its row
+            assert torch.equal(docs, torch.cumsum(idx == eot, dim=1))
+        if keys.get("batch_order") == "documents":  # each row is one of the epoch's document rows (test_documents.py)
+            windows = np.lib.stride_tricks.sliding_window_view(data, 16)
+            for row in idx.numpy():
+                at = np.flatnonzero((windows == row[:16]).all(axis=1))
+                assert len(at) and set(at) <= starts, at
