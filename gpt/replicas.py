@@ -27,6 +27,7 @@ The outer state (DiLoCo's outer optimizer and the weights of the last sync) goes
 checkpoint (outer_state), so a resume between syncs continues exactly.
 """
 
+import concurrent.futures
 import copy
 import os
 import re
@@ -136,6 +137,14 @@ class _Optimizer(OptimizerWrapper):
                 self.replicas.healed = False
             self.optim.step()
         self.replicas.snapshot()
+
+    def zero_grad(self, set_to_none=True):
+        """The next step's quorum starts here, except after the run's last step: a quorum for a
+        step that never comes would still be connecting the groups' process group as the
+        process exits, which can abort it (std::terminate in gloo)."""
+        if self.manager.current_step() < self.replicas.cfg.max_iters:
+            self.manager.start_quorum()
+        self.optim.zero_grad(set_to_none)
 
 
 class _Local:
@@ -303,6 +312,12 @@ class Replicas:
         return {"optimizer": self.outer.state_dict(), "last_sync": {k: v.clone() for k, v in last.items()}}
 
     def shutdown(self):
+        """Leave the groups. A quorum still in flight (the run stopped between steps) is waited
+        for first, up to dist_timeout_s: its thread may be connecting the process group, and a
+        process that exits under it can abort."""
+        pending = self.manager._quorum_future
+        if pending is not None:
+            concurrent.futures.wait([pending], timeout=self.cfg.dist_timeout_s)
         self.manager.shutdown(wait=False)
 
 
