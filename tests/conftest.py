@@ -5,6 +5,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from contextlib import contextmanager, nullcontext
@@ -134,18 +135,15 @@ def tiny_args(data_dir, out_dir, **overrides):
 
 
 def in_child(fn, *args, timeout=240):
-    """fn(*args) in a fresh Python process (multiprocessing's spawn), its result sent back by pickle.
+    """fn(*args) in a process of its own (python_process's fork server), its result sent back by pickle.
 
     For native code that can die on its own (llama.cpp): a signal there kills the child, not this
     pytest-xdist worker, and fails the calling test with one line naming the signal; a hang is
     ended at `timeout` seconds and fails it too. fn must be importable by name (a module-level
     function of a module on sys.path), and so must what it returns."""
-    import multiprocessing
-    import signal
-
-    ctx = multiprocessing.get_context("spawn")
+    ctx = _server()  # a fork of a server that imported torch: ~2.4 s of CPU less than a fresh interpreter
     receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_child, args=(send, fn, args), daemon=True)
+    child = ctx.Process(target=_child, args=(send, fn, args, dict(os.environ)), daemon=True)
     child.start()
     send.close()
     what = f"{fn.__module__}.{fn.__name__} in a child process"
@@ -172,8 +170,11 @@ def in_child(fn, *args, timeout=240):
     return value
 
 
-def _child(send, fn, args):
+def _child(send, fn, args, env):
     import traceback
+
+    os.environ.clear()
+    os.environ.update(env)
 
     try:
         result = (True, fn(*args))
@@ -183,21 +184,165 @@ def _child(send, fn, args):
     send.close()
 
 
+# The environment this process started with: a fork server started later (python_process) gets it,
+# not whatever a test has patched into os.environ by then.
+_STARTING_ENVIRON = dict(os.environ)
+_SERVER, _FORKED = [], []
+
+
+def python_process(args, out, err=None, cwd=REPO, env=None):
+    """`python ARGS...` (a script's path and its arguments, -m and a module's name and its
+    arguments, or -c and code) in a new process, as subprocess.Popen([sys.executable, *args]) would start it, with
+    stdout to the file `out` and stderr to `err` (or to `out` too), in a session of its own (so
+    os.killpg(proc.pid, ...) reaches what it starts). Returns a Popen-like handle: pid, poll,
+    wait(timeout), returncode (-N when killed by signal N), send_signal, terminate, kill.
+
+    The process is forked from a server (multiprocessing's forkserver, one per pytest worker) that
+    imported torch once: `import torch` costs ~2.4 s of CPU on each interpreter start here, and
+    the suite starts dozens of such processes. The script runs as __main__ with the given argv, env
+    and cwd, and exits as an interpreter does: its non-daemon threads are joined and its atexit
+    functions run. What is not a fresh interpreter: torch and numpy were imported before the
+    environment was set (variables they read at import time come from the suite's start)."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    child = _server().Process(target=_as_python, args=([*map(str, args)], str(out), str(err or out), str(cwd), full_env),
+                               daemon=False)
+    child.start()
+    _FORKED.append(_Forked(child, [*map(str, args)]))
+    return _FORKED[-1]
+
+
+def pytest_sessionfinish():
+    """A python_process a test left running is killed: multiprocessing would wait for it as the
+    pytest worker exits."""
+    for proc in _FORKED:
+        proc.kill()
+
+
+def _server():
+    """multiprocessing's forkserver context, its server started (once per pytest worker) with
+    torch and numpy imported and the environment the suite started with."""
+    import multiprocessing
+    import multiprocessing.forkserver
+
+    if not _SERVER:
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["torch", "numpy"])
+        saved = dict(os.environ)
+        os.environ.clear()
+        os.environ.update(_STARTING_ENVIRON)
+        try:
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        _SERVER.append(context)
+    return _SERVER[0]
+
+
+def _as_python(args, out, err, cwd, env):
+    import atexit
+    import io
+    import runpy
+    import threading
+    import traceback
+
+    os.setsid()
+    for fd, path in ((1, out), (2, err)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.stdout, sys.stderr = (io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8", write_through=True)
+                              for fd in (1, 2))
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    code = 0
+    try:
+        if args[0] == "-m":
+            sys.argv = [args[1], *args[2:]]
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        elif args[0] == "-c":
+            sys.argv = ["-c", *args[2:]]
+            exec(compile(args[1], "<string>", "exec"), {"__name__": "__main__"})
+        else:
+            sys.argv = args
+            sys.path.insert(0, os.path.dirname(os.path.abspath(args[0])))
+            runpy.run_path(args[0], run_name="__main__")
+    except SystemExit as e:
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+        code = 1 if isinstance(e.code, str) else e.code or 0
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    threading._shutdown()  # as an interpreter's exit: its threads first, then its atexit functions
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class _Forked:
+    """subprocess.Popen's interface to a python_process."""
+
+    def __init__(self, process, args):
+        self.process, self.args, self.pid = process, args, process.pid
+
+    @property
+    def returncode(self):
+        return self.process.exitcode
+
+    def poll(self):
+        return self.process.exitcode
+
+    def wait(self, timeout=None):
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.process.exitcode
+
+    def send_signal(self, sig):
+        if self.process.exitcode is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self):
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
+
+
 def run_script(script, *args, cwd=REPO, env=None, timeout=300, isolated=False, patched=False):
     """Run one of the repo's scripts as `python script args...` would; returns a CompletedProcess.
 
     By default it runs in this interpreter (runpy, as __main__, with file descriptors 1 and 2
     redirected, so output from C++ is caught too): a fresh interpreter costs ~1 s of imports,
-    which over the suite's ~100 runs was most of `make test`'s time. isolated=True starts a new
-    process, for what depends on one: import-time settings (HF_HUB_OFFLINE), signals, a kill,
-    a real interpreter start. GPT_TESTS_ISOLATED=1 makes every run isolated, except patched=True
+    which over the suite's ~100 runs was most of `make test`'s time. isolated=True runs it in a
+    process of its own (python_process), for what depends on one: import-time settings
+    (HF_HUB_OFFLINE), module state, signals, a kill. GPT_TESTS_ISOLATED=1 makes every run isolated, except patched=True
     ones: the test has patched what the script calls (nan_steps), which only this process sees."""
     args = [*map(str, args)]
     if isolated or (os.environ.get("GPT_TESTS_ISOLATED") == "1" and not patched):
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        return subprocess.run([sys.executable, str(REPO / script), *args], cwd=cwd, env=full_env,
-                              capture_output=True, text=True, timeout=timeout)
+        return run_python([REPO / script, *args], cwd=cwd, env=env, timeout=timeout)
     return _run_in_process(REPO / script, args, cwd, env or {})
+
+
+def run_python(args, cwd=REPO, env=None, timeout=300):
+    """subprocess.run([sys.executable, *args], capture_output=True, text=True) in a
+    python_process: a CompletedProcess; killed (its session) and TimeoutExpired past `timeout`."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        proc = python_process(args, out, err, cwd=cwd, env=env)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+        read = lambda f: f.read_text(encoding="utf-8", errors="replace") if f.exists() else ""
+        return subprocess.CompletedProcess([sys.executable, *map(str, args)], proc.returncode, read(out), read(err))
 
 
 def _run_in_process(path, args, cwd, env):

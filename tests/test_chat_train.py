@@ -6,8 +6,6 @@ exact resume. The chat data is made here with numpy: token ids, mask, conversati
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -15,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from gpt.batches import IGNORE, ChatBatches, ChatData, chat_eval_offsets, eval_batch, packing
-from conftest import REPO, make_text, read_metrics, run_script, tiny_args
+from conftest import make_text, read_metrics, run_python, run_script, tiny_args
 from data import corpus, tokens
 from model import GPT, GPTConfig
 from gpt.runtime import Runtime
@@ -226,8 +224,7 @@ def test_two_ranks_train_as_one(tmp_path, parallelism):
     assert one.returncode == 0, one.stderr
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     args = tiny_args(data_dir, tmp_path / "two", **common, parallelism=parallelism)
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-                          *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    two = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *args], env=env)
     assert two.returncode == 0, two.stderr[-3000:]
     logged = lambda d: np.array([[r["loss"], r["grad_norm"], r["trained_tokens"]] for r in read_metrics(d) if "loss" in r])
     np.testing.assert_allclose(logged(tmp_path / "two"), logged(tmp_path / "one"), rtol=1e-5)

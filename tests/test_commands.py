@@ -1,6 +1,7 @@
-"""Every command starts in a fresh interpreter. The rest of the suite runs the scripts inside the
+"""Every command starts in a process of its own. The rest of the suite runs the scripts inside the
 test process (conftest.run_script) for speed; this is the check that each one also imports and
-parses on its own, as a user runs it."""
+parses on its own, as a user runs it (conftest.python_process: only torch and numpy are imported
+before it runs)."""
 
 import pytest
 
@@ -13,7 +14,7 @@ COMMANDS = ["train.py", "sample.py", "eval.py", "hf.py", "bench.py", "plot.py", 
 
 
 @pytest.mark.parametrize("script", COMMANDS)
-def test_help_in_a_fresh_interpreter(script):
+def test_help_in_a_process_of_its_own(script):
     result = run_script(script, "--help", isolated=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "usage" in result.stdout.lower() or "--" in result.stdout

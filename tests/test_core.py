@@ -9,8 +9,6 @@ import csv
 import json
 import os
 import random
-import subprocess
-import sys
 import zipfile
 
 import numpy as np
@@ -22,7 +20,7 @@ from gpt import core_eval
 from gpt import runtime
 from gpt import tokenizer
 from configurator import UserError
-from conftest import REPO, bpe_eval_data, read_metrics, run_script, tiny_args
+from conftest import REPO, bpe_eval_data, read_metrics, run_python, run_script, tiny_args
 
 GPT2 = {"kind": "tiktoken", "name": "gpt2", "vocab_size": 50257}
 WORDS = "the man picks up a ball and throws it to his dog who runs across green field".split()
@@ -323,9 +321,8 @@ def test_torchrun_two_gloo_ranks_equal_one(setup, gpt2_tiny, tmp_path):
             f"--hellaswag_path={hellaswag}", "--device=cpu", "--batch_size=4", "--json=True"]
     one = run_script("eval.py", *args)
     assert one.returncode == 0, one.stderr
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          str(REPO / "eval.py"), *args], cwd=REPO, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    two = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", REPO / "eval.py", *args],
+                     env={"OMP_NUM_THREADS": "1"})
     assert two.returncode == 0, two.stderr
     a, b = (json.loads(run.stdout.strip().splitlines()[-1]) for run in (one, two))
     assert {k: (r["accuracy"], r["examples"]) for k, r in a["core"]["tasks"].items()} == \

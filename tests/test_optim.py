@@ -5,15 +5,13 @@ hand computation, and end to end through train.py (exact resume, DDP, extending 
 import copy
 import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import REPO, read_metrics, run_script, tiny_args
+from conftest import read_metrics, run_python, run_script, tiny_args
 
 import configurator
 from gpt import optim
@@ -250,8 +248,7 @@ def test_muon_ddp_two_ranks_equal_one_rank(char_data, tmp_path):
     run_train(data, tmp_path / "one", **common, batch_size=8, gradient_accumulation_steps=1)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     args = tiny_args(data, tmp_path / "two", **common, batch_size=4, gradient_accumulation_steps=2)
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             "train.py", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    result = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *args], env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     # training losses and gradient norms (the eval batches differ: their size is batch_size)
     logged = lambda d: np.array([[r["loss"], r["grad_norm"]] for r in read_metrics(d) if "loss" in r])

@@ -21,7 +21,7 @@ from gpt import checkpoint
 from gpt import outdir
 from gpt import runtime
 from configurator import TrainConfig, UserError, parse
-from conftest import REPO, load_script, make_text, read_metrics, run_script, tiny_args
+from conftest import REPO, load_script, make_text, read_metrics, run_python, run_script, tiny_args
 
 # 10 steps of a 20-step schedule (so a resume to 20 equals a straight 20-step run); keep_last=2
 # leaves numbered checkpoints too, which a takeover must remove
@@ -257,10 +257,8 @@ def test_auto_starts_from_scratch_in_an_empty_out_dir_and_resumes_in_a_used_one(
 def test_a_refused_start_under_torchrun_ends_every_rank(base, tmp_path):
     out, data = copy_of(base, "full", tmp_path)
     before = contents(out)
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             "train.py", *tiny_args(data, out, gradient_accumulation_steps=2)],
-                            cwd=REPO, capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    result = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+                         *tiny_args(data, out, gradient_accumulation_steps=2)], env={"OMP_NUM_THREADS": "1"}, timeout=120)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 2 and all(f"out_dir={out} already holds a run (iter 10" in e for e in errors), result.stderr[-3000:]

@@ -21,7 +21,7 @@ from gpt import checkpoint
 from gpt import load
 from gpt import outdir
 from gpt import watch
-from conftest import REPO, bpe_eval_data, load_script, make_text, read_metrics, run_script, tiny_args
+from conftest import REPO, bpe_eval_data, load_script, make_text, read_metrics, run_python, run_script, tiny_args
 
 
 def watch_records(out):
@@ -310,11 +310,11 @@ def test_under_torchrun_rank_0_alone_starts_the_watcher_and_its_records_join_the
     except ImportError:
         wandb_internal_pb2 = None
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(REPO / "train.py"),
+    cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", REPO / "train.py",
            *tiny_args(chars, out, max_iters=8, lr_decay_iters=8, eval_interval=4, keep_last=2, gradient_accumulation_steps=2,
                       backend="gloo", eval_async=True, wandb_log=wandb_internal_pb2 is not None)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    result = run_python(cmd, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("eval_async: the watcher (pid") == 1 and "already watched" not in result.stderr
     records = watch_records(out)
