@@ -190,12 +190,13 @@ _STARTING_ENVIRON = dict(os.environ)
 _SERVER, _FORKED = [], []
 
 
-def python_process(args, out, err=None, cwd=REPO, env=None):
+def python_process(args, out=None, err=None, cwd=REPO, env=None):
     """`python ARGS...` (a script's path and its arguments, -m and a module's name and its
-    arguments, or -c and code) in a new process, as subprocess.Popen([sys.executable, *args]) would start it, with
-    stdout to the file `out` and stderr to `err` (or to `out` too), in a session of its own (so
-    os.killpg(proc.pid, ...) reaches what it starts). Returns a Popen-like handle: pid, poll,
-    wait(timeout), returncode (-N when killed by signal N), send_signal, terminate, kill.
+    arguments, or -c and code) in a new process, as subprocess.Popen([sys.executable, *args])
+    starts it: stdout to the file `out` and stderr to `err` (or to `out` too; with neither, to
+    files of its own that communicate() reads), in a session of its own (os.killpg(proc.pid, ...)
+    reaches what it starts). Returns a Popen-like handle: pid, poll, wait(timeout), communicate,
+    returncode (-N when killed by signal N), send_signal, terminate, kill.
 
     The process is forked from a server (multiprocessing's forkserver, one per pytest worker) that
     imported torch once: `import torch` costs ~2.4 s of CPU on each interpreter start here, and
@@ -203,19 +204,27 @@ def python_process(args, out, err=None, cwd=REPO, env=None):
     and cwd, and exits as an interpreter does: its non-daemon threads are joined and its atexit
     functions run. What is not a fresh interpreter: torch and numpy were imported before the
     environment was set (variables they read at import time come from the suite's start)."""
+    import tempfile
+
+    own = None
+    if out is None:
+        own = tempfile.mkdtemp(prefix="python_process-")
+        out, err = Path(own) / "stdout", Path(own) / "stderr"
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     child = _server().Process(target=_as_python, args=([*map(str, args)], str(out), str(err or out), str(cwd), full_env),
                                daemon=False)
     child.start()
-    _FORKED.append(_Forked(child, [*map(str, args)]))
+    _FORKED.append(_Forked(child, [*map(str, args)], (Path(out), Path(err or out)) if own else None))
     return _FORKED[-1]
 
 
 def pytest_sessionfinish():
-    """A python_process a test left running is killed: multiprocessing would wait for it as the
-    pytest worker exits."""
+    """A python_process a test left running is killed (multiprocessing would wait for it as the
+    pytest worker exits), and the files python_process made are removed."""
     for proc in _FORKED:
         proc.kill()
+        if proc.files:
+            shutil.rmtree(proc.files[0].parent, ignore_errors=True)
 
 
 def _server():
@@ -285,8 +294,8 @@ def _as_python(args, out, err, cwd, env):
 class _Forked:
     """subprocess.Popen's interface to a python_process."""
 
-    def __init__(self, process, args):
-        self.process, self.args, self.pid = process, args, process.pid
+    def __init__(self, process, args, files):
+        self.process, self.args, self.pid, self.files = process, args, process.pid, files
 
     @property
     def returncode(self):
@@ -300,6 +309,11 @@ class _Forked:
         if self.process.exitcode is None:
             raise subprocess.TimeoutExpired(self.args, timeout)
         return self.process.exitcode
+
+    def communicate(self, timeout=None):
+        """(stdout, stderr) once it exited, from the files python_process made for them."""
+        self.wait(timeout)
+        return tuple(f.read_text(encoding="utf-8", errors="replace") if f.exists() else "" for f in self.files)
 
     def send_signal(self, sig):
         if self.process.exitcode is None:
@@ -330,19 +344,14 @@ def run_script(script, *args, cwd=REPO, env=None, timeout=300, isolated=False, p
 def run_python(args, cwd=REPO, env=None, timeout=300):
     """subprocess.run([sys.executable, *args], capture_output=True, text=True) in a
     python_process: a CompletedProcess; killed (its session) and TimeoutExpired past `timeout`."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-        proc = python_process(args, out, err, cwd=cwd, env=env)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise
-        read = lambda f: f.read_text(encoding="utf-8", errors="replace") if f.exists() else ""
-        return subprocess.CompletedProcess([sys.executable, *map(str, args)], proc.returncode, read(out), read(err))
+    proc = python_process(args, cwd=cwd, env=env)
+    try:
+        stdout, stderr = proc.communicate(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    return subprocess.CompletedProcess([sys.executable, *map(str, args)], proc.returncode, stdout, stderr)
 
 
 def _run_in_process(path, args, cwd, env):

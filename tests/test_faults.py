@@ -4,15 +4,13 @@ equal an uninterrupted one."""
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
 from gpt import checkpoint
-from conftest import REPO, nan_steps, read_metrics, run_script, tiny_args
+from conftest import REPO, nan_steps, python_process, read_metrics, run_script, tiny_args
 
 EXIT_STOPPED = 75
 
@@ -22,9 +20,7 @@ def untimed(records):
 
 
 def start(args, env=None, module_args=None):
-    cmd = [sys.executable, *(module_args or []), *([] if module_args else [str(REPO / "train.py")]), *map(str, args)]
-    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    return python_process([*(module_args or []), *([] if module_args else [REPO / "train.py"]), *args], env=env)
 
 
 def wait_for_steps(out_dir, n, proc, timeout=300):

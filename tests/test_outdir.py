@@ -9,8 +9,6 @@ import json
 import os
 import shutil
 import socket
-import subprocess
-import sys
 import time
 
 import pytest
@@ -21,7 +19,7 @@ from gpt import checkpoint
 from gpt import outdir
 from gpt import runtime
 from configurator import TrainConfig, UserError, parse
-from conftest import REPO, load_script, make_text, read_metrics, run_python, run_script, tiny_args
+from conftest import REPO, load_script, make_text, python_process, read_metrics, run_python, run_script, tiny_args
 
 # 10 steps of a 20-step schedule (so a resume to 20 equals a straight 20-step run); keep_last=2
 # leaves numbered checkpoints too, which a takeover must remove
@@ -53,8 +51,7 @@ def one_line_error(result):
 
 
 def start(args):
-    return subprocess.Popen([sys.executable, str(REPO / "train.py"), *map(str, args)], cwd=REPO, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return python_process([REPO / "train.py", *args])
 
 
 def wait_until(ready, proc, timeout=120):
