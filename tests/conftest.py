@@ -249,17 +249,24 @@ def _server():
 
 
 def _as_python(args, out, err, cwd, env):
+    """python_process's child: its own session, its output to the files, then _run_as_main."""
+    os.setsid()
+    for fd, path in ((1, out), (2, err)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(target, fd)
+        os.close(target)
+    _run_as_main(args, cwd, env)
+
+
+def _run_as_main(args, cwd, env):
+    """Run `python ARGS` in this (forked) process and exit as an interpreter would. torchrun's
+    workers are forked from its agent too (_fork_workers): the agent has imported torch already."""
     import atexit
     import io
     import runpy
     import threading
     import traceback
 
-    os.setsid()
-    for fd, path in ((1, out), (2, err)):
-        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-        os.dup2(target, fd)
-        os.close(target)
     sys.stdout, sys.stderr = (io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8", write_through=True)
                               for fd in (1, 2))
     os.chdir(cwd)
@@ -268,6 +275,8 @@ def _as_python(args, out, err, cwd, env):
     code = 0
     try:
         if args[0] == "-m":
+            if args[1] == "torch.distributed.run":
+                _fork_workers()
             sys.argv = [args[1], *args[2:]]
             runpy.run_module(args[1], run_name="__main__", alter_sys=True)
         elif args[0] == "-c":
@@ -289,6 +298,64 @@ def _as_python(args, out, err, cwd, env):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _fork_workers():
+    """In a torchrun agent run by python_process: each worker torchrun starts (`python -u script
+    args`, by subprocess.Popen in its SubprocessHandler) is forked from the agent instead, in a
+    session of its own with the handler's output files, as Popen would have set it up. The rest
+    is torchrun's own: rendezvous, the workers' environment, monitoring, signals, restarts."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+
+    popen = subprocess_handler.SubprocessHandler._popen
+
+    def forked(self, args, env):
+        if args[:2] != (sys.executable, "-u"):
+            return popen(self, args, env)
+        pid = os.fork()
+        if pid == 0:
+            os.setsid()
+            for fd, f in ((1, self._stdout), (2, self._stderr)):
+                if f is not None:
+                    os.dup2(f.fileno(), fd)
+            _run_as_main([*args[2:]], os.getcwd(), env)
+        return _Pid(pid, args)
+
+    subprocess_handler.SubprocessHandler._popen = forked
+
+
+class _Pid:
+    """subprocess.Popen's interface to a child forked by os.fork."""
+
+    def __init__(self, pid, args):
+        self.pid, self.args, self.returncode = pid, args, None
+
+    def poll(self):
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout=None):
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def send_signal(self, sig):
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self):
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
 
 
 class _Forked:
