@@ -1,7 +1,9 @@
 """Fault-tolerant replica groups (gpt/replicas.py, torchft): two groups of one process each,
-meeting at a torchft lighthouse, train as plain 2-rank DDP does; one group
-SIGKILLed mid-run leaves the other stepping alone, and restarted it heals from the live one to
-the same weights, bit for bit."""
+meeting at a torchft lighthouse, train as plain 2-rank DDP does, and so do two groups that are
+torchrun jobs of 2 ranks; started again with init_from=auto after a full stop they go on exactly;
+they start no quorum after the last step. One group SIGKILLed mid-run leaves the other stepping
+alone, and restarted it heals from the live one to the same weights, bit for bit; a lighthouse
+that dies stops the groups in one line."""
 
 import os
 import re
