@@ -4,6 +4,8 @@ against the groups' own weights: equal after every sync, apart between; with out
 momentum DiLoCo is the average of the weights the groups reached alone; the bytes sent are the
 parameters' once every H steps; a resume between syncs goes on bit for bit."""
 
+import shutil
+
 import pytest
 import torch
 
@@ -16,8 +18,7 @@ from model import GPT, GPTConfig
 torchft = pytest.importorskip("torchft")
 
 H = 4
-RUN = dict(max_iters=12, lr_decay_iters=12, eval_interval=2, keep_last=10, gradient_accumulation_steps=2,
-           dist_timeout_s=60, sync_every=H)
+RUN = dict(max_iters=12, lr_decay_iters=12, eval_interval=2, keep_last=10, gradient_accumulation_steps=2, sync_every=H)
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def pairs(data, root, runs):
     try:
         for _, procs in started:
             for proc in procs:
-                finish(proc)
+                finish(proc, timeout=240)
     finally:
         for lighthouse, _ in started:
             lighthouse.shutdown()
@@ -55,12 +56,24 @@ def equal(a, b):
 
 @pytest.fixture(scope="module")
 def diloco(data, tmp_path_factory):
-    """Two groups, DiLoCo every H=4 steps (outer_lr 0.7, Nesterov 0.9), 12 steps; the same run
-    stopped at step 6 (between two syncs) and resumed to 12."""
+    """The launches the tests share, each two groups at a lighthouse of their own (a process's
+    start, torch's import, is most of their cost):
+      whole     DiLoCo every H=4 steps (outer_lr 0.7, Nesterov 0.9), 12 steps, a checkpoint every 2
+      localsgd  LocalSGD every 2 steps, 2 steps
+      lr1       DiLoCo every 2 steps with outer_lr=1 and no momentum, 2 steps
+      resumed   every group gone at step 6, between two syncs: copies of whole's ckpt_0000006.pt
+                alone, resumed to 12
+    localsgd and lr1 take whole's first 2 steps (the same seed, data and learning rates; nothing
+    is sent before a sync), so whole's step-2 checkpoints hold the weights each group reached
+    alone when they synced."""
     root = tmp_path_factory.mktemp("diloco")
-    out = pairs(data, root, {"whole": RUN, "stopped": {**RUN, "max_iters": 6}})
-    pairs(data, root, {"stopped": {**RUN, "init_from": "resume"}})
-    return out
+    two = dict(RUN, max_iters=2, sync_every=2)
+    out = pairs(data, root, {"whole": RUN, "localsgd": {**two, "outer_method": "localsgd"},
+                             "lr1": {**two, "outer_lr": 1.0, "outer_momentum": 0.0}})
+    for g in range(2):
+        (root / "resumed" / f"group{g}").mkdir(parents=True)
+        shutil.copy(out["whole"] / f"group{g}" / "ckpt_0000006.pt", root / "resumed" / f"group{g}")
+    return {**out, **pairs(data, root, {"resumed": {**RUN, "init_from": "resume"}})}
 
 
 def parameter_bytes(out):
@@ -85,28 +98,24 @@ def test_a_sync_sends_the_parameters_once_every_h_steps(diloco):
 
 def test_a_resume_between_syncs_goes_on_bit_for_bit(diloco):
     for g in range(2):
-        whole, resumed = (steps(diloco[name] / f"group{g}") for name in ("whole", "stopped"))
-        assert sorted(resumed) == sorted(whole) == list(range(12))
+        whole, resumed = (steps(diloco[name] / f"group{g}") for name in ("whole", "resumed"))
+        assert sorted(whole) == list(range(12)) and sorted(resumed) == list(range(6, 12))
         assert [resumed[i]["loss"] for i in range(6, 12)] == [whole[i]["loss"] for i in range(6, 12)]
-        assert equal(weights(diloco["whole"], g, 12), weights(diloco["stopped"], g, 12))
+        assert equal(weights(diloco["whole"], g, 12), weights(diloco["resumed"], g, 12))
         vals = [{r["iter"]: r["val_loss"] for r in read_metrics(diloco[name] / f"group{g}") if "val_loss" in r}
-                for name in ("whole", "stopped")]
+                for name in ("whole", "resumed")]
         assert vals[0][12] == vals[1][12]
 
 
-def test_diloco_with_outer_lr_1_and_no_momentum_averages_the_weights(data, tmp_path):
-    """The reference: the weights each group reached alone after H steps (a run whose sync never
-    comes), averaged. LocalSGD is that average bit for bit; DiLoCo (lr 1, no momentum) takes
-    last - mean(last - w_g), the same up to rounding."""
-    four = dict(RUN, max_iters=H, lr_decay_iters=12, eval_interval=H)
-    out = pairs(data, tmp_path, {"alone": {**four, "sync_every": 100},
-                                 "localsgd": {**four, "outer_method": "localsgd"},
-                                 "diloco": {**four, "outer_lr": 1.0, "outer_momentum": 0.0}})
-    alone = [weights(out["alone"], g, H) for g in range(2)]
+def test_diloco_with_outer_lr_1_and_no_momentum_averages_the_weights(diloco):
+    """The reference: the weights each group reached alone after 2 steps (whole's, whose first
+    sync comes at 4), averaged. LocalSGD is that average bit for bit; DiLoCo (lr 1, no momentum)
+    takes last - mean(last - w_g), the same up to rounding."""
+    alone = [weights(diloco["whole"], g, 2) for g in range(2)]
     assert not equal(*alone)
     reference = {k: (alone[0][k] + alone[1][k]) / 2 for k in alone[0]}
-    for method in ("localsgd", "diloco"):
-        synced = [weights(out[method], g, H) for g in range(2)]
+    for method in ("localsgd", "lr1"):
+        synced = [weights(diloco[method], g, 2) for g in range(2)]
         assert equal(*synced)
         for k in reference:
             if method == "localsgd":
