@@ -17,7 +17,7 @@ from unittest import mock
 import pytest
 import torch
 
-from conftest import REPO, load_script, make_text, read_metrics, tiny_args
+from conftest import REPO, load_script, make_text, python_process, read_metrics, run_python, tiny_args
 
 from gpt import checkpoint
 from model import GPT, GPTConfig
@@ -57,10 +57,8 @@ class Lighthouse:
 def start(args, log):
     """A process whose output goes to the file `log` (torchft's Rust side logs every quorum: a pipe
     nobody reads while it runs would fill and stop it)."""
-    with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, *map(str, args)], cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
-                                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
-                                start_new_session=True)
+    open(log, "w").close()
+    proc = python_process(args, log, env={"OMP_NUM_THREADS": "1"})  # forked from a process that imported torch
     proc.log = log
     return proc
 
@@ -310,9 +308,8 @@ def test_replica_group_mistakes_are_one_line(char_data, tmp_path, monkeypatch):
 def test_without_torchft_training_runs_and_replica_groups_are_one_line(tmp_path):
     # torchft's wheels are Linux x86-64 only: on a Mac train.py must import, and a replica group must say why not
     script = "import runpy, sys; sys.modules['torchft'] = None; sys.argv[0] = 'train.py'; runpy.run_path('train.py', run_name='__main__')"
-    args = [sys.executable, "-c", script, "--dataset=none", "--ft_replica_group=0", "--ft_groups=2",
-            f"--out_dir={tmp_path / 'out'}", "--device=cpu"]
-    out = subprocess.run(args, capture_output=True, text=True, cwd=REPO)
+    out = run_python(["-c", script, "--dataset=none", "--ft_replica_group=0", "--ft_groups=2", f"--out_dir={tmp_path / 'out'}",
+                      "--device=cpu"])
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines() == ["error: ft_replica_group needs torchft, which is not installed here (its wheels "
                                                "are for Linux x86-64): pip install torchft on such a machine, or train "
