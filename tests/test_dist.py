@@ -3,11 +3,17 @@ DDP and FSDP2 (losses, graphs, an exact resume), the skip decision of a step wit
 loss on one rank only (fp16, as the GPU runs it), one eval shape on every rank, and DDP's
 gradients held once (gradient_as_bucket_view) as memory.py counts them.
 
-The compiled launches, shared by the tests (torchrun's start is most of their time):
-  eager      DDP, not compiled: the reference; which rank writes and logs, and the replicas' weights
-  ddp        DDP, compiled, 8 steps
-  resumed    a copy of ddp's out_dir as it stood at iter 4 (its ckpt_0000004.pt), resumed to 8
-  fsdp       FSDP2, compiled, 8 steps
+The runs, shared by the tests, in two torchrun launches; a process's start and its first compile's
+imports are most of a small run's time, so each launch's ranks run several train.py runs one after
+the other (DRIVER: each compiles from nothing and has a process group of its own):
+  first launch
+    eager         DDP, not compiled: the reference; which rank writes and logs, and the replicas' weights
+    ddp           DDP, compiled, 8 steps
+    fsdp          FSDP2, compiled, 8 steps
+  second launch
+    resumed       a copy of ddp's out_dir as it stood at iter 4 (its ckpt_0000004.pt), resumed to 8 by
+                  new processes that compile again
+    nan_one_rank  fp16, not compiled, a NaN loss on rank 1 only; it fails, last, with the launch
 Every run evaluates 3 batches on 2 ranks, so one rank evaluates a padded batch (step.evaluate).
 
 What is under test here is how train.py's compiled model meets DDP and FSDP2: dynamo's graphs
@@ -15,8 +21,8 @@ What is under test here is how train.py's compiled model meets DDP and FSDP2: dy
 backward, the collectives between them, recompiles and a compiled resume. The ranks compile with
 torch.compile's aot_eager backend: the same dynamo and AOTAutograd graphs, run by ATen's kernels
 instead of inductor's generated C++. On a CPU inductor compiles each fused kernel with g++ (about
-1.3 s each, 38 for the DDP launch): with a cold cache, as in CI, the DDP launch took 50 s and the
-FSDP2 one 25 s with inductor, and 10.5 s and 12.8 s with aot_eager (alone on the 2-core machine).
+1.3 s each, 38 for the DDP run). With aot_eager the two launches took 61 CPU-seconds in all
+(2026-11-26; five launches of one run each had taken 128).
 Inductor on these model options (every Llama option, activation checkpointing) is tested in one
 process by tests/test_compile.py."""
 
