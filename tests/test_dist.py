@@ -3,17 +3,15 @@ DDP and FSDP2 (losses, graphs, an exact resume), the skip decision of a step wit
 loss on one rank only (fp16, as the GPU runs it), one eval shape on every rank, and DDP's
 gradients held once (gradient_as_bucket_view) as memory.py counts them.
 
-The runs, shared by the tests, in two torchrun launches; a process's start and its first compile's
-imports are most of a small run's time, so each launch's ranks run several train.py runs one after
-the other (DRIVER: each compiles from nothing and has a process group of its own):
-  first launch
-    eager         DDP, not compiled: the reference; which rank writes and logs, and the replicas' weights
-    ddp           DDP, compiled, 8 steps
-    fsdp          FSDP2, compiled, 8 steps
-  second launch
-    resumed       a copy of ddp's out_dir as it stood at iter 4 (its ckpt_0000004.pt), resumed to 8 by
-                  new processes that compile again
-    nan_one_rank  fp16, not compiled, a NaN loss on rank 1 only; it fails, last, with the launch
+The runs, shared by the tests, in one torchrun launch; a process's start and its first compile's
+imports are most of a small run's time, so the launch's ranks run the train.py runs one after the
+other (DRIVER: each compiles from nothing and has a process group of its own):
+  eager         DDP, not compiled: the reference; which rank writes and logs, and the replicas' weights
+  ddp           DDP, compiled, 8 steps
+  fsdp          FSDP2, compiled, 8 steps
+  resumed       a copy of ddp's out_dir as it stood at iter 4 (its ckpt_0000004.pt), resumed to 8,
+                compiling again
+  nan_one_rank  fp16, not compiled, a NaN loss on rank 1 only; it fails, last, with the launch
 Every run evaluates 3 batches on 2 ranks, so one rank evaluates a padded batch (step.evaluate).
 
 What is under test here is how train.py's compiled model meets DDP and FSDP2: dynamo's graphs
@@ -21,15 +19,14 @@ What is under test here is how train.py's compiled model meets DDP and FSDP2: dy
 backward, the collectives between them, recompiles and a compiled resume. The ranks compile with
 torch.compile's aot_eager backend: the same dynamo and AOTAutograd graphs, run by ATen's kernels
 instead of inductor's generated C++. On a CPU inductor compiles each fused kernel with g++ (about
-1.3 s each, 38 for the DDP run). With aot_eager the two launches took 61 CPU-seconds in all
-(2026-11-26; five launches of one run each had taken 128).
+1.3 s each, 38 for the DDP run). With aot_eager the launch took 47 CPU-seconds (2026-11-26; five
+launches of one run each had taken 128).
 Inductor on these model options (every Llama option, activation checkpointing) is tested in one
 process by tests/test_compile.py."""
 
 import gc
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -65,17 +62,17 @@ TRAIN_ARGS = [
 ]
 
 # train.py under torchrun as a user runs it, once for each run in the JSON list argv[2] (name, train.py
-# arguments, nan_at), one after the other in the same ranks: a process's start and its first compile's
+# arguments, nan_at, copy), one after the other in the same ranks: a process's start and its first compile's
 # imports are most of a small run's time. Each run starts from nothing: torch._dynamo.reset() (so it
 # compiles again), a process group of its own (a store on the port that the test chose, hosted by
 # rank 0, for each run after the first: torchrun's own store keeps the previous group's addresses), the
 # NaN patches of its own (nan_at=(iters, ranks): those steps on those ranks have a NaN loss,
-# conftest.nan_steps). For the test it records what a rank alone knows of each run, in
+# conftest.nan_steps); with copy, its out_dir is first a copy of an earlier run's. For the test it records what a rank alone knows of each run, in
 # root/<name>/rank<r>.*: its exit code, its stdout and stderr, torch.compile's counters
 # (tests/test_compile.py reads the same ones), the checkpoint files it wrote, and the weights it put in
 # its last checkpoint. A run that fails ends the process with its exit code
 DRIVER = textwrap.dedent("""
-    import functools, json, os, runpy, sys, traceback
+    import functools, json, os, runpy, shutil, sys, time, traceback
     sys.path[:0] = [{repo!r}, os.path.join({repo!r}, "tests")]
     import torch, torch._dynamo
     import torch.distributed as dist
@@ -98,9 +95,16 @@ DRIVER = textwrap.dedent("""
 
     checkpoint.save, checkpoint.make_checkpoint = recording_save, make_and_keep
 
-    def run(name, args, nan_at, port):
+    def run(name, args, nan_at, port, copy):
         global report
-        report = os.path.join(root, name, "rank" + os.environ["RANK"])
+        out = os.path.join(root, name)
+        report = os.path.join(out, "rank" + os.environ["RANK"])
+        if copy:  # out_dir: a copy of another run's (copy: its name, what to leave out), made by rank 0
+            if os.environ["RANK"] == "0":
+                shutil.copytree(os.path.join(root, copy[0]), out, ignore=shutil.ignore_patterns(*copy[1]), dirs_exist_ok=True)
+                open(os.path.join(out, "copied"), "w").close()
+            while not os.path.exists(os.path.join(out, "copied")):
+                time.sleep(0.05)
         if port:
             os.environ.update(MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="False")
         torch._dynamo.reset()
@@ -151,17 +155,17 @@ def free_port():
 
 def torchrun(root, data_dir, runs, timeout=300):
     """One `torchrun --nproc_per_node=2` launch that runs `train.py TRAIN_ARGS extra` for each
-    (name, extra, nan_at) in runs, in that order, in root/name (out_dir and each rank's report; see
+    (name, extra, nan_at, copy) in runs, in that order, in root/name (out_dir and each rank's report; see
     DRIVER); killed, with the test failing, if it runs past `timeout` (a rank waiting forever).
     Returns torchrun's exit code, stdout and stderr, and each run's ranks' reports by name (the runs
     that ran)."""
     driver = root / "driver.py"
     driver.write_text(DRIVER.format(repo=str(REPO)))
     specs = []
-    for i, (name, extra, nan_at) in enumerate(runs):
+    for i, (name, extra, nan_at, copy) in enumerate(runs):
         (root / name).mkdir(exist_ok=True)
         specs.append({"name": name, "args": [*TRAIN_ARGS, f"--dataset={data_dir}", f"--out_dir={root / name}", *extra],
-                      "nan_at": nan_at and [sorted(s) for s in nan_at], "port": i and free_port()})
+                      "nan_at": nan_at and [sorted(s) for s in nan_at], "port": i and free_port(), "copy": copy})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(driver), str(root),
            json.dumps(specs)]
     # inductor compiles in the rank's own process: a pool of compile workers per rank costs more
@@ -187,7 +191,7 @@ def torchrun(root, data_dir, runs, timeout=300):
 
 
 # fp16, a NaN loss on rank 1 at iters 3, 6 and 7 (test_one_rank_non_finite_loss_is_skipped_by_every_rank)
-NAN_ONE_RANK = ("nan_one_rank", ["--dtype=float16", "--max_iters=10", "--eval_interval=100", "--max_bad_steps=2"], ({3, 6, 7}, {1}))
+NAN_ONE_RANK = ("nan_one_rank", ["--dtype=float16", "--max_iters=10", "--eval_interval=100", "--max_bad_steps=2"], ({3, 6, 7}, {1}), None)
 
 
 def losses(out_dir):
@@ -209,17 +213,14 @@ def data_dir(tmp_path_factory):
 def compiled(data_dir):
     root, chars = data_dir, data_dir / "chars"
     ddp = ["--compile=True", "--always_save_checkpoint=True", "--keep_last=2"]  # checkpoints at 4 and 8
-    code, _, stderr, runs = torchrun(root, chars, [("eager", [], None), ("ddp", ddp, None),
-                                                   ("fsdp", ["--compile=True", "--parallelism=fsdp"], None)])
-    failed = "".join(r["stderr"][-3000:] for ranks in runs.values() for r in ranks if r["exit"])
-    assert code == 0 and len(runs) == 3, stderr[-3000:] + failed
-    # the run as it stood at iter 4, resumed by a new launch that compiles again; then, in the same
-    # launch, the run with one rank's non-finite losses (its failing exit is the launch's)
-    shutil.copytree(root / "ddp", root / "resumed", ignore=shutil.ignore_patterns("ckpt.pt", "ckpt_best.pt", "ckpt_0000008.pt", "rank*"))
-    code, _, stderr, more = torchrun(root, chars, [("resumed", [*ddp, "--init_from=resume"], None), NAN_ONE_RANK])
-    assert len(more) == 2 and [r["exit"] for r in more["resumed"]] == [0, 0], \
-        stderr[-3000:] + "".join(r["stderr"][-3000:] for ranks in more.values() for r in ranks)
-    return root, {**runs, **more, "launch exit": code}
+    at_4 = ("ddp", ["ckpt.pt", "ckpt_best.pt", "ckpt_0000008.pt", "rank*"])  # ddp's out_dir as it stood at iter 4
+    code, _, stderr, runs = torchrun(root, chars, [
+        ("eager", [], None, None), ("ddp", ddp, None, None), ("fsdp", ["--compile=True", "--parallelism=fsdp"], None, None),
+        ("resumed", [*ddp, "--init_from=resume"], None, at_4),  # compiled again from nothing (torch._dynamo.reset())
+        NAN_ONE_RANK])  # last: its failing exit is the launch's
+    assert len(runs) == 5 and all(r["exit"] == 0 for name, ranks in runs.items() if name != NAN_ONE_RANK[0] for r in ranks), \
+        stderr[-3000:] + "".join(r["stderr"][-3000:] for ranks in runs.values() for r in ranks)
+    return root, {**runs, "launch exit": code}
 
 
 def test_compiled_ddp_and_fsdp_train_like_eager(compiled):
