@@ -2,10 +2,11 @@
 resume on another world size, single-process readers, faults during a background write, and
 one-line messages for damaged checkpoints.
 
-The multi-process runs are shared by the tests (torchrun's start-up is most of their time):
-  straight  FSDP on 2 ranks, sharded + async, 20 steps (keep_last=4: iters 5, 10, 15 and 20 stay)
-  split     the straight run's out_dir as it stood at iter 10, resumed to 20 by a new launch
-  full_disk the straight run's checkpoint resumed on 2 ranks, its next write hitting /dev/full
+The multi-process runs are shared by the tests, and run in tests/test_fsdp.py's two launches
+(test_fsdp.shared_launches; torchrun's start-up is most of their time):
+  sharded_straight   FSDP on 2 ranks, sharded + async, 20 steps (keep_last=4: iters 5, 10, 15 and 20 stay)
+  sharded_split      the straight run's out_dir as it stood at iter 10, resumed to 20 by a new launch
+  sharded_full_disk  the straight run's checkpoint resumed on 2 ranks, its next write hitting /dev/full
 """
 
 import json
@@ -23,14 +24,13 @@ import torch.distributed as dist
 
 from gpt import checkpoint
 from configurator import UserError
-from conftest import REPO, load_script, make_text, read_metrics, run_script, tiny_args
+from conftest import REPO, read_metrics, run_script, tiny_args
+from test_fsdp import SHARDED as COMMON, reports, shared_launches
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
 
 EXIT_STOPPED = 75
-COMMON = dict(max_iters=20, lr_decay_iters=20, eval_interval=5, gradient_accumulation_steps=2, dropout=0.1,
-              parallelism="fsdp", checkpoint_format="sharded", async_checkpoint=True, keep_last=4)
 
 
 def untimed(records):
@@ -38,40 +38,17 @@ def untimed(records):
     return [json.dumps({k: v for k, v in r.items() if k not in ("dt_ms", "tokens_per_s", "mfu")}) for r in records]
 
 
-def torchrun(data, out, **overrides):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-           *tiny_args(data, out, **{**COMMON, **overrides})]
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sharded")
-    data = root / "chars"
-    data.mkdir()
-    load_script("data/shakespeare_char/prepare.py").prepare(make_text(), str(data))
-    results = {"straight": torchrun(data, root / "straight")}
-    # iter 10's checkpoint was written in the background while the straight run trained on
-    shutil.copytree(root / "straight", root / "split", symlinks=True,
-                    ignore=shutil.ignore_patterns("ckpt_0000015", "ckpt_0000020", "ckpt_best"))
-    results["resumed"] = torchrun(data, root / "split", init_from="resume")
-    for name, result in results.items():
-        assert result.returncode == 0, (name, result.stderr[-3000:])
-    # the straight run's last checkpoint resumed on 2 ranks, its next write (iter 25) failing with ENOSPC
-    shutil.copytree(root / "straight", root / "full_disk", symlinks=True)
-    (root / "full_disk" / "ckpt_0000025").mkdir()
-    for rank in range(2):
-        os.symlink("/dev/full", root / "full_disk" / "ckpt_0000025" / f"__{rank}_0.distcp")
-    results["full_disk"] = torchrun(data, root / "full_disk", init_from="resume", max_iters=30, lr_decay_iters=30)
-    return root, data, results
+    root = shared_launches(tmp_path_factory)
+    return root, root / "chars", {name: reports(root, name) for name in ("sharded_straight", "sharded_split", "sharded_full_disk")}
 
 
 def test_fsdp_sharded_async_resume_is_exact(runs):
     root, _, results = runs
-    assert untimed(read_metrics(root / "split")) == untimed(read_metrics(root / "straight"))  # loss for loss
-    assert "resuming at iter 10" in results["resumed"].stdout
-    a, b = (checkpoint.read_sharded(str(root / run / "ckpt_0000020")) for run in ("straight", "split"))
+    assert untimed(read_metrics(root / "sharded_split")) == untimed(read_metrics(root / "sharded_straight"))  # loss for loss
+    assert "resuming at iter 10" in results["sharded_split"][0]["stdout"]
+    a, b = (checkpoint.read_sharded(str(root / run / "ckpt_0000020")) for run in ("sharded_straight", "sharded_split"))
     assert a["iter_num"] == b["iter_num"] == 20 and len(a["rng"]["torch"]) == 2
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert all(torch.equal(v[s], b["optimizer"]["state"][k][s]) for k, v in a["optimizer"]["state"].items() for s in v)
@@ -82,37 +59,37 @@ def test_fsdp_sharded_async_resume_is_exact(runs):
 
 def test_a_sharded_checkpoint_is_a_directory_of_shards_committed_last(runs):
     root, _, _ = runs
-    names = sorted(p.name for p in (root / "straight").iterdir() if p.name.startswith("ckpt"))
+    names = sorted(p.name for p in (root / "sharded_straight").iterdir() if p.name.startswith("ckpt"))
     assert names == ["ckpt_0000005", "ckpt_0000010", "ckpt_0000015", "ckpt_0000020", "ckpt_best"]  # keep_last=4
-    assert sorted(os.listdir(root / "straight" / "ckpt_0000020")) == [".metadata", "__0_0.distcp", "__1_0.distcp",
+    assert sorted(os.listdir(root / "sharded_straight" / "ckpt_0000020")) == [".metadata", "__0_0.distcp", "__1_0.distcp",
                                                                        "checkpoint.json"]
-    vals = {r["iter"]: r["val_loss"] for r in read_metrics(root / "straight") if "val_loss" in r and r["iter"] > 0}
-    assert os.readlink(root / "straight" / "ckpt_best") == f"ckpt_{min(vals, key=vals.get):07d}"
+    vals = {r["iter"]: r["val_loss"] for r in read_metrics(root / "sharded_straight") if "val_loss" in r and r["iter"] > 0}
+    assert os.readlink(root / "sharded_straight" / "ckpt_best") == f"ckpt_{min(vals, key=vals.get):07d}"
 
 
 def test_the_sharded_checkpoint_resumes_on_one_rank_and_readers_need_no_process_group(runs, tmp_path):
     root, data, _ = runs
     out = tmp_path / "one"
-    shutil.copytree(root / "split", out, symlinks=True)
+    shutil.copytree(root / "sharded_split", out, symlinks=True)
     result = run_script("train.py", *tiny_args(data, out, **{**COMMON, "max_iters": 24, "init_from": "resume"}))
     assert result.returncode == 0, result.stderr
     assert "checkpoint was written by 2 rank(s), this run has 1: dropout RNG reseeded" in result.stdout
-    straight = {r["iter"]: r["loss"] for r in read_metrics(root / "straight") if "loss" in r}
+    straight = {r["iter"]: r["loss"] for r in read_metrics(root / "sharded_straight") if "loss" in r}
     resumed = {r["iter"]: r["loss"] for r in read_metrics(out) if "loss" in r and r["iter"] >= 20}
     assert sorted(resumed) == [20, 21, 22, 23]
     # the same weights and batch as the 2-rank run's iter 19, only other dropout masks
     assert resumed[20] == pytest.approx(straight[19], abs=0.3) and resumed[20] < straight[0] - 1.0
     assert (out / "ckpt_0000024" / "checkpoint.json").exists()
 
-    model, _ = checkpoint.load_model(str(root / "split"), "latest", report=lambda m: None)
-    whole = checkpoint.read_sharded(str(root / "split" / "ckpt_0000020"))
+    model, _ = checkpoint.load_model(str(root / "sharded_split"), "latest", report=lambda m: None)
+    whole = checkpoint.read_sharded(str(root / "sharded_split" / "ckpt_0000020"))
     assert all(torch.equal(v, whole["model"][k]) for k, v in model.state_dict().items())
-    sample = run_script("sample.py", f"--out_dir={root / 'split'}", "--device=cpu", "--num_samples=1",
+    sample = run_script("sample.py", f"--out_dir={root / 'sharded_split'}", "--device=cpu", "--num_samples=1",
                         "--max_new_tokens=20", "--checkpoint=latest")
     assert sample.returncode == 0 and "ckpt_0000020 (iter 20" in sample.stdout + sample.stderr, sample.stderr
 
     converted = tmp_path / "converted.pt"  # the conversion command: the full format, as ckpt.pt is
-    result = run_script("scripts/checkpoint_convert.py", root / "split" / "ckpt_0000020", converted)
+    result = run_script("scripts/checkpoint_convert.py", root / "sharded_split" / "ckpt_0000020", converted)
     assert result.returncode == 0, result.stderr
     state = checkpoint.load(str(converted))
     assert all(torch.equal(state["model"][k], whole["model"][k]) for k in whole["model"])
@@ -121,13 +98,15 @@ def test_the_sharded_checkpoint_resumes_on_one_rank_and_readers_need_no_process_
 
 def test_a_failing_background_write_is_one_line_on_every_rank_and_keeps_the_last_checkpoint(runs):
     root, _, results = runs
-    result = results["full_disk"]
-    assert result.returncode != 0
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert errors and all("No space left on device" in e or "another rank" in e for e in errors), result.stderr[-3000:]
-    assert "Traceback" not in result.stderr.split("error:")[0]  # our part printed no traceback
-    assert not (root / "full_disk" / "ckpt_0000025" / "checkpoint.json").exists()
-    assert checkpoint.read_sharded(str(root / "full_disk" / "ckpt_0000020"))["iter_num"] == 20
+    result = results["sharded_full_disk"]
+    assert [r["exit"] for r in result] != [0, 0] and json.loads((root / "sharded_full_disk" / "launch.json").read_text()) != [0]
+    errors = [line for r in result for line in r["stderr"].splitlines() if line.startswith("error:")]
+    stderr = "".join(r["stderr"][-3000:] for r in result)
+    assert errors and all("No space left on device" in e or "another rank" in e for e in errors), stderr
+    # our part printed no traceback (a rank that torchrun ended once the other had failed may print no line)
+    assert all("Traceback" not in r["stderr"].split("error:")[0] for r in result if "error:" in r["stderr"]), stderr
+    assert not (root / "sharded_full_disk" / "ckpt_0000025" / "checkpoint.json").exists()
+    assert checkpoint.read_sharded(str(root / "sharded_full_disk" / "ckpt_0000020"))["iter_num"] == 20
 
 
 # A background write made slow: the real DCP write happens, but its future completes DELAY seconds
@@ -228,7 +207,7 @@ def test_a_damaged_checkpoint_is_one_line(tmp_path, content):
 def test_a_sharded_directory_missing_a_shard_is_one_line(runs, tmp_path):
     root, data, _ = runs
     out = tmp_path / "out"
-    shutil.copytree(root / "split", out, symlinks=True)
+    shutil.copytree(root / "sharded_split", out, symlinks=True)
     (out / "ckpt_0000020" / "__1_0.distcp").unlink()
     result = run_script("sample.py", f"--out_dir={out}", "--device=cpu", "--checkpoint=latest")
     assert result.returncode == 2 and "Traceback" not in result.stderr

@@ -3,11 +3,15 @@ DDP and FSDP2 (losses, graphs, an exact resume), the skip decision of a step wit
 loss on one rank only (fp16, as the GPU runs it), one eval shape on every rank, and DDP's
 gradients held once (gradient_as_bucket_view) as memory.py counts them.
 
-The compiled launches, shared by the tests (torchrun's start is most of their time):
-  eager      DDP, not compiled: the reference; which rank writes and logs, and the replicas' weights
-  ddp        DDP, compiled, 8 steps
-  resumed    a copy of ddp's out_dir as it stood at iter 4 (its ckpt_0000004.pt), resumed to 8
-  fsdp       FSDP2, compiled, 8 steps
+The runs, shared by the tests, in one torchrun launch; a process's start and its first compile's
+imports are most of a small run's time, so the launch's ranks run the train.py runs one after the
+other (DRIVER: each compiles from nothing and has a process group of its own):
+  eager         DDP, not compiled: the reference; which rank writes and logs, and the replicas' weights
+  ddp           DDP, compiled, 8 steps
+  fsdp          FSDP2, compiled, 8 steps
+  resumed       a copy of ddp's out_dir as it stood at iter 4 (its ckpt_0000004.pt), resumed to 8,
+                compiling again
+  nan_one_rank  fp16, not compiled, a NaN loss on rank 1 only; it fails, last, with the launch
 Every run evaluates 3 batches on 2 ranks, so one rank evaluates a padded batch (step.evaluate).
 
 What is under test here is how train.py's compiled model meets DDP and FSDP2: dynamo's graphs
@@ -15,16 +19,16 @@ What is under test here is how train.py's compiled model meets DDP and FSDP2: dy
 backward, the collectives between them, recompiles and a compiled resume. The ranks compile with
 torch.compile's aot_eager backend: the same dynamo and AOTAutograd graphs, run by ATen's kernels
 instead of inductor's generated C++. On a CPU inductor compiles each fused kernel with g++ (about
-1.3 s each, 38 for the DDP launch): with a cold cache, as in CI, the DDP launch took 50 s and the
-FSDP2 one 25 s with inductor, and 10.5 s and 12.8 s with aot_eager (alone on the 2-core machine).
+1.3 s each, 38 for the DDP run). With aot_eager the launch took 47 CPU-seconds (2026-11-26; five
+launches of one run each had taken 128).
 Inductor on these model options (every Llama option, activation checkpointing) is tested in one
 process by tests/test_compile.py."""
 
 import gc
 import json
 import os
-import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -57,25 +61,27 @@ TRAIN_ARGS = [
     "--n_embd=128", "--mlp_hidden=512",
 ]
 
-# train.py under torchrun as a user runs it, recording for the test what a rank alone knows: its
-# exit code, its stderr, torch.compile's counters (tests/test_compile.py reads the same ones), the
-# checkpoint files it wrote, and the weights it put in its last checkpoint. With nan_at, the
-# steps at those iters on those ranks have a NaN loss (conftest.nan_steps)
+# train.py under torchrun as a user runs it, once for each run in the JSON list argv[2] (name, train.py
+# arguments, nan_at, copy), one after the other in the same ranks: a process's start and its first compile's
+# imports are most of a small run's time. Each run starts from nothing: torch._dynamo.reset() (so it
+# compiles again), a process group of its own (a store on the port that the test chose, hosted by
+# rank 0, for each run after the first: torchrun's own store keeps the previous group's addresses), the
+# NaN patches of its own (nan_at=(iters, ranks): those steps on those ranks have a NaN loss,
+# conftest.nan_steps); with copy, its out_dir is first a copy of an earlier run's. For the test it records what a rank alone knows of each run, in
+# root/<name>/rank<r>.*: its exit code, its stdout and stderr, torch.compile's counters
+# (tests/test_compile.py reads the same ones), the checkpoint files it wrote, and the weights it put in
+# its last checkpoint. A run that fails ends the process with its exit code
 DRIVER = textwrap.dedent("""
-    import json, os, runpy, sys
-    sys.path.insert(0, {repo!r})
-    nan_at = {nan_at!r}
-    if nan_at:
-        sys.path.insert(0, os.path.join({repo!r}, "tests"))
-        from conftest import nan_steps
-        nan_steps(setattr, *nan_at)
-    import functools, torch
+    import functools, json, os, runpy, shutil, sys, time, traceback
+    sys.path[:0] = [{repo!r}, os.path.join({repo!r}, "tests")]
+    import torch, torch._dynamo
+    import torch.distributed as dist
     from torch._dynamo.utils import counters
     from gpt import checkpoint
     # train.py's torch.compile(model, ...) call, with the aot_eager backend (see the docstring)
     torch.compile = functools.partial(torch.compile, backend="aot_eager")
-    report = os.path.join(sys.argv[1], "rank" + os.environ["RANK"])
-    save, make = checkpoint.save, checkpoint.make_checkpoint
+    root, runs = sys.argv[1], json.loads(sys.argv[2])
+    save, make, report = checkpoint.save, checkpoint.make_checkpoint, None
 
     def recording_save(state, path):
         with open(report + ".writes", "a") as f:
@@ -88,34 +94,80 @@ DRIVER = textwrap.dedent("""
         return state
 
     checkpoint.save, checkpoint.make_checkpoint = recording_save, make_and_keep
-    err = os.open(report + ".err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    os.dup2(err, 2)
-    sys.argv = ["train.py", *sys.argv[2:]]
-    code = 0
-    try:
-        runpy.run_path("train.py", run_name="__main__")
-    except SystemExit as e:
-        code = e.code
-    except BaseException:
-        code = "traceback"
-        raise
-    finally:
-        with open(report + ".json", "w") as f:
-            json.dump({{"exit": code, "counters": {{k: {{str(a): b for a, b in v.items()}} for k, v in counters.items()}}}}, f)
-    sys.exit(code)
+
+    def run(name, args, nan_at, port, copy):
+        global report
+        out = os.path.join(root, name)
+        report = os.path.join(out, "rank" + os.environ["RANK"])
+        if copy:  # out_dir: a copy of another run's (copy: its name, what to leave out), made by rank 0
+            if os.environ["RANK"] == "0":
+                shutil.copytree(os.path.join(root, copy[0]), out, ignore=shutil.ignore_patterns(*copy[1]), dirs_exist_ok=True)
+                open(os.path.join(out, "copied"), "w").close()
+            while not os.path.exists(os.path.join(out, "copied")):
+                time.sleep(0.05)
+        if port:
+            os.environ.update(MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="False")
+        torch._dynamo.reset()
+        counters.clear()
+        undo = []
+        if nan_at:
+            from conftest import nan_steps
+            nan_steps(lambda obj, attr, value: (undo.append((obj, attr, getattr(obj, attr))), setattr(obj, attr, value)),
+                      set(nan_at[0]), set(nan_at[1]))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, suffix in ((1, ".out"), (2, ".err")):
+            f = os.open(report + suffix, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(f, fd)
+            os.close(f)
+        sys.argv = ["train.py", *args]
+        code = 0
+        try:
+            runpy.run_path("train.py", run_name="__main__")
+        except SystemExit as e:
+            code = e.code or 0
+        except BaseException:
+            traceback.print_exc()
+            code = "traceback"
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for obj, attr, value in reversed(undo):
+                setattr(obj, attr, value)
+            if dist.is_initialized():  # train.py's teardown did not run
+                dist.destroy_process_group()
+            with open(report + ".json", "w") as f:
+                json.dump({{"exit": code, "counters": {{k: {{str(a): b for a, b in v.items()}} for k, v in counters.items()}}}}, f)
+        return code
+
+    for spec in runs:
+        code = run(**spec)
+        if code:
+            sys.exit(1 if code == "traceback" else code)
 """)
 
 
-def torchrun(root, name, data_dir, *extra, nan_at=None, timeout=300):
-    """`torchrun --nproc_per_node=2 train.py TRAIN_ARGS extra` in root/name (out_dir and each rank's
-    report); killed, with the test failing, if it runs past `timeout` (a rank waiting forever).
-    nan_at=(iters, ranks): those steps on those ranks have a NaN loss."""
-    out = root / name
-    out.mkdir(exist_ok=True)
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(root, data_dir, runs, timeout=300):
+    """One `torchrun --nproc_per_node=2` launch that runs `train.py TRAIN_ARGS extra` for each
+    (name, extra, nan_at, copy) in runs, in that order, in root/name (out_dir and each rank's report; see
+    DRIVER); killed, with the test failing, if it runs past `timeout` (a rank waiting forever).
+    Returns torchrun's exit code, stdout and stderr, and each run's ranks' reports by name (the runs
+    that ran)."""
     driver = root / "driver.py"
-    driver.write_text(DRIVER.format(repo=str(REPO), nan_at=nan_at))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(driver), str(out),
-           *TRAIN_ARGS, f"--dataset={data_dir}", f"--out_dir={out}", *extra]
+    driver.write_text(DRIVER.format(repo=str(REPO)))
+    specs = []
+    for i, (name, extra, nan_at, copy) in enumerate(runs):
+        (root / name).mkdir(exist_ok=True)
+        specs.append({"name": name, "args": [*TRAIN_ARGS, f"--dataset={data_dir}", f"--out_dir={root / name}", *extra],
+                      "nan_at": nan_at and [sorted(s) for s in nan_at], "port": i and free_port(), "copy": copy})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(driver), str(root),
+           json.dumps(specs)]
     # inductor compiles in the rank's own process: a pool of compile workers per rank costs more
     # to start on two cores than it saves. Its cache is torch's default, as in tests/test_compile.py
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
@@ -126,11 +178,20 @@ def torchrun(root, name, data_dir, *extra, nan_at=None, timeout=300):
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers
         proc.communicate()
-        pytest.fail(f"torchrun {name} still running after {timeout} s: a rank is waiting for another")
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-    for r, rank in enumerate(ranks):
-        rank["stderr"] = (out / f"rank{r}.err").read_text()
-    return proc.returncode, stdout, stderr, ranks
+        pytest.fail(f"torchrun of {[name for name, *_ in runs]} still running after {timeout} s: a rank is waiting for another")
+    reports = {}
+    for name, *_ in runs:
+        out = root / name
+        if not all((out / f"rank{r}.json").exists() for r in range(2)):
+            break
+        reports[name] = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+        for r, rank in enumerate(reports[name]):
+            rank["stdout"], rank["stderr"] = ((out / f"rank{r}{suffix}").read_text() for suffix in (".out", ".err"))
+    return proc.returncode, stdout, stderr, reports
+
+
+# fp16, a NaN loss on rank 1 at iters 3, 6 and 7 (test_one_rank_non_finite_loss_is_skipped_by_every_rank)
+NAN_ONE_RANK = ("nan_one_rank", ["--dtype=float16", "--max_iters=10", "--eval_interval=100", "--max_bad_steps=2"], ({3, 6, 7}, {1}), None)
 
 
 def losses(out_dir):
@@ -151,21 +212,15 @@ def data_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def compiled(data_dir):
     root, chars = data_dir, data_dir / "chars"
-    runs = {}
-
-    def launch(name, *extra):
-        code, stdout, stderr, ranks = torchrun(root, name, chars, *extra)
-        assert code == 0, stderr[-3000:] + "".join(r["stderr"][-3000:] for r in ranks)
-        runs[name] = ranks
-        ranks[0]["stdout"] = stdout  # rank 0 prints
-
-    launch("eager")
-    launch("ddp", "--compile=True", "--always_save_checkpoint=True", "--keep_last=2")  # checkpoints at 4 and 8
-    # the run as it stood at iter 4, resumed by a new launch that compiles again
-    shutil.copytree(root / "ddp", root / "resumed", ignore=shutil.ignore_patterns("ckpt.pt", "ckpt_best.pt", "ckpt_0000008.pt", "rank*"))
-    launch("resumed", "--compile=True", "--always_save_checkpoint=True", "--keep_last=2", "--init_from=resume")
-    launch("fsdp", "--compile=True", "--parallelism=fsdp")
-    return root, runs
+    ddp = ["--compile=True", "--always_save_checkpoint=True", "--keep_last=2"]  # checkpoints at 4 and 8
+    at_4 = ("ddp", ["ckpt.pt", "ckpt_best.pt", "ckpt_0000008.pt", "rank*"])  # ddp's out_dir as it stood at iter 4
+    code, _, stderr, runs = torchrun(root, chars, [
+        ("eager", [], None, None), ("ddp", ddp, None, None), ("fsdp", ["--compile=True", "--parallelism=fsdp"], None, None),
+        ("resumed", [*ddp, "--init_from=resume"], None, at_4),  # compiled again from nothing (torch._dynamo.reset())
+        NAN_ONE_RANK])  # last: its failing exit is the launch's
+    assert len(runs) == 5 and all(r["exit"] == 0 for name, ranks in runs.items() if name != NAN_ONE_RANK[0] for r in ranks), \
+        stderr[-3000:] + "".join(r["stderr"][-3000:] for ranks in runs.values() for r in ranks)
+    return root, {**runs, "launch exit": code}
 
 
 def test_compiled_ddp_and_fsdp_train_like_eager(compiled):
@@ -189,7 +244,7 @@ def test_only_rank_0_writes_and_logs_and_the_replicas_stay_equal(compiled):
     batches; DDP's all-reduce keeps the replicas equal)."""
     root, runs = compiled
     out = root / "eager"
-    assert "2 rank(s) x 2 micro-steps" in runs["eager"][0]["stdout"]
+    assert "2 rank(s) x 2 micro-steps" in runs["eager"][0]["stdout"] and not runs["eager"][1]["stdout"]
     assert (out / "rank0.writes").read_text() and not (out / "rank1.writes").exists()
     w0, w1 = (torch.load(out / f"rank{r}.weights.pt", weights_only=True) for r in range(2))
     assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
@@ -228,13 +283,14 @@ def test_compiled_ddp_resumes_exactly(compiled):
                for k in a["optimizer"]["state"][i])
 
 
-def test_one_rank_non_finite_loss_is_skipped_by_every_rank(data_dir):
+def test_one_rank_non_finite_loss_is_skipped_by_every_rank(compiled):
     """fp16 (GradScaler on, as on a GPU without bf16): a NaN loss on rank 1 only, at iters 3, 6 and 7,
     max_bad_steps=2. Every rank counts the same skipped steps: rank 0 reports rank 1's skip at
-    iter 3, and at iter 7 both stop with the same line and exit code; none waits for the other."""
-    code, stdout, stderr, ranks = torchrun(
-        data_dir, "nan_one_rank", data_dir / "chars", "--dtype=float16", "--max_iters=10", "--eval_interval=100",
-        "--max_bad_steps=2", nan_at=({3, 6, 7}, {1}), timeout=120)
+    iter 3, and at iter 7 both stop with the same line and exit code; none waits for the other
+    (the launch would run past its timeout)."""
+    _, runs = compiled
+    ranks, code = runs["nan_one_rank"], runs["launch exit"]
+    stdout = ranks[0]["stdout"]
     assert "iter 3: non-finite loss or gradient norm, 1 step(s) skipped since the last log (1 in a row)" in stdout
     assert "iter 4: loss" in stdout and "iter 7: loss" not in stdout
     assert [r["exit"] for r in ranks] == [3, 3] and code != 0
