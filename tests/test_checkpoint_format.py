@@ -13,8 +13,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 
@@ -24,7 +22,7 @@ import torch.distributed as dist
 
 from gpt import checkpoint
 from configurator import UserError
-from conftest import REPO, read_metrics, run_script, tiny_args
+from conftest import REPO, python_process, read_metrics, run_script, tiny_args
 from test_fsdp import SHARDED as COMMON, reports, shared_launches
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -134,8 +132,7 @@ SLOW_DRIVER = textwrap.dedent("""
 def start_slow(tmp_path, delay, args):
     driver = tmp_path / "slow.py"
     driver.write_text(SLOW_DRIVER.format(repo=str(REPO)))
-    return subprocess.Popen([sys.executable, str(driver), str(delay), *args], cwd=REPO, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return python_process([driver, delay, *args])
 
 
 def wait_for(path, proc, timeout=120):

@@ -30,7 +30,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import textwrap
 import weakref
 
@@ -40,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from conftest import REPO, load_script, make_text, read_metrics
+from conftest import REPO, load_script, make_text, python_process, read_metrics
 
 from gpt import memory
 from gpt import runtime
@@ -166,18 +165,15 @@ def torchrun(root, data_dir, runs, timeout=300):
         (root / name).mkdir(exist_ok=True)
         specs.append({"name": name, "args": [*TRAIN_ARGS, f"--dataset={data_dir}", f"--out_dir={root / name}", *extra],
                       "nan_at": nan_at and [sorted(s) for s in nan_at], "port": i and free_port(), "copy": copy})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(driver), str(root),
-           json.dumps(specs)]
+    cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", driver, root, json.dumps(specs)]
     # inductor compiles in the rank's own process: a pool of compile workers per rank costs more
     # to start on two cores than it saves. Its cache is torch's default, as in tests/test_compile.py
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = python_process(cmd, env={"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"})
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers
-        proc.communicate()
+        proc.wait()
         pytest.fail(f"torchrun of {[name for name, *_ in runs]} still running after {timeout} s: a rank is waiting for another")
     reports = {}
     for name, *_ in runs:

@@ -21,14 +21,13 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import REPO, load_script, make_text, read_metrics, shared_dir, tiny_args
+from conftest import REPO, load_script, make_text, python_process, read_metrics, shared_dir, tiny_args
 
 from model import GPT, GPTConfig
 
@@ -115,10 +114,8 @@ def torchrun(launch, root, runs, nodes=1):
         (root / name).mkdir(exist_ok=True)
     specs = json.dumps([{"name": name, "args": [*map(str, args)], "nan": sorted(nan), "port": i and free_port()}
                         for i, (name, args, nan) in enumerate(runs)])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", *launch, str(driver), str(root), specs]
-    return [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True) for _ in range(nodes)]
+    cmd = ["-m", "torch.distributed.run", *launch, driver, root, specs]
+    return [python_process(cmd, env={"OMP_NUM_THREADS": "1"}) for _ in range(nodes)]
 
 
 def finish(procs, root, runs, timeout=300):
@@ -132,7 +129,7 @@ def finish(procs, root, runs, timeout=300):
             for q in procs:
                 if q.poll() is None:
                     os.killpg(q.pid, signal.SIGKILL)  # torchrun and its workers
-                    q.communicate()
+                    q.wait()
             pytest.fail(f"torchrun of {[name for name, *_ in runs]} still running after {timeout} s: a rank is waiting for another")
     done = {}
     for name, *_ in runs:

@@ -369,8 +369,8 @@ def test_ddp_on_two_gloo_ranks_keeps_the_replicas_equal(tmp_path):
     (tmp_path / "chars").mkdir()
     load_script("data/shakespeare_char/prepare.py").prepare(make_text(), str(tmp_path / "chars"))
     flags = [f"--{k}={v}" for k, v in LEVER_FLAGS.items() if k != "n_layer"]
-    code, _, stderr, ranks = torchrun(tmp_path, "levers", tmp_path / "chars", *flags, "--max_iters=4", "--eval_interval=4")
-    assert code == 0, stderr[-3000:] + "".join(r["stderr"][-3000:] for r in ranks)
+    code, _, stderr, reports = torchrun(tmp_path, tmp_path / "chars", [("levers", [*flags, "--max_iters=4", "--eval_interval=4"], None, None)])
+    assert code == 0, stderr[-3000:] + "".join(r["stderr"][-3000:] for r in reports.get("levers", []))
     w0, w1 = (torch.load(tmp_path / "levers" / f"rank{r}.weights.pt", weights_only=True) for r in range(2))
     assert any(k.startswith("transformer.ve.") for k in w0) and "skip_weights" in w0
     assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
