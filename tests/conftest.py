@@ -202,8 +202,8 @@ def python_process(args, out=None, err=None, cwd=REPO, env=None):
     imported torch once: `import torch` costs ~2.4 s of CPU on each interpreter start here, and
     the suite starts dozens of such processes. The script runs as __main__ with the given argv, env
     and cwd, and exits as an interpreter does: its non-daemon threads are joined and its atexit
-    functions run. What is not a fresh interpreter: torch and numpy were imported before the
-    environment was set (variables they read at import time come from the suite's start)."""
+    functions run. What is not a fresh interpreter: torch, numpy and torch._dynamo were imported
+    before the environment was set (what they read from it at import time is _server's)."""
     import tempfile
 
     own = None
@@ -229,16 +229,20 @@ def pytest_sessionfinish():
 
 def _server():
     """multiprocessing's forkserver context, its server started (once per pytest worker) with
-    torch and numpy imported and the environment the suite started with."""
+    torch, numpy and torch._dynamo imported (~2 s of CPU each for torch and dynamo, which every
+    train.py imports), in the environment the suite started with plus one OpenMP thread and
+    inductor compiling in-process: OpenMP's threads do not survive a fork (a child sets its own
+    number with torch.set_num_threads), and on a machine of a few cores a pool of compile workers
+    in every process costs more to start than it saves."""
     import multiprocessing
     import multiprocessing.forkserver
 
     if not _SERVER:
         context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["torch", "numpy"])
+        context.set_forkserver_preload(["torch", "numpy", "torch._dynamo"])
         saved = dict(os.environ)
         os.environ.clear()
-        os.environ.update(_STARTING_ENVIRON)
+        os.environ.update({**_STARTING_ENVIRON, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"})
         try:
             multiprocessing.forkserver.ensure_running()
         finally:

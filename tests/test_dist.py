@@ -166,9 +166,9 @@ def torchrun(root, data_dir, runs, timeout=300):
         specs.append({"name": name, "args": [*TRAIN_ARGS, f"--dataset={data_dir}", f"--out_dir={root / name}", *extra],
                       "nan_at": nan_at and [sorted(s) for s in nan_at], "port": i and free_port(), "copy": copy})
     cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", driver, root, json.dumps(specs)]
-    # inductor compiles in the rank's own process: a pool of compile workers per rank costs more
-    # to start on two cores than it saves. Its cache is torch's default, as in tests/test_compile.py
-    proc = python_process(cmd, env={"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"})
+    # inductor compiles in the rank's own process (python_process's TORCHINDUCTOR_COMPILE_THREADS=1).
+    # Its cache is torch's default, as in tests/test_compile.py
+    proc = python_process(cmd, env={"OMP_NUM_THREADS": "1"})
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
