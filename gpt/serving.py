@@ -162,7 +162,10 @@ class EngineProcess:
     GIL; in one process every tensor op and every socket write took the GIL from the other."""
 
     def __init__(self, cfg, deliver):
-        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no threads or device state forked
+        # forked from multiprocessing's fork server, itself a fresh interpreter: no threads or device
+        # state of this process are inherited (as with spawn), and a process that has a fork server
+        # running already (the test suite's) starts the model's process without a new interpreter
+        context = multiprocessing.get_context("forkserver")
         inbox, self.requests = context.Pipe(duplex=False)
         self.outputs, outbox = context.Pipe(duplex=False)
         self.process = context.Process(target=engine_process, args=(cfg, inbox, outbox), name="serve.py model", daemon=True)

@@ -23,18 +23,18 @@ sys.path.insert(0, str(REPO))
 ATEN_BACKEND = "aot_eager_decomp_partition"
 
 
-# The files that take longest with a cold compile cache, as in CI (worker-seconds under `make test`,
-# 2026-11-24, 259 s in all: test_serve 85, test_dist 60, test_compile 57, test_checkpoint_format 40,
-# test_bench 32, test_fsdp 24; the next is 22). make test hands whole files to its workers in
-# collection order (--no-loadscope-reorder: pytest-xdist would otherwise order files by their number
-# of tests), so these go first: a long file that starts last leaves the other worker idle until it ends.
-# test_watch.py joined them (2026-11-25: about 50 s in one process: a torchrun launch, watcher processes),
-# test_compare.py (2026-11-25: about 35 s of CPU in one process: ~50 tiny train.py runs, two of them processes),
-# test_levers.py (2026-11-25: about 55 s alone on one core: a torchrun launch, compiles, gradchecks)
-# and test_replicas.py (2026-11-25: about 80 s alone on the shared 2-core machine: replica groups and a torchrun launch),
-# test_diloco.py (2026-11-25: about 70 s alone on the shared 2-core machine: 6 pairs of replica groups).
-LONGEST_FIRST = ["test_serve.py", "test_replicas.py", "test_diloco.py", "test_dist.py", "test_watch.py", "test_levers.py", "test_compile.py",
-                 "test_checkpoint_format.py", "test_compare.py", "test_bench.py", "test_fsdp.py"]
+# The files that take longest (seconds of wall time in a full `make test` on this 2-core machine,
+# 2026-11-26, with python_process's forked processes: test_serve 93, test_replicas 46, test_bench 41,
+# test_gguf 32, test_watch 29, test_dist 26, test_sample 25, test_compare 21, test_core 20,
+# test_checkpoint_format 19, test_compile 18; the rest 15 or less). make test hands whole files to
+# its workers in collection order (--no-loadscope-reorder: pytest-xdist would otherwise order files
+# by their number of tests), so these go first: a long file that starts last leaves the other worker
+# idle until it ends. Files that build a directory others share (conftest.shared_dir) go before the
+# files that read it, so those find it built instead of waiting on its lock: test_serve builds the
+# chat demo (test_gguf, test_chat), test_sample the Shakespeare model (test_train), and
+# test_checkpoint_format the FSDP launches (test_fsdp).
+LONGEST_FIRST = ["test_serve.py", "test_replicas.py", "test_bench.py", "test_gguf.py", "test_watch.py", "test_dist.py",
+                 "test_sample.py", "test_compare.py", "test_core.py", "test_checkpoint_format.py", "test_compile.py"]
 
 
 def pytest_collection_modifyitems(items):
@@ -216,6 +216,14 @@ def python_process(args, out=None, err=None, cwd=REPO, env=None):
     child.start()
     _FORKED.append(_Forked(child, [*map(str, args)], (Path(out), Path(err or out)) if own else None))
     return _FORKED[-1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_server():
+    """python_process's server, started before any test: multiprocessing has one fork server per
+    process, and serve.py's model process (gpt/serving.py) is forked from it too, which must
+    not start it first without torch imported or with a test's patched environment."""
+    _server()
 
 
 def pytest_sessionfinish():
