@@ -26,15 +26,16 @@ ATEN_BACKEND = "aot_eager_decomp_partition"
 # The files that take longest (seconds of wall time in a full `make test` on this 2-core machine,
 # 2026-11-26, with python_process's forked processes: test_serve 93, test_replicas 46, test_bench 41,
 # test_gguf 32, test_watch 29, test_dist 26, test_sample 25, test_compare 21, test_core 20,
-# test_checkpoint_format 19, test_compile 18; the rest 15 or less). make test hands whole files to
+# test_checkpoint_format 19; the rest 15 or less, but test_compile's inductor test takes ~35 s
+# more with a cold cache, as in CI). make test hands whole files to
 # its workers in collection order (--no-loadscope-reorder: pytest-xdist would otherwise order files
 # by their number of tests), so these go first: a long file that starts last leaves the other worker
 # idle until it ends. Files that build a directory others share (conftest.shared_dir) go before the
 # files that read it, so those find it built instead of waiting on its lock: test_serve builds the
 # chat demo (test_gguf, test_chat), test_sample the Shakespeare model (test_train), and
 # test_checkpoint_format the FSDP launches (test_fsdp).
-LONGEST_FIRST = ["test_serve.py", "test_replicas.py", "test_bench.py", "test_gguf.py", "test_watch.py", "test_dist.py",
-                 "test_sample.py", "test_compare.py", "test_core.py", "test_checkpoint_format.py", "test_compile.py"]
+LONGEST_FIRST = ["test_serve.py", "test_replicas.py", "test_compile.py", "test_bench.py", "test_gguf.py", "test_watch.py",
+                 "test_dist.py", "test_sample.py", "test_compare.py", "test_core.py", "test_checkpoint_format.py"]
 
 
 def pytest_collection_modifyitems(items):
