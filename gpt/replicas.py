@@ -315,7 +315,7 @@ class Replicas:
         """Leave the groups. A quorum still in flight (the run stopped between steps) is waited
         for first, up to dist_timeout_s: its thread may be connecting the process group, and a
         process that exits under it can abort."""
-        pending = self.manager._quorum_future
+        pending = self.manager._quorum_future  # torchft's Manager keeps its running quorum there
         if pending is not None:
             concurrent.futures.wait([pending], timeout=self.cfg.dist_timeout_s)
         self.manager.shutdown(wait=False)

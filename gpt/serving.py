@@ -163,8 +163,8 @@ class EngineProcess:
 
     def __init__(self, cfg, deliver):
         # forked from multiprocessing's fork server, itself a fresh interpreter: no threads or device
-        # state of this process are inherited (as with spawn), and a process that has a fork server
-        # running already (the test suite's) starts the model's process without a new interpreter
+        # state of this process are inherited (as with spawn), and where this process has a fork
+        # server running already, the model's process starts without another interpreter start
         context = multiprocessing.get_context("forkserver")
         inbox, self.requests = context.Pipe(duplex=False)
         self.outputs, outbox = context.Pipe(duplex=False)
