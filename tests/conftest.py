@@ -1,6 +1,7 @@
 """Shared test helpers: a tiny character dataset made on the spot, and running the scripts."""
 
 import fcntl
+import functools
 import importlib.util
 import json
 import os
@@ -188,7 +189,7 @@ def _child(send, fn, args, env):
 # The environment this process started with: a fork server started later (python_process) gets it,
 # not whatever a test has patched into os.environ by then.
 _STARTING_ENVIRON = dict(os.environ)
-_SERVER, _FORKED = [], []
+_FORKED = []
 
 
 def python_process(args, out=None, err=None, cwd=REPO, env=None):
@@ -236,6 +237,7 @@ def pytest_sessionfinish():
             shutil.rmtree(proc.files[0].parent, ignore_errors=True)
 
 
+@functools.cache
 def _server():
     """multiprocessing's forkserver context, its server started (once per pytest worker) with
     torch, numpy and torch._dynamo imported (~2 s of CPU each for torch and dynamo, which every
@@ -246,19 +248,17 @@ def _server():
     import multiprocessing
     import multiprocessing.forkserver
 
-    if not _SERVER:
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["torch", "numpy", "torch._dynamo"])
-        saved = dict(os.environ)
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "numpy", "torch._dynamo"])
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update({**_STARTING_ENVIRON, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"})
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
         os.environ.clear()
-        os.environ.update({**_STARTING_ENVIRON, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"})
-        try:
-            multiprocessing.forkserver.ensure_running()
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
-        _SERVER.append(context)
-    return _SERVER[0]
+        os.environ.update(saved)
+    return context
 
 
 def _as_python(args, out, err, cwd, env):
@@ -300,9 +300,7 @@ def _run_as_main(args, cwd, env):
             sys.path.insert(0, os.path.dirname(os.path.abspath(args[0])))
             runpy.run_path(args[0], run_name="__main__")
     except SystemExit as e:
-        if isinstance(e.code, str):
-            print(e.code, file=sys.stderr)
-        code = 1 if isinstance(e.code, str) else e.code or 0
+        code = exit_code(e)
     except BaseException:
         traceback.print_exc()
         code = 1
@@ -456,9 +454,7 @@ def _run_in_process(path, args, cwd, env):
             os.chdir(cwd)
             runpy.run_path(str(path), run_name="__main__")
         except SystemExit as e:
-            if isinstance(e.code, str):
-                print(e.code, file=sys.stderr)
-            code = 1 if isinstance(e.code, str) else e.code or 0
+            code = exit_code(e)
         except BaseException:  # what an uncaught exception does to a real process
             traceback.print_exc()
             code = 1
@@ -512,6 +508,57 @@ def nan_steps(setattr, iters, ranks=None):
 
     setattr(optim, "get_lr", recording_get_lr)
     setattr(step, "train_step", nan_train_step)
+
+
+def exit_code(e):
+    """The exit status a process ends with on SystemExit e, as the interpreter gives it: a string
+    is printed to stderr and exits 1, None is 0."""
+    if isinstance(e.code, str):
+        print(e.code, file=sys.stderr)
+        return 1
+    return e.code or 0
+
+
+def train_in_rank(report, args, port=0, nan_iters=(), nan_ranks=None):
+    """For a test's torchrun driver that runs several train.py runs one after the other in the same
+    ranks: one run, `train.py ARGS` as __main__, with its stdout and stderr in report.out and
+    report.err. port: after the first run, a store of its own on that port, hosted by rank 0
+    (torchrun's keeps the previous process group's addresses). A NaN loss at nan_iters on
+    nan_ranks (nan_steps; None: every rank), undone afterwards, as is a process group that a
+    failed run left. Returns the run's exit code (1 for a traceback)."""
+    import runpy
+    import traceback
+
+    import torch.distributed as dist
+
+    if port:
+        os.environ.update(MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="False")
+    undo = []
+    if nan_iters:
+        nan_steps(lambda obj, attr, value: (undo.append((obj, attr, getattr(obj, attr))), setattr(obj, attr, value)),
+                  set(nan_iters), nan_ranks and set(nan_ranks))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for fd, suffix in ((1, ".out"), (2, ".err")):
+        f = os.open(report + suffix, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(f, fd)
+        os.close(f)
+    sys.argv, code = ["train.py", *args], 0
+    try:
+        runpy.run_path("train.py", run_name="__main__")
+    except SystemExit as e:
+        code = exit_code(e)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for obj, attr, value in reversed(undo):
+            setattr(obj, attr, value)
+        if dist.is_initialized():  # train.py's teardown did not run
+            dist.destroy_process_group()
+    return code
 
 
 def read_metrics(out_dir):

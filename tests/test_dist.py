@@ -66,15 +66,15 @@ TRAIN_ARGS = [
 # compiles again), a process group of its own (a store on the port that the test chose, hosted by
 # rank 0, for each run after the first: torchrun's own store keeps the previous group's addresses), the
 # NaN patches of its own (nan_at=(iters, ranks): those steps on those ranks have a NaN loss,
-# conftest.nan_steps); with copy, its out_dir is first a copy of an earlier run's. For the test it records what a rank alone knows of each run, in
+# conftest.train_in_rank); with copy, its out_dir is first a copy of an earlier run's. For the test it records what a rank alone knows of each run, in
 # root/<name>/rank<r>.*: its exit code, its stdout and stderr, torch.compile's counters
 # (tests/test_compile.py reads the same ones), the checkpoint files it wrote, and the weights it put in
 # its last checkpoint. A run that fails ends the process with its exit code
 DRIVER = textwrap.dedent("""
-    import functools, json, os, runpy, shutil, sys, time, traceback
+    import functools, json, os, shutil, sys, time
     sys.path[:0] = [{repo!r}, os.path.join({repo!r}, "tests")]
     import torch, torch._dynamo
-    import torch.distributed as dist
+    from conftest import train_in_rank
     from torch._dynamo.utils import counters
     from gpt import checkpoint
     # train.py's torch.compile(model, ...) call, with the aot_eager backend (see the docstring)
@@ -104,45 +104,17 @@ DRIVER = textwrap.dedent("""
                 open(os.path.join(out, "copied"), "w").close()
             while not os.path.exists(os.path.join(out, "copied")):
                 time.sleep(0.05)
-        if port:
-            os.environ.update(MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="False")
         torch._dynamo.reset()
         counters.clear()
-        undo = []
-        if nan_at:
-            from conftest import nan_steps
-            nan_steps(lambda obj, attr, value: (undo.append((obj, attr, getattr(obj, attr))), setattr(obj, attr, value)),
-                      set(nan_at[0]), set(nan_at[1]))
-        sys.stdout.flush()
-        sys.stderr.flush()
-        for fd, suffix in ((1, ".out"), (2, ".err")):
-            f = os.open(report + suffix, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-            os.dup2(f, fd)
-            os.close(f)
-        sys.argv = ["train.py", *args]
-        code = 0
-        try:
-            runpy.run_path("train.py", run_name="__main__")
-        except SystemExit as e:
-            code = e.code or 0
-        except BaseException:
-            traceback.print_exc()
-            code = "traceback"
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            for obj, attr, value in reversed(undo):
-                setattr(obj, attr, value)
-            if dist.is_initialized():  # train.py's teardown did not run
-                dist.destroy_process_group()
-            with open(report + ".json", "w") as f:
-                json.dump({{"exit": code, "counters": {{k: {{str(a): b for a, b in v.items()}} for k, v in counters.items()}}}}, f)
+        code = train_in_rank(report, args, port, *(nan_at or ()))
+        with open(report + ".json", "w") as f:
+            json.dump({{"exit": code, "counters": {{k: {{str(a): b for a, b in v.items()}} for k, v in counters.items()}}}}, f)
         return code
 
     for spec in runs:
         code = run(**spec)
         if code:
-            sys.exit(1 if code == "traceback" else code)
+            sys.exit(code)
 """)
 
 

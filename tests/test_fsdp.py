@@ -52,13 +52,12 @@ SHARDED = dict(max_iters=20, lr_decay_iters=20, eval_interval=5, gradient_accumu
 # arguments, NaN steps), one after the other in the same ranks. Each run has a process group of its
 # own (for each run after the first, a store on the port that the test chose, hosted by rank 0:
 # torchrun's own store keeps the previous group's addresses) and a NaN loss at its NaN steps on every
-# rank (conftest.nan_steps). Each rank's stdout, stderr and exit code of each run go to
+# rank (conftest.train_in_rank). Each rank's stdout, stderr and exit code of each run go to
 # root/<name>/rank<r>.*; a run that fails ends the process with its exit code
 DRIVER = textwrap.dedent("""
-    import json, os, runpy, sys, traceback
+    import json, os, sys
     sys.path[:0] = [{repo!r}, os.path.join({repo!r}, "tests")]
-    import torch.distributed as dist
-    from conftest import nan_steps
+    from conftest import train_in_rank
     root, runs = sys.argv[1], json.loads(sys.argv[2])
     # every rank runs on this machine, the two "nodes" too: they share its cores as a standalone launch's
     # ranks do (runtime.setup gives a rank cpu_count / LOCAL_WORLD_SIZE threads), so a run computes the
@@ -67,35 +66,9 @@ DRIVER = textwrap.dedent("""
 
     def run(name, args, nan, port):
         report = os.path.join(root, name, "rank" + os.environ["RANK"])
-        if port:
-            os.environ.update(MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="False")
-        undo = []
-        if nan:
-            nan_steps(lambda obj, attr, value: (undo.append((obj, attr, getattr(obj, attr))), setattr(obj, attr, value)), set(nan))
-        sys.stdout.flush()
-        sys.stderr.flush()
-        for fd, suffix in ((1, ".out"), (2, ".err")):
-            f = os.open(report + suffix, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-            os.dup2(f, fd)
-            os.close(f)
-        sys.argv = ["train.py", *args]
-        code = 0
-        try:
-            runpy.run_path("train.py", run_name="__main__")
-        except SystemExit as e:
-            code = e.code or 0
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            for obj, attr, value in reversed(undo):
-                setattr(obj, attr, value)
-            if dist.is_initialized():  # train.py's teardown did not run
-                dist.destroy_process_group()
-            with open(report + ".json", "w") as f:
-                json.dump({{"exit": code}}, f)
+        code = train_in_rank(report, args, port, nan)
+        with open(report + ".json", "w") as f:
+            json.dump({{"exit": code}}, f)
         return code
 
     for spec in runs:
