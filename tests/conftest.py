@@ -432,6 +432,60 @@ def run_python(args, cwd=REPO, env=None, timeout=300):
     return subprocess.CompletedProcess([sys.executable, *map(str, args)], proc.returncode, stdout, stderr)
 
 
+@pytest.fixture
+def forked_pythons(monkeypatch, tmp_path):
+    """The Python processes a command starts with subprocess.run or subprocess.Popen of sys.executable
+    (gpu_battery.py's and bench.py --compare's train.py runs) forked from python_process's server,
+    which imported torch once, instead of started as fresh interpreters: the same arguments, working
+    directory and output, ~4 CPU-s less each. Other commands (nvidia-smi, what the platform module
+    asks) run as they would. Only the forms those commands use are taken; another fails the test."""
+    run, popen, pipes = subprocess.run, subprocess.Popen, []
+
+    def python_args(args):
+        return args[2:] if args[1] == "-u" else args[1:]  # python_process's output is unbuffered anyway
+
+    def forked_run(args, **kwargs):
+        if args[0] != sys.executable:
+            return run(args, **kwargs)
+        if kwargs == {"capture_output": True, "text": True}:
+            return run_python(python_args(args), cwd=os.getcwd())
+        assert set(kwargs) == {"stdout", "stderr"} and kwargs["stderr"] == subprocess.STDOUT, kwargs
+        kwargs["stdout"].flush()  # a file of the caller's: the process appends to it
+        proc = python_process(python_args(args), out=kwargs["stdout"].name, cwd=os.getcwd())
+        return subprocess.CompletedProcess(args, proc.wait())
+
+    class Piped:
+        """Popen(args, stdout=PIPE, stderr=STDOUT, text=True, bufsize=1), read line by line as the
+        process writes them: its output goes through a named pipe."""
+
+        def __init__(self, args):
+            fifo = tmp_path / f"popen{len(pipes)}.out"
+            os.mkfifo(fifo)
+            pipes.append(fifo)
+            self.process = python_process(python_args(args), out=fifo, cwd=os.getcwd())
+            self.stdout = open(fifo, encoding="utf-8")  # returns once the process has opened its end
+
+        @property
+        def returncode(self):
+            return self.process.returncode
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.stdout.close()
+            self.process.wait()
+
+    def forked_popen(args, **kwargs):
+        if args[0] != sys.executable:
+            return popen(args, **kwargs)
+        assert kwargs == {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True, "bufsize": 1}, kwargs
+        return Piped(args)
+
+    monkeypatch.setattr(subprocess, "run", forked_run)
+    monkeypatch.setattr(subprocess, "Popen", forked_popen)
+
+
 def _run_in_process(path, args, cwd, env):
     import io
     import runpy

@@ -136,8 +136,9 @@ def test_two_seeds_are_too_few_and_say_so(char_data, tmp_path, fast_runs, capsys
     assert result["summary"]["val_loss"]["B-A"]["p"] is None and result["summary"]["val_loss"]["A"]["low"] is not None
 
 
-def test_the_runs_are_train_py_processes(char_data, tmp_path, capsys):
+def test_the_runs_are_train_py_processes(char_data, tmp_path, capsys, forked_pythons):
     # the product's own path: python train.py, a process per run, its output in <side>-s<seed>.log
+    # (the processes forked from a server that imported torch: conftest.forked_pythons)
     result = compare_run(char_data, tmp_path, seeds=1, max_iters=10, lr_decay_iters=10, against=f"--learning_rate={LR / 30}")
     assert "1 seed(s) per side is too few" in capsys.readouterr().out
     assert all(math.isfinite(r["val_loss"]) and r["wall_s"] > 0 for r in result["runs"])

@@ -17,6 +17,7 @@ import functools
 import numpy as np
 import pytest
 import torch
+import torch._inductor.config
 from torch._dynamo.utils import counters
 
 from conftest import ATEN_BACKEND
@@ -88,8 +89,11 @@ def test_llama_options_and_checkpointing_train_as_one_graph():
     reference.load_state_dict(model.state_dict())
     model.activation_checkpointing = reference.activation_checkpointing = True
     x = torch.randint(0, 65, (2, 16))
-    _, loss = torch.compile(model, fullgraph=True, dynamic=False)(x, x)  # inductor; a graph break is an error
-    loss.backward()
+    # inductor's kernels as scalar C++ (simdlen 1): the same graphs, lowering and fusion, and with a
+    # cold cache the test takes 47 CPU-s instead of 62 (g++ 31 instead of 41). A GPU's are Triton's.
+    with torch._inductor.config.patch({"cpp.simdlen": 1}):
+        _, loss = torch.compile(model, fullgraph=True, dynamic=False)(x, x)  # inductor; a graph break is an error
+        loss.backward()
     _, ref_loss = reference(x, x)
     ref_loss.backward()
     torch.testing.assert_close(loss, ref_loss, rtol=1e-4, atol=1e-5)
