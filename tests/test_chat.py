@@ -113,7 +113,7 @@ def chat(out_dir, *args, stdin=None):
 
 def test_the_demo_model_answers_held_out_prompts(demo):
     """Greedy replies through chat.py, word for word: one turn through --prompt, the name recalled
-    a turn later through the REPL. Untrained, every answer is wrong; the 250 steps here get about
+    a turn later through the REPL. Untrained, every answer is wrong; the 180 steps here get about
     two in three right (the demo's 1,200 steps: 96.5%, BENCHMARKS.md, "The chat demo on a CPU")."""
     eval_script = load_script("scripts/chat_eval.py")
     out_dir, heldout = demo

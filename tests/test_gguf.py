@@ -246,7 +246,7 @@ def greedy_ours(model, prompt, n_vocab, n=64):
 @pytest.fixture(scope="module")
 def chat_demo(tmp_path_factory, shared_chat_demo):
     """config/chat_demo_cpu.py's path, smaller (conftest's shared_chat_demo: 15,000 synthetic
-    conversations, the 512-token tokenizer, 250 steps); its GGUF at f32."""
+    conversations, the 512-token tokenizer, 180 steps); its GGUF at f32."""
     out, heldout = chat_demo_copy(shared_chat_demo, tmp_path_factory.mktemp("chat_demo") / "out")
     export(out)
     single_turn = [c for c in heldout if c["intent"] != "recall"][:20]  # chat.py --prompt asks one message

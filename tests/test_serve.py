@@ -5,7 +5,7 @@ that hangs up; schemathesis from the server's own OpenAPI schema. And inference.
 against solo generation on the model, GPT-2 and Llama shaped.
 
 The chat model is the chat demo's path (data/chat/synthetic.py, a 512-token tokenizer trained
-on it, data/chat/prepare.py, config/chat_demo_cpu.py) trained for 250 steps on 15,000
+on it, data/chat/prepare.py, config/chat_demo_cpu.py) trained for 180 steps on 15,000
 conversations instead of 1,200 on 60,000, once for the whole test run (conftest's
 shared_chat_demo, which test_chat.py and test_gguf.py use too)."""
 
