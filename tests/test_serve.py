@@ -15,8 +15,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 import types
@@ -33,7 +31,7 @@ from gpt import serving
 from gpt import tokenizer
 import serve
 from configurator import ServeConfig, UserError, parse
-from conftest import ATEN_BACKEND, REPO, chat_demo_copy, load_script, run_script, train_tiny_run
+from conftest import ATEN_BACKEND, REPO, chat_demo_copy, load_script, python_process, run_script, train_tiny_run
 from model import GPT, GPTConfig
 
 KEY = "test-key-123"
@@ -732,19 +730,20 @@ def test_a_client_that_hangs_up_frees_its_row_at_once(demo, chat_server):
                     "max_tokens": 20}) == chat_py(out_dir, message, 20)
 
 
-def test_the_command_warns_when_it_listens_beyond_loopback_with_no_key(base):
+def test_the_command_warns_when_it_listens_beyond_loopback_with_no_key(base, tmp_path):
     """`python serve.py` in its own process: by default on 127.0.0.1; --host=0.0.0.0 without a key
     says on stderr who can then use the model, serves, and ends on Ctrl-C without a traceback; a
     taken port is one line."""
     assert parse(ServeConfig, []).host == "127.0.0.1"
-    env = {k: v for k, v in os.environ.items() if k != "OPENAI_API_KEY"}
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, str(REPO / "serve.py"), f"--out_dir={base}", "--device=cpu", "--host=0.0.0.0",
-                             f"--port={port}"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    os.mkfifo(tmp_path / "stderr")  # read line by line as serve.py writes it
+    proc = python_process([REPO / "serve.py", f"--out_dir={base}", "--device=cpu", "--host=0.0.0.0", f"--port={port}"],
+                          out=tmp_path / "stdout", err=tmp_path / "stderr", env={"OPENAI_API_KEY": ""})  # '': no key
+    stderr = open(tmp_path / "stderr", encoding="utf-8")  # returns once serve.py has opened its end
     try:
-        lines = [proc.stderr.readline() for _ in range(2)]
+        lines = [stderr.readline() for _ in range(2)]
         assert lines[0].startswith("warning: listening on 0.0.0.0 with no API key: anyone who can reach this machine")
         assert lines[1].startswith("serving out (completions only") and f":{port}/" in lines[1]
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "out", "prompt": "The", "max_tokens": 3}, timeout=30)
@@ -754,7 +753,8 @@ def test_the_command_warns_when_it_listens_beyond_loopback_with_no_key(base):
         assert len(taken.stderr.splitlines()) == 1
     finally:
         proc.send_signal(signal.SIGINT)  # uvicorn shuts down, then Ctrl-C ends the command as any other here
-        assert proc.wait(30) == 130 and proc.stderr.read() == "interrupted\n"
+        with stderr:
+            assert proc.wait(30) == 130 and stderr.read() == "interrupted\n"
 
 
 # ---------------------------------------------------------------------------- fuzzing
