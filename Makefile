@@ -55,10 +55,12 @@ quickstart: venv
 # (pytest-timeout, by SIGALRM inside the test, so the worker lives on); and a worker that dies anyway
 # is not replaced (--max-worker-restart=0): pytest-xdist's replacement under --dist loadfile can wait
 # for ever, while without one the run ends, failed, naming the test that was running.
+# schemathesis' and hypothesis' pytest plugins are off (-p no:...): no test uses them (test_serve.py
+# drives schemathesis itself), and their imports cost each of the three pytest processes ~1.2 s.
 test: venv $(VENV)/.llama
 	SHAKESPEARE_TXT=$(abspath $(SHAKESPEARE_TXT)) OMP_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE= \
 		$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --max-worker-restart=0 \
-		--timeout=300 --timeout-method=signal tests
+		--timeout=300 --timeout-method=signal -p no:schemathesis -p no:hypothesispytest tests
 
 # llama-cpp-python, built from source once (tests/test_gguf.py runs llama.cpp on hf.py's GGUF files):
 # the library only, without llama.cpp's multimodal library (LLAVA_BUILD=OFF), tests, examples, tools,

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from scipy import stats
 
 from conftest import read_metrics, run_script
 
@@ -40,6 +39,15 @@ def in_process(args, log_path):
 
 
 @pytest.fixture
+def stats():
+    """scipy.stats, imported by the tests that use it: at the module's top every pytest-xdist worker
+    would import it (~1.9 s) while collecting, to run these tests on one of them."""
+    from scipy import stats
+
+    return stats
+
+
+@pytest.fixture
 def fast_runs(monkeypatch):
     monkeypatch.setattr(compare, "run_train", in_process)
 
@@ -53,7 +61,7 @@ def side(result, name, key="val_loss"):
     return [r[key] for r in result["runs"] if r["side"] == name]
 
 
-def test_a_clearly_worse_side_is_found_worse_and_the_numbers_are_scipys(char_data, tmp_path, fast_runs, capsys):
+def test_a_clearly_worse_side_is_found_worse_and_the_numbers_are_scipys(char_data, tmp_path, fast_runs, capsys, stats):
     # B: a learning rate 30x too low; target: a val loss A's runs reach in 40 steps and B's do not
     result = compare_run(char_data, tmp_path, seeds=5, target=2.6,
                          against=f"--learning_rate={LR / 30} --min_lr={LR / 300}")
@@ -93,7 +101,7 @@ def test_a_clearly_worse_side_is_found_worse_and_the_numbers_are_scipys(char_dat
     assert "| final val loss |" in (cmp_dir / "compare.md").read_text()
 
 
-def test_two_identical_sides_show_no_significant_difference(char_data, tmp_path, fast_runs, capsys):
+def test_two_identical_sides_show_no_significant_difference(char_data, tmp_path, fast_runs, capsys, stats):
     result = compare_run(char_data, tmp_path, seeds=5, against="--dropout=0.0")  # B: A's own setting
     out = capsys.readouterr().out
     assert [r["seed"] for r in result["runs"] if r["side"] == "B"] == [6, 7, 8, 9, 10]  # B's own seeds, none of A's
@@ -104,7 +112,7 @@ def test_two_identical_sides_show_no_significant_difference(char_data, tmp_path,
     assert f"no significant difference at 0.05 (p = {p:.3g}, Welch's t-test)" in out
 
 
-def test_a_difference_too_small_for_five_seeds_is_not_called_one(char_data, tmp_path, fast_runs, capsys):
+def test_a_difference_too_small_for_five_seeds_is_not_called_one(char_data, tmp_path, fast_runs, capsys, stats):
     # B: dropout 0.01, a change to the runs' randomness far below the spread between seeds
     result = compare_run(char_data, tmp_path, seeds=5, against="--dropout=0.01")
     verdict = [line for line in capsys.readouterr().out.splitlines() if line.startswith("no significant")]
