@@ -24,11 +24,11 @@ sys.path.insert(0, str(REPO))
 ATEN_BACKEND = "aot_eager_decomp_partition"
 
 
-# The files that take longest (seconds of wall time in a full `make test` on this 2-core machine,
-# 2026-11-26, with python_process's forked processes: test_serve 93, test_replicas 46, test_bench 41,
-# test_gguf 32, test_watch 29, test_dist 26, test_sample 25, test_compare 21, test_core 20,
-# test_checkpoint_format 19; the rest 15 or less, but test_compile's inductor test takes ~35 s
-# more with a cold cache, as in CI). make test hands whole files to
+# The files that take longest (seconds of wall time in a full `make test` of a fresh clone with a
+# cold compile cache, as CI runs it, on this 2-core machine, 2026-11-26: test_serve 86, test_compile
+# 52 (15 with a warm cache: its inductor test's g++ kernels), test_watch 47, test_replicas 45,
+# test_bench 33, test_dist 32, test_gguf 26, test_core 26, test_checkpoint_format 25,
+# test_sample 21, test_compare 17; the rest 17 or less). make test hands whole files to
 # its workers in collection order (--no-loadscope-reorder: pytest-xdist would otherwise order files
 # by their number of tests), so these go first: a long file that starts last leaves the other worker
 # idle until it ends. Files that build a directory others share (conftest.shared_dir) go before the
