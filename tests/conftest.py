@@ -689,6 +689,7 @@ def train_chat_demo(root, n, n_heldout, steps, muon_lr):
     load_script("data/chat/prepare.py").main(["--input", str(data / "train.jsonl"), f"--tokenizer={data / 'tokenizer.json'}",
                                               f"--out_dir={data}", "--block_size=128"])
     result = run_script("train.py", "config/chat_demo_cpu.py", f"--dataset={data}", f"--out_dir={root / 'out'}",
-                        f"--max_iters={steps}", f"--lr_decay_iters={steps}", f"--eval_interval={steps}", "--eval_iters=2", f"--muon_lr={muon_lr}")
+                        f"--max_iters={steps}", f"--lr_decay_iters={steps}", f"--eval_interval={steps}", "--eval_iters=2",
+                        f"--muon_lr={muon_lr}")
     assert result.returncode == 0, result.stderr
     return root / "out", [json.loads(line) for line in (data / "heldout.jsonl").read_text().splitlines()]
