@@ -45,9 +45,12 @@ quickstart: venv
 	fi
 
 # one test process per core (pytest-xdist), one thread each: the tests' models are tiny, and idle
-# OpenMP threads spinning beside another worker's cost more than they give. A file's tests stay on
-# one worker, so a module's shared fixture (a trained run, an FSDP launch) is built once; files go
-# out in the order tests/conftest.py gives them, the longest first (--no-loadscope-reorder).
+# OpenMP threads spinning beside another worker's cost more than they give. Inductor compiles in the
+# test's own process (TORCHINDUCTOR_COMPILE_THREADS=1): with its pool of compile workers (fresh
+# interpreters) tests/test_compile.py's inductor test took 59 CPU-s with a cold cache, 53 without.
+# A file's tests stay on one worker, so a module's shared fixture (a trained run, an FSDP launch) is
+# built once; files go out in the order tests/conftest.py gives them, the longest first
+# (--no-loadscope-reorder).
 # Bytecode is cached (PYTHONDONTWRITEBYTECODE cleared, __pycache__ is git-ignored): the suite
 # starts some 150 Python processes, each compiling the repo's modules afresh without it.
 # No test can take the run down or hold it for ever: native code that can crash (llama.cpp) runs in a
@@ -58,7 +61,7 @@ quickstart: venv
 # schemathesis' and hypothesis' pytest plugins are off (-p no:...): no test uses them (test_serve.py
 # drives schemathesis itself), and their imports cost each of the three pytest processes ~1.2 s.
 test: venv $(VENV)/.llama
-	SHAKESPEARE_TXT=$(abspath $(SHAKESPEARE_TXT)) OMP_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE= \
+	SHAKESPEARE_TXT=$(abspath $(SHAKESPEARE_TXT)) OMP_NUM_THREADS=1 TORCHINDUCTOR_COMPILE_THREADS=1 PYTHONDONTWRITEBYTECODE= \
 		$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --max-worker-restart=0 \
 		--timeout=300 --timeout-method=signal -p no:schemathesis -p no:hypothesispytest tests
 
