@@ -2,12 +2,11 @@
 
 import json
 import os
-import sys
 import textwrap
 
 import torch
 
-from conftest import REPO, read_metrics, run_script, tiny_args
+from conftest import REPO, read_metrics, run_python, run_script, tiny_args
 
 from gpt import checkpoint
 
@@ -97,9 +96,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
     script = tmp_path / "kill.py"
     script.write_text(KILL_DURING_SAVE.format(repo=str(REPO)))
     path = tmp_path / "ckpt.pt"
-    import subprocess
-
-    result = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True)
+    result = run_python([script, path])  # a process of its own, which kills itself
     assert result.returncode == -9, result.stderr
     assert os.path.getsize(str(path) + ".tmp") == 100_000  # the half-written file exists...
     state = checkpoint.load(str(path))  # ...and the checkpoint is the old one, whole
