@@ -70,8 +70,13 @@ def make_text(n_chars=20000, seed=0):
 @pytest.fixture
 def char_data(tmp_path):
     """A prepared character-level dataset directory (train.bin, val.bin, meta.json)."""
-    data_dir = tmp_path / "chars"
-    data_dir.mkdir()
+    return char_dataset(tmp_path / "chars")
+
+
+def char_dataset(data_dir):
+    """data_dir, made if it is not there, holding make_text() prepared as a character-level dataset
+    (train.bin, val.bin, meta.json)."""
+    data_dir.mkdir(parents=True, exist_ok=True)
     load_script("data/shakespeare_char/prepare.py").prepare(make_text(), str(data_dir))
     return data_dir
 
@@ -116,9 +121,7 @@ def bpe_eval_data(root):
 
 def train_tiny_run(root, **overrides):
     """root/out: a tiny character model trained on root/chars for a few steps (block_size 16)."""
-    data_dir = root / "chars"
-    data_dir.mkdir()
-    load_script("data/shakespeare_char/prepare.py").prepare(make_text(), str(data_dir))
+    data_dir = char_dataset(root / "chars")
     result = run_script("train.py", *tiny_args(data_dir, root / "out", **overrides))
     assert result.returncode == 0, result.stderr
     return root / "out"

@@ -19,7 +19,7 @@ from gpt import optim
 from gpt import runtime
 from gpt.batches import TrainBatches, load_split
 from configurator import TrainConfig
-from conftest import load_script, make_text, read_metrics, run_script, tiny_args
+from conftest import char_dataset, read_metrics, run_script, tiny_args
 from model import GPT, GPTConfig
 from gpt.step import train_step
 
@@ -69,9 +69,7 @@ def runs(tmp_path_factory):
     """A CPU run of 12 steps (dropout on), and for each format a run stopped at 6 whose checkpoint
     is kept as the CPU wrote it (cpu_<format>) and rewritten as a GPU writes it (gpu_<format>)."""
     root = tmp_path_factory.mktemp("devices")
-    data = root / "chars"
-    data.mkdir()
-    load_script("data/shakespeare_char/prepare.py").prepare(make_text(), str(data))
+    data = char_dataset(root / "chars")
     train(data, root / "straight")
     for fmt, name in (("sharded", "ckpt_0000006"), ("full", "ckpt.pt")):
         train(data, root / f"cpu_{fmt}", max_iters=6, checkpoint_format=fmt)

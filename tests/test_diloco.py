@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import load_script, make_text, read_metrics
+from conftest import char_dataset, read_metrics
 from test_replicas import Lighthouse, finish, group, steps
 
 from gpt import checkpoint
@@ -23,9 +23,7 @@ RUN = dict(max_iters=12, lr_decay_iters=12, eval_interval=2, keep_last=10, gradi
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    data_dir = tmp_path_factory.mktemp("chars")
-    load_script("data/shakespeare_char/prepare.py").prepare(make_text(), str(data_dir))
-    return data_dir
+    return char_dataset(tmp_path_factory.mktemp("chars"))
 
 
 def pairs(data, root, runs):

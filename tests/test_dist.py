@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from conftest import REPO, load_script, make_text, python_process, read_metrics
+from conftest import char_dataset, REPO, python_process, read_metrics
 
 from gpt import memory
 from gpt import runtime
@@ -172,8 +172,7 @@ def losses(out_dir):
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist")
-    (root / "chars").mkdir()
-    load_script("data/shakespeare_char/prepare.py").prepare(make_text(), str(root / "chars"))
+    char_dataset(root / "chars")
     return root
 
 

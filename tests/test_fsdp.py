@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import REPO, load_script, make_text, python_process, read_metrics, shared_dir, tiny_args
+from conftest import char_dataset, REPO, python_process, read_metrics, shared_dir, tiny_args
 
 from model import GPT, GPTConfig
 
@@ -120,9 +120,7 @@ def free_port():
 
 def build_launches(root):
     """The runs of the module docstring, under root (shared_launches)."""
-    data = root / "chars"
-    data.mkdir()
-    load_script("data/shakespeare_char/prepare.py").prepare(make_text(), str(data))
+    data = char_dataset(root / "chars")
     ours = lambda name, *extra: (name, [*TRAIN_ARGS, f"--dataset={data}", f"--out_dir={root / name}", *extra], {NAN_STEP})
     sharded = lambda name, **overrides: (name, tiny_args(data, root / name, **{**SHARDED, **overrides}), set())
     # two "nodes" of one process each, meeting at a c10d rendezvous as separate machines would

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from conftest import ATEN_BACKEND, read_metrics, run_script, tiny_args
+from conftest import char_dataset, ATEN_BACKEND, read_metrics, run_script, tiny_args
 
 from gpt import checkpoint, inference, load, optim, runtime, tokenizer
 from gpt.batches import TrainBatches
@@ -363,11 +363,9 @@ def test_resume_with_every_lever_is_exact(char_data, tmp_path):
 
 
 def test_ddp_on_two_gloo_ranks_keeps_the_replicas_equal(tmp_path):
-    from conftest import load_script, make_text
     from test_dist import losses, torchrun
 
-    (tmp_path / "chars").mkdir()
-    load_script("data/shakespeare_char/prepare.py").prepare(make_text(), str(tmp_path / "chars"))
+    char_dataset(tmp_path / "chars")
     flags = [f"--{k}={v}" for k, v in LEVER_FLAGS.items() if k != "n_layer"]
     code, _, stderr, reports = torchrun(tmp_path, tmp_path / "chars", [("levers", [*flags, "--max_iters=4", "--eval_interval=4"], None, None)])
     assert code == 0, stderr[-3000:] + "".join(r["stderr"][-3000:] for r in reports.get("levers", []))

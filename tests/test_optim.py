@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import read_metrics, run_python, run_script, tiny_args
+from conftest import char_dataset, read_metrics, run_python, run_script, tiny_args
 
 import configurator
 from gpt import optim
@@ -171,12 +171,8 @@ def test_wsd_run_extended_from_its_stable_phase_resumes_exactly(char_data, tmp_p
 @pytest.fixture(scope="module")
 def muon_runs(tmp_path_factory):
     """40 steps straight, and 20 then resumed to 40: Muon, dropout on, update ratios every 10 steps."""
-    from conftest import load_script, make_text
-
     root = tmp_path_factory.mktemp("muon")
-    data = root / "chars"
-    data.mkdir()
-    load_script("data/shakespeare_char/prepare.py").prepare(make_text(), str(data))
+    data = char_dataset(root / "chars")
     common = dict(optimizer="muon", max_iters=40, lr_decay_iters=40, eval_interval=10, dropout=0.1,
                   update_ratio_interval=10, grad_clip=1.5)  # 1.5: some steps clipped, some not
     run_train(data, root / "straight", **common)

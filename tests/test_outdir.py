@@ -19,7 +19,7 @@ from gpt import checkpoint
 from gpt import outdir
 from gpt import runtime
 from configurator import TrainConfig, UserError, parse
-from conftest import REPO, load_script, make_text, python_process, read_metrics, run_python, run_script, tiny_args
+from conftest import char_dataset, REPO, python_process, read_metrics, run_python, run_script, tiny_args
 
 # 10 steps of a 20-step schedule (so a resume to 20 equals a straight 20-step run); keep_last=2
 # leaves numbered checkpoints too, which a takeover must remove
@@ -70,9 +70,7 @@ def logged_a_step(path):
 def base(tmp_path_factory):
     """A finished 10-step run in each checkpoint format: root/full and root/sharded; root/chars is the data."""
     root = tmp_path_factory.mktemp("outdir")
-    data = root / "chars"
-    data.mkdir()
-    load_script("data/shakespeare_char/prepare.py").prepare(make_text(), str(data))
+    data = char_dataset(root / "chars")
     for fmt in ("full", "sharded"):
         result = run_script("train.py", *tiny_args(data, root / fmt, **BASE, checkpoint_format=fmt))
         assert result.returncode == 0, result.stderr

@@ -17,7 +17,7 @@ from unittest import mock
 import pytest
 import torch
 
-from conftest import REPO, load_script, make_text, python_process, read_metrics, run_python, tiny_args
+from conftest import char_dataset, REPO, python_process, read_metrics, run_python, tiny_args
 
 from gpt import checkpoint
 from model import GPT, GPTConfig
@@ -87,9 +87,7 @@ def steps(out_dir):
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    data_dir = tmp_path_factory.mktemp("chars")
-    load_script("data/shakespeare_char/prepare.py").prepare(make_text(), str(data_dir))
-    return data_dir
+    return char_dataset(tmp_path_factory.mktemp("chars"))
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from gpt import checkpoint
 from gpt import load
 from gpt import outdir
 from gpt import watch
-from conftest import REPO, bpe_eval_data, load_script, make_text, read_metrics, run_python, run_script, tiny_args
+from conftest import char_dataset, REPO, bpe_eval_data, load_script, read_metrics, run_python, run_script, tiny_args
 
 
 def watch_records(out):
@@ -36,9 +36,7 @@ def bpe(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def chars(tmp_path_factory):
-    data_dir = tmp_path_factory.mktemp("chars")
-    load_script("data/shakespeare_char/prepare.py").prepare(make_text(), str(data_dir))
-    return data_dir
+    return char_dataset(tmp_path_factory.mktemp("chars"))
 
 
 @pytest.fixture(scope="module")
