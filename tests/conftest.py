@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
@@ -280,7 +281,6 @@ def _run_as_main(args, cwd, env):
     import atexit
     import io
     import runpy
-    import threading
     import traceback
 
     sys.stdout, sys.stderr = (io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8", write_through=True)
@@ -438,7 +438,7 @@ def run_python(args, cwd=REPO, env=None, timeout=300):
 @pytest.fixture
 def forked_pythons(monkeypatch, tmp_path):
     """The Python processes a command starts with subprocess.run or subprocess.Popen of sys.executable
-    (gpu_battery.py's and bench.py --compare's train.py runs) forked from python_process's server,
+    (gpu_battery.py's and bench.py --compare's train.py runs, train.py's eval_async watcher) forked from python_process's server,
     which imported torch once, instead of started as fresh interpreters: the same arguments, working
     directory and output, ~4 CPU-s less each. Other commands (nvidia-smi, what the platform module
     asks) run as they would. Only the forms those commands use are taken; another fails the test."""
@@ -479,9 +479,45 @@ def forked_pythons(monkeypatch, tmp_path):
             self.stdout.close()
             self.process.wait()
 
+    class Inheriting(_Forked):
+        """Popen(args, env=env): the process writes where this one's file descriptors 1 and 2 point
+        (train.py's eval_async watcher, into run_script's capture), each through a named pipe that a
+        thread copies to the descriptor; wait() and poll() return once both are copied."""
+
+        def __init__(self, args, env):
+            fifos = [tmp_path / f"popen{len(pipes)}.{name}" for name in ("out", "err")]
+            for fifo in fifos:
+                os.mkfifo(fifo)
+                pipes.append(fifo)
+            process = _server().Process(target=_as_python, args=(python_args(args), *map(str, fifos), os.getcwd(),
+                                                                 {**env, "PYTHONUNBUFFERED": "1"}))
+            process.start()
+            self.copies = [threading.Thread(target=self.copy, args=(fifo, fd), daemon=True) for fd, fifo in ((1, fifos[0]), (2, fifos[1]))]
+            for thread in self.copies:
+                thread.start()
+            super().__init__(process, args, None)
+            _FORKED.append(self)
+
+        @staticmethod
+        def copy(fifo, fd):
+            with open(fifo, "rb", buffering=0) as pipe:  # opens once the process has opened its end
+                while data := pipe.read(65536):
+                    os.write(fd, data)
+
+        def poll(self):
+            return None if any(thread.is_alive() for thread in self.copies) else super().poll()
+
+        def wait(self, timeout=None):
+            code = super().wait(timeout)
+            for thread in self.copies:
+                thread.join()
+            return code
+
     def forked_popen(args, **kwargs):
         if args[0] != sys.executable:
             return popen(args, **kwargs)
+        if set(kwargs) == {"env"}:
+            return Inheriting(args, kwargs["env"])
         assert kwargs == {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True, "bufsize": 1}, kwargs
         return Piped(args)
 

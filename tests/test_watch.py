@@ -55,7 +55,8 @@ def copy_of(run, tmp_path):
 
 # full: a BPE model, scored on val, test and HellaSwag; sharded: a character model (cheaper), on val
 @pytest.mark.parametrize("fmt", ["full", "sharded"])
-def test_the_watcher_beside_a_run_scores_each_checkpoint_once_as_eval_py_does(fmt, bpe, chars, tmp_path, monkeypatch):
+def test_the_watcher_beside_a_run_scores_each_checkpoint_once_as_eval_py_does(fmt, bpe, chars, tmp_path, monkeypatch,
+                                                                             forked_pythons):
     (data_dir, hs), bpe_tasks = (bpe, True) if fmt == "full" else ((chars, None), False)
     out, kept = tmp_path / "out", tmp_path / "kept"
     kept.mkdir()
