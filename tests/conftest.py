@@ -196,12 +196,12 @@ _STARTING_ENVIRON = dict(os.environ)
 _FORKED = []
 
 
-def python_process(args, out=None, err=None, cwd=REPO, env=None):
+def python_process(args, out=None, err=None, cwd=REPO, env=None, stdin=None):
     """`python ARGS...` (a script's path and its arguments, -m and a module's name and its
     arguments, or -c and code) in a new process, as subprocess.Popen([sys.executable, *args])
     starts it: stdout to the file `out` and stderr to `err` (or to `out` too; with neither, to
-    files of its own that communicate() reads), in a session of its own (os.killpg(proc.pid, ...)
-    reaches what it starts). Returns a Popen-like handle: pid, poll, wait(timeout), communicate,
+    files of its own that communicate() reads), stdin from the file `stdin` (or none), in a session
+    of its own (os.killpg(proc.pid, ...) reaches what it starts). Returns a Popen-like handle: pid, poll, wait(timeout), communicate,
     returncode (-N when killed by signal N), send_signal, terminate, kill.
 
     The process is forked from a server (multiprocessing's forkserver, one per pytest worker) that
@@ -217,8 +217,8 @@ def python_process(args, out=None, err=None, cwd=REPO, env=None):
         own = tempfile.mkdtemp(prefix="python_process-")
         out, err = Path(own) / "stdout", Path(own) / "stderr"
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    child = _server().Process(target=_as_python, args=([*map(str, args)], str(out), str(err or out), str(cwd), full_env),
-                               daemon=False)
+    child = _server().Process(target=_as_python, args=([*map(str, args)], str(out), str(err or out), str(cwd), full_env,
+                                                        stdin and str(stdin)), daemon=False)
     child.start()
     _FORKED.append(_Forked(child, [*map(str, args)], (Path(out), Path(err or out)) if own else None))
     return _FORKED[-1]
@@ -265,14 +265,35 @@ def _server():
     return context
 
 
-def _as_python(args, out, err, cwd, env):
-    """python_process's child: its own session, its output to the files, then _run_as_main."""
+def _as_python(args, out, err, cwd, env, stdin=None):
+    """python_process's child: its own session, its output to the files (its input from one), then
+    _run_as_main."""
     os.setsid()
-    for fd, path in ((1, out), (2, err)):
-        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-        os.dup2(target, fd)
-        os.close(target)
+    for fd, path, flags in ((1, out, os.O_WRONLY | os.O_CREAT | os.O_APPEND), (2, err, os.O_WRONLY | os.O_CREAT | os.O_APPEND),
+                            (0, stdin, os.O_RDONLY)):
+        if path:
+            target = os.open(path, flags)
+            os.dup2(target, fd)
+            os.close(target)
+    if stdin:
+        sys.stdin = open(0, encoding="utf-8", closefd=False)  # multiprocessing gave the child os.devnull
     _run_as_main(args, cwd, env)
+
+
+def piped_python(args, directory, env=None):
+    """subprocess.Popen([sys.executable, *args], stdin=PIPE, stdout=PIPE, text=True) as a
+    python_process: its stdin and stdout are named pipes in a new directory under `directory`, its
+    stderr a file there. The handle's stdin and stdout are the pipes' other ends, as text, stdin
+    line-buffered."""
+    import tempfile
+
+    here = Path(tempfile.mkdtemp(prefix="piped-", dir=directory))
+    for name in ("stdin", "stdout"):
+        os.mkfifo(here / name)
+    proc = python_process(args, out=here / "stdout", err=here / "stderr", env=env, stdin=here / "stdin")
+    proc.stdout = open(here / "stdout", encoding="utf-8")  # each returns once the process has opened its end
+    proc.stdin = open(here / "stdin", "w", encoding="utf-8", buffering=1)
+    return proc
 
 
 def _run_as_main(args, cwd, env):

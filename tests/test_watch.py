@@ -9,8 +9,6 @@ import random
 import shlex
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -21,7 +19,7 @@ from gpt import checkpoint
 from gpt import load
 from gpt import outdir
 from gpt import watch
-from conftest import char_dataset, REPO, bpe_eval_data, load_script, read_metrics, run_python, run_script, tiny_args
+from conftest import char_dataset, REPO, bpe_eval_data, load_script, piped_python, read_metrics, run_python, run_script, tiny_args
 
 
 def watch_records(out):
@@ -143,8 +141,8 @@ for line in sys.stdin:
 def test_a_watcher_killed_at_random_moments_and_restarted_scores_each_checkpoint_once(finished_run, tmp_path):
     out = copy_of(finished_run, tmp_path)
     args = ["--watch=True", f"--out_dir={out}", "--device=cpu", "--tasks=val", "--split_tokens=0"]
-    zygote = subprocess.Popen([sys.executable, "-c", ZYGOTE.format(repo=str(REPO), log=str(tmp_path / "log"), args=args)],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    zygote = piped_python(["-c", ZYGOTE.format(repo=str(REPO), log=str(tmp_path / "log"), args=args)], tmp_path,
+                          env={"OMP_NUM_THREADS": "1"})
     ask = lambda line: (zygote.stdin.write(line + "\n"), zygote.stdin.flush(), zygote.stdout.readline())[-1].strip()
     assert zygote.stdout.readline() == "ready\n"
     rng, kills, scored_at_kill = random.Random(0), 0, []
@@ -271,8 +269,7 @@ def test_the_trainers_and_the_watchers_appends_never_tear_or_interleave(tmp_path
     from gpt.metrics import MetricsLog
 
     log = MetricsLog(str(tmp_path), None, SimpleNamespace(wandb_log=False, tensorboard_log=False))
-    other = subprocess.Popen([sys.executable, "-c", APPENDER.format(repo=str(REPO), path=str(tmp_path / "metrics.jsonl"))],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    other = piped_python(["-c", APPENDER.format(repo=str(REPO), path=str(tmp_path / "metrics.jsonl"))], tmp_path)
     assert other.stdout.readline() == "ready\n"
     other.stdin.write("go\n")
     other.stdin.flush()
