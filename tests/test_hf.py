@@ -9,7 +9,6 @@ import torch
 from conftest import make_text, run_python, run_script
 
 transformers = pytest.importorskip("transformers")
-from transformers import GPT2Config, GPT2LMHeadModel, GPT2Tokenizer  # noqa: E402
 
 from gpt import checkpoint  # noqa: E402
 from gpt import huggingface  # noqa: E402
@@ -61,7 +60,7 @@ def their_logits(hf_model, idx):
     dict(activation_function="gelu_new", n_inner=96, tie_word_embeddings=False, layer_norm_epsilon=1e-2),  # norm_eps
 ])
 def test_import_gives_transformers_logits(options):
-    reference = randomize(GPT2LMHeadModel(GPT2Config(**SMALL, **options)))
+    reference = randomize(transformers.GPT2LMHeadModel(transformers.GPT2Config(**SMALL, **options)))
     model, model_args = huggingface.gpt_from_hf(reference)
     idx = tokens()
     assert max_diff(our_logits(model, idx), their_logits(reference, idx)) <= TOL
@@ -73,7 +72,7 @@ def test_import_gives_transformers_logits(options):
 
 
 def test_from_pretrained_reads_a_directory(tmp_path):
-    reference = randomize(GPT2LMHeadModel(GPT2Config(**SMALL)))
+    reference = randomize(transformers.GPT2LMHeadModel(transformers.GPT2Config(**SMALL)))
     reference.save_pretrained(tmp_path / "gpt2")
     model = huggingface.from_pretrained(str(tmp_path / "gpt2"))
     assert isinstance(model, GPT)
@@ -85,7 +84,7 @@ def test_import_refuses_what_our_gpt_cannot_reproduce():
     for options, named in [(dict(activation_function="relu"), "activation_function"),
                            (dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx")]:
         with pytest.raises(UserError, match=named):
-            huggingface.gpt_from_hf(GPT2LMHeadModel(GPT2Config(**SMALL, **options)))
+            huggingface.gpt_from_hf(transformers.GPT2LMHeadModel(transformers.GPT2Config(**SMALL, **options)))
 
 
 def test_a_directory_without_gpt2_is_a_one_line_error(tmp_path):
@@ -134,7 +133,7 @@ def test_export_loads_in_transformers_with_our_logits(tmp_path, options):
     idx = tokens()
     ours = our_logits(model, idx)[..., :50257]
     huggingface.export(model, huggingface.GPT2_TOKENIZER, str(tmp_path / "hf"))
-    reference = GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
+    reference = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
     assert reference.config.vocab_size == 50257
     assert max_diff(their_logits(reference, idx), ours) <= TOL
     # and back: the exported directory imports to the same model
@@ -157,7 +156,7 @@ def test_export_refuses_models_gpt2_cannot_hold(tmp_path, options, named):
 
 
 def test_chat_data_takes_gpt2s_padding_rows_for_its_turn_tokens(tmp_path):
-    reference = randomize(GPT2LMHeadModel(GPT2Config(**SMALL)))
+    reference = randomize(transformers.GPT2LMHeadModel(transformers.GPT2Config(**SMALL)))
     reference.save_pretrained(tmp_path / "gpt2")
     cfg = parse(TrainConfig, [f"--init_from={tmp_path / 'gpt2'}", "--block_size=64", "--dropout=0.0"])
     notes = []
@@ -188,7 +187,7 @@ def finetuned(tmp_path_factory):
     """A small GPT-2 directory (as transformers writes it), GPT-2 BPE data, and a run of
     config/finetune_shakespeare.py from that directory."""
     root = tmp_path_factory.mktemp("hf")
-    reference = randomize(GPT2LMHeadModel(GPT2Config(**SMALL)), std=0.05)
+    reference = randomize(transformers.GPT2LMHeadModel(transformers.GPT2Config(**SMALL)), std=0.05)
     reference.save_pretrained(root / "gpt2")
     encode, _ = tokenizer.load(huggingface.GPT2_TOKENIZER)
     ids = np.array(encode(make_text(20000)), dtype=np.uint16)  # headerless uint16, as prepare.py writes
@@ -228,11 +227,11 @@ def test_export_of_the_finetuned_checkpoint_matches_it(finetuned, capsys):
     root, _, _ = finetuned
     hf.main([f"--out_dir={root / 'out'}", "--checkpoint=latest", f"--export_dir={root / 'export'}"])
     model, _ = checkpoint.load_model(str(root / "out"), "latest")
-    exported = GPT2LMHeadModel.from_pretrained(root / "export")
+    exported = transformers.GPT2LMHeadModel.from_pretrained(root / "export")
     idx = tokens(T=32)
     assert max_diff(their_logits(exported, idx), our_logits(model, idx)) <= TOL
     # GPT-2's tokenizer is there too, with GPT-2's ids
-    assert GPT2Tokenizer.from_pretrained(root / "export").encode("Hello world") == [15496, 995]
+    assert transformers.GPT2Tokenizer.from_pretrained(root / "export").encode("Hello world") == [15496, 995]
 
 
 def test_sample_py_from_a_gpt2_directory_is_transformers_greedy(finetuned, capsys):
@@ -254,7 +253,7 @@ def test_nanogpt_from_pretrained_gives_transformers_logits(tmp_path):
     # nanoGPT's own line, `GPT.from_pretrained("gpt2", dict(dropout=0.0))`, offline: a tiny random
     # GPT-2 saved into a Hugging Face cache under the released name, read with the hub switched off
     snapshot = tmp_path / "hub" / "models--gpt2" / "snapshots" / ("0" * 40)
-    randomize(GPT2LMHeadModel(GPT2Config(**SMALL, activation_function="gelu_new"))).save_pretrained(snapshot)
+    randomize(transformers.GPT2LMHeadModel(transformers.GPT2Config(**SMALL, activation_function="gelu_new"))).save_pretrained(snapshot)
     (tmp_path / "hub" / "models--gpt2" / "refs").mkdir()
     (tmp_path / "hub" / "models--gpt2" / "refs" / "main").write_text("0" * 40)
     script = (

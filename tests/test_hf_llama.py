@@ -14,8 +14,6 @@ import torch
 from conftest import make_text, run_script
 
 transformers = pytest.importorskip("transformers")
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E402
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb  # noqa: E402
 
 from gpt import checkpoint  # noqa: E402
 from gpt import huggingface  # noqa: E402
@@ -63,13 +61,13 @@ LLAMA_3_2_1B = {
 
 def llama_config(case, **overrides):
     # a copy: transformers adds rope_theta to the rope_scaling dict it is given
-    return LlamaConfig(**copy.deepcopy({**TINY, **CASES[case], **overrides}))
+    return transformers.LlamaConfig(**copy.deepcopy({**TINY, **CASES[case], **overrides}))
 
 
 def reference(case, seed=0, std=0.2, **overrides):
     """A LlamaForCausalLM with every parameter random (norm gains and biases too, so a weight
     copied to the wrong place, or not at all, changes the logits)."""
-    return randomize(LlamaForCausalLM(llama_config(case, **overrides)), seed, std)
+    return randomize(transformers.LlamaForCausalLM(llama_config(case, **overrides)), seed, std)
 
 
 def tokens(B=2, length=T):
@@ -84,7 +82,9 @@ def test_rope_is_transformers_rotation(scaling):
     """model.rope_tables and apply_rope against LlamaRotaryEmbedding and apply_rotary_pos_emb:
     the same angles (Llama 3's scaling included), and the same half-split layout, pairing
     dims (i, i + hs/2), so q and k rows are copied without a permutation."""
-    config = LlamaConfig(**TINY, rope_scaling=copy.deepcopy(scaling))
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    config = transformers.LlamaConfig(**TINY, rope_scaling=copy.deepcopy(scaling))
     hs = 16
     q, k = torch.randn(2, 4, T, hs), torch.randn(2, 2, T, hs)
     cos, sin = LlamaRotaryEmbedding(config)(q, torch.arange(T)[None])  # (1, T, hs): each angle twice
@@ -157,7 +157,7 @@ def test_export_loads_in_transformers_with_our_logits(tmp_path, case):
     idx = tokens()
     ours = our_logits(model, idx)
     assert huggingface.export(model, {"kind": "char", "chars": "x" * V}, str(tmp_path / "hf")) == "llama"
-    exported = LlamaForCausalLM.from_pretrained(tmp_path / "hf")
+    exported = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf")
     assert max_diff(their_logits(exported, idx), ours) <= TOL
     assert exported.config.num_key_value_heads == model.config.n_kv_head
     assert exported.config.rms_norm_eps == model.config.norm_eps
@@ -242,12 +242,12 @@ def test_export_of_the_finetuned_run_loads_in_transformers(finetuned, capsys):
         {p.name for p in export.iterdir()}
     model, tok_spec = checkpoint.load_model(str(root / "out"), "latest")
     exported = transformers.AutoModelForCausalLM.from_pretrained(export)
-    assert isinstance(exported, LlamaForCausalLM)
+    assert isinstance(exported, transformers.LlamaForCausalLM)
     idx = tokens(length=40)
     assert max_diff(their_logits(exported, idx), our_logits(model, idx)) <= TOL
     # its tokenizer: the same ids as the run's, and end-of-text known, as lm-evaluation-harness needs
     encode, _ = tokenizer.load(tok_spec)
-    theirs = AutoTokenizer.from_pretrained(export)
+    theirs = transformers.AutoTokenizer.from_pretrained(export)
     assert theirs("The king shall not", add_special_tokens=False)["input_ids"] == encode("The king shall not")
     assert theirs.eos_token == "<|end_of_text|>" == tok_spec["eot"]
     assert exported.config.eos_token_id == tokenizer.eot(tok_spec)
