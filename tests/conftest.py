@@ -241,6 +241,18 @@ def pytest_sessionfinish():
             shutil.rmtree(proc.files[0].parent, ignore_errors=True)
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """A pytest-xdist worker leaves here, its results sent (xdist's worker sends them, in its
+    workerfinished message, as pytest_sessionfinish ends), without the interpreter's teardown:
+    freeing what its tests built took 4.7 s at the end of a cold make test, in which the controller
+    waits for both workers to exit (from the worker's unconfigure to its exit, 2026-11-26)."""
+    if hasattr(config, "workerinput"):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
 @functools.cache
 def _server():
     """multiprocessing's forkserver context, its server started (once per pytest worker) with
