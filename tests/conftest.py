@@ -25,19 +25,24 @@ sys.path.insert(0, str(REPO))
 ATEN_BACKEND = "aot_eager_decomp_partition"
 
 
-# The files that take longest (seconds of wall time in a full `make test` of a fresh clone with a
-# cold compile cache, as CI runs it, on this 2-core machine, 2026-11-26: test_serve 86, test_compile
-# 52 (15 with a warm cache: its inductor test's g++ kernels), test_watch 47, test_replicas 45,
-# test_bench 33, test_dist 32, test_gguf 26, test_core 26, test_checkpoint_format 25,
-# test_sample 21, test_compare 17; the rest 17 or less). make test hands whole files to
-# its workers in collection order (--no-loadscope-reorder: pytest-xdist would otherwise order files
-# by their number of tests), so these go first: a long file that starts last leaves the other worker
-# idle until it ends. Files that build a directory others share (conftest.shared_dir) go before the
-# files that read it, so those find it built instead of waiting on its lock: test_serve builds the
-# chat demo (test_gguf, test_chat), test_sample the Shakespeare model (test_train), and
-# test_checkpoint_format the FSDP launches (test_fsdp).
-LONGEST_FIRST = ["test_serve.py", "test_replicas.py", "test_compile.py", "test_bench.py", "test_gguf.py", "test_watch.py",
-                 "test_dist.py", "test_sample.py", "test_compare.py", "test_core.py", "test_checkpoint_format.py"]
+# The files that take 4 s or longer, longest first (seconds of wall time in a full `make test` of a
+# fresh clone with a cold compile cache, as CI runs it, on this 2-core machine, 2026-11-26:
+# test_serve 84, test_compile 46 (8 with a warm cache: its inductor test's g++ kernels),
+# test_replicas 42, test_dist 35, test_watch 33, test_bench 29, test_core 25, test_gguf 23,
+# test_checkpoint_format 21, test_sample 19, test_corpus 19, test_faults 16, test_hf, test_levers,
+# test_cuda_contract, test_compare and test_diloco 15, test_serve_browser 11, then 8 to 4). make test
+# hands whole files to its workers in this order, then the rest in collection order
+# (--no-loadscope-reorder: pytest-xdist would otherwise order files by their number of tests): a
+# long file that starts last leaves the other worker idle until it ends. Files that build a
+# directory others share (conftest.shared_dir) go before the files that read it, so those find it
+# built instead of waiting on its lock: test_serve builds the chat demo (test_gguf and test_chat),
+# test_sample the Shakespeare model (test_train), and test_checkpoint_format
+# the FSDP launches (test_fsdp).
+LONGEST_FIRST = ["test_serve.py", "test_compile.py", "test_replicas.py", "test_dist.py", "test_watch.py", "test_bench.py",
+                 "test_core.py", "test_gguf.py", "test_checkpoint_format.py", "test_sample.py", "test_corpus.py",
+                 "test_faults.py", "test_hf.py", "test_levers.py", "test_cuda_contract.py", "test_compare.py",
+                 "test_diloco.py", "test_serve_browser.py", "test_documents.py", "test_chat.py", "test_logging.py",
+                 "test_chat_train.py", "test_eval.py", "test_commands.py", "test_optim.py", "test_outdir.py"]
 
 
 def pytest_collection_modifyitems(items):
