@@ -36,8 +36,8 @@ ATEN_BACKEND = "aot_eager_decomp_partition"
 # long file that starts last leaves the other worker idle until it ends. Files that build a
 # directory others share (conftest.shared_dir) go before the files that read it, so those find it
 # built instead of waiting on its lock: test_serve builds the chat demo (test_gguf and test_chat),
-# test_sample the Shakespeare model (test_train), and test_checkpoint_format
-# the FSDP launches (test_fsdp).
+# test_sample the Shakespeare model (test_train), and test_checkpoint_format the FSDP launches
+# (test_fsdp).
 LONGEST_FIRST = ["test_serve.py", "test_compile.py", "test_replicas.py", "test_dist.py", "test_watch.py", "test_bench.py",
                  "test_core.py", "test_gguf.py", "test_checkpoint_format.py", "test_sample.py", "test_corpus.py",
                  "test_faults.py", "test_hf.py", "test_levers.py", "test_cuda_contract.py", "test_compare.py",
@@ -205,9 +205,10 @@ def python_process(args, out=None, err=None, cwd=REPO, env=None, stdin=None):
     """`python ARGS...` (a script's path and its arguments, -m and a module's name and its
     arguments, or -c and code) in a new process, as subprocess.Popen([sys.executable, *args])
     starts it: stdout to the file `out` and stderr to `err` (or to `out` too; with neither, to
-    files of its own that communicate() reads), stdin from the file `stdin` (or none), in a session
-    of its own (os.killpg(proc.pid, ...) reaches what it starts). Returns a Popen-like handle: pid, poll, wait(timeout), communicate,
-    returncode (-N when killed by signal N), send_signal, terminate, kill.
+    files of its own that communicate() reads), stdin from the file `stdin` (or none), in a
+    session of its own (os.killpg(proc.pid, ...) reaches what it starts). Returns a Popen-like
+    handle: pid, poll, wait(timeout), communicate, returncode (-N when killed by signal N),
+    send_signal, terminate, kill.
 
     The process is forked from a server (multiprocessing's forkserver, one per pytest worker) that
     imported torch once: `import torch` costs ~2.4 s of CPU on each interpreter start here, and
@@ -248,10 +249,10 @@ def pytest_sessionfinish():
 
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config):
-    """A pytest-xdist worker leaves here, its results sent (xdist's worker sends them, in its
-    workerfinished message, as pytest_sessionfinish ends), without the interpreter's teardown:
-    freeing what its tests built took 4.7 s at the end of a cold make test, in which the controller
-    waits for both workers to exit (from the worker's unconfigure to its exit, 2026-11-26)."""
+    """A pytest-xdist worker exits here, without the interpreter's teardown. Its results are sent
+    by then (xdist's workerfinished message, as pytest_sessionfinish ends), and what is left is
+    freeing what its tests built: 4.7 s from a worker's unconfigure to its exit at the end of a
+    cold make test, which waits for both workers (2026-11-26)."""
     if hasattr(config, "workerinput"):
         sys.stdout.flush()
         sys.stderr.flush()
@@ -476,9 +477,9 @@ def run_python(args, cwd=REPO, env=None, timeout=300):
 @pytest.fixture
 def forked_pythons(monkeypatch, tmp_path):
     """The Python processes a command starts with subprocess.run or subprocess.Popen of sys.executable
-    (gpu_battery.py's and bench.py --compare's train.py runs, train.py's eval_async watcher) forked from python_process's server,
-    which imported torch once, instead of started as fresh interpreters: the same arguments, working
-    directory and output, ~4 CPU-s less each. Other commands (nvidia-smi, what the platform module
+    (gpu_battery.py's and bench.py --compare's train.py runs, train.py's eval_async watcher) forked
+    from python_process's server, which imported torch once, instead of started as fresh
+    interpreters: the same arguments, working directory and output, ~4 CPU-s less each. Other commands (nvidia-smi, what the platform module
     asks) run as they would. Only the forms those commands use are taken; another fails the test."""
     run, popen, pipes = subprocess.run, subprocess.Popen, []
 
@@ -530,7 +531,7 @@ def forked_pythons(monkeypatch, tmp_path):
             process = _server().Process(target=_as_python, args=(python_args(args), *map(str, fifos), os.getcwd(),
                                                                  {**env, "PYTHONUNBUFFERED": "1"}))
             process.start()
-            self.copies = [threading.Thread(target=self.copy, args=(fifo, fd), daemon=True) for fd, fifo in ((1, fifos[0]), (2, fifos[1]))]
+            self.copies = [threading.Thread(target=self.copy, args=(fifo, fd), daemon=True) for fd, fifo in zip((1, 2), fifos)]
             for thread in self.copies:
                 thread.start()
             super().__init__(process, args, None)
