@@ -13,7 +13,7 @@ system message stays), /exit or Ctrl-D ends the chat, Ctrl-C stops a reply; a bl
 nothing. With stdin not a terminal each line is a message and only the replies are printed, one
 after the other. --prompt=TEXT prints the one reply to TEXT on stdout, nothing else, and exits.
 
-The conversation is rendered by the chat template the model was trained with (data/chat/template.py),
+The conversation is rendered by the chat template the model was trained with (gpt/chat_template.py),
 and a reply ends at the end-of-turn token. The model reads each token once: the key/value cache is
 kept across turns, so a turn runs only its own tokens (the user's message and the reply), never
 the history again. When the conversation reaches the context (--context, default the model's

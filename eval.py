@@ -33,7 +33,7 @@ from gpt import runtime
 from gpt import tokenizer
 from gpt import watch
 from configurator import EvalConfig, UserError, parse, run_main
-from data import tokens
+from gpt import tokens
 
 
 def _run_dataset(cfg):

@@ -99,7 +99,7 @@ def watcher_command(cfg):
 
 
 class Data(NamedTuple):
-    train: object  # data.tokens.Tokens of each split; test is None when the directory has none
+    train: object  # gpt.tokens.Tokens of each split; test is None when the directory has none
     val: object
     test: object
     tok_spec: dict  # the tokenizer (tokenizer.py), saved in every checkpoint

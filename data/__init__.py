@@ -1,3 +1,4 @@
-"""Datasets: data/<name>/prepare.py per dataset; tokens.py (the token files) and corpus.py (the
-shared preparation routine) serve them all. A package, so `data.tokens` cannot resolve to
-another installed module called `data`."""
+"""Datasets: data/<name>/prepare.py per dataset, and corpus.py, the preparation routine they
+share. Preparation only: what training reads at run time (the token files, the chat template)
+is library code in gpt/. A package, so `data.corpus` cannot resolve to another installed module
+called `data`."""

@@ -7,7 +7,7 @@ or local files -> token shards for the val, test and train splits. The scripts o
     python data/fineweb_edu/prepare.py --input docs/ --benchmark=20000   # tokens/s for 1..--workers processes
 
 Written to out_dir:
-    val_000000.bin, test_000000.bin, train_000000.bin, train_000001.bin, ...  (data/tokens.py format)
+    val_000000.bin, test_000000.bin, train_000000.bin, train_000001.bin, ...  (gpt/tokens.py format)
     meta.json      the tokenizer: train.py reads vocab_size from it, sample.py how to decode
     prepare.json   the settings and how far the run got; run the same command again after an
                    interruption and it resumes after the last complete shard, writing the same bytes
@@ -41,7 +41,7 @@ import numpy as np
 
 from gpt import tokenizer
 from configurator import UserError
-from data import tokens
+from gpt import tokens
 
 SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz", ".parquet")
 SPLITS = ("val", "test", "train")  # in stream order: the held-out splits come first, so --tokens never moves them
@@ -131,30 +131,6 @@ def documents(args):
     if args.input is not None:
         return local_documents(input_files(args.input), args.text_field, args.txt_separator, args.seed, args.shuffle_buffer)
     return hub_documents(args)
-
-
-def fetch(url, sha256, path, local="--input PATH"):
-    """Download url to path (once), checking its sha256 when one is known; a failure is one line
-    that says to pass a local copy (the `local` flag)."""
-    if os.path.exists(path):
-        return path
-    import hashlib
-    import urllib.request
-
-    print(f"downloading {url} -> {path}")
-    try:
-        with urllib.request.urlopen(url, timeout=60) as r:
-            raw = r.read()
-    except OSError as e:
-        raise UserError(f"cannot download {url} ({e}); pass a local copy with {local}")
-    if sha256 is not None and hashlib.sha256(raw).hexdigest() != sha256:
-        raise UserError(f"the file downloaded from {url} is not the expected one (sha256 differs); pass a local copy with {local}")
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"  # each process its own (ranks may download at once): the last rename wins, whole
-    with open(tmp, "wb") as f:
-        f.write(raw)
-    os.replace(tmp, path)
-    return path
 
 
 def input_files(paths):

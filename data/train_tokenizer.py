@@ -12,7 +12,7 @@ are: text is split by GPT-4's pattern (words with their leading space or punctua
 of up to 3 digits, runs of whitespace), each piece is read as UTF-8 bytes, and merges are
 learned inside pieces only. Every byte is in the vocabulary, so any text encodes and decodes
 back to itself. The vocabulary starts with the special tokens: <|endoftext|> (between
-documents, found by tokenizer.py) and the chat template's turn tokens (data/chat/template.py).
+documents, found by tokenizer.py) and the chat template's turn tokens (gpt/chat_template.py).
 
 The input is read as data/corpus.py reads it (the same files, --text_field, --txt_separator,
 or a Hub dataset streamed with a seeded shuffle). The first --val_chars characters are held
@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from gpt import tokenizer  # noqa: E402 (after the path line above)
 from configurator import UserError, run_main  # noqa: E402
 from data import corpus  # noqa: E402
-from data.chat.template import RESERVED_TOKENS  # noqa: E402
+from gpt.chat_template import RESERVED_TOKENS  # noqa: E402
 
 # GPT-4's (cl100k) split pattern, as Llama 3 also uses: a piece is a word with an optional leading
 # non-letter, up to 3 digits, punctuation with trailing newlines, or whitespace

@@ -24,11 +24,11 @@ import torch
 from gpt import runtime
 from gpt import tokenizer
 from configurator import UserError
-from data import tokens
+from gpt import tokens
 
 
 def load_split(data_dir, split, mode="auto", share=1):
-    """A split's token ids (data/tokens.py: one file or many shards, read as one sequence):
+    """A split's token ids (gpt/tokens.py: one file or many shards, read as one sequence):
     memory-mapped, or read into RAM when mode='ram' or ('auto' and the `share` copies, one per rank
     on this machine, take under a quarter of the memory the job may still use: runtime.free_memory,
     the host's or its cgroup's limit, the lower). Past that the ranks share the memmap: the page
@@ -191,7 +191,7 @@ IGNORE = -1  # the target of a position that is not trained (model.forward's ign
 
 
 class ChatData:
-    """A chat split: the conversations' token ids one after another (data/tokens.py format),
+    """A chat split: the conversations' token ids one after another (gpt/tokens.py format),
     mask[i] = 1 where token i is a trained target (the assistant's content and its end-of-turn
     token), and the offset of each conversation's first token."""
 

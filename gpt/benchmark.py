@@ -17,7 +17,7 @@ from gpt.memory import auto_batch_size, with_batch_size
 from gpt.step import train_step
 from gpt.wrap import build, make_model_args
 from configurator import UserError
-from data import tokens
+from gpt import tokens
 from model import GPT, GPTConfig
 
 

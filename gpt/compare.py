@@ -31,7 +31,7 @@ from gpt import evaluation
 from gpt import load
 from gpt import tokenizer
 from configurator import TrainConfig, UserError, parse
-from data import tokens
+from gpt import tokens
 
 SIDES = ("A", "B")
 TRAIN_PY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py")

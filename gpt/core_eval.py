@@ -39,7 +39,7 @@ from gpt import scoring
 from gpt import tokenizer
 from gpt.batches import to_device
 from configurator import UserError
-from data import corpus
+from gpt import download
 
 BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"  # nanochat's copy
 BUNDLE_PATH = os.path.join("data", "core", "eval_bundle.zip")  # gitignored: the download, kept after the first run
@@ -101,7 +101,7 @@ def bundle_path(path=""):
         if not os.path.exists(path):
             raise UserError(f"core_bundle={path} does not exist; give the CORE eval bundle (a directory or eval_bundle.zip)")
         return path
-    return corpus.fetch(BUNDLE_URL, None, BUNDLE_PATH, local="--core_bundle=PATH")
+    return download.fetch(BUNDLE_URL, None, BUNDLE_PATH, local="--core_bundle=PATH")
 
 
 def load_tasks(path="", max_per_task=0):

@@ -34,7 +34,7 @@ from gpt import scoring
 from gpt import tokenizer
 from gpt.batches import to_device
 from configurator import UserError
-from data import corpus
+from gpt import download
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 HELLASWAG_PATH = os.path.join("data", "hellaswag", "hellaswag_val.jsonl")  # gitignored: data/*/*.jsonl
@@ -57,7 +57,7 @@ def hellaswag_file(path=""):
             raise UserError(f"hellaswag_path={path} does not exist; give a HellaSwag jsonl (ctx, endings, label)")
         return path
     # no published sha256 for this file: it is checked by parsing (read_jsonl)
-    return corpus.fetch(HELLASWAG_URL, None, HELLASWAG_PATH, local="--hellaswag_path=FILE")
+    return download.fetch(HELLASWAG_URL, None, HELLASWAG_PATH, local="--hellaswag_path=FILE")
 
 
 def read_jsonl(path, fields):

@@ -31,7 +31,7 @@ import torch
 from gpt import huggingface
 from gpt import tokenizer
 from configurator import UserError
-from data.chat.template import Template, json_tokenizer
+from gpt.chat_template import Template, json_tokenizer
 from model import rope_tables
 
 DTYPES = ("f32", "f16", "q8_0")

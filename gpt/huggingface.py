@@ -35,7 +35,7 @@ import torch
 
 from gpt import tokenizer
 from configurator import GPT2_MODELS, ROPE_SCALING_KEYS, UserError
-from data.chat.template import Template, write_hf_tokenizer
+from gpt.chat_template import Template, write_hf_tokenizer
 from model import GPT, GPT2_CONV1D, GPTConfig
 
 GPT2_VOCAB = 50257  # GPT-2's BPE tokens; <|endoftext|> is the last one

@@ -26,7 +26,7 @@ from gpt import checkpoint
 from gpt import huggingface
 from gpt import tokenizer
 from configurator import UserError
-from data.chat.template import Template
+from gpt.chat_template import Template
 from model import GPT, GPTConfig
 
 

@@ -41,7 +41,7 @@ from gpt.memory import with_batch_size  # noqa: E402
 from gpt.step import train_step  # noqa: E402
 from gpt.wrap import build, make_model_args  # noqa: E402
 from configurator import BatteryConfig, BenchConfig, UserError, parse, run_main  # noqa: E402
-from data import tokens  # noqa: E402
+from gpt import tokens  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 

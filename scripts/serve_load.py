@@ -288,7 +288,7 @@ def write_random_gpt2(out_dir):
     import torch
 
     from gpt import tokenizer
-    from data.chat.template import Template
+    from gpt.chat_template import Template
     from model import GPT, GPTConfig
 
     spec = tokenizer.make_spec("gpt2")

@@ -111,7 +111,7 @@ def bpe_eval_data(root):
     """(root/data, root/hs.jsonl): a GPT-2 BPE dataset (train, val, test) and a HellaSwag-format file
     of 30 records, for eval.py's tasks."""
     from gpt import tokenizer
-    from data import tokens
+    from gpt import tokens
 
     enc = tokenizer.encoding("gpt2")
     rng = np.random.default_rng(1)

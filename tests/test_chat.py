@@ -17,7 +17,7 @@ import torch
 from gpt import tokenizer
 from configurator import TrainConfig, parse
 from conftest import REPO, chat_demo_copy, load_script, run_script, train_tiny_run
-from data.chat.template import Template
+from gpt.chat_template import Template
 from gpt.inference import KVCache, generate, generate_tokens
 from model import GPT, GPTConfig
 from test_chat_template import make_llama3_tokenizer

@@ -11,8 +11,8 @@ import pytest
 from gpt import tokenizer
 from configurator import UserError
 from conftest import load_script, run_script
-from data import tokens
-from data.chat.template import Template
+from gpt import tokens
+from gpt.chat_template import Template
 
 prepare = load_script("data/chat/prepare.py")
 WORDS = ["apple", "river", "seven", "blue", "quiet", "東京", "🙂", "naïve", "stone", "light"]

@@ -1,4 +1,4 @@
-"""data/chat/template.py for its three kinds of tokenizer (GPT-2 BPE with new turn tokens, a
+"""gpt/chat_template.py for its three kinds of tokenizer (GPT-2 BPE with new turn tokens, a
 tokenizer from data/train_tokenizer.py, a Llama-3-like tokenizer.json): the rendered text, the
 mask, the prompt as a prefix of the conversation, and transformers' apply_chat_template on the
 exported tokenizer giving exactly our ids."""
@@ -10,7 +10,7 @@ import pytest
 from gpt import tokenizer
 from configurator import UserError
 from conftest import load_script, make_text
-from data.chat.template import Template, write_hf_tokenizer
+from gpt.chat_template import Template, write_hf_tokenizer
 
 KINDS = ("gpt2", "trained", "llama3")
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from gpt.batches import IGNORE, ChatBatches, ChatData, chat_eval_offsets, eval_batch, packing
 from conftest import make_text, read_metrics, run_python, run_script, tiny_args
-from data import corpus, tokens
+from data import corpus
+from gpt import tokens
 from model import GPT, GPTConfig
 from gpt.runtime import Runtime
 from gpt.step import evaluate, train_step

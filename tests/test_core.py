@@ -344,7 +344,7 @@ def test_training_logs_core_in_rhythm_and_plots_it(setup, tmp_path):
     rng = np.random.default_rng(0)
     data_dir = tmp_path / "data"
     data_dir.mkdir()
-    from data import tokens
+    from gpt import tokens
 
     for split, n_docs in (("train", 200), ("val", 30)):
         docs = [sentence(rng, 5, 20) for _ in range(n_docs)]

@@ -18,7 +18,8 @@ from gpt.batches import load_split
 import train
 from configurator import UserError
 from conftest import make_text, run_script, tiny_args
-from data import corpus, tokens
+from data import corpus
+from gpt import tokens
 from test_tokenizer import make_128k_tokenizer
 
 EOT = 50256

@@ -13,7 +13,7 @@ from torch.nn.attention.flex_attention import BlockMask
 import model as model_module
 from conftest import GPT2, read_metrics, run_script, tiny_args
 from configurator import UserError
-from data import tokens
+from gpt import tokens
 from gpt import checkpoint, runtime
 from gpt.batches import DocumentBatches, TrainBatches, row_starts
 from gpt.step import train_step

@@ -19,7 +19,7 @@ from gpt import runtime
 from gpt import scoring
 from gpt import tokenizer
 from conftest import GPT2, REPO, bpe_eval_data, read_metrics, run_script, tiny_args, train_tiny_run, write_hellaswag
-from data import tokens
+from gpt import tokens
 from model import GPT, GPTConfig
 
 def tiny_hf_gpt2(n_positions=64):

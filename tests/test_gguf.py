@@ -17,7 +17,7 @@ from gpt import tokenizer
 import llama_cpp_child
 from conftest import chat_demo_copy, in_child, load_script, make_text, run_script, tiny_args, train_tiny_run
 from data import corpus
-from data.chat.template import Template
+from gpt.chat_template import Template
 from model import GPT, GPTConfig
 from test_chat_template import CONVERSATIONS, LLAMA3_SPECIALS, make_trained_tokenizer
 

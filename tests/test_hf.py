@@ -160,7 +160,7 @@ def test_chat_data_takes_gpt2s_padding_rows_for_its_turn_tokens(tmp_path):
     reference.save_pretrained(tmp_path / "gpt2")
     cfg = parse(TrainConfig, [f"--init_from={tmp_path / 'gpt2'}", "--block_size=64", "--dropout=0.0"])
     notes = []
-    turn_ids = [50257, 50258, 50259, 50260]  # what data/chat/template.py gives GPT-2
+    turn_ids = [50257, 50258, 50259, 50260]  # what gpt/chat_template.py gives GPT-2
     chat_spec = {**huggingface.GPT2_TOKENIZER, "vocab_size": 50261, "chat": {
         "format": "role_tokens", "tokens": {"bos": {"id": 50256}, **{n: {"id": i} for n, i in zip(("system", "user", "assistant", "end"), turn_ids)}}}}
     model, model_args = load.for_training(cfg, chat_spec, report=notes.append)

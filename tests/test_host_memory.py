@@ -11,7 +11,7 @@ from gpt import runtime
 import train
 from gpt.batches import load_split
 from configurator import TrainConfig, UserError
-from data import tokens
+from gpt import tokens
 
 GiB, MiB = 1 << 30, 1 << 20
 V1_NO_LIMIT = 9223372036854771712  # what v1's memory.limit_in_bytes reads when nothing is set

@@ -115,6 +115,10 @@ def problems(repo=REPO):
               for t in sorted(edges[m]) if t not in CORE]
     found += [f"{m} imports the script {t}" for m in sorted(edges) for t in sorted(edges[m])
               if t.startswith("scripts.")]
+    # data/ prepares datasets and imports the library; the library reads nothing from data/
+    found += [f"{m} (the library or the root) imports the dataset preparation {t}" for m in sorted(edges)
+              if not m.startswith(("data.", "scripts.")) and m != "data" for t in sorted(edges[m])
+              if t == "data" or t.startswith("data.")]
     return found
 
 
@@ -126,8 +130,8 @@ def test_arrows_run_one_way():
 
 
 def test_the_check_finds_a_circle_and_a_command_import(tmp_path):
-    """The check itself, on a small tree: a circle made by an import inside a function, and a
-    command that imports another."""
+    """The check itself, on a small tree: a circle made by an import inside a function, a
+    command that imports another, and the library importing from data/."""
     (tmp_path / "gpt").mkdir()
     (tmp_path / "gpt" / "__init__.py").write_text("")
     (tmp_path / "model.py").write_text("def generate():\n    from gpt import inference\n")
@@ -135,10 +139,15 @@ def test_the_check_finds_a_circle_and_a_command_import(tmp_path):
     (tmp_path / "gpt" / "checkpoint.py").write_text("from model import GPT\n")
     (tmp_path / "train.py").write_text("import eval as evals\nfrom gpt import checkpoint\n")
     (tmp_path / "eval.py").write_text("import model\n\nif __name__ == '__main__':\n    pass\n")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "__init__.py").write_text("")
+    (tmp_path / "data" / "tokens.py").write_text("from gpt import checkpoint\n")  # data -> gpt: the right way
+    (tmp_path / "gpt" / "batches.py").write_text("from data import tokens\n")  # gpt -> data: refused
     assert problems(tmp_path) == ["import circle: gpt.checkpoint -> model -> gpt.inference -> gpt.checkpoint "
                                   "(the circle's modules: gpt.checkpoint, gpt.inference, model)",
                                   "train imports the command eval",
-                                  "model (the network or the config) imports gpt.inference"]
+                                  "model (the network or the config) imports gpt.inference",
+                                  "gpt.batches (the library or the root) imports the dataset preparation data.tokens"]
 
 
 def test_the_root_holds_the_commands_and_the_library_is_one_package():

@@ -1,4 +1,4 @@
-"""The token-file format (data/tokens.py): header, uint16/uint32, nanoGPT files, splits over
+"""The token-file format (gpt/tokens.py): header, uint16/uint32, nanoGPT files, splits over
 shards, windows across shard boundaries, the vocabulary check, and the errors."""
 
 import struct
@@ -12,7 +12,7 @@ from gpt.batches import get_batch, load_split
 import train
 from configurator import UserError
 from conftest import run_script, tiny_args
-from data import tokens
+from gpt import tokens
 
 CPU = runtime.Runtime("cpu", "cpu", torch.float32)
 

@@ -14,7 +14,7 @@ from gpt import tokenizer
 import train
 from configurator import UserError
 from conftest import tiny_args
-from data import tokens
+from gpt import tokens
 
 
 @pytest.fixture

@@ -10,8 +10,9 @@ import pytest
 from gpt import tokenizer
 from configurator import UserError
 from conftest import load_script, make_text, run_script
-from data import corpus, tokens
-from data.chat.template import RESERVED_TOKENS
+from data import corpus
+from gpt import tokens
+from gpt.chat_template import RESERVED_TOKENS
 
 train_tokenizer = load_script("data/train_tokenizer.py")
 

@@ -117,7 +117,7 @@ sys.path.insert(0, {repo!r})
 os.chdir({repo!r})
 import torch, torch.distributed.checkpoint
 from gpt import core_eval, evaluation, load, runtime, tokenizer, watch
-from data import tokens
+from gpt import tokens
 print("ready", flush=True)
 for line in sys.stdin:
     if line.startswith("wait"):

@@ -1,2 +1,2 @@
-"""Chat data: template.py (a conversation <-> token ids and training mask) and prepare.py (a
-jsonl of conversations -> token files, masks and meta.json)."""
+"""Chat data: synthetic.py (the chat demo's conversations) and prepare.py (a jsonl of
+conversations -> token files, masks and meta.json, rendered by gpt/chat_template.py)."""

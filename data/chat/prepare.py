@@ -15,8 +15,8 @@ one; no turn is empty. A record that breaks a rule stops the run with one line n
 file, the line and the problem; --skip_bad=True skips such records instead and counts them by
 reason. Blank lines are not records.
 
-Written to out_dir (the template is in data/chat/template.py):
-    train.bin, val.bin              the conversations' token ids, one after another (data/tokens.py format)
+Written to out_dir (the template is in gpt/chat_template.py):
+    train.bin, val.bin              the conversations' token ids, one after another (gpt/tokens.py format)
     train_mask.npy, val_mask.npy    uint8, one per token: 1 where the token is a trained target (the
                                     assistant's content and its end-of-turn token), else 0
     train_starts.npy, val_starts.npy   int64: where each conversation starts (the first is 0)
@@ -44,8 +44,9 @@ import numpy as np  # noqa: E402
 
 from gpt import tokenizer  # noqa: E402 (after the path line above)
 from configurator import UserError, run_main  # noqa: E402
-from data import corpus, tokens  # noqa: E402
-from data.chat.template import ROLES, Template  # noqa: E402
+from data import corpus
+from gpt import tokens  # noqa: E402
+from gpt.chat_template import ROLES, Template  # noqa: E402
 
 SPLITS = ("train", "val")
 

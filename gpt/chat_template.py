@@ -1,6 +1,6 @@
 """The chat template: a conversation <-> token ids and the training mask, for one tokenizer.
 
-    from data.chat.template import Template
+    from gpt.chat_template import Template
     t = Template(tokenizer.make_spec("gpt2"))
     ids, mask = t.render([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}])
     prompt, _ = t.render([{"role": "user", "content": "Hi"}], add_generation_prompt=True)   # what chat.py feeds
