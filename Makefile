@@ -1,6 +1,7 @@
 # Two commands on a fresh machine:
 #   make quickstart   set up .venv, prepare Shakespeare, train (CPU config, or the baby GPT on a GPU), sample
 #   make test         set up .venv with the test dependencies and run the suite
+#   make lint         ruff check and ruff format --check, as CI runs them before make test
 # Both keep a GPU build of torch (>= scripts/system_torch.py's floor) that python3 already has.
 
 PYTHON ?= python3
@@ -8,7 +9,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 SHAKESPEARE_TXT ?= $(wildcard ../shared/data/tinyshakespeare/input.txt)
 
-.PHONY: quickstart test venv clean
+.PHONY: quickstart test lint venv clean
 
 venv: $(VENV)/.installed
 
@@ -74,6 +75,11 @@ LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAM
 $(VENV)/.llama: requirements-llama.txt $(VENV)/.installed
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install --quiet -r requirements-llama.txt
 	touch $@
+
+# ruff (pinned in requirements-dev.txt; settings in pyproject.toml): lint, and the format check
+lint: venv
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 clean:
 	rm -rf $(VENV) out-shakespeare-char out-shakespeare-char-cpu
