@@ -29,12 +29,10 @@ import sys
 
 import torch
 
-from gpt import runtime
-from gpt import benchmark
-from gpt import compare
+from configurator import BenchConfig, UserError, override, parse, run_main
+from gpt import benchmark, compare, runtime
 from gpt.memory import with_batch_size
 from gpt.metrics import format_duration
-from configurator import BenchConfig, UserError, override, parse, run_main
 
 
 def sweep_configs(cfg, spec, world_size):
@@ -63,9 +61,11 @@ HEADER = f"{'':<20} batch x accum   ms/iter     tokens/s   TFLOPS    MFU   mem (
 def format_row(label, r):
     if r is None:
         return f"{label:<20} out of memory"
-    return (f"{label:<20} {r['batch_size']:>5} x {r['gradient_accumulation_steps']:<5} {r['ms_per_iter']:9.1f} "
-            f"{r['tokens_per_s']:12,.0f} {r['tflops']:8.3g} {benchmark.format_mfu(r['mfu']):>6} {r['peak_mem_mb']:10,.0f} "
-            f"{r['warmup_s']:12.1f}")
+    return (
+        f"{label:<20} {r['batch_size']:>5} x {r['gradient_accumulation_steps']:<5} {r['ms_per_iter']:9.1f} "
+        f"{r['tokens_per_s']:12,.0f} {r['tflops']:8.3g} {benchmark.format_mfu(r['mfu']):>6} {r['peak_mem_mb']:10,.0f} "
+        f"{r['warmup_s']:12.1f}"
+    )
 
 
 def time_to_train(result, cfg, rt):
@@ -75,8 +75,13 @@ def time_to_train(result, cfg, rt):
     tokens = cfg.estimate_tokens or 20 * params  # the compute-optimal ratio (Chinchilla)
     flops_per_token = result["flops_per_token"] * params / result["params"]
     seconds = flops_per_token * tokens / (result["tflops"] * 1e12 * rt.world_size)
-    return {"estimate_params": params, "estimate_tokens": tokens, "estimate_flops": flops_per_token * tokens,
-            "estimate_hours": seconds / 3600, "estimate_device_hours": seconds / 3600 * rt.world_size}
+    return {
+        "estimate_params": params,
+        "estimate_tokens": tokens,
+        "estimate_flops": flops_per_token * tokens,
+        "estimate_hours": seconds / 3600,
+        "estimate_device_hours": seconds / 3600 * rt.world_size,
+    }
 
 
 def main(argv=None):
@@ -95,8 +100,10 @@ def main(argv=None):
 def run(cfg, rt):
     data, vocab_size = benchmark.bench_data(cfg)
     say = print if rt.master else (lambda *a, **k: None)
-    say(f"{benchmark.device_name(rt)}, {str(rt.dtype).removeprefix('torch.')}, compile={cfg.compile}, {rt.world_size} rank(s); "
-        f"{cfg.n_layer} layers x {cfg.n_embd} wide, block {cfg.block_size}; {cfg.bench_iters} timed steps after {cfg.bench_warmup}")
+    say(
+        f"{benchmark.device_name(rt)}, {str(rt.dtype).removeprefix('torch.')}, compile={cfg.compile}, {rt.world_size} rank(s); "
+        f"{cfg.n_layer} layers x {cfg.n_embd} wide, block {cfg.block_size}; {cfg.bench_iters} timed steps after {cfg.bench_warmup}"
+    )
 
     if cfg.sweep:
         key, configs = sweep_configs(cfg, cfg.sweep, rt.world_size)
@@ -115,7 +122,9 @@ def run(cfg, rt):
             trace_dir = os.path.join(cfg.out_dir, "profile")
             profiler = torch.profiler.profile(
                 activities=benchmark.profiler_activities(rt),
-                schedule=torch.profiler.schedule(wait=cfg.profile_wait, warmup=cfg.profile_warmup, active=cfg.profile_active),
+                schedule=torch.profiler.schedule(
+                    wait=cfg.profile_wait, warmup=cfg.profile_warmup, active=cfg.profile_active
+                ),
                 on_trace_ready=torch.profiler.tensorboard_trace_handler(trace_dir) if rt.master else None,
                 record_shapes=True,
             )
@@ -125,15 +134,19 @@ def run(cfg, rt):
         if profiler is not None and rt.master:
             sort = "cuda_time_total" if rt.device_type == "cuda" else "self_cpu_time_total"
             say(profiler.key_averages().table(sort_by=sort, row_limit=15))
-            say(f"trace written to {trace_dir}: tensorboard --logdir {trace_dir}, or open the .pt.trace.json in chrome://tracing")
+            say(
+                f"trace written to {trace_dir}: tensorboard --logdir {trace_dir}, or open the .pt.trace.json in chrome://tracing"
+            )
 
     if cfg.estimate_params or cfg.estimate_tokens:
         est = time_to_train(result, cfg, rt)
         result.update(est)
         mfu = f", MFU {result['mfu']:.1%}" if result["mfu"] is not None else ""
-        say(f"time to train {est['estimate_params'] / 1e9:.3g}B parameters on {est['estimate_tokens'] / 1e9:.3g}B tokens "
+        say(
+            f"time to train {est['estimate_params'] / 1e9:.3g}B parameters on {est['estimate_tokens'] / 1e9:.3g}B tokens "
             f"({est['estimate_flops']:.3g} FLOPs) at {result['tflops']:.3g} TFLOPS/device{mfu} on {rt.world_size} device(s): "
-            f"{format_duration(est['estimate_hours'] * 3600)}, {est['estimate_device_hours']:,.1f} device-hours")
+            f"{format_duration(est['estimate_hours'] * 3600)}, {est['estimate_device_hours']:,.1f} device-hours"
+        )
     if cfg.json:
         say(json.dumps(result))
 

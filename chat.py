@@ -26,12 +26,10 @@ import sys
 
 import torch
 
-from gpt import inference
-from gpt.load import chat_template, for_inference
-from gpt import runtime
-from gpt import tokenizer
 from configurator import ChatConfig, UserError, parse, run_main
+from gpt import inference, runtime, tokenizer
 from gpt.inference import KVCache
+from gpt.load import chat_template, for_inference
 
 MAX_CONTEXT = 8192  # context=0 takes the model's block_size up to this: Llama 3.2's 131072 would be an 8 GB cache
 
@@ -48,8 +46,10 @@ class Conversation:
         self.cache = KVCache(model.config, 1, context)
         self.start = len(template.render([])[0])  # a turn's ids follow the first token(s)
         if len(self.head) >= context:
-            raise UserError(f"the system message is {len(self.head)} tokens, too long for the context of {context}; "
-                            f"shorten it or raise --context")
+            raise UserError(
+                f"the system message is {len(self.head)} tokens, too long for the context of {context}; "
+                f"shorten it or raise --context"
+            )
 
     @property
     def ids(self):
@@ -72,17 +72,23 @@ class Conversation:
             self.exchanges.pop(0)
             n += 1
         self.cache.length = min(self.cache.length, len(self.head))
-        print(f"note: the conversation reached the context of {self.context} tokens: dropped the {n} oldest "
-              f"exchange(s), the system message stays; the model reads the remaining {len(self.ids) + pending} "
-              f"tokens again", file=sys.stderr, flush=True)
+        print(
+            f"note: the conversation reached the context of {self.context} tokens: dropped the {n} oldest "
+            f"exchange(s), the system message stays; the model reads the remaining {len(self.ids) + pending} "
+            f"tokens again",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def reply(self, text, cfg, write):
         """The model's reply to the user's message `text`, its text passed to write as it is
         generated; the exchange joins the conversation, also when a Ctrl-C cuts it short."""
         new = self.user_turn(text)
         if len(self.head) + len(new) >= self.context:
-            raise UserError(f"the message is {len(new)} tokens: with the system message it leaves no room for a reply "
-                            f"in the context of {self.context} tokens; shorten it")
+            raise UserError(
+                f"the message is {len(new)} tokens: with the system message it leaves no room for a reply "
+                f"in the context of {self.context} tokens; shorten it"
+            )
         end = self.template.end_id
         reply, stream = [], tokenizer.TextStream(self.template.decode, write)
         try:
@@ -90,15 +96,26 @@ class Conversation:
                 pending = len(new) + len(reply)
                 if len(self.ids) + pending >= self.context:
                     if not self.exchanges:
-                        print(f"\nnote: the reply filled the context of {self.context} tokens and was cut there",
-                              file=sys.stderr, flush=True)
+                        print(
+                            f"\nnote: the reply filled the context of {self.context} tokens and was cut there",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                         break
                     self.drop_oldest(pending)
                     continue
                 idx = torch.tensor([self.ids + new + reply], device=self.device)
                 room = self.context - idx.size(1) + 1  # the last new token is not run, so it needs no room
-                for token in inference.generate_tokens(self.model, idx, min(cfg.max_new_tokens - len(reply), room),
-                                                       cfg.temperature, cfg.top_k, cfg.top_p, stop_token=end, cache=self.cache):
+                for token in inference.generate_tokens(
+                    self.model,
+                    idx,
+                    min(cfg.max_new_tokens - len(reply), room),
+                    cfg.temperature,
+                    cfg.top_k,
+                    cfg.top_p,
+                    stop_token=end,
+                    cache=self.cache,
+                ):
                     reply.append(token.item())
                     stream.update(reply[:-1] if reply[-1] == end else reply)
         finally:
@@ -171,7 +188,9 @@ def main(argv=None):
     model, template = load(cfg, rt, say)
     if cfg.compile:
         model.compile()  # in place, so generate's calls to the model run the compiled forward
-    conv = Conversation(model, template, cfg.system, cfg.context or min(model.config.block_size, MAX_CONTEXT), rt.device)
+    conv = Conversation(
+        model, template, cfg.system, cfg.context or min(model.config.block_size, MAX_CONTEXT), rt.device
+    )
     torch.manual_seed(cfg.seed)
     if cfg.prompt is None:
         repl(conv, cfg, rt)

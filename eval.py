@@ -26,14 +26,8 @@ import os
 
 import torch
 
-from gpt import core_eval
-from gpt import evaluation
-from gpt import load
-from gpt import runtime
-from gpt import tokenizer
-from gpt import watch
 from configurator import EvalConfig, UserError, parse, run_main
-from gpt import tokens
+from gpt import core_eval, evaluation, load, runtime, tokenizer, tokens, watch
 
 
 def _run_dataset(cfg):
@@ -65,8 +59,10 @@ def _plan(cfg, tok_spec, data_dir):
             except UserError:
                 pass
     if not plan:
-        raise UserError("nothing to evaluate: this model is character-level and no val/test data was found; "
-                        "name the data with --dataset")
+        raise UserError(
+            "nothing to evaluate: this model is character-level and no val/test data was found; "
+            "name the data with --dataset"
+        )
     return plan
 
 
@@ -74,8 +70,10 @@ def _check_same_tokenizer(data_dir, tok_spec):
     data_spec = tokenizer.describe(data_dir)
     key = ("kind", "name", "chars")
     if {k: data_spec.get(k) for k in key} != {k: tok_spec.get(k) for k in key}:
-        raise UserError(f"{data_dir} was tokenized differently from this model ({data_spec['kind']} vs {tok_spec['kind']}); "
-                        f"evaluate it on data made with its own tokenizer")
+        raise UserError(
+            f"{data_dir} was tokenized differently from this model ({data_spec['kind']} vs {tok_spec['kind']}); "
+            f"evaluate it on data made with its own tokenizer"
+        )
 
 
 def main(argv=None):
@@ -121,7 +119,13 @@ def record(results):
         elif task == "core":
             out.update({"core": r["core"], **{f"core/{k}": v["centered"] for k, v in r["tasks"].items()}})
         else:
-            out.update({f"{task}_acc": r["acc"], f"{task}_acc_norm": r["acc_norm_tokens"], f"{task}_acc_norm_chars": r["acc_norm_chars"]})
+            out.update(
+                {
+                    f"{task}_acc": r["acc"],
+                    f"{task}_acc_norm": r["acc_norm_tokens"],
+                    f"{task}_acc_norm_chars": r["acc_norm_chars"],
+                }
+            )
     return out
 
 
@@ -130,7 +134,9 @@ def evaluate_all(cfg, rt):
     say = print if rt.master else (lambda message: None)
     examples = {}  # the files of the tasks asked for are read first: a bad file should not wait for a model load
     if "hellaswag" in cfg.task_list():
-        examples["hellaswag"] = evaluation.load_hellaswag(cfg.hellaswag_path, cfg.hellaswag_examples, cfg.hellaswag_style)
+        examples["hellaswag"] = evaluation.load_hellaswag(
+            cfg.hellaswag_path, cfg.hellaswag_examples, cfg.hellaswag_style
+        )
     if cfg.mc_path:
         examples["mc"] = evaluation.load_mc(cfg.mc_path)
     core_tasks = core_eval.load_tasks(cfg.core_bundle, cfg.core_max_per_task) if "core" in cfg.task_list() else None
@@ -144,21 +150,28 @@ def evaluate_all(cfg, rt):
     for task in plan:
         if task in ("hellaswag", "mc"):
             if task not in examples:  # hellaswag by default
-                examples[task] = evaluation.load_hellaswag(cfg.hellaswag_path, cfg.hellaswag_examples, cfg.hellaswag_style)
+                examples[task] = evaluation.load_hellaswag(
+                    cfg.hellaswag_path, cfg.hellaswag_examples, cfg.hellaswag_style
+                )
             joint = task == "hellaswag" and cfg.hellaswag_style == "harness"
             encoded = evaluation.encode_examples(examples[task], tok_spec, task, joint=joint)
             r = results[task] = evaluation.score_choices(forward, encoded, block_size, rt, cfg.batch_size, desc=task)
             if task == "hellaswag":
                 r["style"] = cfg.hellaswag_style
-            say(f"{task}{f' ({cfg.hellaswag_style} style)' if task == 'hellaswag' else ''}: acc {r['acc']:.4f}, "
+            say(
+                f"{task}{f' ({cfg.hellaswag_style} style)' if task == 'hellaswag' else ''}: acc {r['acc']:.4f}, "
                 f"acc_norm_tokens {r['acc_norm_tokens']:.4f} (mean loss per token), "
-                f"acc_norm_chars {r['acc_norm_chars']:.4f} (per character, lm-eval's acc_norm) ({r['n']:,} examples)")
+                f"acc_norm_chars {r['acc_norm_chars']:.4f} (per character, lm-eval's acc_norm) ({r['n']:,} examples)"
+            )
         elif task == "core":
             say(f"CORE: {len(core_tasks)} tasks, {sum(len(t.records) for t in core_tasks):,} examples")
-            r = results[task] = core_eval.evaluate_core(forward, core_tasks, tok_spec, block_size, rt,
-                                                        cfg.batch_size * block_size, report=say)
-            say(f"CORE {r['core']:.4f} (mean centered accuracy of {len(r['tasks'])} tasks; "
-                f"{r['examples']:,} examples, {r['examples_per_s']:.1f} examples/s)")
+            r = results[task] = core_eval.evaluate_core(
+                forward, core_tasks, tok_spec, block_size, rt, cfg.batch_size * block_size, report=say
+            )
+            say(
+                f"CORE {r['core']:.4f} (mean centered accuracy of {len(r['tasks'])} tasks; "
+                f"{r['examples']:,} examples, {r['examples_per_s']:.1f} examples/s)"
+            )
         else:
             r = results[task] = _split(cfg, task, forward, model, tok_spec, data_dir, block_size, rt)
             say(f"{task}: loss {r['loss']:.4f}, {r['bpb']:.4f} bits per byte ({r['tokens']:,} tokens of {data_dir})")
@@ -171,8 +184,9 @@ def _split(cfg, task, forward, model, tok_spec, data_dir, block_size, rt):
     _check_same_tokenizer(data_dir, tok_spec)
     data = tokens.Tokens.open(data_dir, task)
     data.check_vocab(model.config.vocab_size)
-    return evaluation.split_loss(forward, data, block_size, rt, tokenizer.token_bytes(tok_spec), cfg.batch_size,
-                                 cfg.split_tokens, desc=task)
+    return evaluation.split_loss(
+        forward, data, block_size, rt, tokenizer.token_bytes(tok_spec), cfg.batch_size, cfg.split_tokens, desc=task
+    )
 
 
 if __name__ == "__main__":

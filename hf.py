@@ -13,10 +13,8 @@ and docs/gguf.md.
 
 import os
 
-from gpt import gguf_export
-from gpt import huggingface
-from gpt import load
 from configurator import ExportConfig, UserError, parse, run_main
+from gpt import gguf_export, huggingface, load
 
 
 def export_gguf(cfg):
@@ -31,8 +29,10 @@ def export_gguf(cfg):
     path = os.path.join(export_dir, "model.gguf")
     gguf_export.write(model, tok_spec, path, arch, cfg.gguf_dtype, name=os.path.basename(os.path.abspath(cfg.out_dir)))
     if arch == "gpt2" and model.config.mlp == "gelu":
-        print("note: llama.cpp's gpt2 computes GELU by its tanh approximation (through a float16 table), this model "
-              "by the exact GELU (mlp='gelu'): the logits differ slightly (about 1e-5 of their range in tests/test_gguf.py)")
+        print(
+            "note: llama.cpp's gpt2 computes GELU by its tanh approximation (through a float16 table), this model "
+            "by the exact GELU (mlp='gelu'): the logits differ slightly (about 1e-5 of their range in tests/test_gguf.py)"
+        )
     warning = gguf_export.amx_warning(cfg.gguf_dtype)
     if warning:
         print(warning)

@@ -31,8 +31,12 @@ from torch.utils.checkpoint import checkpoint
 # the `attention` key: which scaled_dot_product_attention kernel runs; 'auto' leaves it to PyTorch,
 # which takes the first kernel that accepts the inputs in an order that depends on its version and
 # the GPU (torch 2.11 on an H100 tries cuDNN first); bench.py --suite reports which one ran
-SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-                 "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+SDPA_BACKENDS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "math": SDPBackend.MATH,
+}
 
 
 @dataclass
@@ -47,7 +51,9 @@ class GPTConfig:
     # the options below default to GPT-2; Llama 3 is rope, rmsnorm, swiglu, n_kv_head < n_head, bias=False
     pos_encoding: str = "learned"  # 'learned' (a wpe table, GPT-2) or 'rope' (rotary, on q and k: Llama)
     rope_theta: float = 10000.0  # RoPE base: the slowest pair turns once in ~2*pi*theta positions (Llama 3: 500000)
-    rope_scaling: Optional[dict] = None  # Llama 3's frequency scaling (model.rope_tables); None: plain RoPE. Llama 3.2's: {'factor': 32.0, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0, 'original_max_position_embeddings': 8192}
+    rope_scaling: Optional[dict] = (
+        None  # Llama 3's frequency scaling (model.rope_tables); None: plain RoPE. Llama 3.2's: {'factor': 32.0, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0, 'original_max_position_embeddings': 8192}
+    )
     norm: str = "layernorm"  # 'layernorm' (GPT-2) or 'rmsnorm' (Llama: no mean subtraction, no bias)
     norm_eps: float = 1e-5  # added to the variance in every norm (Hugging Face's layer_norm_epsilon / rms_norm_eps)
     mlp: str = "gelu"  # 'gelu', 'gelu_tanh' (GPT-2's released weights' approximation), 'swiglu' (Llama) or 'relu2': relu(x)**2 (modded-nanogpt, nanochat)
@@ -74,7 +80,9 @@ class GPTConfig:
         assert self.mlp in ("gelu", "gelu_tanh", "swiglu", "relu2")
         assert self.logit_softcap >= 0, "logit_softcap: 0 (off) or a positive cap"
         assert self.n_embd % self.n_head == 0 and self.n_head % self.n_kv_head == 0
-        assert self.pos_encoding != "rope" or (self.n_embd // self.n_head) % 2 == 0, "RoPE rotates pairs: even head size"
+        assert self.pos_encoding != "rope" or (self.n_embd // self.n_head) % 2 == 0, (
+            "RoPE rotates pairs: even head size"
+        )
         assert self.rope_scaling is None or self.pos_encoding == "rope"
 
     @property
@@ -103,10 +111,17 @@ def gpt2_args(config, dropout=0.0):
     if unsupported:
         raise ValueError(f"this GPT-2 has {', '.join(unsupported)}, which this trainer's GPT does not implement")
     return dict(
-        n_layer=config.n_layer, n_head=config.n_head, n_embd=config.n_embd, block_size=config.n_positions,
-        vocab_size=config.vocab_size, dropout=dropout, bias=True,  # GPT-2 has biases everywhere
-        mlp=GPT2_ACTIVATIONS[config.activation_function], mlp_hidden=config.n_inner or 4 * config.n_embd,
-        norm_eps=config.layer_norm_epsilon, tie_embeddings=config.tie_word_embeddings,
+        n_layer=config.n_layer,
+        n_head=config.n_head,
+        n_embd=config.n_embd,
+        block_size=config.n_positions,
+        vocab_size=config.vocab_size,
+        dropout=dropout,
+        bias=True,  # GPT-2 has biases everywhere
+        mlp=GPT2_ACTIVATIONS[config.activation_function],
+        mlp_hidden=config.n_inner or 4 * config.n_embd,
+        norm_eps=config.layer_norm_epsilon,
+        tie_embeddings=config.tie_word_embeddings,
     )
 
 
@@ -237,8 +252,15 @@ class CausalSelfAttention(nn.Module):
         # flash attention where the device has it; is_causal masks the future without building a
         # mask; enable_gqa lets each k/v head serve its group of q heads without copying it
         with sdpa_kernel(SDPA_BACKENDS[self.attention]) if self.attention != "auto" else nullcontext():
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
-                                                  is_causal=causal, enable_gqa=k.size(1) != self.n_head)
+            return F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                dropout_p=self.dropout if self.training else 0.0,
+                is_causal=causal,
+                enable_gqa=k.size(1) != self.n_head,
+            )
 
 
 class MLP(nn.Module):
@@ -284,12 +306,20 @@ class GPT(nn.Module):
         layers = dict(wte=nn.Embedding(config.padded_vocab_size, C))
         if config.pos_encoding == "learned":
             layers["wpe"] = nn.Embedding(config.block_size, C)
-        layers.update(drop=nn.Dropout(config.dropout), h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
-                      ln_f=make_norm(config, C))
+        layers.update(
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
+            ln_f=make_norm(config, C),
+        )
         if config.value_embeds:  # value_embeds: a (vocab, n_kv*hs) table per layer that has one, keyed by its index
             kv_size = config.n_kv_head * (C // config.n_head)
-            layers["ve"] = nn.ModuleDict({str(i): nn.Embedding(config.padded_vocab_size, kv_size)
-                                          for i in range(config.n_layer) if has_value_embed(config, i)})
+            layers["ve"] = nn.ModuleDict(
+                {
+                    str(i): nn.Embedding(config.padded_vocab_size, kv_size)
+                    for i in range(config.n_layer)
+                    if has_value_embed(config, i)
+                }
+            )
         self.transformer = nn.ModuleDict(layers)
         if config.unet_skips:  # the weight of block i's output in the input of block n_layer-1-i
             self.skip_weights = nn.Parameter(torch.ones(config.n_layer // 2))
@@ -407,8 +437,9 @@ class GPT(nn.Module):
             logits = cap * torch.tanh(logits.to(torch.promote_types(logits.dtype, torch.float32)) / cap)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1,
-                                   reduction=reduction)
+            loss = F.cross_entropy(
+                logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1, reduction=reduction
+            )
         return logits, loss
 
     def crop_block_size(self, block_size):

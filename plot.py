@@ -60,7 +60,9 @@ def plot(runs, out):
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
-    logged = lambda key: any(r.get(key) is not None or r.get("watch/" + key) is not None for _, records in runs for r in records)
+    logged = lambda key: any(
+        r.get(key) is not None or r.get("watch/" + key) is not None for _, records in runs for r in records
+    )
     hellaswag, core = logged("hellaswag_acc"), logged("core")
     titles = ["loss", "learning rate", "tokens/s"] + ["HellaSwag"] * hellaswag + ["CORE"] * core
     fig, axes = plt.subplots(1, len(titles), figsize=(5.3 * len(titles), 4.5))
@@ -76,7 +78,13 @@ def plot(runs, out):
             loss_ax.plot(x, y, color=color, marker="x", markersize=8, linestyle="none", label=f"{label} test")
         watched(loss_ax, records, "val_loss", f"{label} val (watcher)", color)
         if hellaswag:
-            axes[3].plot(*series(records, "hellaswag_acc_norm"), color=color, marker="o", markersize=3, label=f"{label} acc_norm_tokens")
+            axes[3].plot(
+                *series(records, "hellaswag_acc_norm"),
+                color=color,
+                marker="o",
+                markersize=3,
+                label=f"{label} acc_norm_tokens",
+            )
             axes[3].plot(*series(records, "hellaswag_acc"), color=color, linestyle="--", label=f"{label} acc")
             watched(axes[3], records, "hellaswag_acc_norm", f"{label} acc_norm_tokens (watcher)", color)
         if core:

@@ -18,11 +18,8 @@ import time
 
 import torch
 
-from gpt import inference
-from gpt import load
-from gpt import runtime
-from gpt import tokenizer
 from configurator import SampleConfig, UserError, parse, run_main
+from gpt import inference, load, runtime, tokenizer
 
 SEPARATOR = "---------------"
 
@@ -56,8 +53,11 @@ def encode_prompt(text, encode, eot, block_size):
             raise UserError("the prompt is empty; give --start some text (the default is a newline)")
         ids = [eot]  # GPT-2 saw <|endoftext|> before every document: an empty prompt starts a new one
     if len(ids) > block_size:
-        print(f"note: the prompt is {len(ids)} tokens, more than block_size={block_size}; "
-              f"the model sees only the last {block_size}", file=sys.stderr)
+        print(
+            f"note: the prompt is {len(ids)} tokens, more than block_size={block_size}; "
+            f"the model sees only the last {block_size}",
+            file=sys.stderr,
+        )
     return ids
 
 
@@ -70,8 +70,17 @@ def sample_prompt(model, cfg, ids, stop, device, stream=None):
     cut before stop, tokens generated). stream, if given, is fed the first one as it grows."""
     x = torch.tensor([ids] * cfg.num_samples, dtype=torch.long, device=device)  # (num_samples, T)
     rows = [[] for _ in range(cfg.num_samples)]
-    steps = inference.generate_tokens(model, x, cfg.max_new_tokens, cfg.temperature, cfg.top_k, top_p=cfg.top_p,
-                                      kv_cache=cfg.kv_cache, window_shift=cfg.window_shift, stop_token=stop)
+    steps = inference.generate_tokens(
+        model,
+        x,
+        cfg.max_new_tokens,
+        cfg.temperature,
+        cfg.top_k,
+        top_p=cfg.top_p,
+        kv_cache=cfg.kv_cache,
+        window_shift=cfg.window_shift,
+        stop_token=stop,
+    )
     for next_id in steps:
         for row, token in zip(rows, next_id[:, 0].tolist()):
             row.append(token)
@@ -114,8 +123,11 @@ def main(argv=None):
                 print(SEPARATOR, flush=True)
     runtime.synchronize(rt)
     seconds = time.perf_counter() - t0
-    print(f"{n_tokens} tokens in {seconds:.2f} s: {n_tokens / seconds:.1f} tokens/s "
-          f"({len(prompts)} prompt(s) x {cfg.num_samples} samples, kv_cache={cfg.kv_cache})", file=sys.stderr)
+    print(
+        f"{n_tokens} tokens in {seconds:.2f} s: {n_tokens / seconds:.1f} tokens/s "
+        f"({len(prompts)} prompt(s) x {cfg.num_samples} samples, kv_cache={cfg.kv_cache})",
+        file=sys.stderr,
+    )
 
 
 if __name__ == "__main__":

@@ -29,9 +29,8 @@ import sys
 
 import uvicorn
 
-from gpt import api
-from gpt import serving
 from configurator import ServeConfig, UserError, parse, run_main
+from gpt import api, serving
 
 
 def listen(host, port):
@@ -55,11 +54,18 @@ def main(argv=None):
     sock = listen(cfg.host, cfg.port)
     server = serving.Server(cfg)
     if cfg.host not in ("127.0.0.1", "localhost", "::1") and not server.api_key:
-        print(f"warning: listening on {cfg.host} with no API key: anyone who can reach this machine can use the "
-              f"model; set --api_key or OPENAI_API_KEY", file=sys.stderr)
+        print(
+            f"warning: listening on {cfg.host} with no API key: anyone who can reach this machine can use the "
+            f"model; set --api_key or OPENAI_API_KEY",
+            file=sys.stderr,
+        )
     what = "chat and completions" if server.template is not None else "completions only (no chat template)"
-    print(f"serving {server.name} ({what}, context {server.context}, {cfg.batch_size} rows) on "
-          f"http://{cfg.host}:{sock.getsockname()[1]}/", file=sys.stderr, flush=True)
+    print(
+        f"serving {server.name} ({what}, context {server.context}, {cfg.batch_size} rows) on "
+        f"http://{cfg.host}:{sock.getsockname()[1]}/",
+        file=sys.stderr,
+        flush=True,
+    )
     server.start()
     http = uvicorn.Server(uvicorn.Config(api.make_app(server), log_level="warning"))
     try:

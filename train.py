@@ -24,22 +24,24 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from gpt import checkpoint
-from gpt import core_eval
-from gpt import evaluation
-from gpt import load
-from gpt import optim
-from gpt import outdir
-from gpt import runtime
-from gpt import tokenizer
-from gpt import watch
-from gpt.batches import ChatBatches, ChatData, DocumentBatches, TrainBatches, chat_eval_offsets, end_of_text, eval_offsets, load_split, packing
 from configurator import TrainConfig, UserError, as_dict, parse, run_main
+from gpt import checkpoint, core_eval, evaluation, load, optim, outdir, runtime, tokenizer, watch
+from gpt.batches import (
+    ChatBatches,
+    ChatData,
+    DocumentBatches,
+    TrainBatches,
+    chat_eval_offsets,
+    end_of_text,
+    eval_offsets,
+    load_split,
+    packing,
+)
 from gpt.memory import auto_batch_size, with_batch_size
 from gpt.metrics import MetricsLog, Throughput, format_duration
-from model import GPT, GPTConfig
 from gpt.step import BadSteps, eval_group, evaluate, train_step
 from gpt.wrap import build, make_model_args, uses_fsdp
+from model import GPT, GPTConfig
 
 EXIT_STOPPED = 75  # stopped early (SIGTERM, SIGINT, max_minutes) with a checkpoint: resume to go on
 
@@ -58,7 +60,9 @@ def main(argv=None):
         )
     rt = runtime.setup(cfg.device, cfg.dtype, cfg.backend, cfg.dist_timeout_s)
     if cfg.ft_replica_group >= 0:
-        from gpt import replicas  # here, not at the top: torchft takes a second to import, and only replica groups need it
+        from gpt import (
+            replicas,
+        )  # here, not at the top: torchft takes a second to import, and only replica groups need it
 
         cfg = replicas.group_out_dir(cfg)  # each replica group writes its own out_dir/group<g>
     stop = runtime.StopRequest(cfg.max_minutes)
@@ -84,15 +88,30 @@ def watcher_command(cfg):
     test) loss on the first eval_iters x batch_size x block_size tokens, and HellaSwag and CORE as
     the loop would (when their interval is set)."""
     data_dir = os.path.join("data", cfg.dataset)
-    tasks = ["val"] + ["test"] * bool(glob.glob(os.path.join(glob.escape(data_dir), "test*.bin"))) \
-        + ["hellaswag"] * bool(cfg.hellaswag_interval) + ["core"] * bool(cfg.core_interval)
+    tasks = (
+        ["val"]
+        + ["test"] * bool(glob.glob(os.path.join(glob.escape(data_dir), "test*.bin")))
+        + ["hellaswag"] * bool(cfg.hellaswag_interval)
+        + ["core"] * bool(cfg.core_interval)
+    )
     rows = cfg.batch_size if cfg.batch_size != "auto" else cfg.total_batch_size // cfg.block_size
-    keys = {"watch": True, "out_dir": cfg.out_dir, "dataset": cfg.dataset, "tasks": ",".join(tasks),
-            "device": cfg.eval_async_device, "split_tokens": cfg.eval_iters * rows * cfg.block_size,
-            "hellaswag_path": cfg.hellaswag_path, "hellaswag_examples": cfg.hellaswag_examples,
-            "core_bundle": cfg.core_bundle, "core_max_per_task": cfg.core_max_per_task}
-    return [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "eval.py"),
-            *(f"--{k}={v}" for k, v in keys.items())]
+    keys = {
+        "watch": True,
+        "out_dir": cfg.out_dir,
+        "dataset": cfg.dataset,
+        "tasks": ",".join(tasks),
+        "device": cfg.eval_async_device,
+        "split_tokens": cfg.eval_iters * rows * cfg.block_size,
+        "hellaswag_path": cfg.hellaswag_path,
+        "hellaswag_examples": cfg.hellaswag_examples,
+        "core_bundle": cfg.core_bundle,
+        "core_max_per_task": cfg.core_max_per_task,
+    }
+    return [
+        sys.executable,
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), "eval.py"),
+        *(f"--{k}={v}" for k, v in keys.items()),
+    ]
 
 
 # ---------------------------------------------------------------------------- setup
@@ -121,8 +140,10 @@ def load_data(cfg, say):
         for data in splits.values():
             data.check_vocab(vocab_size)
         padding, trained = packing(splits["train"], cfg.block_size)
-        say(f"chat data: {splits['train'].conversations:,} conversations; rows of block_size={cfg.block_size} hold "
-            f"whole conversations: {padding:.1%} of positions are padding, {trained:.1%} are trained (assistant) tokens")
+        say(
+            f"chat data: {splits['train'].conversations:,} conversations; rows of block_size={cfg.block_size} hold "
+            f"whole conversations: {padding:.1%} of positions are padding, {trained:.1%} are trained (assistant) tokens"
+        )
         splits = {**splits, "test": None}
     else:
         splits = {name: load_split(data_dir, name, cfg.data_mode, share) for name in ("train", "val")}
@@ -137,13 +158,24 @@ def load_data(cfg, say):
                 splits[name] = None
                 continue
             where = data.paths[0] if len(data.paths) == 1 else os.path.join(data_dir, f"{name}_*.bin")
-            raise UserError(f"block_size={cfg.block_size} is longer than {where} ({len(data)} tokens); lower block_size")
+            raise UserError(
+                f"block_size={cfg.block_size} is longer than {where} ({len(data)} tokens); lower block_size"
+            )
         data.check_vocab(vocab_size)  # an id past the embedding table would fail mid-run, or worse on GPU
-    hellaswag = evaluation.encode_examples(evaluation.load_hellaswag(cfg.hellaswag_path, cfg.hellaswag_examples), tok_spec) \
-        if cfg.hellaswag_interval and not cfg.eval_async else None  # eval_async: the watcher's
+    hellaswag = (
+        evaluation.encode_examples(evaluation.load_hellaswag(cfg.hellaswag_path, cfg.hellaswag_examples), tok_spec)
+        if cfg.hellaswag_interval and not cfg.eval_async
+        else None
+    )  # eval_async: the watcher's
     if cfg.core_interval and tok_spec["kind"] == "char":
-        raise UserError("core_interval needs a tokenizer that encodes any text; this data is character-level: set core_interval=0")
-    core = core_eval.load_tasks(cfg.core_bundle, cfg.core_max_per_task) if cfg.core_interval and not cfg.eval_async else None
+        raise UserError(
+            "core_interval needs a tokenizer that encodes any text; this data is character-level: set core_interval=0"
+        )
+    core = (
+        core_eval.load_tasks(cfg.core_bundle, cfg.core_max_per_task)
+        if cfg.core_interval and not cfg.eval_async
+        else None
+    )
     eot = end_of_text(cfg, tok_spec, data_dir) if cfg.batch_order == "documents" or cfg.doc_mask else None
     return Data(splits["train"], splits["val"], splits.get("test"), tok_spec, vocab_size, hellaswag, core, eot)
 
@@ -161,11 +193,15 @@ def make_model(cfg, rt, data, say):
             model_args = {**state["model_args"], "dropout": cfg.dropout}
         checkpoint.check_resumable(state["model_args"], model_args)
         if trained_with["optimizer"] != cfg.optimizer:
-            raise UserError(f"cannot resume: the checkpoint was trained with optimizer={trained_with['optimizer']!r}, whose "
-                            f"state this run's optimizer={cfg.optimizer!r} cannot take; resume with --optimizer={trained_with['optimizer']}")
+            raise UserError(
+                f"cannot resume: the checkpoint was trained with optimizer={trained_with['optimizer']!r}, whose "
+                f"state this run's optimizer={cfg.optimizer!r} cannot take; resume with --optimizer={trained_with['optimizer']}"
+            )
         if trained_with["batch_order"] != cfg.batch_order:
-            raise UserError(f"cannot resume: the checkpoint was trained with batch_order={trained_with['batch_order']!r}, whose "
-                            f"data position this run's {cfg.batch_order!r} cannot take; resume with --batch_order={trained_with['batch_order']}")
+            raise UserError(
+                f"cannot resume: the checkpoint was trained with batch_order={trained_with['batch_order']!r}, whose "
+                f"data position this run's {cfg.batch_order!r} cannot take; resume with --batch_order={trained_with['batch_order']}"
+            )
     if cfg.init_from in ("scratch", "resume"):
         raw_model = GPT(GPTConfig(**model_args))
     else:  # GPT-2's weights by name, or a Hugging Face GPT-2 or Llama directory; they fix the model's shape
@@ -185,8 +221,11 @@ def eval_bytes_per_split(cfg, data, eval_splits, say):
     except UserError as e:
         say(f"note: no bits per byte in this run: {e}")
         return None
-    return {split: evaluation.target_bytes(d, offsets, cfg.block_size, token_bytes)
-            for split, (d, offsets) in eval_splits.items() if split != "train"}
+    return {
+        split: evaluation.target_bytes(d, offsets, cfg.block_size, token_bytes)
+        for split, (d, offsets) in eval_splits.items()
+        if split != "train"
+    }
 
 
 # ---------------------------------------------------------------------------- the run
@@ -214,25 +253,38 @@ class Run:
         if self.chat:
             self.batches = ChatBatches(data.train, cfg.batch_size, cfg.block_size, cfg.seed, data_rt, self.accum_steps)
         elif cfg.batch_order == "documents":
-            self.batches = DocumentBatches(data.train, cfg.batch_size, cfg.block_size, cfg.seed, data_rt, data.eot, cfg.doc_mask)
-            say(f"documents: {self.batches.documents:,} in train, {len(self.batches.starts):,} rows of block_size="
-                f"{cfg.block_size} an epoch (~{len(self.batches.starts) // (cfg.batch_size * cfg.gradient_accumulation_steps):,} iterations)")
+            self.batches = DocumentBatches(
+                data.train, cfg.batch_size, cfg.block_size, cfg.seed, data_rt, data.eot, cfg.doc_mask
+            )
+            say(
+                f"documents: {self.batches.documents:,} in train, {len(self.batches.starts):,} rows of block_size="
+                f"{cfg.block_size} an epoch (~{len(self.batches.starts) // (cfg.batch_size * cfg.gradient_accumulation_steps):,} iterations)"
+            )
         else:  # data.eot: doc_mask on random windows
             self.batches = TrainBatches(data.train, cfg.batch_size, cfg.block_size, cfg.seed, data_rt, data.eot)
         self.iter_num, self.best_val_loss, wandb_run_id, outer = 0, float("inf"), None, None
         if state is not None:
             checkpoint.restore_rng(state, self.batches, rt)
-            self.iter_num, self.best_val_loss, wandb_run_id = state["iter_num"], state["best_val_loss"], state.get("wandb_run_id")
+            self.iter_num, self.best_val_loss, wandb_run_id = (
+                state["iter_num"],
+                state["best_val_loss"],
+                state.get("wandb_run_id"),
+            )
             outer = state.get("outer")  # DiLoCo's outer optimizer and last-sync weights (sync_every)
             del state  # free the host copy of the weights
         # torchft's wrappers around train_model and the optimizer; a restarted group heals from a live one
         self.ft = replicas.join(cfg, rt, self, outer) if cfg.ft_replica_group >= 0 else None
         self.resumed_at = self.iter_num if cfg.init_from == "resume" else None  # no eval or save again at this iter
-        offsets = lambda d, seed: chat_eval_offsets(d, cfg.eval_iters, cfg.batch_size, seed) if self.chat \
+        offsets = lambda d, seed: (
+            chat_eval_offsets(d, cfg.eval_iters, cfg.batch_size, seed)
+            if self.chat
             else eval_offsets(d, cfg.eval_iters, cfg.batch_size, cfg.block_size, seed)
-        self.eval_splits = {split: (d, offsets(d, cfg.seed + i + 1))
-                            for i, (split, d) in enumerate((("train", data.train), ("val", data.val), ("test", data.test)))
-                            if d is not None}
+        )
+        self.eval_splits = {
+            split: (d, offsets(d, cfg.seed + i + 1))
+            for i, (split, d) in enumerate((("train", data.train), ("val", data.val), ("test", data.test)))
+            if d is not None
+        }
         self.eval_bytes = eval_bytes_per_split(cfg, data, self.eval_splits, say)
         self.metrics = None
         if rt.master:
@@ -240,8 +292,9 @@ class Run:
             self.metrics = MetricsLog(cfg.out_dir, self.resumed_at, cfg, wandb_run_id, path=out.path("metrics.jsonl"))
         fmt = cfg.checkpoint_format if cfg.checkpoint_format != "auto" else "sharded" if uses_fsdp(cfg, rt) else "full"
         spare = watch.Retention(cfg.out_dir, cfg.keep_unscored) if cfg.eval_async else None  # the watcher's unscored
-        self.saver = checkpoint.Checkpointer(cfg.out_dir, fmt, cfg.keep_last, cfg.async_checkpoint, rt, on_commit=out.committed,
-                                             spare=spare)
+        self.saver = checkpoint.Checkpointer(
+            cfg.out_dir, fmt, cfg.keep_last, cfg.async_checkpoint, rt, on_commit=out.committed, spare=spare
+        )
         self.bad = BadSteps(rt.device)
         self.throughput = Throughput(rt)
         self.flops_per_iter = raw_model.flops_per_token() * self.tokens_per_iter
@@ -249,33 +302,50 @@ class Run:
 
     def save(self, best=False):
         """A checkpoint of this step (the keep_last history, ckpt_best when best), written now or in the background."""
-        info = {"model_args": self.model_args, "config": as_dict(self.cfg), "tokenizer": self.data.tok_spec,
-                "iter_num": self.iter_num, "best_val_loss": self.best_val_loss,
-                "wandb_run_id": self.metrics.wandb_run_id if self.rt.master else None,
-                **({"outer": self.ft.outer_state()} if self.ft is not None and self.cfg.sync_every else {})}
-        self.saver.save(self.raw_model, self.optimizer, self.scaler, uses_fsdp(self.cfg, self.rt), info, self.batches, best)
+        info = {
+            "model_args": self.model_args,
+            "config": as_dict(self.cfg),
+            "tokenizer": self.data.tok_spec,
+            "iter_num": self.iter_num,
+            "best_val_loss": self.best_val_loss,
+            "wandb_run_id": self.metrics.wandb_run_id if self.rt.master else None,
+            **({"outer": self.ft.outer_state()} if self.ft is not None and self.cfg.sync_every else {}),
+        }
+        self.saver.save(
+            self.raw_model, self.optimizer, self.scaler, uses_fsdp(self.cfg, self.rt), info, self.batches, best
+        )
 
     def check_bad_steps(self):
         """Report the steps skipped since the last check; stop (exit 3) when max_bad_steps came in a row.
         The weights never saw those steps, so ckpt.pt, written before or after them, is good."""
         skipped, in_a_row, worst = self.bad.read()
         if skipped and self.rt.master:
-            print(f"iter {self.iter_num}: non-finite loss or gradient norm, {skipped} step(s) skipped since the last log "
-                  f"({in_a_row} in a row)")
+            print(
+                f"iter {self.iter_num}: non-finite loss or gradient norm, {skipped} step(s) skipped since the last log "
+                f"({in_a_row} in a row)"
+            )
         if worst >= self.cfg.max_bad_steps:
             self.saver.wait()  # a save in flight holds good weights: let it complete
-            raise Diverged(f"{worst} steps in a row had a non-finite loss or gradient norm (max_bad_steps="
-                           f"{self.cfg.max_bad_steps}); {self.saver.latest} is the last good checkpoint: lower "
-                           f"learning_rate or check the data, then --init_from=resume")
+            raise Diverged(
+                f"{worst} steps in a row had a non-finite loss or gradient norm (max_bad_steps="
+                f"{self.cfg.max_bad_steps}); {self.saver.latest} is the last good checkpoint: lower "
+                f"learning_rate or check the data, then --init_from=resume"
+            )
 
     def describe(self):
         cfg, rt = self.cfg, self.rt
-        print(textwrap.fill("config: " + " ".join(f"{k}={v!r}" for k, v in as_dict(cfg).items()), 120, subsequent_indent="  "))
+        print(
+            textwrap.fill(
+                "config: " + " ".join(f"{k}={v!r}" for k, v in as_dict(cfg).items()), 120, subsequent_indent="  "
+            )
+        )
         groups = f"{self.groups} replica groups x " if self.groups > 1 else ""
-        print(f"{self.raw_model.num_params() / 1e6:.2f}M parameters | {self.tokens_per_iter:,} tokens/iter "
-              f"({groups}{rt.world_size} rank(s) x {self.accum_steps} micro-steps x {cfg.batch_size} x {cfg.block_size}) | "
-              f"{rt.device} {str(rt.dtype).removeprefix('torch.')}"
-              + (f" | resuming at iter {self.iter_num}" if self.resumed_at is not None else ""))
+        print(
+            f"{self.raw_model.num_params() / 1e6:.2f}M parameters | {self.tokens_per_iter:,} tokens/iter "
+            f"({groups}{rt.world_size} rank(s) x {self.accum_steps} micro-steps x {cfg.batch_size} x {cfg.block_size}) | "
+            f"{rt.device} {str(rt.dtype).removeprefix('torch.')}"
+            + (f" | resuming at iter {self.iter_num}" if self.resumed_at is not None else "")
+        )
 
 
 def train(cfg, rt, stop, out):
@@ -312,15 +382,19 @@ def loop(run, stop):
             if last:
                 return 0
             if rt.master:
-                print(f"stopped at iter {run.iter_num} ({stop.reason or 'another rank'}); {run.saver.latest} is current: "
-                      f"continue with --init_from=resume")
+                print(
+                    f"stopped at iter {run.iter_num} ({stop.reason or 'another rank'}); {run.saver.latest} is current: "
+                    f"continue with --init_from=resume"
+                )
             return EXIT_STOPPED
 
         run.throughput.begin_step()
         lr = optim.get_lr(run.iter_num, cfg)
         ratio_due = rt.master and cfg.update_ratio_interval > 0 and run.iter_num % cfg.update_ratio_interval == 0
         before = optim.snapshot(run.raw_model) if ratio_due else None  # the N-th step only: off the hot path
-        result = train_step(run.train_model, run.optimizer, run.scaler, run.batches, lr, run.accum_steps, cfg.grad_clip, rt)
+        result = train_step(
+            run.train_model, run.optimizer, run.scaler, run.batches, lr, run.accum_steps, cfg.grad_clip, rt
+        )
         if ratio_due:
             run.metrics.write({"iter": run.iter_num, **optim.update_ratios(run.raw_model, before)})
         run.bad.record(result.stepped)
@@ -358,12 +432,17 @@ def evaluate_losses_and_save(run, last):
     group = eval_group(cfg, run.raw_model.config.padded_vocab_size, rt.world_size)
     losses = evaluate(run.model, splits, cfg.block_size, rt, group)
     eval_tokens = cfg.eval_iters * cfg.batch_size * cfg.block_size
-    bpb = {k: evaluation.bits_per_byte(losses[k], eval_tokens, run.eval_bytes[k]) for k in losses if k != "train"} \
-        if run.eval_bytes is not None else {}
+    bpb = (
+        {k: evaluation.bits_per_byte(losses[k], eval_tokens, run.eval_bytes[k]) for k in losses if k != "train"}
+        if run.eval_bytes is not None
+        else {}
+    )
     if rt.master:
         text = lambda k: f"{k} loss {losses[k]:.4f}" + (f" ({bpb[k]:.4f} bpb)" if k in bpb else "")
         print(f"step {it}: " + ", ".join(text(k) for k in ("train", "val", "test") if k in losses))
-        run.metrics.write({"iter": it, **{f"{k}_loss": v for k, v in losses.items()}, **{f"{k}_bpb": v for k, v in bpb.items()}})
+        run.metrics.write(
+            {"iter": it, **{f"{k}_loss": v for k, v in losses.items()}, **{f"{k}_bpb": v for k, v in bpb.items()}}
+        )
     run.throughput.restart()  # evaluation time is not training time
     if cfg.eval_only:
         return False
@@ -405,16 +484,22 @@ def score_hellaswag(run):
     cfg, rt, it = run.cfg, run.rt, run.iter_num
     scores = evaluation.score_choices(run.raw_model, run.data.hellaswag, cfg.block_size, rt, cfg.batch_size)
     if rt.master:
-        print(f"step {it}: hellaswag acc {scores['acc']:.4f}, acc_norm_tokens {scores['acc_norm_tokens']:.4f}, "
-              f"acc_norm_chars {scores['acc_norm_chars']:.4f} ({scores['n']} examples)")
-    return {"hellaswag_acc": scores["acc"], "hellaswag_acc_norm": scores["acc_norm_tokens"],
-            "hellaswag_acc_norm_chars": scores["acc_norm_chars"]}
+        print(
+            f"step {it}: hellaswag acc {scores['acc']:.4f}, acc_norm_tokens {scores['acc_norm_tokens']:.4f}, "
+            f"acc_norm_chars {scores['acc_norm_chars']:.4f} ({scores['n']} examples)"
+        )
+    return {
+        "hellaswag_acc": scores["acc"],
+        "hellaswag_acc_norm": scores["acc_norm_tokens"],
+        "hellaswag_acc_norm_chars": scores["acc_norm_chars"],
+    }
 
 
 def score_core(run):
     cfg, rt, it = run.cfg, run.rt, run.iter_num
-    core = core_eval.evaluate_core(run.raw_model, run.data.core, run.data.tok_spec, cfg.block_size, rt,
-                                   cfg.batch_size * cfg.block_size)
+    core = core_eval.evaluate_core(
+        run.raw_model, run.data.core, run.data.tok_spec, cfg.block_size, rt, cfg.batch_size * cfg.block_size
+    )
     if rt.master:
         print(f"step {it}: CORE {core['core']:.4f} ({core['examples']} examples, {core['examples_per_s']:.0f}/s)")
     return {"core": core["core"], **{f"core/{k}": v["centered"] for k, v in core["tasks"].items()}}
@@ -439,13 +524,25 @@ def log_step(run, result, lr):
     if rt.master:
         eta = format_duration(dt * (cfg.max_iters - run.iter_num - 1))
         mfu_text = f"{mfu:.1%}" if mfu is not None else "n/a"
-        print(f"iter {run.iter_num}: loss {loss_value:.4f}, lr {lr:.2e}, grad norm {norm_value:.3g}{' (clipped)' if clipped else ''}, "
-              f"{dt * 1000:.1f} ms/iter, {tokens / dt:,.0f} tok/s{groups}, "
-              f"{run.flops_per_iter / dt / 1e12 / rt.world_size:.3g} TFLOPS/device, mfu {mfu_text}, eta {eta}")
-        run.metrics.write({"iter": run.iter_num, "loss": loss_value, "lr": lr, "grad_norm": norm_value, "clipped": clipped,
-                           "dt_ms": dt * 1000, "tokens_per_s": tokens / dt, "mfu": mfu,
-                           **({"groups": run.ft.participants, "sync_bytes": run.ft.sent()} if run.ft else {}),
-                           **({"trained_tokens": run.batches.step_tokens} if run.chat else {})})
+        print(
+            f"iter {run.iter_num}: loss {loss_value:.4f}, lr {lr:.2e}, grad norm {norm_value:.3g}{' (clipped)' if clipped else ''}, "
+            f"{dt * 1000:.1f} ms/iter, {tokens / dt:,.0f} tok/s{groups}, "
+            f"{run.flops_per_iter / dt / 1e12 / rt.world_size:.3g} TFLOPS/device, mfu {mfu_text}, eta {eta}"
+        )
+        run.metrics.write(
+            {
+                "iter": run.iter_num,
+                "loss": loss_value,
+                "lr": lr,
+                "grad_norm": norm_value,
+                "clipped": clipped,
+                "dt_ms": dt * 1000,
+                "tokens_per_s": tokens / dt,
+                "mfu": mfu,
+                **({"groups": run.ft.participants, "sync_bytes": run.ft.sent()} if run.ft else {}),
+                **({"trained_tokens": run.batches.step_tokens} if run.chat else {}),
+            }
+        )
 
 
 if __name__ == "__main__":

@@ -39,9 +39,8 @@ from collections import deque
 
 import numpy as np
 
-from gpt import tokenizer
 from configurator import UserError
-from gpt import tokens
+from gpt import tokenizer, tokens
 
 SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz", ".parquet")
 SPLITS = ("val", "test", "train")  # in stream order: the held-out splits come first, so --tokens never moves them
@@ -75,22 +74,58 @@ def parse_args(argv, doc, **defaults):
     source.add_argument("--name", help="its configuration, e.g. sample-10BT")
     source.add_argument("--split", default="train", help="its split (default: train)")
     source.add_argument("--revision", help="a git revision of the dataset repo (default: main)")
-    source.add_argument("--input", nargs="+", metavar="PATH", help="local .txt/.jsonl/.parquet files or directories; replaces --dataset")
+    source.add_argument(
+        "--input", nargs="+", metavar="PATH", help="local .txt/.jsonl/.parquet files or directories; replaces --dataset"
+    )
     source.add_argument("--text_field", default="text", help="the field or column holding the text (default: text)")
-    source.add_argument("--txt_separator", help=r"split .txt files into documents at this string, e.g. '\n\n' (default: one document per file)")
+    source.add_argument(
+        "--txt_separator",
+        help=r"split .txt files into documents at this string, e.g. '\n\n' (default: one document per file)",
+    )
     out = p.add_argument_group("output")
     out.add_argument("--out_dir", help="where the shards, meta.json and prepare.json go")
-    out.add_argument("--tokenizer", default="gpt2", help="a tiktoken name (gpt2, cl100k_base) or a Hugging Face tokenizer.json (default: gpt2)")
-    out.add_argument("--tokens", type=count, help="stop after this many tokens in all splits, e.g. 10e9 (default: all of the input)")
-    out.add_argument("--val_tokens", type=count, default=1_000_000, help="tokens in the val split (default: %(default)s)")
-    out.add_argument("--test_tokens", type=count, default=1_000_000, help="tokens in the test split; 0: none (default: %(default)s)")
-    out.add_argument("--shard_tokens", type=count, default=100_000_000, help="tokens per shard file (default: %(default)s)")
+    out.add_argument(
+        "--tokenizer",
+        default="gpt2",
+        help="a tiktoken name (gpt2, cl100k_base) or a Hugging Face tokenizer.json (default: gpt2)",
+    )
+    out.add_argument(
+        "--tokens", type=count, help="stop after this many tokens in all splits, e.g. 10e9 (default: all of the input)"
+    )
+    out.add_argument(
+        "--val_tokens", type=count, default=1_000_000, help="tokens in the val split (default: %(default)s)"
+    )
+    out.add_argument(
+        "--test_tokens", type=count, default=1_000_000, help="tokens in the test split; 0: none (default: %(default)s)"
+    )
+    out.add_argument(
+        "--shard_tokens", type=count, default=100_000_000, help="tokens per shard file (default: %(default)s)"
+    )
     out.add_argument("--seed", type=int, default=1337, help="the document order (default: %(default)s)")
-    out.add_argument("--shuffle_buffer", type=count, default=10_000, help="documents shuffled together; 0: input order (default: %(default)s)")
+    out.add_argument(
+        "--shuffle_buffer",
+        type=count,
+        default=10_000,
+        help="documents shuffled together; 0: input order (default: %(default)s)",
+    )
     run = p.add_argument_group("running")
-    run.add_argument("--workers", type=int, default=os.cpu_count(), help="tokenizer processes (default: all %(default)s cores)")
-    run.add_argument("--estimate", type=count, default=0, metavar="N", help="tokenize the first N documents, report tokens per document and the documents --tokens needs, write nothing")
-    run.add_argument("--benchmark", type=count, default=0, metavar="N", help="tokenize the first N documents with 1..--workers processes and plain tiktoken, report tokens/s, write nothing")
+    run.add_argument(
+        "--workers", type=int, default=os.cpu_count(), help="tokenizer processes (default: all %(default)s cores)"
+    )
+    run.add_argument(
+        "--estimate",
+        type=count,
+        default=0,
+        metavar="N",
+        help="tokenize the first N documents, report tokens per document and the documents --tokens needs, write nothing",
+    )
+    run.add_argument(
+        "--benchmark",
+        type=count,
+        default=0,
+        metavar="N",
+        help="tokenize the first N documents with 1..--workers processes and plain tiktoken, report tokens/s, write nothing",
+    )
     p.set_defaults(**defaults)
     args = p.parse_args(argv)
     if args.out_dir is None:
@@ -102,8 +137,10 @@ def parse_args(argv, doc, **defaults):
     if args.shard_tokens < 1:
         raise UserError("--shard_tokens must be at least 1")
     if args.tokens is not None and args.tokens <= args.val_tokens + args.test_tokens:
-        raise UserError(f"--tokens={args.tokens:,} leaves nothing for train after --val_tokens={args.val_tokens:,} and "
-                        f"--test_tokens={args.test_tokens:,}; raise --tokens or lower those")
+        raise UserError(
+            f"--tokens={args.tokens:,} leaves nothing for train after --val_tokens={args.val_tokens:,} and "
+            f"--test_tokens={args.test_tokens:,}; raise --tokens or lower those"
+        )
     return args
 
 
@@ -129,7 +166,9 @@ def run(args):
 def documents(args):
     """The documents in their seeded order (skipping empty ones): an iterator of strings."""
     if args.input is not None:
-        return local_documents(input_files(args.input), args.text_field, args.txt_separator, args.seed, args.shuffle_buffer)
+        return local_documents(
+            input_files(args.input), args.text_field, args.txt_separator, args.seed, args.shuffle_buffer
+        )
     return hub_documents(args)
 
 
@@ -138,7 +177,9 @@ def input_files(paths):
     files = []
     for path in paths:
         if os.path.isdir(path):
-            found = sorted(os.path.join(root, f) for root, _, names in os.walk(path) for f in names if f.endswith(SUFFIXES))
+            found = sorted(
+                os.path.join(root, f) for root, _, names in os.walk(path) for f in names if f.endswith(SUFFIXES)
+            )
             if not found:
                 raise UserError(f"--input {path} holds no {'/'.join(SUFFIXES)} files")
             files += found
@@ -227,7 +268,9 @@ def read_parquet(path, field):
     except Exception as e:  # pyarrow's errors for a file that is not parquet are its own types
         raise UserError(f"cannot read {path} as parquet ({str(e).splitlines()[0]})")
     if field not in pf.schema_arrow.names:
-        raise UserError(f"{path} has no column {field!r} (it has: {', '.join(pf.schema_arrow.names)}); pass --text_field")
+        raise UserError(
+            f"{path} has no column {field!r} (it has: {', '.join(pf.schema_arrow.names)}); pass --text_field"
+        )
     for batch in pf.iter_batches(columns=[field], batch_size=1024):
         yield from (text for text in batch.column(0).to_pylist() if text is not None)
 
@@ -247,8 +290,10 @@ def hub_documents(args):
     except GatedRepoError:
         raise UserError(f"{name} is gated on Hugging Face: accept its terms on its page, then `hf auth login`")
     except RepositoryNotFoundError:
-        raise UserError(f"there is no dataset {name!r} on Hugging Face (a private one needs `hf auth login`); "
-                        f"check the name, or {local}")
+        raise UserError(
+            f"there is no dataset {name!r} on Hugging Face (a private one needs `hf auth login`); "
+            f"check the name, or {local}"
+        )
     except Exception as e:  # offline mode, DNS, no route, TLS, timeout: the Hub cannot be used now
         raise UserError(f"cannot reach Hugging Face for {name!r} ({first_line(e)}); {local}")
     try:
@@ -268,11 +313,15 @@ def hub_texts(ds, args):
         except StopIteration:
             return
         except Exception as e:  # the connection dropped mid-stream (the libraries raise several types)
-            raise UserError(f"lost Hugging Face while reading {name} ({first_line(e)}); run the same command "
-                            f"again to resume after the last complete shard")
+            raise UserError(
+                f"lost Hugging Face while reading {name} ({first_line(e)}); run the same command "
+                f"again to resume after the last complete shard"
+            )
         text = row.get(args.text_field)
         if not isinstance(text, str):
-            raise UserError(f"{name} has no text field {args.text_field!r} (it has: {', '.join(row)}); pass --text_field")
+            raise UserError(
+                f"{name} has no text field {args.text_field!r} (it has: {', '.join(row)}); pass --text_field"
+            )
         if text.strip():
             yield text
 
@@ -339,8 +388,9 @@ def encoder_pool(spec, workers):
     # this process's threads (torch's, a tokenizer library's, HTTP) can be copied into them locked.
     # An executor, not multiprocessing.Pool: Pool.terminate() can hang for good when an error
     # stops the reader while its task thread is still writing a batch into a worker's pipe.
-    pool = concurrent.futures.ProcessPoolExecutor(workers, multiprocessing.get_context("forkserver"),
-                                                  initializer=_start_worker, initargs=(spec,))
+    pool = concurrent.futures.ProcessPoolExecutor(
+        workers, multiprocessing.get_context("forkserver"), initializer=_start_worker, initargs=(spec,)
+    )
 
     def run(batches):
         pending = deque()
@@ -364,12 +414,21 @@ def settings(args, spec):
     """What decides the bytes written; a rerun resumes only when they are the same."""
     if args.input is not None:
         files = input_files(args.input)
-        source = {"files": [[os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns] for f in files],
-                  "text_field": args.text_field, "txt_separator": args.txt_separator}
+        source = {
+            "files": [[os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns] for f in files],
+            "text_field": args.text_field,
+            "txt_separator": args.txt_separator,
+        }
     else:
         source = {k: getattr(args, k) for k in ("dataset", "name", "split", "revision", "text_field")}
-    return {"source": source, "tokenizer": spec,
-            **{k: getattr(args, k) for k in ("tokens", "val_tokens", "test_tokens", "shard_tokens", "seed", "shuffle_buffer")}}
+    return {
+        "source": source,
+        "tokenizer": spec,
+        **{
+            k: getattr(args, k)
+            for k in ("tokens", "val_tokens", "test_tokens", "shard_tokens", "seed", "shuffle_buffer")
+        },
+    }
 
 
 class Progress:
@@ -385,14 +444,18 @@ class Progress:
                 saved = json.load(f)
             changed = [k for k in wanted if saved["settings"].get(k) != wanted[k]]
             if changed:
-                raise UserError(f"{out_dir} holds a preparation with other settings ({', '.join(changed)}); "
-                                f"choose another --out_dir, or delete {out_dir} to start over")
+                raise UserError(
+                    f"{out_dir} holds a preparation with other settings ({', '.join(changed)}); "
+                    f"choose another --out_dir, or delete {out_dir} to start over"
+                )
             self.state = saved
         for split in SPLITS:  # a listed shard must still be whole: it will not be written again
             for i, n in enumerate(self.state["shards"][split]):
                 path = shard_path(out_dir, split, i)
                 if not os.path.exists(path) or tokens.read_header(path)[1] != n:
-                    raise UserError(f"{path} is missing or changed since it was written; delete {out_dir} to start over")
+                    raise UserError(
+                        f"{path} is missing or changed since it was written; delete {out_dir} to start over"
+                    )
 
     def written(self, split):
         return sum(self.state["shards"][split])
@@ -421,7 +484,9 @@ def prepare(args, spec):
     out_dir = args.out_dir
     foreign = [f"{s}.bin" for s in SPLITS if os.path.exists(os.path.join(out_dir, f"{s}.bin"))]
     if foreign:
-        raise UserError(f"{out_dir} holds {', '.join(foreign)} from another preparation; move it away or choose another --out_dir")
+        raise UserError(
+            f"{out_dir} holds {', '.join(foreign)} from another preparation; move it away or choose another --out_dir"
+        )
     progress = Progress(out_dir, settings(args, spec))
     state = progress.state
     if state["done"]:
@@ -454,7 +519,9 @@ def prepare(args, spec):
                 json.dump(spec, f)
         except OSError as e:
             raise UserError(f"cannot write to --out_dir {out_dir} ({e.strerror})")
-        bar = stack.enter_context(tqdm(total=args.tokens, initial=done_before, unit="tok", unit_scale=True, disable=None))
+        bar = stack.enter_context(
+            tqdm(total=args.tokens, initial=done_before, unit="tok", unit_scale=True, disable=None)
+        )
         for ids, ends in itertools.chain([first] if first else [], batches):
             pos, skip = skip, 0
             while pos < len(ids) and plan:
@@ -484,22 +551,29 @@ def prepare(args, spec):
                 tokens.write(shard_path(out_dir, plan[0], len(state["shards"][plan[0]])), buf[:fill])
                 progress.save(plan[0], fill, doc_index, 0)
             if progress.written("train") == 0:
-                raise UserError(f"the input ran out after {summary(progress) or 'no tokens'}, before any train "
-                                f"tokens; lower --val_tokens/--test_tokens or add input")
+                raise UserError(
+                    f"the input ran out after {summary(progress) or 'no tokens'}, before any train "
+                    f"tokens; lower --val_tokens/--test_tokens or add input"
+                )
             state["done"] = True
             progress.save_state()
             if args.tokens is not None:
                 print(f"note: the input ran out before --tokens={args.tokens:,}")
     seconds = time.perf_counter() - start
     new = sum(progress.written(s) for s in SPLITS) - done_before
-    print(f"{out_dir}: {summary(progress)}; {doc_index:,} documents read; {new:,} tokens in {seconds:.1f} s "
-          f"({new / max(seconds, 1e-9):,.0f} tokens/s, {args.workers} worker(s))")
+    print(
+        f"{out_dir}: {summary(progress)}; {doc_index:,} documents read; {new:,} tokens in {seconds:.1f} s "
+        f"({new / max(seconds, 1e-9):,.0f} tokens/s, {args.workers} worker(s))"
+    )
     return 0
 
 
 def summary(progress):
-    return ", ".join(f"{s} {progress.written(s):,} tokens in {len(progress.state['shards'][s])} shard(s)"
-                     for s in SPLITS if progress.state["shards"][s])
+    return ", ".join(
+        f"{s} {progress.written(s):,} tokens in {len(progress.state['shards'][s])} shard(s)"
+        for s in SPLITS
+        if progress.state["shards"][s]
+    )
 
 
 # ---------------------------------------------------------------------------- measuring
@@ -513,12 +587,16 @@ def estimate(args, spec):
     if len(lengths) == 0:
         raise UserError("the input has no documents")
     mean = lengths.mean()
-    print(f"{len(lengths):,} documents: {mean:,.1f} tokens per document on average, median {statistics.median(lengths):,.0f}, "
-          f"from {lengths.min():,} to {lengths.max():,} (each with its end-of-text token)")
+    print(
+        f"{len(lengths):,} documents: {mean:,.1f} tokens per document on average, median {statistics.median(lengths):,.0f}, "
+        f"from {lengths.min():,} to {lengths.max():,} (each with its end-of-text token)"
+    )
     budget = args.tokens if args.tokens is not None else None
     if budget is not None:
-        print(f"--tokens={budget:,} needs about {math.ceil(budget / mean):,} documents "
-              f"(val {math.ceil(args.val_tokens / mean):,}, test {math.ceil(args.test_tokens / mean):,})")
+        print(
+            f"--tokens={budget:,} needs about {math.ceil(budget / mean):,} documents "
+            f"(val {math.ceil(args.val_tokens / mean):,}, test {math.ceil(args.test_tokens / mean):,})"
+        )
     return 0
 
 
@@ -530,8 +608,10 @@ def benchmark(args, spec):
     if not docs:
         raise UserError("the input has no documents")
     batches = list(text_batches(docs))
-    print(f"{len(docs):,} documents, {sum(map(len, docs)) / 1e6:.1f} MB of text, {len(batches)} batches; "
-          f"{os.cpu_count()} CPU cores")
+    print(
+        f"{len(docs):,} documents, {sum(map(len, docs)) / 1e6:.1f} MB of text, {len(batches)} batches; "
+        f"{os.cpu_count()} CPU cores"
+    )
     rows = []
     if spec["kind"] == "tiktoken":
         enc = tokenizer.encoding(spec["name"])

@@ -29,15 +29,17 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
-from gpt import tokenizer  # noqa: E402 (after the path line above)
 from configurator import UserError, run_main  # noqa: E402
 from data import corpus  # noqa: E402
+from gpt import tokenizer  # noqa: E402 (after the path line above)
 from gpt.chat_template import RESERVED_TOKENS  # noqa: E402
 
 # GPT-4's (cl100k) split pattern, as Llama 3 also uses: a piece is a word with an optional leading
 # non-letter, up to 3 digits, punctuation with trailing newlines, or whitespace
-SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 PIECE_CHARS = 1 << 16  # long documents go to the trainer in pieces of about this size: its threads share out pieces
 PIECE_CUT = re.compile(r"\n(?=\S)")  # after a newline that precedes a non-space: no split-pattern match crosses it
 
@@ -51,13 +53,30 @@ def parse_args(argv):
     source.add_argument("--split", default="train", help="its split (default: train)")
     source.add_argument("--revision", help="a git revision of the dataset repo (default: main)")
     source.add_argument("--text_field", default="text", help="the field or column holding the text (default: text)")
-    source.add_argument("--txt_separator", help=r"split .txt files into documents at this string, e.g. '\n\n' (default: one document per file)")
-    source.add_argument("--shuffle_buffer", type=corpus.count, default=10_000, help="documents shuffled together; 0: input order (default: %(default)s)")
+    source.add_argument(
+        "--txt_separator",
+        help=r"split .txt files into documents at this string, e.g. '\n\n' (default: one document per file)",
+    )
+    source.add_argument(
+        "--shuffle_buffer",
+        type=corpus.count,
+        default=10_000,
+        help="documents shuffled together; 0: input order (default: %(default)s)",
+    )
     source.add_argument("--seed", type=int, default=1337, help="the document order (default: %(default)s)")
-    source.add_argument("--max_chars", type=corpus.count, help="train on at most this many characters, e.g. 2e9 (default: all)")
-    source.add_argument("--val_chars", type=corpus.count, default=100_000, help="characters held out to measure compression (default: %(default)s)")
+    source.add_argument(
+        "--max_chars", type=corpus.count, help="train on at most this many characters, e.g. 2e9 (default: all)"
+    )
+    source.add_argument(
+        "--val_chars",
+        type=corpus.count,
+        default=100_000,
+        help="characters held out to measure compression (default: %(default)s)",
+    )
     out = p.add_argument_group("tokenizer")
-    out.add_argument("--vocab_size", type=corpus.count, required=True, help="tokens in all, special tokens included, e.g. 32768")
+    out.add_argument(
+        "--vocab_size", type=corpus.count, required=True, help="tokens in all, special tokens included, e.g. 32768"
+    )
     out.add_argument("--out_dir", required=True, help="tokenizer.json is written here")
     args = p.parse_args(argv)
     if (args.input is None) == (args.dataset is None):
@@ -66,8 +85,10 @@ def parse_args(argv):
         args.txt_separator = args.txt_separator.replace("\\n", "\n").replace("\\t", "\t")
     smallest = 256 + len(RESERVED_TOKENS) + 1
     if args.vocab_size < smallest:
-        raise UserError(f"--vocab_size={args.vocab_size} leaves no merges: the 256 bytes and {len(RESERVED_TOKENS)} "
-                        f"special tokens take {smallest - 1}; use at least {smallest}")
+        raise UserError(
+            f"--vocab_size={args.vocab_size} leaves no merges: the 256 bytes and {len(RESERVED_TOKENS)} "
+            f"special tokens take {smallest - 1}; use at least {smallest}"
+        )
     return args
 
 
@@ -107,10 +128,12 @@ def new_tokenizer():
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),  # bytes -> GPT-2's printable stand-ins
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),  # bytes -> GPT-2's printable stand-ins
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     return tok
 
@@ -121,8 +144,12 @@ def train(docs, vocab_size, max_chars):
     from tqdm import tqdm
 
     tok = new_tokenizer()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(RESERVED_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=sys.stderr.isatty())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(RESERVED_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=sys.stderr.isatty(),
+    )
     chars = 0
 
     def counted(texts, bar):
@@ -160,7 +187,9 @@ def main(argv=None):
     vocab = tok.get_vocab_size()
     print(f"trained {vocab:,} tokens on {chars:,} characters in {seconds:.1f} s: {chars / seconds:,.0f} characters/s")
     if vocab < args.vocab_size:
-        print(f"note: the text has only {vocab:,} distinct tokens to learn, fewer than --vocab_size={args.vocab_size:,}")
+        print(
+            f"note: the text has only {vocab:,} distinct tokens to learn, fewer than --vocab_size={args.vocab_size:,}"
+        )
     special = ", ".join(f"{t} {tok.token_to_id(t)}" for t in RESERVED_TOKENS)
     print(f"wrote {path} (special tokens: {special})")
     if val:

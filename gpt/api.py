@@ -99,11 +99,27 @@ class StreamOptions(BaseModel):
 
 # fields of OpenAI's API this server cannot honour: a request that sets one gets a 400, not a reply
 # that silently ignores it. The value each may have (OpenAI's default, which means "not used").
-UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None,), "logit_bias": (None, {}), "presence_penalty": (None, 0),
-               "frequency_penalty": (None, 0), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-               "function_call": (None, "none"), "response_format": (None, {"type": "text"}), "echo": (None, False),
-               "suffix": (None, ""), "best_of": (None, 1), "audio": (None,), "modalities": (None, ["text"]),
-               "prediction": (None,), "reasoning_effort": (None,), "web_search_options": (None,), "store": (None, False)}
+UNSUPPORTED = {
+    "logprobs": (None, False),
+    "top_logprobs": (None,),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+    "store": (None, False),
+}
 
 
 class Sampling(BaseModel):
@@ -135,26 +151,36 @@ class Sampling(BaseModel):
         in an error (pydantic lets an APIError through to the app's handler)."""
         where = not_unicode(body)
         if where is not None:
-            raise APIError(400, f"{where or 'the body'} holds text that is not valid Unicode (half of a UTF-16 "
-                                f"surrogate pair, \\ud800 to \\udfff, alone); send valid UTF-8 text", where or None)
+            raise APIError(
+                400,
+                f"{where or 'the body'} holds text that is not valid Unicode (half of a UTF-16 "
+                f"surrogate pair, \\ud800 to \\udfff, alone); send valid UTF-8 text",
+                where or None,
+            )
         return body
 
     def check(self):
         """The stop strings; APIError for what the model cannot honour."""
         for i, m in enumerate(getattr(self, "messages", [])):
             if m.name is not None:
-                raise APIError(400, f"messages.{i}.name is not supported by this server; leave it out", f"messages.{i}.name")
+                raise APIError(
+                    400, f"messages.{i}.name is not supported by this server; leave it out", f"messages.{i}.name"
+                )
         for key, allowed in UNSUPPORTED.items():
             value = getattr(self, key, None)
             if value not in allowed:
                 raise APIError(400, f"{key}={json.dumps(value)} is not supported by this server; leave {key} out", key)
         if self.n not in (None, 1):
-            raise APIError(400, f"n={self.n}: this server makes one choice per request; send n=1 (or leave it out)", "n")
+            raise APIError(
+                400, f"n={self.n}: this server makes one choice per request; send n=1 (or leave it out)", "n"
+            )
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         if len(stops) > 4 or not all(stops):
             raise APIError(400, "stop takes at most 4 strings, none of them empty", "stop")
         if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
-            raise APIError(400, "max_tokens and max_completion_tokens differ; give one of them", "max_completion_tokens")
+            raise APIError(
+                400, "max_tokens and max_completion_tokens differ; give one of them", "max_completion_tokens"
+            )
         return stops
 
 
@@ -181,6 +207,7 @@ class CompletionRequest(Sampling):
     echo: Optional[bool] = None
     suffix: Optional[str] = None
     best_of: Optional[int] = None
+
 
 # ---------------------------------------------------------------------------- replies
 
@@ -219,22 +246,36 @@ async def respond(http, server, body, ids, stop_ids, stops, chat):
     """The reply, as one JSON object or as server-sent events."""
     rid, queue = server.start_request(body, ids, chat, stop_ids, stops)
     created = int(time.time())
-    head = {"id": ("chatcmpl-" if chat else "cmpl-") + rid, "object": "chat.completion" if chat else "text_completion",
-            "created": created, "model": server.name}
+    head = {
+        "id": ("chatcmpl-" if chat else "cmpl-") + rid,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": created,
+        "model": server.name,
+    }
     if not body.stream:
         item, text = await wait_done(http, server, rid, queue)
         reason = done_error(item)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text, "refusal": None}} if chat
-                  else {"index": 0, "text": text})
-        return {**head, "choices": [{**choice, "logprobs": None, "finish_reason": reason}], "usage": usage(len(ids), item[2])}
+        choice = (
+            {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None}}
+            if chat
+            else {"index": 0, "text": text}
+        )
+        return {
+            **head,
+            "choices": [{**choice, "logprobs": None, "finish_reason": reason}],
+            "usage": usage(len(ids), item[2]),
+        }
     with_usage = body.stream_options is not None and body.stream_options.include_usage
 
     def hang_up():  # the client went away mid-stream: its row is freed at the next step, and the stream ends
         server.cancel(rid)
         queue.put_nowait(("gone",))
 
-    return EventStream(events(server, rid, queue, head, chat, len(ids), with_usage), hang_up,
-                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return EventStream(
+        events(server, rid, queue, head, chat, len(ids), with_usage),
+        hang_up,
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
 
 
 async def events(server, rid, queue, head, chat, n_prompt, with_usage):
@@ -276,13 +317,18 @@ async def events(server, rid, queue, head, chat, n_prompt, with_usage):
                 return
             _, reason, n_completion, error = item
             if reason in ("error", "stopped"):
-                message, code = (error, "engine_stopped") if reason == "stopped" else \
-                    (f"the server failed while generating ({error})", None)
+                message, code = (
+                    (error, "engine_stopped")
+                    if reason == "stopped"
+                    else (f"the server failed while generating ({error})", None)
+                )
                 end = [f"data: {json.dumps(error_body(message, 'server_error', code=code))}\n\n"]
             else:
                 end = [chunk(reason=reason)]
                 if with_usage:
-                    end.append(f"data: {json.dumps({**head, 'choices': [], 'usage': usage(n_prompt, n_completion)})}\n\n")
+                    end.append(
+                        f"data: {json.dumps({**head, 'choices': [], 'usage': usage(n_prompt, n_completion)})}\n\n"
+                    )
             yield "".join([pending, *end, "data: [DONE]\n\n"]), True
             return
     finally:
@@ -332,8 +378,11 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.limit):
-            status, message = (413, f"the body is {int(length)} bytes, more than this server's limit of {self.limit}") \
-                if length.isdigit() else (400, "the Content-Length header is not a number")
+            status, message = (
+                (413, f"the body is {int(length)} bytes, more than this server's limit of {self.limit}")
+                if length.isdigit()
+                else (400, "the Content-Length header is not a number")
+            )
             return await error_response(APIError(status, message))(scope, receive, send)
         seen = 0
 
@@ -386,9 +435,13 @@ class HostCheck:
         if scope["type"] == "http":
             host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
             if not self.answers(host_name(host)):
-                refused = APIError(421, f"Host {host!r} is not a name this server answers to (a guard against DNS rebinding): "
-                                        f"use {'127.0.0.1' if self.loopback else 'its IP address'} or localhost, or start serve.py with "
-                                        f"--allowed_hosts={host_name(host) or 'NAME'}", code="host_not_allowed")
+                refused = APIError(
+                    421,
+                    f"Host {host!r} is not a name this server answers to (a guard against DNS rebinding): "
+                    f"use {'127.0.0.1' if self.loopback else 'its IP address'} or localhost, or start serve.py with "
+                    f"--allowed_hosts={host_name(host) or 'NAME'}",
+                    code="host_not_allowed",
+                )
                 return await error_response(refused)(scope, receive, send)
         await self.app(scope, receive, send)
 
@@ -412,20 +465,31 @@ def make_app(server):
     async def http_error(_, e):
         bad = e.__cause__  # FastAPI's "error parsing the body" from bytes that Python's json cannot decode
         if isinstance(bad, UnicodeDecodeError):
-            return error_response(APIError(400, f"the body is not valid {bad.encoding.upper()} (byte {bad.start}: {bad.reason}); "
-                                                f"send JSON in UTF-8"))
+            return error_response(
+                APIError(
+                    400,
+                    f"the body is not valid {bad.encoding.upper()} (byte {bad.start}: {bad.reason}); "
+                    f"send JSON in UTF-8",
+                )
+            )
         return error_response(APIError(e.status_code, str(e.detail), headers=getattr(e, "headers", None)))
 
     @app.exception_handler(Exception)
     async def bug(_, e):
-        return error_response(APIError(500, f"the server failed ({type(e).__name__}); please report it", kind="server_error"))
+        return error_response(
+            APIError(500, f"the server failed ({type(e).__name__}); please report it", kind="server_error")
+        )
 
     async def authorized(http: Request):  # async: a plain def would run in a worker thread for every request
         if server.api_key:
             scheme, _, key = http.headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), server.api_key.encode()):
-                raise APIError(401, "a valid API key is required: send the header 'Authorization: Bearer <key>'",
-                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                raise APIError(
+                    401,
+                    "a valid API key is required: send the header 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat_completions(body: ChatRequest, http: Request):
@@ -444,13 +508,20 @@ def make_app(server):
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models():
-        return {"object": "list", "data": [{"id": server.name, "object": "model", "created": server.created,
-                                            "owned_by": "gpt-trainer"}]}
+        return {
+            "object": "list",
+            "data": [{"id": server.name, "object": "model", "created": server.created, "owned_by": "gpt-trainer"}],
+        }
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": server.name, "chat": server.template is not None, "context": server.context,
-                **server.health()}
+        return {
+            "status": "ok",
+            "model": server.name,
+            "chat": server.template is not None,
+            "context": server.context,
+            **server.health(),
+        }
 
     @app.get("/", include_in_schema=False)
     async def page():

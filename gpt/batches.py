@@ -21,10 +21,8 @@ from collections import deque
 import numpy as np
 import torch
 
-from gpt import runtime
-from gpt import tokenizer
 from configurator import UserError
-from gpt import tokens
+from gpt import runtime, tokenizer, tokens
 
 
 def load_split(data_dir, split, mode="auto", share=1):
@@ -39,8 +37,10 @@ def load_split(data_dir, split, mode="auto", share=1):
     free = runtime.free_memory()
     if mode == "ram" and free and data.nbytes * share > free:
         mib = lambda n: f"{n / 2**20:,.0f} MiB"
-        raise UserError(f"data_mode='ram' needs {mib(data.nbytes * share)} for {split} ({share} rank(s) x {mib(data.nbytes)}) "
-                        f"but this job may use {mib(free)} more (host or cgroup limit); use --data_mode=auto or --data_mode=memmap")
+        raise UserError(
+            f"data_mode='ram' needs {mib(data.nbytes * share)} for {split} ({share} rank(s) x {mib(data.nbytes)}) "
+            f"but this job may use {mib(free)} more (host or cgroup limit); use --data_mode=auto or --data_mode=memmap"
+        )
     if mode == "ram" or data.nbytes * share < free / 4:
         data = data.in_ram()  # random windows from RAM avoid page faults on every batch
     return data
@@ -70,13 +70,17 @@ def end_of_text(cfg, tok_spec, data_dir):
     batch_order='documents' and doc_mask find the documents by."""
     keys = f"batch_order={cfg.batch_order!r} doc_mask={cfg.doc_mask}"
     if "chat" in tok_spec:
-        raise UserError(f"{keys}: {data_dir} is chat data, whose rows already start at a conversation; "
-                        f"set batch_order='random' and doc_mask=False")
+        raise UserError(
+            f"{keys}: {data_dir} is chat data, whose rows already start at a conversation; "
+            f"set batch_order='random' and doc_mask=False"
+        )
     eot = tokenizer.eot(tok_spec)
     if eot is None:
-        raise UserError(f"{keys} needs documents that end with an end-of-text token, and {data_dir} is character-level "
-                        f"(meta.json), which has none: set batch_order='random' and doc_mask=False, or use GPT-2 BPE "
-                        f"data (python data/shakespeare/prepare.py ends each speech with one)")
+        raise UserError(
+            f"{keys} needs documents that end with an end-of-text token, and {data_dir} is character-level "
+            f"(meta.json), which has none: set batch_order='random' and doc_mask=False, or use GPT-2 BPE "
+            f"data (python data/shakespeare/prepare.py ends each speech with one)"
+        )
     return eot
 
 
@@ -111,8 +115,9 @@ SCAN_CHUNK = 1 << 24  # tokens per step of the separator scan: bounded memory on
 
 def separators(data, eot):
     """The positions (int64) of every end-of-text token in a split, found a chunk at a time."""
-    return np.concatenate([lo + np.flatnonzero(data[lo : lo + SCAN_CHUNK] == eot)
-                           for lo in range(0, len(data), SCAN_CHUNK)]).astype(np.int64)
+    return np.concatenate(
+        [lo + np.flatnonzero(data[lo : lo + SCAN_CHUNK] == eot) for lo in range(0, len(data), SCAN_CHUNK)]
+    ).astype(np.int64)
 
 
 def row_starts(data, eot, block_size):
@@ -125,8 +130,10 @@ def row_starts(data, eot, block_size):
     dropped."""
     seps = separators(data, eot)
     if len(seps) == 0:
-        raise UserError(f"batch_order='documents' and doc_mask need documents that end with end-of-text (id {eot}), and "
-                        f"the train split has none: set batch_order='random' and doc_mask=False, or prepare the data again")
+        raise UserError(
+            f"batch_order='documents' and doc_mask need documents that end with end-of-text (id {eot}), and "
+            f"the train split has none: set batch_order='random' and doc_mask=False, or prepare the data again"
+        )
     firsts = seps[seps < len(data) - 1]  # a separator begins the document after it
     if int(data[0:1][0]) != eot:
         firsts = np.concatenate([[0], firsts])
@@ -149,8 +156,10 @@ class DocumentBatches:
         self.eot, self.doc_mask = eot, doc_mask
         self.starts, self.documents = row_starts(data, eot, block_size)
         if len(self.starts) < batch_size * rt.world_size:
-            raise UserError(f"the train split's {len(self.starts)} rows of documents are fewer than one global batch "
-                            f"({rt.world_size} x batch_size={batch_size}): lower batch_size or use batch_order='random'")
+            raise UserError(
+                f"the train split's {len(self.starts)} rows of documents are fewer than one global batch "
+                f"({rt.world_size} x batch_size={batch_size}): lower batch_size or use batch_order='random'"
+            )
         self.seed, self.epoch, self.position = seed, 0, 0
         self.order = self._permutation()
 
@@ -173,8 +182,10 @@ class DocumentBatches:
 
     def load_state_dict(self, state):
         if state.get("rows") != len(self.starts):
-            raise UserError(f"cannot resume the document order: the checkpoint's epochs have {state.get('rows')} rows, "
-                            f"this data and block_size make {len(self.starts)}; resume on the data and block_size it trained with")
+            raise UserError(
+                f"cannot resume the document order: the checkpoint's epochs have {state.get('rows')} rows, "
+                f"this data and block_size make {len(self.starts)}; resume on the data and block_size it trained with"
+            )
         self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]
         self.order = self._permutation()
 
@@ -208,13 +219,22 @@ class ChatData:
             try:
                 arrays.append(np.load(path, mmap_mode="r" if ids.memmapped else None))
             except (OSError, ValueError) as e:
-                raise UserError(f"cannot read {path} ({getattr(e, 'strerror', None) or e}): prepare the chat data again "
-                                f"with python data/chat/prepare.py")
+                raise UserError(
+                    f"cannot read {path} ({getattr(e, 'strerror', None) or e}): prepare the chat data again "
+                    f"with python data/chat/prepare.py"
+                )
         mask, starts = arrays
-        if len(mask) != len(ids) or len(starts) == 0 or starts[0] != 0 or np.any(np.diff(starts) <= 0) \
-                or starts[-1] >= len(ids):
-            raise UserError(f"{data_dir}: {split}_mask.npy or {split}_starts.npy does not match {split}'s tokens: "
-                            f"prepare the chat data again with python data/chat/prepare.py")
+        if (
+            len(mask) != len(ids)
+            or len(starts) == 0
+            or starts[0] != 0
+            or np.any(np.diff(starts) <= 0)
+            or starts[-1] >= len(ids)
+        ):
+            raise UserError(
+                f"{data_dir}: {split}_mask.npy or {split}_starts.npy does not match {split}'s tokens: "
+                f"prepare the chat data again with python data/chat/prepare.py"
+            )
         return cls(ids, mask, starts)
 
     def __len__(self):

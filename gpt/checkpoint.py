@@ -23,10 +23,9 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from gpt import tokenizer
 from configurator import UserError
+from gpt import tokenizer
 from model import GPT, GPTConfig
-
 
 COMMIT = "checkpoint.json"  # in a sharded directory, written last: without it the directory is incomplete
 
@@ -57,8 +56,10 @@ def save(state, path):
 
 
 def _write_failed(path, e):
-    return (f"could not write checkpoint {path} ({getattr(e, 'strerror', None) or e}); the previous checkpoint is "
-            f"untouched: free space or fix the permissions, then --init_from=resume")
+    return (
+        f"could not write checkpoint {path} ({getattr(e, 'strerror', None) or e}); the previous checkpoint is "
+        f"untouched: free space or fix the permissions, then --init_from=resume"
+    )
 
 
 def _fsync_dir(path):
@@ -131,8 +132,10 @@ def load(path, map_location="cpu", mmap=False):
 
 
 def damaged(path, what):
-    return (f"{path} is damaged or not a checkpoint of this trainer ({what}); copy it again if it came from "
-            f"elsewhere, or resume from an earlier checkpoint in its directory (keep_last)")
+    return (
+        f"{path} is damaged or not a checkpoint of this trainer ({what}); copy it again if it came from "
+        f"elsewhere, or resume from an earlier checkpoint in its directory (keep_last)"
+    )
 
 
 # ---------------------------------------------------------------------------- what a checkpoint holds
@@ -191,7 +194,9 @@ def full_state(raw_model, optimizer, fsdp):
         return raw_model.state_dict(), optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    weights, by_name = get_state_dict(raw_model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    weights, by_name = get_state_dict(
+        raw_model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     return weights, (_indexed(by_name) if by_name else by_name)  # ranks other than 0 get nothing
 
 
@@ -199,8 +204,10 @@ def _indexed(by_name):
     """An optimizer state_dict keyed by parameter name (the DCP API's) as torch's Optimizer.state_dict
     numbers them: in param_groups order."""
     index = {name: i for i, name in enumerate(name for group in by_name["param_groups"] for name in group["params"])}
-    return {"state": {index[name]: s for name, s in by_name["state"].items()},
-            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in by_name["param_groups"]]}
+    return {
+        "state": {index[name]: s for name, s in by_name["state"].items()},
+        "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in by_name["param_groups"]],
+    }
 
 
 def load_full_state(raw_model, optimizer, weights, optimizer_state, fsdp):
@@ -213,10 +220,17 @@ def load_full_state(raw_model, optimizer, weights, optimizer_state, fsdp):
 
     names = {p: name for name, p in raw_model.named_parameters()}
     order = [names[p] for group in optimizer.param_groups for p in group["params"]]  # index -> name
-    by_name = {"state": {order[i]: s for i, s in optimizer_state["state"].items()},
-               "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in optimizer_state["param_groups"]]}
-    set_state_dict(raw_model, optimizer, model_state_dict=weights, optim_state_dict=by_name,
-                   options=StateDictOptions(full_state_dict=True))
+    by_name = {
+        "state": {order[i]: s for i, s in optimizer_state["state"].items()},
+        "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in optimizer_state["param_groups"]],
+    }
+    set_state_dict(
+        raw_model,
+        optimizer,
+        model_state_dict=weights,
+        optim_state_dict=by_name,
+        options=StateDictOptions(full_state_dict=True),
+    )
 
 
 # How an optimizer runs is this run's choice for its device, not the checkpoint writer's, which
@@ -248,7 +262,9 @@ def restore_rng(state, batches, rt):
         torch.set_rng_state(rng["torch"][rt.rank])
         _restore_device_rng(rng, rt)
     elif rt.master:
-        print(f"note: checkpoint was written by {len(rng['torch'])} rank(s), this run has {rt.world_size}: dropout RNG reseeded")
+        print(
+            f"note: checkpoint was written by {len(rng['torch'])} rank(s), this run has {rt.world_size}: dropout RNG reseeded"
+        )
     batches.load_state_dict(rng["batches"])
 
 
@@ -263,9 +279,15 @@ def _restore_device_rng(rng, rt):
     elif written == rt.device_type == "mps":
         torch.mps.set_rng_state(rng["mps"][rt.rank])
     elif written != rt.device_type and rt.master:
-        kept = f"the {rt.device_type} RNG is reseeded" if rt.device_type in DEVICE_RNGS else f"its {written} RNG state is unused"
-        print(f"note: checkpoint was written on {written}, this run is on {rt.device_type}: {kept}, so dropout differs "
-              f"from an unbroken run")
+        kept = (
+            f"the {rt.device_type} RNG is reseeded"
+            if rt.device_type in DEVICE_RNGS
+            else f"its {written} RNG state is unused"
+        )
+        print(
+            f"note: checkpoint was written on {written}, this run is on {rt.device_type}: {kept}, so dropout differs "
+            f"from an unbroken run"
+        )
 
 
 # ---------------------------------------------------------------------------- the sharded format (a DCP directory)
@@ -288,9 +310,15 @@ def sharded_state(raw_model, optimizer, rt):
 def sharded_meta(scaler, info, batches, param_groups, rt):
     """checkpoint.json's content: the small, plain part of the state. (cuda_rng is for readers of
     earlier versions; this one finds the RNG states a checkpoint carries in DCP's metadata.)"""
-    return {**info, "format": "sharded", "world_size": rt.world_size, "cuda_rng": rt.device_type == "cuda",
-            "scaler": scaler.state_dict() if scaler.is_enabled() else None,
-            "batches": batches.state_dict(), "param_groups": param_groups}
+    return {
+        **info,
+        "format": "sharded",
+        "world_size": rt.world_size,
+        "cuda_rng": rt.device_type == "cuda",
+        "scaler": scaler.state_dict() if scaler.is_enabled() else None,
+        "batches": batches.state_dict(),
+        "param_groups": param_groups,
+    }
 
 
 def _check_sharded(path):
@@ -299,7 +327,9 @@ def _check_sharded(path):
     from torch.distributed.checkpoint import FileSystemReader
 
     if not os.path.isfile(os.path.join(path, COMMIT)):
-        raise UserError(f"{path} is incomplete (no {COMMIT}: its write was cut short); resume from an earlier checkpoint")
+        raise UserError(
+            f"{path} is incomplete (no {COMMIT}: its write was cut short); resume from an earlier checkpoint"
+        )
     try:
         with open(os.path.join(path, COMMIT)) as f:
             meta = json.load(f)
@@ -312,8 +342,10 @@ def _check_sharded(path):
     for name, end in sorted(ends.items()):
         shard = os.path.join(path, name)
         if not os.path.isfile(shard):
-            raise UserError(f"{path} is missing its shard {name} (every rank writes one); copy the whole directory, "
-                            f"or resume from an earlier checkpoint")
+            raise UserError(
+                f"{path} is missing its shard {name} (every rank writes one); copy the whole directory, "
+                f"or resume from an earlier checkpoint"
+            )
         if os.path.getsize(shard) < end:
             raise UserError(damaged(path, f"shard {name} is cut short"))
     return meta
@@ -331,24 +363,35 @@ def read_sharded(path):
     _load_state_dict(tensors, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     rng = {**_by_rank(tensors["rng"], meta["world_size"]), "batches": meta["batches"]}
     state = {k: v for k, v in meta.items() if k not in ("format", "world_size", "cuda_rng", "batches", "param_groups")}
-    return {**state, "model": tensors["model"], "rng": rng,
-            "optimizer": _indexed({"state": tensors["optimizer"], "param_groups": meta["param_groups"]})}
+    return {
+        **state,
+        "model": tensors["model"],
+        "rng": rng,
+        "optimizer": _indexed({"state": tensors["optimizer"], "param_groups": meta["param_groups"]}),
+    }
 
 
 def _load_sharded_into(state, raw_model, optimizer):
     """DCP reads each rank's part of the weights, optimizer state and every rank's RNG states
     straight into the (possibly sharded) model and optimizer, resharding when the world size changed."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict, get_state_dict
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     _single_process_is_meant()
     optimizers = getattr(optimizer, "optimizers", [optimizer])
     weights, optim = get_state_dict(raw_model, optimizers)  # the API takes a zero step to create empty AdamW state
     rng = _rng_placeholders(state["path"])
-    dcp.load({"model": weights, "optimizer": optim["state"], "rng": rng}, checkpoint_id=state["path"],
-             no_dist=not (dist.is_available() and dist.is_initialized()))
-    set_state_dict(raw_model, optimizers, model_state_dict=weights,
-                   optim_state_dict={"state": optim["state"], "param_groups": state["param_groups"]})
+    dcp.load(
+        {"model": weights, "optimizer": optim["state"], "rng": rng},
+        checkpoint_id=state["path"],
+        no_dist=not (dist.is_available() and dist.is_initialized()),
+    )
+    set_state_dict(
+        raw_model,
+        optimizers,
+        model_state_dict=weights,
+        optim_state_dict={"state": optim["state"], "param_groups": state["param_groups"]},
+    )
     state["rng"] = {**_by_rank(rng, state["world_size"]), "batches": state["batches"]}
 
 
@@ -359,13 +402,18 @@ def _rng_placeholders(path):
     from torch.distributed.checkpoint import FileSystemReader
 
     saved = FileSystemReader(path).read_metadata().state_dict_metadata
-    return {key.removeprefix("rng."): torch.empty(m.size, dtype=m.properties.dtype)
-            for key, m in saved.items() if key.startswith("rng.")}
+    return {
+        key.removeprefix("rng."): torch.empty(m.size, dtype=m.properties.dtype)
+        for key, m in saved.items()
+        if key.startswith("rng.")
+    }
 
 
 def _by_rank(rng, world_size):
     """{'torch_0': ..., 'cuda_0': ...} -> {'torch': [rank 0's, ...], 'cuda': [...]}, the full format's layout."""
-    return {kind: [rng[f"{kind}_{r}"] for r in range(world_size)] for kind in ("torch", *DEVICE_RNGS) if f"{kind}_0" in rng}
+    return {
+        kind: [rng[f"{kind}_{r}"] for r in range(world_size)] for kind in ("torch", *DEVICE_RNGS) if f"{kind}_0" in rng
+    }
 
 
 def _sharded_dirs(out_dir):
@@ -377,19 +425,42 @@ def _sharded_dirs(out_dir):
 
 # keys that fix the model, the shapes of its weights and what it computes with them: a checkpoint
 # only resumes under the same values
-SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "pos_encoding", "rope_theta", "norm",
-              "mlp", "mlp_hidden", "n_kv_head", "qk_norm", "tie_embeddings", "rope_scaling", "norm_eps",
-              "logit_softcap", "value_embeds", "unet_skips")  # the last: speedrun levers
+SHAPE_KEYS = (
+    "n_layer",
+    "n_head",
+    "n_embd",
+    "block_size",
+    "bias",
+    "vocab_size",
+    "pos_encoding",
+    "rope_theta",
+    "norm",
+    "mlp",
+    "mlp_hidden",
+    "n_kv_head",
+    "qk_norm",
+    "tie_embeddings",
+    "rope_scaling",
+    "norm_eps",
+    "logit_softcap",
+    "value_embeds",
+    "unet_skips",
+)  # the last: speedrun levers
 
 
 def check_resumable(saved, wanted):
     # through GPTConfig: a key older checkpoints lack takes its default, as it had then, and
     # "0 means the usual" keys compare by the sizes they stand for
     saved_cfg, wanted_cfg = GPTConfig(**saved), GPTConfig(**wanted)
-    differ = [f"{k} {getattr(saved_cfg, k)} -> {getattr(wanted_cfg, k)}" for k in SHAPE_KEYS
-              if getattr(saved_cfg, k) != getattr(wanted_cfg, k)]
+    differ = [
+        f"{k} {getattr(saved_cfg, k)} -> {getattr(wanted_cfg, k)}"
+        for k in SHAPE_KEYS
+        if getattr(saved_cfg, k) != getattr(wanted_cfg, k)
+    ]
     if differ:
-        raise UserError(f"cannot resume: the checkpoint's model differs in {', '.join(differ)}; use the config it was trained with")
+        raise UserError(
+            f"cannot resume: the checkpoint's model differs in {', '.join(differ)}; use the config it was trained with"
+        )
 
 
 def load_newest(out_dir, map_location="cpu", report=print):
@@ -415,7 +486,9 @@ def load_newest(out_dir, map_location="cpu", report=print):
         if best is None or state["iter_num"] > best["iter_num"]:
             best = state
     if best is None:
-        raise UserError(problems[0] if len(problems) == 1 else f"no readable checkpoint in {out_dir}: {'; '.join(problems)}")
+        raise UserError(
+            problems[0] if len(problems) == 1 else f"no readable checkpoint in {out_dir}: {'; '.join(problems)}"
+        )
     for problem in problems:
         report(f"note: skipped {problem}")
     if problems or (best["format"] == "full" and best["path"] != latest):
@@ -462,7 +535,9 @@ def load_model(out_dir, which="best", map_location="cpu", report=print):
         model.load_state_dict(model_state(state))
     # checkpoints from nanoGPT carry no tokenizer: look in their data directory, as it did
     tok_spec = state.get("tokenizer") or tokenizer.describe(os.path.join("data", state["config"].get("dataset", "")))
-    report(f"loaded {path} (iter {state.get('iter_num', '?')}, best val loss {state.get('best_val_loss', float('nan')):.4f})")
+    report(
+        f"loaded {path} (iter {state.get('iter_num', '?')}, best val loss {state.get('best_val_loss', float('nan')):.4f})"
+    )
     return model, tok_spec
 
 
@@ -524,9 +599,13 @@ class Checkpointer:
             tensors, param_groups = sharded_state(raw_model, optimizer, self.rt)
             meta = sharded_meta(scaler, info, batches, param_groups, self.rt)
             if self.asynchronous:  # copies the tensors to host memory now, writes them in a thread
-                future = dcp.async_save(tensors, checkpoint_id=path, process_group=self.dcp_group, no_dist=not self.rt.ddp)
+                future = dcp.async_save(
+                    tensors, checkpoint_id=path, process_group=self.dcp_group, no_dist=not self.rt.ddp
+                )
             else:
-                future = _done(dcp.save, tensors, checkpoint_id=path, process_group=self.dcp_group, no_dist=not self.rt.ddp)
+                future = _done(
+                    dcp.save, tensors, checkpoint_id=path, process_group=self.dcp_group, no_dist=not self.rt.ddp
+                )
         self.pending = (future, path, best, meta)
         if not self.asynchronous:
             self.wait()
@@ -560,8 +639,10 @@ class Checkpointer:
         error = future.exception() if future is not None else None
         if self._agree(error is not None):
             if error is None:
-                raise UserError(f"another rank could not write checkpoint {path} (see its message); the previous "
-                                f"checkpoint is untouched: free space or fix the permissions, then --init_from=resume")
+                raise UserError(
+                    f"another rank could not write checkpoint {path} (see its message); the previous "
+                    f"checkpoint is untouched: free space or fix the permissions, then --init_from=resume"
+                )
             raise UserError(str(error) if isinstance(error, UserError) else _write_failed(path, _cause(error)))
         if self.rt.master:
             if meta is not None:
@@ -580,7 +661,7 @@ class Checkpointer:
         best = os.path.realpath(os.path.join(self.out_dir, "ckpt_best"))
         dirs = sorted(_sharded_dirs(self.out_dir).items(), reverse=True)
         complete = [(i, p) for i, p in dirs if os.path.isfile(os.path.join(p, COMMIT))]
-        doomed = [i for i, p in complete[self.keep_last:] if os.path.realpath(p) != best and p != latest]
+        doomed = [i for i, p in complete[self.keep_last :] if os.path.realpath(p) != best and p != latest]
         spared = self.spare(doomed) if self.spare else set()
         kept = {p for _, p in complete[: self.keep_last]} | {p for i, p in complete if i in spared}
         for _, p in dirs:

@@ -27,11 +27,8 @@ import time
 
 import torch
 
-from gpt import evaluation
-from gpt import load
-from gpt import tokenizer
 from configurator import TrainConfig, UserError, parse
-from gpt import tokens
+from gpt import evaluation, load, tokenizer, tokens
 
 SIDES = ("A", "B")
 TRAIN_PY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py")
@@ -114,8 +111,10 @@ def curve_numbers(records, target):
     steps = [r for r in records if "loss" in r and "dt_ms" in r]
     evals = [r for r in records if r.get("val_loss") is not None]
     timed = steps[1:] or steps
-    out = {"ms_per_iter": statistics.median(r["dt_ms"] for r in timed) if timed else None,
-           "loop_evals": [[r["iter"], r["val_loss"]] for r in evals]}
+    out = {
+        "ms_per_iter": statistics.median(r["dt_ms"] for r in timed) if timed else None,
+        "loop_evals": [[r["iter"], r["val_loss"]] for r in evals],
+    }
     if target:
         reached = next((r["iter"] for r in evals if r["val_loss"] <= target), None)
         out["target_iter"] = reached
@@ -128,8 +127,9 @@ def score(out_dir, dataset, rt, max_tokens):
     model, tok_spec = load.for_inference("resume", out_dir, "latest", report=lambda message: None)
     model.to(rt.device)
     data = tokens.Tokens.open(os.path.join("data", dataset), "val")
-    scored = evaluation.split_loss(model, data, model.config.block_size, rt, tokenizer.token_bytes(tok_spec),
-                                   max_tokens=max_tokens)
+    scored = evaluation.split_loss(
+        model, data, model.config.block_size, rt, tokenizer.token_bytes(tok_spec), max_tokens=max_tokens
+    )
     del model
     if rt.device_type == "cuda":
         torch.cuda.empty_cache()  # the GPU memory this process cached goes back to the next run's train.py
@@ -145,11 +145,21 @@ def one_run(side, seed, args, side_cfg, cfg, rt):
     code = run_train([*args, *run_flags(seed, out_dir)], log)
     wall = time.perf_counter() - start
     if code != 0 and not (code == STOPPED and side_cfg.max_minutes):
-        raise UserError(f"side {side}, seed {seed}: train.py exited with {code} ({last_line(log)}); its output is in {log}")
+        raise UserError(
+            f"side {side}, seed {seed}: train.py exited with {code} ({last_line(log)}); its output is in {log}"
+        )
     scored = score(out_dir, side_cfg.dataset, rt, cfg.compare_eval_tokens)
     records = read_records(out_dir)
-    run = {"side": side, "seed": seed, "out_dir": out_dir, "val_loss": scored["loss"], "val_bpb": scored["bpb"],
-           "val_tokens": scored["tokens"], "wall_s": wall, **curve_numbers(records, cfg.target)}
+    run = {
+        "side": side,
+        "seed": seed,
+        "out_dir": out_dir,
+        "val_loss": scored["loss"],
+        "val_bpb": scored["bpb"],
+        "val_tokens": scored["tokens"],
+        "wall_s": wall,
+        **curve_numbers(records, cfg.target),
+    }
     return run, records
 
 
@@ -188,8 +198,10 @@ def check_seeds_matter(runs):
     for side in SIDES:
         losses = [r["val_loss"] for r in runs if r["side"] == side]
         if len(losses) >= 2 and len(set(losses)) == 1:
-            raise UserError(f"side {side}'s {len(losses)} runs all ended at val loss {losses[0]!r}, to the last bit: the seed does "
-                            f"not change its training (is it pinned?), so there is no sample to test")
+            raise UserError(
+                f"side {side}'s {len(losses)} runs all ended at val loss {losses[0]!r}, to the last bit: the seed does "
+                f"not change its training (is it pinned?), so there is no sample to test"
+            )
 
 
 def summarize(runs, target):
@@ -209,8 +221,12 @@ def summarize(runs, target):
 # ---------------------------------------------------------------------------- the report
 
 
-ROWS = {"val_loss": "final val loss", "wall_s": "wall time per run (s)",
-        "target_iter": "iterations to val loss <= {target}", "target_train_s": "training time to val loss <= {target} (s)"}
+ROWS = {
+    "val_loss": "final val loss",
+    "wall_s": "wall time per run (s)",
+    "target_iter": "iterations to val loss <= {target}",
+    "target_train_s": "training time to val loss <= {target} (s)",
+}
 
 
 def fmt(x, digits):
@@ -242,8 +258,10 @@ def verdict(d, n):
         return f"{n} seed(s) per side is too few to tell anything: no p-value (run --seeds={MIN_SEEDS} or more)"
     if d["p"] < ALPHA:
         return f"B's val loss is {'higher' if d['diff'] > 0 else 'lower'} than A's (p = {d['p']:.3g}, Welch's t-test)"
-    return (f"no significant difference at {ALPHA} (p = {d['p']:.3g}, Welch's t-test): not evidence that the two are "
-            f"equal; more seeds narrow the interval")
+    return (
+        f"no significant difference at {ALPHA} (p = {d['p']:.3g}, Welch's t-test): not evidence that the two are "
+        f"equal; more seeds narrow the interval"
+    )
 
 
 def table(result):
@@ -252,14 +270,19 @@ def table(result):
     reached = lambda side: sum(r.get("target_iter") is not None for r in result["runs"] if r["side"] == side)
     extra = lambda key: f"`{result[key]}`" if result[key] else "nothing more"
     tokens_scored = " and ".join(sorted({f"{r['val_tokens']:,}" for r in result["runs"]}))
-    lines = [f"- both sides: `python train.py {shlex.join(result['common'])}`",
-             f"- A: {extra('compare')}", f"- B: {extra('against')}",
-             f"- seeds: A {', '.join(map(str, result['seeds']['A']))}; B {', '.join(map(str, result['seeds']['B']))} "
-             f"(independent samples); runs interleaved A, B, A, B, ...",
-             f"- val loss: each run's final checkpoint on the same {tokens_scored} val tokens "
-             f"({'all of val' if not result['compare_eval_tokens'] else 'compare_eval_tokens from its start'})",
-             "- cells: mean [95% t interval]; B - A [Welch's 95% interval]; p: Welch's t-test (unequal variances)",
-             "", "| | A | B | B - A | p |", "|---|---|---|---|---|"]
+    lines = [
+        f"- both sides: `python train.py {shlex.join(result['common'])}`",
+        f"- A: {extra('compare')}",
+        f"- B: {extra('against')}",
+        f"- seeds: A {', '.join(map(str, result['seeds']['A']))}; B {', '.join(map(str, result['seeds']['B']))} "
+        f"(independent samples); runs interleaved A, B, A, B, ...",
+        f"- val loss: each run's final checkpoint on the same {tokens_scored} val tokens "
+        f"({'all of val' if not result['compare_eval_tokens'] else 'compare_eval_tokens from its start'})",
+        "- cells: mean [95% t interval]; B - A [Welch's 95% interval]; p: Welch's t-test (unequal variances)",
+        "",
+        "| | A | B | B - A | p |",
+        "|---|---|---|---|---|",
+    ]
     digits = {"val_loss": 4, "wall_s": 1, "target_iter": 0, "target_train_s": 1}
     for key in [k for k in ROWS if k in s]:
         name = ROWS[key].format(target=target)
@@ -274,8 +297,10 @@ def table(result):
     lines.append(f"| ms/iter (median of the runs' medians) | {cell_ms(ms['A'])} | {cell_ms(ms['B'])} | {ratio} | |")
     lines += ["", verdict(s["val_loss"]["B-A"], n)]
     if target:
-        lines.append(f"time to target: from the loop's own evals (every eval_interval, on its eval windows); (k/{n}): the runs "
-                     "that reached it; training time: the loop's step times summed, evals and start-up left out")
+        lines.append(
+            f"time to target: from the loop's own evals (every eval_interval, on its eval windows); (k/{n}): the runs "
+            "that reached it; training time: the loop's step times summed, evals and start-up left out"
+        )
     return "\n".join(lines)
 
 
@@ -304,7 +329,9 @@ def plot(result, records, path):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     if result["target"]:
-        axes[1].axhline(result["target"], color="gray", linestyle="--", linewidth=0.8, label=f"target {result['target']}")
+        axes[1].axhline(
+            result["target"], color="gray", linestyle="--", linewidth=0.8, label=f"target {result['target']}"
+        )
         axes[1].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -318,14 +345,20 @@ def run(cfg, argv, rt):
     """Train A and B with each seed, interleaved; score, test, and write compare.md, compare.json
     and compare.png to compare_dir. Returns the result written to compare.json."""
     if rt.world_size > 1:
-        raise UserError("a comparison runs train.py once per seed and side, each in one process: start bench.py with "
-                        "python, not torchrun")
+        raise UserError(
+            "a comparison runs train.py once per seed and side, each in one process: start bench.py with "
+            "python, not torchrun"
+        )
     base = train_keys(argv)
-    (args_a, cfg_a), (args_b, cfg_b) = (side_args(base, spec, side, key, cfg.compare_dir)
-                                        for side, spec, key in (("A", cfg.compare, "compare"), ("B", cfg.against, "against")))
+    (args_a, cfg_a), (args_b, cfg_b) = (
+        side_args(base, spec, side, key, cfg.compare_dir)
+        for side, spec, key in (("A", cfg.compare, "compare"), ("B", cfg.against, "against"))
+    )
     if cfg_a.dataset != cfg_b.dataset:
-        raise UserError(f"A trains on {cfg_a.dataset!r} and B on {cfg_b.dataset!r}: their val losses are not comparable; "
-                        f"give both the same dataset")
+        raise UserError(
+            f"A trains on {cfg_a.dataset!r} and B on {cfg_b.dataset!r}: their val losses are not comparable; "
+            f"give both the same dataset"
+        )
     if not (cfg_a.max_iters and cfg_b.max_iters):
         raise UserError("a side trains for max_iters=0: there is nothing to compare; give both sides some steps")
     seeds = side_seeds(seed_list(cfg.seeds))
@@ -340,9 +373,17 @@ def run(cfg, argv, rt):
         speed = "no steps logged" if r["ms_per_iter"] is None else f"{r['ms_per_iter']:.1f} ms/iter"
         print(f"  val loss {r['val_loss']:.4f} on {r['val_tokens']:,} tokens, {r['wall_s']:.1f} s, {speed}", flush=True)
     check_seeds_matter(runs)
-    result = {"common": base, "compare": cfg.compare, "against": cfg.against, "args": {"A": args_a, "B": args_b},
-              "seeds": seeds, "target": cfg.target, "compare_eval_tokens": cfg.compare_eval_tokens, "runs": runs,
-              "summary": summarize(runs, cfg.target)}
+    result = {
+        "common": base,
+        "compare": cfg.compare,
+        "against": cfg.against,
+        "args": {"A": args_a, "B": args_b},
+        "seeds": seeds,
+        "target": cfg.target,
+        "compare_eval_tokens": cfg.compare_eval_tokens,
+        "runs": runs,
+        "summary": summarize(runs, cfg.target),
+    }
     text = table(result)
     print(text)
     paths = {name: os.path.join(cfg.compare_dir, name) for name in ("compare.md", "compare.json", "compare.png")}

@@ -35,19 +35,19 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from gpt import scoring
-from gpt import tokenizer
-from gpt.batches import to_device
 from configurator import UserError
-from gpt import download
+from gpt import download, scoring, tokenizer
+from gpt.batches import to_device
 
 BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"  # nanochat's copy
 BUNDLE_PATH = os.path.join("data", "core", "eval_bundle.zip")  # gitignored: the download, kept after the first run
 SHUFFLE_SEED = 1337  # the order max_per_task cuts
 FEWSHOT_SEED = 1234  # + the example's index
-FIELDS = {"multiple_choice": ("query", "choices", "gold"),
-          "schema": ("context_options", "continuation", "gold"),
-          "language_modeling": ("context", "continuation")}
+FIELDS = {
+    "multiple_choice": ("query", "choices", "gold"),
+    "schema": ("context_options", "continuation", "gold"),
+    "language_modeling": ("context", "continuation"),
+}
 
 
 class Task(NamedTuple):
@@ -69,16 +69,26 @@ class Bundle:
     def __init__(self, path):
         self.path = path
         if os.path.isdir(path):
-            self.zip, names = None, [n for n in ("core.yaml", os.path.join("eval_bundle", "core.yaml"))
-                                     if os.path.isfile(os.path.join(path, n))]
+            self.zip, names = (
+                None,
+                [
+                    n
+                    for n in ("core.yaml", os.path.join("eval_bundle", "core.yaml"))
+                    if os.path.isfile(os.path.join(path, n))
+                ],
+            )
         elif zipfile.is_zipfile(path):
             self.zip = zipfile.ZipFile(path)
             names = sorted((n for n in self.zip.namelist() if os.path.basename(n) == "core.yaml"), key=len)
         else:
-            raise UserError(f"core_bundle={path} is neither a directory nor a zip; give the CORE eval bundle "
-                            f"(core.yaml, eval_data/, eval_meta_data.csv)")
+            raise UserError(
+                f"core_bundle={path} is neither a directory nor a zip; give the CORE eval bundle "
+                f"(core.yaml, eval_data/, eval_meta_data.csv)"
+            )
         if not names:
-            raise UserError(f"{path} lacks core.yaml; give the CORE eval bundle (core.yaml, eval_data/, eval_meta_data.csv)")
+            raise UserError(
+                f"{path} lacks core.yaml; give the CORE eval bundle (core.yaml, eval_data/, eval_meta_data.csv)"
+            )
         self.root = os.path.dirname(names[0])
 
     def read(self, name):
@@ -90,7 +100,9 @@ class Bundle:
                     return f.read()
             return self.zip.read(f"{self.root}/{name}" if self.root else name).decode("utf-8")
         except (OSError, KeyError):
-            raise UserError(f"the CORE bundle {self.path} lacks {os.path.join(self.root, name)}; give a complete bundle")
+            raise UserError(
+                f"the CORE bundle {self.path} lacks {os.path.join(self.root, name)}; give a complete bundle"
+            )
         except UnicodeDecodeError:
             raise UserError(f"{where} is not UTF-8 text")
 
@@ -99,7 +111,9 @@ def bundle_path(path=""):
     """--core_bundle when given, else nanochat's bundle, downloaded once to data/core/."""
     if path:
         if not os.path.exists(path):
-            raise UserError(f"core_bundle={path} does not exist; give the CORE eval bundle (a directory or eval_bundle.zip)")
+            raise UserError(
+                f"core_bundle={path} does not exist; give the CORE eval bundle (a directory or eval_bundle.zip)"
+            )
         return path
     return download.fetch(BUNDLE_URL, None, BUNDLE_PATH, local="--core_bundle=PATH")
 
@@ -113,9 +127,13 @@ def load_tasks(path="", max_per_task=0):
     try:
         entries = yaml.safe_load(bundle.read("core.yaml"))["icl_tasks"]
     except (yaml.YAMLError, TypeError, KeyError):
-        raise UserError(f"{os.path.join(bundle.path, bundle.root, 'core.yaml')} has no icl_tasks list; give the CORE bundle's core.yaml")
-    baselines = {row.get("Eval Task"): row.get("Random baseline")
-                 for row in csv.DictReader(io.StringIO(bundle.read("eval_meta_data.csv")))}
+        raise UserError(
+            f"{os.path.join(bundle.path, bundle.root, 'core.yaml')} has no icl_tasks list; give the CORE bundle's core.yaml"
+        )
+    baselines = {
+        row.get("Eval Task"): row.get("Random baseline")
+        for row in csv.DictReader(io.StringIO(bundle.read("eval_meta_data.csv")))
+    }
     return [_task(bundle, entry, n, baselines, max_per_task) for n, entry in enumerate(entries, 1)]
 
 
@@ -132,15 +150,20 @@ def _task(bundle, entry, n, baselines, max_per_task):
     except (KeyError, TypeError, ValueError):
         raise UserError(f"eval_meta_data.csv of {bundle.path} has no 'Random baseline' for {label!r}")
     name = f"eval_data/{uri}"
-    records = [_record(f"{os.path.join(bundle.path, bundle.root, name)}:{i}", line, kind)
-               for i, line in enumerate(bundle.read(name).splitlines(), 1) if line.strip()]
+    records = [
+        _record(f"{os.path.join(bundle.path, bundle.root, name)}:{i}", line, kind)
+        for i, line in enumerate(bundle.read(name).splitlines(), 1)
+        if line.strip()
+    ]
     random.Random(SHUFFLE_SEED).shuffle(records)  # the permutation depends on the count only, as nanochat's
     records = records[:max_per_task] if max_per_task > 0 else records
     if not records:
         raise UserError(f"{os.path.join(bundle.path, bundle.root, name)} holds no records")
     if not isinstance(shots, int) or not 0 <= shots < len(records):
-        raise UserError(f"{where} ({label}): num_fewshot {shots!r} needs more records than that, it keeps {len(records)} "
-                        f"(raise max_per_task)")
+        raise UserError(
+            f"{where} ({label}): num_fewshot {shots!r} needs more records than that, it keeps {len(records)} "
+            f"(raise max_per_task)"
+        )
     return Task(label, kind, shots, str(entry.get("continuation_delimiter", " ")), baseline, records)
 
 
@@ -151,7 +174,9 @@ def _record(where, line, kind):
         raise UserError(f"{where} is not a JSON object ({e.msg})")
     missing = [k for k in FIELDS[kind] if not isinstance(record, dict) or k not in record]
     if missing:
-        raise UserError(f"{where} lacks {', '.join(map(repr, missing))}; a {kind} record needs {', '.join(FIELDS[kind])}")
+        raise UserError(
+            f"{where} lacks {', '.join(map(repr, missing))}; a {kind} record needs {', '.join(FIELDS[kind])}"
+        )
     options = record.get("choices", record.get("context_options"))
     if kind != "language_modeling":
         if not isinstance(options, list) or not options:
@@ -231,8 +256,10 @@ def encode(task, i, encode_batch, bos, block_size):
         rows, answer = [(full, len(full) - len(without))], 0
     for j, (ids, n) in enumerate(rows):
         if n == 0:
-            raise UserError(f"{where}: the continuation of option {j} tokenizes to nothing after the shared tokens; "
-                            f"fix or drop the record")
+            raise UserError(
+                f"{where}: the continuation of option {j} tokenizes to nothing after the shared tokens; "
+                f"fix or drop the record"
+            )
     # too long for the model: its last block_size tokens, as nanochat crops
     return [(ids[-block_size:], min(n, len(ids[-block_size:]) - 1)) for ids, n in rows], answer
 
@@ -258,7 +285,9 @@ def _batches(items, batch_tokens):
 def score_task(model, task, spec, block_size, rt, batch_tokens):
     """(n,) on the device: 1 where this rank's examples of the task are right, 0 elsewhere."""
     encode_batch, bos = tokenizer.batch_encoder(spec), tokenizer.eot(spec)
-    mine = [(i, *encode(task, i, encode_batch, bos, block_size)) for i in range(rt.rank, len(task.records), rt.world_size)]
+    mine = [
+        (i, *encode(task, i, encode_batch, bos, block_size)) for i in range(rt.rank, len(task.records), rt.world_size)
+    ]
     batches = _batches(mine, batch_tokens)
     n_batches = len(batches)
     if rt.ddp:  # the same number of forwards on every rank (under FSDP each one is a collective)
@@ -292,17 +321,30 @@ def evaluate_core(model, tasks, spec, block_size, rt, batch_tokens, report=None,
     results, start = {}, time.perf_counter()
     for task in tasks:
         t0 = time.perf_counter()
-        correct = scoring.all_reduce(score_task(model, task, spec, block_size, rt, batch_tokens), rt)  # one read per task
+        correct = scoring.all_reduce(
+            score_task(model, task, spec, block_size, rt, batch_tokens), rt
+        )  # one read per task
         n = len(correct)
         accuracy = correct.sum().item() / n
         centered = (accuracy - task.baseline) / (1 - task.baseline)
-        results[task.label] = {"accuracy": accuracy, "centered": centered, "seconds": time.perf_counter() - t0,
-                               "examples": n, **({"correct": correct.int().tolist()} if per_example else {})}
+        results[task.label] = {
+            "accuracy": accuracy,
+            "centered": centered,
+            "seconds": time.perf_counter() - t0,
+            "examples": n,
+            **({"correct": correct.int().tolist()} if per_example else {}),
+        }
         if report:
-            report(f"{task.label}: accuracy {accuracy:.4f}, centered {centered:.4f} "
-                   f"({int(n)} examples, {task.num_fewshot}-shot {task.kind}, {results[task.label]['seconds']:.1f} s)")
+            report(
+                f"{task.label}: accuracy {accuracy:.4f}, centered {centered:.4f} "
+                f"({int(n)} examples, {task.num_fewshot}-shot {task.kind}, {results[task.label]['seconds']:.1f} s)"
+            )
     model.train(was_training)
     seconds = time.perf_counter() - start
     examples = sum(r["examples"] for r in results.values())
-    return {"tasks": results, "core": float(np.mean([r["centered"] for r in results.values()])),
-            "examples": examples, "examples_per_s": examples / seconds}
+    return {
+        "tasks": results,
+        "core": float(np.mean([r["centered"] for r in results.values()])),
+        "examples": examples,
+        "examples_per_s": examples / seconds,
+    }

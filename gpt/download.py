@@ -22,7 +22,9 @@ def fetch(url, sha256, path, local="--input PATH"):
     except OSError as e:
         raise UserError(f"cannot download {url} ({e}); pass a local copy with {local}")
     if sha256 is not None and hashlib.sha256(raw).hexdigest() != sha256:
-        raise UserError(f"the file downloaded from {url} is not the expected one (sha256 differs); pass a local copy with {local}")
+        raise UserError(
+            f"the file downloaded from {url} is not the expected one (sha256 differs); pass a local copy with {local}"
+        )
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"  # each process its own (ranks may download at once): the last rename wins, whole
     with open(tmp, "wb") as f:

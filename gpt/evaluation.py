@@ -30,11 +30,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from gpt import scoring
-from gpt import tokenizer
-from gpt.batches import to_device
 from configurator import UserError
-from gpt import download
+from gpt import download, scoring, tokenizer
+from gpt.batches import to_device
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 HELLASWAG_PATH = os.path.join("data", "hellaswag", "hellaswag_val.jsonl")  # gitignored: data/*/*.jsonl
@@ -113,17 +111,29 @@ def load_hellaswag(path="", examples=0, style="nanogpt"):
     many, the same seeded sample every time. style 'nanogpt': the context is ctx, the choices
     the endings (build-nanogpt, llm.c); 'harness': lm-eval's query, activity_label + ": " +
     ctx_a + " " + ctx_b.capitalize(), and the endings, both through harness_preprocess."""
-    fields = ("ctx", "endings", "label") if style == "nanogpt" else ("activity_label", "ctx_a", "ctx_b", "endings", "label")
+    fields = (
+        ("ctx", "endings", "label") if style == "nanogpt" else ("activity_label", "ctx_a", "ctx_b", "endings", "label")
+    )
     records = read_jsonl(hellaswag_file(path), fields)
     if style == "nanogpt":
         found = [_example(w, r["ctx"], r["endings"], r["label"]) for w, r in records]
     else:
         for w, r in records:
-            if not all(isinstance(r[k], str) for k in fields[:3]) or not isinstance(r["endings"], list) \
-                    or not all(isinstance(e, str) for e in r["endings"]):
+            if (
+                not all(isinstance(r[k], str) for k in fields[:3])
+                or not isinstance(r["endings"], list)
+                or not all(isinstance(e, str) for e in r["endings"])
+            ):
                 raise UserError(f"{w}: activity_label, ctx_a and ctx_b must be strings and endings a list of strings")
-        found = [_example(w, harness_preprocess(f"{r['activity_label']}: {r['ctx_a']} {r['ctx_b'].capitalize()}"),
-                          [harness_preprocess(e) for e in r["endings"]], r["label"]) for w, r in records]
+        found = [
+            _example(
+                w,
+                harness_preprocess(f"{r['activity_label']}: {r['ctx_a']} {r['ctx_b'].capitalize()}"),
+                [harness_preprocess(e) for e in r["endings"]],
+                r["label"],
+            )
+            for w, r in records
+        ]
     if 0 < examples < len(found):
         keep = np.random.default_rng(HELLASWAG_SUBSET_SEED).permutation(len(found))[:examples]
         found = [found[i] for i in sorted(keep)]
@@ -132,7 +142,10 @@ def load_hellaswag(path="", examples=0, style="nanogpt"):
 
 def load_mc(path):
     """Your own multiple-choice questions: jsonl with context, choices, answer."""
-    return [_example(w, r["context"], r["choices"], r["answer"]) for w, r in read_jsonl(path, ("context", "choices", "answer"))]
+    return [
+        _example(w, r["context"], r["choices"], r["answer"])
+        for w, r in read_jsonl(path, ("context", "choices", "answer"))
+    ]
 
 
 def encode_examples(examples, tok_spec, task="hellaswag", joint=False):
@@ -142,8 +155,10 @@ def encode_examples(examples, tok_spec, task="hellaswag", joint=False):
     ids past the context's own (lm-eval's causal models, which first move the context's trailing
     spaces to the continuation)."""
     if tok_spec["kind"] == "char":
-        raise UserError(f"{task} needs a tokenizer that encodes any text; this model is character-level "
-                        f"({len(tok_spec['chars'])} characters): evaluate it with --tasks=val,test")
+        raise UserError(
+            f"{task} needs a tokenizer that encodes any text; this model is character-level "
+            f"({len(tok_spec['chars'])} characters): evaluate it with --tasks=val,test"
+        )
     encode, _ = tokenizer.load(tok_spec)
     out = []
     for e in examples:
@@ -177,15 +192,18 @@ def score_choices(model, encoded, block_size, rt, batch_size=16, desc=None):
     mine = encoded[rt.rank :: rt.world_size]
     # the same number of forward passes on every rank: under FSDP each one is a collective
     n_batches = math.ceil(math.ceil(len(encoded) / rt.world_size) / batch_size)
-    sums = torch.tensor([0.0, 0.0, 0.0, len(mine)], dtype=scoring.sum_dtype(rt)).to(rt.device)  # right by each rule, examples
+    sums = torch.tensor([0.0, 0.0, 0.0, len(mine)], dtype=scoring.sum_dtype(rt)).to(
+        rt.device
+    )  # right by each rule, examples
     for b in scoring.progress(range(n_batches), desc, rt):
         batch = mine[b * batch_size : (b + 1) * batch_size]
         # an empty batch (this rank has run out) still runs one forward, with its answer -1: never counted
         todo = batch or [(*encoded[0][:2], -1, encoded[0][3])]
         rows = [_cropped(context, choice, block_size + 1) for context, choices, _, _ in todo for choice in choices]
         totals, _ = scoring.row_losses(model, rows, rt)
-        per_row = torch.tensor([[1.0, n, chars] for (_, n), chars in zip(rows, (c for *_, cs in todo for c in cs))],
-                               dtype=totals.dtype)
+        per_row = torch.tensor(
+            [[1.0, n, chars] for (_, n), chars in zip(rows, (c for *_, cs in todo for c in cs))], dtype=totals.dtype
+        )
         per_row = to_device(per_row, rt)  # (rows, 3): the divisor of each rule
         examples = [(len(choices), answer) for _, choices, answer, _ in todo]
         for k in range(3):
@@ -232,7 +250,9 @@ def split_loss(model, data, block_size, rt, token_bytes, batch_size=16, max_toke
     # the windows are fixed, so their targets' bytes are counted once, on the host, before the
     # loop; the loss sum stays on the device: the loop queues GPU work and never waits for it
     n_bytes = target_bytes(data, mine, block_size, token_bytes)
-    sums = torch.tensor([0.0, len(mine) * block_size, n_bytes], dtype=scoring.sum_dtype(rt)).to(rt.device)  # nats, tokens, bytes
+    sums = torch.tensor([0.0, len(mine) * block_size, n_bytes], dtype=scoring.sum_dtype(rt)).to(
+        rt.device
+    )  # nats, tokens, bytes
     for b in scoring.progress(range(n_batches), desc, rt):
         offsets = mine[b * batch_size : (b + 1) * batch_size]
         rows = data[(offsets if len(offsets) else np.zeros(1, np.int64))[:, None] + np.arange(block_size + 1)]

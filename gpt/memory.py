@@ -5,13 +5,15 @@ import dataclasses
 
 import torch
 
-from gpt import runtime
 from configurator import UserError
+from gpt import runtime
 
 
 def with_batch_size(cfg, batch_size, tokens_per_step):
     """cfg with micro-batch `batch_size` and the gradient accumulation that keeps tokens_per_step."""
-    return dataclasses.replace(cfg, batch_size=batch_size, gradient_accumulation_steps=tokens_per_step // (batch_size * cfg.block_size))
+    return dataclasses.replace(
+        cfg, batch_size=batch_size, gradient_accumulation_steps=tokens_per_step // (batch_size * cfg.block_size)
+    )
 
 
 def saved_activation_bytes(model, block_size, rt, batch_size=1):
@@ -54,7 +56,9 @@ def activation_bytes(model, cfg, rt):
 
     was = model.activation_checkpointing
     try:
-        per_row, fixed = saved(False)  # checkpointing frees some weight copies until backward: fixed is an upper bound then
+        per_row, fixed = saved(
+            False
+        )  # checkpointing frees some weight copies until backward: fixed is an upper bound then
         if cfg.activation_checkpointing:
             kept, _ = saved(True)
             per_row = kept + (per_row - kept) // model.config.n_layer
@@ -81,11 +85,15 @@ def auto_batch_size(model, cfg, rt, safety=0.85):
     else:
         budget, source = runtime.free_memory() / 2, "half the free RAM"
     if cfg.total_batch_size % (cfg.block_size * rt.world_size):
-        raise UserError(f"total_batch_size={cfg.total_batch_size} does not split into whole sequences of block_size="
-                        f"{cfg.block_size} over {rt.world_size} rank(s); make it a multiple of {cfg.block_size * rt.world_size}")
+        raise UserError(
+            f"total_batch_size={cfg.total_batch_size} does not split into whole sequences of block_size="
+            f"{cfg.block_size} over {rt.world_size} rank(s); make it a multiple of {cfg.block_size * rt.world_size}"
+        )
     per_row, step_fixed = activation_bytes(model, cfg, rt)
     n_params = sum(p.numel() for p in model.parameters())
-    fixed = 4 * n_params + gradient_bytes(model) + 8 * n_params + step_fixed  # fp32 weights, grads, Adam m and v; autocast copies
+    fixed = (
+        4 * n_params + gradient_bytes(model) + 8 * n_params + step_fixed
+    )  # fp32 weights, grads, Adam m and v; autocast copies
     rows_per_rank = cfg.total_batch_size // cfg.block_size // rt.world_size
     fits = int((safety * budget - fixed) // per_row)
     candidates = [b for b in range(min(fits, rows_per_rank), 0, -1) if rows_per_rank % b == 0]
@@ -96,8 +104,10 @@ def auto_batch_size(model, cfg, rt, safety=0.85):
         )
     batch_size = candidates[0]
     if rt.master:
-        print(f"batch_size=auto: {batch_size} ({fixed / 2**30:.3g} GB weights+grads+AdamW+autocast copies, {per_row / 2**20:.1f} MB "
-              f"activations and logits' gradient per sequence, {safety:.0%} of {budget / 2**30:.3g} GB {source}); "
-              f"gradient_accumulation_steps={cfg.total_batch_size // (batch_size * cfg.block_size)} keeps "
-              f"{cfg.total_batch_size:,} tokens per step")
+        print(
+            f"batch_size=auto: {batch_size} ({fixed / 2**30:.3g} GB weights+grads+AdamW+autocast copies, {per_row / 2**20:.1f} MB "
+            f"activations and logits' gradient per sequence, {safety:.0%} of {budget / 2**30:.3g} GB {source}); "
+            f"gradient_accumulation_steps={cfg.total_batch_size // (batch_size * cfg.block_size)} keeps "
+            f"{cfg.total_batch_size:,} tokens per step"
+        )
     return batch_size

@@ -6,8 +6,8 @@ import os
 import time
 import weakref
 
-from gpt import runtime
 from configurator import as_dict
+from gpt import runtime
 
 try:
     import fcntl
@@ -35,15 +35,22 @@ class MetricsLog:
             import wandb  # optional dependencies, imported only when asked for
 
             # the run id travels in the checkpoint, so a resumed run continues the same wandb run
-            self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=as_dict(cfg),
-                                    id=wandb_run_id, resume="allow", dir=out_dir)
+            self.wandb = wandb.init(
+                project=cfg.wandb_project,
+                name=cfg.wandb_run_name,
+                config=as_dict(cfg),
+                id=wandb_run_id,
+                resume="allow",
+                dir=out_dir,
+            )
             self.wandb_run_id = self.wandb.id
         if cfg.tensorboard_log:
             from torch.utils.tensorboard import SummaryWriter
 
             # purge_step drops events a run that died after its last checkpoint wrote past it
-            self.tensorboard = SummaryWriter(os.path.join(out_dir, "tensorboard"),
-                                             purge_step=None if resume_iter is None else resume_iter + 1)
+            self.tensorboard = SummaryWriter(
+                os.path.join(out_dir, "tensorboard"), purge_step=None if resume_iter is None else resume_iter + 1
+            )
 
     def _truncate(self, resume_iter):
         if not os.path.exists(self.path):
@@ -52,7 +59,9 @@ class MetricsLog:
             if fcntl is not None:
                 fcntl.flock(f, fcntl.LOCK_EX)  # a watcher's append (append_record) waits until the file is replaced
             records = [json.loads(line) for line in f if line.strip()]
-            keep = [r for r in records if r["iter"] < resume_iter or ("loss" not in r and r["iter"] == resume_iter)]  # evals
+            keep = [
+                r for r in records if r["iter"] < resume_iter or ("loss" not in r and r["iter"] == resume_iter)
+            ]  # evals
             with open(self.path + ".tmp", "w") as tmp:
                 tmp.writelines(json.dumps(r) + "\n" for r in keep)
             os.replace(self.path + ".tmp", self.path)
@@ -90,7 +99,9 @@ def format_duration(seconds):
     seconds = int(seconds)
     if seconds >= 2 * 86400:
         return f"{seconds / 86400:,.1f} days"
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+    return (
+        f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+    )
 
 
 class Throughput:

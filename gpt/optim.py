@@ -119,7 +119,10 @@ def configure(model, cfg, device_type):
     matrices = [p for n, p in named if is_muon_param(n, p)]
     muon = Muon(
         [{"params": matrices, "lr_scale": cfg.muon_lr / cfg.learning_rate}],
-        lr=cfg.muon_lr, momentum=cfg.muon_momentum, weight_decay=cfg.muon_weight_decay, nesterov=True,
+        lr=cfg.muon_lr,
+        momentum=cfg.muon_momentum,
+        weight_decay=cfg.muon_weight_decay,
+        nesterov=True,
     )
     rest = [p for n, p in named if not is_muon_param(n, p)]
     adamw = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, betas, device_type, params=rest)

@@ -37,8 +37,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from gpt import checkpoint
 from configurator import UserError, as_dict
+from gpt import checkpoint
 
 try:
     import fcntl
@@ -50,11 +50,35 @@ WATCH_LOCK = "watch.lock"  # the watcher's (gpt/watch.py)
 STAGED = "staged"  # the new run's files until it takes the directory over
 JOURNAL = "takeover.json"
 RUN_FILES = ("config.json", "metrics.jsonl")  # what a run writes besides checkpoints; staged until the takeover
-WATCH_FILES = ("watch.json", "watch_released.jsonl")  # a watcher's progress on the old run's checkpoints: removed with them
-CHECKPOINT_NAME = re.compile(r"ckpt\.pt|ckpt_(\d+|best)(\.pt)?")  # ckpt.pt, ckpt_<iter>.pt, ckpt_best.pt, ckpt_<iter>/, ckpt_best
+WATCH_FILES = (
+    "watch.json",
+    "watch_released.jsonl",
+)  # a watcher's progress on the old run's checkpoints: removed with them
+CHECKPOINT_NAME = re.compile(
+    r"ckpt\.pt|ckpt_(\d+|best)(\.pt)?"
+)  # ckpt.pt, ckpt_<iter>.pt, ckpt_best.pt, ckpt_<iter>/, ckpt_best
 # filesystems where a lock taken on one machine may not be seen on another (it depends on the mount)
-NETWORK_FILESYSTEMS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "glusterfs", "fuse.glusterfs",
-                       "ceph", "fuse.ceph", "9p", "afs", "fuse.sshfs", "panfs", "wekafs", "fuse.gcsfuse", "fuse.s3fs")
+NETWORK_FILESYSTEMS = (
+    "nfs",
+    "nfs4",
+    "cifs",
+    "smb3",
+    "smbfs",
+    "lustre",
+    "gpfs",
+    "beegfs",
+    "glusterfs",
+    "fuse.glusterfs",
+    "ceph",
+    "fuse.ceph",
+    "9p",
+    "afs",
+    "fuse.sshfs",
+    "panfs",
+    "wekafs",
+    "fuse.gcsfuse",
+    "fuse.s3fs",
+)
 
 
 @dataclass
@@ -85,7 +109,9 @@ class OutDir:
             try:
                 take_over(self.cfg.out_dir)
             except OSError as e:  # the journal stays: the next run into out_dir finishes it
-                print(f"warning: could not finish taking over out_dir={self.cfg.out_dir} ({e}); the next run there will")
+                print(
+                    f"warning: could not finish taking over out_dir={self.cfg.out_dir} ({e}); the next run there will"
+                )
             self.staging = False
 
     def release(self):
@@ -142,16 +168,23 @@ def _claim(cfg, say):
         found = find_run(cfg.out_dir)
         if cfg.init_from == "auto":
             out.cfg = cfg = replace(cfg, init_from="resume" if found else "scratch")
-            say(f"init_from='auto': resuming the run in out_dir={cfg.out_dir} ({found})" if found else
-                f"init_from='auto': no checkpoint in out_dir={cfg.out_dir}, starting from scratch")
+            say(
+                f"init_from='auto': resuming the run in out_dir={cfg.out_dir} ({found})"
+                if found
+                else f"init_from='auto': no checkpoint in out_dir={cfg.out_dir}, starting from scratch"
+            )
         if cfg.init_from != "resume":
             if found and not cfg.overwrite:
-                raise UserError(f"out_dir={cfg.out_dir} already holds a run ({found}); continue it with --init_from=resume, "
-                                f"replace it with --overwrite=True, or choose another --out_dir")
+                raise UserError(
+                    f"out_dir={cfg.out_dir} already holds a run ({found}); continue it with --init_from=resume, "
+                    f"replace it with --overwrite=True, or choose another --out_dir"
+                )
             out.staging = _stage(cfg.out_dir)
             if found:
-                say(f"note: --overwrite=True: the run in out_dir={cfg.out_dir} ({found}) stays as it is until this run's "
-                    f"first checkpoint, then this run replaces it")
+                say(
+                    f"note: --overwrite=True: the run in out_dir={cfg.out_dir} ({found}) stays as it is until this run's "
+                    f"first checkpoint, then this run replaces it"
+                )
     except BaseException as e:
         out.release()
         if isinstance(e, OSError):  # staged/, or a dead run's leftovers, could not be written or removed
@@ -173,23 +206,32 @@ def _lock(fd, out_dir, say):
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise UserError(f"out_dir={out_dir} is in use by {_holder(os.path.join(out_dir, LOCK))}; wait for that run to end "
-                        f"(or stop it), or choose another --out_dir")
+        raise UserError(
+            f"out_dir={out_dir} is in use by {_holder(os.path.join(out_dir, LOCK))}; wait for that run to end "
+            f"(or stop it), or choose another --out_dir"
+        )
     except OSError as e:  # ENOLCK, EOPNOTSUPP, ENOSYS: this filesystem does not lock
-        say(f"warning: cannot lock out_dir={out_dir} ({e.strerror or e}): nothing keeps a second run from writing there; "
-            f"start one run per out_dir")
+        say(
+            f"warning: cannot lock out_dir={out_dir} ({e.strerror or e}): nothing keeps a second run from writing there; "
+            f"start one run per out_dir"
+        )
         return False
     fstype = network_filesystem(out_dir)
     if fstype:
-        say(f"warning: out_dir={out_dir} is on {fstype}, where the lock may not be seen by runs on other machines; "
-            f"start one run per out_dir")
+        say(
+            f"warning: out_dir={out_dir} is on {fstype}, where the lock may not be seen by runs on other machines; "
+            f"start one run per out_dir"
+        )
     _write_holder(fd)
     return True
 
 
 def _write_holder(fd):
-    holder = {"pid": os.getpid(), "host": socket.gethostname(),
-              "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+    holder = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+    }
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
 
@@ -217,8 +259,10 @@ def lock_watcher(out_dir):
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise UserError(f"out_dir={out_dir} is already watched by {_holder(path, 'another watcher')}; let it finish "
-                        f"(or stop it) first")
+        raise UserError(
+            f"out_dir={out_dir} is already watched by {_holder(path, 'another watcher')}; let it finish "
+            f"(or stop it) first"
+        )
     except (OSError, AttributeError):  # no flock here: nothing keeps a second watcher out
         return fd
     _write_holder(fd)
@@ -287,7 +331,13 @@ def _identity(path):
 def _old_run(out_dir):
     """{relative path: identity} of the earlier run's checkpoints and TensorBoard event files."""
     old = {name: _identity(os.path.join(out_dir, name)) for name in _entries(out_dir)}
-    old.update({name: _identity(os.path.join(out_dir, name)) for name in WATCH_FILES if os.path.exists(os.path.join(out_dir, name))})
+    old.update(
+        {
+            name: _identity(os.path.join(out_dir, name))
+            for name in WATCH_FILES
+            if os.path.exists(os.path.join(out_dir, name))
+        }
+    )
     events = os.path.join(out_dir, "tensorboard")
     for root, _, files in os.walk(events):
         for name in files:
@@ -338,12 +388,18 @@ def _recover(out_dir, say):
             old = json.load(f)["old"]
     except (OSError, ValueError, KeyError):
         old = None  # it died before its journal was written: nothing of it is anywhere else
-    if old is not None and any(_is_checkpoint(os.path.join(out_dir, n)) and _identity(os.path.join(out_dir, n)) != old.get(n)
-                               for n in _entries(out_dir)):
+    if old is not None and any(
+        _is_checkpoint(os.path.join(out_dir, n)) and _identity(os.path.join(out_dir, n)) != old.get(n)
+        for n in _entries(out_dir)
+    ):
         take_over(out_dir)
-        say(f"note: finished the takeover of out_dir={out_dir} by the run that overwrote it (it stopped right after "
-            f"its first checkpoint)")
+        say(
+            f"note: finished the takeover of out_dir={out_dir} by the run that overwrote it (it stopped right after "
+            f"its first checkpoint)"
+        )
     else:
         shutil.rmtree(staged)
-        say(f"note: removed {staged}, left by a run that stopped before its first checkpoint; the run before it is "
-            f"untouched")
+        say(
+            f"note: removed {staged}, left by a run that stopped before its first checkpoint; the run before it is "
+            f"untouched"
+        )

@@ -39,8 +39,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import TCPStore
 
-from gpt import optim
 from configurator import UserError
+from gpt import optim
 
 try:
     from torchft.ddp import DistributedDataParallel
@@ -58,8 +58,10 @@ def group_out_dir(cfg):
     and logs on its own (their weights are the same at every step they share). The first call a
     replica group makes: without torchft it stops here, in one line."""
     if Manager is None:
-        raise UserError("ft_replica_group needs torchft, which is not installed here (its wheels are for Linux x86-64): "
-                        "pip install torchft on such a machine, or train without --ft_replica_group")
+        raise UserError(
+            "ft_replica_group needs torchft, which is not installed here (its wheels are for Linux x86-64): "
+            "pip install torchft on such a machine, or train without --ft_replica_group"
+        )
     return replace(cfg, out_dir=os.path.join(cfg.out_dir, f"group{cfg.ft_replica_group}"))
 
 
@@ -92,10 +94,12 @@ class _Manager(Manager or object):
         except (TimeoutError, RuntimeError) as e:  # torchft's client: a deadline, or another gRPC status
             found = re.search(r'message: "([^"]*)"', str(e))  # a gRPC status: its message alone
             reason = found.group(1) if found else (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise UserError(f"no quorum from the torchft lighthouse at {self.lighthouse} within dist_timeout_s="
-                            f"{self._quorum_timeout.total_seconds():g}: is it running, with at least ft_min_groups="
-                            f"{self._min_replica_size} group(s) up? Restart it, then the groups with --init_from=auto "
-                            f"(each resumes from its newest checkpoint) [{reason}]") from None
+            raise UserError(
+                f"no quorum from the torchft lighthouse at {self.lighthouse} within dist_timeout_s="
+                f"{self._quorum_timeout.total_seconds():g}: is it running, with at least ft_min_groups="
+                f"{self._min_replica_size} group(s) up? Restart it, then the groups with --init_from=auto "
+                f"(each resumes from its newest checkpoint) [{reason}]"
+            ) from None
 
 
 class _DDP(DistributedDataParallel):
@@ -218,12 +222,23 @@ class Replicas:
         if rt.ddp:  # a torchrun group: its other ranks connect to rank 0's store
             dist.broadcast_object_list(where, src=0)
         self.sync_every, self.sync, self.ranks = cfg.sync_every, None, rt.world_size
-        self.manager = _Manager(pg=process_group(rt.device_type, timeout), load_state_dict=self.load_state_dict,
-                               state_dict=self.state_dict, min_replica_size=cfg.ft_min_groups, timeout=timeout,
-                               quorum_timeout=timeout, connect_timeout=timeout, rank=rt.rank, world_size=rt.world_size,
-                               store_addr=where[0], store_port=where[1], lighthouse_addr=lighthouse,
-                               replica_id=f"group{cfg.ft_replica_group}", init_sync=False,
-                               use_async_quorum=not self.sync_every)  # DiLoCo needs the quorum at the sync
+        self.manager = _Manager(
+            pg=process_group(rt.device_type, timeout),
+            load_state_dict=self.load_state_dict,
+            state_dict=self.state_dict,
+            min_replica_size=cfg.ft_min_groups,
+            timeout=timeout,
+            quorum_timeout=timeout,
+            connect_timeout=timeout,
+            rank=rt.rank,
+            world_size=rt.world_size,
+            store_addr=where[0],
+            store_port=where[1],
+            lighthouse_addr=lighthouse,
+            replica_id=f"group{cfg.ft_replica_group}",
+            init_sync=False,
+            use_async_quorum=not self.sync_every,
+        )  # DiLoCo needs the quorum at the sync
         self.manager.lighthouse = lighthouse  # named in the error when no quorum comes
         # the groups start from the same seed, so their initial weights are already equal (init_sync=False);
         # the Manager counts the steps that committed: every step, or every sync
@@ -242,8 +257,15 @@ class Replicas:
         inner update: the data position is then the next step's."""
         run = self.run
         batches = dict(run.batches.rng.bit_generator.state) if self.sync_every else self.data_state
-        return copy.deepcopy({"model": run.raw_model.state_dict(), "optimizer": run.optimizer.optim.state_dict(),
-                              "batches": batches, "best_val_loss": run.best_val_loss, "iter_num": run.iter_num})
+        return copy.deepcopy(
+            {
+                "model": run.raw_model.state_dict(),
+                "optimizer": run.optimizer.optim.state_dict(),
+                "batches": batches,
+                "best_val_loss": run.best_val_loss,
+                "iter_num": run.iter_num,
+            }
+        )
 
     def load_state_dict(self, state):
         """Healing. Every step: inside should_commit of the step the peer is at; this step commits
@@ -288,8 +310,12 @@ class Replicas:
         run = self.run
         run.optimizer = _Local(run.optimizer)
         if cfg.outer_method == "diloco":
-            self.outer = torch.optim.SGD(run.raw_model.parameters(), lr=cfg.outer_lr, momentum=cfg.outer_momentum,
-                                         nesterov=cfg.outer_momentum > 0)
+            self.outer = torch.optim.SGD(
+                run.raw_model.parameters(),
+                lr=cfg.outer_lr,
+                momentum=cfg.outer_momentum,
+                nesterov=cfg.outer_momentum > 0,
+            )
             self.sync = DiLoCo(self.manager, [run.raw_model], run.optimizer, self.outer, sync_every=cfg.sync_every)
         else:
             self.sync = LocalSGD(self.manager, run.raw_model, run.optimizer, sync_every=cfg.sync_every)
@@ -327,9 +353,13 @@ def join(cfg, rt, run, outer=None):
     alone and DiLoCo or LocalSGD syncs (outer: the checkpoint's outer_state). Returns the Replicas."""
     lighthouse = cfg.ft_lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
     if not lighthouse:
-        raise UserError("ft_replica_group is set but no lighthouse is named: start torchft_lighthouse and pass "
-                        "--ft_lighthouse=http://HOST:29510 (or set TORCHFT_LIGHTHOUSE)")
-    if rt.ddp:  # a torchrun group's ranks start from its rank 0's weights, as DDP's do (torchft's DDP broadcasts nothing)
+        raise UserError(
+            "ft_replica_group is set but no lighthouse is named: start torchft_lighthouse and pass "
+            "--ft_lighthouse=http://HOST:29510 (or set TORCHFT_LIGHTHOUSE)"
+        )
+    if (
+        rt.ddp
+    ):  # a torchrun group's ranks start from its rank 0's weights, as DDP's do (torchft's DDP broadcasts nothing)
         for t in run.raw_model.state_dict().values():
             dist.broadcast(t, src=0)
     replicas = Replicas(cfg, rt, run, lighthouse)

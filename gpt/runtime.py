@@ -15,7 +15,6 @@ import torch.distributed as dist
 
 from configurator import UserError
 
-
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -80,19 +79,25 @@ def setup(device="auto", dtype="auto", backend="auto", timeout_s=600):
     bounds the wait to join (the store's connect, the other ranks' arrival) and every collective:
     a rank whose peer died fails after it instead of waiting for ever, so torchrun can restart
     the job (--max-restarts) or end it."""
-    rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
+    rank, local_rank, world_size = (
+        int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1))
+    )
     device = pick_device(device)
     device_type = device.split(":")[0]
     if device_type == "mps" and world_size > 1:
-        raise UserError("torchrun with device=mps: torch.distributed has no MPS backend; run one process "
-                        "(python train.py ...), or use --device=cpu")
+        raise UserError(
+            "torchrun with device=mps: torch.distributed has no MPS backend; run one process "
+            "(python train.py ...), or use --device=cpu"
+        )
     if device_type == "cuda":
         if world_size > 1 or device == "cuda":
             # one GPU per process, by its local rank (0 outside torchrun): torch.cuda.set_device
             # wants an index, and the rest of the run uses this same string
             if local_rank >= torch.cuda.device_count():
-                raise UserError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} CUDA device(s) are visible; "
-                                f"start at most that many processes per machine (torchrun --nproc_per_node)")
+                raise UserError(
+                    f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} CUDA device(s) are visible; "
+                    f"start at most that many processes per machine (torchrun --nproc_per_node)"
+                )
             device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
         # TF32 matmuls on Ampere and newer: float32 work at tensor-core speed, ~10 bits of mantissa
@@ -105,21 +110,29 @@ def setup(device="auto", dtype="auto", backend="auto", timeout_s=600):
             dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
         except dist.DistError as e:  # the store's connect or the other ranks' arrival timed out
             where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-            raise UserError(f"rank {rank} of {world_size} gave up joining the process group at {where} after "
-                            f"dist_timeout_s={timeout_s} ({str(e).strip().splitlines()[0]}): start every rank, "
-                            f"or raise --dist_timeout_s") from None
-        if rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" \
-                and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0:
+            raise UserError(
+                f"rank {rank} of {world_size} gave up joining the process group at {where} after "
+                f"dist_timeout_s={timeout_s} ({str(e).strip().splitlines()[0]}): start every rank, "
+                f"or raise --dist_timeout_s"
+            ) from None
+        if (
+            rank == 0
+            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0
+        ):
             # torchrun keeps one store for every attempt; a restarted rank can read the previous
             # attempt's addresses there and fail to connect (pytorch/pytorch#135712)
-            print("note: torchrun --max-restarts with one store for every attempt: restarts can fail to connect; "
-                  "launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (docs/distributed.md)")
+            print(
+                "note: torchrun --max-restarts with one store for every attempt: restarts can fail to connect; "
+                "launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (docs/distributed.md)"
+            )
         if device_type != "cuda":
             # several ranks share this machine's cores; oversubscribing them is much slower
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    return Runtime(device, device_type, pick_dtype(dtype, device_type), rank, local_rank, world_size,
-                   timedelta(seconds=timeout_s))
+    return Runtime(
+        device, device_type, pick_dtype(dtype, device_type), rank, local_rank, world_size, timedelta(seconds=timeout_s)
+    )
 
 
 def teardown(rt, all_finished=False):
@@ -166,8 +179,10 @@ def _mem_available():
 
 
 # (limit, usage, the memory.stat key of reclaimable page cache) per cgroup version
-CGROUP_FILES = {"v2": ("memory.max", "memory.current", "inactive_file"),
-                "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")}
+CGROUP_FILES = {
+    "v2": ("memory.max", "memory.current", "inactive_file"),
+    "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
+}
 
 
 def cgroup_memory_left():
@@ -243,7 +258,9 @@ class StopRequest:
             # every step, so the flag travels on the host: over gloo (a group of its own when NCCL
             # carries the gradients) the ranks wait for each other, never for their GPUs
             if self.group is None:
-                self.group = dist.new_group(backend="gloo", timeout=rt.timeout) if rt.device_type == "cuda" else dist.group.WORLD
+                self.group = (
+                    dist.new_group(backend="gloo", timeout=rt.timeout) if rt.device_type == "cuda" else dist.group.WORLD
+                )
             flag = torch.tensor(float(stop))
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
             stop = bool(flag.item())

@@ -33,10 +33,14 @@ def row_losses(model, rows, rt, greedy=False):
     with rt.autocast():
         logits, _ = model(x, logits_at=at)  # (scored tokens, vocab)
     losses = F.cross_entropy(logits.float(), y, reduction="none")  # in fp32
-    totals = torch.zeros(len(rows), dtype=sum_dtype(rt), device=losses.device).index_add_(0, row, losses.to(sum_dtype(rt)))
+    totals = torch.zeros(len(rows), dtype=sum_dtype(rt), device=losses.device).index_add_(
+        0, row, losses.to(sum_dtype(rt))
+    )
     if not greedy:
         return totals, None
-    wrong = torch.zeros(len(rows), dtype=torch.long, device=losses.device).index_add_(0, row, (logits.argmax(-1) != y).long())
+    wrong = torch.zeros(len(rows), dtype=torch.long, device=losses.device).index_add_(
+        0, row, (logits.argmax(-1) != y).long()
+    )
     return totals, wrong == 0
 
 
@@ -71,5 +75,3 @@ def progress(iterable, desc, rt):
     from tqdm import tqdm
 
     return tqdm(iterable, desc=desc, unit="batch", disable=None, leave=False)
-
-

@@ -21,11 +21,8 @@ import time
 import traceback
 import uuid
 
-from gpt import inference
-from gpt import load
-from gpt import runtime
-from gpt import tokenizer
 from configurator import UserError
+from gpt import inference, load, runtime, tokenizer
 
 MAX_CONTEXT = 8192  # context=0 takes the model's block_size up to this, as chat.py does
 
@@ -35,7 +32,14 @@ class APIError(Exception):
 
     def __init__(self, status, message, param=None, code=None, kind="invalid_request_error", headers=None):
         super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind, self.headers = status, message, param, code, kind, headers
+        self.status, self.message, self.param, self.code, self.kind, self.headers = (
+            status,
+            message,
+            param,
+            code,
+            kind,
+            headers,
+        )
 
 
 # ---------------------------------------------------------------------------- the model's side
@@ -99,7 +103,9 @@ class Worker:
         _, decode = tokenizer.load(tok_spec)
         self.decoders = {False: decode}
         try:
-            self.decoders[True] = load.chat_template(model.config.vocab_size, tok_spec, cfg.init_from, cfg.out_dir).decode
+            self.decoders[True] = load.chat_template(
+                model.config.vocab_size, tok_spec, cfg.init_from, cfg.out_dir
+            ).decode
         except UserError:
             pass  # the server's side says so to a chat request
         model.eval().to(rt.device)
@@ -109,8 +115,16 @@ class Worker:
             # again, symbolic, at the next (13 graphs against 9 in tests/test_serve.py's engine test)
             model.compile(dynamic=True)
         self.send, self.items, self.requests = send, [], {}
-        self.engine = inference.Engine(model, rows=cfg.batch_size, waiting=cfg.max_waiting, room=context,
-                                       device=rt.device, autocast=rt.autocast, after_step=self.flush, compiled=cfg.compile)
+        self.engine = inference.Engine(
+            model,
+            rows=cfg.batch_size,
+            waiting=cfg.max_waiting,
+            room=context,
+            device=rt.device,
+            autocast=rt.autocast,
+            after_step=self.flush,
+            compiled=cfg.compile,
+        )
 
     def submit(self, rid, ids, max_tokens, sampling, chat, stop_ids, stops):
         reply = Reply(self, rid, self.decoders[chat], stops)
@@ -168,7 +182,9 @@ class EngineProcess:
         context = multiprocessing.get_context("forkserver")
         inbox, self.requests = context.Pipe(duplex=False)
         self.outputs, outbox = context.Pipe(duplex=False)
-        self.process = context.Process(target=engine_process, args=(cfg, inbox, outbox), name="serve.py model", daemon=True)
+        self.process = context.Process(
+            target=engine_process, args=(cfg, inbox, outbox), name="serve.py model", daemon=True
+        )
         self.process.start()
         inbox.close()
         outbox.close()
@@ -177,8 +193,10 @@ class EngineProcess:
             kind, what = self.outputs.recv()
         except EOFError:
             self.process.join()
-            raise UserError(f"the model's process ended (exit code {self.process.exitcode}) while it loaded the model; "
-                            f"if it ran out of memory, try a smaller --context or --dtype=bfloat16")
+            raise UserError(
+                f"the model's process ended (exit code {self.process.exitcode}) while it loaded the model; "
+                f"if it ran out of memory, try a smaller --context or --dtype=bfloat16"
+            )
         if kind != "ready":
             self.process.join()
         if kind == "error":
@@ -256,7 +274,10 @@ class Server:
             self.engine, info = self.worker.engine, self.worker.info  # tests reach into the engine
         tok_spec, self.vocab_size, self.context = info["tok_spec"], info["vocab_size"], info["context"]
         try:
-            self.template, self.no_chat = load.chat_template(self.vocab_size, tok_spec, cfg.init_from, cfg.out_dir), None
+            self.template, self.no_chat = (
+                load.chat_template(self.vocab_size, tok_spec, cfg.init_from, cfg.out_dir),
+                None,
+            )
         except UserError as e:
             self.template, self.no_chat = None, str(e)
         self.encode, self.decode = tokenizer.load(tok_spec)
@@ -296,13 +317,21 @@ class Server:
         if self.process is not None:
             self.process.check()
         active = min(self.stats["active"], len(self.pending))
-        return {"active": active, "waiting": len(self.pending) - active, "rows": self.cfg.batch_size,
-                "steps": self.stats["steps"]}
+        return {
+            "active": active,
+            "waiting": len(self.pending) - active,
+            "rows": self.cfg.batch_size,
+            "steps": self.stats["steps"],
+        }
 
     def check_model(self, name):
         if name != self.name:
-            raise APIError(404, f"the model {name!r} does not exist: this server serves {self.name!r} (GET /v1/models)",
-                           "model", "model_not_found")
+            raise APIError(
+                404,
+                f"the model {name!r} does not exist: this server serves {self.name!r} (GET /v1/models)",
+                "model",
+                "model_not_found",
+            )
 
     def prompt_ids(self, body):
         """The token ids of a completion request's prompt (sample.py's rules for an empty one)."""
@@ -326,22 +355,36 @@ class Server:
 
     def chat_ids(self, body):
         if self.template is None:
-            raise APIError(400, f"{self.name} has no chat template, so it cannot chat: use /v1/completions, or "
-                                f"fine-tune it on conversations first ({self.no_chat.split(': ', 1)[-1]})", "messages")
+            raise APIError(
+                400,
+                f"{self.name} has no chat template, so it cannot chat: use /v1/completions, or "
+                f"fine-tune it on conversations first ({self.no_chat.split(': ', 1)[-1]})",
+                "messages",
+            )
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
         return self.template.render(messages, add_generation_prompt=True)[0]
 
     def limit(self, body, n_prompt):
         """The most new tokens for this request: max_(completion_)tokens, checked against the context."""
         if n_prompt >= self.context:
-            raise APIError(400, f"the prompt is {n_prompt} tokens, longer than this model's context of {self.context} "
-                                f"tokens (with room for one new token); shorten it", "messages", "context_length_exceeded")
+            raise APIError(
+                400,
+                f"the prompt is {n_prompt} tokens, longer than this model's context of {self.context} "
+                f"tokens (with room for one new token); shorten it",
+                "messages",
+                "context_length_exceeded",
+            )
         left = self.context - n_prompt
         wanted = body.max_completion_tokens or body.max_tokens
         if wanted is not None and wanted > left:
             key = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-            raise APIError(400, f"{key}={wanted} is more than the {left} tokens left of the context of {self.context} "
-                                f"after the {n_prompt}-token prompt; ask for at most {left}", key, "context_length_exceeded")
+            raise APIError(
+                400,
+                f"{key}={wanted} is more than the {left} tokens left of the context of {self.context} "
+                f"after the {n_prompt}-token prompt; ask for at most {left}",
+                key,
+                "context_length_exceeded",
+            )
         return wanted or left
 
     def start_request(self, body, ids, chat, stop_ids, stops):
@@ -353,10 +396,21 @@ class Server:
                 self.process.listen(self.loop)
         max_tokens = self.limit(body, len(ids))
         if len(self.pending) >= self.cfg.batch_size + self.cfg.max_waiting:
-            raise APIError(429, f"the server is full ({self.cfg.batch_size} requests decoding, {self.cfg.max_waiting} "
-                                f"waiting); retry in a moment", None, "server_busy", "rate_limit_error", {"Retry-After": "1"})
-        sampling = {"temperature": 1.0 if body.temperature is None else body.temperature,
-                    "top_p": 1.0 if body.top_p is None else body.top_p, "top_k": body.top_k, "seed": body.seed}
+            raise APIError(
+                429,
+                f"the server is full ({self.cfg.batch_size} requests decoding, {self.cfg.max_waiting} "
+                f"waiting); retry in a moment",
+                None,
+                "server_busy",
+                "rate_limit_error",
+                {"Retry-After": "1"},
+            )
+        sampling = {
+            "temperature": 1.0 if body.temperature is None else body.temperature,
+            "top_p": 1.0 if body.top_p is None else body.top_p,
+            "top_k": body.top_k,
+            "seed": body.seed,
+        }
         rid, queue = uuid.uuid4().hex, asyncio.Queue()
         self.tell("submit", rid, ids, max_tokens, sampling, chat, stop_ids, stops)
         self.pending[rid] = queue

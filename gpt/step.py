@@ -27,7 +27,9 @@ def train_step(model, optimizer, scaler, next_batch, lr, accum_steps, grad_clip,
     finite is skipped: the weights and optimizer state stay as they were. Nothing here waits
     for the device (with fused AdamW): the caller reads the results when it logs."""
     for group in optimizer.param_groups:
-        group["lr"] = lr * group.get("lr_scale", 1.0)  # a group with its own peak (e.g. Muon's) scales with the schedule
+        group["lr"] = lr * group.get(
+            "lr_scale", 1.0
+        )  # a group with its own peak (e.g. Muon's) scales with the schedule
     total = torch.zeros((), device=rt.device)
     x, y, *more = next_batch()
     for micro in range(accum_steps):
@@ -56,8 +58,12 @@ def train_step(model, optimizer, scaler, next_batch, lr, accum_steps, grad_clip,
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     if grad_clip > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, grad_clip, norm)  # a NaN norm makes NaN grads: the step is skipped anyway
-    if hasattr(norm, "full_tensor"):  # a DTensor, from FSDP's sharded gradients: already reduced, the same on every rank
+        torch.nn.utils.clip_grads_with_norm_(
+            params, grad_clip, norm
+        )  # a NaN norm makes NaN grads: the step is skipped anyway
+    if hasattr(
+        norm, "full_tensor"
+    ):  # a DTensor, from FSDP's sharded gradients: already reduced, the same on every rank
         norm = norm.full_tensor()
     # the gradients are already all-reduced, so every rank takes the same decision
     stepped = torch.isfinite(norm)
@@ -154,7 +160,9 @@ class BadSteps:
 
     def read(self):
         """(skipped since the last read, in a row now, longest run since the last read); starts a new count."""
-        skipped, in_a_row, worst = torch.stack([self.skipped, self.in_a_row, self.worst]).tolist()  # one read of all three
+        skipped, in_a_row, worst = torch.stack(
+            [self.skipped, self.in_a_row, self.worst]
+        ).tolist()  # one read of all three
         self.skipped.zero_()
         self.worst.copy_(self.in_a_row)
         return skipped, in_a_row, worst

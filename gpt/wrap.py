@@ -11,11 +11,9 @@ import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gpt import checkpoint
-from gpt import optim
 from configurator import UserError
+from gpt import checkpoint, optim
 from model import SDPA_BACKENDS
-
 
 # GPTConfig's keys that TrainConfig has: those that fix the model, and two that only start it (zero_init_proj: an init)
 MODEL_KEYS = tuple(k for k in checkpoint.SHAPE_KEYS if k != "vocab_size") + ("dropout", "zero_init_proj")
@@ -42,8 +40,10 @@ def build(raw_model, cfg, rt, state=None):
         checkpoint.restore(state, raw_model, optimizer, scaler, fsdp)
     error = attention_error(raw_model.config, cfg.attention, rt.device, rt.dtype)
     if error:
-        raise UserError(f"attention='{cfg.attention}' cannot run on {rt.device} in {str(rt.dtype).removeprefix('torch.')} "
-                        f"for this model ({error}); use --attention=auto")
+        raise UserError(
+            f"attention='{cfg.attention}' cannot run on {rt.device} in {str(rt.dtype).removeprefix('torch.')} "
+            f"for this model ({error}); use --attention=auto"
+        )
     raw_model.set_attention(cfg.attention)
     # static shapes: the training step has one shape, and eval one more (eval_group keeps it to one)
     model = torch.compile(raw_model, dynamic=False) if cfg.compile else raw_model
@@ -52,8 +52,11 @@ def build(raw_model, cfg, rt, state=None):
     # (step.train_step zeroes them in place to keep them so; memory.py counts one set)
     # (a replica group that averages every step gets torchft's DDP instead: replicas.join)
     every_step_replicas = cfg.ft_replica_group >= 0 and not cfg.sync_every
-    train_model = DDP(model, device_ids=[rt.local_rank] if rt.device_type == "cuda" else None,
-                      gradient_as_bucket_view=True) if rt.ddp and not fsdp and not every_step_replicas else model
+    train_model = (
+        DDP(model, device_ids=[rt.local_rank] if rt.device_type == "cuda" else None, gradient_as_bucket_view=True)
+        if rt.ddp and not fsdp and not every_step_replicas
+        else model
+    )
     return model, train_model, optimizer, scaler
 
 
@@ -72,9 +75,13 @@ def attention_error(config, name, device, dtype):
     with warnings.catch_warnings(record=True) as caught:  # on CUDA, PyTorch warns why each kernel declined
         warnings.simplefilter("always")
         try:
-            with torch.random.fork_rng(devices=[device] if device_type == "cuda" else []), sdpa_kernel(SDPA_BACKENDS[name]):
-                y = F.scaled_dot_product_attention(q, k, v, dropout_p=config.dropout, is_causal=True,
-                                                   enable_gqa=k.size(1) != config.n_head)
+            with (
+                torch.random.fork_rng(devices=[device] if device_type == "cuda" else []),
+                sdpa_kernel(SDPA_BACKENDS[name]),
+            ):
+                y = F.scaled_dot_product_attention(
+                    q, k, v, dropout_p=config.dropout, is_causal=True, enable_gqa=k.size(1) != config.n_head
+                )
                 y.sum().backward()
         except RuntimeError as e:
             # torch warns a header ("Memory efficient kernel not used because:") and then one

@@ -35,8 +35,11 @@ def turns(conversation):
     """(system message or '', the user turns, the assistant turns expected)."""
     messages = conversation["messages"]
     system = messages[0]["content"] if messages[0]["role"] == "system" else ""
-    return (system, [m["content"] for m in messages if m["role"] == "user"],
-            [m["content"] for m in messages if m["role"] == "assistant"])
+    return (
+        system,
+        [m["content"] for m in messages if m["role"] == "user"],
+        [m["content"] for m in messages if m["role"] == "assistant"],
+    )
 
 
 def chat_args(system, users):
@@ -71,11 +74,14 @@ def score(conversations, outputs):
 
 def subprocess_ask(chat_flags):
     def ask(args, stdin):
-        result = subprocess.run([sys.executable, str(REPO / "chat.py"), *chat_flags, *args], input=stdin,
-                                capture_output=True, text=True)
+        result = subprocess.run(
+            [sys.executable, str(REPO / "chat.py"), *chat_flags, *args], input=stdin, capture_output=True, text=True
+        )
         if result.returncode != 0:
             lines = result.stderr.strip().splitlines()
-            raise UserError(f"chat.py failed: {lines[-1].removeprefix('error: ') if lines else f'exit code {result.returncode}'}")
+            raise UserError(
+                f"chat.py failed: {lines[-1].removeprefix('error: ') if lines else f'exit code {result.returncode}'}"
+            )
         return result.stdout
 
     return ask
@@ -95,7 +101,9 @@ def llama_cpp_outputs(conversations, gguf_path):
         messages, replies = [{"role": "system", "content": system}] if system else [], []
         for user in users:
             messages.append({"role": "user", "content": user})
-            reply = llm.create_chat_completion(messages, temperature=0.0, repeat_penalty=1.0)["choices"][0]["message"]["content"]
+            reply = llm.create_chat_completion(messages, temperature=0.0, repeat_penalty=1.0)["choices"][0]["message"][
+                "content"
+            ]
             messages.append({"role": "assistant", "content": reply})
             replies.append(reply)
         outputs.append("".join(r + "\n" for r in replies))

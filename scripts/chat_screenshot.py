@@ -17,8 +17,15 @@ import tempfile
 # Debian's paths; CHROMIUM and CHROMEDRIVER in the environment name others
 CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = os.environ.get("CHROMEDRIVER") or shutil.which("chromedriver") or "/usr/bin/chromedriver"
-FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync")
+FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+)
 MESSAGES = ("My name is Dovaki.", "Reverse: sule pova kire", "What is my name?")
 
 
@@ -52,9 +59,13 @@ def type_message(driver, text, timeout=60):
 
     before = len(driver.find_elements(By.CSS_SELECTOR, "#log .message.assistant"))
     driver.find_element(By.ID, "input").send_keys(text, Keys.ENTER)
-    WebDriverWait(driver, timeout).until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#log .message.assistant")) > before
-                                         and not d.find_elements(By.CSS_SELECTOR, "#log [aria-busy]")
-                                         and d.find_element(By.ID, "send").is_enabled())
+    WebDriverWait(driver, timeout).until(
+        lambda d: (
+            len(d.find_elements(By.CSS_SELECTOR, "#log .message.assistant")) > before
+            and not d.find_elements(By.CSS_SELECTOR, "#log [aria-busy]")
+            and d.find_element(By.ID, "send").is_enabled()
+        )
+    )
     replies = driver.find_elements(By.CSS_SELECTOR, "#log .message.assistant .text")
     return replies[-1].text if len(replies) > before else None
 

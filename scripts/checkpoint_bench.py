@@ -22,9 +22,11 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from gpt import checkpoint  # noqa: E402
-from gpt import runtime  # noqa: E402
 from configurator import TrainConfig, as_dict, parse, run_main  # noqa: E402
+from gpt import (
+    checkpoint,  # noqa: E402
+    runtime,  # noqa: E402
+)
 from model import GPT, GPTConfig  # noqa: E402
 
 MODES = [("full", False), ("full", True), ("sharded", False), ("sharded", True)]
@@ -45,8 +47,14 @@ def main(argv=None):
     args = parse(Args, argv)
     rt = runtime.Runtime(device="cpu", device_type="cpu", dtype=torch.float32)
     torch.manual_seed(0)
-    cfg = dict(n_layer=args.n_layer, n_head=args.n_embd // 64, n_embd=args.n_embd, block_size=args.block_size,
-               vocab_size=50304, dropout=0.0)
+    cfg = dict(
+        n_layer=args.n_layer,
+        n_head=args.n_embd // 64,
+        n_embd=args.n_embd,
+        block_size=args.block_size,
+        vocab_size=50304,
+        dropout=0.0,
+    )
     model = GPT(GPTConfig(**cfg))
     optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), "cpu")
     scaler = torch.amp.GradScaler("cpu", enabled=False)
@@ -64,8 +72,10 @@ def main(argv=None):
     info = {"model_args": cfg, "config": as_dict(TrainConfig()), "tokenizer": None, "iter_num": 1, "best_val_loss": 1.0}
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     nbytes += sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values())
-    print(f"{model.num_params() / 1e6:.1f}M parameters, {nbytes / 1e9:.2f} GB of weights and AdamW state; "
-          f"{args.steps} steps of {args.batch_size}x{args.block_size} tokens per measurement")
+    print(
+        f"{model.num_params() / 1e6:.1f}M parameters, {nbytes / 1e9:.2f} GB of weights and AdamW state; "
+        f"{args.steps} steps of {args.batch_size}x{args.block_size} tokens per measurement"
+    )
 
     def run(mode):
         """(seconds for the steps, of which inside save())"""

@@ -1,6 +1,6 @@
 """A sharded checkpoint (a DCP directory) as one full file, the format checkpoint_format='full' writes.
 
-    python scripts/checkpoint_convert.py out/ckpt_0000200 out/ckpt_0000200.pt
+python scripts/checkpoint_convert.py out/ckpt_0000200 out/ckpt_0000200.pt
 """
 
 import os
@@ -11,8 +11,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from configurator import UserError, run_main  # noqa: E402 (after the path line above)
 from gpt.checkpoint import read_sharded, save  # noqa: E402
 
-USAGE = ("python scripts/checkpoint_convert.py out/ckpt_<iter> out/ckpt_<iter>.pt "
-         "(a sharded checkpoint directory, then the single file to write)")
+USAGE = (
+    "python scripts/checkpoint_convert.py out/ckpt_<iter> out/ckpt_<iter>.pt "
+    "(a sharded checkpoint directory, then the single file to write)"
+)
 
 
 def main(argv=None):

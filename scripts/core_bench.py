@@ -28,8 +28,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 @torch.no_grad()
 def nanochat_way(model, tasks, spec, block_size):
     """{label: [0/1 per example]} by nanochat's per-example procedure (its steps, on our tokens)."""
-    from gpt import core_eval
-    from gpt import tokenizer
+    from gpt import core_eval, tokenizer
 
     encode_batch, bos = tokenizer.batch_encoder(spec), tokenizer.eot(spec)
     verdicts = {}
@@ -37,15 +36,19 @@ def nanochat_way(model, tasks, spec, block_size):
         verdicts[task.label] = []
         for i in range(len(task.records)):
             rows, answer = core_eval.encode(task, i, encode_batch, bos, block_size)
-            x = torch.full((len(rows), max(len(ids) for ids, _ in rows)), bos, dtype=torch.long)  # right-padded with BOS
+            x = torch.full(
+                (len(rows), max(len(ids) for ids, _ in rows)), bos, dtype=torch.long
+            )  # right-padded with BOS
             for r, (ids, _) in enumerate(rows):
                 x[r, : len(ids)] = torch.tensor(ids)
             logits, _ = model(x, logits_at="all")  # (B, T, vocab): every position
-            losses = F.cross_entropy(logits.flatten(0, 1), torch.roll(x, -1, 1).flatten(), reduction="none").view(x.shape)
+            losses = F.cross_entropy(logits.flatten(0, 1), torch.roll(x, -1, 1).flatten(), reduction="none").view(
+                x.shape
+            )
             predictions = logits.argmax(-1)
             spans = [(len(ids) - n, len(ids)) for ids, n in rows]
             if task.kind == "language_modeling":
-                (s, e), = spans
+                ((s, e),) = spans
                 verdicts[task.label].append(int(bool((predictions[0, s - 1 : e - 1] == x[0, s:e]).all())))
             else:
                 means = [losses[r, s - 1 : e - 1].mean().item() for r, (s, e) in enumerate(spans)]
@@ -60,22 +63,30 @@ def main():
     parser.add_argument("--n_embd", type=int, default=64)
     parser.add_argument("--block_size", type=int, default=128)
     parser.add_argument("--scale", type=int, default=4, help="records: this many times tests/test_core.py's 108")
-    parser.add_argument("--batch", type=int, default=16, help="batch_tokens = batch x block_size (eval.py's --batch_size)")
+    parser.add_argument(
+        "--batch", type=int, default=16, help="batch_tokens = batch x block_size (eval.py's --batch_size)"
+    )
     args = parser.parse_args()
 
-    from gpt import core_eval
-    from gpt import runtime
     import test_core
+
+    from gpt import core_eval, runtime
     from model import GPT, GPTConfig
 
     rt = runtime.setup("cpu", "float32")
     torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=args.n_layer, n_head=2, n_embd=args.n_embd, block_size=args.block_size, vocab_size=50257)).eval()
+    model = GPT(
+        GPTConfig(n_layer=args.n_layer, n_head=2, n_embd=args.n_embd, block_size=args.block_size, vocab_size=50257)
+    ).eval()
     with tempfile.TemporaryDirectory() as tmp:
-        tasks = core_eval.load_tasks(str(test_core.write_bundle(Path(tmp), test_core.Bigram().eval(), scale=args.scale)))
+        tasks = core_eval.load_tasks(
+            str(test_core.write_bundle(Path(tmp), test_core.Bigram().eval(), scale=args.scale))
+        )
     n = sum(len(t.records) for t in tasks)
-    print(f"{n} examples in {len(tasks)} tasks; GPT n_layer={args.n_layer} n_embd={args.n_embd} block_size={args.block_size} "
-          f"vocab 50257; torch threads {torch.get_num_threads()}")
+    print(
+        f"{n} examples in {len(tasks)} tasks; GPT n_layer={args.n_layer} n_embd={args.n_embd} block_size={args.block_size} "
+        f"vocab 50257; torch threads {torch.get_num_threads()}"
+    )
     ways = {"batched": args.batch * args.block_size, "one per forward": 0, "nanochat's way": None}
     speeds, verdicts = {name: [] for name in ways}, {}
     for r in range(args.rounds):
@@ -84,7 +95,9 @@ def main():
             if batch_tokens is None:
                 verdicts[name] = nanochat_way(model, tasks, test_core.GPT2, args.block_size)
             else:
-                result = core_eval.evaluate_core(model, tasks, test_core.GPT2, args.block_size, rt, batch_tokens, per_example=True)
+                result = core_eval.evaluate_core(
+                    model, tasks, test_core.GPT2, args.block_size, rt, batch_tokens, per_example=True
+                )
                 verdicts[name] = {k: v["correct"] for k, v in result["tasks"].items()}
             speeds[name].append(n / (time.perf_counter() - t0))
             accuracy = {k: round(sum(v) / len(v), 4) for k, v in verdicts[name].items()}
@@ -92,8 +105,10 @@ def main():
     batched = statistics.median(speeds["batched"])
     for name in ("one per forward", "nanochat's way"):
         other = statistics.median(speeds[name])
-        print(f"median: batched {batched:.1f} examples/s, {name} {other:.1f} examples/s: {batched / other:.2f}x; "
-              f"same verdicts: {verdicts['batched'] == verdicts[name]}")
+        print(
+            f"median: batched {batched:.1f} examples/s, {name} {other:.1f} examples/s: {batched / other:.2f}x; "
+            f"same verdicts: {verdicts['batched'] == verdicts[name]}"
+        )
 
 
 if __name__ == "__main__":

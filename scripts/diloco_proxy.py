@@ -40,8 +40,9 @@ def lighthouse(log):
     """(the torchft_lighthouse process, its address), waiting for both groups (min_replicas=2)."""
     binary = os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")
     with open(log, "w") as f:
-        proc = subprocess.Popen([binary, "--min_replicas=2", "--join_timeout_ms=10000", "--bind=[::]:0"],
-                                stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [binary, "--min_replicas=2", "--join_timeout_ms=10000", "--bind=[::]:0"], stdout=f, stderr=subprocess.STDOUT
+        )
     for _ in range(600):
         with open(log) as f:
             found = re.search(r"listening on: (\S+)", f.read())
@@ -57,15 +58,31 @@ def one_run(args, seed, sync_every, out_dir):
     shutil.rmtree(out_dir, ignore_errors=True)
     os.makedirs(out_dir)
     beacon, address = lighthouse(os.path.join(out_dir, "lighthouse.log"))
-    keys = dict(out_dir=out_dir, seed=seed, gradient_accumulation_steps=2, max_iters=args.max_iters,
-                lr_decay_iters=args.max_iters, eval_interval=args.max_iters, log_interval=1, ft_groups=2,
-                ft_lighthouse=address, sync_every=sync_every, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum)
+    keys = dict(
+        out_dir=out_dir,
+        seed=seed,
+        gradient_accumulation_steps=2,
+        max_iters=args.max_iters,
+        lr_decay_iters=args.max_iters,
+        eval_interval=args.max_iters,
+        log_interval=1,
+        ft_groups=2,
+        ft_lighthouse=address,
+        sync_every=sync_every,
+        outer_lr=args.outer_lr,
+        outer_momentum=args.outer_momentum,
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     procs = []
     try:
         for g in range(2):
-            cmd = [sys.executable, "train.py", "config/train_shakespeare_char_cpu.py", f"--ft_replica_group={g}",
-                   *(f"--{k}={v}" for k, v in keys.items())]
+            cmd = [
+                sys.executable,
+                "train.py",
+                "config/train_shakespeare_char_cpu.py",
+                f"--ft_replica_group={g}",
+                *(f"--{k}={v}" for k, v in keys.items()),
+            ]
             with open(os.path.join(out_dir, f"group{g}.log"), "w") as f:
                 procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT))
         for p in procs:
@@ -94,11 +111,17 @@ def main(argv=None):
         raise UserError(f"max_iters={args.max_iters} must be a multiple of sync_every={args.sync_every}")
     shutil.rmtree(args.out_dir, ignore_errors=True)
     ways = {"every step": 0, f"DiLoCo H={args.sync_every}": args.sync_every}
-    results = {way: [one_run(args, seed, h, os.path.join(args.out_dir, f"seed{seed}-h{h}")) for seed in range(args.seeds)]
-               for way, h in ways.items()}
-    print(f"2 groups, {args.max_iters} steps, config/train_shakespeare_char_cpu.py, gradient_accumulation_steps=2; "
-          f"DiLoCo outer_lr={args.outer_lr}, outer_momentum={args.outer_momentum}\n")
-    print("| sync | " + " | ".join(f"val loss, seed {s}" for s in range(args.seeds)) + " | mean | bytes sent per step |")
+    results = {
+        way: [one_run(args, seed, h, os.path.join(args.out_dir, f"seed{seed}-h{h}")) for seed in range(args.seeds)]
+        for way, h in ways.items()
+    }
+    print(
+        f"2 groups, {args.max_iters} steps, config/train_shakespeare_char_cpu.py, gradient_accumulation_steps=2; "
+        f"DiLoCo outer_lr={args.outer_lr}, outer_momentum={args.outer_momentum}\n"
+    )
+    print(
+        "| sync | " + " | ".join(f"val loss, seed {s}" for s in range(args.seeds)) + " | mean | bytes sent per step |"
+    )
     print("|---|" + "---|" * (args.seeds + 2))
     for way, runs in results.items():
         mean = sum(v for v, _ in runs) / len(runs)

@@ -52,8 +52,9 @@ def lighthouse(log):
     """(the torchft_lighthouse process, its address): a process of its own, as a user runs it."""
     binary = os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")
     with open(log, "w") as f:
-        proc = subprocess.Popen([binary, "--min_replicas=1", "--join_timeout_ms=1000", "--bind=[::]:0"],
-                                stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [binary, "--min_replicas=1", "--join_timeout_ms=1000", "--bind=[::]:0"], stdout=f, stderr=subprocess.STDOUT
+        )
     for _ in range(600):
         with open(log) as f:
             found = re.search(r"listening on: (\S+)", f.read())
@@ -65,13 +66,37 @@ def lighthouse(log):
 
 
 def start(args, out_dir, g, lighthouse, log):
-    keys = dict(dataset="shakespeare_char", device="cpu", compile=False, out_dir=out_dir, init_from="auto",
-                n_layer=2, n_head=2, n_embd=32, block_size=16, batch_size=4, gradient_accumulation_steps=2 * args.ranks_per_group,
-                max_iters=args.max_iters, lr_decay_iters=args.max_iters, warmup_iters=10, learning_rate=1e-2,
-                min_lr=1e-3, eval_interval=500, eval_iters=2, log_interval=1, dist_timeout_s=60,
-                ft_replica_group=g, ft_groups=2, ft_lighthouse=lighthouse, sync_every=args.sync_every)
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks_per_group}",
-                "--max-restarts=3"] if args.ranks_per_group > 1 else []
+    keys = dict(
+        dataset="shakespeare_char",
+        device="cpu",
+        compile=False,
+        out_dir=out_dir,
+        init_from="auto",
+        n_layer=2,
+        n_head=2,
+        n_embd=32,
+        block_size=16,
+        batch_size=4,
+        gradient_accumulation_steps=2 * args.ranks_per_group,
+        max_iters=args.max_iters,
+        lr_decay_iters=args.max_iters,
+        warmup_iters=10,
+        learning_rate=1e-2,
+        min_lr=1e-3,
+        eval_interval=500,
+        eval_iters=2,
+        log_interval=1,
+        dist_timeout_s=60,
+        ft_replica_group=g,
+        ft_groups=2,
+        ft_lighthouse=lighthouse,
+        sync_every=args.sync_every,
+    )
+    launcher = (
+        ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks_per_group}", "--max-restarts=3"]
+        if args.ranks_per_group > 1
+        else []
+    )
     cmd = [sys.executable, *launcher, "train.py", *(f"--{k}={v}" for k, v in keys.items())]
     # a fresh store for each of torchrun's attempts (docs/fault_tolerance.md)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
@@ -97,19 +122,29 @@ def shared_step(log, killed_at):
     """True once the restarted group's log has a step both groups took part in, past the step the
     survivor was at when the other died (the restarted group healed and jumped to it)."""
     with open(log) as f:
-        return any(int(m.group(1)) > killed_at and "2/2 groups" in line
-                   for line in f if (m := re.match(r"iter (\d+):", line)))
+        return any(
+            int(m.group(1)) > killed_at and "2/2 groups" in line for line in f if (m := re.match(r"iter (\d+):", line))
+        )
 
 
 def equal_states(out_dir, diloco):
     a, b = (checkpoint.load(os.path.join(out_dir, f"group{g}", "ckpt.pt")) for g in range(2))
     same = lambda x, y: all(torch.equal(x[k], y[k]) if torch.is_tensor(x[k]) else x[k] == y[k] for k in x)
     if diloco:
-        return a["iter_num"] == b["iter_num"] and same(a["model"], b["model"]) and \
-            same(a["outer"]["last_sync"], b["outer"]["last_sync"]) and \
-            all(same(x, y) for x, y in zip(a["outer"]["optimizer"]["state"].values(), b["outer"]["optimizer"]["state"].values()))
-    return a["iter_num"] == b["iter_num"] and same(a["model"], b["model"]) and all(
-        same(a["optimizer"]["state"][k], b["optimizer"]["state"][k]) for k in a["optimizer"]["state"])
+        return (
+            a["iter_num"] == b["iter_num"]
+            and same(a["model"], b["model"])
+            and same(a["outer"]["last_sync"], b["outer"]["last_sync"])
+            and all(
+                same(x, y)
+                for x, y in zip(a["outer"]["optimizer"]["state"].values(), b["outer"]["optimizer"]["state"].values())
+            )
+        )
+    return (
+        a["iter_num"] == b["iter_num"]
+        and same(a["model"], b["model"])
+        and all(same(a["optimizer"]["state"][k], b["optimizer"]["state"][k]) for k in a["optimizer"]["state"])
+    )
 
 
 def one_run(args, rng, out_dir):
@@ -126,7 +161,9 @@ def one_run(args, rng, out_dir):
             time.sleep(0.05)
         time.sleep(rng.uniform(0, 3))
         if args.ranks_per_group > 1:  # one worker of the torchrun job: torchrun restarts the group
-            workers = subprocess.run(["pgrep", "-P", str(procs[victim].pid)], capture_output=True, text=True).stdout.split()
+            workers = subprocess.run(
+                ["pgrep", "-P", str(procs[victim].pid)], capture_output=True, text=True
+            ).stdout.split()
             os.kill(int(rng.choice(workers)), signal.SIGKILL)
             killed_at = max(records(out_dir, 1 - victim), default=0) + 1  # the victim logged this far at most
             restarted, log = time.monotonic(), os.path.join(out_dir, f"group{victim}.log")
@@ -162,7 +199,9 @@ def one_run(args, rng, out_dir):
 def main(argv=None):
     args = parse(Args, argv)
     if args.sync_every and args.max_iters % args.sync_every:
-        raise UserError(f"max_iters={args.max_iters} must be a multiple of sync_every={args.sync_every}, to end on a sync")
+        raise UserError(
+            f"max_iters={args.max_iters} must be a multiple of sync_every={args.sync_every}, to end on a sync"
+        )
     if not os.path.exists(os.path.join(REPO, "data", "shakespeare_char", "train.bin")):
         raise UserError("data/shakespeare_char/train.bin not found: run python data/shakespeare_char/prepare.py")
     shutil.rmtree(args.out_dir, ignore_errors=True)
@@ -177,9 +216,11 @@ def main(argv=None):
         heals += [heal] if heal is not None else []
         heal_text = f"{heal:.1f}" if heal is not None else "n/a"
         print(f"| {run} | {outcome} | {stall:.2f} | {heal_text} | {'yes' if equal else 'NO'} |", flush=True)
-    print(f"{done}/{args.runs} runs completed with equal final states; longest survivor stall {max(stalls):.2f} s; "
-          f"restart to shared step: median {sorted(heals)[len(heals) // 2] if heals else float('nan'):.1f} s, "
-          f"max {max(heals, default=float('nan')):.1f} s")
+    print(
+        f"{done}/{args.runs} runs completed with equal final states; longest survivor stall {max(stalls):.2f} s; "
+        f"restart to shared step: median {sorted(heals)[len(heals) // 2] if heals else float('nan'):.1f} s, "
+        f"max {max(heals, default=float('nan')):.1f} s"
+    )
     return 0 if done == args.runs else 1
 
 

@@ -34,16 +34,18 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 sys.path.insert(0, REPO)
-from gpt import inference, runtime  # noqa: E402 (after the path line above)
+from configurator import BatteryConfig, BenchConfig, UserError, parse, run_main  # noqa: E402
+from gpt import (  # noqa: E402 (after the path line above)
+    inference,
+    runtime,
+    tokens,  # noqa: E402
+)
 from gpt.batches import TrainBatches  # noqa: E402
 from gpt.benchmark import device_name, format_mfu, measure_or_oom, profiler_activities, synthetic  # noqa: E402
 from gpt.memory import with_batch_size  # noqa: E402
 from gpt.step import train_step  # noqa: E402
 from gpt.wrap import build, make_model_args  # noqa: E402
-from configurator import BatteryConfig, BenchConfig, UserError, parse, run_main  # noqa: E402
-from gpt import tokens  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-
 
 TARGET_VAL = 1.47  # the baby GPT's goal: nanoGPT's val loss after its full run
 
@@ -56,54 +58,94 @@ def suite_scale(rt):
         return dict(
             gpt2=dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, bias=False, dropout=0.0, compile=True),
             # math keeps T x T scores in memory: never the one to pick on a GPU
-            vocab_size=50304, attention_batch=8, attention_kernels=("auto", "flash", "cudnn", "efficient"),
-            sweep=(8, 16, 32, 64), sweep_tokens=524_288,
+            vocab_size=50304,
+            attention_batch=8,
+            attention_kernels=("auto", "flash", "cudnn", "efficient"),
+            sweep=(8, 16, 32, 64),
+            sweep_tokens=524_288,
             # the config's 64 micro-steps (1M tokens) take ~24 s a step on an H100; two micro-batches
             # time the same shapes, accumulation included, within the part's budget
-            llama_config="config/train_llama_1b.py", llama_vocab=128_256, llama_overrides=["--gradient_accumulation_steps=2"],
-            baby_config="config/train_shakespeare_char.py", baby_overrides=[], baby_iters=0,
-            smoke=dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=16), smoke_steps=30,
+            llama_config="config/train_llama_1b.py",
+            llama_vocab=128_256,
+            llama_overrides=["--gradient_accumulation_steps=2"],
+            baby_config="config/train_shakespeare_char.py",
+            baby_overrides=[],
+            baby_iters=0,
+            smoke=dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=16),
+            smoke_steps=30,
         )
     return dict(
         gpt2=dict(n_layer=2, n_head=4, n_embd=64, block_size=64, bias=False, dropout=0.0, compile=False),
-        vocab_size=512, attention_batch=4, attention_kernels=("auto", "flash", "cudnn", "efficient", "math"),
-        sweep=(4, 8, 16), sweep_tokens=2048,
-        llama_config="config/train_llama_tiny.py", llama_vocab=512, llama_overrides=["--compile=False"],
-        baby_config="config/train_shakespeare_char_cpu.py", baby_overrides=["--eval_interval=100", "--eval_iters=10"],
-        baby_iters=300, smoke=dict(n_layer=2, n_head=4, n_embd=64, block_size=64, batch_size=4), smoke_steps=8,
+        vocab_size=512,
+        attention_batch=4,
+        attention_kernels=("auto", "flash", "cudnn", "efficient", "math"),
+        sweep=(4, 8, 16),
+        sweep_tokens=2048,
+        llama_config="config/train_llama_tiny.py",
+        llama_vocab=512,
+        llama_overrides=["--compile=False"],
+        baby_config="config/train_shakespeare_char_cpu.py",
+        baby_overrides=["--eval_interval=100", "--eval_iters=10"],
+        baby_iters=300,
+        smoke=dict(n_layer=2, n_head=4, n_embd=64, block_size=64, batch_size=4),
+        smoke_steps=8,
     )
 
 
 def learnable(vocab_size, period=997, repeats=1000):
     """Random tokens repeated with a fixed period: a model learns them, so losses fall and greedy
     decoding has real continuations to produce."""
-    return np.tile(np.random.default_rng(0).integers(0, vocab_size, size=period), repeats).astype(tokens.dtype_for(vocab_size))
+    return np.tile(np.random.default_rng(0).integers(0, vocab_size, size=period), repeats).astype(
+        tokens.dtype_for(vocab_size)
+    )
 
 
 def suite_row(label, r, **extra):
     """One report.json row: what measure() found, under a label."""
-    keys = ("ms_per_iter", "tokens_per_s", "tflops", "mfu", "peak_mem_mb", "batch_size", "gradient_accumulation_steps",
-            "warmup_s", "params")
+    keys = (
+        "ms_per_iter",
+        "tokens_per_s",
+        "tflops",
+        "mfu",
+        "peak_mem_mb",
+        "batch_size",
+        "gradient_accumulation_steps",
+        "warmup_s",
+        "params",
+    )
     return {"label": label, **({k: r[k] for k in keys} if r else {"error": "out of memory"}), **extra}
 
 
 def part_env(cfg, rt, scale, report):
-    env = {"device": report["device"], "torch": torch.__version__, "dtype": str(rt.dtype).removeprefix("torch."),
-           "threads": torch.get_num_threads()}
+    env = {
+        "device": report["device"],
+        "torch": torch.__version__,
+        "dtype": str(rt.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+    }
     if rt.device_type == "cuda":
         props = torch.cuda.get_device_properties(rt.device)
         peak = runtime.device_peak_flops(rt, cfg.peak_flops)
-        env.update(memory_gb=round(props.total_memory / 2**30, 1), capability=f"{props.major}.{props.minor}",
-                   cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(), driver=nvidia_driver(),
-                   dense_peak_tflops=peak / 1e12 if peak else None)
+        env.update(
+            memory_gb=round(props.total_memory / 2**30, 1),
+            capability=f"{props.major}.{props.minor}",
+            cuda=torch.version.cuda,
+            cudnn=torch.backends.cudnn.version(),
+            driver=nvidia_driver(),
+            dense_peak_tflops=peak / 1e12 if peak else None,
+        )
     report["env"] = env
     return "## Environment\n\n" + table(["key", "value"], [[k, v] for k, v in env.items()])
 
 
 def nvidia_driver():
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         return out.stdout.strip().splitlines()[0] if out.returncode == 0 else None
     except (OSError, subprocess.SubprocessError, IndexError):
         return None
@@ -121,10 +163,12 @@ def nvidia_driver():
 #              pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<...> (huggingface/blog#3451: torch's
 #              vendored FlashAttention-2); on a CPU aten::_scaled_dot_product_flash_attention_for_cpu
 #   math       aten::_scaled_dot_product_attention_math (no kernel of its own: matmuls and a softmax)
-SDPA_KINDS = [("cudnn", re.compile(r"cudnn", re.I)),
-              ("efficient", re.compile(r"fmha_cutlass|efficient_attention|mem_eff", re.I)),
-              ("flash", re.compile(r"flash", re.I)),
-              ("math", re.compile(r"_scaled_dot_product_attention_math", re.I))]
+SDPA_KINDS = [
+    ("cudnn", re.compile(r"cudnn", re.I)),
+    ("efficient", re.compile(r"fmha_cutlass|efficient_attention|mem_eff", re.I)),
+    ("flash", re.compile(r"flash", re.I)),
+    ("math", re.compile(r"_scaled_dot_product_attention_math", re.I)),
+]
 
 
 DISPATCH = re.compile(r"^autograd::|Backward0$|^aten::scaled_dot_product_attention$")  # wrappers around the kernels
@@ -137,8 +181,15 @@ def sdpa_kernel_kind(name):
 
 def attention_configs(cfg, scale):
     """[(attention value, config)] that part attention times: the GPT-2 shape, one micro-batch."""
-    base = dataclasses.replace(cfg, **scale["gpt2"], batch_size=scale["attention_batch"], gradient_accumulation_steps=1,
-                               profile_wait=1, profile_warmup=1, profile_active=1)
+    base = dataclasses.replace(
+        cfg,
+        **scale["gpt2"],
+        batch_size=scale["attention_batch"],
+        gradient_accumulation_steps=1,
+        profile_wait=1,
+        profile_warmup=1,
+        profile_active=1,
+    )
     return [(name, dataclasses.replace(base, attention=name)) for name in scale["attention_kernels"]]
 
 
@@ -147,7 +198,9 @@ def part_attention(cfg, rt, scale, report):
     ms/iter with each kernel this device has."""
     configs = attention_configs(cfg, scale)
     data = synthetic(scale["vocab_size"], configs[0][1].block_size)
-    profiler = torch.profiler.profile(activities=profiler_activities(rt), schedule=torch.profiler.schedule(wait=1, warmup=1, active=1))
+    profiler = torch.profiler.profile(
+        activities=profiler_activities(rt), schedule=torch.profiler.schedule(wait=1, warmup=1, active=1)
+    )
     rows, notes = [], []
     for name, config in configs:
         try:
@@ -162,9 +215,17 @@ def part_attention(cfg, rt, scale, report):
     report["rows"] += rows
     fastest = min((r for r in rows if "ms_per_iter" in r), key=lambda r: r["ms_per_iter"])
     base = configs[0][1]
-    return ("## Attention (GPT-2 shape, batch {}, T={})\n\nKernel that ran with attention=auto: {} ({})\n\n".format(
-        base.batch_size, base.block_size, ", ".join(kinds) or "none found", ", ".join(f"`{k[:90]}`" for k in kernels))
-        + rows_table(rows) + "".join(f"\n- {n}" for n in notes) + f"\n\nFastest: {fastest['label']}\n")
+    return (
+        "## Attention (GPT-2 shape, batch {}, T={})\n\nKernel that ran with attention=auto: {} ({})\n\n".format(
+            base.batch_size,
+            base.block_size,
+            ", ".join(kinds) or "none found",
+            ", ".join(f"`{k[:90]}`" for k in kernels),
+        )
+        + rows_table(rows)
+        + "".join(f"\n- {n}" for n in notes)
+        + f"\n\nFastest: {fastest['label']}\n"
+    )
 
 
 def sweep_suite_configs(cfg, scale):
@@ -179,16 +240,27 @@ def part_sweep(cfg, rt, scale, report):
     data = synthetic(scale["vocab_size"], base.block_size)
     rows = [suite_row(label, measure_or_oom(c, rt, data, scale["vocab_size"]), part="sweep") for label, c in configs]
     report["rows"] += rows
-    return (f"## GPT-2 sweep ({base.n_layer} layers x {base.n_embd}, T={base.block_size}, compile={base.compile}, "
-            f"{scale['sweep_tokens']:,} tokens per step)\n\n" + rows_table(rows))
+    return (
+        f"## GPT-2 sweep ({base.n_layer} layers x {base.n_embd}, T={base.block_size}, compile={base.compile}, "
+        f"{scale['sweep_tokens']:,} tokens per step)\n\n" + rows_table(rows)
+    )
 
 
 def llama_configs(cfg, scale):
     """[(label, config)] that part llama times: the Llama config without and with activation checkpointing."""
-    base = parse(BenchConfig, [os.path.join(REPO, scale["llama_config"]), *scale["llama_overrides"],
-                               f"--bench_iters={cfg.bench_iters}", f"--bench_warmup={cfg.bench_warmup}",
-                               f"--peak_flops={cfg.peak_flops}"])
-    return [(f"activation_checkpointing={c}", dataclasses.replace(base, activation_checkpointing=c)) for c in (False, True)]
+    base = parse(
+        BenchConfig,
+        [
+            os.path.join(REPO, scale["llama_config"]),
+            *scale["llama_overrides"],
+            f"--bench_iters={cfg.bench_iters}",
+            f"--bench_warmup={cfg.bench_warmup}",
+            f"--peak_flops={cfg.peak_flops}",
+        ],
+    )
+    return [
+        (f"activation_checkpointing={c}", dataclasses.replace(base, activation_checkpointing=c)) for c in (False, True)
+    ]
 
 
 def part_llama(cfg, rt, scale, report):
@@ -197,15 +269,22 @@ def part_llama(cfg, rt, scale, report):
     rows = [suite_row(label, measure_or_oom(c, rt, data, scale["llama_vocab"]), part="llama") for label, c in configs]
     report["rows"] += rows
     tokens = configs[0][1].gradient_accumulation_steps * configs[0][1].batch_size * configs[0][1].block_size
-    return (f"## {scale['llama_config']} ({tokens:,} tokens per optimizer step, vocabulary {scale['llama_vocab']:,})\n\n"
-            + rows_table(rows))
+    return (
+        f"## {scale['llama_config']} ({tokens:,} tokens per optimizer step, vocabulary {scale['llama_vocab']:,})\n\n"
+        + rows_table(rows)
+    )
 
 
 def baby_args(cfg, scale, device):
     """train.py's arguments for part baby: the baby config, trained for its own iterations on a GPU."""
     # --overwrite=True: a suite run again into the same out_dir replaces its own earlier baby run
-    args = [os.path.join(REPO, scale["baby_config"]), f"--out_dir={os.path.join(cfg.out_dir, 'baby')}", f"--device={device}",
-            "--overwrite=True", *scale["baby_overrides"]]
+    args = [
+        os.path.join(REPO, scale["baby_config"]),
+        f"--out_dir={os.path.join(cfg.out_dir, 'baby')}",
+        f"--device={device}",
+        "--overwrite=True",
+        *scale["baby_overrides"],
+    ]
     iters = cfg.baby_iters or scale["baby_iters"]
     if iters:
         warmup = min(parse(BenchConfig, [os.path.join(REPO, scale["baby_config"])]).warmup_iters, iters // 10)
@@ -233,17 +312,27 @@ def part_baby(cfg, rt, scale, report):
                 evals.append((int(m[1]), float(m[2]), time.perf_counter() - start))
     wall = time.perf_counter() - start
     if proc.returncode != 0:
-        raise UserError(f"suite part baby: train.py exited with {proc.returncode}: {lines[-1].strip() if lines else ''}")
+        raise UserError(
+            f"suite part baby: train.py exited with {proc.returncode}: {lines[-1].strip() if lines else ''}"
+        )
     hit = next((e for e in evals if e[1] <= TARGET_VAL), None)
     steps = [r for r in read_jsonl(os.path.join(out_dir, "metrics.jsonl")) if "dt_ms" in r][1:]  # past the first window
-    baby = {"config": scale["baby_config"], "iters": evals[-1][0], "final_val": evals[-1][1], "wall_s": wall,
-            "target_val": TARGET_VAL, "seconds_to_target": hit[2] if hit else None, "iter_at_target": hit[0] if hit else None,
-            "ms_per_iter": float(np.median([r["dt_ms"] for r in steps])) if steps else None}
+    baby = {
+        "config": scale["baby_config"],
+        "iters": evals[-1][0],
+        "final_val": evals[-1][1],
+        "wall_s": wall,
+        "target_val": TARGET_VAL,
+        "seconds_to_target": hit[2] if hit else None,
+        "iter_at_target": hit[0] if hit else None,
+        "ms_per_iter": float(np.median([r["dt_ms"] for r in steps])) if steps else None,
+    }
     report["baby"] = baby
     reached = f"{hit[2]:.1f} s (iter {hit[0]})" if hit else "not reached"
-    return (f"## Baby GPT ({scale['baby_config']}, {baby['iters']} iters, trained by train.py)\n\n"
-            + table(["final val", f"time to val <= {TARGET_VAL}", "wall (s)", "ms/iter (median)"],
-                    [[f"{baby['final_val']:.4f}", reached, f"{wall:.1f}", fmt(baby["ms_per_iter"])]]))
+    return f"## Baby GPT ({scale['baby_config']}, {baby['iters']} iters, trained by train.py)\n\n" + table(
+        ["final val", f"time to val <= {TARGET_VAL}", "wall (s)", "ms/iter (median)"],
+        [[f"{baby['final_val']:.4f}", reached, f"{wall:.1f}", fmt(baby["ms_per_iter"])]],
+    )
 
 
 def read_jsonl(path):
@@ -267,8 +356,17 @@ SMOKE_VOCAB, RESUME_AT = 65, 10  # part smoke: a character vocabulary; the resum
 
 
 def smoke_base(cfg, scale):
-    return dataclasses.replace(cfg, **scale["smoke"], gradient_accumulation_steps=1, compile=False,
-                               dropout=0.0, bias=False, attention="auto", learning_rate=1e-3, grad_clip=1.0)
+    return dataclasses.replace(
+        cfg,
+        **scale["smoke"],
+        gradient_accumulation_steps=1,
+        compile=False,
+        dropout=0.0,
+        bias=False,
+        attention="auto",
+        learning_rate=1e-3,
+        grad_clip=1.0,
+    )
 
 
 def part_smoke(cfg, rt, scale, report):
@@ -286,8 +384,10 @@ def part_smoke(cfg, rt, scale, report):
         raw = GPT(GPTConfig(**make_model_args(base, vocab))).to(rt.device)
         _, model, optimizer, scaler = build(raw, base, rt_d)
         batches = TrainBatches(data, base.batch_size, base.block_size, cfg.seed, rt_d)
-        out = [train_step(model, optimizer, scaler, batches, base.learning_rate, 1, base.grad_clip, rt_d).loss
-               for _ in range(scale["smoke_steps"])]
+        out = [
+            train_step(model, optimizer, scaler, batches, base.learning_rate, 1, base.grad_clip, rt_d).loss
+            for _ in range(scale["smoke_steps"])
+        ]
         return torch.stack(out).tolist(), raw
 
     fp32, model = losses(torch.float32)
@@ -306,8 +406,10 @@ def part_smoke(cfg, rt, scale, report):
 
     checks["resume_same_losses"] = resume_check(cfg, rt, base, vocab)
     report["smoke"] = checks
-    rows = [[name, "ok" if c["ok"] else "FAILED", ", ".join(f"{k}={fmt(v)}" for k, v in c.items() if k != "ok")]
-            for name, c in checks.items()]
+    rows = [
+        [name, "ok" if c["ok"] else "FAILED", ", ".join(f"{k}={fmt(v)}" for k, v in c.items() if k != "ok")]
+        for name, c in checks.items()
+    ]
     return "## Correctness smoke\n\n" + table(["check", "result", "detail"], rows)
 
 
@@ -323,27 +425,62 @@ def resume_check(cfg, rt, base, vocab):
     with open(os.path.join(data_dir, "meta.json"), "w") as f:
         json.dump({"chars": "".join(chr(48 + i) for i in range(vocab))}, f)  # a character vocabulary of that size
     k = RESUME_AT
-    common = [f"--device={rt.device}", f"--dtype={str(rt.dtype).removeprefix('torch.')}", "--compile=False",
-              f"--dataset={os.path.abspath(data_dir)}", f"--n_layer={base.n_layer}", f"--n_head={base.n_head}",
-              f"--n_embd={base.n_embd}", f"--block_size={base.block_size}", f"--batch_size={base.batch_size}",
-              "--gradient_accumulation_steps=1", "--dropout=0.1", "--eval_interval=5", "--eval_iters=2", "--log_interval=1",
-              f"--lr_decay_iters={2 * k}", "--warmup_iters=2"]
+    common = [
+        f"--device={rt.device}",
+        f"--dtype={str(rt.dtype).removeprefix('torch.')}",
+        "--compile=False",
+        f"--dataset={os.path.abspath(data_dir)}",
+        f"--n_layer={base.n_layer}",
+        f"--n_head={base.n_head}",
+        f"--n_embd={base.n_embd}",
+        f"--block_size={base.block_size}",
+        f"--batch_size={base.batch_size}",
+        "--gradient_accumulation_steps=1",
+        "--dropout=0.1",
+        "--eval_interval=5",
+        "--eval_iters=2",
+        "--log_interval=1",
+        f"--lr_decay_iters={2 * k}",
+        "--warmup_iters=2",
+    ]
     # the fresh starts overwrite an earlier suite's runs in this out_dir; the resume continues this one's
-    runs = [("straight", 2 * k, ["--overwrite=True"]), ("split", k, ["--overwrite=True"]), ("split", 2 * k, ["--init_from=resume"])]
+    runs = [
+        ("straight", 2 * k, ["--overwrite=True"]),
+        ("split", k, ["--overwrite=True"]),
+        ("split", 2 * k, ["--init_from=resume"]),
+    ]
     for name, iters, extra in runs:
-        result = subprocess.run([sys.executable, os.path.join(REPO, "train.py"), *common, f"--out_dir={os.path.join(root, name)}",
-                                 f"--max_iters={iters}", *extra], capture_output=True, text=True)
+        result = subprocess.run(
+            [
+                sys.executable,
+                os.path.join(REPO, "train.py"),
+                *common,
+                f"--out_dir={os.path.join(root, name)}",
+                f"--max_iters={iters}",
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+        )
         if result.returncode != 0:
             return {"ok": False, "error": (result.stderr.strip().splitlines() or ["?"])[-1]}
-    loss_of = lambda name: {r["iter"]: r["loss"] for r in read_jsonl(os.path.join(root, name, "metrics.jsonl")) if "loss" in r}
+    loss_of = lambda name: {
+        r["iter"]: r["loss"] for r in read_jsonl(os.path.join(root, name, "metrics.jsonl")) if "loss" in r
+    }
     straight, split = loss_of("straight"), loss_of("split")
     gap = max(abs(straight[i] - split[i]) for i in straight) if straight.keys() == split.keys() else float("inf")
     tolerance = 0.0 if rt.device_type == "cpu" else 1e-3
     return {"steps": 2 * k, "resumed_at": k, "max_abs_loss_gap": gap, "tolerance": tolerance, "ok": gap <= tolerance}
 
 
-SUITE = {"env": part_env, "attention": part_attention, "sweep": part_sweep, "llama": part_llama, "baby": part_baby,
-         "smoke": part_smoke}
+SUITE = {
+    "env": part_env,
+    "attention": part_attention,
+    "sweep": part_sweep,
+    "llama": part_llama,
+    "baby": part_baby,
+    "smoke": part_smoke,
+}
 
 
 def suite_plan(cfg, scale):
@@ -356,10 +493,17 @@ def suite_plan(cfg, scale):
     def row(label, c, vocab, steps, forward_passes=0, tokens_per_forward=0, processes=0):
         with torch.device("meta"):  # the shape only: no memory, even for the 1B
             model = GPT(GPTConfig(**make_model_args(c, vocab)))
-        return dict(label=label, steps=steps, tokens_per_step=c.gradient_accumulation_steps * c.batch_size * c.block_size,
-                    forward_passes=forward_passes, tokens_per_forward=tokens_per_forward,
-                    flops_per_token=model.flops_per_token() * (4 / 3 if c.activation_checkpointing else 1),
-                    params=model.num_params(), compiled=c.compile, processes=processes)
+        return dict(
+            label=label,
+            steps=steps,
+            tokens_per_step=c.gradient_accumulation_steps * c.batch_size * c.block_size,
+            forward_passes=forward_passes,
+            tokens_per_forward=tokens_per_forward,
+            flops_per_token=model.flops_per_token() * (4 / 3 if c.activation_checkpointing else 1),
+            params=model.num_params(),
+            compiled=c.compile,
+            processes=processes,
+        )
 
     timed = lambda c: c.bench_warmup + c.bench_iters
     profiled = lambda c: c.profile_wait + c.profile_warmup + c.profile_active
@@ -370,19 +514,43 @@ def suite_plan(cfg, scale):
     k = RESUME_AT  # train.py for 2k steps, for k, then resumed to 2k; an eval of 2 batches every 5 steps
     return {
         "env": [],
-        "attention": [row(f"attention={name}", c, scale["vocab_size"], timed(c) + (profiled(c) if name == "auto" else 0))
-                      for name, c in attention_configs(cfg, scale)],
+        "attention": [
+            row(f"attention={name}", c, scale["vocab_size"], timed(c) + (profiled(c) if name == "auto" else 0))
+            for name, c in attention_configs(cfg, scale)
+        ],
         "sweep": [row(label, c, scale["vocab_size"], timed(c)) for label, c in sweep_suite_configs(cfg, scale)],
         "llama": [row(label, c, scale["llama_vocab"], timed(c)) for label, c in llama_configs(cfg, scale)],
-        "baby": [row(f"train.py {scale['baby_config']}", baby, SMOKE_VOCAB, baby.max_iters,
-                     forward_passes=2 * baby_evals * baby.eval_iters, tokens_per_forward=baby.batch_size * baby.block_size,
-                     processes=1)],
-        "smoke": [row("fp32 and bf16 steps", smoke, SMOKE_VOCAB, 2 * scale["smoke_steps"]),
-                  row("greedy decoding, with and without the cache", smoke, SMOKE_VOCAB, 0, forward_passes=2 * new,
-                      tokens_per_forward=smoke.block_size),
-                  row("train.py straight, split and resumed", smoke, SMOKE_VOCAB, 4 * k,
-                      forward_passes=2 * 2 * (2 * k // 5 + 1 + k // 5 + 1 + k // 5 + 1),
-                      tokens_per_forward=smoke.batch_size * smoke.block_size, processes=3)],
+        "baby": [
+            row(
+                f"train.py {scale['baby_config']}",
+                baby,
+                SMOKE_VOCAB,
+                baby.max_iters,
+                forward_passes=2 * baby_evals * baby.eval_iters,
+                tokens_per_forward=baby.batch_size * baby.block_size,
+                processes=1,
+            )
+        ],
+        "smoke": [
+            row("fp32 and bf16 steps", smoke, SMOKE_VOCAB, 2 * scale["smoke_steps"]),
+            row(
+                "greedy decoding, with and without the cache",
+                smoke,
+                SMOKE_VOCAB,
+                0,
+                forward_passes=2 * new,
+                tokens_per_forward=smoke.block_size,
+            ),
+            row(
+                "train.py straight, split and resumed",
+                smoke,
+                SMOKE_VOCAB,
+                4 * k,
+                forward_passes=2 * 2 * (2 * k // 5 + 1 + k // 5 + 1 + k // 5 + 1),
+                tokens_per_forward=smoke.batch_size * smoke.block_size,
+                processes=3,
+            ),
+        ],
     }
 
 
@@ -405,8 +573,17 @@ def rows_table(rows):
         if "error" in r:
             out.append([r["label"], r["error"], "", "", "", "", ""])
             continue
-        out.append([r["label"], f"{r['batch_size']} x {r['gradient_accumulation_steps']}", f"{r['ms_per_iter']:.1f}",
-                    f"{r['tokens_per_s']:,.0f}", f"{r['tflops']:.3g}", format_mfu(r["mfu"]), f"{r['peak_mem_mb']:,.0f}"])
+        out.append(
+            [
+                r["label"],
+                f"{r['batch_size']} x {r['gradient_accumulation_steps']}",
+                f"{r['ms_per_iter']:.1f}",
+                f"{r['tokens_per_s']:,.0f}",
+                f"{r['tflops']:.3g}",
+                format_mfu(r["mfu"]),
+                f"{r['peak_mem_mb']:,.0f}",
+            ]
+        )
     return table(["", "batch x accum", "ms/iter", "tokens/s", "TFLOPS", "MFU", "peak mem (MB)"], out)
 
 

@@ -22,8 +22,10 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-WORDS = ("the man woman picks up a ball and throws it to his dog who runs across green field then "
-         "camera shows kitchen knife slices bread carefully before putting pan on stove").split()
+WORDS = (
+    "the man woman picks up a ball and throws it to his dog who runs across green field then "
+    "camera shows kitchen knife slices bread carefully before putting pan on stove"
+).split()
 
 
 def make_records(n, seed=0):
@@ -39,10 +41,23 @@ def make_records(n, seed=0):
         if i % 4 == 1:
             ctx_a = f"[header] How to {words(2, 5)} [title] {ctx_a} [step]  {words(3, 8)}."
         ctx_b = "" if i % 5 == 2 else words(1, 4)
-        endings = [words(2, 9) + (" [substeps] " + words(1, 4) if i % 7 == 3 and j == 1 else "") + "." for j in range(4)]
-        records.append({"ind": i, "activity_label": f"Activity {words(1, 3)}", "ctx_a": ctx_a, "ctx_b": ctx_b,
-                        "ctx": (ctx_a + " " + ctx_b).strip(), "endings": endings, "source_id": f"synthetic~{i}",
-                        "split": "val", "split_type": "indomain", "label": str(int(rng.integers(4)))})
+        endings = [
+            words(2, 9) + (" [substeps] " + words(1, 4) if i % 7 == 3 and j == 1 else "") + "." for j in range(4)
+        ]
+        records.append(
+            {
+                "ind": i,
+                "activity_label": f"Activity {words(1, 3)}",
+                "ctx_a": ctx_a,
+                "ctx_b": ctx_b,
+                "ctx": (ctx_a + " " + ctx_b).strip(),
+                "endings": endings,
+                "source_id": f"synthetic~{i}",
+                "split": "val",
+                "split_type": "indomain",
+                "label": str(int(rng.integers(4))),
+            }
+        )
     return records
 
 
@@ -54,8 +69,9 @@ def make_model(export_dir, n_positions=64):
     from gpt import huggingface
 
     torch.manual_seed(0)
-    hf_model = GPT2LMHeadModel(GPT2Config(vocab_size=50257, n_positions=n_positions, n_embd=64, n_layer=2, n_head=2,
-                                               initializer_range=0.3))  # large weights: logits far from uniform
+    hf_model = GPT2LMHeadModel(
+        GPT2Config(vocab_size=50257, n_positions=n_positions, n_embd=64, n_layer=2, n_head=2, initializer_range=0.3)
+    )  # large weights: logits far from uniform
     model = huggingface.gpt_from_hf(hf_model)[0]
     huggingface.export(model, {"kind": "tiktoken", "name": "gpt2", "vocab_size": 50257}, export_dir)
 
@@ -87,10 +103,7 @@ def ours(model_dir, data):
     """Per example the log-likelihood of each choice and the verdicts, by eval.py's own code."""
     import numpy as np
 
-    from gpt import evaluation
-    from gpt import load
-    from gpt import runtime
-    from gpt import scoring
+    from gpt import evaluation, load, runtime, scoring
 
     rt = runtime.setup("cpu", "float32")
     model, tok_spec = load.pretrained(model_dir)
@@ -101,9 +114,15 @@ def ours(model_dir, data):
     for e, (context, choices, answer, chars) in zip(examples, encoded):
         rows = [evaluation._cropped(context, c, model.config.block_size + 1) for c in choices]
         lls = (-scoring.row_losses(model, rows, rt)[0]).tolist()
-        per_example.append({"lls": lls, "acc": float(np.argmax(lls) == answer),
-                            "acc_norm": float(np.argmax(np.array(lls) / np.array(chars)) == answer),
-                            "query": e.context, "choices": e.choices})
+        per_example.append(
+            {
+                "lls": lls,
+                "acc": float(np.argmax(lls) == answer),
+                "acc_norm": float(np.argmax(np.array(lls) / np.array(chars)) == answer),
+                "query": e.context,
+                "choices": e.choices,
+            }
+        )
     scores = evaluation.score_choices(model, encoded, model.config.block_size, rt, batch_size=8)
     return scores, per_example
 
@@ -114,12 +133,18 @@ def main():
     parser.add_argument("--examples", type=int, default=48)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        data, model_dir, out = os.path.join(tmp, "hellaswag.jsonl"), os.path.join(tmp, "gpt2-tiny"), os.path.join(tmp, "harness.json")
+        data, model_dir, out = (
+            os.path.join(tmp, "hellaswag.jsonl"),
+            os.path.join(tmp, "gpt2-tiny"),
+            os.path.join(tmp, "harness.json"),
+        )
         with open(data, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in make_records(args.examples))
         make_model(model_dir)
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-        run = subprocess.run([args.lm_eval_python, "-c", HARNESS, model_dir, data, out], env=env, capture_output=True, text=True)
+        run = subprocess.run(
+            [args.lm_eval_python, "-c", HARNESS, model_dir, data, out], env=env, capture_output=True, text=True
+        )
         if run.returncode != 0:
             sys.exit(f"lm-eval failed:\n{run.stderr[-3000:]}")
         with open(out) as f:
@@ -132,14 +157,24 @@ def main():
         worst = max(worst, diff)
         ok = same_text and diff <= 1e-4 and a["acc"] == b["acc"] and a["acc_norm"] == b["acc_norm"]
         bad += not ok
-        print(f"{i:3d} {'ok ' if ok else 'BAD'} acc {a['acc']:.0f}/{b['acc']:.0f} acc_norm {a['acc_norm']:.0f}/{b['acc_norm']:.0f} "
-              f"max |ll diff| {diff:.2e} lls ours {[round(x, 4) for x in a['lls']]}")
-    print(f"examples: {len(mine)} (lm-eval {len(theirs['examples'])}); differing: {bad}; largest log-likelihood difference {worst:.2e}")
-    print(f"eval.py --hellaswag_style=harness: acc {scores['acc']:.4f}, acc_norm_chars {scores['acc_norm_chars']:.4f}, "
-          f"acc_norm_tokens {scores['acc_norm_tokens']:.4f}")
+        print(
+            f"{i:3d} {'ok ' if ok else 'BAD'} acc {a['acc']:.0f}/{b['acc']:.0f} acc_norm {a['acc_norm']:.0f}/{b['acc_norm']:.0f} "
+            f"max |ll diff| {diff:.2e} lls ours {[round(x, 4) for x in a['lls']]}"
+        )
+    print(
+        f"examples: {len(mine)} (lm-eval {len(theirs['examples'])}); differing: {bad}; largest log-likelihood difference {worst:.2e}"
+    )
+    print(
+        f"eval.py --hellaswag_style=harness: acc {scores['acc']:.4f}, acc_norm_chars {scores['acc_norm_chars']:.4f}, "
+        f"acc_norm_tokens {scores['acc_norm_tokens']:.4f}"
+    )
     print(f"lm-evaluation-harness hellaswag:   acc {theirs['acc']:.4f}, acc_norm {theirs['acc_norm']:.4f}")
-    same = bad == 0 and len(mine) == len(theirs["examples"]) and abs(scores["acc"] - theirs["acc"]) < 1e-12 \
+    same = (
+        bad == 0
+        and len(mine) == len(theirs["examples"])
+        and abs(scores["acc"] - theirs["acc"]) < 1e-12
         and abs(scores["acc_norm_chars"] - theirs["acc_norm"]) < 1e-12
+    )
     print("equal" if same else "DIFFERENT")
     return 0 if same else 1
 

@@ -20,16 +20,31 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NANOGPT_CPU = ["train.py", "config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--eval_iters=20",
-               "--log_interval=1", "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128",
-               "--max_iters=2000", "--lr_decay_iters=2000", "--dropout=0.0"]
+NANOGPT_CPU = [
+    "train.py",
+    "config/train_shakespeare_char.py",
+    "--device=cpu",
+    "--compile=False",
+    "--eval_iters=20",
+    "--log_interval=1",
+    "--block_size=64",
+    "--batch_size=12",
+    "--n_layer=4",
+    "--n_head=4",
+    "--n_embd=128",
+    "--max_iters=2000",
+    "--lr_decay_iters=2000",
+    "--dropout=0.0",
+]
 VAL = re.compile(r"step (\d+): .*val loss ([0-9.]+)")
 
 
 def race(cmd, cwd, target):
     """(wall seconds, (step, seconds) of the first val <= target or None, last val) of one process."""
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, *cmd], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, *cmd], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     first, last, lines = None, None, []
     for line in proc.stdout:
         lines.append(line)
@@ -61,8 +76,10 @@ def main():
     ap.add_argument("--config", default="config/train_shakespeare_char_cpu.py")
     args = ap.parse_args()
     prepare_nanogpt(args.nanogpt)
-    print(f"| seed | nanoGPT wall (s) | quick start wall (s) | its first eval <= {args.target} (step, s) | final val | "
-          f"ratio to nanoGPT |\n|---|---|---|---|---|---|")
+    print(
+        f"| seed | nanoGPT wall (s) | quick start wall (s) | its first eval <= {args.target} (step, s) | final val | "
+        f"ratio to nanoGPT |\n|---|---|---|---|---|---|"
+    )
     ratios = []
     for seed in args.seeds.split(","):
         nano_wall, _, nano_val = race(NANOGPT_CPU + [f"--out_dir=out-race-{seed}"], args.nanogpt, args.target)
@@ -71,8 +88,10 @@ def main():
         reached = f"{first[0]}, {first[1]:.1f}" if first else "never"
         ratio = first[1] / nano_wall if first else float("nan")
         ratios.append(ratio)
-        print(f"| {seed} | {nano_wall:.1f} (val {nano_val:.4f}) | {wall:.1f} | {reached} | {val:.4f} | {ratio:.3f} |",
-              flush=True)
+        print(
+            f"| {seed} | {nano_wall:.1f} (val {nano_val:.4f}) | {wall:.1f} | {reached} | {val:.4f} | {ratio:.3f} |",
+            flush=True,
+        )
     print(f"median ratio (time to val <= {args.target} over nanoGPT's whole run): {statistics.median(ratios):.3f}")
 
 

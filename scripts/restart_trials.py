@@ -50,19 +50,50 @@ class Args:
 
 
 def train_args(args, out_dir):
-    keys = dict(dataset="shakespeare_char", device="cpu", compile=False, out_dir=out_dir, init_from="auto",
-                n_layer=2, n_head=2, n_embd=64, block_size=32, batch_size=8, gradient_accumulation_steps=2,
-                max_iters=args.max_iters, lr_decay_iters=args.max_iters, warmup_iters=10, learning_rate=3e-3,
-                min_lr=3e-4, dropout=0.1, eval_interval=args.every, eval_iters=1, log_interval=1,
-                always_save_checkpoint=True, dist_timeout_s=60)
+    keys = dict(
+        dataset="shakespeare_char",
+        device="cpu",
+        compile=False,
+        out_dir=out_dir,
+        init_from="auto",
+        n_layer=2,
+        n_head=2,
+        n_embd=64,
+        block_size=32,
+        batch_size=8,
+        gradient_accumulation_steps=2,
+        max_iters=args.max_iters,
+        lr_decay_iters=args.max_iters,
+        warmup_iters=10,
+        learning_rate=3e-3,
+        min_lr=3e-4,
+        dropout=0.1,
+        eval_interval=args.every,
+        eval_iters=1,
+        log_interval=1,
+        always_save_checkpoint=True,
+        dist_timeout_s=60,
+    )
     return [f"--{k}={v}" for k, v in keys.items()]
 
 
 def launch(args, out_dir, log):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=3",
-           "train.py", *train_args(args, out_dir)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0" if args.share_store else "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "--max-restarts=3",
+        "train.py",
+        *train_args(args, out_dir),
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0" if args.share_store else "1",
+    }
     # a session of its own, so a timed-out job is killed whole (torchrun and its workers)
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -109,8 +140,12 @@ def run_trial(args, rng, out_dir, log_path):
             while proc.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.05)
                 # the next kill once the step is reached and the workers started after the last kill have logged
-                due = killed < len(kill_at) and logged_iter(out_dir) >= kill_at[killed] and \
-                    os.path.exists(metrics) and os.path.getmtime(metrics) > last_kill
+                due = (
+                    killed < len(kill_at)
+                    and logged_iter(out_dir) >= kill_at[killed]
+                    and os.path.exists(metrics)
+                    and os.path.getmtime(metrics) > last_kill
+                )
                 pids = workers(proc.pid) if due else []
                 if len(pids) == 2:
                     time.sleep(rng.uniform(0, 0.5))  # a random moment inside the step, the eval or the save
@@ -139,7 +174,8 @@ def same_state(path, reference):
         return False
     sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
     return sa.keys() == sb.keys() and all(
-        torch.equal(x, y) for k in sa for x, y in zip(sa[k].values(), sb[k].values()) if torch.is_tensor(x))
+        torch.equal(x, y) for k in sa for x, y in zip(sa[k].values(), sb[k].values()) if torch.is_tensor(x)
+    )
 
 
 def main(argv=None):
@@ -165,7 +201,9 @@ def main(argv=None):
             resumes = f.read().count("init_from='auto': resuming")
         equal = path is not None and os.path.exists(path) and same_state(path, reference)
         passed += outcome == "exit 0" and equal
-        print(f"| {trial} | {outcome} | {killed} | {resumes} | {seconds:.1f} | {'yes' if equal else 'NO'} |", flush=True)
+        print(
+            f"| {trial} | {outcome} | {killed} | {resumes} | {seconds:.1f} | {'yes' if equal else 'NO'} |", flush=True
+        )
     print(f"{passed}/{args.trials} trials completed with the reference's final state")
     return 0 if passed == args.trials else 1
 

@@ -67,10 +67,15 @@ PROMPTS = [
     [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Hi, I'm Zuvakine."}],
     [{"role": "user", "content": "Repeat after me: kabu"}],
     [{"role": "user", "content": "Reverse: dimo fesa"}],
-    [{"role": "user", "content": "Hello! My name is Romitu."}, {"role": "assistant", "content": "Nice to meet you, Romitu!"},
-     {"role": "user", "content": "What is my name?"}],
-    [{"role": "system", "content": "You are a friendly chat bot."},
-     {"role": "user", "content": "Repeat after me: pova sule kire mana tobe"}],
+    [
+        {"role": "user", "content": "Hello! My name is Romitu."},
+        {"role": "assistant", "content": "Nice to meet you, Romitu!"},
+        {"role": "user", "content": "What is my name?"},
+    ],
+    [
+        {"role": "system", "content": "You are a friendly chat bot."},
+        {"role": "user", "content": "Repeat after me: pova sule kire mana tobe"},
+    ],
 ]
 
 
@@ -88,8 +93,10 @@ async def stream_one(client, model, messages, max_tokens):
     first, lines = None, []
     async with client.post("/v1/chat/completions", json=body) as response:
         if response.status != 200:
-            raise UserError(f"the server answered {response.status} under load: "
-                            f"{(await response.text())[:300]} (429: raise serve.py's --max_waiting)")
+            raise UserError(
+                f"the server answered {response.status} under load: "
+                f"{(await response.text())[:300]} (429: raise serve.py's --max_waiting)"
+            )
         async for line in response.content:  # to the body's end, so the connection is kept for the next request
             if line.startswith(b"data: {"):
                 lines.append(line)
@@ -108,7 +115,12 @@ def text_of(lines):
 
 async def solo(client, model, messages, max_tokens):
     """(reply, completion tokens) of one request alone, not streamed."""
-    body = {"model": model, "messages": messages, "temperature": 0, **({"max_tokens": max_tokens} if max_tokens else {})}
+    body = {
+        "model": model,
+        "messages": messages,
+        "temperature": 0,
+        **({"max_tokens": max_tokens} if max_tokens else {}),
+    }
     async with client.post("/v1/chat/completions", json=body) as response:
         if response.status != 200:
             raise UserError(f"the server answered {response.status} to a solo request: {(await response.text())[:300]}")
@@ -139,9 +151,19 @@ async def level(client, model, clients, n_requests, references, max_tokens):
     wrong = [(i, text) for i, text, *_ in results if text != references[i][0]]
     tokens = sum(references[i][1] if text == references[i][0] else chunks for i, text, chunks, *_ in results)
     ttft = sorted(r[3] for r in results)
-    return {"clients": clients, "requests": len(results), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-            "ttft_p50_ms": 1000 * nearest_rank(ttft, 50), "ttft_p99_ms": 1000 * nearest_rank(ttft, 99),
-            "wrong": len(wrong), "first_wrong": wrong[:1], "load_1min": load_before, "client_cpu": cpu / wall}
+    return {
+        "clients": clients,
+        "requests": len(results),
+        "tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "ttft_p50_ms": 1000 * nearest_rank(ttft, 50),
+        "ttft_p99_ms": 1000 * nearest_rank(ttft, 99),
+        "wrong": len(wrong),
+        "first_wrong": wrong[:1],
+        "load_1min": load_before,
+        "client_cpu": cpu / wall,
+    }
 
 
 def nearest_rank(sorted_values, p):
@@ -165,17 +187,29 @@ async def measure(urls, api_key, levels, args):
     """{url: [the figures of each level of each repeat]}, the servers interleaved repeat by repeat."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     timeout = aiohttp.ClientTimeout(600)
-    clients = [aiohttp.ClientSession(url, headers=headers, timeout=timeout,
-                                     connector=aiohttp.TCPConnector(limit=max(levels) + 4, force_close=True))
-               for url in urls]
+    clients = [
+        aiohttp.ClientSession(
+            url,
+            headers=headers,
+            timeout=timeout,
+            connector=aiohttp.TCPConnector(limit=max(levels) + 4, force_close=True),
+        )
+        for url in urls
+    ]
     try:
         prepared = [await prepare(client, url, args) for client, url in zip(clients, urls)]
         runs = {url: [] for url in urls}
         for repeat in range(args.repeats):
             for url, client, (model, references) in zip(urls, clients, prepared):
                 for n_clients in levels:
-                    figures = await level(client, model, n_clients, max(n_clients * args.rounds, args.min_requests),
-                                          references, args.max_tokens)
+                    figures = await level(
+                        client,
+                        model,
+                        n_clients,
+                        max(n_clients * args.rounds, args.min_requests),
+                        references,
+                        args.max_tokens,
+                    )
                     print(json.dumps({"url": url, "repeat": repeat, **figures}), file=sys.stderr, flush=True)
                     runs[url].append(figures)
         return runs
@@ -223,7 +257,9 @@ def engine_runs(args, levels):
                 submit()
 
             budget = args.max_tokens or room - len(prompts[i])
-            engine.submit(inference.Request(prompts[i], budget, on_token, on_done, temperature=0, stop_ids=(template.end_id,)))
+            engine.submit(
+                inference.Request(prompts[i], budget, on_token, on_done, temperature=0, stop_ids=(template.end_id,))
+            )
 
         start = time.perf_counter()
         for _ in range(clients):
@@ -242,9 +278,19 @@ def engine_runs(args, levels):
             wrong = [(i, t) for i, t, _ in results if t != references[i]]
             ttft = sorted(r[2] for r in results)
             n = sum(len(t) + 1 for _, t, _ in results)  # the end token too, as usage counts it
-            figures = {"clients": clients, "requests": len(results), "tokens": n, "wall_s": wall, "tokens_per_s": n / wall,
-                       "ttft_p50_ms": 1000 * nearest_rank(ttft, 50), "ttft_p99_ms": 1000 * nearest_rank(ttft, 99),
-                       "wrong": len(wrong), "first_wrong": wrong[:1], "load_1min": load_before, "client_cpu": 0.0}
+            figures = {
+                "clients": clients,
+                "requests": len(results),
+                "tokens": n,
+                "wall_s": wall,
+                "tokens_per_s": n / wall,
+                "ttft_p50_ms": 1000 * nearest_rank(ttft, 50),
+                "ttft_p99_ms": 1000 * nearest_rank(ttft, 99),
+                "wrong": len(wrong),
+                "first_wrong": wrong[:1],
+                "load_1min": load_before,
+                "client_cpu": 0.0,
+            }
             print(json.dumps({"repeat": repeat, **figures}), file=sys.stderr, flush=True)
             runs.append(figures)
     return runs
@@ -294,13 +340,25 @@ def write_random_gpt2(out_dir):
     spec = tokenizer.make_spec("gpt2")
     template = Template(spec)
     torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=template.vocab_size, dropout=0.0))
+    model = GPT(
+        GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=template.vocab_size, dropout=0.0)
+    )
     os.makedirs(out_dir, exist_ok=True)
-    torch.save({"model": model.state_dict(), "model_args": dataclasses.asdict(model.config), "config": {}, "iter_num": 0,
-                "best_val_loss": math.nan, "tokenizer": {**spec, "vocab_size": template.vocab_size, "chat": template.meta()}},
-               os.path.join(out_dir, "ckpt.pt"))
-    print(f"wrote {out_dir}/ckpt.pt: random weights, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters",
-          file=sys.stderr)
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "model_args": dataclasses.asdict(model.config),
+            "config": {},
+            "iter_num": 0,
+            "best_val_loss": math.nan,
+            "tokenizer": {**spec, "vocab_size": template.vocab_size, "chat": template.meta()},
+        },
+        os.path.join(out_dir, "ckpt.pt"),
+    )
+    print(
+        f"wrote {out_dir}/ckpt.pt: random weights, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters",
+        file=sys.stderr,
+    )
 
 
 # ---------------------------------------------------------------------------- main
@@ -308,16 +366,20 @@ def write_random_gpt2(out_dir):
 
 def report(runs, levels, client=True):
     """The median of each figure over the repeats, one row per level."""
-    print("| clients | requests | tokens | tokens/s | x one client | TTFT p50 ms | TTFT p99 ms | wrong | client CPU | load (1 min) |")
+    print(
+        "| clients | requests | tokens | tokens/s | x one client | TTFT p50 ms | TTFT p99 ms | wrong | client CPU | load (1 min) |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     med = lambda c, key: statistics.median(r[key] for r in runs if r["clients"] == c)
     base = med(levels[0], "tokens_per_s")
     for c in levels:
         wrong = sum(r["wrong"] for r in runs if r["clients"] == c)
         cpu = f"{100 * med(c, 'client_cpu'):.0f}%" if client else "-"
-        print(f"| {c} | {med(c, 'requests'):.0f} | {med(c, 'tokens'):.0f} | {med(c, 'tokens_per_s'):.1f} | "
-              f"{med(c, 'tokens_per_s') / base:.2f} | {med(c, 'ttft_p50_ms'):.0f} | {med(c, 'ttft_p99_ms'):.0f} | "
-              f"{wrong} | {cpu} | {med(c, 'load_1min'):.2f} |")
+        print(
+            f"| {c} | {med(c, 'requests'):.0f} | {med(c, 'tokens'):.0f} | {med(c, 'tokens_per_s'):.1f} | "
+            f"{med(c, 'tokens_per_s') / base:.2f} | {med(c, 'ttft_p50_ms'):.0f} | {med(c, 'ttft_p99_ms'):.0f} | "
+            f"{wrong} | {cpu} | {med(c, 'load_1min'):.2f} |"
+        )
 
 
 def served_runs(args, levels):
@@ -330,8 +392,9 @@ def served_runs(args, levels):
     try:
         return asyncio.run(measure(urls, args.api_key, levels, args))
     except aiohttp.ClientConnectionError as e:
-        raise UserError(f"cannot talk to {' or '.join(urls)}: {e}; start the server there, or leave --url out to "
-                        f"start serve.py")
+        raise UserError(
+            f"cannot talk to {' or '.join(urls)}: {e}; start the server there, or leave --url out to start serve.py"
+        )
     finally:
         if process is not None:
             process.terminate()
@@ -340,18 +403,27 @@ def served_runs(args, levels):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--url", help="a running server, or several (comma-separated, measured interleaved); "
-                                 "without it serve.py is started on --out_dir")
+    p.add_argument(
+        "--url",
+        help="a running server, or several (comma-separated, measured interleaved); "
+        "without it serve.py is started on --out_dir",
+    )
     p.add_argument("--out_dir", default="out-chat-demo", help="the checkpoint serve.py serves (default: %(default)s)")
-    p.add_argument("--serve_args", default="--device=cpu", help="more serve.py flags, space-separated (default: %(default)s)")
-    p.add_argument("--random_gpt2", choices=["124m"], help="first write a random GPT-2-124M-shaped checkpoint into --out_dir")
+    p.add_argument(
+        "--serve_args", default="--device=cpu", help="more serve.py flags, space-separated (default: %(default)s)"
+    )
+    p.add_argument(
+        "--random_gpt2", choices=["124m"], help="first write a random GPT-2-124M-shaped checkpoint into --out_dir"
+    )
     p.add_argument("--api_key", default=os.environ.get("OPENAI_API_KEY"), help="Bearer key (default: $OPENAI_API_KEY)")
     p.add_argument("--clients", default="1,4,16,64", help="concurrency levels (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=4, help="requests per client at each level (default: %(default)s)")
     p.add_argument("--min_requests", type=int, default=64, help="requests per level at least (default: %(default)s)")
     p.add_argument("--max_tokens", type=int, default=0, help="max_tokens per request; 0: the server's default")
     p.add_argument("--repeats", type=int, default=3, help="run the levels this many times, report medians")
-    p.add_argument("--engine_only", action="store_true", help="no server: the same load on inference.Engine in this process")
+    p.add_argument(
+        "--engine_only", action="store_true", help="no server: the same load on inference.Engine in this process"
+    )
     p.add_argument("--rows", type=int, default=16, help="--engine_only: the engine's rows (serve.py's --batch_size)")
     args = p.parse_args(argv)
     levels = [int(c) for c in args.clients.split(",")]
@@ -367,8 +439,11 @@ def main(argv=None):
         report(runs, levels, client=not args.engine_only)
         wrong += sum(r["wrong"] for r in runs)
         if any(r["wrong"] for r in runs):
-            print(f"{server}: {sum(r['wrong'] for r in runs)} request(s) under load differ from their solo reply; the "
-                  f"first: {next(r['first_wrong'] for r in runs if r['wrong'])}", file=sys.stderr)
+            print(
+                f"{server}: {sum(r['wrong'] for r in runs)} request(s) under load differ from their solo reply; the "
+                f"first: {next(r['first_wrong'] for r in runs if r['wrong'])}",
+                file=sys.stderr,
+            )
     return 1 if wrong else 0
 
 

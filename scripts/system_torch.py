@@ -10,7 +10,10 @@ the torch pinned in requirements.txt.
 import re
 import sys
 
-FLOOR = (2, 11)  # the oldest torch whose every API this trainer calls was checked (docs/install.md, "Which torch versions work")
+FLOOR = (
+    2,
+    11,
+)  # the oldest torch whose every API this trainer calls was checked (docs/install.md, "Which torch versions work")
 
 
 def decide():
@@ -20,8 +23,12 @@ def decide():
     except Exception as e:  # none installed, or one that cannot load
         return None, f"no torch importable here ({type(e).__name__}: {e})"
     version = str(getattr(torch, "__version__", "?"))
-    gpu = getattr(torch.version, "cuda", None) and f"CUDA {torch.version.cuda}" \
-        or getattr(torch.version, "hip", None) and f"ROCm {torch.version.hip}"
+    gpu = (
+        getattr(torch.version, "cuda", None)
+        and f"CUDA {torch.version.cuda}"
+        or getattr(torch.version, "hip", None)
+        and f"ROCm {torch.version.hip}"
+    )
     m = re.match(r"(\d+)\.(\d+)", version)
     floor = ".".join(map(str, FLOOR))
     if not gpu:

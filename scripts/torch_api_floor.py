@@ -83,8 +83,15 @@ TEXTS = [  # (file under torch/, a regular expression its text must match): name
 def find(tree, qual):
     node = tree
     for part in qual.split("."):
-        node = next((n for n in ast.iter_child_nodes(node) if getattr(n, "name", None) == part
-                     and isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))), None)
+        node = next(
+            (
+                n
+                for n in ast.iter_child_nodes(node)
+                if getattr(n, "name", None) == part
+                and isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            ),
+            None,
+        )
         if node is None:
             return None
     return node
@@ -95,11 +102,23 @@ def signature(text, qual):
     if node is None:
         return "MISSING"
     if isinstance(node, ast.ClassDef):  # a dataclass: its fields
-        return "(" + ", ".join(t.target.id for t in node.body if isinstance(t, ast.AnnAssign)
-                                and isinstance(t.target, ast.Name)) + ")"
+        return (
+            "("
+            + ", ".join(
+                t.target.id for t in node.body if isinstance(t, ast.AnnAssign) and isinstance(t.target, ast.Name)
+            )
+            + ")"
+        )
     a = node.args
-    return "(" + ", ".join([x.arg for x in a.posonlyargs + a.args] + (["*" + a.vararg.arg] if a.vararg else [])
-                           + [x.arg for x in a.kwonlyargs]) + ")"
+    return (
+        "("
+        + ", ".join(
+            [x.arg for x in a.posonlyargs + a.args]
+            + (["*" + a.vararg.arg] if a.vararg else [])
+            + [x.arg for x in a.kwonlyargs]
+        )
+        + ")"
+    )
 
 
 def main(wheel):
@@ -113,7 +132,10 @@ def main(wheel):
     for path, qual in APIS:
         a, b = signature(read_old(path), qual), signature(read_new(path), qual)
         missing += a == "MISSING"
-        print(f"{'same' if a == b else 'DIFF'}  torch/{path}:{qual}  {version}{a}" + ("" if a == b else f"  {torch.__version__}{b}"))
+        print(
+            f"{'same' if a == b else 'DIFF'}  torch/{path}:{qual}  {version}{a}"
+            + ("" if a == b else f"  {torch.__version__}{b}")
+        )
     for path, pattern in TEXTS:
         found = read_old(path) is not None and re.search(pattern, read_old(path)) is not None
         missing += not found

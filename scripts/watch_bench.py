@@ -37,9 +37,19 @@ class Args:
 def run(args, eval_async):
     out = os.path.join(args.out_dir, "async" if eval_async else "sync")
     shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, "train.py", "config/train_shakespeare_char_cpu.py", f"--out_dir={out}", "--log_interval=10",
-           f"--max_iters={args.max_iters}", f"--lr_decay_iters={args.max_iters}", f"--eval_interval={args.eval_interval}",
-           "--always_save_checkpoint=True", "--keep_last=2", f"--eval_async={eval_async}"]
+    cmd = [
+        sys.executable,
+        "train.py",
+        "config/train_shakespeare_char_cpu.py",
+        f"--out_dir={out}",
+        "--log_interval=10",
+        f"--max_iters={args.max_iters}",
+        f"--lr_decay_iters={args.max_iters}",
+        f"--eval_interval={args.eval_interval}",
+        "--always_save_checkpoint=True",
+        "--keep_last=2",
+        f"--eval_async={eval_async}",
+    ]
     start = time.perf_counter()
     if subprocess.run(cmd, cwd=REPO, stdout=subprocess.DEVNULL).returncode != 0:
         raise UserError("train.py failed (its error is above); nothing was measured")

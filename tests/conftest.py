@@ -38,11 +38,34 @@ ATEN_BACKEND = "aot_eager_decomp_partition"
 # built instead of waiting on its lock: test_serve builds the chat demo (test_gguf and test_chat),
 # test_sample the Shakespeare model (test_train), and test_checkpoint_format the FSDP launches
 # (test_fsdp).
-LONGEST_FIRST = ["test_serve.py", "test_compile.py", "test_replicas.py", "test_dist.py", "test_watch.py", "test_bench.py",
-                 "test_core.py", "test_gguf.py", "test_checkpoint_format.py", "test_sample.py", "test_corpus.py",
-                 "test_faults.py", "test_hf.py", "test_levers.py", "test_cuda_contract.py", "test_compare.py",
-                 "test_diloco.py", "test_serve_browser.py", "test_documents.py", "test_chat.py", "test_logging.py",
-                 "test_chat_train.py", "test_eval.py", "test_commands.py", "test_optim.py", "test_outdir.py"]
+LONGEST_FIRST = [
+    "test_serve.py",
+    "test_compile.py",
+    "test_replicas.py",
+    "test_dist.py",
+    "test_watch.py",
+    "test_bench.py",
+    "test_core.py",
+    "test_gguf.py",
+    "test_checkpoint_format.py",
+    "test_sample.py",
+    "test_corpus.py",
+    "test_faults.py",
+    "test_hf.py",
+    "test_levers.py",
+    "test_cuda_contract.py",
+    "test_compare.py",
+    "test_diloco.py",
+    "test_serve_browser.py",
+    "test_documents.py",
+    "test_chat.py",
+    "test_logging.py",
+    "test_chat_train.py",
+    "test_eval.py",
+    "test_commands.py",
+    "test_optim.py",
+    "test_outdir.py",
+]
 
 
 def pytest_collection_modifyitems(items):
@@ -95,8 +118,18 @@ def hellaswag_record(rng, i, long=False):
     """A record in HellaSwag's official format (the fields eval.py ignores included)."""
     ctx = " ".join(rng.choice(EVAL_WORDS, size=60 if long else rng.integers(4, 12)))
     endings = [" ".join(rng.choice(EVAL_WORDS, size=rng.integers(1, 7))) + "." for _ in range(4)]
-    return {"ind": i, "activity_label": "Playing fetch", "ctx_a": ctx, "ctx_b": "", "ctx": ctx, "split": "val",
-            "split_type": "indomain", "label": int(rng.integers(4)), "endings": endings, "source_id": f"test~{i}"}
+    return {
+        "ind": i,
+        "activity_label": "Playing fetch",
+        "ctx_a": ctx,
+        "ctx_b": "",
+        "ctx": ctx,
+        "split": "val",
+        "split_type": "indomain",
+        "label": int(rng.integers(4)),
+        "endings": endings,
+        "source_id": f"test~{i}",
+    }
 
 
 def write_hellaswag(path, n, seed=0):
@@ -110,8 +143,7 @@ def write_hellaswag(path, n, seed=0):
 def bpe_eval_data(root):
     """(root/data, root/hs.jsonl): a GPT-2 BPE dataset (train, val, test) and a HellaSwag-format file
     of 30 records, for eval.py's tasks."""
-    from gpt import tokenizer
-    from gpt import tokens
+    from gpt import tokenizer, tokens
 
     enc = tokenizer.encoding("gpt2")
     rng = np.random.default_rng(1)
@@ -119,8 +151,10 @@ def bpe_eval_data(root):
     data_dir.mkdir()
     for split, n_docs in (("train", 400), ("val", 40), ("test", 40)):
         docs = [" ".join(rng.choice(EVAL_WORDS, size=rng.integers(5, 30))).capitalize() + "." for _ in range(n_docs)]
-        tokens.write(str(data_dir / f"{split}.bin"),
-                     np.array([t for d in docs for t in [enc.eot_token] + enc.encode_ordinary(d)], dtype=np.uint16))
+        tokens.write(
+            str(data_dir / f"{split}.bin"),
+            np.array([t for d in docs for t in [enc.eot_token] + enc.encode_ordinary(d)], dtype=np.uint16),
+        )
     (data_dir / "meta.json").write_text(json.dumps(GPT2))
     return data_dir, write_hellaswag(root / "hs.jsonl", 30, seed=2)
 
@@ -136,10 +170,25 @@ def train_tiny_run(root, **overrides):
 def tiny_args(data_dir, out_dir, **overrides):
     """train.py flags for a model that trains in seconds on a CPU."""
     args = dict(
-        device="cpu", compile=False, dataset=str(data_dir), out_dir=str(out_dir),
-        n_layer=2, n_head=2, n_embd=32, block_size=16, batch_size=4, gradient_accumulation_steps=1,
-        max_iters=20, lr_decay_iters=20, warmup_iters=2, eval_interval=10, eval_iters=2, log_interval=1,
-        learning_rate=1e-2, min_lr=1e-3, dropout=0.0,
+        device="cpu",
+        compile=False,
+        dataset=str(data_dir),
+        out_dir=str(out_dir),
+        n_layer=2,
+        n_head=2,
+        n_embd=32,
+        block_size=16,
+        batch_size=4,
+        gradient_accumulation_steps=1,
+        max_iters=20,
+        lr_decay_iters=20,
+        warmup_iters=2,
+        eval_interval=10,
+        eval_iters=2,
+        log_interval=1,
+        learning_rate=1e-2,
+        min_lr=1e-3,
+        dropout=0.0,
     )
     args.update(overrides)
     return [f"--{k}={v}" for k, v in args.items()]
@@ -223,8 +272,11 @@ def python_process(args, out=None, err=None, cwd=REPO, env=None, stdin=None):
         own = tempfile.mkdtemp(prefix="python_process-")
         out, err = Path(own) / "stdout", Path(own) / "stderr"
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    child = _server().Process(target=_as_python, args=([*map(str, args)], str(out), str(err or out), str(cwd), full_env,
-                                                        stdin and str(stdin)), daemon=False)
+    child = _server().Process(
+        target=_as_python,
+        args=([*map(str, args)], str(out), str(err or out), str(cwd), full_env, stdin and str(stdin)),
+        daemon=False,
+    )
     child.start()
     _FORKED.append(_Forked(child, [*map(str, args)], (Path(out), Path(err or out)) if own else None))
     return _FORKED[-1]
@@ -287,8 +339,11 @@ def _as_python(args, out, err, cwd, env, stdin=None):
     """python_process's child: its own session, its output to the files (its input from one), then
     _run_as_main."""
     os.setsid()
-    for fd, path, flags in ((1, out, os.O_WRONLY | os.O_CREAT | os.O_APPEND), (2, err, os.O_WRONLY | os.O_CREAT | os.O_APPEND),
-                            (0, stdin, os.O_RDONLY)):
+    for fd, path, flags in (
+        (1, out, os.O_WRONLY | os.O_CREAT | os.O_APPEND),
+        (2, err, os.O_WRONLY | os.O_CREAT | os.O_APPEND),
+        (0, stdin, os.O_RDONLY),
+    ):
         if path:
             target = os.open(path, flags)
             os.dup2(target, fd)
@@ -322,8 +377,9 @@ def _run_as_main(args, cwd, env):
     import runpy
     import traceback
 
-    sys.stdout, sys.stderr = (io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8", write_through=True)
-                              for fd in (1, 2))
+    sys.stdout, sys.stderr = (
+        io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8", write_through=True) for fd in (1, 2)
+    )
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -528,10 +584,14 @@ def forked_pythons(monkeypatch, tmp_path):
             for fifo in fifos:
                 os.mkfifo(fifo)
                 pipes.append(fifo)
-            process = _server().Process(target=_as_python, args=(python_args(args), *map(str, fifos), os.getcwd(),
-                                                                 {**env, "PYTHONUNBUFFERED": "1"}))
+            process = _server().Process(
+                target=_as_python,
+                args=(python_args(args), *map(str, fifos), os.getcwd(), {**env, "PYTHONUNBUFFERED": "1"}),
+            )
             process.start()
-            self.copies = [threading.Thread(target=self.copy, args=(fifo, fd), daemon=True) for fd, fifo in zip((1, 2), fifos)]
+            self.copies = [
+                threading.Thread(target=self.copy, args=(fifo, fd), daemon=True) for fd, fifo in zip((1, 2), fifos)
+            ]
             for thread in self.copies:
                 thread.start()
             super().__init__(process, args, None)
@@ -578,8 +638,9 @@ def _run_in_process(path, args, cwd, env):
         os.dup2(out.fileno(), 1)
         os.dup2(err.fileno(), 2)
         # write_through: Python's writes and C++'s land in the files in the order they happen
-        sys.stdout, sys.stderr = (io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8", write_through=True)
-                                  for fd in (1, 2))
+        sys.stdout, sys.stderr = (
+            io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8", write_through=True) for fd in (1, 2)
+        )
         sys.argv, code = [str(path), *args], 0
         os.environ.update(env)
         try:
@@ -667,8 +728,11 @@ def train_in_rank(report, args, port=0, nan_iters=(), nan_ranks=None):
         os.environ.update(MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="False")
     undo = []
     if nan_iters:
-        nan_steps(lambda obj, attr, value: (undo.append((obj, attr, getattr(obj, attr))), setattr(obj, attr, value)),
-                  set(nan_iters), nan_ranks and set(nan_ranks))
+        nan_steps(
+            lambda obj, attr, value: (undo.append((obj, attr, getattr(obj, attr))), setattr(obj, attr, value)),
+            set(nan_iters),
+            nan_ranks and set(nan_ranks),
+        )
     sys.stdout.flush()
     sys.stderr.flush()
     for fd, suffix in ((1, ".out"), (2, ".err")):
@@ -738,12 +802,30 @@ def shared_shakespeare(tmp_path_factory):
         pytest.skip("set SHAKESPEARE_TXT to the tiny Shakespeare text")
 
     def build(root):
-        prepared = run_script("data/shakespeare_char/prepare.py", "--input", os.environ["SHAKESPEARE_TXT"], "--out_dir", root / "data")
+        prepared = run_script(
+            "data/shakespeare_char/prepare.py", "--input", os.environ["SHAKESPEARE_TXT"], "--out_dir", root / "data"
+        )
         assert prepared.returncode == 0, prepared.stderr
-        trained = run_script("train.py", *tiny_args(root / "data", root / "out", n_layer=2, n_head=4, n_embd=96, block_size=64,
-                                                    batch_size=12, max_iters=400, lr_decay_iters=400, warmup_iters=50,
-                                                    learning_rate=7e-3, min_lr=7e-4, eval_interval=200, eval_iters=20),
-                             timeout=900)
+        trained = run_script(
+            "train.py",
+            *tiny_args(
+                root / "data",
+                root / "out",
+                n_layer=2,
+                n_head=4,
+                n_embd=96,
+                block_size=64,
+                batch_size=12,
+                max_iters=400,
+                lr_decay_iters=400,
+                warmup_iters=50,
+                learning_rate=7e-3,
+                min_lr=7e-4,
+                eval_interval=200,
+                eval_iters=20,
+            ),
+            timeout=900,
+        )
         assert trained.returncode == 0, trained.stderr
 
     return shared_dir(tmp_path_factory, "shared_shakespeare", build) / "out"
@@ -762,12 +844,31 @@ def train_chat_demo(root, n, n_heldout, steps, muon_lr):
     the 512-token tokenizer, prepare.py, `steps` of train.py (in this process) at Muon's muon_lr.
     Returns (out_dir, the held-out conversations)."""
     data = root / "data"
-    load_script("data/chat/synthetic.py").main([f"--out_dir={data}", f"--n={n}", f"--n_heldout={n_heldout}", "--seed=0"])
-    load_script("data/train_tokenizer.py").main(["--input", str(data / "text.txt"), "--vocab_size=512", f"--out_dir={data}"])
-    load_script("data/chat/prepare.py").main(["--input", str(data / "train.jsonl"), f"--tokenizer={data / 'tokenizer.json'}",
-                                              f"--out_dir={data}", "--block_size=128"])
-    result = run_script("train.py", "config/chat_demo_cpu.py", f"--dataset={data}", f"--out_dir={root / 'out'}",
-                        f"--max_iters={steps}", f"--lr_decay_iters={steps}", f"--eval_interval={steps}", "--eval_iters=2",
-                        f"--muon_lr={muon_lr}")
+    load_script("data/chat/synthetic.py").main(
+        [f"--out_dir={data}", f"--n={n}", f"--n_heldout={n_heldout}", "--seed=0"]
+    )
+    load_script("data/train_tokenizer.py").main(
+        ["--input", str(data / "text.txt"), "--vocab_size=512", f"--out_dir={data}"]
+    )
+    load_script("data/chat/prepare.py").main(
+        [
+            "--input",
+            str(data / "train.jsonl"),
+            f"--tokenizer={data / 'tokenizer.json'}",
+            f"--out_dir={data}",
+            "--block_size=128",
+        ]
+    )
+    result = run_script(
+        "train.py",
+        "config/chat_demo_cpu.py",
+        f"--dataset={data}",
+        f"--out_dir={root / 'out'}",
+        f"--max_iters={steps}",
+        f"--lr_decay_iters={steps}",
+        f"--eval_interval={steps}",
+        "--eval_iters=2",
+        f"--muon_lr={muon_lr}",
+    )
     assert result.returncode == 0, result.stderr
     return root / "out", [json.loads(line) for line in (data / "heldout.jsonl").read_text().splitlines()]

@@ -57,8 +57,12 @@ def load(path, no_repack=None, **kwargs):
 def tokenize(path, texts, special=True):
     """{metadata, bos, eos, ids: [llama.cpp's ids of each text]} from a vocab-only load."""
     llm = load(path, vocab_only=True)
-    return {"metadata": dict(llm.metadata), "bos": llm.token_bos(), "eos": llm.token_eos(),
-            "ids": [llm.tokenize(t.encode("utf-8"), add_bos=False, special=special) for t in texts]}
+    return {
+        "metadata": dict(llm.metadata),
+        "bos": llm.token_bos(),
+        "eos": llm.token_eos(),
+        "ids": [llm.tokenize(t.encode("utf-8"), add_bos=False, special=special) for t in texts],
+    }
 
 
 def render_and_tokenize(path, conversations, eos_token="", bos_token=""):
@@ -66,7 +70,9 @@ def render_and_tokenize(path, conversations, eos_token="", bos_token=""):
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
     llm = load(path, vocab_only=True)
-    render = Jinja2ChatFormatter(template=llm.metadata["tokenizer.chat_template"], eos_token=eos_token, bos_token=bos_token)
+    render = Jinja2ChatFormatter(
+        template=llm.metadata["tokenizer.chat_template"], eos_token=eos_token, bos_token=bos_token
+    )
     return [llm.tokenize(render(messages=m).prompt.encode("utf-8"), add_bos=False, special=True) for m in conversations]
 
 
@@ -86,9 +92,14 @@ def chat_replies(path, conversations, n_ctx=128):
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
     llm = load(path, n_ctx=n_ctx, type_k=F32, type_v=F32)
-    render = Jinja2ChatFormatter(template=llm.metadata["tokenizer.chat_template"], eos_token="<|end|>",
-                                 bos_token="<|endoftext|>")
-    prompts = [llm.tokenize(render(messages=m).prompt.encode("utf-8"), add_bos=False, special=True) for m in conversations]
-    replies = [llm.create_chat_completion(m, temperature=0.0, repeat_penalty=1.0)["choices"][0]["message"]["content"]
-               for m in conversations]
+    render = Jinja2ChatFormatter(
+        template=llm.metadata["tokenizer.chat_template"], eos_token="<|end|>", bos_token="<|endoftext|>"
+    )
+    prompts = [
+        llm.tokenize(render(messages=m).prompt.encode("utf-8"), add_bos=False, special=True) for m in conversations
+    ]
+    replies = [
+        llm.create_chat_completion(m, temperature=0.0, repeat_penalty=1.0)["choices"][0]["message"]["content"]
+        for m in conversations
+    ]
     return {"metadata": dict(llm.metadata), "eos": llm.token_eos(), "prompts": prompts, "replies": replies}

@@ -3,8 +3,8 @@ one that runs, and an unknown or unavailable kernel is a one-line error."""
 
 import pytest
 import torch
-
 from conftest import run_script, tiny_args
+
 from gpt.wrap import attention_error
 from model import GPT, GPTConfig
 
@@ -54,10 +54,14 @@ def test_probe_says_which_kernels_a_cpu_lacks():
 # What CUDA's torch warns when a kernel declines, as users have pasted it (pytorch's warnings quoted
 # in Dao-AILab/flash-attention issue #1321): a header, then the reason, then it raises.
 CUDA_DECLINES = {
-    "efficient": ["Memory efficient kernel not used because: (Triggered internally at ../aten/src/ATen/native/transformers/cuda/sdp_utils.cpp:718.)",
-                  "Memory Efficient attention has been runtime disabled. (Triggered internally at ../aten/src/ATen/native/transformers/sdp_utils_cpp.h:495.)"],
-    "cudnn": ["CuDNN attention kernel not used because: (Triggered internally at ../aten/src/ATen/native/transformers/cuda/sdp_utils.cpp:722.)",
-              "The CuDNN backend needs to be enabled by setting the enviornment variable`TORCH_CUDNN_SDPA_ENABLED=1` (Triggered internally at ../aten/src/ATen/native/transformers/cuda/sdp_utils.cpp:496.)"],
+    "efficient": [
+        "Memory efficient kernel not used because: (Triggered internally at ../aten/src/ATen/native/transformers/cuda/sdp_utils.cpp:718.)",
+        "Memory Efficient attention has been runtime disabled. (Triggered internally at ../aten/src/ATen/native/transformers/sdp_utils_cpp.h:495.)",
+    ],
+    "cudnn": [
+        "CuDNN attention kernel not used because: (Triggered internally at ../aten/src/ATen/native/transformers/cuda/sdp_utils.cpp:722.)",
+        "The CuDNN backend needs to be enabled by setting the enviornment variable`TORCH_CUDNN_SDPA_ENABLED=1` (Triggered internally at ../aten/src/ATen/native/transformers/cuda/sdp_utils.cpp:496.)",
+    ],
 }
 
 
@@ -75,8 +79,9 @@ def test_an_unavailable_kernel_is_explained_by_its_reason_not_the_header(monkeyp
     assert reason == CUDA_DECLINES[attention][1].split(" (Triggered")[0]  # the reason, without where torch raised it
 
 
-@pytest.mark.parametrize("value, message", [("fast", "attention='fast' is not one of"),
-                                            ("cudnn", "attention='cudnn' cannot run on cpu")])
+@pytest.mark.parametrize(
+    "value, message", [("fast", "attention='fast' is not one of"), ("cudnn", "attention='cudnn' cannot run on cpu")]
+)
 def test_bad_attention_values_are_one_line(char_data, tmp_path, value, message):
     result = run_script("train.py", *tiny_args(char_data, tmp_path / "out", attention=value))
     assert result.returncode != 0 and "Traceback" not in result.stderr

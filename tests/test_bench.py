@@ -8,18 +8,14 @@ import time
 import numpy as np
 import pytest
 import torch
-
-from gpt import benchmark
-from gpt.batches import row_starts
-from gpt import inference
-from gpt import runtime
-from gpt import memory
-from gpt.memory import auto_batch_size, saved_activation_bytes, with_batch_size
-from configurator import BatteryConfig, BenchConfig, TrainConfig
 from conftest import REPO, load_script, read_metrics, run_script, tiny_args
-from model import GPT, GPTConfig
 
 import bench
+from configurator import BatteryConfig, BenchConfig, TrainConfig
+from gpt import benchmark, inference, memory, runtime
+from gpt.batches import row_starts
+from gpt.memory import auto_batch_size, saved_activation_bytes, with_batch_size
+from model import GPT, GPTConfig
 
 battery = load_script("scripts/gpu_battery.py")
 
@@ -68,7 +64,9 @@ def test_peak_lookup_by_reported_name(name, bf16, tf32):
     assert runtime.peak_flops(name, torch.float32) == tf32 * 1e12  # TF32 matmuls are on under CUDA
 
 
-@pytest.mark.parametrize("name", ["NVIDIA A10G", "NVIDIA GeForce RTX 3060 Laptop GPU", "AMD Instinct MI300X", "Tesla P100-PCIE-16GB"])
+@pytest.mark.parametrize(
+    "name", ["NVIDIA A10G", "NVIDIA GeForce RTX 3060 Laptop GPU", "AMD Instinct MI300X", "Tesla P100-PCIE-16GB"]
+)
 def test_unknown_devices_have_no_peak(name):
     # no number is better than a wrong one: MFU shows n/a, and peak_flops= can supply it
     assert runtime.peak_flops(name, torch.bfloat16) is None
@@ -109,9 +107,21 @@ def test_mfu_never_above_100_percent_in_training(char_data, tmp_path):
 
 def test_bench_json_and_mfu_bound(tmp_path):
     peak = best_gemm_flops()
-    result = run_script("bench.py", "--device=cpu", "--compile=False", "--n_layer=2", "--n_head=2", "--n_embd=64",
-                        "--block_size=32", "--batch_size=8", "--gradient_accumulation_steps=2", "--bench_iters=4",
-                        "--bench_warmup=1", f"--peak_flops={peak}", "--json=True")
+    result = run_script(
+        "bench.py",
+        "--device=cpu",
+        "--compile=False",
+        "--n_layer=2",
+        "--n_head=2",
+        "--n_embd=64",
+        "--block_size=32",
+        "--batch_size=8",
+        "--gradient_accumulation_steps=2",
+        "--bench_iters=4",
+        "--bench_warmup=1",
+        f"--peak_flops={peak}",
+        "--json=True",
+    )
     assert result.returncode == 0, result.stderr
     r = json.loads(result.stdout.strip().splitlines()[-1])
     assert {"ms_per_iter", "tokens_per_s", "tflops", "mfu", "peak_mem_mb"} <= r.keys()
@@ -122,17 +132,40 @@ def test_bench_json_and_mfu_bound(tmp_path):
 
 
 def test_bench_json_mfu_is_null_without_a_peak():
-    result = run_script("bench.py", "--device=cpu", "--compile=False", "--n_layer=1", "--n_head=2", "--n_embd=32",
-                        "--block_size=16", "--batch_size=2", "--gradient_accumulation_steps=1", "--bench_iters=2",
-                        "--bench_warmup=1", "--json=True")
+    result = run_script(
+        "bench.py",
+        "--device=cpu",
+        "--compile=False",
+        "--n_layer=1",
+        "--n_head=2",
+        "--n_embd=32",
+        "--block_size=16",
+        "--batch_size=2",
+        "--gradient_accumulation_steps=1",
+        "--bench_iters=2",
+        "--bench_warmup=1",
+        "--json=True",
+    )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.strip().splitlines()[-1])["mfu"] is None
 
 
 def test_sweep_keeps_tokens_per_step_and_marks_the_best(tmp_path):
-    result = run_script("bench.py", "--device=cpu", "--compile=False", "--n_layer=1", "--n_head=2", "--n_embd=32",
-                        "--block_size=16", "--batch_size=8", "--gradient_accumulation_steps=2", "--bench_iters=2",
-                        "--bench_warmup=1", "--sweep=batch_size=2,4,16,3", "--json=True")
+    result = run_script(
+        "bench.py",
+        "--device=cpu",
+        "--compile=False",
+        "--n_layer=1",
+        "--n_head=2",
+        "--n_embd=32",
+        "--block_size=16",
+        "--batch_size=8",
+        "--gradient_accumulation_steps=2",
+        "--bench_iters=2",
+        "--bench_warmup=1",
+        "--sweep=batch_size=2,4,16,3",
+        "--json=True",
+    )
     assert result.returncode == 0, result.stderr
     assert "skipping batch_size=3" in result.stdout  # 3 does not divide 16 sequences per step
     assert result.stdout.count("<- best") == 1
@@ -144,10 +177,24 @@ def test_sweep_keeps_tokens_per_step_and_marks_the_best(tmp_path):
 
 
 def test_profile_writes_a_trace(tmp_path):
-    result = run_script("bench.py", "--device=cpu", "--compile=False", "--n_layer=1", "--n_head=2", "--n_embd=32",
-                        "--block_size=16", "--batch_size=2", "--gradient_accumulation_steps=1", "--bench_iters=1",
-                        "--bench_warmup=0", "--profile=True", "--profile_wait=1", "--profile_warmup=1", "--profile_active=2",
-                        f"--out_dir={tmp_path}")
+    result = run_script(
+        "bench.py",
+        "--device=cpu",
+        "--compile=False",
+        "--n_layer=1",
+        "--n_head=2",
+        "--n_embd=32",
+        "--block_size=16",
+        "--batch_size=2",
+        "--gradient_accumulation_steps=1",
+        "--bench_iters=1",
+        "--bench_warmup=0",
+        "--profile=True",
+        "--profile_wait=1",
+        "--profile_warmup=1",
+        "--profile_active=2",
+        f"--out_dir={tmp_path}",
+    )
     assert result.returncode == 0, result.stderr
     traces = list((tmp_path / "profile").glob("*.pt.trace.json"))
     assert len(traces) == 1
@@ -196,7 +243,9 @@ def step_bytes(model, rt, batch, block_size=32):
     state: what its forward saves, and backward's logits gradient (float32 from the loss, and again
     for the padded rows)."""
     x = torch.zeros(batch, block_size, dtype=torch.long)
-    return held_for_backward(model, rt, lambda: model(x, x)) + 2 * batch * block_size * model.config.padded_vocab_size * 4
+    return (
+        held_for_backward(model, rt, lambda: model(x, x)) + 2 * batch * block_size * model.config.padded_vocab_size * 4
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -252,7 +301,9 @@ def test_activation_checkpointing_is_measured_as_training_runs_it():
     assert kept >= 4 * 32 * 64 * 4  # at least the four blocks' float32 inputs
     assert checkpointed < plain / 2
     budget = 16 * sum(p.numel() for p in model.parameters()) + 20 * plain
-    with_checkpointing = auto_batch_size(model, auto_cfg(memory_budget_gb=budget / 2**30, activation_checkpointing=True), rt)
+    with_checkpointing = auto_batch_size(
+        model, auto_cfg(memory_budget_gb=budget / 2**30, activation_checkpointing=True), rt
+    )
     assert with_checkpointing > auto_batch_size(model, auto_cfg(memory_budget_gb=budget / 2**30), rt)
 
 
@@ -265,8 +316,18 @@ def test_saved_activations_grow_linearly_with_context():
 
 def test_train_with_auto_batch_size(char_data, tmp_path):
     out = tmp_path / "out"
-    result = run_script("train.py", *tiny_args(char_data, out, batch_size="auto", total_batch_size=16 * 8,
-                                               memory_budget_gb=0.05, max_iters=4, lr_decay_iters=4))
+    result = run_script(
+        "train.py",
+        *tiny_args(
+            char_data,
+            out,
+            batch_size="auto",
+            total_batch_size=16 * 8,
+            memory_budget_gb=0.05,
+            max_iters=4,
+            lr_decay_iters=4,
+        ),
+    )
     assert result.returncode == 0, result.stderr
     assert "batch_size=auto:" in result.stdout
     saved = json.loads((out / "config.json").read_text())  # what ran, not the word 'auto'
@@ -279,8 +340,15 @@ def test_suite_runs_every_part_on_a_cpu_and_writes_its_reports(char_data, tmp_pa
     work = tmp_path / "work"
     (work / "data").mkdir(parents=True)
     char_data.rename(work / "data" / "shakespeare_char")  # the baby part trains on data/shakespeare_char
-    result = run_script("scripts/gpu_battery.py", "--device=cpu", f"--out_dir={work / 'report'}", "--bench_iters=1",
-                        "--bench_warmup=1", "--baby_iters=20", cwd=work)
+    result = run_script(
+        "scripts/gpu_battery.py",
+        "--device=cpu",
+        f"--out_dir={work / 'report'}",
+        "--bench_iters=1",
+        "--bench_warmup=1",
+        "--baby_iters=20",
+        cwd=work,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((work / "report" / "report.json").read_text())
     assert report["torch"] == torch.__version__ and report["device"].startswith("CPU")
@@ -301,8 +369,14 @@ def test_suite_runs_every_part_on_a_cpu_and_writes_its_reports(char_data, tmp_pa
     assert report["baby"]["iters"] == 20 and report["baby"]["final_val"] < 4.2  # below a uniform guess, ln(65)
     assert all(check["ok"] for check in report["smoke"].values()), report["smoke"]
     markdown = (work / "report" / "report.md").read_text()
-    for title in ("## Environment", "## Attention", "## GPT-2 sweep", "## config/train_llama_tiny.py", "## Baby GPT",
-                  "## Correctness smoke"):
+    for title in (
+        "## Environment",
+        "## Attention",
+        "## GPT-2 sweep",
+        "## config/train_llama_tiny.py",
+        "## Baby GPT",
+        "## Correctness smoke",
+    ):
         assert title in markdown and title in result.stdout
 
 
@@ -330,7 +404,9 @@ def compile_seconds(params):
 def h100_seconds(rows):
     total = 0.0
     for r in rows:
-        flops = r["flops_per_token"] * (r["steps"] * r["tokens_per_step"] + r["forward_passes"] * r["tokens_per_forward"] / 3)
+        flops = r["flops_per_token"] * (
+            r["steps"] * r["tokens_per_step"] + r["forward_passes"] * r["tokens_per_forward"] / 3
+        )
         floor = r["steps"] * MIN_STEP_S + r["forward_passes"] * MIN_FORWARD_S
         total += max(flops / (MFU * H100_PEAK), floor) + SETUP_S + PROCESS_S * r["processes"]
         total += compile_seconds(r["params"]) if r["compiled"] else 0
@@ -384,7 +460,11 @@ def test_every_kind_of_out_of_memory_is_a_row_that_did_not_fit(monkeypatch, erro
 
 
 def test_other_runtime_errors_still_stop_the_run(monkeypatch):
-    monkeypatch.setattr(benchmark, "measure", lambda *args: (_ for _ in ()).throw(RuntimeError("mat1 and mat2 shapes cannot be multiplied")))
+    monkeypatch.setattr(
+        benchmark,
+        "measure",
+        lambda *args: (_ for _ in ()).throw(RuntimeError("mat1 and mat2 shapes cannot be multiplied")),
+    )
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
         benchmark.measure_or_oom(BenchConfig(), runtime.Runtime("cpu", "cpu", torch.float32), None, 65)
 
@@ -395,12 +475,29 @@ def test_a_sweep_row_that_runs_out_of_cublas_memory_is_reported_not_raised(monke
     def measure(cfg, rt, data, vocab_size, profiler=None):
         if cfg.batch_size == 4:
             raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
-        return {"batch_size": cfg.batch_size, "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
-                "ms_per_iter": 10.0, "tokens_per_s": 1000.0, "tflops": 1.0, "mfu": None, "peak_mem_mb": 1.0, "warmup_s": 1.0}
+        return {
+            "batch_size": cfg.batch_size,
+            "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+            "ms_per_iter": 10.0,
+            "tokens_per_s": 1000.0,
+            "tflops": 1.0,
+            "mfu": None,
+            "peak_mem_mb": 1.0,
+            "warmup_s": 1.0,
+        }
 
     monkeypatch.setattr(benchmark, "measure", measure)
-    cfg = BenchConfig(device="cpu", compile=False, n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=8,
-                      gradient_accumulation_steps=1, sweep="batch_size=2,4")
+    cfg = BenchConfig(
+        device="cpu",
+        compile=False,
+        n_layer=1,
+        n_head=2,
+        n_embd=32,
+        block_size=16,
+        batch_size=8,
+        gradient_accumulation_steps=1,
+        sweep="batch_size=2,4",
+    )
     bench.run(cfg, runtime.Runtime("cpu", "cpu", torch.float32))
     out = capsys.readouterr().out
     assert "batch_size=4         out of memory" in out and "batch_size=2" in out and "<- best" in out
@@ -421,7 +518,7 @@ def test_the_baby_part_reads_an_unbuffered_train_py(monkeypatch, tmp_path):
     cuda = runtime.Runtime("cuda:0", "cuda", torch.bfloat16)
     with pytest.raises(InterruptedError):
         battery.part_baby(BatteryConfig(out_dir=str(tmp_path / "suite")), cuda, battery.suite_scale(cuda), {})
-    (args, kwargs), = started
+    ((args, kwargs),) = started
     unbuffered = args[1] == "-u" or kwargs.get("env", {}).get("PYTHONUNBUFFERED") == "1"
     assert args[0] == battery.sys.executable and unbuffered, args
     assert "--device=cuda:0" in args
@@ -460,20 +557,32 @@ KERNEL_NAMES = [
     ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x128_1x1x1_kernel0_0", "cudnn"),
     ("cudnn_generated_fort_native_sdpa_sm80_flash_fprop_wmma_f16_knob_3_64x64x128_4x1x1_kernel0_0", "cudnn"),
     ("aten::_scaled_dot_product_cudnn_attention", "cudnn"),
-    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, cutlass::half_t, "
-     "Flash_kernel_traits<128, 128, 64, 4, cutlass::half_t> >, false, false, false, false, true, true, false, false>"
-     "(pytorch_flash::Flash_fwd_params)", "flash"),
-    ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<64, 128, 128, 8, 4, 4, 4, "
-     "false, false, cutlass::bfloat16_t>>", "flash"),
+    (
+        "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, cutlass::half_t, "
+        "Flash_kernel_traits<128, 128, 64, 4, cutlass::half_t> >, false, false, false, false, true, true, false, false>"
+        "(pytorch_flash::Flash_fwd_params)",
+        "flash",
+    ),
+    (
+        "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<64, 128, 128, 8, 4, 4, 4, "
+        "false, false, cutlass::bfloat16_t>>",
+        "flash",
+    ),
     ("aten::_flash_attention_forward", "flash"),
     ("aten::_scaled_dot_product_flash_attention_for_cpu", "flash"),
-    ("fmha_cutlassF_f16_aligned_64x128_rf_sm80(PyTorchMemEffAttention::AttentionKernel<cutlass::half_t, "
-     "cutlass::arch::Sm80, true, 64, 128, 128, true, true>::Params)", "efficient"),
+    (
+        "fmha_cutlassF_f16_aligned_64x128_rf_sm80(PyTorchMemEffAttention::AttentionKernel<cutlass::half_t, "
+        "cutlass::arch::Sm80, true, 64, 128, 128, true, true>::Params)",
+        "efficient",
+    ),
     ("fmha_cutlassB_bf16_aligned_128x128_k128_sm80", "efficient"),
     ("aten::_efficient_attention_forward", "efficient"),
     ("aten::_scaled_dot_product_attention_math", "math"),
     ("ampere_bf16_s1688gemm_bf16_128x128_ldg8_f2f_stages_32x1_tn", None),
-    ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, at::native::(anonymous namespace)::SoftMaxForwardEpilogue>", None),
+    (
+        "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, at::native::(anonymous namespace)::SoftMaxForwardEpilogue>",
+        None,
+    ),
     ("aten::scaled_dot_product_attention", None),  # the dispatcher, whichever kernel it picks
 ]
 
@@ -483,8 +592,9 @@ def test_profiler_events_are_told_apart_by_kernel(name, kind):
     assert battery.sdpa_kernel_kind(name) == kind
 
 
-@pytest.mark.parametrize("keys", [dict(), dict(doc_mask=True), dict(batch_order="documents"),
-                                  dict(batch_order="documents", doc_mask=True)])
+@pytest.mark.parametrize(
+    "keys", [dict(), dict(doc_mask=True), dict(batch_order="documents"), dict(batch_order="documents", doc_mask=True)]
+)
 def test_the_timed_steps_draw_batches_as_training_does(keys, monkeypatch):
     """batch_order and doc_mask: the timed steps take rows that start at documents, and with
     doc_mask the model gets each token's document number (its masked attention is what is timed)."""
@@ -496,8 +606,20 @@ def test_the_timed_steps_draw_batches_as_training_does(keys, monkeypatch):
         return forward(self, idx, targets, **kwargs)
 
     monkeypatch.setattr(GPT, "forward", recording)
-    cfg = BenchConfig(device="cpu", compile=False, n_layer=1, n_head=2, n_embd=32, block_size=64, batch_size=4,
-                      gradient_accumulation_steps=1, bench_iters=2, bench_warmup=1, dataset="none", **keys)
+    cfg = BenchConfig(
+        device="cpu",
+        compile=False,
+        n_layer=1,
+        n_head=2,
+        n_embd=32,
+        block_size=64,
+        batch_size=4,
+        gradient_accumulation_steps=1,
+        bench_iters=2,
+        bench_warmup=1,
+        dataset="none",
+        **keys,
+    )
     data, vocab = benchmark.bench_data(cfg)
     eot = vocab - 1
     assert benchmark.document_eot(cfg, vocab) == (eot if keys else None)

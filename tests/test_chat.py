@@ -13,14 +13,14 @@ import sys
 
 import pytest
 import torch
-
-from gpt import tokenizer
-from configurator import TrainConfig, parse
 from conftest import REPO, chat_demo_copy, load_script, run_script, train_tiny_run
+from test_chat_template import make_llama3_tokenizer
+
+from configurator import TrainConfig, parse
+from gpt import tokenizer
 from gpt.chat_template import Template
 from gpt.inference import KVCache, generate, generate_tokens
 from model import GPT, GPTConfig
-from test_chat_template import make_llama3_tokenizer
 
 SMALL = dict(n_layer=2, n_head=2, n_embd=32, block_size=128, dropout=0.0)
 LLAMA = dict(SMALL, n_kv_head=1, pos_encoding="rope", norm="rmsnorm", mlp="swiglu", bias=False, tie_embeddings=False)
@@ -78,8 +78,10 @@ def test_synthetic_held_out_conversations_use_unseen_words(tmp_path):
     train_text = (tmp_path / "text.txt").read_text()
     assert train_text.splitlines() == [m["content"] for c in train for m in c["messages"]]
     words = lambda text: {w.strip(".,!?:").lower() for w in text.split()}
-    fixed = words(" ".join(synthetic.GREETINGS + synthetic.RECALLS + synthetic.SYSTEMS)
-                  + " Nice to meet you, Your name is Repeat after me: Reverse:")
+    fixed = words(
+        " ".join(synthetic.GREETINGS + synthetic.RECALLS + synthetic.SYSTEMS)
+        + " Nice to meet you, Your name is Repeat after me: Reverse:"
+    )
     held = set().union(*(words(m["content"]) for c in heldout for m in c["messages"])) - fixed
     assert len(held) > 60 and all(synthetic.held_out(w) for w in held)
     assert not held & words(train_text) and not any(synthetic.held_out(w) for w in words(train_text) - fixed)
@@ -134,7 +136,9 @@ def test_repl_clear_blank_lines_and_exit(demo):
     lines = "My name is Zuvaki.\n\nWhat is my name?\n/clera\n/clear\nWhat is my name?\n/exit\nRepeat after me: never asked\n"
     result = chat(out_dir, "--temperature=0", stdin=lines)
     replies = result.stdout.split("\n")
-    assert len(replies) == 4 and replies[-1] == ""  # three replies: the blank line, /clera and what follows /exit ask nothing
+    assert (
+        len(replies) == 4 and replies[-1] == ""
+    )  # three replies: the blank line, /clera and what follows /exit ask nothing
     fresh = chat(out_dir, "--temperature=0", "--prompt=What is my name?").stdout
     assert replies[0] == "Nice to meet you, Zuvaki!" and replies[2] + "\n" == fresh != replies[1] + "\n"
     assert "cleared" in result.stderr and "unknown command /clera" in result.stderr
@@ -169,16 +173,26 @@ def test_the_conversation_past_its_context(demo, capsys):
     model, template = chat_py.load(cfg, chat_py.runtime.setup("cpu"), lambda text: None)
     conv = chat_py.Conversation(model, template, "Answer briefly.", 64, "cpu")
     head, notes = list(conv.head), 0
-    for message in ["My name is Dovaki.", "Repeat after me: sule pova", "Reverse: kire sule",
-                    "Repeat after me: pova kire", "Who am I?", "Reverse: sule pova kire"]:
+    for message in [
+        "My name is Dovaki.",
+        "Repeat after me: sule pova",
+        "Reverse: kire sule",
+        "Repeat after me: pova kire",
+        "Who am I?",
+        "Reverse: sule pova kire",
+    ]:
         conv.reply(message, cfg, lambda text: None)
         ids = conv.ids
         assert len(ids) <= 64 + 1 and ids[: len(head)] == head and ids[-1] == template.end_id
         fresh = KVCache(model.config, 1, 64)
         with torch.no_grad():
             model(torch.tensor([ids[: conv.cache.length]]), cache=fresh)
-        torch.testing.assert_close(conv.cache.k[:, :, :, : fresh.length], fresh.k[:, :, :, : fresh.length], rtol=1e-5, atol=1e-6)
-        assert len(ids) - 2 <= conv.cache.length < len(ids)  # not the last token generated, nor an end token added to a cut reply
+        torch.testing.assert_close(
+            conv.cache.k[:, :, :, : fresh.length], fresh.k[:, :, :, : fresh.length], rtol=1e-5, atol=1e-6
+        )
+        assert (
+            len(ids) - 2 <= conv.cache.length < len(ids)
+        )  # not the last token generated, nor an end token added to a cut reply
         notes += capsys.readouterr().err.count("dropped the")
     assert notes >= 2 and len(conv.exchanges) < 6
 
@@ -189,14 +203,16 @@ def test_the_conversation_past_its_context(demo, capsys):
 def test_errors_are_one_line(demo, tmp_path):
     out_dir, _ = demo
     plain = train_tiny_run(tmp_path)  # a character model trained on plain text
-    cases = [([f"--out_dir={plain}"], "fine-tune it on chat data first"),
-             ([f"--out_dir={out_dir}", "--temperature=-1"], "temperature=-1"),
-             ([f"--out_dir={out_dir}", "--top_p=0"], "top_p=0"),
-             ([f"--out_dir={out_dir}", "--prompt= "], "--prompt is empty"),
-             ([f"--out_dir={out_dir}", "--context=4096"], "longer than the model's block_size=128"),
-             ([f"--out_dir={out_dir}", "--prompt=" + "Repeat after me: sule " * 60], "shorten it"),
-             ([f"--out_dir={out_dir}", "--tempreature=0"], "did you mean temperature"),
-             ([f"--out_dir={tmp_path / 'nothing'}"], "does not exist")]
+    cases = [
+        ([f"--out_dir={plain}"], "fine-tune it on chat data first"),
+        ([f"--out_dir={out_dir}", "--temperature=-1"], "temperature=-1"),
+        ([f"--out_dir={out_dir}", "--top_p=0"], "top_p=0"),
+        ([f"--out_dir={out_dir}", "--prompt= "], "--prompt is empty"),
+        ([f"--out_dir={out_dir}", "--context=4096"], "longer than the model's block_size=128"),
+        ([f"--out_dir={out_dir}", "--prompt=" + "Repeat after me: sule " * 60], "shorten it"),
+        ([f"--out_dir={out_dir}", "--tempreature=0"], "did you mean temperature"),
+        ([f"--out_dir={tmp_path / 'nothing'}"], "does not exist"),
+    ]
     for args, message in cases:
         result = run_script("chat.py", *args)
         assert result.returncode == 2 and result.stdout == "", (args, result.stdout)
@@ -220,15 +236,25 @@ def save_chat_checkpoint(out_dir, model, spec):
     """A checkpoint as train.py writes it for chat data (its tokenizer description records the template)."""
     template = Template(spec)
     out_dir.mkdir()
-    torch.save({"model": model.state_dict(), "model_args": dataclasses.asdict(model.config), "config": {}, "iter_num": 0,
-                "best_val_loss": math.nan, "tokenizer": {**spec, "vocab_size": template.vocab_size, "chat": template.meta()}},
-               out_dir / "ckpt.pt")
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "model_args": dataclasses.asdict(model.config),
+            "config": {},
+            "iter_num": 0,
+            "best_val_loss": math.nan,
+            "tokenizer": {**spec, "vocab_size": template.vocab_size, "chat": template.meta()},
+        },
+        out_dir / "ckpt.pt",
+    )
     return out_dir
 
 
-CONVERSATIONS = [[{"role": "user", "content": "Reverse: sule pova kire"}],
-                 [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "My name is Dovaki."}],
-                 [{"role": "user", "content": "Hi, I'm Zuvaki. 東京 🙂"}]]
+CONVERSATIONS = [
+    [{"role": "user", "content": "Reverse: sule pova kire"}],
+    [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "My name is Dovaki."}],
+    [{"role": "user", "content": "Hi, I'm Zuvaki. 東京 🙂"}],
+]
 
 
 def check_export(out_dir, max_new_tokens, *, expect_end=False, init_from_export=False):
@@ -240,7 +266,10 @@ def check_export(out_dir, max_new_tokens, *, expect_end=False, init_from_export=
     result = run_script("hf.py", f"--out_dir={out_dir}")
     assert result.returncode == 0, result.stderr
     export_dir = out_dir / "hf"
-    hf_tok, hf_model = AutoTokenizer.from_pretrained(str(export_dir)), AutoModelForCausalLM.from_pretrained(str(export_dir))
+    hf_tok, hf_model = (
+        AutoTokenizer.from_pretrained(str(export_dir)),
+        AutoModelForCausalLM.from_pretrained(str(export_dir)),
+    )
     spec = torch.load(out_dir / "ckpt.pt", weights_only=True)["tokenizer"]
     template = Template(spec)
     assert hf_model.generation_config.eos_token_id == template.end_id == hf_tok.eos_token_id
@@ -248,14 +277,25 @@ def check_export(out_dir, max_new_tokens, *, expect_end=False, init_from_export=
     for messages in CONVERSATIONS:
         ids = hf_tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
         assert ids == template.render(messages, add_generation_prompt=True)[0]
-        out = hf_model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=max_new_tokens,
-                                eos_token_id=template.end_id, pad_token_id=template.end_id)[0, len(ids) :].tolist()
+        out = hf_model.generate(
+            torch.tensor([ids]),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=template.end_id,
+            pad_token_id=template.end_id,
+        )[0, len(ids) :].tolist()
         ended += out[-1] == template.end_id
         reply = hf_tok.decode(out[:-1] if out[-1] == template.end_id else out)
         system = [f"--system={m['content']}" for m in messages if m["role"] == "system"]
         source = [f"--init_from={export_dir}"] if init_from_export else []
-        ours = chat(out_dir, *source, *system, f"--prompt={messages[-1]['content']}", "--temperature=0",
-                    f"--max_new_tokens={max_new_tokens}")
+        ours = chat(
+            out_dir,
+            *source,
+            *system,
+            f"--prompt={messages[-1]['content']}",
+            "--temperature=0",
+            f"--max_new_tokens={max_new_tokens}",
+        )
         assert ours.stdout == reply + "\n", (messages, init_from_export, ours.stderr)
     assert ended == len(CONVERSATIONS) or not expect_end
     return export_dir

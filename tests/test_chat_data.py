@@ -7,11 +7,10 @@ from collections import Counter
 
 import numpy as np
 import pytest
-
-from gpt import tokenizer
-from configurator import UserError
 from conftest import load_script, run_script
-from gpt import tokens
+
+from configurator import UserError
+from gpt import tokenizer, tokens
 from gpt.chat_template import Template
 
 prepare = load_script("data/chat/prepare.py")
@@ -27,12 +26,15 @@ def conversation(i):
 
     messages = [{"role": "system", "content": f"You are helper {i}."}] if i % 3 == 0 else []
     for turn in range(1 + i % 3):
-        messages += [{"role": "user", "content": f"Question {turn}: {words(int(rng.integers(1, 6)))}?"},
-                     {"role": "assistant", "content": f"Answer {turn}: {words(int(rng.integers(1, 30)))}."}]
+        messages += [
+            {"role": "user", "content": f"Question {turn}: {words(int(rng.integers(1, 6)))}?"},
+            {"role": "assistant", "content": f"Answer {turn}: {words(int(rng.integers(1, 30)))}."},
+        ]
     return {"messages": messages}
 
 
 GOOD = [conversation(i) for i in range(40)]
+
 
 def turns(*pairs):
     return {"messages": [{"role": role, "content": content} for role, content in pairs]}
@@ -46,17 +48,25 @@ BAD = {  # the catalogue: a record as written in the file, the reason --skip_bad
     "message not an object": ({"messages": ["hi"]}, "bad message", 'message 1 is not {"role"'),
     "unknown role": (turns(("user", "a"), ("tool", "b")), "unknown role", "message 2 has the unknown role 'tool'"),
     "empty turn": (turns(("user", " \n"), ("assistant", "b")), "empty turn", "message 1 (user) is empty"),
-    "system not first": (turns(("user", "a"), ("system", "b"), ("assistant", "c")), "system not first",
-                         "message 2 is a system message"),
+    "system not first": (
+        turns(("user", "a"), ("system", "b"), ("assistant", "c")),
+        "system not first",
+        "message 2 is a system message",
+    ),
     "no assistant": (turns(("system", "a"), ("user", "b")), "no assistant turn", "no assistant turn"),
-    "ends with the user": (turns(("user", "a"), ("assistant", "b"), ("user", "c")), "does not end with the assistant",
-                           "ends with a user turn"),
+    "ends with the user": (
+        turns(("user", "a"), ("assistant", "b"), ("user", "c")),
+        "does not end with the assistant",
+        "ends with a user turn",
+    ),
 }
 
 
 def write_jsonl(path, lines):
-    path.write_text("".join((line if isinstance(line, str) else json.dumps(line, ensure_ascii=False)) + "\n" for line in lines),
-                    encoding="utf-8")
+    path.write_text(
+        "".join((line if isinstance(line, str) else json.dumps(line, ensure_ascii=False)) + "\n" for line in lines),
+        encoding="utf-8",
+    )
     return path
 
 
@@ -96,11 +106,20 @@ def test_files_read_back_to_the_conversations(prepared):
         for ids, mask in split:
             assert mask == t.render(GOOD[rendered.index(tuple(ids))]["messages"])[1]
     chat = meta["chat"]
-    assert chat["format"] == "role_tokens" and chat["block_size"] == 1024 and chat["new_token_ids"] == [50257, 50258, 50259, 50260]
+    assert (
+        chat["format"] == "role_tokens"
+        and chat["block_size"] == 1024
+        and chat["new_token_ids"] == [50257, 50258, 50259, 50260]
+    )
     assert chat["tokens"]["end"] == {"text": "<|end|>", "id": 50260} and chat["chat_template"] == t.chat_template
     for name, split in (("train", train), ("val", val)):
-        assert chat["counts"][name] == {"conversations": len(split), "tokens": sum(len(i) for i, _ in split),
-                                        "trained_tokens": sum(sum(m) for _, m in split), "long": 0, "long_untrained_tokens": 0}
+        assert chat["counts"][name] == {
+            "conversations": len(split),
+            "tokens": sum(len(i) for i, _ in split),
+            "trained_tokens": sum(sum(m) for _, m in split),
+            "long": 0,
+            "long_untrained_tokens": 0,
+        }
         data = tokens.Tokens.open(str(prepared), name)  # what train.py opens
         assert data.dtype == np.uint16 and data.max_ids[0] <= 50260
         data.check_vocab(spec["vocab_size"])
@@ -117,8 +136,9 @@ def test_mask_is_the_assistant_content_and_end(prepared):
         masked = [i for i, m in zip(ids, mask) if m]
         assert t.decode(masked) == "".join(m["content"] + "<|end|>" for m in messages if m["role"] == "assistant")
         unmasked = t.decode([i for i, m in zip(ids, mask) if not m])
-        assert unmasked == "<|endoftext|>" + "".join(f"<|{m['role']}|>" + (m["content"] + "<|end|>" if m["role"] != "assistant" else "")
-                                                     for m in messages)
+        assert unmasked == "<|endoftext|>" + "".join(
+            f"<|{m['role']}|>" + (m["content"] + "<|end|>" if m["role"] != "assistant" else "") for m in messages
+        )
 
 
 @pytest.mark.parametrize("case", list(BAD))
@@ -136,8 +156,10 @@ def test_bad_record_exit_code_and_one_line(tmp_path):
     path = write_jsonl(tmp_path / "conv.jsonl", [GOOD[0], BAD["unknown role"][0]])
     result = run_script("data/chat/prepare.py", "--input", path, f"--out_dir={tmp_path / 'data'}")
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    expected = (f"error: {path}:2: message 2 has the unknown role 'tool' (roles: system, user, assistant); fix it, "
-                f"or pass --skip_bad=True to skip bad records")
+    expected = (
+        f"error: {path}:2: message 2 has the unknown role 'tool' (roles: system, user, assistant); fix it, "
+        f"or pass --skip_bad=True to skip bad records"
+    )
     assert result.stderr.strip().splitlines() == [expected]
 
 
@@ -165,7 +187,10 @@ def test_long_conversations_are_reported_then_kept_or_dropped(tmp_path, capsys):
     args = ["--input", str(path), f"--block_size={block_size}", "--val_frac=0.1"]
     assert prepare.main([*args, f"--out_dir={tmp_path / 'kept'}"]) == 0
     out = capsys.readouterr().out
-    assert f"{len(long)} conversations (train " in out and f"longer than block_size + 1 = {block_size + 1} tokens; kept" in out
+    assert (
+        f"{len(long)} conversations (train " in out
+        and f"longer than block_size + 1 = {block_size + 1} tokens; kept" in out
+    )
     assert f"{untrained:,} of their trained tokens are never trained" in out
     counts = json.loads((tmp_path / "kept" / "meta.json").read_text())["chat"]["counts"]
     assert sum(c["long"] for c in counts.values()) == len(long)
@@ -184,12 +209,24 @@ def test_val_input_and_a_trained_tokenizer(tmp_path):
     """--val_input is val as it is; a tokenizer.json from data/train_tokenizer.py takes its own
     reserved tokens (uint16 ids, no new ones)."""
     (tmp_path / "text.txt").write_text(" ".join(WORDS * 300) + "\nAnswer Question You are helper.\n", encoding="utf-8")
-    load_script("data/train_tokenizer.py").main(["--input", str(tmp_path / "text.txt"), "--vocab_size=300",
-                                                 f"--out_dir={tmp_path / 'tok'}", "--val_chars=100"])
+    load_script("data/train_tokenizer.py").main(
+        ["--input", str(tmp_path / "text.txt"), "--vocab_size=300", f"--out_dir={tmp_path / 'tok'}", "--val_chars=100"]
+    )
     write_jsonl(tmp_path / "train.jsonl", GOOD[:30])
     write_jsonl(tmp_path / "val.jsonl", GOOD[30:])
-    assert prepare.main(["--input", str(tmp_path / "train.jsonl"), "--val_input", str(tmp_path / "val.jsonl"),
-                         f"--tokenizer={tmp_path / 'tok' / 'tokenizer.json'}", f"--out_dir={tmp_path / 'data'}"]) == 0
+    assert (
+        prepare.main(
+            [
+                "--input",
+                str(tmp_path / "train.jsonl"),
+                "--val_input",
+                str(tmp_path / "val.jsonl"),
+                f"--tokenizer={tmp_path / 'tok' / 'tokenizer.json'}",
+                f"--out_dir={tmp_path / 'data'}",
+            ]
+        )
+        == 0
+    )
     spec = tokenizer.describe(str(tmp_path / "data"))
     t = Template(spec)
     assert spec["chat"]["new_token_ids"] == [] and t.id["end"] == 4
@@ -218,9 +255,14 @@ def test_argument_errors(tmp_path):
 
 def test_hub_dataset_without_the_hub(tmp_path):
     """--dataset with the Hub out of reach: one line naming the dataset, and the way out."""
-    result = run_script("data/chat/prepare.py", "--dataset=HuggingFaceTB/smol-smoltalk", "--val_split=test",
-                        f"--out_dir={tmp_path / 'data'}", env={"HF_HUB_OFFLINE": "1"},
-                        isolated=True)  # datasets reads HF_HUB_OFFLINE when it is imported
+    result = run_script(
+        "data/chat/prepare.py",
+        "--dataset=HuggingFaceTB/smol-smoltalk",
+        "--val_split=test",
+        f"--out_dir={tmp_path / 'data'}",
+        env={"HF_HUB_OFFLINE": "1"},
+        isolated=True,
+    )  # datasets reads HF_HUB_OFFLINE when it is imported
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert lines[0].startswith("error: cannot read HuggingFaceTB/smol-smoltalk (name=None, split=train)")

@@ -6,10 +6,10 @@ exported tokenizer giving exactly our ids."""
 import json
 
 import pytest
-
-from gpt import tokenizer
-from configurator import UserError
 from conftest import load_script, make_text
+
+from configurator import UserError
+from gpt import tokenizer
 from gpt.chat_template import Template, write_hf_tokenizer
 
 KINDS = ("gpt2", "trained", "llama3")
@@ -17,21 +17,29 @@ LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>"
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"}],
-    [{"role": "system", "content": "You answer in one word."},
-     {"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "Four."},
-     {"role": "user", "content": "And 東京 🙂 naïve?"}, {"role": "assistant", "content": "Tokyo, e\u0301, 👩‍👩‍👧 ok"}],
+    [
+        {"role": "system", "content": "You answer in one word."},
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "Four."},
+        {"role": "user", "content": "And 東京 🙂 naïve?"},
+        {"role": "assistant", "content": "Tokyo, e\u0301, 👩‍👩‍👧 ok"},
+    ],
     # whitespace at the edges and inside, newlines, tabs, digits, code
-    [{"role": "user", "content": "  leading spaces\n\nand a blank line\t"},
-     {"role": "assistant", "content": "\n def f(x):\n    return x * 12345\n\n"},
-     {"role": "user", "content": "'ll 've 're?"}, {"role": "assistant", "content": " ...  !"}],
+    [
+        {"role": "user", "content": "  leading spaces\n\nand a blank line\t"},
+        {"role": "assistant", "content": "\n def f(x):\n    return x * 12345\n\n"},
+        {"role": "user", "content": "'ll 've 're?"},
+        {"role": "assistant", "content": " ...  !"},
+    ],
 ]
 
 
 def expected_text(kind, messages, add_generation_prompt=False):
     """The format as the module docstring states it, written out by hand."""
     if kind == "llama3":
-        text = "<|begin_of_text|>" + "".join(f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content'].strip()}<|eot_id|>"
-                                             for m in messages)
+        text = "<|begin_of_text|>" + "".join(
+            f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content'].strip()}<|eot_id|>" for m in messages
+        )
         return text + ("<|start_header_id|>assistant<|end_header_id|>\n\n" if add_generation_prompt else "")
     text = "<|endoftext|>" + "".join(f"<|{m['role']}|>{m['content']}<|end|>" for m in messages)
     return text + ("<|assistant|>" if add_generation_prompt else "")
@@ -44,11 +52,15 @@ def make_llama3_tokenizer(path):
     from tokenizers import AddedToken, pre_tokenizers, processors, trainers
 
     tok = load_script("data/train_tokenizer.py").new_tokenizer()
-    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
     tok.train_from_iterator([make_text(20000, seed=3)], trainer)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in LLAMA3_SPECIALS])
     bos = tok.token_to_id("<|begin_of_text|>")
-    tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)]
+    )
     tok.save(str(path))
     return path
 
@@ -57,8 +69,9 @@ def make_trained_tokenizer(out_dir):
     """A tokenizer.json made by data/train_tokenizer.py itself."""
     text = out_dir / "text.txt"
     text.write_text(make_text(30000, seed=5) + "\n東京 🙂 naïve café\n")
-    load_script("data/train_tokenizer.py").main(["--input", str(text), "--vocab_size=400", f"--out_dir={out_dir}",
-                                                  "--val_chars=2000"])
+    load_script("data/train_tokenizer.py").main(
+        ["--input", str(text), "--vocab_size=400", f"--out_dir={out_dir}", "--val_chars=2000"]
+    )
     return out_dir / "tokenizer.json"
 
 
@@ -66,9 +79,11 @@ def make_trained_tokenizer(out_dir):
 def specs(tmp_path_factory):
     root = tmp_path_factory.mktemp("chat_template")
     (root / "trained").mkdir()
-    return {"gpt2": tokenizer.make_spec("gpt2"),
-            "trained": tokenizer.make_spec(str(make_trained_tokenizer(root / "trained"))),
-            "llama3": tokenizer.make_spec(str(make_llama3_tokenizer(root / "llama3.json")))}
+    return {
+        "gpt2": tokenizer.make_spec("gpt2"),
+        "trained": tokenizer.make_spec(str(make_trained_tokenizer(root / "trained"))),
+        "llama3": tokenizer.make_spec(str(make_llama3_tokenizer(root / "llama3.json"))),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +121,9 @@ def test_render_text_and_mask(kind, specs):
         ids, mask = t.render(messages)
         assert len(ids) == len(mask) and set(mask) <= {0, 1} and mask[0] == 0
         assert t.decode(ids) == expected_text(kind, messages)
-        replies = [m["content"].strip() if kind == "llama3" else m["content"] for m in messages if m["role"] == "assistant"]
+        replies = [
+            m["content"].strip() if kind == "llama3" else m["content"] for m in messages if m["role"] == "assistant"
+        ]
         assert [t.decode(run) for run in runs(ids, mask)] == [r + end for r in replies]
         assert [run[-1] for run in runs(ids, mask)] == [t.end_id] * len(replies)
 
@@ -124,7 +141,7 @@ def test_prompt_is_a_prefix_of_the_conversation(kind, specs):
             prompt, prompt_mask = t.render(messages[:k], add_generation_prompt=True)
             assert t.decode(prompt) == expected_text(kind, messages[:k], add_generation_prompt=True)
             assert ids[: len(prompt)] == prompt and prompt_mask == mask[: len(prompt)] and prompt_mask[-1] == 0
-            reply = t.render(messages[: k + 1])[0][len(prompt):]
+            reply = t.render(messages[: k + 1])[0][len(prompt) :]
             assert mask[len(prompt) : len(prompt) + len(reply)] == [1] * len(reply) and reply[-1] == t.end_id
 
 
@@ -167,8 +184,12 @@ def test_trained_and_llama3_use_their_own_tokens(specs):
     with open(specs["llama3"]["path"]) as f:
         added = {t["content"]: t["id"] for t in json.load(f)["added_tokens"]}
     assert llama.format == "llama3" and llama.new_token_ids == [] and llama.vocab_size == specs["llama3"]["vocab_size"]
-    assert llama.id == {"bos": added["<|begin_of_text|>"], "start_header": added["<|start_header_id|>"],
-                        "end_header": added["<|end_header_id|>"], "end": added["<|eot_id|>"]}
+    assert llama.id == {
+        "bos": added["<|begin_of_text|>"],
+        "start_header": added["<|start_header_id|>"],
+        "end_header": added["<|end_header_id|>"],
+        "end": added["<|eot_id|>"],
+    }
 
 
 @pytest.mark.parametrize("kind", KINDS)

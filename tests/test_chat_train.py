@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-
-from gpt.batches import IGNORE, ChatBatches, ChatData, chat_eval_offsets, eval_batch, packing
 from conftest import make_text, read_metrics, run_python, run_script, tiny_args
+
 from data import corpus
 from gpt import tokens
-from model import GPT, GPTConfig
+from gpt.batches import IGNORE, ChatBatches, ChatData, chat_eval_offsets, eval_batch, packing
 from gpt.runtime import Runtime
 from gpt.step import evaluate, train_step
+from model import GPT, GPTConfig
 
 CPU = Runtime("cpu", "cpu", torch.float32)
 VOCAB = 40
@@ -194,8 +194,15 @@ def test_packing_reports_padding_and_trained_share():
 
 def test_train_py_trains_on_chat_data_and_resumes_exactly(tmp_path):
     data_dir = write_chat_dir(tmp_path / "chat", conversations(200), conversations(40, seed=1))
-    common = dict(block_size=32, batch_size=4, gradient_accumulation_steps=2, eval_interval=10, max_iters=20,
-                  lr_decay_iters=20, dropout=0.1)
+    common = dict(
+        block_size=32,
+        batch_size=4,
+        gradient_accumulation_steps=2,
+        eval_interval=10,
+        max_iters=20,
+        lr_decay_iters=20,
+        dropout=0.1,
+    )
     straight = run_script("train.py", *tiny_args(data_dir, tmp_path / "straight", **common))
     assert straight.returncode == 0, straight.stderr
     assert "chat data: 200 conversations" in straight.stdout and "of positions are padding" in straight.stdout
@@ -204,7 +211,9 @@ def test_train_py_trains_on_chat_data_and_resumes_exactly(tmp_path):
     resumed = run_script("train.py", *tiny_args(data_dir, tmp_path / "split", **common), "--init_from=resume")
     assert resumed.returncode == 0, resumed.stderr
 
-    logged = lambda name: {r["iter"]: (r["loss"], r["trained_tokens"]) for r in read_metrics(tmp_path / name) if "loss" in r}
+    logged = lambda name: {
+        r["iter"]: (r["loss"], r["trained_tokens"]) for r in read_metrics(tmp_path / name) if "loss" in r
+    }
     assert logged("split") == logged("straight")  # bit-exact: losses and the trained tokens of each step
     steps = logged("straight")
     assert all(0 < n < 2 * 4 * 32 for _, n in steps.values())
@@ -219,15 +228,24 @@ def test_two_ranks_train_as_one(tmp_path, parallelism):
     draws the global step), and the weight world_size / trained-tokens-of-the-step undoes the
     ranks' gradient averaging; only the float order of the all-reduce differs."""
     data_dir = write_chat_dir(tmp_path / "chat", conversations(200), conversations(40, seed=1))
-    common = dict(block_size=32, batch_size=4, gradient_accumulation_steps=2, eval_interval=5, eval_iters=2,
-                  max_iters=6, lr_decay_iters=6)
+    common = dict(
+        block_size=32,
+        batch_size=4,
+        gradient_accumulation_steps=2,
+        eval_interval=5,
+        eval_iters=2,
+        max_iters=6,
+        lr_decay_iters=6,
+    )
     one = run_script("train.py", *tiny_args(data_dir, tmp_path / "one", **common))
     assert one.returncode == 0, one.stderr
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     args = tiny_args(data_dir, tmp_path / "two", **common, parallelism=parallelism)
     two = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *args], env=env)
     assert two.returncode == 0, two.stderr[-3000:]
-    logged = lambda d: np.array([[r["loss"], r["grad_norm"], r["trained_tokens"]] for r in read_metrics(d) if "loss" in r])
+    logged = lambda d: np.array(
+        [[r["loss"], r["grad_norm"], r["trained_tokens"]] for r in read_metrics(d) if "loss" in r]
+    )
     np.testing.assert_allclose(logged(tmp_path / "two"), logged(tmp_path / "one"), rtol=1e-5)
 
 
@@ -238,26 +256,57 @@ def test_fine_tuning_starts_from_a_run_pretrained_here(tmp_path):
     refused in one line."""
     text = "\n\n".join(make_text(800, seed=s) for s in range(40))
     (tmp_path / "text.txt").write_text(text)
-    made = run_script("data/train_tokenizer.py", "--input", tmp_path / "text.txt", "--vocab_size=300",
-                      f"--out_dir={tmp_path / 'tok'}", "--val_chars=2000")
+    made = run_script(
+        "data/train_tokenizer.py",
+        "--input",
+        tmp_path / "text.txt",
+        "--vocab_size=300",
+        f"--out_dir={tmp_path / 'tok'}",
+        "--val_chars=2000",
+    )
     assert made.returncode == 0, made.stderr
     tok = str(tmp_path / "tok" / "tokenizer.json")
-    corpus.main(["--input", str(tmp_path / "text.txt"), f"--out_dir={tmp_path / 'text'}", f"--tokenizer={tok}",
-                 "--txt_separator=\\n\\n", "--shuffle_buffer=0", "--val_tokens=2000", "--test_tokens=0", "--workers=1"])
+    corpus.main(
+        [
+            "--input",
+            str(tmp_path / "text.txt"),
+            f"--out_dir={tmp_path / 'text'}",
+            f"--tokenizer={tok}",
+            "--txt_separator=\\n\\n",
+            "--shuffle_buffer=0",
+            "--val_tokens=2000",
+            "--test_tokens=0",
+            "--workers=1",
+        ]
+    )
     pre = run_script("train.py", *tiny_args(tmp_path / "text", tmp_path / "pre", max_iters=10, eval_interval=5))
     assert pre.returncode == 0, pre.stderr
 
-    convs = [{"messages": [{"role": "user", "content": f"say {w}"}, {"role": "assistant", "content": w}]}
-             for w in make_text(3000, seed=9).split()]
+    convs = [
+        {"messages": [{"role": "user", "content": f"say {w}"}, {"role": "assistant", "content": w}]}
+        for w in make_text(3000, seed=9).split()
+    ]
     (tmp_path / "conv.jsonl").write_text("\n".join(json.dumps(c) for c in convs))
-    prepared = run_script("data/chat/prepare.py", "--input", tmp_path / "conv.jsonl", f"--tokenizer={tok}",
-                          f"--out_dir={tmp_path / 'chat'}", "--block_size=16")
+    prepared = run_script(
+        "data/chat/prepare.py",
+        "--input",
+        tmp_path / "conv.jsonl",
+        f"--tokenizer={tok}",
+        f"--out_dir={tmp_path / 'chat'}",
+        "--block_size=16",
+    )
     assert prepared.returncode == 0, prepared.stderr
-    sft = run_script("train.py", *tiny_args(tmp_path / "chat", tmp_path / "sft", max_iters=0, init_from=tmp_path / "pre"))
+    sft = run_script(
+        "train.py", *tiny_args(tmp_path / "chat", tmp_path / "sft", max_iters=0, init_from=tmp_path / "pre")
+    )
     assert sft.returncode == 0, sft.stderr
     assert "come from the weights" in sft.stdout
-    start = torch.load(tmp_path / "pre" / "ckpt_best.pt" if (tmp_path / "pre" / "ckpt_best.pt").exists()
-                        else tmp_path / "pre" / "ckpt.pt", weights_only=True)["model"]
+    start = torch.load(
+        tmp_path / "pre" / "ckpt_best.pt"
+        if (tmp_path / "pre" / "ckpt_best.pt").exists()
+        else tmp_path / "pre" / "ckpt.pt",
+        weights_only=True,
+    )["model"]
     end = torch.load(tmp_path / "sft" / "ckpt.pt", weights_only=True)
     assert end["tokenizer"]["chat"]["format"] == "role_tokens"
     # every weight as pretrained, but the turn tokens' rows (ids 1-4, reserved by the tokenizer and
@@ -272,9 +321,13 @@ def test_fine_tuning_starts_from_a_run_pretrained_here(tmp_path):
         else:
             assert torch.equal(end["model"][k], v)
 
-    gpt2_chat = run_script("data/chat/prepare.py", "--input", tmp_path / "conv.jsonl", f"--out_dir={tmp_path / 'chat2'}",
-                           "--block_size=16")
+    gpt2_chat = run_script(
+        "data/chat/prepare.py", "--input", tmp_path / "conv.jsonl", f"--out_dir={tmp_path / 'chat2'}", "--block_size=16"
+    )
     assert gpt2_chat.returncode == 0, gpt2_chat.stderr
     refused = run_script("train.py", *tiny_args(tmp_path / "chat2", tmp_path / "sft2", init_from=tmp_path / "pre"))
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
-    assert "was trained on data tokenized with" in refused.stderr and "prepare it again with that tokenizer" in refused.stderr
+    assert (
+        "was trained on data tokenized with" in refused.stderr
+        and "prepare it again with that tokenizer" in refused.stderr
+    )

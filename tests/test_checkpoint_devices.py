@@ -13,15 +13,13 @@ import shutil
 import numpy as np
 import pytest
 import torch
-
-from gpt import checkpoint
-from gpt import optim
-from gpt import runtime
-from gpt.batches import TrainBatches, load_split
-from configurator import TrainConfig
 from conftest import char_dataset, read_metrics, run_script, tiny_args
-from model import GPT, GPTConfig
+
+from configurator import TrainConfig
+from gpt import checkpoint, optim, runtime
+from gpt.batches import TrainBatches, load_split
 from gpt.step import train_step
+from model import GPT, GPTConfig
 
 COMMON = dict(max_iters=12, lr_decay_iters=12, eval_interval=6, dropout=0.1)
 
@@ -49,8 +47,9 @@ def as_if_written_on_a_gpu(path):
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
         tensors = {}
-        _load_state_dict(tensors, storage_reader=FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(),
-                         no_dist=True)
+        _load_state_dict(
+            tensors, storage_reader=FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(), no_dist=True
+        )
         meta = json.loads((path / checkpoint.COMMIT).read_text())
         assert meta["world_size"] == 1 and set(tensors["rng"]) == {"torch_0"}
         tensors["rng"]["cuda_0"] = philox_state(1337, 4 * 96)
@@ -138,7 +137,9 @@ def test_a_gpu_checkpoint_resumes_on_a_gpu_with_its_cuda_rng(runs, gpu, fmt, cap
 def test_a_cpu_checkpoint_resumes_on_a_gpu_and_says_the_cuda_rng_is_reseeded(runs, gpu, fmt, capsys):
     state, batches = restore_on(runtime.Runtime("cuda:0", "cuda", torch.bfloat16), runs / f"cpu_{fmt}")
     assert gpu == []  # nothing to set: the GPU generator keeps train.py's seed
-    assert "note: checkpoint was written on cpu, this run is on cuda: the cuda RNG is reseeded" in capsys.readouterr().out
+    assert (
+        "note: checkpoint was written on cpu, this run is on cuda: the cuda RNG is reseeded" in capsys.readouterr().out
+    )
     assert torch.equal(torch.get_rng_state(), state["rng"]["torch"][0])  # the CPU generator is restored
     assert batches.rng.bit_generator.state == state["rng"]["batches"]
 
@@ -148,8 +149,9 @@ def as_if_written_on_a_mac(path):
     if path.is_dir():
         meta = json.loads((path / checkpoint.COMMIT).read_text())
         assert all(group["fused"] for group in meta["param_groups"])
-        (path / checkpoint.COMMIT).write_text(json.dumps({**meta, "param_groups": [
-            {**group, "fused": False} for group in meta["param_groups"]]}))
+        (path / checkpoint.COMMIT).write_text(
+            json.dumps({**meta, "param_groups": [{**group, "fused": False} for group in meta["param_groups"]]})
+        )
     else:
         state = torch.load(path, weights_only=True)
         state["optimizer"]["param_groups"] = [{**group, "fused": False} for group in state["optimizer"]["param_groups"]]

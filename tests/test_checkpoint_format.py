@@ -19,14 +19,16 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-
-from gpt import checkpoint
-from configurator import UserError
 from conftest import REPO, python_process, read_metrics, run_script, tiny_args
-from test_fsdp import SHARDED as COMMON, reports, shared_launches
+from test_fsdp import SHARDED as COMMON
+from test_fsdp import reports, shared_launches
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="needs torch.distributed with gloo")
+from configurator import UserError
+from gpt import checkpoint
+
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
+)
 
 EXIT_STOPPED = 75
 
@@ -39,12 +41,18 @@ def untimed(records):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = shared_launches(tmp_path_factory)
-    return root, root / "chars", {name: reports(root, name) for name in ("sharded_straight", "sharded_split", "sharded_full_disk")}
+    return (
+        root,
+        root / "chars",
+        {name: reports(root, name) for name in ("sharded_straight", "sharded_split", "sharded_full_disk")},
+    )
 
 
 def test_fsdp_sharded_async_resume_is_exact(runs):
     root, _, results = runs
-    assert untimed(read_metrics(root / "sharded_split")) == untimed(read_metrics(root / "sharded_straight"))  # loss for loss
+    assert untimed(read_metrics(root / "sharded_split")) == untimed(
+        read_metrics(root / "sharded_straight")
+    )  # loss for loss
     assert "resuming at iter 10" in results["sharded_split"][0]["stdout"]
     a, b = (checkpoint.read_sharded(str(root / run / "ckpt_0000020")) for run in ("sharded_straight", "sharded_split"))
     assert a["iter_num"] == b["iter_num"] == 20 and len(a["rng"]["torch"]) == 2
@@ -59,9 +67,15 @@ def test_a_sharded_checkpoint_is_a_directory_of_shards_committed_last(runs):
     root, _, _ = runs
     names = sorted(p.name for p in (root / "sharded_straight").iterdir() if p.name.startswith("ckpt"))
     assert names == ["ckpt_0000005", "ckpt_0000010", "ckpt_0000015", "ckpt_0000020", "ckpt_best"]  # keep_last=4
-    assert sorted(os.listdir(root / "sharded_straight" / "ckpt_0000020")) == [".metadata", "__0_0.distcp", "__1_0.distcp",
-                                                                       "checkpoint.json"]
-    vals = {r["iter"]: r["val_loss"] for r in read_metrics(root / "sharded_straight") if "val_loss" in r and r["iter"] > 0}
+    assert sorted(os.listdir(root / "sharded_straight" / "ckpt_0000020")) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "checkpoint.json",
+    ]
+    vals = {
+        r["iter"]: r["val_loss"] for r in read_metrics(root / "sharded_straight") if "val_loss" in r and r["iter"] > 0
+    }
     assert os.readlink(root / "sharded_straight" / "ckpt_best") == f"ckpt_{min(vals, key=vals.get):07d}"
 
 
@@ -82,8 +96,14 @@ def test_the_sharded_checkpoint_resumes_on_one_rank_and_readers_need_no_process_
     model, _ = checkpoint.load_model(str(root / "sharded_split"), "latest", report=lambda m: None)
     whole = checkpoint.read_sharded(str(root / "sharded_split" / "ckpt_0000020"))
     assert all(torch.equal(v, whole["model"][k]) for k, v in model.state_dict().items())
-    sample = run_script("sample.py", f"--out_dir={root / 'sharded_split'}", "--device=cpu", "--num_samples=1",
-                        "--max_new_tokens=20", "--checkpoint=latest")
+    sample = run_script(
+        "sample.py",
+        f"--out_dir={root / 'sharded_split'}",
+        "--device=cpu",
+        "--num_samples=1",
+        "--max_new_tokens=20",
+        "--checkpoint=latest",
+    )
     assert sample.returncode == 0 and "ckpt_0000020 (iter 20" in sample.stdout + sample.stderr, sample.stderr
 
     converted = tmp_path / "converted.pt"  # the conversion command: the full format, as ckpt.pt is
@@ -97,7 +117,9 @@ def test_the_sharded_checkpoint_resumes_on_one_rank_and_readers_need_no_process_
 def test_a_failing_background_write_is_one_line_on_every_rank_and_keeps_the_last_checkpoint(runs):
     root, _, results = runs
     result = results["sharded_full_disk"]
-    assert [r["exit"] for r in result] != [0, 0] and json.loads((root / "sharded_full_disk" / "launch.json").read_text()) != [0]
+    assert [r["exit"] for r in result] != [0, 0] and json.loads(
+        (root / "sharded_full_disk" / "launch.json").read_text()
+    ) != [0]
     errors = [line for r in result for line in r["stderr"].splitlines() if line.startswith("error:")]
     stderr = "".join(r["stderr"][-3000:] for r in result)
     assert errors and all("No space left on device" in e or "another rank" in e for e in errors), stderr
@@ -179,8 +201,18 @@ def test_async_full_format_equals_the_synchronous_one(char_data, tmp_path):
     runs = {}
     for asynchronous in (False, True):
         out = tmp_path / str(asynchronous)
-        result = run_script("train.py", *single(char_data, out, max_iters=20, lr_decay_iters=20, keep_last=4,
-                                                checkpoint_format="auto", async_checkpoint=asynchronous))
+        result = run_script(
+            "train.py",
+            *single(
+                char_data,
+                out,
+                max_iters=20,
+                lr_decay_iters=20,
+                keep_last=4,
+                checkpoint_format="auto",
+                async_checkpoint=asynchronous,
+            ),
+        )
         assert result.returncode == 0, result.stderr
         runs[asynchronous] = out
     assert untimed(read_metrics(runs[True])) == untimed(read_metrics(runs[False]))
@@ -196,8 +228,11 @@ def test_a_damaged_checkpoint_is_one_line(tmp_path, content):
         checkpoint.save({"model": {"w": torch.ones(100_000)}, "model_args": {}, "iter_num": 1}, str(path))
         content = path.read_bytes()[:200_000]
     path.write_bytes(content)
-    with pytest.raises(UserError, match=r"ckpt.pt is damaged or not a checkpoint of this trainer \((not a PyTorch "
-                                        r"file|cut short or corrupted)\); copy it again"):
+    with pytest.raises(
+        UserError,
+        match=r"ckpt.pt is damaged or not a checkpoint of this trainer \((not a PyTorch "
+        r"file|cut short or corrupted)\); copy it again",
+    ):
         checkpoint.load(str(path))
 
 
@@ -210,10 +245,12 @@ def test_a_sharded_directory_missing_a_shard_is_one_line(runs, tmp_path):
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [
         f"error: {out / 'ckpt_0000020'} is missing its shard __1_0.distcp (every rank writes one); copy the whole "
-        f"directory, or resume from an earlier checkpoint"]
+        f"directory, or resume from an earlier checkpoint"
+    ]
 
 
 def test_unknown_checkpoint_format_is_one_line():
     result = run_script("train.py", "--checkpoint_format=zip")
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
-        "error: checkpoint_format='zip' is not one of 'auto', 'full', 'sharded'"]
+        "error: checkpoint_format='zip' is not one of 'auto', 'full', 'sharded'"
+    ]

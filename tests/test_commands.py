@@ -4,13 +4,28 @@ parses on its own, as a user runs it (conftest.python_process: only torch and nu
 before it runs)."""
 
 import pytest
-
 from conftest import run_script
 
-COMMANDS = ["train.py", "sample.py", "eval.py", "hf.py", "bench.py", "plot.py", "scripts/checkpoint_convert.py", "serve.py",
-            "data/shakespeare_char/prepare.py", "data/shakespeare/prepare.py", "data/openwebtext/prepare.py",
-            "data/fineweb_edu/prepare.py", "chat.py", "data/train_tokenizer.py", "data/chat/prepare.py",
-            "data/chat/synthetic.py", "scripts/chat_eval.py", "scripts/gpu_battery.py"]
+COMMANDS = [
+    "train.py",
+    "sample.py",
+    "eval.py",
+    "hf.py",
+    "bench.py",
+    "plot.py",
+    "scripts/checkpoint_convert.py",
+    "serve.py",
+    "data/shakespeare_char/prepare.py",
+    "data/shakespeare/prepare.py",
+    "data/openwebtext/prepare.py",
+    "data/fineweb_edu/prepare.py",
+    "chat.py",
+    "data/train_tokenizer.py",
+    "data/chat/prepare.py",
+    "data/chat/synthetic.py",
+    "scripts/chat_eval.py",
+    "scripts/gpu_battery.py",
+]
 
 
 @pytest.mark.parametrize("script", COMMANDS)

@@ -9,24 +9,37 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import read_metrics, run_script
 
-from gpt import compare
-from gpt import runtime
-from configurator import UserError
-
 import bench
+from configurator import UserError
+from gpt import compare, runtime
 
 LR = 1e-2
 
 
 def bench_args(data_dir, tmp_path, **overrides):
     """bench.py's flags for a comparison of a 1-layer model trained 40 steps."""
-    args = dict(device="cpu", compile=False, dataset=str(data_dir), n_layer=1, n_head=2, n_embd=32, block_size=32,
-                batch_size=4, gradient_accumulation_steps=1, max_iters=40, lr_decay_iters=40, warmup_iters=2,
-                eval_interval=10, eval_iters=2, log_interval=1, learning_rate=LR, min_lr=LR / 10,
-                compare_dir=str(tmp_path / "cmp"))
+    args = dict(
+        device="cpu",
+        compile=False,
+        dataset=str(data_dir),
+        n_layer=1,
+        n_head=2,
+        n_embd=32,
+        block_size=32,
+        batch_size=4,
+        gradient_accumulation_steps=1,
+        max_iters=40,
+        lr_decay_iters=40,
+        warmup_iters=2,
+        eval_interval=10,
+        eval_iters=2,
+        log_interval=1,
+        learning_rate=LR,
+        min_lr=LR / 10,
+        compare_dir=str(tmp_path / "cmp"),
+    )
     args.update(overrides)
     return [f"--{k}={v}" for k, v in args.items()]
 
@@ -63,11 +76,14 @@ def side(result, name, key="val_loss"):
 
 def test_a_clearly_worse_side_is_found_worse_and_the_numbers_are_scipys(char_data, tmp_path, fast_runs, capsys, stats):
     # B: a learning rate 30x too low; target: a val loss A's runs reach in 40 steps and B's do not
-    result = compare_run(char_data, tmp_path, seeds=5, target=2.6,
-                         against=f"--learning_rate={LR / 30} --min_lr={LR / 300}")
+    result = compare_run(
+        char_data, tmp_path, seeds=5, target=2.6, against=f"--learning_rate={LR / 30} --min_lr={LR / 300}"
+    )
     out = capsys.readouterr().out
     runs = result["runs"]
-    assert [(r["seed"], r["side"]) for r in runs] == [run for s in range(1, 6) for run in ((s, "A"), (s + 5, "B"))]  # interleaved
+    assert [(r["seed"], r["side"]) for r in runs] == [
+        run for s in range(1, 6) for run in ((s, "A"), (s + 5, "B"))
+    ]  # interleaved
     a, b = side(result, "A"), side(result, "B")
     s = result["summary"]
 
@@ -92,9 +108,18 @@ def test_a_clearly_worse_side_is_found_worse_and_the_numbers_are_scipys(char_dat
     assert "(5/5)" in out and "none reached (0/5)" in out
 
     # the val loss is eval.py's on the final checkpoint, on every val token
-    scored = run_script("eval.py", f"--out_dir={runs[3]['out_dir']}", "--checkpoint=latest", "--tasks=val",
-                        "--split_tokens=0", "--device=cpu", "--json=True")
-    assert json.loads(scored.stdout.strip().splitlines()[-1])["val"]["loss"] == pytest.approx(runs[3]["val_loss"], rel=1e-6)
+    scored = run_script(
+        "eval.py",
+        f"--out_dir={runs[3]['out_dir']}",
+        "--checkpoint=latest",
+        "--tasks=val",
+        "--split_tokens=0",
+        "--device=cpu",
+        "--json=True",
+    )
+    assert json.loads(scored.stdout.strip().splitlines()[-1])["val"]["loss"] == pytest.approx(
+        runs[3]["val_loss"], rel=1e-6
+    )
 
     cmp_dir = tmp_path / "cmp"
     assert (cmp_dir / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -118,9 +143,13 @@ def test_a_difference_too_small_for_five_seeds_is_not_called_one(char_data, tmp_
     verdict = [line for line in capsys.readouterr().out.splitlines() if line.startswith("no significant")]
     assert side(result, "A") != side(result, "B")
     p = result["summary"]["val_loss"]["B-A"]["p"]
-    assert p == pytest.approx(stats.ttest_ind(side(result, "B"), side(result, "A"), equal_var=False).pvalue) and p > 0.05
-    assert verdict == [f"no significant difference at 0.05 (p = {p:.3g}, Welch's t-test): not evidence that the two are "
-                       f"equal; more seeds narrow the interval"]
+    assert (
+        p == pytest.approx(stats.ttest_ind(side(result, "B"), side(result, "A"), equal_var=False).pvalue) and p > 0.05
+    )
+    assert verdict == [
+        f"no significant difference at 0.05 (p = {p:.3g}, Welch's t-test): not evidence that the two are "
+        f"equal; more seeds narrow the interval"
+    ]
 
 
 def test_repeats_of_one_seed_are_refused_before_training(char_data, tmp_path, capsys):
@@ -139,7 +168,9 @@ def test_a_seed_that_does_not_reach_the_training_is_refused(char_data, tmp_path,
 
 
 def test_two_seeds_are_too_few_and_say_so(char_data, tmp_path, fast_runs, capsys):
-    result = compare_run(char_data, tmp_path, seeds=2, max_iters=10, lr_decay_iters=10, against=f"--learning_rate={LR / 30}")
+    result = compare_run(
+        char_data, tmp_path, seeds=2, max_iters=10, lr_decay_iters=10, against=f"--learning_rate={LR / 30}"
+    )
     assert "2 seed(s) per side is too few to tell anything: no p-value" in capsys.readouterr().out
     assert result["summary"]["val_loss"]["B-A"]["p"] is None and result["summary"]["val_loss"]["A"]["low"] is not None
 
@@ -147,11 +178,15 @@ def test_two_seeds_are_too_few_and_say_so(char_data, tmp_path, fast_runs, capsys
 def test_the_runs_are_train_py_processes(char_data, tmp_path, capsys, forked_pythons):
     # the product's own path: python train.py, a process per run, its output in <side>-s<seed>.log
     # (the processes forked from a server that imported torch: conftest.forked_pythons)
-    result = compare_run(char_data, tmp_path, seeds=1, max_iters=10, lr_decay_iters=10, against=f"--learning_rate={LR / 30}")
+    result = compare_run(
+        char_data, tmp_path, seeds=1, max_iters=10, lr_decay_iters=10, against=f"--learning_rate={LR / 30}"
+    )
     assert "1 seed(s) per side is too few" in capsys.readouterr().out
     assert all(math.isfinite(r["val_loss"]) and r["wall_s"] > 0 for r in result["runs"])
     assert "iter 9: loss" in (tmp_path / "cmp" / "B-s2.log").read_text()
-    assert json.loads((tmp_path / "cmp" / "B-s2" / "config.json").read_text())["learning_rate"] == pytest.approx(LR / 30)
+    assert json.loads((tmp_path / "cmp" / "B-s2" / "config.json").read_text())["learning_rate"] == pytest.approx(
+        LR / 30
+    )
 
 
 def test_a_mistake_in_a_side_is_one_line_before_any_run(char_data, tmp_path):
@@ -167,12 +202,21 @@ def test_only_train_keys_and_config_files_pass_to_the_sides():
 
 
 def test_a_failed_run_stops_the_comparison_in_one_line_and_a_time_budget_is_a_finish(char_data, tmp_path, fast_runs):
-    with pytest.raises(UserError, match=r"^side B, seed 2: train.py exited with 2 \(error: block_size=4096 is longer "
-                                        r"than .*\); its output is in .*B-s2\.log$"):
+    with pytest.raises(
+        UserError,
+        match=r"^side B, seed 2: train.py exited with 2 \(error: block_size=4096 is longer "
+        r"than .*\); its output is in .*B-s2\.log$",
+    ):
         compare_run(char_data, tmp_path, seeds=1, max_iters=10, lr_decay_iters=10, against="--block_size=4096")
     # max_minutes stops B with a checkpoint (exit 75) long before max_iters: it is scored as it stands
-    result = compare_run(char_data, tmp_path, seeds=1, max_iters=10, lr_decay_iters=10,
-                         against="--max_minutes=1e-6 --max_iters=100000 --lr_decay_iters=100000")
+    result = compare_run(
+        char_data,
+        tmp_path,
+        seeds=1,
+        max_iters=10,
+        lr_decay_iters=10,
+        against="--max_minutes=1e-6 --max_iters=100000 --lr_decay_iters=100000",
+    )
     stopped = result["runs"][1]
     assert "stopped at iter" in Path(stopped["out_dir"] + ".log").read_text()
     assert max(r["iter"] for r in read_metrics(stopped["out_dir"])) < 1000 and math.isfinite(stopped["val_loss"])
@@ -181,8 +225,12 @@ def test_a_failed_run_stops_the_comparison_in_one_line_and_a_time_budget_is_a_fi
 def test_scoring_on_a_gpu_hands_its_cached_memory_back_before_the_next_run(char_data, tmp_path, monkeypatch):
     # the parent scores between runs; on CUDA what its allocator cached would be missing from the next train.py
     out = tmp_path / "run"
-    assert in_process(bench_args(char_data, tmp_path, max_iters=5, lr_decay_iters=5)[:-1] + [f"--out_dir={out}"],
-                      tmp_path / "log") == 0
+    assert (
+        in_process(
+            bench_args(char_data, tmp_path, max_iters=5, lr_decay_iters=5)[:-1] + [f"--out_dir={out}"], tmp_path / "log"
+        )
+        == 0
+    )
     emptied = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)  # no CUDA here to pin host memory for

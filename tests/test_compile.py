@@ -18,15 +18,14 @@ import numpy as np
 import pytest
 import torch
 import torch._inductor.config
+from conftest import ATEN_BACKEND
 from torch._dynamo.utils import counters
 
-from conftest import ATEN_BACKEND
-
+from configurator import TrainConfig
 from gpt import inference, runtime
 from gpt.batches import TrainBatches, eval_offsets
 from gpt.step import eval_group, evaluate, train_step
 from gpt.wrap import build
-from configurator import TrainConfig
 from model import GPT, GPTConfig
 
 CPU = runtime.Runtime("cpu", "cpu", torch.float32)
@@ -44,9 +43,21 @@ def fresh_dynamo():
 
 
 def test_training_with_evals_compiles_two_graphs_and_never_recompiles(monkeypatch):
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=ATEN_BACKEND))  # wrap.build's compile
-    cfg = TrainConfig(device="cpu", compile=True, batch_size=4, block_size=16, n_layer=2, n_head=4, n_embd=32,
-                      gradient_accumulation_steps=2, eval_iters=3, dropout=0.0)
+    monkeypatch.setattr(
+        torch, "compile", functools.partial(torch.compile, backend=ATEN_BACKEND)
+    )  # wrap.build's compile
+    cfg = TrainConfig(
+        device="cpu",
+        compile=True,
+        batch_size=4,
+        block_size=16,
+        n_layer=2,
+        n_head=4,
+        n_embd=32,
+        gradient_accumulation_steps=2,
+        eval_iters=3,
+        dropout=0.0,
+    )
     torch.manual_seed(0)
     raw_model = GPT(GPTConfig(**TINY))
     model, train_model, optimizer, scaler = build(raw_model, cfg, CPU)

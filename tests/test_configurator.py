@@ -114,7 +114,9 @@ def test_config_file_has_its_own_namespace(tmp_path):
 
 
 def test_config_file_can_compute_values(tmp_path):
-    path = write(tmp_path, "cfg.py", "import math\nn_head = 4\nn_embd = 64 * 2\nwarmup_iters = int(math.log2(1024)) * 10\n")
+    path = write(
+        tmp_path, "cfg.py", "import math\nn_head = 4\nn_embd = 64 * 2\nwarmup_iters = int(math.log2(1024)) * 10\n"
+    )
     cfg = parse(TrainConfig, [path])
     assert (cfg.n_embd, cfg.warmup_iters) == (128, 100)
 

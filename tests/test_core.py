@@ -15,22 +15,22 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-
-from gpt import core_eval
-from gpt import runtime
-from gpt import tokenizer
-from configurator import UserError
 from conftest import REPO, bpe_eval_data, read_metrics, run_python, run_script, tiny_args
+
+from configurator import UserError
+from gpt import core_eval, runtime, tokenizer
 
 GPT2 = {"kind": "tiktoken", "name": "gpt2", "vocab_size": 50257}
 WORDS = "the man picks up a ball and throws it to his dog who runs across green field".split()
 BLOCK = 48  # short enough that the few-shot prompts are cropped from the left
 # label: (type, shots, delimiter or None for the default " ", records, random baseline in percent)
-TASKS = {"mc_zero": ("multiple_choice", 0, None, 24, 25.0),
-         "mc_fewshot": ("multiple_choice", 2, "\nAnswer: ", 24, 25.0),
-         "schema_fewshot": ("schema", 1, None, 20, 50.0),
-         "lm_zero": ("language_modeling", 0, None, 20, 0.0),
-         "lm_fewshot": ("language_modeling", 3, ": ", 20, 0.0)}
+TASKS = {
+    "mc_zero": ("multiple_choice", 0, None, 24, 25.0),
+    "mc_fewshot": ("multiple_choice", 2, "\nAnswer: ", 24, 25.0),
+    "schema_fewshot": ("schema", 1, None, 20, 50.0),
+    "lm_zero": ("language_modeling", 0, None, 20, 0.0),
+    "lm_fewshot": ("language_modeling", 3, ": ", 20, 0.0),
+}
 
 
 class Bigram(torch.nn.Module):
@@ -46,7 +46,9 @@ class Bigram(torch.nn.Module):
         self.bias[[tokenizer.encoding("gpt2").encode_ordinary(" " + w)[0] for w in WORDS]] = 30.0  # greedy picks a word
 
     def forward(self, idx, logits_at=None):
-        idx = idx.flatten()[logits_at] if torch.is_tensor(logits_at) else idx  # a position's logits depend on its token only
+        idx = (
+            idx.flatten()[logits_at] if torch.is_tensor(logits_at) else idx
+        )  # a position's logits depend on its token only
         return self.table[idx] @ self.proj + self.bias, None
 
     def greedy_next(self, token):
@@ -62,14 +64,29 @@ def records_for(kind, n, rng, model, delimiter):
     out = []
     for i in range(n):
         if kind == "multiple_choice":  # choices that start with different words: none is a prefix of another
-            out.append({"query": sentence(rng, 3, 9).capitalize() + "?", "gold": int(rng.integers(4)),
-                        "choices": [w + " " + sentence(rng, 0, 3) if rng.random() < 0.7 else w for w in rng.choice(WORDS, 4, replace=False)]})
+            out.append(
+                {
+                    "query": sentence(rng, 3, 9).capitalize() + "?",
+                    "gold": int(rng.integers(4)),
+                    "choices": [
+                        w + " " + sentence(rng, 0, 3) if rng.random() < 0.7 else w
+                        for w in rng.choice(WORDS, 4, replace=False)
+                    ],
+                }
+            )
         elif kind == "schema":  # options that end with different words: the shared suffix is the continuation
-            out.append({"context_options": [sentence(rng, 2, 7) + " " + w for w in rng.choice(WORDS, 2, replace=False)],
-                        "continuation": sentence(rng, 2, 5), "gold": int(rng.integers(2))})
+            out.append(
+                {
+                    "context_options": [sentence(rng, 2, 7) + " " + w for w in rng.choice(WORDS, 2, replace=False)],
+                    "continuation": sentence(rng, 2, 5),
+                    "gold": int(rng.integers(2)),
+                }
+            )
         else:
             context = sentence(rng, 3, 9) + ("  " if i % 3 == 0 else "")  # trailing spaces: stripped, as nanochat does
-            if i % 2 == 0:  # a continuation greedy decoding gives: follow the model's own chain from the context's last token
+            if (
+                i % 2 == 0
+            ):  # a continuation greedy decoding gives: follow the model's own chain from the context's last token
                 token, words = enc.encode_ordinary(context.strip() + delimiter.rstrip())[-1], []
                 for _ in range(3):
                     token = model.greedy_next(token)
@@ -88,7 +105,12 @@ def write_bundle(root, model, zipped=False, seed=0, scale=1):
     files = {}
     entries = []
     for label, (kind, shots, delimiter, n, _) in TASKS.items():
-        entry = {"label": label, "dataset_uri": f"synthetic/{label}.jsonl", "num_fewshot": [shots], "icl_task_type": kind}
+        entry = {
+            "label": label,
+            "dataset_uri": f"synthetic/{label}.jsonl",
+            "num_fewshot": [shots],
+            "icl_task_type": kind,
+        }
         if delimiter is not None:
             entry["continuation_delimiter"] = delimiter
         entries.append(entry)
@@ -97,7 +119,9 @@ def write_bundle(root, model, zipped=False, seed=0, scale=1):
     import yaml
 
     files["core.yaml"] = yaml.safe_dump({"icl_tasks": entries})
-    rows = [{"Eval Task": label, "Task Category": "synthetic", "Random baseline": b} for label, (*_, b) in TASKS.items()]
+    rows = [
+        {"Eval Task": label, "Task Category": "synthetic", "Random baseline": b} for label, (*_, b) in TASKS.items()
+    ]
     with open(root / "meta.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
@@ -161,20 +185,33 @@ def reference_verdicts(bundle, label, model, max_per_task=0):
     enc = tokenizer.encoding("gpt2")
     verdicts = []
     for i, item in enumerate(data):
-        fewshot = [data[j] for j in random.Random(1234 + i).sample([j for j in range(len(data)) if j != i], shots)] if shots else []
+        fewshot = (
+            [data[j] for j in random.Random(1234 + i).sample([j for j in range(len(data)) if j != i], shots)]
+            if shots
+            else []
+        )
         ctx = dict(fewshot_examples=fewshot, continuation_delimiter=delimiter, item=item)
         if kind == "multiple_choice":
             texts = [template.render(choice=c, **ctx) for c in item["choices"]]
         elif kind == "schema":
             texts = [template.render(context=c, **ctx) for c in item["context_options"]]
         else:
-            texts = [template.render(include_continuation=False, **ctx).strip(), template.render(include_continuation=True, **ctx)]
+            texts = [
+                template.render(include_continuation=False, **ctx).strip(),
+                template.render(include_continuation=True, **ctx),
+            ]
         toks = [[enc.eot_token] + enc.encode_ordinary(t) for t in texts]
         if kind == "multiple_choice":
-            start = next(k for k in range(min(map(len, toks)) + 1) if k == min(map(len, toks)) or len({t[k] for t in toks}) > 1)
+            start = next(
+                k for k in range(min(map(len, toks)) + 1) if k == min(map(len, toks)) or len({t[k] for t in toks}) > 1
+            )
             spans = [(start, len(t)) for t in toks]
         elif kind == "schema":
-            suffix = next(k for k in range(min(map(len, toks)) + 1) if k == min(map(len, toks)) or len({t[-1 - k] for t in toks}) > 1)
+            suffix = next(
+                k
+                for k in range(min(map(len, toks)) + 1)
+                if k == min(map(len, toks)) or len({t[-1 - k] for t in toks}) > 1
+            )
             spans = [(len(t) - suffix, len(t)) for t in toks]
         else:
             toks, spans = [toks[1]], [(len(toks[0]), len(toks[1]))]
@@ -220,8 +257,12 @@ def test_batched_equals_one_example_per_forward_and_a_zip_equals_a_directory(set
     one = core_eval.evaluate_core(model, tasks, GPT2, BLOCK, rt, batch_tokens=0, per_example=True)
     for batch_tokens in (4 * BLOCK, 64 * BLOCK):
         batched = core_eval.evaluate_core(model, tasks, GPT2, BLOCK, rt, batch_tokens=batch_tokens, per_example=True)
-        assert {k: r["correct"] for k, r in batched["tasks"].items()} == {k: r["correct"] for k, r in one["tasks"].items()}
-    zipped = core_eval.load_tasks(str(write_bundle(tmp_path, model, zipped=True)))  # the same bundle, zipped by nanochat's layout
+        assert {k: r["correct"] for k, r in batched["tasks"].items()} == {
+            k: r["correct"] for k, r in one["tasks"].items()
+        }
+    zipped = core_eval.load_tasks(
+        str(write_bundle(tmp_path, model, zipped=True))
+    )  # the same bundle, zipped by nanochat's layout
     assert [[r for _, r in t.records] for t in zipped] == [[r for _, r in t.records] for t in tasks]
     assert zipped[0].records[0][0].startswith(f"{tmp_path / 'eval_bundle.zip'}/eval_bundle/eval_data/")
 
@@ -260,13 +301,30 @@ def test_bad_bundles_are_one_line_naming_the_file_and_record(setup, tmp_path):
     cases = [
         (broken("nofile", lambda b: (b / mc).unlink()), "lacks eval_data/synthetic/mc_zero.jsonl"),
         (broken("nometa", lambda b: (b / "eval_meta_data.csv").unlink()), "lacks eval_meta_data.csv"),
-        (broken("type", lambda b: (b / "core.yaml").write_text((b / "core.yaml").read_text().replace("schema", "cloze"))),
-         "unknown icl_task_type 'cloze'"),
-        (broken("fields", lambda b: rewrite(b / mc, lambda ls: ls[:2] + [record(query="q", choices=["a", "b"])] + ls[3:])),
-         "mc_zero.jsonl:3 lacks 'gold'"),
-        (broken("gold", lambda b: rewrite(b / mc, lambda ls: ls[:4] + [record(query="q", choices=["a", "b"], gold=2)] + ls[5:])),
-         "mc_zero.jsonl:5: gold 2 is not the index"),
-        (broken("json", lambda b: rewrite(b / mc, lambda ls: ls[:1] + ["{not json"] + ls[2:])), "mc_zero.jsonl:2 is not a JSON object"),
+        (
+            broken(
+                "type", lambda b: (b / "core.yaml").write_text((b / "core.yaml").read_text().replace("schema", "cloze"))
+            ),
+            "unknown icl_task_type 'cloze'",
+        ),
+        (
+            broken(
+                "fields",
+                lambda b: rewrite(b / mc, lambda ls: ls[:2] + [record(query="q", choices=["a", "b"])] + ls[3:]),
+            ),
+            "mc_zero.jsonl:3 lacks 'gold'",
+        ),
+        (
+            broken(
+                "gold",
+                lambda b: rewrite(b / mc, lambda ls: ls[:4] + [record(query="q", choices=["a", "b"], gold=2)] + ls[5:]),
+            ),
+            "mc_zero.jsonl:5: gold 2 is not the index",
+        ),
+        (
+            broken("json", lambda b: rewrite(b / mc, lambda ls: ls[:1] + ["{not json"] + ls[2:])),
+            "mc_zero.jsonl:2 is not a JSON object",
+        ),
         (tmp_path / "absent", "does not exist"),
     ]
     for path, message in cases:
@@ -275,7 +333,9 @@ def test_bad_bundles_are_one_line_naming_the_file_and_record(setup, tmp_path):
         assert message in str(e.value) and "\n" not in str(e.value), (path, str(e.value))
     # a continuation that tokenizes to nothing is found when the example is encoded: here choice 1's
     # tokens are all shared with choice 0 (nanochat would average an empty slice, nan)
-    empty = broken("empty", lambda b: rewrite(b / mc, lambda ls: [record(query="q", choices=["the man", "the"], gold=0)] + ls[1:]))
+    empty = broken(
+        "empty", lambda b: rewrite(b / mc, lambda ls: [record(query="q", choices=["the man", "the"], gold=0)] + ls[1:])
+    )
     with pytest.raises(UserError, match=r"mc_zero.jsonl:1: the continuation of option 1 tokenizes to nothing"):
         core_eval.evaluate_core(model, core_eval.load_tasks(str(empty)), GPT2, BLOCK, rt, 8 * BLOCK)
     # from the command: one line, no traceback, nothing written
@@ -294,7 +354,9 @@ def test_an_unreachable_download_is_one_line(monkeypatch, tmp_path):
 
     monkeypatch.setattr(urllib.request, "urlopen", offline)
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(UserError, match=r"cannot download https://karpathy-public.*eval_bundle.zip .*--core_bundle=PATH"):
+    with pytest.raises(
+        UserError, match=r"cannot download https://karpathy-public.*eval_bundle.zip .*--core_bundle=PATH"
+    ):
         core_eval.load_tasks()
     assert not os.path.exists(core_eval.BUNDLE_PATH)
 
@@ -308,7 +370,9 @@ def gpt2_tiny(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("gpt2")
     torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config(vocab_size=50257, n_positions=BLOCK, n_embd=32, n_layer=2, n_head=2)).save_pretrained(root / "gpt2-tiny")
+    GPT2LMHeadModel(GPT2Config(vocab_size=50257, n_positions=BLOCK, n_embd=32, n_layer=2, n_head=2)).save_pretrained(
+        root / "gpt2-tiny"
+    )
     return root / "gpt2-tiny"
 
 
@@ -317,16 +381,27 @@ def test_torchrun_two_gloo_ranks_equal_one(setup, gpt2_tiny, tmp_path):
     byte on 2 gloo ranks give what 1 rank gives."""
     root, model, bundle, rt = setup
     data_dir, hellaswag = bpe_eval_data(tmp_path)
-    args = [f"--init_from={gpt2_tiny}", "--tasks=core,hellaswag,val,test", f"--core_bundle={bundle}", f"--dataset={data_dir}",
-            f"--hellaswag_path={hellaswag}", "--device=cpu", "--batch_size=4", "--json=True"]
+    args = [
+        f"--init_from={gpt2_tiny}",
+        "--tasks=core,hellaswag,val,test",
+        f"--core_bundle={bundle}",
+        f"--dataset={data_dir}",
+        f"--hellaswag_path={hellaswag}",
+        "--device=cpu",
+        "--batch_size=4",
+        "--json=True",
+    ]
     one = run_script("eval.py", *args)
     assert one.returncode == 0, one.stderr
-    two = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", REPO / "eval.py", *args],
-                     env={"OMP_NUM_THREADS": "1"})
+    two = run_python(
+        ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", REPO / "eval.py", *args],
+        env={"OMP_NUM_THREADS": "1"},
+    )
     assert two.returncode == 0, two.stderr
     a, b = (json.loads(run.stdout.strip().splitlines()[-1]) for run in (one, two))
-    assert {k: (r["accuracy"], r["examples"]) for k, r in a["core"]["tasks"].items()} == \
-        {k: (r["accuracy"], r["examples"]) for k, r in b["core"]["tasks"].items()}
+    assert {k: (r["accuracy"], r["examples"]) for k, r in a["core"]["tasks"].items()} == {
+        k: (r["accuracy"], r["examples"]) for k, r in b["core"]["tasks"].items()
+    }
     assert a["core"]["core"] == b["core"]["core"] and a["core"]["examples"] == sum(n for *_, n, _ in TASKS.values())
     assert a["hellaswag"] == b["hellaswag"] and a["hellaswag"]["n"] == 30
     for split in ("val", "test"):
@@ -348,12 +423,26 @@ def test_training_logs_core_in_rhythm_and_plots_it(setup, tmp_path):
 
     for split, n_docs in (("train", 200), ("val", 30)):
         docs = [sentence(rng, 5, 20) for _ in range(n_docs)]
-        tokens.write(str(data_dir / f"{split}.bin"), np.array([t for d in docs for t in [enc.eot_token] + enc.encode_ordinary(d)],
-                                                             dtype=np.uint16))
+        tokens.write(
+            str(data_dir / f"{split}.bin"),
+            np.array([t for d in docs for t in [enc.eot_token] + enc.encode_ordinary(d)], dtype=np.uint16),
+        )
     (data_dir / "meta.json").write_text(json.dumps(GPT2))
     out = tmp_path / "out"
-    result = run_script("train.py", *tiny_args(data_dir, out, max_iters=6, lr_decay_iters=6, eval_interval=3, block_size=BLOCK,
-                                               core_interval=4, core_max_per_task=5, core_bundle=bundle))
+    result = run_script(
+        "train.py",
+        *tiny_args(
+            data_dir,
+            out,
+            max_iters=6,
+            lr_decay_iters=6,
+            eval_interval=3,
+            block_size=BLOCK,
+            core_interval=4,
+            core_max_per_task=5,
+            core_bundle=bundle,
+        ),
+    )
     assert result.returncode == 0, result.stderr
     records = [r for r in read_metrics(out) if "core" in r]
     assert [r["iter"] for r in records] == [0, 4, 6]
@@ -381,9 +470,22 @@ def test_an_in_loop_eval_that_runs_out_of_memory_costs_the_run_nothing(setup, tm
         return scored(*args, **kwargs)
 
     monkeypatch.setattr(core_eval, "evaluate_core", failing)
-    result = run_script("train.py", *tiny_args(data_dir, out, max_iters=8, lr_decay_iters=8, eval_interval=2,
-                                               block_size=BLOCK, always_save_checkpoint=True, core_interval=2,
-                                               core_max_per_task=5, core_bundle=bundle), patched=True)
+    result = run_script(
+        "train.py",
+        *tiny_args(
+            data_dir,
+            out,
+            max_iters=8,
+            lr_decay_iters=8,
+            eval_interval=2,
+            block_size=BLOCK,
+            always_save_checkpoint=True,
+            core_interval=2,
+            core_max_per_task=5,
+            core_bundle=bundle,
+        ),
+        patched=True,
+    )
     assert result.returncode == 0, result.stderr
     assert found == [None, 2, 4, 6, 8]  # CORE ran after its step's checkpoint
     records = read_metrics(out)
@@ -393,16 +495,17 @@ def test_an_in_loop_eval_that_runs_out_of_memory_costs_the_run_nothing(setup, tm
     assert all(r["core_failed"] == "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB" for r in failed)
     assert [r["iter"] for r in records if "loss" in r] == list(range(8))  # every step trained
     said = [line for line in result.stdout.splitlines() if "CORE failed" in line or "core failed" in line]
-    assert said == [f"step {i}: core failed, training goes on (OutOfMemoryError: CUDA out of memory. Tried to allocate "
-                    f"2.00 GiB)" for i in (4, 6)]
+    assert said == [
+        f"step {i}: core failed, training goes on (OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB)"
+        for i in (4, 6)
+    ]
     assert torch.load(out / "ckpt.pt", weights_only=True)["iter_num"] == 8
 
 
 def test_a_device_without_float64_sums_in_float32_with_the_same_results(setup, monkeypatch):
     # MPS has no float64: scoring.sum_dtype's branch, run on the CPU with the runtime saying 'mps'
     root, model, bundle, rt = setup
-    from gpt import evaluation
-    from gpt import scoring
+    from gpt import evaluation, scoring
 
     mps = runtime.Runtime("cpu", "mps", torch.float32)
     assert scoring.sum_dtype(mps) == torch.float32 and scoring.sum_dtype(rt) == torch.float64
@@ -415,7 +518,9 @@ def test_a_device_without_float64_sums_in_float32_with_the_same_results(setup, m
     assert {k: r["correct"] for k, r in a["tasks"].items()} == {k: r["correct"] for k, r in b["tasks"].items()}
     examples = [evaluation.Example("the man picks up", ["a ball.", "his dog who runs.", "the green field."], 1)] * 5
     encoded = evaluation.encode_examples(examples, GPT2)
-    assert evaluation.score_choices(model, encoded, BLOCK, mps, 2) == evaluation.score_choices(model, encoded, BLOCK, rt, 2)
+    assert evaluation.score_choices(model, encoded, BLOCK, mps, 2) == evaluation.score_choices(
+        model, encoded, BLOCK, rt, 2
+    )
     assert set(reads) == {torch.float32, torch.float64}
 
 

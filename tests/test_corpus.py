@@ -11,16 +11,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import make_text, run_script, tiny_args
+from test_tokenizer import make_128k_tokenizer
 
 import sample
-from gpt import tokenizer
-from gpt.batches import load_split
 import train
 from configurator import UserError
-from conftest import make_text, run_script, tiny_args
 from data import corpus
-from gpt import tokens
-from test_tokenizer import make_128k_tokenizer
+from gpt import tokenizer, tokens
+from gpt.batches import load_split
 
 EOT = 50256
 
@@ -48,8 +47,14 @@ def corpus_files(tmp_path_factory):
 
 
 def prepare(out_dir, files, *flags, **options):
-    options = {"val_tokens": 3000, "test_tokens": 2000, "shard_tokens": 20_000, "workers": 2,
-               "txt_separator": "\\n\\n", **options}
+    options = {
+        "val_tokens": 3000,
+        "test_tokens": 2000,
+        "shard_tokens": 20_000,
+        "workers": 2,
+        "txt_separator": "\\n\\n",
+        **options,
+    }
     argv = ["--input", *map(str, files), f"--out_dir={out_dir}", *flags, *(f"--{k}={v}" for k, v in options.items())]
     return corpus.main(argv)
 
@@ -100,7 +105,9 @@ def test_splits_equal_a_plain_tokenization(corpus_files, tmp_path):
     n_train = len(expected["train"])
     shards = sorted(p.name for p in tmp_path.glob("train_*.bin"))
     assert shards == [f"train_{i:06d}.bin" for i in range(-(-n_train // 20_000))]
-    assert [tokens.read_header(str(tmp_path / s))[1] for s in shards] == [20_000] * (len(shards) - 1) + [n_train % 20_000]
+    assert [tokens.read_header(str(tmp_path / s))[1] for s in shards] == [20_000] * (len(shards) - 1) + [
+        n_train % 20_000
+    ]
     assert sorted(p.name for p in tmp_path.glob("va*")) == ["val_000000.bin"]
     assert tokens.read_header(str(tmp_path / shards[0]))[0] == np.uint16
     # the data directory says what it is, and train.py reads it
@@ -226,10 +233,23 @@ def test_128k_vocabulary_gives_uint32_files_that_train(tmp_path, capsys):
     tok_path = make_128k_tokenizer(tmp_path / "tokenizer.json")
     rng = np.random.default_rng(0)
     ids = [rng.integers(1, 128255, size=int(rng.integers(5, 60))) for _ in range(400)]
-    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": " ".join(f"w{i}" for i in d)}) + "\n" for d in ids))
+    (tmp_path / "docs.jsonl").write_text(
+        "".join(json.dumps({"text": " ".join(f"w{i}" for i in d)}) + "\n" for d in ids)
+    )
     data_dir = tmp_path / "data"
-    corpus.main(["--input", str(tmp_path / "docs.jsonl"), f"--out_dir={data_dir}", f"--tokenizer={tok_path}",
-                 "--val_tokens=500", "--test_tokens=0", "--shuffle_buffer=0", "--shard_tokens=4000", "--workers=2"])
+    corpus.main(
+        [
+            "--input",
+            str(tmp_path / "docs.jsonl"),
+            f"--out_dir={data_dir}",
+            f"--tokenizer={tok_path}",
+            "--val_tokens=500",
+            "--test_tokens=0",
+            "--shuffle_buffer=0",
+            "--shard_tokens=4000",
+            "--workers=2",
+        ]
+    )
     assert tokens.read_header(str(data_dir / "train_000000.bin"))[0] == np.uint32
     stream = np.concatenate([np.append(d, 128255) for d in ids])  # the word numbers are the ids
     ends = np.cumsum([len(d) + 1 for d in ids])
@@ -245,8 +265,17 @@ def test_128k_vocabulary_gives_uint32_files_that_train(tmp_path, capsys):
     state = torch.load(out_dir / "ckpt.pt", weights_only=True)
     assert state["model_args"]["vocab_size"] == 128256 and state["tokenizer"]["kind"] == "tokenizers"
     capsys.readouterr()
-    sample.main([f"--out_dir={out_dir}", "--device=cpu", "--num_samples=1", "--max_new_tokens=4", "--start=w70000 w5",
-                 "--stream=False", "--stop_at_eot=False"])
+    sample.main(
+        [
+            f"--out_dir={out_dir}",
+            "--device=cpu",
+            "--num_samples=1",
+            "--max_new_tokens=4",
+            "--start=w70000 w5",
+            "--stream=False",
+            "--stop_at_eot=False",
+        ]
+    )
     text = capsys.readouterr().out.split("w70000 w5", 1)[1].split("---")[0]
     assert re.fullmatch(r"(\s*(w\d+|<\|end_of_text\|>|\[UNK\]))+\s*", text), text
 
@@ -272,7 +301,12 @@ def test_benchmark_smoke(corpus_files, tmp_path, capsys):
     files, _ = corpus_files
     prepare(tmp_path, files, "--benchmark=200")
     rows = [line for line in capsys.readouterr().out.splitlines() if "tokens/s" in line]
-    labels = ["encode_ordinary_batch, 1 thread", "encode_ordinary_batch, 2 thread", "1 worker process", "2 worker process"]
+    labels = [
+        "encode_ordinary_batch, 1 thread",
+        "encode_ordinary_batch, 2 thread",
+        "1 worker process",
+        "2 worker process",
+    ]
     assert len(rows) == 4 and all(label in row for label, row in zip(labels, rows))
     counts = {re.search(r"\(([\d,]+) tokens in", row).group(1) for row in rows}
     assert len(counts) == 1  # every way tokenized the same documents into the same number of tokens
@@ -281,14 +315,17 @@ def test_benchmark_smoke(corpus_files, tmp_path, capsys):
 # ---------------------------------------------------------------------------- bad input
 
 
-@pytest.mark.parametrize("content, flags, fragment", [
-    ('{"text": "fine"}\nnot json\n', [], "bad.jsonl:2 is not a JSON object"),
-    ('{"body": "x"}\n', [], "bad.jsonl:1 has no text field 'text' (it has: body)"),
-    ('{"text": "x"}\n', ["--tokens=100", "--val_tokens=60", "--test_tokens=40"], "leaves nothing for train"),
-    ('{"text": "only a few tokens"}\n', [], "ran out after val 5 tokens"),
-    ('{"text": "x"}\n', ["--workers=0"], "--workers=0"),
-    ('{"text": "x"}\n', ["--tokens=1.5"], "not a whole number"),
-])
+@pytest.mark.parametrize(
+    "content, flags, fragment",
+    [
+        ('{"text": "fine"}\nnot json\n', [], "bad.jsonl:2 is not a JSON object"),
+        ('{"body": "x"}\n', [], "bad.jsonl:1 has no text field 'text' (it has: body)"),
+        ('{"text": "x"}\n', ["--tokens=100", "--val_tokens=60", "--test_tokens=40"], "leaves nothing for train"),
+        ('{"text": "only a few tokens"}\n', [], "ran out after val 5 tokens"),
+        ('{"text": "x"}\n', ["--workers=0"], "--workers=0"),
+        ('{"text": "x"}\n', ["--tokens=1.5"], "not a whole number"),
+    ],
+)
 def test_bad_input_is_one_line(tmp_path, content, flags, fragment):
     (tmp_path / "bad.jsonl").write_text(content)
     with pytest.raises(UserError) as e:
@@ -317,13 +354,22 @@ def test_other_local_input_errors(tmp_path):
 
 def test_unknown_dataset_without_network_is_one_line(tmp_path):
     out_dir = tmp_path / "fw"
-    result = run_script("data/fineweb_edu/prepare.py", "--dataset=nobody/no-such-dataset", f"--out_dir={out_dir}",
-                        env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}, timeout=120,
-                        isolated=True)  # datasets reads these when it is imported
+    result = run_script(
+        "data/fineweb_edu/prepare.py",
+        "--dataset=nobody/no-such-dataset",
+        f"--out_dir={out_dir}",
+        env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
+        timeout=120,
+        isolated=True,
+    )  # datasets reads these when it is imported
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "cannot reach Hugging Face for 'nobody/no-such-dataset'" in lines[0] and "--input" in lines[0]
+    assert (
+        len(lines) == 1
+        and "cannot reach Hugging Face for 'nobody/no-such-dataset'" in lines[0]
+        and "--input" in lines[0]
+    )
     assert not out_dir.exists()
 
 
@@ -332,8 +378,14 @@ def test_shakespeare_script(tmp_path):
     speeches = [make_text(300, seed=i) for i in range(60)]
     (tmp_path / "input.txt").write_text("\n\n".join(speeches), encoding="utf-8")
     out_dir = tmp_path / "sh"
-    result = run_script("data/shakespeare/prepare.py", "--input", tmp_path / "input.txt", f"--out_dir={out_dir}",
-                        "--val_tokens=1000", "--workers=1")
+    result = run_script(
+        "data/shakespeare/prepare.py",
+        "--input",
+        tmp_path / "input.txt",
+        f"--out_dir={out_dir}",
+        "--val_tokens=1000",
+        "--workers=1",
+    )
     assert result.returncode == 0, result.stderr
     expected, _ = reference_splits(speeches, 1000, 0)
     np.testing.assert_array_equal(read_split(out_dir, "val"), expected["val"])
@@ -357,8 +409,16 @@ def test_hub_stream_shuffles_by_seed_and_resumes(corpus_files, tmp_path, monkeyp
 
     monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", lambda self, name, revision=None, timeout=None: None)
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
-    options = ["--dataset=some/set", "--name=cfg", "--val_tokens=3000", "--test_tokens=2000", "--shard_tokens=20000",
-               "--workers=2", "--seed=3", "--shuffle_buffer=200"]
+    options = [
+        "--dataset=some/set",
+        "--name=cfg",
+        "--val_tokens=3000",
+        "--test_tokens=2000",
+        "--shard_tokens=20000",
+        "--workers=2",
+        "--seed=3",
+        "--shuffle_buffer=200",
+    ]
     corpus.main(options + [f"--out_dir={tmp_path / 'whole'}"])
     assert calls[0] == ("some/set", "cfg", "train", None, True)
     enc = tokenizer.encoding("gpt2")

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from gpt import runtime
-from configurator import UserError
 from conftest import REPO
+
+from configurator import UserError
+from gpt import runtime
 
 TORCHRUN_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -38,7 +38,9 @@ def two_gpus(monkeypatch):
         calls["set_device"].append(index)
 
     monkeypatch.setattr(torch.cuda, "set_device", set_device)
-    monkeypatch.setattr(torch.distributed, "init_process_group", lambda **kwargs: calls["init_process_group"].append(kwargs))
+    monkeypatch.setattr(
+        torch.distributed, "init_process_group", lambda **kwargs: calls["init_process_group"].append(kwargs)
+    )
     for key in TORCHRUN_KEYS:
         monkeypatch.delenv(key, raising=False)
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
@@ -134,9 +136,26 @@ def fake_cuda_shim(tmp_path_factory):
     root = Path(torch.__file__).parent
     build = tmp_path_factory.mktemp("fake_cuda")
     (build / "shim.cpp").write_text(FAKE_CUDA_SHIM)
-    subprocess.run([compiler, "-std=c++17", "-O0", "-w", "-shared", "-fPIC", f"-I{root / 'include'}", str(build / "shim.cpp"),
-                    f"-L{root / 'lib'}", f"-Wl,-rpath,{root / 'lib'}", "-lc10", "-ltorch_cpu", "-o", str(build / "shim.so")],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            compiler,
+            "-std=c++17",
+            "-O0",
+            "-w",
+            "-shared",
+            "-fPIC",
+            f"-I{root / 'include'}",
+            str(build / "shim.cpp"),
+            f"-L{root / 'lib'}",
+            f"-Wl,-rpath,{root / 'lib'}",
+            "-lc10",
+            "-ltorch_cpu",
+            "-o",
+            str(build / "shim.so"),
+        ],
+        check=True,
+        capture_output=True,
+    )
     return build / "shim.so"
 
 
@@ -145,7 +164,10 @@ def test_a_step_an_eval_and_generation_keep_every_tensor_on_the_gpu(fake_cuda_sh
     on-device skip), its eval and model.generate (KV cache, top-k, top-p, a stop token), on a fake
     CUDA device set up by runtime.setup; and a CPU batch meeting the GPU model is caught."""
     load = f"import ctypes; ctypes.CDLL({str(fake_cuda_shim)!r}, mode=ctypes.RTLD_GLOBAL); " if fake_cuda_shim else ""
-    code = load + f"import sys; sys.path[:0] = [{str(REPO)!r}, {str(REPO / 'tests')!r}]; import test_cuda_contract as t; t.trace_on_fake_cuda()"
+    code = (
+        load
+        + f"import sys; sys.path[:0] = [{str(REPO)!r}, {str(REPO / 'tests')!r}]; import test_cuda_contract as t; t.trace_on_fake_cuda()"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.splitlines() == [
@@ -166,12 +188,12 @@ def trace_on_fake_cuda():
     from torch._subclasses import fake_tensor
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+    from configurator import TrainConfig
     from gpt import inference
     from gpt.batches import ChatBatches, ChatData, TrainBatches, chat_eval_offsets, eval_offsets, get_batch
-    from configurator import TrainConfig
-    from model import GPT, GPTConfig
     from gpt.step import evaluate, train_step
     from gpt.wrap import build, make_model_args
+    from model import GPT, GPTConfig
 
     mode = FakeTensorMode()  # no real tensor may enter an operation uncaught
     from_numpy = torch.from_numpy
@@ -180,7 +202,9 @@ def trace_on_fake_cuda():
         # a list in an index becomes an index tensor on the tensor's device, as torch does, but made
         # by a factory the fake mode sees (its values never matter: only the shape does)
         index = index if isinstance(index, tuple) else (index,)
-        index = tuple(torch.zeros(len(i), dtype=torch.long, device=self.device) if isinstance(i, list) else i for i in index)
+        index = tuple(
+            torch.zeros(len(i), dtype=torch.long, device=self.device) if isinstance(i, list) else i for i in index
+        )
         return torch.Tensor.__getitem__(self, index)
 
     patches = [
@@ -190,7 +214,9 @@ def trace_on_fake_cuda():
         mock.patch.object(torch.cuda, "set_device", lambda device: torch.cuda._get_device_index(device)),
         # host data (batches from numpy) enters as fake CPU tensors, so where it meets the GPU is checked
         mock.patch.object(torch, "from_numpy", lambda array: mode.from_tensor(from_numpy(array))),
-        mock.patch.object(torch.Tensor, "pin_memory", lambda self, *args, **kwargs: self),  # no pinned memory when faked
+        mock.patch.object(
+            torch.Tensor, "pin_memory", lambda self, *args, **kwargs: self
+        ),  # no pinned memory when faked
         mock.patch.object(FakeTensor, "__getitem__", getitem, create=True),
         # what the host reads (a loss, "has every row stopped?") has no value when faked: made up
         mock.patch.object(FakeTensor, "item", lambda self: 0.0, create=True),
@@ -199,8 +225,19 @@ def trace_on_fake_cuda():
     for patch in patches:
         patch.start()
     rt = runtime.setup("cuda", "bfloat16")
-    cfg = TrainConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, block_size=16, batch_size=4, dropout=0.1, bias=False,
-                      pos_encoding="rope", compile=False, grad_clip=1.0)
+    cfg = TrainConfig(
+        n_layer=2,
+        n_head=4,
+        n_kv_head=2,
+        n_embd=32,
+        block_size=16,
+        batch_size=4,
+        dropout=0.1,
+        bias=False,
+        pos_encoding="rope",
+        compile=False,
+        grad_clip=1.0,
+    )
     torch.manual_seed(0)
     raw = GPT(GPTConfig(**make_model_args(cfg, 65)))  # built on the CPU, then made fake and moved to the GPU
     fakes = {}
@@ -218,27 +255,55 @@ def trace_on_fake_cuda():
     data = (np.arange(5000) % 65).astype(np.uint16)
     with mode:
         model, train_model, optimizer, scaler = build(raw, cfg, rt)
-        result = train_step(train_model, optimizer, scaler, TrainBatches(data, 4, 16, 0, rt), 1e-3, 2, cfg.grad_clip, rt)
-        devices = {str(t.device) for t in (*result, *raw.parameters(), *(v for s in optimizer.state.values() for v in s.values()))}
-        print(f"train_step: loss, grad_norm, stepped on {', '.join(sorted(devices))}; weights and AdamW state on {rt.device}")
+        result = train_step(
+            train_model, optimizer, scaler, TrainBatches(data, 4, 16, 0, rt), 1e-3, 2, cfg.grad_clip, rt
+        )
+        devices = {
+            str(t.device)
+            for t in (*result, *raw.parameters(), *(v for s in optimizer.state.values() for v in s.values()))
+        }
+        print(
+            f"train_step: loss, grad_norm, stepped on {', '.join(sorted(devices))}; weights and AdamW state on {rt.device}"
+        )
         print("evaluate:", ", ".join(evaluate(model, {"val": (data, eval_offsets(data, 2, 4, 16, 0))}, 16, rt)))
         raw.eval()
         with rt.autocast():
-            out = inference.generate(raw, torch.zeros(2, 4, dtype=torch.long, device=rt.device), 20, temperature=0.8,
-                                     top_k=10, top_p=0.9, stop_token=3)
+            out = inference.generate(
+                raw,
+                torch.zeros(2, 4, dtype=torch.long, device=rt.device),
+                20,
+                temperature=0.8,
+                top_k=10,
+                top_p=0.9,
+                stop_token=3,
+            )
         print(f"generate: {tuple(out.shape)} on {out.device}")
         raw.train()
         # chat rows (batches.chat_batch): the summed loss weighted by the step's trained tokens
         chat = ChatData(data[:400], (np.arange(400) % 3 == 0).astype(np.uint8), np.arange(0, 400, 25))
-        result = train_step(train_model, optimizer, scaler, ChatBatches(chat, 4, 16, 0, rt, 2), 1e-3, 2, cfg.grad_clip, rt)
+        result = train_step(
+            train_model, optimizer, scaler, ChatBatches(chat, 4, 16, 0, rt, 2), 1e-3, 2, cfg.grad_clip, rt
+        )
         print(f"chat train_step: loss, grad_norm, stepped on {', '.join(sorted({str(t.device) for t in result}))}")
         print("chat evaluate:", ", ".join(evaluate(model, {"val": (chat, chat_eval_offsets(chat, 2, 4, 0))}, 16, rt)))
         cpu = runtime.Runtime("cpu", "cpu", rt.dtype)
         try:
-            train_step(train_model, optimizer, scaler, lambda: get_batch(data, np.arange(4), 16, cpu), 1e-3, 1, cfg.grad_clip, rt)
+            train_step(
+                train_model,
+                optimizer,
+                scaler,
+                lambda: get_batch(data, np.arange(4), 16, cpu),
+                1e-3,
+                1,
+                cfg.grad_clip,
+                rt,
+            )
         # torch 2.11 (the supported floor) raises a RuntimeError; FakeTensorDeviceMismatchError came later
         except getattr(fake_tensor, "FakeTensorDeviceMismatchError", RuntimeError) as e:
-            print("a CPU batch for the GPU model:", "devices cuda:0 and cpu" if "cuda:0" in str(e) and "cpu" in str(e) else e)
+            print(
+                "a CPU batch for the GPU model:",
+                "devices cuda:0 and cpu" if "cuda:0" in str(e) and "cpu" in str(e) else e,
+            )
 
 
 # ---------------------------------------------------------------------------- the other CUDA branches
@@ -251,14 +316,25 @@ def test_auto_batch_size_budgets_the_gpus_memory(monkeypatch):
 
     from configurator import TrainConfig
     from gpt.memory import auto_batch_size
-    from model import GPT, GPTConfig
     from gpt.wrap import make_model_args
+    from model import GPT, GPTConfig
 
     asked = []
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda device: asked.append(device) or SimpleNamespace(total_memory=10 * 2**20))
-    cfg = TrainConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, batch_size="auto", total_batch_size=64 * 64,
-                      dropout=0.0, compile=False)
+    monkeypatch.setattr(
+        torch.cuda,
+        "get_device_properties",
+        lambda device: asked.append(device) or SimpleNamespace(total_memory=10 * 2**20),
+    )
+    cfg = TrainConfig(
+        n_layer=2,
+        n_head=2,
+        n_embd=32,
+        block_size=64,
+        batch_size="auto",
+        total_batch_size=64 * 64,
+        dropout=0.0,
+        compile=False,
+    )
     model = GPT(GPTConfig(**make_model_args(cfg, 65)))
     gpu = runtime.Runtime("cpu", "cuda", torch.float32)  # measured on the CPU, budgeted as a GPU's
     on_gpu = auto_batch_size(model, cfg, gpu)
@@ -271,10 +347,13 @@ def test_the_stop_flag_of_gpu_ranks_travels_over_gloo(monkeypatch):
     """NCCL carries the gradients; the per-step stop flag goes over a gloo group of its own, made
     once, so ranks wait for each other's hosts, never for their GPUs."""
     groups, reduced = [], []
-    monkeypatch.setattr(torch.distributed, "new_group", lambda backend, timeout: groups.append((backend, timeout)) or "gloo-group")
+    monkeypatch.setattr(
+        torch.distributed, "new_group", lambda backend, timeout: groups.append((backend, timeout)) or "gloo-group"
+    )
     monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, op, group: reduced.append((t.device.type, group)))
-    rt = runtime.Runtime("cuda:1", "cuda", torch.bfloat16, rank=1, local_rank=1, world_size=2,
-                         timeout=datetime.timedelta(seconds=42))
+    rt = runtime.Runtime(
+        "cuda:1", "cuda", torch.bfloat16, rank=1, local_rank=1, world_size=2, timeout=datetime.timedelta(seconds=42)
+    )
     stop = runtime.StopRequest()
     try:
         assert stop.check(rt) is False and stop.check(rt) is False
@@ -285,12 +364,14 @@ def test_the_stop_flag_of_gpu_ranks_travels_over_gloo(monkeypatch):
 
 
 def test_ddp_on_gpus_holds_the_gpu_of_the_local_rank(monkeypatch):
-    from gpt import wrap
     from configurator import TrainConfig
+    from gpt import wrap
     from model import GPT, GPTConfig
 
     wrapped = []
-    monkeypatch.setattr(wrap, "DDP", lambda model, device_ids, **options: wrapped.append((device_ids, options)) or model)
+    monkeypatch.setattr(
+        wrap, "DDP", lambda model, device_ids, **options: wrapped.append((device_ids, options)) or model
+    )
     cfg = TrainConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, dropout=0.0, compile=False, parallelism="ddp")
     rt = runtime.Runtime("cpu", "cuda", torch.float32, rank=1, local_rank=1, world_size=2)  # weights stay on the CPU
     wrap.build(GPT(GPTConfig(**wrap.make_model_args(cfg, 65))), cfg, rt)
@@ -309,18 +390,26 @@ def test_an_in_loop_eval_out_of_memory_on_a_gpu_empties_the_cache_and_training_g
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
     model = torch.nn.Linear(2, 2).eval()
     run = types.SimpleNamespace(
-        cfg=types.SimpleNamespace(eval_only=False), rt=runtime.Runtime("cuda:0", "cuda", torch.bfloat16), iter_num=7,
-        raw_model=model, metrics=types.SimpleNamespace(write=written.append),
-        throughput=types.SimpleNamespace(restart=lambda: None))
+        cfg=types.SimpleNamespace(eval_only=False),
+        rt=runtime.Runtime("cuda:0", "cuda", torch.bfloat16),
+        iter_num=7,
+        raw_model=model,
+        metrics=types.SimpleNamespace(write=written.append),
+        throughput=types.SimpleNamespace(restart=lambda: None),
+    )
 
     def out_of_memory(run):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
 
     train.downstream(run, "hellaswag", out_of_memory)
     assert emptied == [True] and model.training
-    assert written == [{"iter": 7, "hellaswag_failed": "OutOfMemoryError: CUDA out of memory. Tried to allocate 8.00 GiB"}]
-    assert capsys.readouterr().out == ("step 7: hellaswag failed, training goes on (OutOfMemoryError: CUDA out of memory. "
-                                       "Tried to allocate 8.00 GiB)\n")
+    assert written == [
+        {"iter": 7, "hellaswag_failed": "OutOfMemoryError: CUDA out of memory. Tried to allocate 8.00 GiB"}
+    ]
+    assert capsys.readouterr().out == (
+        "step 7: hellaswag failed, training goes on (OutOfMemoryError: CUDA out of memory. "
+        "Tried to allocate 8.00 GiB)\n"
+    )
     run.rt = runtime.Runtime("cpu", "cpu", torch.float32)
     train.downstream(run, "core", out_of_memory)
     assert emptied == [True]  # a CPU run has no device cache to empty

@@ -6,11 +6,10 @@ import pickle
 import numpy as np
 import pytest
 import torch
-
-from gpt import runtime
-from gpt import tokenizer
-from gpt.batches import TrainBatches, eval_offsets, get_batch, load_split
 from conftest import load_script, make_text, run_script
+
+from gpt import runtime, tokenizer
+from gpt.batches import TrainBatches, eval_offsets, get_batch, load_split
 
 CPU = runtime.Runtime("cpu", "cpu", torch.float32)
 
@@ -144,8 +143,10 @@ def test_train_batches_resume_from_rng_state():
 
 def test_train_batches_split_between_ranks():
     data, B = counting_data(), 3
-    ranks = [TrainBatches(data, B, 16, seed=5, rt=runtime.Runtime("cpu", "cpu", torch.float32, rank=r, world_size=2))
-             for r in range(2)]
+    ranks = [
+        TrainBatches(data, B, 16, seed=5, rt=runtime.Runtime("cpu", "cpu", torch.float32, rank=r, world_size=2))
+        for r in range(2)
+    ]
     single = TrainBatches(data, 2 * B, 16, seed=5, rt=CPU)
     for _ in range(3):
         (x0, y0), (x1, y1) = ranks[0](), ranks[1]()
@@ -193,8 +194,9 @@ def test_nanogpt_data_dir_loads(nanogpt_data):
 
 
 def test_load_split_auto_gives_the_same_tokens(char_data):
-    np.testing.assert_array_equal(load_split(str(char_data), "val", "auto"),
-                                  load_split(str(char_data), "val", "memmap"))
+    np.testing.assert_array_equal(
+        load_split(str(char_data), "val", "auto"), load_split(str(char_data), "val", "memmap")
+    )
 
 
 # ---------------------------------------------------------------------------- eval offsets

@@ -8,7 +8,6 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import char_dataset, read_metrics
 from test_replicas import Lighthouse, finish, group, steps
 
@@ -32,7 +31,9 @@ def pairs(data, root, runs):
     started = []
     for name, keys in runs.items():
         lighthouse = Lighthouse(root / f"{name}-lighthouse.log", min_replicas=2)
-        procs = [group(data, root / name, g, lighthouse.address(), root / f"{name}-group{g}.log", **keys) for g in range(2)]
+        procs = [
+            group(data, root / name, g, lighthouse.address(), root / f"{name}-group{g}.log", **keys) for g in range(2)
+        ]
         started.append((lighthouse, procs))
     try:
         for _, procs in started:
@@ -66,8 +67,15 @@ def diloco(data, tmp_path_factory):
     alone when they synced."""
     root = tmp_path_factory.mktemp("diloco")
     two = dict(RUN, max_iters=2, sync_every=2)
-    out = pairs(data, root, {"whole": RUN, "localsgd": {**two, "outer_method": "localsgd"},
-                             "lr1": {**two, "outer_lr": 1.0, "outer_momentum": 0.0}})
+    out = pairs(
+        data,
+        root,
+        {
+            "whole": RUN,
+            "localsgd": {**two, "outer_method": "localsgd"},
+            "lr1": {**two, "outer_lr": 1.0, "outer_momentum": 0.0},
+        },
+    )
     for g in range(2):
         (root / "resumed" / f"group{g}").mkdir(parents=True)
         shutil.copy(out["whole"] / f"group{g}" / "ckpt_0000006.pt", root / "resumed" / f"group{g}")
@@ -100,8 +108,10 @@ def test_a_resume_between_syncs_goes_on_bit_for_bit(diloco):
         assert sorted(whole) == list(range(12)) and sorted(resumed) == list(range(6, 12))
         assert [resumed[i]["loss"] for i in range(6, 12)] == [whole[i]["loss"] for i in range(6, 12)]
         assert equal(weights(diloco["whole"], g, 12), weights(diloco["resumed"], g, 12))
-        vals = [{r["iter"]: r["val_loss"] for r in read_metrics(diloco[name] / f"group{g}") if "val_loss" in r}
-                for name in ("whole", "resumed")]
+        vals = [
+            {r["iter"]: r["val_loss"] for r in read_metrics(diloco[name] / f"group{g}") if "val_loss" in r}
+            for name in ("whole", "resumed")
+        ]
         assert vals[0][12] == vals[1][12]
 
 
@@ -125,9 +135,12 @@ def test_diloco_with_outer_lr_1_and_no_momentum_averages_the_weights(diloco):
 def test_sync_mistakes_are_one_line(data, tmp_path):
     from conftest import run_script, tiny_args
 
-    cases = {"set --ft_replica_group too": dict(sync_every=4),
-             "outer_method='adam' is not one of 'diloco', 'localsgd'": dict(sync_every=4, ft_replica_group=0,
-                                                                           gradient_accumulation_steps=2, outer_method="adam")}
+    cases = {
+        "set --ft_replica_group too": dict(sync_every=4),
+        "outer_method='adam' is not one of 'diloco', 'localsgd'": dict(
+            sync_every=4, ft_replica_group=0, gradient_accumulation_steps=2, outer_method="adam"
+        ),
+    }
     for message, keys in cases.items():
         result = run_script("train.py", *tiny_args(data, tmp_path / "out", **keys))
         assert result.returncode != 0 and "Traceback" not in result.stderr

@@ -37,27 +37,34 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import REPO, char_dataset, python_process, read_metrics
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from conftest import char_dataset, REPO, python_process, read_metrics
-
-from gpt import memory
-from gpt import runtime
-from gpt import step
-from gpt.batches import TrainBatches, eval_offsets
 from configurator import TrainConfig
-from model import GPT, GPTConfig
+from gpt import memory, runtime, step
+from gpt.batches import TrainBatches, eval_offsets
 from gpt.wrap import build
+from model import GPT, GPTConfig
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="needs torch.distributed with gloo")
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
+)
 
 TRAIN_ARGS = [
-    "config/train_llama_tiny.py", "--block_size=32", "--batch_size=4", "--gradient_accumulation_steps=4",
-    "--max_iters=8", "--lr_decay_iters=8", "--warmup_iters=2", "--eval_interval=4", "--eval_iters=3", "--log_interval=1",
+    "config/train_llama_tiny.py",
+    "--block_size=32",
+    "--batch_size=4",
+    "--gradient_accumulation_steps=4",
+    "--max_iters=8",
+    "--lr_decay_iters=8",
+    "--warmup_iters=2",
+    "--eval_interval=4",
+    "--eval_iters=3",
+    "--log_interval=1",
     # 0.48M parameters, 1.9 MB of fp32 gradients: more than DDP's first bucket (1 MB), so DDP has
     # two buckets and dynamo splits the compiled train graph between them
-    "--n_embd=128", "--mlp_hidden=512",
+    "--n_embd=128",
+    "--mlp_hidden=512",
 ]
 
 # train.py under torchrun as a user runs it, once for each run in the JSON list argv[2] (name, train.py
@@ -135,8 +142,15 @@ def torchrun(root, data_dir, runs, timeout=300):
     specs = []
     for i, (name, extra, nan_at, copy) in enumerate(runs):
         (root / name).mkdir(exist_ok=True)
-        specs.append({"name": name, "args": [*TRAIN_ARGS, f"--dataset={data_dir}", f"--out_dir={root / name}", *extra],
-                      "nan_at": nan_at and [sorted(s) for s in nan_at], "port": i and free_port(), "copy": copy})
+        specs.append(
+            {
+                "name": name,
+                "args": [*TRAIN_ARGS, f"--dataset={data_dir}", f"--out_dir={root / name}", *extra],
+                "nan_at": nan_at and [sorted(s) for s in nan_at],
+                "port": i and free_port(),
+                "copy": copy,
+            }
+        )
     cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", driver, root, json.dumps(specs)]
     # inductor compiles in the rank's own process (python_process's TORCHINDUCTOR_COMPILE_THREADS=1).
     # Its cache is torch's default, as in tests/test_compile.py
@@ -146,7 +160,9 @@ def torchrun(root, data_dir, runs, timeout=300):
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers
         proc.wait()
-        pytest.fail(f"torchrun of {[name for name, *_ in runs]} still running after {timeout} s: a rank is waiting for another")
+        pytest.fail(
+            f"torchrun of {[name for name, *_ in runs]} still running after {timeout} s: a rank is waiting for another"
+        )
     reports = {}
     for name, *_ in runs:
         out = root / name
@@ -159,7 +175,12 @@ def torchrun(root, data_dir, runs, timeout=300):
 
 
 # fp16, a NaN loss on rank 1 at iters 3, 6 and 7 (test_one_rank_non_finite_loss_is_skipped_by_every_rank)
-NAN_ONE_RANK = ("nan_one_rank", ["--dtype=float16", "--max_iters=10", "--eval_interval=100", "--max_bad_steps=2"], ({3, 6, 7}, {1}), None)
+NAN_ONE_RANK = (
+    "nan_one_rank",
+    ["--dtype=float16", "--max_iters=10", "--eval_interval=100", "--max_bad_steps=2"],
+    ({3, 6, 7}, {1}),
+    None,
+)
 
 
 def losses(out_dir):
@@ -181,12 +202,25 @@ def compiled(data_dir):
     root, chars = data_dir, data_dir / "chars"
     ddp = ["--compile=True", "--always_save_checkpoint=True", "--keep_last=2"]  # checkpoints at 4 and 8
     at_4 = ("ddp", ["ckpt.pt", "ckpt_best.pt", "ckpt_0000008.pt", "rank*"])  # ddp's out_dir as it stood at iter 4
-    code, _, stderr, runs = torchrun(root, chars, [
-        ("eager", [], None, None), ("ddp", ddp, None, None), ("fsdp", ["--compile=True", "--parallelism=fsdp"], None, None),
-        ("resumed", [*ddp, "--init_from=resume"], None, at_4),  # compiled again from nothing (torch._dynamo.reset())
-        NAN_ONE_RANK])  # last: its failing exit is the launch's
-    assert len(runs) == 5 and all(r["exit"] == 0 for name, ranks in runs.items() if name != NAN_ONE_RANK[0] for r in ranks), \
-        stderr[-3000:] + "".join(r["stderr"][-3000:] for ranks in runs.values() for r in ranks)
+    code, _, stderr, runs = torchrun(
+        root,
+        chars,
+        [
+            ("eager", [], None, None),
+            ("ddp", ddp, None, None),
+            ("fsdp", ["--compile=True", "--parallelism=fsdp"], None, None),
+            (
+                "resumed",
+                [*ddp, "--init_from=resume"],
+                None,
+                at_4,
+            ),  # compiled again from nothing (torch._dynamo.reset())
+            NAN_ONE_RANK,
+        ],
+    )  # last: its failing exit is the launch's
+    assert len(runs) == 5 and all(
+        r["exit"] == 0 for name, ranks in runs.items() if name != NAN_ONE_RANK[0] for r in ranks
+    ), stderr[-3000:] + "".join(r["stderr"][-3000:] for ranks in runs.values() for r in ranks)
     return root, {**runs, "launch exit": code}
 
 
@@ -239,15 +273,20 @@ def test_compiled_run_has_one_train_graph_and_one_eval_graph(compiled, name):
 
 def test_compiled_ddp_resumes_exactly(compiled):
     root, runs = compiled
-    untimed = lambda name: [{k: v for k, v in json.loads(line).items() if k not in ("dt_ms", "tokens_per_s", "mfu")}
-                            for line in (root / name / "metrics.jsonl").read_text().splitlines()]
+    untimed = lambda name: [
+        {k: v for k, v in json.loads(line).items() if k not in ("dt_ms", "tokens_per_s", "mfu")}
+        for line in (root / name / "metrics.jsonl").read_text().splitlines()
+    ]
     assert "resuming at iter 4" in runs["resumed"][0]["stdout"]
     assert untimed("resumed") == untimed("ddp")  # bit for bit: the same compiled kernels, the same state
     a, b = (torch.load(root / name / "ckpt.pt", weights_only=True) for name in ("ddp", "resumed"))
     assert a["iter_num"] == b["iter_num"] == 8
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
-    assert all(torch.equal(a["optimizer"]["state"][i][k], b["optimizer"]["state"][i][k]) for i in a["optimizer"]["state"]
-               for k in a["optimizer"]["state"][i])
+    assert all(
+        torch.equal(a["optimizer"]["state"][i][k], b["optimizer"]["state"][i][k])
+        for i in a["optimizer"]["state"]
+        for k in a["optimizer"]["state"][i]
+    )
 
 
 def test_one_rank_non_finite_loss_is_skipped_by_every_rank(compiled):
@@ -275,14 +314,18 @@ TINY = dict(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=65, dropou
 # (eval_iters, ranks, eval_group's budget in eval batches): shakespeare_char on 8 ranks
 # (train_shakespeare_char.py: 200 batches of 64 x 256, 8 of whose logits fit eval_group's 64 MB),
 # and uneven splits, where some ranks have a batch less than others
-@pytest.mark.parametrize("eval_iters, world_size, fits", [(200, 8, 8), (3, 2, 8), (7, 3, 2), (13, 2, 4), (4, 4, 8), (1, 2, 8)])
+@pytest.mark.parametrize(
+    "eval_iters, world_size, fits", [(200, 8, 8), (3, 2, 8), (7, 3, 2), (13, 2, 4), (4, 4, 8), (1, 2, 8)]
+)
 def test_every_rank_evaluates_one_shape_and_each_window_counts_once(monkeypatch, eval_iters, world_size, fits):
     B, T = 2, 16
     torch.manual_seed(0)
     model = GPT(GPTConfig(**TINY)).eval()
     cfg = TrainConfig(batch_size=B, block_size=T, eval_iters=eval_iters)
     logits_bytes = B * T * model.config.padded_vocab_size * 4
-    group = step.eval_group(cfg, model.config.padded_vocab_size, world_size=world_size, budget_bytes=fits * logits_bytes)
+    group = step.eval_group(
+        cfg, model.config.padded_vocab_size, world_size=world_size, budget_bytes=fits * logits_bytes
+    )
     data = np.random.default_rng(0).integers(0, 65, size=3000).astype(np.uint16)
     offsets = eval_offsets(data, eval_iters, B, T, 1)
     shapes, forwards, totals = set(), [], []
@@ -292,7 +335,9 @@ def test_every_rank_evaluates_one_shape_and_each_window_counts_once(monkeypatch,
     for rank in range(world_size):
         calls = []
         hook = model.register_forward_pre_hook(lambda m, args: calls.append(1))
-        step.evaluate(model, {"val": (data, offsets)}, T, runtime.Runtime("cpu", "cpu", torch.float32, rank, 0, world_size), group)
+        step.evaluate(
+            model, {"val": (data, offsets)}, T, runtime.Runtime("cpu", "cpu", torch.float32, rank, 0, world_size), group
+        )
         hook.remove()
         forwards.append(len(calls))
     assert len(shapes) == 1, shapes  # one shape, on every rank: one compiled eval graph
@@ -301,9 +346,20 @@ def test_every_rank_evaluates_one_shape_and_each_window_counts_once(monkeypatch,
     assert forwards[0] == -(-per_rank // min(fits, per_rank))  # as few as the budget allows
     loss_sum, count = sum(totals)
     with torch.no_grad():  # each window once: the mean of the batches' mean losses
-        reference = torch.stack([model(*map(torch.from_numpy, (data[o[:, None] + np.arange(T)].astype(np.int64),
-                                                               data[o[:, None] + np.arange(1, T + 1)].astype(np.int64))))[1]
-                                 for o in offsets]).mean()
+        reference = torch.stack(
+            [
+                model(
+                    *map(
+                        torch.from_numpy,
+                        (
+                            data[o[:, None] + np.arange(T)].astype(np.int64),
+                            data[o[:, None] + np.arange(1, T + 1)].astype(np.int64),
+                        ),
+                    )
+                )[1]
+                for o in offsets
+            ]
+        ).mean()
     assert count == eval_iters * B * T
     assert (loss_sum / count).item() == pytest.approx(reference.item(), rel=1e-6)
 
@@ -315,7 +371,9 @@ def ddp_gradient_bytes():
     # a one-process group: DDP builds its reducer and buckets as with more ranks. The Runtime
     # says two ranks so that build wraps the model in DDP
     rt = runtime.Runtime("cpu", "cpu", torch.float32, rank=0, local_rank=0, world_size=2)
-    cfg = TrainConfig(device="cpu", compile=False, n_layer=2, n_head=4, n_embd=32, block_size=16, dropout=0.0, bias=False)
+    cfg = TrainConfig(
+        device="cpu", compile=False, n_layer=2, n_head=4, n_embd=32, block_size=16, dropout=0.0, bias=False
+    )
     torch.manual_seed(0)
     raw_model = GPT(GPTConfig(**TINY))
     _, train_model, optimizer, scaler = build(raw_model, cfg, rt)

@@ -85,14 +85,14 @@ def script_and_args(tokens):
     """(script, its arguments) of one shell command, or (None, None) when it runs no script."""
     for i, token in enumerate(tokens):
         if PYTHON.match(token):
-            rest = tokens[i + 1:]
+            rest = tokens[i + 1 :]
             if not rest or rest[0].startswith("-") or not rest[0].endswith(".py"):
                 return None, None  # python -m ..., python -c ..., a bare interpreter
             return rest[0], rest[1:]
         if token == "torchrun":
-            for j, arg in enumerate(tokens[i + 1:], i + 1):
+            for j, arg in enumerate(tokens[i + 1 :], i + 1):
                 if arg.endswith(".py"):
-                    return arg, tokens[j + 1:]
+                    return arg, tokens[j + 1 :]
             return None, None
     return None, None
 
@@ -108,6 +108,7 @@ class Caught(BaseException):
 def accepted(script):
     """('config', dataclass) or ('argparse', option strings) for a script, from running it with
     --help in this process with the two ways of printing help intercepted."""
+
     def caught_usage(cls):
         raise Caught("config", cls)
 
@@ -165,6 +166,10 @@ def test_every_documented_command_names_real_files_and_known_keys(command):
     elif kind == "argparse":
         for flag in flags:
             option = flag.partition("=")[0]
-            assert option in keys, f"{where}: {script} has no option {option} (python {script} --help lists its options)"
+            assert option in keys, (
+                f"{where}: {script} has no option {option} (python {script} --help lists its options)"
+            )
     elif flags:
-        pytest.fail(f"{where}: {script} was given {' '.join(flags)}, but its --help shows no keys to check them against")
+        pytest.fail(
+            f"{where}: {script} was given {' '.join(flags)}, but its --help shows no keys to check them against"
+        )

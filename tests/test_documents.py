@@ -8,13 +8,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import GPT2, read_metrics, run_script, tiny_args
 from torch.nn.attention.flex_attention import BlockMask
 
 import model as model_module
-from conftest import GPT2, read_metrics, run_script, tiny_args
 from configurator import UserError
-from gpt import tokens
-from gpt import checkpoint, runtime
+from gpt import checkpoint, runtime, tokens
 from gpt.batches import DocumentBatches, TrainBatches, row_starts
 from gpt.step import train_step
 from model import GPT, GPTConfig, document_mask
@@ -65,8 +64,12 @@ def draw_global(samplers, calls):
 def test_an_epoch_draws_every_row_once_split_between_ranks():
     data, _ = counting_documents()
     starts, _ = row_starts(data, EOT, 16)
-    ranks = [DocumentBatches(data, 3, 16, seed=4, rt=runtime.Runtime("cpu", "cpu", torch.float32, rank=r, world_size=2),
-                             eot=EOT) for r in range(2)]
+    ranks = [
+        DocumentBatches(
+            data, 3, 16, seed=4, rt=runtime.Runtime("cpu", "cpu", torch.float32, rank=r, world_size=2), eot=EOT
+        )
+        for r in range(2)
+    ]
     calls = 2 * len(starts) // 6 + 2  # past two epochs, with an epoch ending inside a global batch
     drawn = draw_global(ranks, calls)
     assert all(not set(step[:3]) & set(step[3:]) for step in drawn)  # the ranks' rows in a step are disjoint
@@ -113,8 +116,11 @@ def test_the_plain_forward_calls_attention_as_before(monkeypatch):
     model, x = tiny_gpt(), torch.randint(1, 65, (2, 32))
     calls = []
     sdpa = F.scaled_dot_product_attention
-    monkeypatch.setattr(F, "scaled_dot_product_attention",
-                        lambda *a, **k: calls.append((k["attn_mask"], k["is_causal"])) or sdpa(*a, **k))
+    monkeypatch.setattr(
+        F,
+        "scaled_dot_product_attention",
+        lambda *a, **k: calls.append((k["attn_mask"], k["is_causal"])) or sdpa(*a, **k),
+    )
     plain, _ = model(x, logits_at="all")
     assert calls == [(None, True)] * 2
     one_doc, _ = model(x, logits_at="all", docs=torch.zeros_like(x))  # one document: the same function, by a mask
@@ -132,7 +138,9 @@ class OnCuda(torch.Tensor):
 def spy_masks(monkeypatch):
     """The masks GPT.forward builds (model.document_mask's results), as they are built."""
     made = []
-    monkeypatch.setattr(model_module, "document_mask", lambda docs, flex: made.append(document_mask(docs, flex)) or made[-1])
+    monkeypatch.setattr(
+        model_module, "document_mask", lambda docs, flex: made.append(document_mask(docs, flex)) or made[-1]
+    )
     return made
 
 
@@ -146,8 +154,10 @@ def test_a_masked_row_computes_each_document_alone(monkeypatch, cuda, pos_encodi
     here on the CPU), elsewhere SDPA's dense boolean mask."""
     model, made = tiny_gpt(pos_encoding=pos_encoding, n_kv_head=2), spy_masks(monkeypatch)
     eot, rng = 64, np.random.default_rng(3)
-    rows = [[eot, *rng.integers(1, 64, 11), eot, *rng.integers(1, 64, 4), eot, *rng.integers(1, 64, 14)],
-            [*rng.integers(1, 64, 20), eot, *rng.integers(1, 64, 11)]]
+    rows = [
+        [eot, *rng.integers(1, 64, 11), eot, *rng.integers(1, 64, 4), eot, *rng.integers(1, 64, 14)],
+        [*rng.integers(1, 64, 20), eot, *rng.integers(1, 64, 11)],
+    ]
     x = torch.tensor(rows)
     docs = torch.cumsum(x == eot, dim=1)  # what get_batch gives with eot
     logits, _ = model(x, logits_at="all", docs=docs.as_subclass(OnCuda) if cuda else docs)
@@ -189,8 +199,16 @@ def test_accumulated_masked_steps_equal_one_big_batch():
         batches = DocumentBatches(data, batch_size, 32, seed=0, rt=CPU, eot=64, doc_mask=doc_mask)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
         model.zero_grad()
-        step = train_step(model.train(), optimizer, torch.amp.GradScaler("cpu", enabled=False),
-                          lambda: batches(), 0.0, accum, 0.0, CPU)
+        step = train_step(
+            model.train(),
+            optimizer,
+            torch.amp.GradScaler("cpu", enabled=False),
+            lambda: batches(),
+            0.0,
+            accum,
+            0.0,
+            CPU,
+        )
         grads.append(step.grad_norm)
     torch.testing.assert_close(grads[0], grads[1])
     assert not torch.allclose(grads[0], grads[2])  # the document numbers reached the model
@@ -222,9 +240,11 @@ def test_resume_mid_epoch_is_exact(document_data, tmp_path):
     """16 steps straight == 8, stop, resume to 16, with epochs of ~11 steps: the same losses and
     weights to the last bit."""
     common = dict(max_iters=16, lr_decay_iters=16, eval_interval=4, dropout=0.1, batch_order="documents", doc_mask=True)
-    runs = [train(document_data, tmp_path / "straight", **common),
-            train(document_data, tmp_path / "split", **{**common, "max_iters": 8}),
-            train(document_data, tmp_path / "split", **common, init_from="resume")]
+    runs = [
+        train(document_data, tmp_path / "straight", **common),
+        train(document_data, tmp_path / "split", **{**common, "max_iters": 8}),
+        train(document_data, tmp_path / "split", **common, init_from="resume"),
+    ]
     assert all(r.returncode == 0 for r in runs), [r.stderr for r in runs]
     assert "documents: 40 in train" in runs[0].stdout and "resuming at iter 8" in runs[2].stdout
     untimed = lambda records: [{k: v for k, v in r.items() if k not in ("dt_ms", "tokens_per_s")} for r in records]
@@ -233,7 +253,9 @@ def test_resume_mid_epoch_is_exact(document_data, tmp_path):
     b = checkpoint.load(str(tmp_path / "split" / "ckpt.pt"))
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert b["rng"]["batches"]["epoch"] == 1  # the run crossed into its second epoch
-    other = train(document_data, tmp_path / "split", **{**common, "max_iters": 20, "batch_order": "random"}, init_from="resume")
+    other = train(
+        document_data, tmp_path / "split", **{**common, "max_iters": 20, "batch_order": "random"}, init_from="resume"
+    )
     assert other.returncode != 0 and "batch_order='documents'" in other.stderr and "Traceback" not in other.stderr
 
 

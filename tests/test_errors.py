@@ -2,7 +2,6 @@
 and nothing already written is lost."""
 
 import pytest
-
 from conftest import run_script, tiny_args
 
 
@@ -58,7 +57,9 @@ def test_config_file_with_an_error(tmp_path):
 
 
 def test_missing_dataset_names_the_prepare_script(tmp_path):
-    result = run_script("train.py", "--dataset=shakespeare_nope", "--device=cpu", "--compile=False", f"--out_dir={tmp_path}")
+    result = run_script(
+        "train.py", "--dataset=shakespeare_nope", "--device=cpu", "--compile=False", f"--out_dir={tmp_path}"
+    )
     assert_one_line_error(result, "data/shakespeare_nope/train.bin not found", "prepare.py")
 
 
@@ -68,8 +69,11 @@ def test_block_size_longer_than_the_data(char_data, tmp_path):
 
 
 def test_gradient_accumulation_must_divide_among_ranks(char_data, tmp_path):
-    result = run_script("train.py", *tiny_args(char_data, tmp_path / "out", gradient_accumulation_steps=3),
-                        env={"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"})
+    result = run_script(
+        "train.py",
+        *tiny_args(char_data, tmp_path / "out", gradient_accumulation_steps=3),
+        env={"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+    )
     assert_one_line_error(result, "gradient_accumulation_steps=3", "multiple of 2")
 
 
@@ -130,8 +134,18 @@ BENCH_CASES = [
 
 @pytest.mark.parametrize("argv, expected", BENCH_CASES, ids=[" ".join(a) for a, _ in BENCH_CASES])
 def test_bench_errors(argv, expected):
-    tiny = ["--device=cpu", "--compile=False", "--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=16",
-            "--batch_size=2", "--gradient_accumulation_steps=1", "--bench_iters=2", "--bench_warmup=1"]
+    tiny = [
+        "--device=cpu",
+        "--compile=False",
+        "--n_layer=1",
+        "--n_head=2",
+        "--n_embd=32",
+        "--block_size=16",
+        "--batch_size=2",
+        "--gradient_accumulation_steps=1",
+        "--bench_iters=2",
+        "--bench_warmup=1",
+    ]
     assert_one_line_error(run_script("bench.py", *tiny, *argv), *expected)
 
 

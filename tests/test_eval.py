@@ -13,14 +13,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-
-from gpt import evaluation
-from gpt import runtime
-from gpt import scoring
-from gpt import tokenizer
 from conftest import GPT2, REPO, bpe_eval_data, read_metrics, run_script, tiny_args, train_tiny_run, write_hellaswag
-from gpt import tokens
+
+from gpt import evaluation, runtime, scoring, tokenizer, tokens
 from model import GPT, GPTConfig
+
 
 def tiny_hf_gpt2(n_positions=64):
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -51,7 +48,7 @@ def test_choice_losses_equal_transformers_gpt2(tmp_path, cpu):
             ids = torch.tensor([(context + choice)[-65:]])  # the last block_size + 1 tokens
             with torch.no_grad():
                 logits = hf_model(ids[:, :-1]).logits[0]  # (T, vocab)
-            losses = F.cross_entropy(logits, ids[0, 1:], reduction="none")[-len(choice):]  # the choice's tokens only
+            losses = F.cross_entropy(logits, ids[0, 1:], reduction="none")[-len(choice) :]  # the choice's tokens only
             assert rows[i][1] == len(choice)
             assert abs(totals[i].item() - losses.sum().item()) <= 1e-5 * max(1.0, losses.sum().item())
             i += 1
@@ -76,9 +73,11 @@ def test_acc_and_both_acc_norms_on_a_hand_built_case(cpu):
     # acc_norm_chars divides by the choices' characters: short has 10 (0.23 per character), long 5
     # (0.55), [1, 1] 5 (0.92)
     short, long = [1], [2, 2, 2]
-    encoded = [([0], [short, long], 0, [10, 5]),  # answer the short one: right by total and by characters
-               ([0, 0], [long, short], 0, [5, 10]),  # answer the long one: right by mean only
-               ([0], [short, long, [1, 1]], 0, [10, 5, 5])]  # short beats [1, 1] (4.61, mean 2.30) and long by total
+    encoded = [
+        ([0], [short, long], 0, [10, 5]),  # answer the short one: right by total and by characters
+        ([0, 0], [long, short], 0, [5, 10]),  # answer the long one: right by mean only
+        ([0], [short, long, [1, 1]], 0, [10, 5, 5]),
+    ]  # short beats [1, 1] (4.61, mean 2.30) and long by total
     result = evaluation.score_choices(model, encoded, block_size=8, rt=cpu, batch_size=2)
     assert result == {"acc": 2 / 3, "acc_norm_tokens": 1 / 3, "acc_norm_chars": 2 / 3, "n": 3}
 
@@ -89,8 +88,12 @@ def char_model_and_data(tmp_path):
     spec = {"kind": "char", "chars": chars}
     ids = np.array([chars.index(c) for c in text], dtype=np.uint16)
     torch.manual_seed(0)
-    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=len(chars))).eval(), spec, ids, \
-        lambda targets: len("".join(chars[i] for i in targets).encode("utf-8"))
+    return (
+        GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=len(chars))).eval(),
+        spec,
+        ids,
+        lambda targets: len("".join(chars[i] for i in targets).encode("utf-8")),
+    )
 
 
 def bpe_model_and_data(tmp_path):
@@ -114,8 +117,9 @@ def test_bits_per_byte_equals_a_hand_count(make, tmp_path, cpu):
     x = torch.from_numpy(ids[: n * 16].astype(np.int64)).view(n, 16)
     y = torch.from_numpy(ids[1 : n * 16 + 1].astype(np.int64)).view(n, 16)
     with torch.no_grad():
-        nats = F.cross_entropy(model(x, logits_at="all")[0].reshape(-1, model.config.vocab_size), y.reshape(-1),
-                               reduction="sum").item()
+        nats = F.cross_entropy(
+            model(x, logits_at="all")[0].reshape(-1, model.config.vocab_size), y.reshape(-1), reduction="sum"
+        ).item()
     expected = nats / (math.log(2) * text_bytes(ids[1 : n * 16 + 1].tolist()))
     assert result["tokens"] == n * 16
     assert abs(result["loss"] - nats / (n * 16)) < 1e-5
@@ -133,10 +137,14 @@ def bpe_setup(tmp_path_factory):
 def test_training_logs_bpb_test_loss_and_hellaswag_in_rhythm_across_resume(bpe_setup, tmp_path):
     root, data_dir, hs = bpe_setup
     out = tmp_path / "out"
-    common = dict(hellaswag_interval=4, hellaswag_path=hs, hellaswag_examples=10, eval_interval=5, eval_iters=2, block_size=32)
+    common = dict(
+        hellaswag_interval=4, hellaswag_path=hs, hellaswag_examples=10, eval_interval=5, eval_iters=2, block_size=32
+    )
     first = run_script("train.py", *tiny_args(data_dir, out, max_iters=6, lr_decay_iters=12, **common))
     assert first.returncode == 0, first.stderr
-    resumed = run_script("train.py", *tiny_args(data_dir, out, max_iters=10, lr_decay_iters=12, init_from="resume", **common))
+    resumed = run_script(
+        "train.py", *tiny_args(data_dir, out, max_iters=10, lr_decay_iters=12, init_from="resume", **common)
+    )
     assert resumed.returncode == 0, resumed.stderr
     records = read_metrics(out)
     hellaswag = [r for r in records if "hellaswag_acc" in r]
@@ -151,8 +159,10 @@ def test_training_logs_bpb_test_loss_and_hellaswag_in_rhythm_across_resume(bpe_s
     enc = tokenizer.encoding("gpt2")
     val = tokens.Tokens.open(str(data_dir), "val")
     offsets = eval_offsets(val, 2, 4, 32, 1337 + 2)
-    n_bytes = sum(len(enc.decode_bytes([t for t in val[o + 1 : o + 33].tolist() if t != enc.eot_token]))
-                  for o in offsets.reshape(-1))
+    n_bytes = sum(
+        len(enc.decode_bytes([t for t in val[o + 1 : o + 33].tolist() if t != enc.eot_token]))
+        for o in offsets.reshape(-1)
+    )
     for r in evals_:
         assert r["val_bpb"] == pytest.approx(r["val_loss"] * 2 * 4 * 32 / (math.log(2) * n_bytes), rel=1e-9)
 
@@ -219,7 +229,9 @@ def test_eval_loops_read_the_device_once_whatever_the_number_of_batches(monkeypa
     tokens.write(str(tmp_path / "val.bin"), np.random.default_rng(0).integers(0, 50257, 3000).astype(np.uint16))
     data = tokens.Tokens.open(str(tmp_path), "val")
     token_bytes = tokenizer.token_bytes(GPT2)
-    encoded = evaluation.encode_examples(evaluation.load_hellaswag(str(write_hellaswag(tmp_path / "hs.jsonl", 16))), GPT2)
+    encoded = evaluation.encode_examples(
+        evaluation.load_hellaswag(str(write_hellaswag(tmp_path / "hs.jsonl", 16))), GPT2
+    )
     calls = count_host_reads(monkeypatch)
     reads = {}
     for batches in (1, 8):
@@ -234,11 +246,24 @@ def test_eval_loops_read_the_device_once_whatever_the_number_of_batches(monkeypa
     assert len(reads["split_loss", 8]) <= 2 and len(reads["score_choices", 8]) <= 2, reads  # the final .cpu().tolist()
 
 
-@pytest.mark.skipif(not os.environ.get("LM_EVAL_PYTHON"), reason="set LM_EVAL_PYTHON to a Python with lm-eval installed (its own venv)")
+@pytest.mark.skipif(
+    not os.environ.get("LM_EVAL_PYTHON"), reason="set LM_EVAL_PYTHON to a Python with lm-eval installed (its own venv)"
+)
 def test_harness_style_equals_lm_evaluation_harness():
     # scripts/harness_hellaswag.py: lm-eval's own hellaswag task and --hellaswag_style=harness on one
     # GPT-2-shaped export and one local file; every log-likelihood, verdict and accuracy compared
-    result = subprocess.run([sys.executable, str(REPO / "scripts" / "harness_hellaswag.py"),
-                             f"--lm_eval_python={os.environ['LM_EVAL_PYTHON']}", "--examples=24"],
-                            cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0 and result.stdout.strip().endswith("equal"), result.stdout[-3000:] + result.stderr[-3000:]
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "harness_hellaswag.py"),
+            f"--lm_eval_python={os.environ['LM_EVAL_PYTHON']}",
+            "--examples=24",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0 and result.stdout.strip().endswith("equal"), (
+        result.stdout[-3000:] + result.stderr[-3000:]
+    )

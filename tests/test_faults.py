@@ -8,9 +8,9 @@ import time
 
 import pytest
 import torch
+from conftest import REPO, nan_steps, python_process, read_metrics, run_script, tiny_args
 
 from gpt import checkpoint
-from conftest import REPO, nan_steps, python_process, read_metrics, run_script, tiny_args
 
 EXIT_STOPPED = 75
 
@@ -56,8 +56,10 @@ def test_sigterm_checkpoints_and_resume_is_exact(char_data, tmp_path):
 
 def test_time_budget_stops_with_a_checkpoint(char_data, tmp_path):
     out = tmp_path / "out"
-    result = run_script("train.py", *tiny_args(char_data, out, max_iters=100_000, lr_decay_iters=100_000,
-                                               eval_interval=100_000, max_minutes=0.05))
+    result = run_script(
+        "train.py",
+        *tiny_args(char_data, out, max_iters=100_000, lr_decay_iters=100_000, eval_interval=100_000, max_minutes=0.05),
+    )
     assert result.returncode == EXIT_STOPPED, result.stderr
     assert "(max_minutes)" in result.stdout
     assert checkpoint.load(str(out / "ckpt.pt"))["iter_num"] > 0
@@ -67,20 +69,29 @@ def test_a_non_finite_step_leaves_the_weights_alone(char_data, tmp_path, monkeyp
     """Step 5 is poisoned: the weights after steps 0-5 equal those after steps 0-4."""
     five = run_script("train.py", *tiny_args(char_data, tmp_path / "five", max_iters=5, eval_interval=1000))
     nan_steps(monkeypatch.setattr, {5})
-    poisoned = run_script("train.py", *tiny_args(char_data, tmp_path / "six", max_iters=6, eval_interval=1000), patched=True)
+    poisoned = run_script(
+        "train.py", *tiny_args(char_data, tmp_path / "six", max_iters=6, eval_interval=1000), patched=True
+    )
     assert five.returncode == 0 and poisoned.returncode == 0, poisoned.stderr
-    assert "iter 5: non-finite loss or gradient norm, 1 step(s) skipped since the last log (1 in a row)" in poisoned.stdout
+    assert (
+        "iter 5: non-finite loss or gradient norm, 1 step(s) skipped since the last log (1 in a row)" in poisoned.stdout
+    )
     a = checkpoint.load(str(tmp_path / "five" / "ckpt.pt"))
     b = checkpoint.load(str(tmp_path / "six" / "ckpt.pt"))
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
-    assert all(torch.equal(x, y) for x, y in zip(a["optimizer"]["state"][0].values(), b["optimizer"]["state"][0].values()))
+    assert all(
+        torch.equal(x, y) for x, y in zip(a["optimizer"]["state"][0].values(), b["optimizer"]["state"][0].values())
+    )
 
 
 def test_too_many_bad_steps_stop_the_run_with_the_last_good_checkpoint(char_data, tmp_path, monkeypatch):
     out = tmp_path / "out"
     nan_steps(monkeypatch.setattr, {9, 10, 11, 12})
-    result = run_script("train.py", *tiny_args(char_data, out, max_iters=50, eval_interval=4, max_bad_steps=3,
-                                               always_save_checkpoint=True), patched=True)
+    result = run_script(
+        "train.py",
+        *tiny_args(char_data, out, max_iters=50, eval_interval=4, max_bad_steps=3, always_save_checkpoint=True),
+        patched=True,
+    )
     assert result.returncode == 3
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert "3 steps in a row" in result.stderr
@@ -91,10 +102,14 @@ def test_too_many_bad_steps_stop_the_run_with_the_last_good_checkpoint(char_data
 
 def test_ddp_sigterm_to_the_launcher_stops_both_ranks_with_one_checkpoint(char_data, tmp_path):
     out = tmp_path / "out"
-    args = tiny_args(char_data, out, gradient_accumulation_steps=2, max_iters=100_000, lr_decay_iters=100_000,
-                     eval_interval=100_000)
-    proc = start(args, env={"OMP_NUM_THREADS": "1"},
-                 module_args=["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(REPO / "train.py")])
+    args = tiny_args(
+        char_data, out, gradient_accumulation_steps=2, max_iters=100_000, lr_decay_iters=100_000, eval_interval=100_000
+    )
+    proc = start(
+        args,
+        env={"OMP_NUM_THREADS": "1"},
+        module_args=["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(REPO / "train.py")],
+    )
     wait_for_steps(out, 20, proc)
     proc.send_signal(signal.SIGTERM)  # to torchrun, which passes it on to both ranks
     stdout, stderr = proc.communicate(timeout=300)  # no hang: both ranks agreed to stop
@@ -107,20 +122,31 @@ def test_ddp_sigterm_to_the_launcher_stops_both_ranks_with_one_checkpoint(char_d
 
 def test_keep_last_rotates_and_resume_takes_the_newest_complete(char_data, tmp_path):
     out = tmp_path / "out"
-    result = run_script("train.py", *tiny_args(char_data, out, max_iters=40, lr_decay_iters=40, eval_interval=10, keep_last=2))
+    result = run_script(
+        "train.py", *tiny_args(char_data, out, max_iters=40, lr_decay_iters=40, eval_interval=10, keep_last=2)
+    )
     assert result.returncode == 0, result.stderr
-    assert sorted(p.name for p in out.glob("ckpt*.pt")) == ["ckpt.pt", "ckpt_0000030.pt", "ckpt_0000040.pt", "ckpt_best.pt"]
+    assert sorted(p.name for p in out.glob("ckpt*.pt")) == [
+        "ckpt.pt",
+        "ckpt_0000030.pt",
+        "ckpt_0000040.pt",
+        "ckpt_best.pt",
+    ]
     assert os.path.samefile(out / "ckpt.pt", out / "ckpt_0000040.pt")  # a link, not a second copy
     vals = {r["iter"]: r["val_loss"] for r in read_metrics(out) if "val_loss" in r and r["iter"] > 0}
-    assert checkpoint.load(str(out / "ckpt_best.pt"))["iter_num"] == min(vals, key=vals.get)  # kept apart from the rotation
+    assert checkpoint.load(str(out / "ckpt_best.pt"))["iter_num"] == min(
+        vals, key=vals.get
+    )  # kept apart from the rotation
 
     # the newest files are damaged (a copy cut short): resume falls back to the newest one that loads whole
     (out / "ckpt.pt").unlink()
     (out / "ckpt.pt").write_bytes(b"half a checkpoint")
     whole = (out / "ckpt_0000040.pt").read_bytes()
     (out / "ckpt_0000040.pt").write_bytes(whole[: len(whole) // 2])
-    resumed = run_script("train.py", *tiny_args(char_data, out, max_iters=40, lr_decay_iters=40, eval_interval=10,
-                                                keep_last=2, init_from="resume"))
+    resumed = run_script(
+        "train.py",
+        *tiny_args(char_data, out, max_iters=40, lr_decay_iters=40, eval_interval=10, keep_last=2, init_from="resume"),
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming from" in resumed.stdout and "ckpt_0000030.pt (iter 30)" in resumed.stdout
     assert checkpoint.load(str(out / "ckpt.pt"))["iter_num"] == 40
@@ -149,13 +175,28 @@ def test_a_rank_whose_peer_never_comes_gives_up_after_dist_timeout_s(char_data, 
     with socket.socket() as s:  # a free port for rank 0's store
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-    result = run_script("train.py", *tiny_args(char_data, tmp_path / "out", gradient_accumulation_steps=2,
-                                               dist_timeout_s=2), env=env, isolated=True, timeout=120)
+    env = {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": "1",
+    }
+    result = run_script(
+        "train.py",
+        *tiny_args(char_data, tmp_path / "out", gradient_accumulation_steps=2, dist_timeout_s=2),
+        env=env,
+        isolated=True,
+        timeout=120,
+    )
     assert result.returncode == 2, result.stderr
-    assert result.stderr.strip().splitlines()[-1].startswith(
-        f"error: rank 0 of 2 gave up joining the process group at 127.0.0.1:{port} after dist_timeout_s=2")
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"error: rank 0 of 2 gave up joining the process group at 127.0.0.1:{port} after dist_timeout_s=2")
+    )
 
 
 @pytest.mark.parametrize("shared", [True, False])
@@ -164,8 +205,14 @@ def test_restarts_with_torchruns_shared_store_get_a_note(monkeypatch, capsys, sh
     (then it tells the ranks TORCHELASTIC_USE_AGENT_STORE=False): rank 0 says how to launch instead."""
     from gpt import runtime
 
-    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_MAX_RESTARTS": "3",
-           "TORCHELASTIC_USE_AGENT_STORE": str(shared)}
+    env = {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+        "TORCHELASTIC_MAX_RESTARTS": "3",
+        "TORCHELASTIC_USE_AGENT_STORE": str(shared),
+    }
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setattr(runtime.dist, "init_process_group", lambda **kwargs: None)  # no peers here

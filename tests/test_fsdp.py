@@ -26,17 +26,25 @@ import textwrap
 import pytest
 import torch
 import torch.distributed as dist
-
-from conftest import char_dataset, REPO, python_process, read_metrics, shared_dir, tiny_args
+from conftest import REPO, char_dataset, python_process, read_metrics, shared_dir, tiny_args
 
 from model import GPT, GPTConfig
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="needs torch.distributed with gloo")
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
+)
 
 TRAIN_ARGS = [
-    "config/train_llama_tiny.py", "--block_size=32", "--batch_size=4", "--gradient_accumulation_steps=4",
-    "--max_iters=8", "--lr_decay_iters=8", "--warmup_iters=2", "--eval_interval=4", "--eval_iters=2", "--log_interval=1",
+    "config/train_llama_tiny.py",
+    "--block_size=32",
+    "--batch_size=4",
+    "--gradient_accumulation_steps=4",
+    "--max_iters=8",
+    "--lr_decay_iters=8",
+    "--warmup_iters=2",
+    "--eval_interval=4",
+    "--eval_iters=2",
+    "--log_interval=1",
     "--dropout=0.1",  # so each rank's RNG stream must be the same under both, and restored on resume
     "--activation_checkpointing=True",  # under DDP and FSDP alike
     "--checkpoint_format=full",  # FSDP's default is sharded (test_checkpoint_format.py); this is the one-file format
@@ -45,8 +53,17 @@ FSDP = "--parallelism=fsdp"
 NAN_STEP = 5
 # test_checkpoint_format.py's runs (tiny_args and these): FSDP on 2 ranks, sharded + async, 20 steps
 # (keep_last=4: iters 5, 10, 15 and 20 stay)
-SHARDED = dict(max_iters=20, lr_decay_iters=20, eval_interval=5, gradient_accumulation_steps=2, dropout=0.1,
-               parallelism="fsdp", checkpoint_format="sharded", async_checkpoint=True, keep_last=4)
+SHARDED = dict(
+    max_iters=20,
+    lr_decay_iters=20,
+    eval_interval=5,
+    gradient_accumulation_steps=2,
+    dropout=0.1,
+    parallelism="fsdp",
+    checkpoint_format="sharded",
+    async_checkpoint=True,
+    keep_last=4,
+)
 
 # train.py under torchrun as a user runs it, once for each run in the JSON list argv[2] (name, train.py
 # arguments, NaN steps), one after the other in the same ranks. Each run has a process group of its
@@ -85,8 +102,12 @@ def torchrun(launch, root, runs, nodes=1):
     driver.write_text(DRIVER.format(repo=str(REPO)))
     for name, *_ in runs:
         (root / name).mkdir(exist_ok=True)
-    specs = json.dumps([{"name": name, "args": [*map(str, args)], "nan": sorted(nan), "port": i and free_port()}
-                        for i, (name, args, nan) in enumerate(runs)])
+    specs = json.dumps(
+        [
+            {"name": name, "args": [*map(str, args)], "nan": sorted(nan), "port": i and free_port()}
+            for i, (name, args, nan) in enumerate(runs)
+        ]
+    )
     cmd = ["-m", "torch.distributed.run", *launch, driver, root, specs]
     return [python_process(cmd, env={"OMP_NUM_THREADS": "1"}) for _ in range(nodes)]
 
@@ -103,7 +124,9 @@ def finish(procs, root, runs, timeout=300):
                 if q.poll() is None:
                     os.killpg(q.pid, signal.SIGKILL)  # torchrun and its workers
                     q.wait()
-            pytest.fail(f"torchrun of {[name for name, *_ in runs]} still running after {timeout} s: a rank is waiting for another")
+            pytest.fail(
+                f"torchrun of {[name for name, *_ in runs]} still running after {timeout} s: a rank is waiting for another"
+            )
     done = {}
     for name, *_ in runs:
         if not all((root / name / f"rank{r}.json").exists() for r in range(2)):
@@ -121,31 +144,57 @@ def free_port():
 def build_launches(root):
     """The runs of the module docstring, under root (shared_launches)."""
     data = char_dataset(root / "chars")
-    ours = lambda name, *extra: (name, [*TRAIN_ARGS, f"--dataset={data}", f"--out_dir={root / name}", *extra], {NAN_STEP})
+    ours = lambda name, *extra: (
+        name,
+        [*TRAIN_ARGS, f"--dataset={data}", f"--out_dir={root / name}", *extra],
+        {NAN_STEP},
+    )
     sharded = lambda name, **overrides: (name, tiny_args(data, root / name, **{**SHARDED, **overrides}), set())
     # two "nodes" of one process each, meeting at a c10d rendezvous as separate machines would
-    node = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=localhost:{free_port()}",
-            "--rdzv_id=test-two-nodes"]
+    node = [
+        "--nnodes=2",
+        "--nproc_per_node=1",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint=localhost:{free_port()}",
+        "--rdzv_id=test-two-nodes",
+    ]
     # checkpoints at iters 4 and 8 (eval_interval=4) besides ckpt.pt
-    first = [ours("ddp", "--parallelism=ddp"), ours("two_node", FSDP, "--always_save_checkpoint=True", "--keep_last=2"),
-             sharded("sharded_straight")]
+    first = [
+        ours("ddp", "--parallelism=ddp"),
+        ours("two_node", FSDP, "--always_save_checkpoint=True", "--keep_last=2"),
+        sharded("sharded_straight"),
+    ]
     codes, stderr, reports = finish(torchrun(node, root, first, nodes=2), root, first)
     assert codes == [0, 0], stderr + "".join(r["stderr"][-3000:] for ranks in reports.values() for r in ranks)
     # the two-node run as it stood at iter 4, resumed by a standalone launch
-    shutil.copytree(root / "two_node", root / "split", ignore=shutil.ignore_patterns("ckpt.pt", "ckpt_best.pt", "ckpt_0000008.pt", "rank*"))
+    shutil.copytree(
+        root / "two_node",
+        root / "split",
+        ignore=shutil.ignore_patterns("ckpt.pt", "ckpt_best.pt", "ckpt_0000008.pt", "rank*"),
+    )
     # test_checkpoint_format's: iter 10's checkpoint was written in the background while the straight run trained on
-    shutil.copytree(root / "sharded_straight", root / "sharded_split", symlinks=True,
-                    ignore=shutil.ignore_patterns("ckpt_0000015", "ckpt_0000020", "ckpt_best", "rank*"))
+    shutil.copytree(
+        root / "sharded_straight",
+        root / "sharded_split",
+        symlinks=True,
+        ignore=shutil.ignore_patterns("ckpt_0000015", "ckpt_0000020", "ckpt_best", "rank*"),
+    )
     # and the straight run's last checkpoint resumed on 2 ranks, its next write (iter 25) failing with ENOSPC
-    shutil.copytree(root / "sharded_straight", root / "sharded_full_disk", symlinks=True, ignore=shutil.ignore_patterns("rank*"))
+    shutil.copytree(
+        root / "sharded_straight", root / "sharded_full_disk", symlinks=True, ignore=shutil.ignore_patterns("rank*")
+    )
     (root / "sharded_full_disk" / "ckpt_0000025").mkdir()
     for rank in range(2):
         os.symlink("/dev/full", root / "sharded_full_disk" / "ckpt_0000025" / f"__{rank}_0.distcp")
-    then = [ours("split", FSDP, "--init_from=resume"), sharded("sharded_split", init_from="resume"),
-            sharded("sharded_full_disk", init_from="resume", max_iters=30, lr_decay_iters=30)]
+    then = [
+        ours("split", FSDP, "--init_from=resume"),
+        sharded("sharded_split", init_from="resume"),
+        sharded("sharded_full_disk", init_from="resume", max_iters=30, lr_decay_iters=30),
+    ]
     codes, stderr, reports = finish(torchrun(["--standalone", "--nproc_per_node=2"], root, then), root, then)
-    assert len(reports) == 3 and all(r["exit"] == 0 for name in ("split", "sharded_split") for r in reports[name]), \
+    assert len(reports) == 3 and all(r["exit"] == 0 for name in ("split", "sharded_split") for r in reports[name]), (
         stderr + "".join(r["stderr"][-3000:] for ranks in reports.values() for r in ranks)
+    )
     (root / "sharded_full_disk" / "launch.json").write_text(json.dumps(codes))
 
 
@@ -157,9 +206,16 @@ def shared_launches(tmp_path_factory):
 
 def reports(root, name):
     """Each rank's report of run `name` (exit, stdout, stderr)."""
-    return [{**json.loads((root / name / f"rank{r}.json").read_text()),
-             **{key: (root / name / f"rank{r}{suffix}").read_text() for key, suffix in (("stdout", ".out"), ("stderr", ".err"))}}
-            for r in range(2)]
+    return [
+        {
+            **json.loads((root / name / f"rank{r}.json").read_text()),
+            **{
+                key: (root / name / f"rank{r}{suffix}").read_text()
+                for key, suffix in (("stdout", ".out"), ("stderr", ".err"))
+            },
+        }
+        for r in range(2)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +228,9 @@ def losses(out_dir):
     """Every logged loss in order, training steps and evaluations, and the poisoned step's."""
     records = read_metrics(out_dir)
     poisoned = [r["loss"] for r in records if r["iter"] == NAN_STEP and "loss" in r]
-    return [r[k] for r in records if r["iter"] != NAN_STEP for k in ("loss", "train_loss", "val_loss") if k in r], poisoned
+    return [
+        r[k] for r in records if r["iter"] != NAN_STEP for k in ("loss", "train_loss", "val_loss") if k in r
+    ], poisoned
 
 
 def test_fsdp_trains_like_ddp(runs):
@@ -191,8 +249,9 @@ def test_fsdp_checkpoint_has_the_one_format_and_resumes_exactly(runs):
     root, _ = runs
     straight, split = read_metrics(root / "two_node"), read_metrics(root / "split")
     # as JSON text, so the NaN of the poisoned step compares equal to itself
-    untimed = lambda records: [json.dumps({k: v for k, v in r.items() if k not in ("dt_ms", "tokens_per_s")})
-                               for r in records]
+    untimed = lambda records: [
+        json.dumps({k: v for k, v in r.items() if k not in ("dt_ms", "tokens_per_s")}) for r in records
+    ]
     assert untimed(split) == untimed(straight)  # every loss and eval bit for bit, no step lost or repeated
     a, b, ddp = (torch.load(root / d / "ckpt.pt", weights_only=True) for d in ("two_node", "split", "ddp"))
     assert a["iter_num"] == b["iter_num"] == 8

@@ -9,21 +9,22 @@ import importlib.util
 import json
 import random
 
+import llama_cpp_child
 import pytest
 import torch
-
-from gpt import gguf_export
-from gpt import tokenizer
-import llama_cpp_child
 from conftest import chat_demo_copy, in_child, load_script, make_text, run_script, tiny_args, train_tiny_run
-from data import corpus
-from gpt.chat_template import Template
-from model import GPT, GPTConfig
 from test_chat_template import CONVERSATIONS, LLAMA3_SPECIALS, make_trained_tokenizer
 
+from data import corpus
+from gpt import gguf_export, tokenizer
+from gpt.chat_template import Template
+from model import GPT, GPTConfig
+
 # llama.cpp runs in a child process (tests/llama_cpp_child.py): a crash there fails one test
-needs_llama_cpp = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
-                                     reason="llama-cpp-python is not installed (make test builds it into .venv)")
+needs_llama_cpp = pytest.mark.skipif(
+    importlib.util.find_spec("llama_cpp") is None,
+    reason="llama-cpp-python is not installed (make test builds it into .venv)",
+)
 
 
 def export(out_dir, *args):
@@ -44,11 +45,13 @@ def llama3_like(path):
     from tokenizers import AddedToken, Tokenizer, pre_tokenizers, trainers
 
     tok = load_script("data/train_tokenizer.py").new_tokenizer()
-    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
     tok.train_from_iterator([make_text(20000, seed=3)], trainer)
     j = json.loads(tok.to_str())
     j["model"]["ignore_merges"] = True
-    (spelled, _), = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False).pre_tokenize_str(UNMERGED)
+    ((spelled, _),) = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False).pre_tokenize_str(UNMERGED)
     j["model"]["vocab"][spelled] = len(j["model"]["vocab"])
     tok = Tokenizer.from_str(json.dumps(j))
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in LLAMA3_SPECIALS])
@@ -59,11 +62,50 @@ def llama3_like(path):
 
 # ---------------------------------------------------------------------------- tokenization
 
-SCRIPTS = ["hello", "Zürich", "naïve", "Москва", "Ελλάδα", "東京都", "日本語の文", "서울", "العربية", "עברית",
-           "हिन्दी", "ภาษาไทย", "e\u0301", "ǅemal", "ﬁne", "İstanbul", "ß", "Ωmega"]
+SCRIPTS = [
+    "hello",
+    "Zürich",
+    "naïve",
+    "Москва",
+    "Ελλάδα",
+    "東京都",
+    "日本語の文",
+    "서울",
+    "العربية",
+    "עברית",
+    "हिन्दी",
+    "ภาษาไทย",
+    "e\u0301",
+    "ǅemal",
+    "ﬁne",
+    "İstanbul",
+    "ß",
+    "Ωmega",
+]
 EMOJI = ["🙂", "👩‍👩‍👧", "👍🏽", "🇫🇷", "❤️", "🤖", "✨"]
 SPACES = [" ", "  ", "   ", "\t", "\n", "\n\n", "\r\n", " \n ", "\u00a0", "\u3000", "\t \t", "    \n"]
-PUNCT = [".", ",", "!?", "...", "'s", "'LL", "'ve", "'re", "'d", "'M", "(", ")", "\"", "--", "#", "$", "%", "_", "/*", "::"]
+PUNCT = [
+    ".",
+    ",",
+    "!?",
+    "...",
+    "'s",
+    "'LL",
+    "'ve",
+    "'re",
+    "'d",
+    "'M",
+    "(",
+    ")",
+    '"',
+    "--",
+    "#",
+    "$",
+    "%",
+    "_",
+    "/*",
+    "::",
+]
 
 
 def random_text(rng, specials):
@@ -92,9 +134,11 @@ def tokenizers(tmp_path_factory):
     """{kind: tokenizer description}: GPT-2's BPE, data/train_tokenizer.py's, Llama-3-like."""
     root = tmp_path_factory.mktemp("tokenizers")
     (root / "trained").mkdir()
-    return {"gpt2": tokenizer.make_spec("gpt2"),
-            "trained": tokenizer.make_spec(str(make_trained_tokenizer(root / "trained"))),
-            "llama3": tokenizer.make_spec(str(llama3_like(root / "llama3.json")))}
+    return {
+        "gpt2": tokenizer.make_spec("gpt2"),
+        "trained": tokenizer.make_spec(str(make_trained_tokenizer(root / "trained"))),
+        "llama3": tokenizer.make_spec(str(llama3_like(root / "llama3.json"))),
+    }
 
 
 @needs_llama_cpp
@@ -105,8 +149,11 @@ def test_llama_cpp_tokenizes_random_text_to_our_ids(tokenizers, tmp_path, kind, 
     model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=32, block_size=32, vocab_size=spec["vocab_size"]))
     gguf_export.write(model, spec, str(tmp_path / "model.gguf"), "gpt2")
     encode, _ = tokenizer.load(spec)
-    specials = {"gpt2": ["<|endoftext|>"], "trained": ["<|endoftext|>", "<|user|>", "<|end|>", "<|assistant|>"],
-                "llama3": ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>", USER_DEFINED]}[kind]
+    specials = {
+        "gpt2": ["<|endoftext|>"],
+        "trained": ["<|endoftext|>", "<|user|>", "<|end|>", "<|assistant|>"],
+        "llama3": ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>", USER_DEFINED],
+    }[kind]
     rng = random.Random(kind)
     texts = [random_text(rng, specials) for _ in range(300)]
     theirs = in_child(llama_cpp_child.tokenize, tmp_path / "model.gguf", texts)
@@ -116,7 +163,9 @@ def test_llama_cpp_tokenizes_random_text_to_our_ids(tokenizers, tmp_path, kind, 
     assert not wrong, f"{len(wrong)} of 300 differ, e.g. {wrong[:3]}"
     assert sum(len(encode(t)) for t in texts) > 3000  # the strings are not trivially short
     if kind == "llama3":  # ignore_merges: the piece that is a token is read whole on both sides
-        assert in_child(llama_cpp_child.tokenize, tmp_path / "model.gguf", [UNMERGED], False)["ids"] == [encode(UNMERGED)]
+        assert in_child(llama_cpp_child.tokenize, tmp_path / "model.gguf", [UNMERGED], False)["ids"] == [
+            encode(UNMERGED)
+        ]
         assert len(encode(UNMERGED)) == 1
 
 
@@ -124,9 +173,17 @@ def test_llama_cpp_tokenizes_random_text_to_our_ids(tokenizers, tmp_path, kind, 
 
 SHAPES = {  # train.py flags: GPT-2's block without biases (zeros in the file), and a Llama with GQA and RoPE scaling
     "gpt2": dict(bias=False),
-    "llama": dict(pos_encoding="rope", norm="rmsnorm", mlp="swiglu", n_kv_head=1, bias=False, tie_embeddings=False,
-                  rope_scaling=json.dumps(dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                               original_max_position_embeddings=32))),
+    "llama": dict(
+        pos_encoding="rope",
+        norm="rmsnorm",
+        mlp="swiglu",
+        n_kv_head=1,
+        bias=False,
+        tie_embeddings=False,
+        rope_scaling=json.dumps(
+            dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32)
+        ),
+    ),
 }
 BLOCK = 96
 
@@ -142,13 +199,34 @@ def trained(tmp_path_factory):
     runs = {}
     for shape, overrides in SHAPES.items():
         data, out = root / f"data_{shape}", root / f"out_{shape}"
-        corpus.main(["--input", str(root / "text.txt"), f"--out_dir={data}", f"--tokenizer={tokenizers[shape]}",
-                     "--txt_separator=\\n", "--val_tokens=2000", "--test_tokens=0", "--workers=1"])
+        corpus.main(
+            [
+                "--input",
+                str(root / "text.txt"),
+                f"--out_dir={data}",
+                f"--tokenizer={tokenizers[shape]}",
+                "--txt_separator=\\n",
+                "--val_tokens=2000",
+                "--test_tokens=0",
+                "--workers=1",
+            ]
+        )
         # one row a step: the gpt2 shape's step is mostly its 50,304-token vocabulary's logits and
         # their log-softmax (0.52 s a step at 4 rows of 96 on this CPU), and 40 steps of one row
         # move every weight off its init
-        result = run_script("train.py", *tiny_args(data, out, block_size=BLOCK, batch_size=1, max_iters=40, lr_decay_iters=40,
-                                                   eval_interval=40, **overrides))
+        result = run_script(
+            "train.py",
+            *tiny_args(
+                data,
+                out,
+                block_size=BLOCK,
+                batch_size=1,
+                max_iters=40,
+                lr_decay_iters=40,
+                eval_interval=40,
+                **overrides,
+            ),
+        )
         assert result.returncode == 0, result.stderr
         for dtype in gguf_export.DTYPES:
             (out / dtype).mkdir()
@@ -189,7 +267,9 @@ def test_llama_cpp_logits_and_greedy_tokens_are_ours(trained, shape, monkeypatch
     encode, _ = tokenizer.load(spec)
     ids = encode(make_text(2000, seed=11))[:BLOCK]
     prompt = ids[:16]
-    scores, greedy = in_child(llama_cpp_child.scores_and_greedy, trained[shape] / "f32" / "model.gguf", ids, prompt, BLOCK)
+    scores, greedy = in_child(
+        llama_cpp_child.scores_and_greedy, trained[shape] / "f32" / "model.gguf", ids, prompt, BLOCK
+    )
     theirs = torch.from_numpy(scores)
     n_vocab = theirs.shape[-1]
     with torch.no_grad():
@@ -202,8 +282,10 @@ def test_llama_cpp_logits_and_greedy_tokens_are_ours(trained, shape, monkeypatch
             emulated = model(torch.tensor([ids]), logits_at="all")[0][0, :, :n_vocab]
             monkeypatch.undo()
             gelu_effect = (emulated - logits).abs().max().item()
-            print(f"gpt2 f32: max |llama.cpp - ours| {diff:.2e}, - ours with ggml's GELU "
-                  f"{(theirs - emulated).abs().max().item():.2e}, ggml's GELU alone {gelu_effect:.2e} (logits up to {scale:.1f})")
+            print(
+                f"gpt2 f32: max |llama.cpp - ours| {diff:.2e}, - ours with ggml's GELU "
+                f"{(theirs - emulated).abs().max().item():.2e}, ggml's GELU alone {gelu_effect:.2e} (logits up to {scale:.1f})"
+            )
             torch.testing.assert_close(theirs, emulated, rtol=0, atol=tol)
             assert diff <= 4 * gelu_effect + tol
         else:
@@ -213,18 +295,22 @@ def test_llama_cpp_logits_and_greedy_tokens_are_ours(trained, shape, monkeypatch
     our_tokens = greedy_ours(model, prompt, n_vocab)
     assert greedy == our_tokens
     for dtype in ("f16", "q8_0"):  # reported, not asserted
-        scores, theirs_tokens = in_child(llama_cpp_child.scores_and_greedy, trained[shape] / dtype / "model.gguf", ids,
-                                         prompt, BLOCK)
+        scores, theirs_tokens = in_child(
+            llama_cpp_child.scores_and_greedy, trained[shape] / dtype / "model.gguf", ids, prompt, BLOCK
+        )
         d = (torch.from_numpy(scores) - logits).abs().max().item()
         same_argmax = (torch.from_numpy(scores).argmax(-1) == logits.argmax(-1)).float().mean()
         agree = next((i for i, (a, b) in enumerate(zip(theirs_tokens, our_tokens)) if a != b), 64)
-        print(f"{shape} {dtype}: max |logit diff| {d:.2e} ({d / scale:.1e} of the range), argmax agrees at "
-              f"{same_argmax:.1%} of positions, greedy tokens identical for the first {agree} of 64")
+        print(
+            f"{shape} {dtype}: max |logit diff| {d:.2e} ({d / scale:.1e} of the range), argmax agrees at "
+            f"{same_argmax:.1%} of positions, greedy tokens identical for the first {agree} of 64"
+        )
     # q8_0 with llama.cpp's weight repacking off (no AMX buffer: the workaround for AMX CPUs) runs,
     # computes what the default load computes, and stays near our logits (q8_0 rounds each weight to
     # 1/127 of its block's largest: about 1% of the logits' range, measured)
-    no_repack, _ = in_child(llama_cpp_child.scores_and_greedy, trained[shape] / "q8_0" / "model.gguf", ids, prompt,
-                            BLOCK, 0, True)
+    no_repack, _ = in_child(
+        llama_cpp_child.scores_and_greedy, trained[shape] / "q8_0" / "model.gguf", ids, prompt, BLOCK, 0, True
+    )
     torch.testing.assert_close(torch.from_numpy(no_repack), torch.from_numpy(scores), rtol=0, atol=1e-3 * scale)
     assert (torch.from_numpy(no_repack) - logits).abs().max().item() < 0.05 * scale
 
@@ -237,7 +323,7 @@ def greedy_ours(model, prompt, n_vocab, n=64):
         for _ in range(n):
             logits = model(torch.tensor([ids]))[0][0, -1, :n_vocab]
             ids.append(int(logits.argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 # ---------------------------------------------------------------------------- chat
@@ -266,8 +352,12 @@ def test_llama_cpp_renders_the_chat_template_to_our_ids(tokenizers, tmp_path, ki
     vocab = in_child(llama_cpp_child.tokenize, tmp_path / "model.gguf", [])
     assert (vocab["bos"], vocab["eos"]) == (template.id["bos"], template.end_id)
     assert vocab["metadata"]["tokenizer.ggml.eot_token_id"] == str(template.end_id)
-    prompts = [messages[:n] for messages in CONVERSATIONS for n in range(1, len(messages) + 1)
-               if messages[n - 1]["role"] != "assistant"]
+    prompts = [
+        messages[:n]
+        for messages in CONVERSATIONS
+        for n in range(1, len(messages) + 1)
+        if messages[n - 1]["role"] != "assistant"
+    ]
     rendered = in_child(llama_cpp_child.render_and_tokenize, tmp_path / "model.gguf", prompts)
     for prompt, ids in zip(prompts, rendered, strict=True):
         assert ids == template.render(prompt, add_generation_prompt=True)[0], (kind, prompt)
@@ -288,8 +378,14 @@ def test_create_chat_completion_answers_what_chat_py_answers(chat_demo):
     for c, messages, prompt, reply in zip(conversations, asked, theirs["prompts"], theirs["replies"], strict=True):
         assert prompt == template.render(messages, add_generation_prompt=True)[0]
         system = [f"--system={m['content']}" for m in messages if m["role"] == "system"]
-        result = run_script("chat.py", f"--out_dir={out_dir}", "--device=cpu", *system,
-                            f"--prompt={messages[-1]['content']}", "--temperature=0")
+        result = run_script(
+            "chat.py",
+            f"--out_dir={out_dir}",
+            "--device=cpu",
+            *system,
+            f"--prompt={messages[-1]['content']}",
+            "--temperature=0",
+        )
         assert result.returncode == 0, result.stderr
         assert result.stdout == reply + "\n", (messages, reply)
         right += reply == c["messages"][-1]["content"]
@@ -305,8 +401,17 @@ def save_checkpoint(out_dir, model, spec):
     import math
 
     out_dir.mkdir()
-    torch.save({"model": model.state_dict(), "model_args": dataclasses.asdict(model.config), "config": {}, "iter_num": 0,
-                "best_val_loss": math.nan, "tokenizer": spec}, out_dir / "ckpt.pt")
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "model_args": dataclasses.asdict(model.config),
+            "config": {},
+            "iter_num": 0,
+            "best_val_loss": math.nan,
+            "tokenizer": spec,
+        },
+        out_dir / "ckpt.pt",
+    )
     return out_dir
 
 
@@ -324,11 +429,14 @@ def test_a_character_vocabulary_is_refused(tmp_path):
     assert_refused(train_tiny_run(tmp_path, max_iters=2), "character-level vocabulary")
 
 
-@pytest.mark.parametrize("options,named", [
-    (dict(pos_encoding="rope", norm="rmsnorm", mlp="swiglu", qk_norm=True), "its llama its qk_norm=True"),
-    (dict(n_kv_head=1), "GGUF's gpt2 cannot hold its n_kv_head=1, nor its llama its pos_encoding='learned'"),
-    (dict(norm="rmsnorm"), "GGUF's gpt2 cannot hold its norm='rmsnorm'"),
-])
+@pytest.mark.parametrize(
+    "options,named",
+    [
+        (dict(pos_encoding="rope", norm="rmsnorm", mlp="swiglu", qk_norm=True), "its llama its qk_norm=True"),
+        (dict(n_kv_head=1), "GGUF's gpt2 cannot hold its n_kv_head=1, nor its llama its pos_encoding='learned'"),
+        (dict(norm="rmsnorm"), "GGUF's gpt2 cannot hold its norm='rmsnorm'"),
+    ],
+)
 def test_models_gguf_cannot_hold_are_refused(tmp_path, options, named):
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=50257, **options))
     assert_refused(save_checkpoint(tmp_path / "out", model, tokenizer.make_spec("gpt2")), named)
@@ -343,20 +451,33 @@ def tokenizer_json(path, **changes):
     if "normalizer" in changes:
         tok.normalizer = normalizers.NFKC()
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator([make_text(5000, seed=2)], trainer)
     tok.save(str(path))
     return tokenizer.make_spec(str(path))
 
 
-@pytest.mark.parametrize("change,named", [("prefix_space", "pre-tokenizer ByteLevel(add_prefix_space=True)"), ("whitespace", "pre-tokenizer Whitespace"),
-                                          ("normalizer", "normalizer NFKC")])
+@pytest.mark.parametrize(
+    "change,named",
+    [
+        ("prefix_space", "pre-tokenizer ByteLevel(add_prefix_space=True)"),
+        ("whitespace", "pre-tokenizer Whitespace"),
+        ("normalizer", "normalizer NFKC"),
+    ],
+)
 def test_tokenizers_llama_cpp_splits_otherwise_are_refused(tmp_path, change, named):
     from tokenizers import pre_tokenizers
 
-    changes = {"prefix_space": dict(pre_tokenizer=pre_tokenizers.ByteLevel(add_prefix_space=True)),
-               "whitespace": dict(pre_tokenizer=pre_tokenizers.Whitespace()), "normalizer": dict(normalizer=True)}[change]
+    changes = {
+        "prefix_space": dict(pre_tokenizer=pre_tokenizers.ByteLevel(add_prefix_space=True)),
+        "whitespace": dict(pre_tokenizer=pre_tokenizers.Whitespace()),
+        "normalizer": dict(normalizer=True),
+    }[change]
     spec = tokenizer_json(tmp_path / "tokenizer.json", **changes)
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=spec["vocab_size"]))
     assert_refused(save_checkpoint(tmp_path / "out", model, spec), named)
@@ -369,7 +490,9 @@ def test_bad_options_are_one_line(tmp_path):
     assert_refused(out_dir, "cannot create export_dir", f"--export_dir={out_dir / 'ckpt.pt' / 'gguf'}")
 
 
-@pytest.mark.parametrize("failure", [OSError(28, "No space left on device"), KeyboardInterrupt()], ids=["disk-full", "ctrl-c"])
+@pytest.mark.parametrize(
+    "failure", [OSError(28, "No space left on device"), KeyboardInterrupt()], ids=["disk-full", "ctrl-c"]
+)
 def test_a_failed_write_leaves_the_old_file_whole(tmp_path, monkeypatch, failure):
     """A write that fails half-way (the disk fills, Ctrl-C) leaves no partial file: the model.gguf
     already there stays byte for byte, and the temporary file is gone."""

@@ -5,12 +5,12 @@ pinned non-blocking batches, and every available kernel giving the same loss. Sk
 import numpy as np
 import pytest
 import torch
+from conftest import load_script, nan_loss
 
 from gpt import runtime
 from gpt.batches import TrainBatches, get_batch
 from gpt.step import train_step
 from gpt.wrap import attention_error
-from conftest import load_script, nan_loss
 from model import GPT, GPTConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

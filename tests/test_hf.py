@@ -5,21 +5,24 @@ from a local GPT-2 directory end to end, and the one-line errors."""
 import numpy as np
 import pytest
 import torch
-
 from conftest import make_text, run_python, run_script
 
 transformers = pytest.importorskip("transformers")
 
-from gpt import checkpoint  # noqa: E402
-from gpt import huggingface  # noqa: E402
-from gpt import load  # noqa: E402
 import hf  # noqa: E402
 import sample  # noqa: E402
-from gpt import tokenizer  # noqa: E402
 from configurator import TrainConfig, UserError, parse  # noqa: E402
+from gpt import (
+    checkpoint,  # noqa: E402
+    huggingface,  # noqa: E402
+    load,  # noqa: E402
+    tokenizer,  # noqa: E402
+)
 from model import GPT, GPTConfig  # noqa: E402
 
-SMALL = dict(n_layer=2, n_head=4, n_embd=64, vocab_size=50257, n_positions=64)  # GPT-2's vocab: 50257 rows padded to 50304
+SMALL = dict(
+    n_layer=2, n_head=4, n_embd=64, vocab_size=50257, n_positions=64
+)  # GPT-2's vocab: 50257 rows padded to 50304
 TOL = 1e-5  # float32
 
 
@@ -54,11 +57,16 @@ def their_logits(hf_model, idx):
 # ---------------------------------------------------------------------------- in: transformers -> ours
 
 
-@pytest.mark.parametrize("options", [
-    dict(activation_function="gelu"),  # exact GELU, our default
-    dict(activation_function="gelu_new"),  # the released models' tanh approximation
-    dict(activation_function="gelu_new", n_inner=96, tie_word_embeddings=False, layer_norm_epsilon=1e-2),  # norm_eps
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(activation_function="gelu"),  # exact GELU, our default
+        dict(activation_function="gelu_new"),  # the released models' tanh approximation
+        dict(
+            activation_function="gelu_new", n_inner=96, tie_word_embeddings=False, layer_norm_epsilon=1e-2
+        ),  # norm_eps
+    ],
+)
 def test_import_gives_transformers_logits(options):
     reference = randomize(transformers.GPT2LMHeadModel(transformers.GPT2Config(**SMALL, **options)))
     model, model_args = huggingface.gpt_from_hf(reference)
@@ -81,8 +89,10 @@ def test_from_pretrained_reads_a_directory(tmp_path):
 
 
 def test_import_refuses_what_our_gpt_cannot_reproduce():
-    for options, named in [(dict(activation_function="relu"), "activation_function"),
-                           (dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx")]:
+    for options, named in [
+        (dict(activation_function="relu"), "activation_function"),
+        (dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
+    ]:
         with pytest.raises(UserError, match=named):
             huggingface.gpt_from_hf(transformers.GPT2LMHeadModel(transformers.GPT2Config(**SMALL, **options)))
 
@@ -108,8 +118,14 @@ def test_a_directory_without_gpt2_is_a_one_line_error(tmp_path):
 def test_an_unreachable_hub_is_a_one_line_error(tmp_path):
     # an empty cache and no network: it must fail at once, saying what to do instead
     # isolated: huggingface_hub reads HF_HUB_OFFLINE and HF_HOME when it is imported
-    result = run_script("sample.py", "--init_from=gpt2", "--device=cpu",
-                        env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")}, timeout=120, isolated=True)
+    result = run_script(
+        "sample.py",
+        "--init_from=gpt2",
+        "--device=cpu",
+        env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")},
+        timeout=120,
+        isolated=True,
+    )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
@@ -120,16 +136,21 @@ def test_an_unreachable_hub_is_a_one_line_error(tmp_path):
 # ---------------------------------------------------------------------------- out: ours -> transformers
 
 
-@pytest.mark.parametrize("options", [
-    dict(),  # GPT-2's shape, exact GELU
-    dict(mlp="gelu_tanh"),
-    dict(bias=False),  # exported as zero biases, which add nothing
-    dict(tie_embeddings=False, mlp_hidden=96, norm_eps=1e-2),  # as layer_norm_epsilon
-    dict(vocab_size=50304),  # nanoGPT's padded vocabulary: the export keeps GPT-2's 50257 tokens
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(),  # GPT-2's shape, exact GELU
+        dict(mlp="gelu_tanh"),
+        dict(bias=False),  # exported as zero biases, which add nothing
+        dict(tie_embeddings=False, mlp_hidden=96, norm_eps=1e-2),  # as layer_norm_epsilon
+        dict(vocab_size=50304),  # nanoGPT's padded vocabulary: the export keeps GPT-2's 50257 tokens
+    ],
+)
 def test_export_loads_in_transformers_with_our_logits(tmp_path, options):
     torch.manual_seed(0)
-    model = randomize(GPT(GPTConfig(**{**dict(n_layer=2, n_head=4, n_embd=64, block_size=64, vocab_size=50257), **options})))
+    model = randomize(
+        GPT(GPTConfig(**{**dict(n_layer=2, n_head=4, n_embd=64, block_size=64, vocab_size=50257), **options}))
+    )
     idx = tokens()
     ours = our_logits(model, idx)[..., :50257]
     huggingface.export(model, huggingface.GPT2_TOKENIZER, str(tmp_path / "hf"))
@@ -141,13 +162,16 @@ def test_export_loads_in_transformers_with_our_logits(tmp_path, options):
     assert max_diff(our_logits(again, idx), ours) <= TOL
 
 
-@pytest.mark.parametrize("options, named", [
-    (dict(pos_encoding="rope"), "pos_encoding='rope'"),
-    (dict(norm="rmsnorm"), "norm='rmsnorm'"),
-    (dict(mlp="swiglu"), "mlp='swiglu'"),
-    (dict(n_kv_head=2), "n_kv_head=2"),
-    (dict(qk_norm=True), "qk_norm=True"),
-])
+@pytest.mark.parametrize(
+    "options, named",
+    [
+        (dict(pos_encoding="rope"), "pos_encoding='rope'"),
+        (dict(norm="rmsnorm"), "norm='rmsnorm'"),
+        (dict(mlp="swiglu"), "mlp='swiglu'"),
+        (dict(n_kv_head=2), "n_kv_head=2"),
+        (dict(qk_norm=True), "qk_norm=True"),
+    ],
+)
 def test_export_refuses_models_gpt2_cannot_hold(tmp_path, options, named):
     model = GPT(GPTConfig(n_layer=1, n_head=4, n_embd=32, block_size=16, vocab_size=65, **options))
     with pytest.raises(UserError, match=named):
@@ -161,15 +185,26 @@ def test_chat_data_takes_gpt2s_padding_rows_for_its_turn_tokens(tmp_path):
     cfg = parse(TrainConfig, [f"--init_from={tmp_path / 'gpt2'}", "--block_size=64", "--dropout=0.0"])
     notes = []
     turn_ids = [50257, 50258, 50259, 50260]  # what gpt/chat_template.py gives GPT-2
-    chat_spec = {**huggingface.GPT2_TOKENIZER, "vocab_size": 50261, "chat": {
-        "format": "role_tokens", "tokens": {"bos": {"id": 50256}, **{n: {"id": i} for n, i in zip(("system", "user", "assistant", "end"), turn_ids)}}}}
+    chat_spec = {
+        **huggingface.GPT2_TOKENIZER,
+        "vocab_size": 50261,
+        "chat": {
+            "format": "role_tokens",
+            "tokens": {
+                "bos": {"id": 50256},
+                **{n: {"id": i} for n, i in zip(("system", "user", "assistant", "end"), turn_ids)},
+            },
+        },
+    }
     model, model_args = load.for_training(cfg, chat_spec, report=notes.append)
     assert model.config.vocab_size == model_args["vocab_size"] == 50261 and model.config.padded_vocab_size == 50304
     wte = model.transformer.wte.weight
     mean = wte[:50257].mean(dim=0)
     assert all(torch.equal(wte[i], mean) for i in turn_ids) and not wte[50261:].any()
     idx = tokens()
-    assert max_diff(our_logits(model, idx)[..., :50257], their_logits(reference, idx)) <= TOL  # GPT-2's tokens unchanged
+    assert (
+        max_diff(our_logits(model, idx)[..., :50257], their_logits(reference, idx)) <= TOL
+    )  # GPT-2's tokens unchanged
     assert any("the chat template's turn tokens 50257, 50258, 50259, 50260 start as the mean" in n for n in notes)
     # without chat data (or past the padding) a larger tokenizer is still refused
     with pytest.raises(UserError, match="more than the vocab_size=50257"):
@@ -194,8 +229,17 @@ def finetuned(tmp_path_factory):
     (root / "data").mkdir()
     ids[: len(ids) * 9 // 10].tofile(root / "data" / "train.bin")
     ids[len(ids) * 9 // 10 :].tofile(root / "data" / "val.bin")
-    run = ["config/finetune_shakespeare.py", f"--dataset={root / 'data'}", f"--out_dir={root / 'out'}", "--device=cpu",
-           "--compile=False", "--block_size=32", "--gradient_accumulation_steps=2", "--eval_iters=2", "--eval_interval=2"]
+    run = [
+        "config/finetune_shakespeare.py",
+        f"--dataset={root / 'data'}",
+        f"--out_dir={root / 'out'}",
+        "--device=cpu",
+        "--compile=False",
+        "--block_size=32",
+        "--gradient_accumulation_steps=2",
+        "--eval_iters=2",
+        "--eval_interval=2",
+    ]
     result = run_script("train.py", *run, f"--init_from={root / 'gpt2'}", "--max_iters=4")
     assert result.returncode == 0, result.stderr
     assert "come from the weights" in result.stdout and "block_size 64 cropped to 32" in result.stdout
@@ -206,8 +250,9 @@ def test_finetuning_starts_from_the_gpt2_weights(finetuned):
     root, reference, _ = finetuned
     state = torch.load(root / "out" / "ckpt.pt", weights_only=True)
     assert state["iter_num"] == 4
-    assert {k: state["model_args"][k] for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias", "mlp")} == \
-        dict(n_layer=2, n_head=4, n_embd=64, block_size=32, vocab_size=50257, bias=True, mlp="gelu_tanh")
+    assert {
+        k: state["model_args"][k] for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias", "mlp")
+    } == dict(n_layer=2, n_head=4, n_embd=64, block_size=32, vocab_size=50257, bias=True, mlp="gelu_tanh")
     # 4 AdamW steps at lr 3e-5 move each weight by about 1e-4 at most: the start was GPT-2's
     # weights, not a fresh init (which would be ~0.05 away)
     start = reference.state_dict()["transformer.h.0.attn.c_attn.weight"].t()
@@ -236,16 +281,37 @@ def test_export_of_the_finetuned_checkpoint_matches_it(finetuned, capsys):
 
 def test_sample_py_from_a_gpt2_directory_is_transformers_greedy(finetuned, capsys):
     root, reference, _ = finetuned
-    sample.main([f"--init_from={root / 'gpt2'}", "--device=cpu", "--temperature=0", "--num_samples=1",
-                 "--max_new_tokens=8", "--start=ROMEO:", "--stream=False", "--stop_at_eot=False"])
+    sample.main(
+        [
+            f"--init_from={root / 'gpt2'}",
+            "--device=cpu",
+            "--temperature=0",
+            "--num_samples=1",
+            "--max_new_tokens=8",
+            "--start=ROMEO:",
+            "--stream=False",
+            "--stop_at_eot=False",
+        ]
+    )
     out = capsys.readouterr().out
     encode, decode = tokenizer.load(huggingface.GPT2_TOKENIZER)
     prompt = torch.tensor([encode("ROMEO:")])
     greedy = reference.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=50256)
-    assert out.split("\n", 1)[1] == "ROMEO:" + decode(greedy[0, prompt.size(1) :].tolist()) + "\n" + sample.SEPARATOR + "\n"
+    assert (
+        out.split("\n", 1)[1]
+        == "ROMEO:" + decode(greedy[0, prompt.size(1) :].tolist()) + "\n" + sample.SEPARATOR + "\n"
+    )
     # and from the finetuned run's checkpoint
-    sample.main([f"--out_dir={root / 'out'}", "--device=cpu", "--num_samples=2", "--max_new_tokens=5",
-                 "--start=ROMEO:", "--stream=False"])
+    sample.main(
+        [
+            f"--out_dir={root / 'out'}",
+            "--device=cpu",
+            "--num_samples=2",
+            "--max_new_tokens=5",
+            "--start=ROMEO:",
+            "--stream=False",
+        ]
+    )
     assert capsys.readouterr().out.count("ROMEO:") == 2
 
 
@@ -253,7 +319,9 @@ def test_nanogpt_from_pretrained_gives_transformers_logits(tmp_path):
     # nanoGPT's own line, `GPT.from_pretrained("gpt2", dict(dropout=0.0))`, offline: a tiny random
     # GPT-2 saved into a Hugging Face cache under the released name, read with the hub switched off
     snapshot = tmp_path / "hub" / "models--gpt2" / "snapshots" / ("0" * 40)
-    randomize(transformers.GPT2LMHeadModel(transformers.GPT2Config(**SMALL, activation_function="gelu_new"))).save_pretrained(snapshot)
+    randomize(
+        transformers.GPT2LMHeadModel(transformers.GPT2Config(**SMALL, activation_function="gelu_new"))
+    ).save_pretrained(snapshot)
     (tmp_path / "hub" / "models--gpt2" / "refs").mkdir()
     (tmp_path / "hub" / "models--gpt2" / "refs" / "main").write_text("0" * 40)
     script = (

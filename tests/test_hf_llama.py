@@ -10,52 +10,90 @@ import json
 
 import pytest
 import torch
-
 from conftest import make_text, run_script
 
 transformers = pytest.importorskip("transformers")
 
-from gpt import checkpoint  # noqa: E402
-from gpt import huggingface  # noqa: E402
-from gpt import load  # noqa: E402
+from test_hf import max_diff, our_logits, randomize, their_logits  # noqa: E402
+
 import hf  # noqa: E402
 import sample  # noqa: E402
-from gpt import tokenizer  # noqa: E402
-from gpt.checkpoint import check_resumable
-from gpt.wrap import make_model_args
 import train  # noqa: E402
 from configurator import TrainConfig, UserError, parse  # noqa: E402
 from data import corpus  # noqa: E402
+from gpt import (
+    checkpoint,  # noqa: E402
+    huggingface,  # noqa: E402
+    load,  # noqa: E402
+    tokenizer,  # noqa: E402
+)
+from gpt.checkpoint import check_resumable
+from gpt.wrap import make_model_args
 from model import GPT, GPTConfig, apply_rope, rope_tables  # noqa: E402
-from test_hf import max_diff, our_logits, randomize, their_logits  # noqa: E402
 
 TOL = 1e-4  # float32
 V = 96
-TINY = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            max_position_embeddings=128, rope_theta=10000.0)
+TINY = dict(
+    vocab_size=V,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=128,
+    rope_theta=10000.0,
+)
 # with head size 16 and theta 1e4 over a 32-token original context, pair 0 turns ~5 times (kept),
 # pair 1 ~1.6 times (smoothed) and the rest less than once (slowed 8x): every branch of the scaling
-LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32)
+LLAMA3 = dict(
+    rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32
+)
 T = 48  # longer than LLAMA3's original context
 
 CASES = {
-    "gqa-llama3-tied-eps1e-5": dict(num_key_value_heads=2, rope_scaling=LLAMA3, tie_word_embeddings=True, rms_norm_eps=1e-5),
-    "gqa-llama3-untied-eps1e-6": dict(num_key_value_heads=1, rope_scaling=LLAMA3, tie_word_embeddings=False, rms_norm_eps=1e-6),
-    "mha-plain-untied-biases": dict(num_key_value_heads=4, tie_word_embeddings=False, rms_norm_eps=1e-6,
-                                    attention_bias=True, mlp_bias=True),
+    "gqa-llama3-tied-eps1e-5": dict(
+        num_key_value_heads=2, rope_scaling=LLAMA3, tie_word_embeddings=True, rms_norm_eps=1e-5
+    ),
+    "gqa-llama3-untied-eps1e-6": dict(
+        num_key_value_heads=1, rope_scaling=LLAMA3, tie_word_embeddings=False, rms_norm_eps=1e-6
+    ),
+    "mha-plain-untied-biases": dict(
+        num_key_value_heads=4, tie_word_embeddings=False, rms_norm_eps=1e-6, attention_bias=True, mlp_bias=True
+    ),
 }
 
 # meta-llama/Llama-3.2-1B's config.json as published
 LLAMA_3_2_1B = {
-    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 128000,
-    "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
-    "intermediate_size": 8192, "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
-    "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8, "pretraining_tp": 1,
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 8192,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 16,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
     "rms_norm_eps": 1e-05,
-    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
-    "transformers_version": "4.45.0.dev0", "use_cache": True, "vocab_size": 128256,
+    "rope_scaling": {
+        "factor": 32.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.45.0.dev0",
+    "use_cache": True,
+    "vocab_size": 128256,
 }
 
 
@@ -88,8 +126,9 @@ def test_rope_is_transformers_rotation(scaling):
     hs = 16
     q, k = torch.randn(2, 4, T, hs), torch.randn(2, 2, T, hs)
     cos, sin = LlamaRotaryEmbedding(config)(q, torch.arange(T)[None])  # (1, T, hs): each angle twice
-    ours_cos, ours_sin = rope_tables(hs, T, 10000.0, None if scaling is None else
-                                     {k: v for k, v in scaling.items() if k != "rope_type"})
+    ours_cos, ours_sin = rope_tables(
+        hs, T, 10000.0, None if scaling is None else {k: v for k, v in scaling.items() if k != "rope_type"}
+    )
     torch.testing.assert_close(torch.cat([ours_cos, ours_cos], -1), cos[0], atol=1e-6, rtol=0)
     torch.testing.assert_close(torch.cat([ours_sin, ours_sin], -1), sin[0], atol=1e-6, rtol=0)
     their_q, their_k = apply_rotary_pos_emb(q, k, cos, sin)
@@ -110,8 +149,12 @@ def test_import_gives_transformers_logits(tmp_path, case):
     idx = tokens()
     assert max_diff(our_logits(model, idx), their_logits(theirs, idx)) <= TOL
     c = theirs.config
-    assert (model.config.n_kv_head, model.config.norm_eps, model.config.tie_embeddings, model.config.bias) == \
-        (c.num_key_value_heads, c.rms_norm_eps, c.tie_word_embeddings, c.attention_bias)
+    assert (model.config.n_kv_head, model.config.norm_eps, model.config.tie_embeddings, model.config.bias) == (
+        c.num_key_value_heads,
+        c.rms_norm_eps,
+        c.tie_word_embeddings,
+        c.attention_bias,
+    )
     assert (model.transformer.wte.weight is model.lm_head.weight) == c.tie_word_embeddings
 
 
@@ -137,11 +180,22 @@ def test_llama_3_2_1b_config_builds_with_its_parameter_count(tmp_path):
         model = GPT(GPTConfig(**model_args))
     assert model.num_params(non_embedding=False) == 1_235_814_400
     c = model.config
-    assert (c.n_layer, c.n_head, c.n_kv_head, c.n_embd, c.mlp_hidden, c.block_size, c.vocab_size) == \
-        (16, 32, 8, 2048, 8192, 131072, 128256)
+    assert (c.n_layer, c.n_head, c.n_kv_head, c.n_embd, c.mlp_hidden, c.block_size, c.vocab_size) == (
+        16,
+        32,
+        8,
+        2048,
+        8192,
+        131072,
+        128256,
+    )
     assert (c.rope_theta, c.norm_eps, c.tie_embeddings, c.bias) == (500000.0, 1e-5, True, False)
-    assert c.rope_scaling == {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                              "original_max_position_embeddings": 8192}
+    assert c.rope_scaling == {
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
 
 
 # ---------------------------------------------------------------------------- out: ours -> transformers
@@ -176,8 +230,12 @@ def make_bpe_tokenizer(path):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|begin_of_text|>", "<|end_of_text|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<|begin_of_text|>", "<|end_of_text|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator([make_text(5000, seed=9)], trainer)
     tok.save(str(path))
     return tok.get_vocab_size()
@@ -193,12 +251,34 @@ def finetuned(tmp_path_factory):
     theirs = reference("gqa-llama3-tied-eps1e-5", std=0.05, vocab_size=vocab)
     theirs.save_pretrained(root / "llama")
     (root / "text.txt").write_text(make_text(30000))
-    corpus.main(["--input", str(root / "text.txt"), f"--out_dir={root / 'data'}",
-                 f"--tokenizer={root / 'llama' / 'tokenizer.json'}", "--txt_separator=\\n", "--val_tokens=1000",
-                 "--test_tokens=0", "--workers=1"])
-    run = [f"--dataset={root / 'data'}", f"--out_dir={root / 'out'}", "--device=cpu", "--compile=False",
-           "--block_size=40", "--batch_size=4", "--gradient_accumulation_steps=1", "--eval_iters=2", "--eval_interval=4",
-           "--learning_rate=1e-4", "--warmup_iters=1", "--lr_decay_iters=4", "--min_lr=1e-5", "--max_iters=4"]
+    corpus.main(
+        [
+            "--input",
+            str(root / "text.txt"),
+            f"--out_dir={root / 'data'}",
+            f"--tokenizer={root / 'llama' / 'tokenizer.json'}",
+            "--txt_separator=\\n",
+            "--val_tokens=1000",
+            "--test_tokens=0",
+            "--workers=1",
+        ]
+    )
+    run = [
+        f"--dataset={root / 'data'}",
+        f"--out_dir={root / 'out'}",
+        "--device=cpu",
+        "--compile=False",
+        "--block_size=40",
+        "--batch_size=4",
+        "--gradient_accumulation_steps=1",
+        "--eval_iters=2",
+        "--eval_interval=4",
+        "--learning_rate=1e-4",
+        "--warmup_iters=1",
+        "--lr_decay_iters=4",
+        "--min_lr=1e-5",
+        "--max_iters=4",
+    ]
     assert train.main([*run, f"--init_from={root / 'llama'}"]) == 0
     return root, theirs, vocab, run
 
@@ -211,7 +291,9 @@ def test_finetuning_starts_from_the_llama_weights(finetuned):
     assert (args["n_kv_head"], args["block_size"], args["vocab_size"], args["norm_eps"]) == (2, 40, vocab, 1e-5)
     assert args["rope_scaling"]["original_max_position_embeddings"] == 32  # recorded, so resume and export keep it
     # the run's tokenizer is the directory's tokenizer.json (the data was prepared with it)
-    assert state["tokenizer"]["kind"] == "tokenizers" and state["tokenizer"]["path"] == str(root / "llama" / "tokenizer.json")
+    assert state["tokenizer"]["kind"] == "tokenizers" and state["tokenizer"]["path"] == str(
+        root / "llama" / "tokenizer.json"
+    )
     # 4 AdamW steps at lr <= 1e-4 move each weight by at most ~4e-4: the start was the Llama's
     # weights, not a fresh init (~0.05 away)
     start = torch.cat([theirs.state_dict()[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
@@ -220,16 +302,37 @@ def test_finetuning_starts_from_the_llama_weights(finetuned):
 
 def test_sample_py_from_the_llama_directory_is_transformers_greedy(finetuned, capsys):
     root, theirs, _, _ = finetuned
-    sample.main([f"--init_from={root / 'llama'}", "--device=cpu", "--temperature=0", "--num_samples=1",
-                 "--max_new_tokens=8", "--start=The king", "--stream=False", "--stop_at_eot=False"])
+    sample.main(
+        [
+            f"--init_from={root / 'llama'}",
+            "--device=cpu",
+            "--temperature=0",
+            "--num_samples=1",
+            "--max_new_tokens=8",
+            "--start=The king",
+            "--stream=False",
+            "--stop_at_eot=False",
+        ]
+    )
     out = capsys.readouterr().out
     encode, decode = tokenizer.load(huggingface.llama_tokenizer(str(root / "llama")))
     prompt = torch.tensor([encode("The king")])
     greedy = theirs.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
-    assert out.split("\n", 1)[1] == "The king" + decode(greedy[0, prompt.size(1):].tolist()) + "\n" + sample.SEPARATOR + "\n"
+    assert (
+        out.split("\n", 1)[1]
+        == "The king" + decode(greedy[0, prompt.size(1) :].tolist()) + "\n" + sample.SEPARATOR + "\n"
+    )
     # and from the finetuned run's checkpoint, decoded with the same tokenizer
-    sample.main([f"--out_dir={root / 'out'}", "--device=cpu", "--num_samples=2", "--max_new_tokens=5",
-                 "--start=The king", "--stream=False"])
+    sample.main(
+        [
+            f"--out_dir={root / 'out'}",
+            "--device=cpu",
+            "--num_samples=2",
+            "--max_new_tokens=5",
+            "--start=The king",
+            "--stream=False",
+        ]
+    )
     assert capsys.readouterr().out.count("The king") == 2
 
 
@@ -238,8 +341,13 @@ def test_export_of_the_finetuned_run_loads_in_transformers(finetuned, capsys):
     hf.main([f"--out_dir={root / 'out'}", "--checkpoint=latest"])
     assert "LlamaForCausalLM.from_pretrained" in capsys.readouterr().out
     export = root / "out" / "hf"
-    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= \
-        {p.name for p in export.iterdir()}
+    assert {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    } <= {p.name for p in export.iterdir()}
     model, tok_spec = checkpoint.load_model(str(root / "out"), "latest")
     exported = transformers.AutoModelForCausalLM.from_pretrained(export)
     assert isinstance(exported, transformers.LlamaForCausalLM)
@@ -283,11 +391,14 @@ def assert_one_line(error):
 
 
 def test_a_directory_of_another_architecture_is_one_line(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "mistral", "architectures": ["MistralForCausalLM"]})
+    )
     result = run_script("sample.py", f"--init_from={tmp_path}", "--device=cpu", timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [
-        f"error: {tmp_path} holds a 'mistral' model; only GPT-2 and Llama (model_type 'gpt2' or 'llama') can be loaded"]
+        f"error: {tmp_path} holds a 'mistral' model; only GPT-2 and Llama (model_type 'gpt2' or 'llama') can be loaded"
+    ]
 
 
 def test_missing_weights_are_one_line(tmp_path):
@@ -307,24 +418,36 @@ def test_missing_weights_are_one_line(tmp_path):
 def test_weights_that_disagree_with_config_json_are_one_line(tmp_path):
     reference("gqa-llama3-untied-eps1e-6").save_pretrained(tmp_path / "llama")
     config = json.loads((tmp_path / "llama" / "config.json").read_text())
-    for key, value, named in [("intermediate_size", 128, r"model.layers.0.mlp.gate_proj.weight is \(96, 64\), "
-                                                         r"but config.json makes it \(128, 64\)"),
-                              ("num_key_value_heads", 2, r"k_proj.weight is \(16, 64\), but config.json makes it \(32, 64\)"),
-                              ("num_hidden_layers", 3, "has no weight model.layers.2."),
-                              ("num_hidden_layers", 1, r"has 9 weight\(s\) this Llama has no place for \(model.layers.1.")]:
+    for key, value, named in [
+        (
+            "intermediate_size",
+            128,
+            r"model.layers.0.mlp.gate_proj.weight is \(96, 64\), "
+            r"but config.json makes it \(128, 64\)",
+        ),
+        ("num_key_value_heads", 2, r"k_proj.weight is \(16, 64\), but config.json makes it \(32, 64\)"),
+        ("num_hidden_layers", 3, "has no weight model.layers.2."),
+        ("num_hidden_layers", 1, r"has 9 weight\(s\) this Llama has no place for \(model.layers.1."),
+    ]:
         (tmp_path / "llama" / "config.json").write_text(json.dumps({**config, key: value}))
         with pytest.raises(UserError, match=named) as e:
             huggingface.from_pretrained(str(tmp_path / "llama"))
         assert_one_line(e)
 
 
-@pytest.mark.parametrize("setting, named", [
-    (dict(attention_bias=True, mlp_bias=False), "attention_bias=True but mlp_bias=False"),
-    (dict(rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32)), "rope_type='yarn'"),
-    (dict(sliding_window=16), "sliding_window=16"),
-    (dict(hidden_act="gelu"), "hidden_act='gelu'"),
-    (dict(head_dim=32), "head_dim=32"),
-])
+@pytest.mark.parametrize(
+    "setting, named",
+    [
+        (dict(attention_bias=True, mlp_bias=False), "attention_bias=True but mlp_bias=False"),
+        (
+            dict(rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32)),
+            "rope_type='yarn'",
+        ),
+        (dict(sliding_window=16), "sliding_window=16"),
+        (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+        (dict(head_dim=32), "head_dim=32"),
+    ],
+)
 def test_settings_our_gpt_cannot_reproduce_are_refused(tmp_path, setting, named):
     config = {**LLAMA_3_2_1B, **setting}
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -333,10 +456,16 @@ def test_settings_our_gpt_cannot_reproduce_are_refused(tmp_path, setting, named)
     assert_one_line(e)
 
 
-@pytest.mark.parametrize("options, named", [
-    (dict(norm="rmsnorm"), "a Hugging Face GPT-2 cannot hold its norm='rmsnorm', nor a Llama its pos_encoding='learned'"),
-    (dict(pos_encoding="rope", norm="rmsnorm", mlp="swiglu", qk_norm=True), "nor a Llama its qk_norm=True"),
-])
+@pytest.mark.parametrize(
+    "options, named",
+    [
+        (
+            dict(norm="rmsnorm"),
+            "a Hugging Face GPT-2 cannot hold its norm='rmsnorm', nor a Llama its pos_encoding='learned'",
+        ),
+        (dict(pos_encoding="rope", norm="rmsnorm", mlp="swiglu", qk_norm=True), "nor a Llama its qk_norm=True"),
+    ],
+)
 def test_export_refuses_models_neither_format_can_hold(tmp_path, options, named):
     model = GPT(GPTConfig(n_layer=1, n_head=4, n_embd=32, block_size=16, vocab_size=65, **options))
     with pytest.raises(UserError, match=named) as e:
@@ -349,10 +478,12 @@ def test_rope_scaling_key_is_validated():
     good = {k: v for k, v in LLAMA3.items() if k != "rope_type"}
     cfg = parse(TrainConfig, ["--pos_encoding=rope", f"--rope_scaling={good}", "--norm_eps=1e-6"])
     assert make_model_args(cfg, 65)["rope_scaling"] == good and make_model_args(cfg, 65)["norm_eps"] == 1e-6
-    for argv, named in [([f"--rope_scaling={good}"], "needs pos_encoding='rope'"),
-                        (["--pos_encoding=rope", "--rope_scaling={'factor': 8.0}"], "must have exactly the numbers"),
-                        (["--pos_encoding=rope", f"--rope_scaling={ {**good, 'low_freq_factor': 5.0} }"], "low_freq_factor < high"),
-                        (["--norm_eps=0"], "norm_eps=0")]:
+    for argv, named in [
+        ([f"--rope_scaling={good}"], "needs pos_encoding='rope'"),
+        (["--pos_encoding=rope", "--rope_scaling={'factor': 8.0}"], "must have exactly the numbers"),
+        (["--pos_encoding=rope", f"--rope_scaling={ {**good, 'low_freq_factor': 5.0} }"], "low_freq_factor < high"),
+        (["--norm_eps=0"], "norm_eps=0"),
+    ]:
         with pytest.raises(UserError, match=named):
             parse(TrainConfig, argv)
     # a changed scaling is another model: resume refuses it

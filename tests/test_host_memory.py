@@ -7,11 +7,10 @@ in a temporary directory and points runtime at them."""
 import numpy as np
 import pytest
 
-from gpt import runtime
 import train
-from gpt.batches import load_split
 from configurator import TrainConfig, UserError
-from gpt import tokens
+from gpt import runtime, tokens
+from gpt.batches import load_split
 
 GiB, MiB = 1 << 30, 1 << 20
 V1_NO_LIMIT = 9223372036854771712  # what v1's memory.limit_in_bytes reads when nothing is set
@@ -22,16 +21,20 @@ IDS = (np.arange(MiB // 2) % 50257).astype(np.uint16)  # 1 MiB of GPT-2 token id
 def host(tmp_path, monkeypatch):
     """A fake machine: host(available, cgroup_lines, groups) writes /proc/meminfo's MemAvailable,
     /proc/self/cgroup's lines, and {relative dir under the cgroup root: {file: content}}."""
+
     def make(available, cgroup_lines, groups=None):
-        (tmp_path / "meminfo").write_text(f"MemTotal:       {2 * available // 1024} kB\n"
-                                          f"MemFree:        {available // 2048} kB\n"
-                                          f"MemAvailable:   {available // 1024} kB\n")
+        (tmp_path / "meminfo").write_text(
+            f"MemTotal:       {2 * available // 1024} kB\n"
+            f"MemFree:        {available // 2048} kB\n"
+            f"MemAvailable:   {available // 1024} kB\n"
+        )
         (tmp_path / "self_cgroup").write_text("".join(line + "\n" for line in cgroup_lines))
         for group, files in (groups or {}).items():
             d = tmp_path / "cgroup" / group
             d.mkdir(parents=True, exist_ok=True)
             for name, content in files.items():
                 (d / name).write_text(str(content) + "\n")
+
     monkeypatch.setattr(runtime, "MEMINFO", str(tmp_path / "meminfo"))
     monkeypatch.setattr(runtime, "SELF_CGROUP", str(tmp_path / "self_cgroup"))
     monkeypatch.setattr(runtime, "CGROUP_ROOT", str(tmp_path / "cgroup"))
@@ -39,27 +42,46 @@ def host(tmp_path, monkeypatch):
 
 
 def v2(limit, usage, inactive=0):
-    return {"memory.max": limit, "memory.current": usage, "memory.stat": f"anon {usage - inactive}\ninactive_file {inactive}"}
+    return {
+        "memory.max": limit,
+        "memory.current": usage,
+        "memory.stat": f"anon {usage - inactive}\ninactive_file {inactive}",
+    }
 
 
 def v1(limit, usage, inactive=0):
-    return {"memory.limit_in_bytes": limit, "memory.usage_in_bytes": usage,
-            "memory.stat": f"inactive_file 0\ntotal_rss {usage - inactive}\ntotal_inactive_file {inactive}"}
+    return {
+        "memory.limit_in_bytes": limit,
+        "memory.usage_in_bytes": usage,
+        "memory.stat": f"inactive_file 0\ntotal_rss {usage - inactive}\ntotal_inactive_file {inactive}",
+    }
 
 
 def test_a_v2_limit_on_an_ancestor_group_bounds_free_memory(host):
     # Slurm: the limit is on the job, the process runs in a step below it (no limit of its own)
-    host(64 * GiB, ["0::/system.slice/slurmstepd.scope/job_42/step_0"],
-         {"": v2("max", 20 * GiB), "system.slice/slurmstepd.scope/job_42": v2(8 * GiB, 3 * GiB, inactive=1 * GiB),
-          "system.slice/slurmstepd.scope/job_42/step_0": v2("max", 2 * GiB)})
+    host(
+        64 * GiB,
+        ["0::/system.slice/slurmstepd.scope/job_42/step_0"],
+        {
+            "": v2("max", 20 * GiB),
+            "system.slice/slurmstepd.scope/job_42": v2(8 * GiB, 3 * GiB, inactive=1 * GiB),
+            "system.slice/slurmstepd.scope/job_42/step_0": v2("max", 2 * GiB),
+        },
+    )
     assert runtime.cgroup_memory_left() == 6 * GiB  # 8 - 3 used + 1 of page cache the kernel drops first
     assert runtime.free_memory() == 6 * GiB
 
 
 def test_a_v1_memory_limit_bounds_free_memory(host):
-    host(64 * GiB, ["5:cpu,cpuacct:/slurm/uid_0/job_7", "4:memory:/slurm/uid_0/job_7", "0::/"],
-         {"memory": v1(V1_NO_LIMIT, 30 * GiB), "memory/slurm/uid_0/job_7": v1(16 * GiB, 10 * GiB, inactive=2 * GiB),
-          "": v2("max", 0)})
+    host(
+        64 * GiB,
+        ["5:cpu,cpuacct:/slurm/uid_0/job_7", "4:memory:/slurm/uid_0/job_7", "0::/"],
+        {
+            "memory": v1(V1_NO_LIMIT, 30 * GiB),
+            "memory/slurm/uid_0/job_7": v1(16 * GiB, 10 * GiB, inactive=2 * GiB),
+            "": v2("max", 0),
+        },
+    )
     assert runtime.free_memory() == 8 * GiB
 
 
@@ -73,8 +95,11 @@ def test_a_container_sees_its_own_group_at_the_mount(host):
 
 
 def test_the_host_bounds_free_memory_when_no_cgroup_limits_it(host):
-    host(5 * GiB, ["4:memory:/user.slice", "0::/user.slice"],
-         {"memory/user.slice": v1(V1_NO_LIMIT, 1 * GiB), "user.slice": v2("max", 1 * GiB)})
+    host(
+        5 * GiB,
+        ["4:memory:/user.slice", "0::/user.slice"],
+        {"memory/user.slice": v1(V1_NO_LIMIT, 1 * GiB), "user.slice": v2("max", 1 * GiB)},
+    )
     assert runtime.cgroup_memory_left() is None
     assert runtime.free_memory() == 5 * GiB
     host(1 * GiB, ["0::/"], {"": v2(8 * GiB, 1 * GiB)})  # a limit looser than what the host has free
@@ -90,12 +115,15 @@ def split_1mib(tmp_path):
     return data_dir
 
 
-@pytest.mark.parametrize("left, share, in_ram", [
-    (64 * MiB, 1, True),
-    (64 * MiB, 8, True),    # 8 copies are 8 MiB, under a quarter of 64
-    (64 * MiB, 32, False),  # 32 copies are 32 MiB, past a quarter: the ranks share the memmap
-    (2 * MiB, 1, False),    # the host has 64 GiB free, but the job may only take 2 MiB more
-])
+@pytest.mark.parametrize(
+    "left, share, in_ram",
+    [
+        (64 * MiB, 1, True),
+        (64 * MiB, 8, True),  # 8 copies are 8 MiB, under a quarter of 64
+        (64 * MiB, 32, False),  # 32 copies are 32 MiB, past a quarter: the ranks share the memmap
+        (2 * MiB, 1, False),  # the host has 64 GiB free, but the job may only take 2 MiB more
+    ],
+)
 def test_auto_reads_a_split_into_ram_only_within_the_jobs_limit(host, split_1mib, left, share, in_ram):
     host(64 * GiB, ["0::/job"], {"job": v2(left + 100 * MiB, 100 * MiB)})
     data = load_split(str(split_1mib), "train", "auto", share)
@@ -119,6 +147,8 @@ def test_ram_mode_past_the_limit_is_one_line(host, split_1mib):
     with pytest.raises(UserError) as e:
         load_split(str(split_1mib), "train", "ram", share=8)
     assert "\n" not in str(e.value)
-    assert str(e.value).startswith("data_mode='ram' needs 8 MiB for train (8 rank(s) x 1 MiB) but this job may use 4 MiB more")
+    assert str(e.value).startswith(
+        "data_mode='ram' needs 8 MiB for train (8 rank(s) x 1 MiB) but this job may use 4 MiB more"
+    )
     assert "--data_mode=memmap" in str(e.value)
     assert not load_split(str(split_1mib), "train", "ram", share=1).memmapped  # one copy fits

@@ -32,12 +32,19 @@ def sources(repo=REPO):
 def commands(modules):
     """The root's commands: its modules that run as a program (a __main__ guard), but model.py and
     configurator.py."""
-    return {m for m, path in modules.items() if "." not in m and path.name != "__init__.py" and m not in CORE
-            and re.search(r"^if __name__ == .__main__.:", path.read_text(), re.M)}
+    return {
+        m
+        for m, path in modules.items()
+        if "." not in m
+        and path.name != "__init__.py"
+        and m not in CORE
+        and re.search(r"^if __name__ == .__main__.:", path.read_text(), re.M)
+    }
 
 
 def imports_of(path, modules):
     """The repo modules one file imports, anywhere in it (module level or inside a function)."""
+
     def resolve(name):  # the longest repo module the dotted name starts with
         while name and name not in modules:
             name = name.rpartition(".")[0]
@@ -111,14 +118,23 @@ def problems(repo=REPO):
     cmds = commands(modules)
     found = [f"import circle: {c}" for c in circles(edges)]
     found += [f"{m} imports the command {t}" for m in sorted(edges) for t in sorted(edges[m] & cmds)]
-    found += [f"{m} (the network or the config) imports {t}" for m in sorted(CORE & set(edges))
-              for t in sorted(edges[m]) if t not in CORE]
-    found += [f"{m} imports the script {t}" for m in sorted(edges) for t in sorted(edges[m])
-              if t.startswith("scripts.")]
+    found += [
+        f"{m} (the network or the config) imports {t}"
+        for m in sorted(CORE & set(edges))
+        for t in sorted(edges[m])
+        if t not in CORE
+    ]
+    found += [
+        f"{m} imports the script {t}" for m in sorted(edges) for t in sorted(edges[m]) if t.startswith("scripts.")
+    ]
     # data/ prepares datasets and imports the library; the library reads nothing from data/
-    found += [f"{m} (the library or the root) imports the dataset preparation {t}" for m in sorted(edges)
-              if not m.startswith(("data.", "scripts.")) and m != "data" for t in sorted(edges[m])
-              if t == "data" or t.startswith("data.")]
+    found += [
+        f"{m} (the library or the root) imports the dataset preparation {t}"
+        for m in sorted(edges)
+        if not m.startswith(("data.", "scripts.")) and m != "data"
+        for t in sorted(edges[m])
+        if t == "data" or t.startswith("data.")
+    ]
     return found
 
 
@@ -143,11 +159,13 @@ def test_the_check_finds_a_circle_and_a_command_import(tmp_path):
     (tmp_path / "data" / "__init__.py").write_text("")
     (tmp_path / "data" / "tokens.py").write_text("from gpt import checkpoint\n")  # data -> gpt: the right way
     (tmp_path / "gpt" / "batches.py").write_text("from data import tokens\n")  # gpt -> data: refused
-    assert problems(tmp_path) == ["import circle: gpt.checkpoint -> model -> gpt.inference -> gpt.checkpoint "
-                                  "(the circle's modules: gpt.checkpoint, gpt.inference, model)",
-                                  "train imports the command eval",
-                                  "model (the network or the config) imports gpt.inference",
-                                  "gpt.batches (the library or the root) imports the dataset preparation data.tokens"]
+    assert problems(tmp_path) == [
+        "import circle: gpt.checkpoint -> model -> gpt.inference -> gpt.checkpoint "
+        "(the circle's modules: gpt.checkpoint, gpt.inference, model)",
+        "train imports the command eval",
+        "model (the network or the config) imports gpt.inference",
+        "gpt.batches (the library or the root) imports the dataset preparation data.tokens",
+    ]
 
 
 def test_the_root_holds_the_commands_and_the_library_is_one_package():
@@ -168,8 +186,9 @@ def test_the_readme_file_tree_names_every_module_and_no_other():
     package = {p.name for p in (REPO / "gpt").glob("*.py") if p.name != "__init__.py"}
     missing = sorted((root | package) - {Path(n).name for n in named})
     assert not missing, f"README.md's file tree lacks {missing}"
-    absent = sorted(n for n in named if not any((REPO / d / n).exists() for d in ("", "gpt", "scripts", "data", "tests",
-                                                                                    "config")))
+    absent = sorted(
+        n for n in named if not any((REPO / d / n).exists() for d in ("", "gpt", "scripts", "data", "tests", "config"))
+    )
     assert not absent, f"README.md's file tree names files that do not exist: {absent}"
 
 
@@ -186,7 +205,11 @@ def long_functions(path):
 def test_no_file_or_function_is_oversized(limit):
     paths = sources().values()
     if limit == "files":
-        found = [f"{p.relative_to(REPO)} is {n} lines" for p in paths if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES]
+        found = [
+            f"{p.relative_to(REPO)} is {n} lines"
+            for p in paths
+            if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES
+        ]
     else:
         found = [line for p in paths for line in long_functions(p)]
     assert not found, "\n".join(found)

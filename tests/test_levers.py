@@ -13,15 +13,14 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import ATEN_BACKEND, char_dataset, read_metrics, run_script, tiny_args
 from torch._dynamo.utils import counters
 
-from conftest import char_dataset, ATEN_BACKEND, read_metrics, run_script, tiny_args
-
+from configurator import TrainConfig, UserError, parse
 from gpt import checkpoint, inference, load, optim, runtime, tokenizer
 from gpt.batches import TrainBatches
 from gpt.step import train_step
 from gpt.wrap import build, make_model_args
-from configurator import TrainConfig, UserError, parse
 from model import GPT, MLP, CausalSelfAttention, GPTConfig
 
 TINY = dict(n_layer=4, n_head=4, n_embd=32, block_size=16, vocab_size=65, dropout=0.0)
@@ -89,7 +88,9 @@ def test_value_embedding_attention_adds_the_gated_embedding_to_v():
     q, k, v = (x @ attn.c_attn.weight.T + attn.c_attn.bias).split([C, 2 * hs, 2 * hs], dim=-1)
     heads = lambda t, n: t.reshape(B, T, n, hs).transpose(1, 2)
     v = heads(v, 2) + attn.ve_gate[None, :, None, None] * heads(ve, 2)  # each k/v head its own gate
-    y = causal_attention(heads(q, 4), *(t.repeat_interleave(2, dim=1) for t in (heads(k, 2), v)))  # 2 q heads a k/v head
+    y = causal_attention(
+        heads(q, 4), *(t.repeat_interleave(2, dim=1) for t in (heads(k, 2), v))
+    )  # 2 q heads a k/v head
     expected = y.transpose(1, 2).reshape(B, T, C) @ attn.c_proj.weight.T + attn.c_proj.bias
     torch.testing.assert_close(attn(x, ve=ve), expected)
 
@@ -142,7 +143,9 @@ def test_zero_init_proj_starts_projections_at_zero_and_they_still_learn():
     projections = {n: p for n, p in model.named_parameters() if ".c_proj." in n}
     assert len(projections) == 4 * 2 * 2  # attention's and the MLP's, weight and bias, in every block
     assert all(torch.equal(p, torch.zeros_like(p)) for p in projections.values())
-    assert model.lm_head.weight.std() > 0.01  # the head keeps its init: a zero head would give no gradient to anything below it
+    assert (
+        model.lm_head.weight.std() > 0.01
+    )  # the head keeps its init: a zero head would give no gradient to anything below it
     idx = tokens()
     _, loss = model(idx, idx)
     loss.backward()
@@ -172,7 +175,9 @@ def test_gradients_through_each_lever_match_finite_differences(lever):
     idx = tokens(2, 4, 11)
 
     def loss(*tensors):  # in float64 throughout (the model's own loss is float32)
-        logits, _ = torch.func.functional_call(model, {**params, **dict(zip(names, tensors))}, (idx,), {"logits_at": "all"})
+        logits, _ = torch.func.functional_call(
+            model, {**params, **dict(zip(names, tensors))}, (idx,), {"logits_at": "all"}
+        )
         return F.cross_entropy(logits.flatten(0, 1), idx.flatten())
 
     inputs = [params[n].detach().clone().requires_grad_() for n in names]
@@ -201,17 +206,29 @@ def test_an_old_checkpoint_without_the_keys_loads_with_the_levers_off(tmp_path):
     model = GPT(GPTConfig(**TINY))
     old_args = {k: v for k, v in dataclasses.asdict(model.config).items() if k not in OFF}
     (tmp_path / "out").mkdir()
-    torch.save({"model": model.state_dict(), "model_args": old_args, "config": {}, "iter_num": 0,
-                "best_val_loss": math.nan, "tokenizer": {"kind": "char", "chars": "".join(map(chr, range(32, 97)))}},
-               tmp_path / "out" / "ckpt.pt")
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "model_args": old_args,
+            "config": {},
+            "iter_num": 0,
+            "best_val_loss": math.nan,
+            "tokenizer": {"kind": "char", "chars": "".join(map(chr, range(32, 97)))},
+        },
+        tmp_path / "out" / "ckpt.pt",
+    )
     loaded, _ = load.for_inference("resume", str(tmp_path / "out"), report=lambda *_: None)
     assert all(getattr(loaded.config, k) == v for k, v in OFF.items())
     idx = tokens()
     assert torch.equal(loaded(idx)[0], model(idx)[0])
     cfg = TrainConfig(**{k: v for k, v in old_args.items() if k != "vocab_size"})
     checkpoint.check_resumable(old_args, make_model_args(cfg, 65))  # resumes under a config without the levers
-    for lever, named in [(dict(value_embeds=True), "value_embeds False -> True"), (dict(unet_skips=True), "unet_skips False -> True"),
-                         (dict(logit_softcap=30.0), "logit_softcap 0.0 -> 30.0"), (dict(mlp="relu2"), "mlp gelu -> relu2")]:
+    for lever, named in [
+        (dict(value_embeds=True), "value_embeds False -> True"),
+        (dict(unet_skips=True), "unet_skips False -> True"),
+        (dict(logit_softcap=30.0), "logit_softcap 0.0 -> 30.0"),
+        (dict(mlp="relu2"), "mlp gelu -> relu2"),
+    ]:
         with pytest.raises(UserError, match=f"differs in {named};"):  # but not into another model
             checkpoint.check_resumable(old_args, make_model_args(dataclasses.replace(cfg, **lever), 65))
 
@@ -227,7 +244,9 @@ def test_optimizer_groups_param_counts_and_flops():
     groups = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu").param_groups
     decayed, plain = ({id(p) for p in g["params"]} for g in groups)
     assert all(id(named[n]) in decayed for n in extra if n.startswith("transformer.ve."))  # embeddings decay, as wte
-    assert all(id(named[n]) in plain for n in extra if not n.startswith("transformer.ve."))  # gates and skip weights do not
+    assert all(
+        id(named[n]) in plain for n in extra if not n.startswith("transformer.ve.")
+    )  # gates and skip weights do not
     # the value embedding tables are lookups: no matmul FLOPs; relu2 has GELU's matmuls
     tables = sum(p.numel() for n, p in named.items() if n.startswith("transformer.ve."))
     gates = sum(p.numel() for n, p in named.items() if "ve_gate" in n or "skip" in n)
@@ -237,12 +256,18 @@ def test_optimizer_groups_param_counts_and_flops():
     assert GPT(GPTConfig(**TINY, mlp="relu2")).flops_per_token() == base.flops_per_token()
 
 
-@pytest.mark.parametrize("options", [
-    dict(pos_encoding="rope", norm="layernorm", bias=True),  # GPT-2's block with RoPE
-    dict(pos_encoding="rope", bias=True, qk_norm=True, tie_embeddings=False, n_kv_head=2),
-    dict(norm="rmsnorm", bias=True, qk_norm=True, mlp="relu2"),
-    dict(pos_encoding="rope", norm="rmsnorm", bias=False, qk_norm=True, tie_embeddings=False, **LEVERS),  # a speedrun
-], ids=["rope-layernorm-bias", "rope-qknorm-untied-gqa", "rmsnorm-learned-relu2", "speedrun"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(pos_encoding="rope", norm="layernorm", bias=True),  # GPT-2's block with RoPE
+        dict(pos_encoding="rope", bias=True, qk_norm=True, tie_embeddings=False, n_kv_head=2),
+        dict(norm="rmsnorm", bias=True, qk_norm=True, mlp="relu2"),
+        dict(
+            pos_encoding="rope", norm="rmsnorm", bias=False, qk_norm=True, tie_embeddings=False, **LEVERS
+        ),  # a speedrun
+    ],
+    ids=["rope-layernorm-bias", "rope-qknorm-untied-gqa", "rmsnorm-learned-relu2", "speedrun"],
+)
 def test_llama_and_speedrun_options_train_on_gpt2s_shape(options):
     torch.manual_seed(0)
     model = GPT(GPTConfig(**{**TINY, **options}))
@@ -258,7 +283,9 @@ def test_llama_and_speedrun_options_train_on_gpt2s_shape(options):
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
 
 
-@pytest.mark.parametrize("options", [dict(LEVERS), dict(LEVERS, pos_encoding="rope", n_kv_head=2)], ids=["learned", "rope-gqa"])
+@pytest.mark.parametrize(
+    "options", [dict(LEVERS), dict(LEVERS, pos_encoding="rope", n_kv_head=2)], ids=["learned", "rope-gqa"]
+)
 def test_cached_greedy_generation_is_the_argmax_of_the_uncached_forward(options):
     model = randomized(GPT(GPTConfig(**{**TINY, **options})), std=0.2).eval()
     idx = tokens(2, 3)
@@ -281,7 +308,7 @@ def test_the_serving_engine_gives_each_request_the_uncached_greedy_tokens():
             seq = torch.tensor([p])
             for _ in range(n):
                 seq = torch.cat([seq, model(seq)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
-            solo.append(seq[0, len(p):].tolist())
+            solo.append(seq[0, len(p) :].tolist())
     engine = inference.Engine(model, rows=2, waiting=5).start()  # rows=2: the third joins as another leaves
     outs, done = [[] for _ in prompts], threading.Semaphore(0)
     for i, (p, n) in enumerate(zip(prompts, budgets)):
@@ -305,9 +332,22 @@ def test_cached_decoding_with_every_lever_is_one_graph():
 def test_all_levers_compile_to_one_graph_that_never_recompiles(monkeypatch):
     torch._dynamo.reset()
     counters.clear()
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=ATEN_BACKEND))  # wrap.build's compile
-    cfg = TrainConfig(device="cpu", compile=True, batch_size=4, block_size=16, n_layer=4, n_head=4, n_embd=32,
-                      gradient_accumulation_steps=2, dropout=0.0, optimizer="muon", **LEVERS)
+    monkeypatch.setattr(
+        torch, "compile", functools.partial(torch.compile, backend=ATEN_BACKEND)
+    )  # wrap.build's compile
+    cfg = TrainConfig(
+        device="cpu",
+        compile=True,
+        batch_size=4,
+        block_size=16,
+        n_layer=4,
+        n_head=4,
+        n_embd=32,
+        gradient_accumulation_steps=2,
+        dropout=0.0,
+        optimizer="muon",
+        **LEVERS,
+    )
     torch.manual_seed(0)
     model, train_model, optimizer, scaler = build(GPT(GPTConfig(**make_model_args(cfg, 65))), cfg, CPU)
     data = np.random.default_rng(0).integers(0, 65, size=4000).astype(np.uint16)
@@ -349,7 +389,9 @@ def test_resume_with_every_lever_is_exact(char_data, tmp_path):
     train("straight")
     train("split", max_iters=4)
     assert "resuming at iter 4" in train("split", init_from="resume").stdout
-    untimed = lambda out: [{k: v for k, v in r.items() if k not in ("dt_ms", "tokens_per_s", "mfu")} for r in read_metrics(tmp_path / out)]
+    untimed = lambda out: [
+        {k: v for k, v in r.items() if k not in ("dt_ms", "tokens_per_s", "mfu")} for r in read_metrics(tmp_path / out)
+    ]
     assert untimed("split") == untimed("straight")
     a, b = (checkpoint.load(str(tmp_path / out / "ckpt.pt")) for out in ("straight", "split"))
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
@@ -358,7 +400,9 @@ def test_resume_with_every_lever_is_exact(char_data, tmp_path):
     model, _ = load.for_inference("resume", str(tmp_path / "straight"), report=lambda *_: None)
     assert all(getattr(model.config, k) == v for k, v in LEVER_FLAGS.items())
     # a resume that drops a lever is refused, naming it
-    result = run_script("train.py", *tiny_args(char_data, tmp_path / "split", **{**common, "unet_skips": False, "init_from": "resume"}))
+    result = run_script(
+        "train.py", *tiny_args(char_data, tmp_path / "split", **{**common, "unet_skips": False, "init_from": "resume"})
+    )
     assert result.returncode != 0 and "unet_skips True -> False" in result.stderr
 
 
@@ -367,7 +411,9 @@ def test_ddp_on_two_gloo_ranks_keeps_the_replicas_equal(tmp_path):
 
     char_dataset(tmp_path / "chars")
     flags = [f"--{k}={v}" for k, v in LEVER_FLAGS.items() if k != "n_layer"]
-    code, _, stderr, reports = torchrun(tmp_path, tmp_path / "chars", [("levers", [*flags, "--max_iters=4", "--eval_interval=4"], None, None)])
+    code, _, stderr, reports = torchrun(
+        tmp_path, tmp_path / "chars", [("levers", [*flags, "--max_iters=4", "--eval_interval=4"], None, None)]
+    )
     assert code == 0, stderr[-3000:] + "".join(r["stderr"][-3000:] for r in reports.get("levers", []))
     w0, w1 = (torch.load(tmp_path / "levers" / f"rank{r}.weights.pt", weights_only=True) for r in range(2))
     assert any(k.startswith("transformer.ve.") for k in w0) and "skip_weights" in w0
@@ -380,18 +426,33 @@ def saved(out_dir, **options):
     """A checkpoint of a GPT-2-shaped model with `options`, as train.py writes one, for hf.py."""
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=50257, **options))
     out_dir.mkdir()
-    torch.save({"model": model.state_dict(), "model_args": dataclasses.asdict(model.config), "config": {}, "iter_num": 0,
-                "best_val_loss": math.nan, "tokenizer": tokenizer.make_spec("gpt2")}, out_dir / "ckpt.pt")
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "model_args": dataclasses.asdict(model.config),
+            "config": {},
+            "iter_num": 0,
+            "best_val_loss": math.nan,
+            "tokenizer": tokenizer.make_spec("gpt2"),
+        },
+        out_dir / "ckpt.pt",
+    )
     return out_dir, model
 
 
-@pytest.mark.parametrize("options, named", [
-    (dict(mlp="relu2"), "mlp='relu2'"),
-    (dict(logit_softcap=30.0), "logit_softcap=30.0"),
-    (dict(value_embeds=True), "value_embeds=True"),
-    (dict(unet_skips=True), "unet_skips=True"),
-    (dict(pos_encoding="rope", norm="rmsnorm", mlp="swiglu", bias=False, unet_skips=True), "unet_skips=True"),  # a Llama but for it
-])
+@pytest.mark.parametrize(
+    "options, named",
+    [
+        (dict(mlp="relu2"), "mlp='relu2'"),
+        (dict(logit_softcap=30.0), "logit_softcap=30.0"),
+        (dict(value_embeds=True), "value_embeds=True"),
+        (dict(unet_skips=True), "unet_skips=True"),
+        (
+            dict(pos_encoding="rope", norm="rmsnorm", mlp="swiglu", bias=False, unet_skips=True),
+            "unet_skips=True",
+        ),  # a Llama but for it
+    ],
+)
 @pytest.mark.parametrize("format", ["hf", "gguf"])
 def test_exports_refuse_each_lever_they_cannot_compute_in_one_line(tmp_path, options, named, format):
     out_dir, _ = saved(tmp_path / "out", **options)

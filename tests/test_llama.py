@@ -9,17 +9,29 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from conftest import REPO, read_metrics, run_script
 
-from gpt.checkpoint import check_resumable
-from gpt.wrap import make_model_args
 from configurator import TrainConfig, UserError, parse
+from gpt.checkpoint import check_resumable
 from gpt.inference import KVCache, generate
+from gpt.wrap import make_model_args
 from model import GPT, MLP, CausalSelfAttention, GPTConfig, apply_rope, make_norm, rope_tables
 
-LLAMA = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, block_size=16, vocab_size=65, dropout=0.0, bias=False,
-             pos_encoding="rope", norm="rmsnorm", mlp="swiglu", qk_norm=True, tie_embeddings=False)
+LLAMA = dict(
+    n_layer=2,
+    n_head=4,
+    n_kv_head=2,
+    n_embd=32,
+    block_size=16,
+    vocab_size=65,
+    dropout=0.0,
+    bias=False,
+    pos_encoding="rope",
+    norm="rmsnorm",
+    mlp="swiglu",
+    qk_norm=True,
+    tie_embeddings=False,
+)
 
 
 def random_weights(module, std=0.3, seed=0):
@@ -120,7 +132,9 @@ def test_attention_equals_explicit_gqa(n_kv_head, qk_norm):
     cos, sin = rope_tables(8, 16, 10000.0)
     x = torch.randn(3, 16, 32)
     with torch.no_grad():
-        torch.testing.assert_close(attn(x, rope=(cos, sin)), explicit_attention(attn, x, (cos, sin)), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(
+            attn(x, rope=(cos, sin)), explicit_attention(attn, x, (cos, sin)), atol=1e-5, rtol=1e-4
+        )
 
 
 def test_gqa_equals_multi_head_attention_with_kv_heads_repeated():
@@ -194,8 +208,10 @@ def test_mlp_formulas(mlp):
         torch.testing.assert_close(block(x), h @ block.c_proj.weight.T, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("mlp, n_embd, hidden", [("gelu", 64, 256), ("gelu_tanh", 64, 256), ("swiglu", 64, 192),
-                                                 ("swiglu", 768, 2048), ("swiglu", 100, 320)])
+@pytest.mark.parametrize(
+    "mlp, n_embd, hidden",
+    [("gelu", 64, 256), ("gelu_tanh", 64, 256), ("swiglu", 64, 192), ("swiglu", 768, 2048), ("swiglu", 100, 320)],
+)
 def test_mlp_hidden_zero_means_the_usual_width(mlp, n_embd, hidden):
     # GELU: 4x; SwiGLU: 8/3x rounded up to a multiple of 64, the same weights as GELU's 4x (768 -> 2048 exactly)
     assert GPTConfig(n_embd=n_embd, n_head=4, mlp=mlp).mlp_hidden == hidden
@@ -242,8 +258,23 @@ def test_llama_1b_recipe_has_llama_3_2_1b_parameter_count():
 
 def test_flops_per_token_by_hand_for_a_llama_style_model():
     L, C, nh, nkv, H, V, T = 3, 64, 8, 2, 96, 128, 32
-    model = GPT(GPTConfig(n_layer=L, n_embd=C, n_head=nh, n_kv_head=nkv, mlp_hidden=H, block_size=T, vocab_size=V,
-                          pos_encoding="rope", norm="rmsnorm", mlp="swiglu", qk_norm=True, tie_embeddings=False, bias=False))
+    model = GPT(
+        GPTConfig(
+            n_layer=L,
+            n_embd=C,
+            n_head=nh,
+            n_kv_head=nkv,
+            mlp_hidden=H,
+            block_size=T,
+            vocab_size=V,
+            pos_encoding="rope",
+            norm="rmsnorm",
+            mlp="swiglu",
+            qk_norm=True,
+            tie_embeddings=False,
+            bias=False,
+        )
+    )
     N = llama_params_by_hand(L, C, nh, nkv, H, V, tied=False, qk_norm=True) - V * C  # the untied wte is a lookup
     assert model.num_params() == N
     # attention's scores and weighted values, per query head: 2 * (2 T hs) forward, x3 with backward
@@ -270,7 +301,9 @@ def test_cached_step_logits_equal_a_full_forward_for_a_llama_model():
 def test_cached_generation_equals_uncached_past_block_size(window_shift):
     model = llama()
     prompt = idx(3, 5)
-    uncached = generate(model, prompt, 40, temperature=0, kv_cache=False, window_shift=window_shift)  # 45 tokens, block_size 16
+    uncached = generate(
+        model, prompt, 40, temperature=0, kv_cache=False, window_shift=window_shift
+    )  # 45 tokens, block_size 16
     # by hand: the last block_size tokens (or the window a larger shift keeps) through the whole model
     out, start = prompt, 0
     for _ in range(40):
@@ -306,8 +339,17 @@ def reference_gpt2_weights(seed, L, C, V, T, bias):
     projections redrawn with std 0.02/sqrt(2L)."""
     torch.manual_seed(seed)
     wte, wpe = nn.Embedding(V, C), nn.Embedding(T, C)
-    blocks = [[nn.LayerNorm(C, bias=bias), nn.Linear(C, 3 * C, bias=bias), nn.Linear(C, C, bias=bias),
-               nn.LayerNorm(C, bias=bias), nn.Linear(C, 4 * C, bias=bias), nn.Linear(4 * C, C, bias=bias)] for _ in range(L)]
+    blocks = [
+        [
+            nn.LayerNorm(C, bias=bias),
+            nn.Linear(C, 3 * C, bias=bias),
+            nn.Linear(C, C, bias=bias),
+            nn.LayerNorm(C, bias=bias),
+            nn.Linear(C, 4 * C, bias=bias),
+            nn.Linear(4 * C, C, bias=bias),
+        ]
+        for _ in range(L)
+    ]
     ln_f, lm_head = nn.LayerNorm(C, bias=bias), nn.Linear(C, V, bias=False)
     for m in [wte, wpe, *(m for b in blocks for m in b), ln_f, lm_head]:
         if not isinstance(m, nn.LayerNorm):
@@ -365,23 +407,27 @@ def test_gpt2_default_is_unchanged(bias):
     assert model.transformer.wte.weight is model.lm_head.weight
     x = idx(2, T)
     with torch.no_grad():
-        torch.testing.assert_close(model(x, logits_at="all")[0], reference_gpt2_logits(reference, x, L, nh)[..., :V],
-                                   atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(
+            model(x, logits_at="all")[0], reference_gpt2_logits(reference, x, L, nh)[..., :V], atol=1e-5, rtol=1e-4
+        )
 
 
 # ---------------------------------------------------------------------------- train.py: keys, resume, a CPU run
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["--n_head=4", "--n_embd=32", "--n_kv_head=3"], "n_kv_head=3"),
-    (["--n_head=4", "--n_embd=32", "--n_kv_head=8"], "n_kv_head=8"),
-    (["--n_head=4", "--n_embd=12", "--pos_encoding=rope"], "head size"),
-    (["--pos_encoding=alibi"], "pos_encoding='alibi'"),
-    (["--norm=batchnorm"], "norm='batchnorm'"),
-    (["--mlp=relu"], "mlp='relu'"),
-    (["--parallelism=zero3"], "parallelism='zero3'"),
-    (["--mlp_hidden=-1"], "mlp_hidden"),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--n_head=4", "--n_embd=32", "--n_kv_head=3"], "n_kv_head=3"),
+        (["--n_head=4", "--n_embd=32", "--n_kv_head=8"], "n_kv_head=8"),
+        (["--n_head=4", "--n_embd=12", "--pos_encoding=rope"], "head size"),
+        (["--pos_encoding=alibi"], "pos_encoding='alibi'"),
+        (["--norm=batchnorm"], "norm='batchnorm'"),
+        (["--mlp=relu"], "mlp='relu'"),
+        (["--parallelism=zero3"], "parallelism='zero3'"),
+        (["--mlp_hidden=-1"], "mlp_hidden"),
+    ],
+)
 def test_bad_llama_keys_are_one_line_errors(argv, expected):
     with pytest.raises(UserError, match=expected):
         parse(TrainConfig, argv)
@@ -404,16 +450,34 @@ def test_resume_refuses_another_architecture_and_accepts_old_checkpoints():
 
 def test_tiny_llama_trains_on_cpu_and_samples(char_data, tmp_path):
     out = tmp_path / "out"
-    result = run_script("train.py", "config/train_llama_tiny.py", f"--dataset={char_data}", f"--out_dir={out}",
-                        "--max_iters=60", "--lr_decay_iters=60", "--warmup_iters=5", "--eval_interval=30",
-                        "--eval_iters=4", "--log_interval=10", "--batch_size=8", "--block_size=32")
+    result = run_script(
+        "train.py",
+        "config/train_llama_tiny.py",
+        f"--dataset={char_data}",
+        f"--out_dir={out}",
+        "--max_iters=60",
+        "--lr_decay_iters=60",
+        "--warmup_iters=5",
+        "--eval_interval=30",
+        "--eval_iters=4",
+        "--log_interval=10",
+        "--batch_size=8",
+        "--block_size=32",
+    )
     assert result.returncode == 0, result.stderr
     evals = [r["val_loss"] for r in read_metrics(out) if "val_loss" in r]
     assert len(evals) == 3 and evals[-1] < evals[0] - 0.8, evals  # it learned
     state = torch.load(out / "ckpt.pt", weights_only=True)
     assert state["model_args"]["pos_encoding"] == "rope" and state["model_args"]["n_kv_head"] == 1
     assert "transformer.wpe.weight" not in state["model"]
-    sampled = run_script("sample.py", f"--out_dir={out}", "--device=cpu", "--num_samples=1", "--max_new_tokens=40",
-                         "--start=The", "--stream=False")
+    sampled = run_script(
+        "sample.py",
+        f"--out_dir={out}",
+        "--device=cpu",
+        "--num_samples=1",
+        "--max_new_tokens=40",
+        "--start=The",
+        "--stream=False",
+    )
     assert sampled.returncode == 0, sampled.stderr
     assert sampled.stdout.count("The") >= 1

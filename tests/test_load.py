@@ -4,11 +4,10 @@ reads a model; the chat template's refusal names the run; and what is not a sour
 
 import pytest
 import torch
-
 from conftest import run_script, train_tiny_run
 
-from gpt import load
 from configurator import UserError
+from gpt import load
 
 
 @pytest.fixture(scope="module")
@@ -26,15 +25,30 @@ def test_a_run_named_by_init_from_is_the_run_resume_reads(run):
 
 
 def test_sample_and_eval_read_a_run_named_by_init_from(run):
-    by_out_dir = run_script("sample.py", f"--out_dir={run}", "--device=cpu", "--num_samples=1",
-                            "--max_new_tokens=20", "--seed=3", "--start=Th")
-    by_init_from = run_script("sample.py", f"--init_from={run}", "--device=cpu", "--num_samples=1",
-                              "--max_new_tokens=20", "--seed=3", "--start=Th")
+    by_out_dir = run_script(
+        "sample.py",
+        f"--out_dir={run}",
+        "--device=cpu",
+        "--num_samples=1",
+        "--max_new_tokens=20",
+        "--seed=3",
+        "--start=Th",
+    )
+    by_init_from = run_script(
+        "sample.py",
+        f"--init_from={run}",
+        "--device=cpu",
+        "--num_samples=1",
+        "--max_new_tokens=20",
+        "--seed=3",
+        "--start=Th",
+    )
     assert by_out_dir.returncode == 0 and by_init_from.returncode == 0, by_init_from.stderr
     assert by_init_from.stdout == by_out_dir.stdout and "\nTh" in by_out_dir.stdout
     data = run / ".." / "chars"
-    evaluated = run_script("eval.py", f"--init_from={run}", "--device=cpu", f"--dataset={data.resolve()}",
-                           "--tasks=val", "--json=True")
+    evaluated = run_script(
+        "eval.py", f"--init_from={run}", "--device=cpu", f"--dataset={data.resolve()}", "--tasks=val", "--json=True"
+    )
     assert evaluated.returncode == 0, evaluated.stderr
     assert '"val"' in evaluated.stdout.splitlines()[-1]
 

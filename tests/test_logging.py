@@ -3,8 +3,9 @@ plot.py turning metrics.jsonl files into a PNG."""
 
 import struct
 
-from gpt import checkpoint
 from conftest import read_metrics, run_script, tiny_args
+
+from gpt import checkpoint
 
 
 def test_wandb_offline_run_continues_the_same_run_after_resume(char_data, tmp_path):
@@ -16,8 +17,9 @@ def test_wandb_offline_run_continues_the_same_run_after_resume(char_data, tmp_pa
     run_id = checkpoint.load(str(out / "ckpt.pt"))["wandb_run_id"]
     assert run_id
 
-    resumed = run_script("train.py", *tiny_args(char_data, out, max_iters=20, wandb_log=True, init_from="resume"), env=env,
-                         isolated=True)
+    resumed = run_script(
+        "train.py", *tiny_args(char_data, out, max_iters=20, wandb_log=True, init_from="resume"), env=env, isolated=True
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert checkpoint.load(str(out / "ckpt.pt"))["wandb_run_id"] == run_id
     runs = sorted(p.name for p in (out / "wandb").glob("offline-run-*"))
@@ -30,7 +32,9 @@ def test_tensorboard_gets_the_same_scalars_as_metrics_jsonl(char_data, tmp_path)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "out"
-    result = run_script("train.py", *tiny_args(char_data, out, max_iters=10, tensorboard_log=True, update_ratio_interval=5))
+    result = run_script(
+        "train.py", *tiny_args(char_data, out, max_iters=10, tensorboard_log=True, update_ratio_interval=5)
+    )
     assert result.returncode == 0, result.stderr
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
@@ -39,7 +43,9 @@ def test_tensorboard_gets_the_same_scalars_as_metrics_jsonl(char_data, tmp_path)
         logged = [(r["iter"], r[key]) for r in records if r.get(key) is not None]
         scalars = [(e.step, e.value) for e in events.Scalars(key)]
         assert [s for s, _ in scalars] == [i for i, _ in logged]
-        assert all(abs(a - b) <= 1e-6 * max(1.0, abs(b)) for (_, a), (_, b) in zip(scalars, logged))  # stored as float32
+        assert all(
+            abs(a - b) <= 1e-6 * max(1.0, abs(b)) for (_, a), (_, b) in zip(scalars, logged)
+        )  # stored as float32
 
 
 def png_size(path):
@@ -50,7 +56,9 @@ def png_size(path):
 
 def test_plot_two_runs_into_one_png(char_data, tmp_path):
     for name, lr in (("a", 1e-2), ("b", 3e-3)):
-        result = run_script("train.py", *tiny_args(char_data, tmp_path / name, max_iters=10, learning_rate=lr, min_lr=lr / 10))
+        result = run_script(
+            "train.py", *tiny_args(char_data, tmp_path / name, max_iters=10, learning_rate=lr, min_lr=lr / 10)
+        )
         assert result.returncode == 0, result.stderr
     result = run_script("plot.py", tmp_path / "a", tmp_path / "b" / "metrics.jsonl", f"--out={tmp_path / 'cmp.png'}")
     assert result.returncode == 0, result.stderr

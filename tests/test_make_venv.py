@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO
 
 
@@ -28,17 +27,37 @@ def fake_torch(root, version, cuda=None, hip=None, broken=False):
 
 def decide(tmp_path, **torch):
     env = {**os.environ, "PYTHONPATH": str(fake_torch(tmp_path / "site", **torch))}
-    return subprocess.run([sys.executable, str(REPO / "scripts" / "system_torch.py")], env=env,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "system_torch.py")], env=env, capture_output=True, text=True, timeout=60
+    )
 
 
-@pytest.mark.parametrize("torch, kept, reason", [
-    (dict(version="2.11.0+cu130", cuda="13.0"), True, "torch 2.11.0+cu130 (CUDA 13.0) here is at or above the supported 2.11: keeping it"),
-    (dict(version="2.12.1+rocm7.1", hip="7.1.25424"), True, "torch 2.12.1+rocm7.1 (ROCm 7.1.25424) here is at or above the supported 2.11: keeping it"),
-    (dict(version="2.10.0+cu128", cuda="12.8"), False, "torch 2.10.0+cu128 (CUDA 12.8) here is older than the supported 2.11: installing the pinned torch"),
-    (dict(version="2.13.0+cpu"), False, "torch 2.13.0+cpu here is not a GPU build: installing the pinned torch"),
-    (dict(version="2.11.0", broken=True), False, "no torch importable here (OSError: libcudnn.so.9: cannot open shared object file): installing the pinned torch"),
-])
+@pytest.mark.parametrize(
+    "torch, kept, reason",
+    [
+        (
+            dict(version="2.11.0+cu130", cuda="13.0"),
+            True,
+            "torch 2.11.0+cu130 (CUDA 13.0) here is at or above the supported 2.11: keeping it",
+        ),
+        (
+            dict(version="2.12.1+rocm7.1", hip="7.1.25424"),
+            True,
+            "torch 2.12.1+rocm7.1 (ROCm 7.1.25424) here is at or above the supported 2.11: keeping it",
+        ),
+        (
+            dict(version="2.10.0+cu128", cuda="12.8"),
+            False,
+            "torch 2.10.0+cu128 (CUDA 12.8) here is older than the supported 2.11: installing the pinned torch",
+        ),
+        (dict(version="2.13.0+cpu"), False, "torch 2.13.0+cpu here is not a GPU build: installing the pinned torch"),
+        (
+            dict(version="2.11.0", broken=True),
+            False,
+            "no torch importable here (OSError: libcudnn.so.9: cannot open shared object file): installing the pinned torch",
+        ),
+    ],
+)
 def test_a_gpu_torch_at_or_above_the_floor_is_kept(tmp_path, torch, kept, reason):
     result = decide(tmp_path, **torch)
     assert result.returncode == (0 if kept else 1)
@@ -69,8 +88,13 @@ def make_venv(tmp_path, *args, **torch):
     recorder.write_text(RECORDER.format(log=log, python=sys.executable))
     recorder.chmod(recorder.stat().st_mode | stat.S_IXUSR)
     env = {**os.environ, "PYTHONPATH": str(fake_torch(tmp_path / "site", **torch))}
-    result = subprocess.run(["make", "-C", str(REPO), "venv", f"PYTHON={recorder}", f"VENV={venv}", *args],
-                            env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        ["make", "-C", str(REPO), "venv", f"PYTHON={recorder}", f"VENV={venv}", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     calls = [line.replace(str(tmp_path), "TMP").replace(str(REPO), "REPO") for line in log.read_text().splitlines()]
     return calls, venv
@@ -97,8 +121,9 @@ def test_make_keeps_the_machines_cuda_torch(tmp_path):
 
 
 @needs_make
-@pytest.mark.parametrize("torch, args", [(dict(version="2.13.0+cpu"), ()),
-                                         (dict(version="2.11.0+cu130", cuda="13.0"), ("SYSTEM_TORCH=no",))])
+@pytest.mark.parametrize(
+    "torch, args", [(dict(version="2.13.0+cpu"), ()), (dict(version="2.11.0+cu130", cuda="13.0"), ("SYSTEM_TORCH=no",))]
+)
 def test_make_installs_the_pinned_torch_elsewhere(tmp_path, torch, args):
     calls, _ = make_venv(tmp_path, *args, **torch)
     assert calls == (["TMP/bin/python3 scripts/system_torch.py"] if not args else []) + [

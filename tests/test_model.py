@@ -176,12 +176,18 @@ def test_configure_optimizers_groups():
 def gpt2_params_by_hand(L, C, V_padded, bias):
     """Non-embedding parameters of GPT-2 (position embeddings excluded, tied wte/lm_head counted once)."""
     per_block = (
-        C + bias * C  # ln_1
-        + 3 * C * C + bias * 3 * C  # c_attn
-        + C * C + bias * C  # attn.c_proj
-        + C + bias * C  # ln_2
-        + 4 * C * C + bias * 4 * C  # c_fc
-        + 4 * C * C + bias * C  # mlp.c_proj
+        C
+        + bias * C  # ln_1
+        + 3 * C * C
+        + bias * 3 * C  # c_attn
+        + C * C
+        + bias * C  # attn.c_proj
+        + C
+        + bias * C  # ln_2
+        + 4 * C * C
+        + bias * 4 * C  # c_fc
+        + 4 * C * C
+        + bias * C  # mlp.c_proj
     )
     ln_f = C + bias * C
     return V_padded * C + L * per_block + ln_f

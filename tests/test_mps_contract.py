@@ -5,16 +5,12 @@ autocast dtype, the GradScaler, the optimizer, pinned memory, compile, synchroni
 RNG state in checkpoints, and what MPS cannot do (torchrun; bfloat16 before macOS 14). No MPS
 kernel runs here: tensors stay on the CPU, the decisions are what is checked."""
 
-
 import numpy as np
 import pytest
 import torch
 
-from gpt import batches
-from gpt import checkpoint
-from gpt import runtime
-from gpt import wrap
 from configurator import TrainConfig, UserError
+from gpt import batches, checkpoint, runtime, wrap
 from model import GPT, GPTConfig
 
 TORCHRUN_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -33,9 +29,13 @@ def mps(monkeypatch):
     monkeypatch.setattr(torch.backends.mps, "is_macos_or_newer", lambda major, minor: (15, 0) >= (major, minor))
     for name in ("synchronize", "empty_cache", "manual_seed", "set_rng_state"):
         monkeypatch.setattr(torch.mps, name, lambda *args, _name=name, **kwargs: calls.append((_name, *args)))
-    monkeypatch.setattr(torch.mps, "get_rng_state", lambda device="mps": calls.append(("get_rng_state",)) or MPS_RNG.clone())
+    monkeypatch.setattr(
+        torch.mps, "get_rng_state", lambda device="mps": calls.append(("get_rng_state",)) or MPS_RNG.clone()
+    )
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: calls.append(("cuda.synchronize",)))
-    monkeypatch.setattr(torch.distributed, "init_process_group", lambda **kwargs: calls.append(("init_process_group", kwargs)))
+    monkeypatch.setattr(
+        torch.distributed, "init_process_group", lambda **kwargs: calls.append(("init_process_group", kwargs))
+    )
     for key in TORCHRUN_KEYS:
         monkeypatch.delenv(key, raising=False)
     return calls
@@ -128,8 +128,13 @@ def test_a_checkpoint_carries_the_mps_rng_and_restores_it_on_mps(mps, capsys):
     checkpoint.restore_rng(state, batches.TrainBatches(np.zeros(32, np.uint16), 1, 8, 0, rt), rt)
     assert len(mps) == 1 and mps[0][0] == "set_rng_state" and torch.equal(mps[0][1], MPS_RNG)
     # the same checkpoint on a CPU: the MPS state has no generator to go to, and that is said
-    checkpoint.restore_rng(state, batches.TrainBatches(np.zeros(32, np.uint16), 1, 8, 0, rt), runtime.setup("cpu", "float32"))
-    assert "note: checkpoint was written on mps, this run is on cpu: its mps RNG state is unused" in capsys.readouterr().out
+    checkpoint.restore_rng(
+        state, batches.TrainBatches(np.zeros(32, np.uint16), 1, 8, 0, rt), runtime.setup("cpu", "float32")
+    )
+    assert (
+        "note: checkpoint was written on mps, this run is on cpu: its mps RNG state is unused"
+        in capsys.readouterr().out
+    )
     torch.set_rng_state(cpu_rng)
 
 

@@ -10,18 +10,15 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-
 from conftest import char_dataset, read_metrics, run_python, run_script, tiny_args
 
 import configurator
-from gpt import optim
-from gpt import runtime
-from gpt import tokenizer
+from configurator import TrainConfig, UserError
+from gpt import optim, runtime, tokenizer
 from gpt.batches import TrainBatches, load_split
 from gpt.optim import get_lr
 from gpt.step import train_step
 from gpt.wrap import make_model_args
-from configurator import TrainConfig, UserError
 from model import GPT, GPTConfig
 
 CPU = runtime.Runtime("cpu", "cpu", torch.float32)
@@ -41,8 +38,18 @@ def run_train(data_dir, out_dir, **overrides):
 def test_muon_half_steps_as_torch_muon_and_the_rest_as_adamw(monkeypatch):
     # on a CPU ours orthogonalizes in float32; in torch's bfloat16 it must be torch's step, bit for bit
     monkeypatch.setattr(optim, "CPU_NS_DTYPE", torch.bfloat16)
-    cfg = TrainConfig(optimizer="muon", learning_rate=1e-2, muon_lr=0.03, muon_momentum=0.9, muon_weight_decay=0.05,
-                      weight_decay=0.1, warmup_iters=1, max_iters=4, lr_decay_iters=4, min_lr=1e-3)
+    cfg = TrainConfig(
+        optimizer="muon",
+        learning_rate=1e-2,
+        muon_lr=0.03,
+        muon_momentum=0.9,
+        muon_weight_decay=0.05,
+        weight_decay=0.1,
+        warmup_iters=1,
+        max_iters=4,
+        lr_decay_iters=4,
+        min_lr=1e-3,
+    )
     torch.manual_seed(0)
     model = GPT(GPTConfig(**MODEL))
     ref = copy.deepcopy(model)
@@ -51,12 +58,20 @@ def test_muon_half_steps_as_torch_muon_and_the_rest_as_adamw(monkeypatch):
     names = {p: n for n, p in model.named_parameters()}
     muon_names = [names[p] for p in ours.optimizers[0].param_groups[0]["params"]]
     # the blocks' projections, every one; no embedding, lm_head, norm or bias
-    assert sorted(muon_names) == sorted(f"transformer.h.{i}.{m}.weight" for i in range(2)
-                                        for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"))
+    assert sorted(muon_names) == sorted(
+        f"transformer.h.{i}.{m}.weight"
+        for i in range(2)
+        for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    )
     ref_named = dict(ref.named_parameters())
     ref_muon = torch.optim.Muon([ref_named[n] for n in muon_names], lr=cfg.muon_lr, momentum=0.9, weight_decay=0.05)
-    ref_adamw = ref.configure_optimizers(0.1, cfg.learning_rate, (cfg.beta1, cfg.beta2), "cpu",
-                                         params=[p for n, p in ref_named.items() if n not in muon_names])
+    ref_adamw = ref.configure_optimizers(
+        0.1,
+        cfg.learning_rate,
+        (cfg.beta1, cfg.beta2),
+        "cpu",
+        params=[p for n, p in ref_named.items() if n not in muon_names],
+    )
     g = torch.Generator().manual_seed(1)
     for it in range(4):
         x, y = torch.randint(0, 65, (4, 16), generator=g), torch.randint(0, 65, (4, 16), generator=g)
@@ -173,8 +188,15 @@ def muon_runs(tmp_path_factory):
     """40 steps straight, and 20 then resumed to 40: Muon, dropout on, update ratios every 10 steps."""
     root = tmp_path_factory.mktemp("muon")
     data = char_dataset(root / "chars")
-    common = dict(optimizer="muon", max_iters=40, lr_decay_iters=40, eval_interval=10, dropout=0.1,
-                  update_ratio_interval=10, grad_clip=1.5)  # 1.5: some steps clipped, some not
+    common = dict(
+        optimizer="muon",
+        max_iters=40,
+        lr_decay_iters=40,
+        eval_interval=10,
+        dropout=0.1,
+        update_ratio_interval=10,
+        grad_clip=1.5,
+    )  # 1.5: some steps clipped, some not
     run_train(data, root / "straight", **common)
     run_train(data, root / "split", **{**common, "max_iters": 20})
     resumed = run_train(data, root / "split", **common, init_from="resume")
@@ -244,7 +266,9 @@ def test_muon_ddp_two_ranks_equal_one_rank(char_data, tmp_path):
     run_train(data, tmp_path / "one", **common, batch_size=8, gradient_accumulation_steps=1)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     args = tiny_args(data, tmp_path / "two", **common, batch_size=4, gradient_accumulation_steps=2)
-    result = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *args], env=env)
+    result = run_python(
+        ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *args], env=env
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     # training losses and gradient norms (the eval batches differ: their size is batch_size)
     logged = lambda d: np.array([[r["loss"], r["grad_norm"]] for r in read_metrics(d) if "loss" in r])
@@ -259,14 +283,17 @@ def test_muon_ddp_two_ranks_equal_one_rank(char_data, tmp_path):
 # ---------------------------------------------------------------------------- bad input
 
 
-@pytest.mark.parametrize("overrides, expected", [
-    (dict(optimizer="sgd"), "optimizer='sgd' is not one of 'adamw', 'muon'"),
-    (dict(lr_schedule="linear"), "lr_schedule='linear' is not one of 'cosine', 'wsd'"),
-    (dict(lr_schedule="wsd", decay_frac=0.0), "decay_frac=0.0 must be in (0, 1]"),
-    (dict(lr_schedule="wsd", decay_frac=1.5), "decay_frac=1.5 must be in (0, 1]"),
-    (dict(optimizer="muon", parallelism="fsdp"), "optimizer='muon' orthogonalizes whole matrices"),
-    (dict(update_ratio_interval=10, parallelism="fsdp"), "update_ratio_interval needs whole weights"),
-])
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (dict(optimizer="sgd"), "optimizer='sgd' is not one of 'adamw', 'muon'"),
+        (dict(lr_schedule="linear"), "lr_schedule='linear' is not one of 'cosine', 'wsd'"),
+        (dict(lr_schedule="wsd", decay_frac=0.0), "decay_frac=0.0 must be in (0, 1]"),
+        (dict(lr_schedule="wsd", decay_frac=1.5), "decay_frac=1.5 must be in (0, 1]"),
+        (dict(optimizer="muon", parallelism="fsdp"), "optimizer='muon' orthogonalizes whole matrices"),
+        (dict(update_ratio_interval=10, parallelism="fsdp"), "update_ratio_interval needs whole weights"),
+    ],
+)
 def test_bad_keys(overrides, expected):
     with pytest.raises(UserError) as e:
         TrainConfig(**overrides)

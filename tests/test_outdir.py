@@ -14,12 +14,10 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import REPO, char_dataset, python_process, read_metrics, run_python, run_script, tiny_args
 
-from gpt import checkpoint
-from gpt import outdir
-from gpt import runtime
 from configurator import TrainConfig, UserError, parse
-from conftest import char_dataset, REPO, python_process, read_metrics, run_python, run_script, tiny_args
+from gpt import checkpoint, outdir, runtime
 
 # 10 steps of a 20-step schedule (so a resume to 20 equals a straight 20-step run); keep_last=2
 # leaves numbered checkpoints too, which a takeover must remove
@@ -40,7 +38,11 @@ def contents(out_dir):
             rel = os.path.relpath(path, out_dir)
             if rel == outdir.LOCK:
                 continue
-            found[rel] = "-> " + os.readlink(path) if os.path.islink(path) else hashlib.sha256(open(path, "rb").read()).hexdigest()
+            found[rel] = (
+                "-> " + os.readlink(path)
+                if os.path.islink(path)
+                else hashlib.sha256(open(path, "rb").read()).hexdigest()
+            )
     return found
 
 
@@ -93,7 +95,9 @@ def test_a_fresh_start_in_a_used_out_dir_refuses_and_changes_nothing(base, tmp_p
     before = contents(out)
     assert {"metrics.jsonl", "config.json"} <= set(before)
     best = min(r["val_loss"] for r in read_metrics(out) if "val_loss" in r and r["iter"] > 0)
-    result = run_script("train.py", *tiny_args(data, out, max_iters=4, init_from=init_from))  # gpt2: refused before any download
+    result = run_script(
+        "train.py", *tiny_args(data, out, max_iters=4, init_from=init_from)
+    )  # gpt2: refused before any download
     line = one_line_error(result)
     newest = "ckpt.pt" if fmt == "full" else "ckpt_0000010"
     assert f"out_dir={out} already holds a run (iter 10, best val loss {best:.4f}, {newest})" in line
@@ -103,7 +107,9 @@ def test_a_fresh_start_in_a_used_out_dir_refuses_and_changes_nothing(base, tmp_p
 
 def test_overwrite_and_resume_or_auto_is_one_line():
     for init_from in ("resume", "auto"):
-        with pytest.raises(UserError, match=f"overwrite=True replaces the run in out_dir, init_from='{init_from}' continues it"):
+        with pytest.raises(
+            UserError, match=f"overwrite=True replaces the run in out_dir, init_from='{init_from}' continues it"
+        ):
             parse(TrainConfig, ["--overwrite=True", f"--init_from={init_from}"])
 
 
@@ -111,8 +117,19 @@ def test_overwrite_and_resume_or_auto_is_one_line():
 def test_overwrite_replaces_the_old_run_at_the_new_ones_first_checkpoint(base, tmp_path, fmt):
     out, data = copy_of(base, fmt, tmp_path)
     # keep_last=2: the old run's newer ckpt_<iter>s must not push this run's first one out of the rotation
-    result = run_script("train.py", *tiny_args(data, out, max_iters=6, lr_decay_iters=6, eval_interval=3, keep_last=2,
-                                               checkpoint_format=fmt, overwrite=True))
+    result = run_script(
+        "train.py",
+        *tiny_args(
+            data,
+            out,
+            max_iters=6,
+            lr_decay_iters=6,
+            eval_interval=3,
+            keep_last=2,
+            checkpoint_format=fmt,
+            overwrite=True,
+        ),
+    )
     assert result.returncode == 0, result.stderr
     assert "until this run's first checkpoint, then this run replaces it" in result.stdout
     records = read_metrics(out)  # the new run's only: a new file, not the old one appended to
@@ -121,8 +138,15 @@ def test_overwrite_replaces_the_old_run_at_the_new_ones_first_checkpoint(base, t
     assert json.loads((out / "config.json").read_text())["max_iters"] == 6
     names = sorted(p.name for p in out.iterdir())  # the old ckpt_0000005 and ckpt_0000010 are gone, staged/ too
     if fmt == "full":
-        assert names == ["ckpt.pt", "ckpt_0000003.pt", "ckpt_0000006.pt", "ckpt_best.pt", "config.json", "metrics.jsonl",
-                         outdir.LOCK]
+        assert names == [
+            "ckpt.pt",
+            "ckpt_0000003.pt",
+            "ckpt_0000006.pt",
+            "ckpt_best.pt",
+            "config.json",
+            "metrics.jsonl",
+            outdir.LOCK,
+        ]
         assert checkpoint.load(str(out / "ckpt.pt"))["iter_num"] == 6
         assert checkpoint.load(str(out / "ckpt_best.pt"))["config"]["max_iters"] == 6
     else:
@@ -164,8 +188,10 @@ def test_a_takeover_cut_short_after_the_first_checkpoint_is_finished_by_the_next
     again = outdir.claim(parse(TrainConfig, [f"--out_dir={out}", "--init_from=auto"]), CPU, say=notes.append)
     again.release()
     assert notes[0].startswith(f"note: finished the takeover of out_dir={out}")
-    assert notes[1] == f"init_from='auto': resuming the run in out_dir={out} (iter 3, best val loss " \
-                       f"{state['best_val_loss']:.4f}, ckpt.pt)"
+    assert (
+        notes[1] == f"init_from='auto': resuming the run in out_dir={out} (iter 3, best val loss "
+        f"{state['best_val_loss']:.4f}, ckpt.pt)"
+    )
     assert again.cfg.init_from == "resume"
     assert sorted(p.name for p in out.iterdir()) == ["ckpt.pt", "config.json", "metrics.jsonl", outdir.LOCK]
     assert read_metrics(out) == [{"iter": 0, "loss": 4.0}]
@@ -185,12 +211,16 @@ def test_a_live_run_refuses_a_second_one_by_name_lets_readers_in_and_kill_9_leav
         for init_from in ("resume", "auto", "scratch"):  # the requeued job, the same command, a typo
             line = one_line_error(run_script("train.py", *tiny_args(data, out, max_iters=4, init_from=init_from)))
             holder = json.loads(lock.read_text())
-            assert line == (f"error: out_dir={out} is in use by another run (pid {proc.pid} on {socket.gethostname()}, "
-                            f"started {holder['started']}); wait for that run to end (or stop it), or choose another --out_dir")
+            assert line == (
+                f"error: out_dir={out} is in use by another run (pid {proc.pid} on {socket.gethostname()}, "
+                f"started {holder['started']}); wait for that run to end (or stop it), or choose another --out_dir"
+            )
         # readers take no lock
         sampled = run_script("sample.py", f"--out_dir={out}", "--device=cpu", "--num_samples=1", "--max_new_tokens=8")
         assert sampled.returncode == 0 and "loaded " in sampled.stdout + sampled.stderr, sampled.stderr
-        evaluated = run_script("eval.py", f"--out_dir={out}", "--device=cpu", "--tasks=val", "--split_tokens=256", "--json=True")
+        evaluated = run_script(
+            "eval.py", f"--out_dir={out}", "--device=cpu", "--tasks=val", "--split_tokens=256", "--json=True"
+        )
         assert evaluated.returncode == 0, evaluated.stderr
         assert json.loads(evaluated.stdout.strip().splitlines()[-1])["val"]["loss"] > 0
         assert proc.poll() is None  # still training
@@ -212,15 +242,19 @@ def test_a_filesystem_that_cannot_lock_is_said_not_hidden(tmp_path, monkeypatch)
     notes = []
     claimed = outdir.claim(parse(TrainConfig, [f"--out_dir={tmp_path / 'out'}"]), CPU, say=notes.append)
     assert claimed.fd is None and claimed.cfg.init_from == "scratch"
-    assert notes == [f"warning: cannot lock out_dir={tmp_path / 'out'} ({os.strerror(errno.ENOLCK)}): nothing keeps a "
-                     f"second run from writing there; start one run per out_dir"]
+    assert notes == [
+        f"warning: cannot lock out_dir={tmp_path / 'out'} ({os.strerror(errno.ENOLCK)}): nothing keeps a "
+        f"second run from writing there; start one run per out_dir"
+    ]
 
 
 def test_network_filesystems_are_recognized_from_the_mount_table(tmp_path):
     mounts = tmp_path / "mounts"
-    mounts.write_text("/dev/sda1 / ext4 rw 0 0\n"
-                      "server:/export /mnt/shared nfs4 rw,relatime 0 0\n"
-                      "lustre@tcp:/fs /mnt/shared/scratch\\040space lustre rw 0 0\n")
+    mounts.write_text(
+        "/dev/sda1 / ext4 rw 0 0\n"
+        "server:/export /mnt/shared nfs4 rw,relatime 0 0\n"
+        "lustre@tcp:/fs /mnt/shared/scratch\\040space lustre rw 0 0\n"
+    )
     assert outdir.network_filesystem("/mnt/shared/runs/out", str(mounts)) == "nfs4"
     assert outdir.network_filesystem("/mnt/shared/scratch space/out", str(mounts)) == "lustre"
     assert outdir.network_filesystem("/mnt/sharedother/out", str(mounts)) is None  # a prefix, not the mount point
@@ -252,10 +286,22 @@ def test_auto_starts_from_scratch_in_an_empty_out_dir_and_resumes_in_a_used_one(
 def test_a_refused_start_under_torchrun_ends_every_rank(base, tmp_path):
     out, data = copy_of(base, "full", tmp_path)
     before = contents(out)
-    result = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-                         *tiny_args(data, out, gradient_accumulation_steps=2)], env={"OMP_NUM_THREADS": "1"}, timeout=120)
+    result = run_python(
+        [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "train.py",
+            *tiny_args(data, out, gradient_accumulation_steps=2),
+        ],
+        env={"OMP_NUM_THREADS": "1"},
+        timeout=120,
+    )
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 2 and all(f"out_dir={out} already holds a run (iter 10" in e for e in errors), result.stderr[-3000:]
+    assert len(errors) == 2 and all(f"out_dir={out} already holds a run (iter 10" in e for e in errors), result.stderr[
+        -3000:
+    ]
     assert "Traceback" not in result.stderr.split("error:")[0]
     assert contents(out) == before

@@ -17,8 +17,7 @@ from unittest import mock
 
 import pytest
 import torch
-
-from conftest import char_dataset, REPO, python_process, read_metrics, run_python, tiny_args
+from conftest import REPO, char_dataset, python_process, read_metrics, run_python, tiny_args
 
 from gpt import checkpoint
 from model import GPT, GPTConfig
@@ -28,8 +27,15 @@ torchft = pytest.importorskip("torchft")
 # one global batch of 4 micro-batches (a group of 1 rank takes 2 of them, a rank of a 2-rank group 1);
 # a checkpoint every 12 steps, the one at step 12 kept for the resume. dist_timeout_s only bounds a
 # failure: two groups started at once on the 2-core machine may wait long for each other's first quorum
-COMMON = dict(max_iters=24, lr_decay_iters=24, eval_interval=12, gradient_accumulation_steps=4, always_save_checkpoint=True,
-              keep_last=2, dist_timeout_s=120)
+COMMON = dict(
+    max_iters=24,
+    lr_decay_iters=24,
+    eval_interval=12,
+    gradient_accumulation_steps=4,
+    always_save_checkpoint=True,
+    keep_last=2,
+    dist_timeout_s=120,
+)
 
 
 class Lighthouse:
@@ -39,8 +45,9 @@ class Lighthouse:
     def __init__(self, log, **flags):
         binary = os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")
         with open(log, "w") as f:
-            self.proc = subprocess.Popen([binary, "--bind=[::]:0", *(f"--{k}={v}" for k, v in flags.items())],
-                                         stdout=f, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                [binary, "--bind=[::]:0", *(f"--{k}={v}" for k, v in flags.items())], stdout=f, stderr=subprocess.STDOUT
+            )
         deadline = time.monotonic() + 60
         while not (found := re.search(r"listening on: (\S+)", open(log).read())):
             assert time.monotonic() < deadline and self.proc.poll() is None, open(log).read()
@@ -109,9 +116,24 @@ def runs(data, tmp_path_factory):
 
     def pair(name, launcher, **keys):
         lighthouses.append(Lighthouse(root / f"{name}-lighthouse.log", min_replicas=2))
-        procs.extend(start([*launcher, *tiny_args(data, root / name, ft_replica_group=g, ft_groups=2,
-                                                 ft_lighthouse=lighthouses[-1].address(), **COMMON, **keys)],
-                           root / f"{name}{g}.log") for g in range(2))
+        procs.extend(
+            start(
+                [
+                    *launcher,
+                    *tiny_args(
+                        data,
+                        root / name,
+                        ft_replica_group=g,
+                        ft_groups=2,
+                        ft_lighthouse=lighthouses[-1].address(),
+                        **COMMON,
+                        **keys,
+                    ),
+                ],
+                root / f"{name}{g}.log",
+            )
+            for g in range(2)
+        )
         return procs[-2:]
 
     try:
@@ -181,9 +203,13 @@ def test_init_from_auto_after_a_full_stop_resumes_exactly(runs):
     alive to heal from) take steps 12-23 exactly as the run that never stopped."""
     for g in range(2):
         straight, resumed = (steps(runs[name] / f"group{g}") for name in ("groups", "resumed"))
-        assert sorted(resumed) == list(range(12, 24)) and all(resumed[i]["loss"] == straight[i]["loss"] for i in resumed)
+        assert sorted(resumed) == list(range(12, 24)) and all(
+            resumed[i]["loss"] == straight[i]["loss"] for i in resumed
+        )
         a, b = (checkpoint.load(str(runs[name] / f"group{g}" / "ckpt.pt")) for name in ("groups", "resumed"))
-        assert a["iter_num"] == b["iter_num"] == 24 and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+        assert a["iter_num"] == b["iter_num"] == 24 and all(
+            torch.equal(a["model"][k], b["model"][k]) for k in a["model"]
+        )
 
 
 def test_no_quorum_is_started_after_the_last_step(runs):
@@ -196,8 +222,12 @@ def test_no_quorum_is_started_after_the_last_step(runs):
         for g in range(2):
             log = (runs[name].parent / f"{name}{g}.log").read_text()
             own = rf'replica_id: "group{g}:[^"]*", address: "[^"]*", store_address: "[^"]*", step: (\d+)'
-            quorums = {int(step) for line in log.splitlines() if "got lighthouse quorum" in line
-                       for step in re.findall(own, line)}
+            quorums = {
+                int(step)
+                for line in log.splitlines()
+                if "got lighthouse quorum" in line
+                for step in re.findall(own, line)
+            }
             assert quorums == set(range(first, 24)), (name, g, sorted(quorums))
 
 
@@ -213,25 +243,41 @@ def kill_and_heal(data, tmp_path, sync_every):
     out = tmp_path / "ft"
     # dist_timeout_s: 6 times the lighthouse's 5 s to count a killed group out (the survivor's quorum waits
     # that long), room for a loaded machine
-    extra = dict(max_iters=100_000, lr_decay_iters=2000, eval_interval=16, keep_last=1000, init_from="auto",
-                 sync_every=sync_every, dist_timeout_s=30)
+    extra = dict(
+        max_iters=100_000,
+        lr_decay_iters=2000,
+        eval_interval=16,
+        keep_last=1000,
+        init_from="auto",
+        sync_every=sync_every,
+        dist_timeout_s=30,
+    )
     ckpts = lambda g: {int(p.stem[5:]) for p in (out / f"group{g}").glob("ckpt_[0-9]*.pt")}
     deadline = time.monotonic() + 200
     procs = []
     try:
-        procs += [group(data, out, g, lighthouse.address(), tmp_path / f"{name}.log", **extra)
-                  for g, name in ((0, "survivor"), (1, "victim"))]
+        procs += [
+            group(data, out, g, lighthouse.address(), tmp_path / f"{name}.log", **extra)
+            for g, name in ((0, "survivor"), (1, "victim"))
+        ]
         survivor, victim = procs
         until = lambda done, *alive: wait_for(done, deadline, *alive)
         # both in a step's all-reduce (with DiLoCo: past two syncs of both)
-        until(lambda: any(r.get("groups") == 2 and i >= 2 * sync_every for i, r in steps_or_empty(out / "group1").items()),
-              victim, survivor)
+        until(
+            lambda: any(
+                r.get("groups") == 2 and i >= 2 * sync_every for i, r in steps_or_empty(out / "group1").items()
+            ),
+            victim,
+            survivor,
+        )
         os.killpg(victim.pid, signal.SIGKILL)
         victim.wait()
         killed_at = max(steps_or_empty(out / "group0"), default=-1)
         # torchrun would start the group again at once; here it waits until the survivor has
         # stepped alone, which is the point, however slow this machine is
-        until(lambda: any(i > killed_at and r["groups"] == 1 for i, r in steps_or_empty(out / "group0").items()), survivor)
+        until(
+            lambda: any(i > killed_at and r["groups"] == 1 for i, r in steps_or_empty(out / "group0").items()), survivor
+        )
         before = ckpts(1)  # the victim's own
         restarted = group(data, out, 1, lighthouse.address(), tmp_path / "restarted.log", **extra)
         procs.append(restarted)
@@ -281,7 +327,9 @@ def test_a_killed_group_restarts_and_heals_to_the_survivors_weights(killed, sync
     ckpts = lambda g: {int(p.stem[5:]) for p in (out / f"group{g}").glob("ckpt_[0-9]*.pt")}
     alone = [i for i, r in steps(out / "group0").items() if i > killed_at and r["groups"] == 1]
     assert alone, "the survivor did not step on alone"
-    assert "healing is required" in open(restarted_log).read()  # torchft's log: the restarted group took the survivor's state
+    assert (
+        "healing is required" in open(restarted_log).read()
+    )  # torchft's log: the restarted group took the survivor's state
     its = sorted(r["iter"] for r in read_metrics(out / "group1") if "loss" in r and r["iter"] > min(alone))
     assert its and its[0] > max(alone) - 16, its[:5]  # it went on from the survivor's step, not from its own
     shared = min(n for n in (ckpts(1) - before) & ckpts(0) if n > killed_at)
@@ -293,7 +341,9 @@ def test_a_killed_group_restarts_and_heals_to_the_survivors_weights(killed, sync
         assert all(torch.equal(x, y) for x, y in zip(tensors(a["optimizer"]), tensors(b["optimizer"])))
     else:
         assert all(torch.equal(a["outer"]["last_sync"][k], b["outer"]["last_sync"][k]) for k in a["outer"]["last_sync"])
-        assert all(torch.equal(x, y) for x, y in zip(tensors(a["outer"]["optimizer"]), tensors(b["outer"]["optimizer"])))
+        assert all(
+            torch.equal(x, y) for x, y in zip(tensors(a["outer"]["optimizer"]), tensors(b["outer"]["optimizer"]))
+        )
 
 
 def test_a_lighthouse_that_dies_stops_the_group_in_one_line(data, tmp_path):
@@ -301,8 +351,16 @@ def test_a_lighthouse_that_dies_stops_the_group_in_one_line(data, tmp_path):
     dist_timeout_s, and train.py ends with one line that says what to do, not a traceback."""
     lighthouse = Lighthouse(tmp_path / "lighthouse.log", min_replicas=1)
     try:
-        proc = group(data, tmp_path / "ft", 0, lighthouse.address(), tmp_path / "group0.log",
-                     max_iters=100_000, lr_decay_iters=100, dist_timeout_s=3)
+        proc = group(
+            data,
+            tmp_path / "ft",
+            0,
+            lighthouse.address(),
+            tmp_path / "group0.log",
+            max_iters=100_000,
+            lr_decay_iters=100,
+            dist_timeout_s=3,
+        )
         wait_for(lambda: len(steps_or_empty(tmp_path / "ft" / "group0")) > 2, time.monotonic() + 120, proc)
     finally:
         lighthouse.shutdown()
@@ -329,6 +387,7 @@ def steps_or_empty(out_dir):
 
 def test_the_process_group_is_nccl_in_a_child_on_cuda_and_gloo_on_the_cpu():
     from datetime import timedelta
+
     from torchft.process_group import ProcessGroupBabyNCCL, ProcessGroupGloo
 
     from gpt import replicas
@@ -343,8 +402,10 @@ def test_replica_group_mistakes_are_one_line(char_data, tmp_path, monkeypatch):
     from conftest import run_script
 
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
-    cases = {"no lighthouse is named": dict(gradient_accumulation_steps=2),
-             "make it a multiple of ft_groups=2": dict(gradient_accumulation_steps=3)}
+    cases = {
+        "no lighthouse is named": dict(gradient_accumulation_steps=2),
+        "make it a multiple of ft_groups=2": dict(gradient_accumulation_steps=3),
+    }
     for message, keys in cases.items():
         result = run_script("train.py", *tiny_args(char_data, tmp_path / "out", ft_replica_group=0, **keys))
         assert result.returncode != 0 and "Traceback" not in result.stderr
@@ -354,9 +415,20 @@ def test_replica_group_mistakes_are_one_line(char_data, tmp_path, monkeypatch):
 def test_without_torchft_training_runs_and_replica_groups_are_one_line(tmp_path):
     # torchft's wheels are Linux x86-64 only: on a Mac train.py must import, and a replica group must say why not
     script = "import runpy, sys; sys.modules['torchft'] = None; sys.argv[0] = 'train.py'; runpy.run_path('train.py', run_name='__main__')"
-    out = run_python(["-c", script, "--dataset=none", "--ft_replica_group=0", "--ft_groups=2", f"--out_dir={tmp_path / 'out'}",
-                      "--device=cpu"])
+    out = run_python(
+        [
+            "-c",
+            script,
+            "--dataset=none",
+            "--ft_replica_group=0",
+            "--ft_groups=2",
+            f"--out_dir={tmp_path / 'out'}",
+            "--device=cpu",
+        ]
+    )
     assert out.returncode != 0 and "Traceback" not in out.stderr
-    assert out.stderr.strip().splitlines() == ["error: ft_replica_group needs torchft, which is not installed here (its wheels "
-                                               "are for Linux x86-64): pip install torchft on such a machine, or train "
-                                               "without --ft_replica_group"]
+    assert out.stderr.strip().splitlines() == [
+        "error: ft_replica_group needs torchft, which is not installed here (its wheels "
+        "are for Linux x86-64): pip install torchft on such a machine, or train "
+        "without --ft_replica_group"
+    ]

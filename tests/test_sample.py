@@ -4,14 +4,13 @@ sample.py's batches, prompts file and streaming."""
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import run_script, train_tiny_run
+from test_model import TINY  # block_size 16
 
 import sample
 from gpt import tokenizer
 from gpt.inference import KVCache, generate, sample_next
 from model import GPT, GPTConfig
-from test_model import TINY  # block_size 16
 
 
 def tiny_model(seed=0):
@@ -212,13 +211,16 @@ def test_sample_py_prompts_file(trained, capsys, tmp_path):
 def test_sample_py_reads_the_checkpoint_on_the_cpu_and_moves_only_the_weights(trained, monkeypatch):
     """The checkpoint also holds the optimizer state (twice the weights for AdamW): it is read into
     host memory, and only the model goes to the device ('meta' stands in for a GPU here)."""
-    from gpt import checkpoint
-    from gpt import runtime
+    from gpt import checkpoint, runtime
 
     map_locations, models = [], []
     real_load, real_load_model = torch.load, checkpoint.load_model
-    monkeypatch.setattr(torch, "load", lambda *a, **k: map_locations.append(k.get("map_location")) or real_load(*a, **k))
-    monkeypatch.setattr(checkpoint, "load_model", lambda *a, **k: models.append(real_load_model(*a, **k)[0]) or (models[0], {}))
+    monkeypatch.setattr(
+        torch, "load", lambda *a, **k: map_locations.append(k.get("map_location")) or real_load(*a, **k)
+    )
+    monkeypatch.setattr(
+        checkpoint, "load_model", lambda *a, **k: models.append(real_load_model(*a, **k)[0]) or (models[0], {})
+    )
     monkeypatch.setattr(runtime, "setup", lambda *a, **k: runtime.Runtime("meta", "meta", torch.float32))
 
     def stop(tok_spec):  # the model is on the device by now; generating on 'meta' could not print anything
@@ -233,7 +235,9 @@ def test_sample_py_reads_the_checkpoint_on_the_cpu_and_moves_only_the_weights(tr
 
 def test_stream_holds_back_a_partial_character():
     written = []
-    stream = tokenizer.TextStream(lambda ids: bytes(ids).decode("utf-8", errors="replace"), written.append)  # a token per byte
+    stream = tokenizer.TextStream(
+        lambda ids: bytes(ids).decode("utf-8", errors="replace"), written.append
+    )  # a token per byte
     data = list("a é!".encode())  # é is two bytes
     for n in range(1, len(data) + 1):
         stream.update(data[:n])
@@ -246,8 +250,14 @@ def test_an_empty_prompt_starts_a_bpe_model_after_endoftext():
 
 def test_real_shakespeare_cached_equals_uncached_for_500_greedy_tokens(shared_shakespeare):
     out = shared_shakespeare
-    args = [f"--out_dir={out}", "--device=cpu", "--temperature=0", "--num_samples=1", "--max_new_tokens=500",
-            "--start=ROMEO:"]
+    args = [
+        f"--out_dir={out}",
+        "--device=cpu",
+        "--temperature=0",
+        "--num_samples=1",
+        "--max_new_tokens=500",
+        "--start=ROMEO:",
+    ]
     cached, uncached = run_script("sample.py", *args), run_script("sample.py", *args, "--kv_cache=False")
     assert cached.returncode == 0, cached.stderr
     assert len(cached.stdout) > 500 and cached.stdout == uncached.stdout

@@ -1,7 +1,6 @@
 """sample.py's bad input: one line on stderr and a non-zero exit, or a documented behaviour."""
 
 import pytest
-
 from conftest import run_script, train_tiny_run
 from test_errors import assert_one_line_error
 
@@ -25,7 +24,9 @@ def trained(tmp_path_factory):
 
 
 def sample_with(trained, *args):
-    return run_script("sample.py", f"--out_dir={trained}", "--device=cpu", "--max_new_tokens=5", "--num_samples=1", *args)
+    return run_script(
+        "sample.py", f"--out_dir={trained}", "--device=cpu", "--max_new_tokens=5", "--num_samples=1", *args
+    )
 
 
 def test_prompts_file_problems(trained, tmp_path):
@@ -51,4 +52,4 @@ def test_a_prompt_longer_than_block_size_is_cropped_with_a_note(trained):
     assert "Traceback" not in result.stderr
     cropped = sample_with(trained, f"--start={long_prompt[-16:]}", "--temperature=0", "--max_new_tokens=10")
     text, text_cropped = (r.stdout.split("\n", 1)[1] for r in (result, cropped))
-    assert text.startswith(long_prompt) and text[len(long_prompt):] == text_cropped[16:]
+    assert text.startswith(long_prompt) and text[len(long_prompt) :] == text_cropped[16:]

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
+from configurator import TrainConfig
 from gpt import runtime
 from gpt.optim import get_lr
 from gpt.step import train_step
-from configurator import TrainConfig
 from model import GPT, GPTConfig
 
 # ---------------------------------------------------------------------------- get_lr
@@ -101,8 +101,9 @@ def test_accumulation_equals_one_big_batch(kind, grad_clip):
     k, b, T = 4, 2, 16
     lr = 1e-3 if kind == "adamw" else 1.0
     g = torch.Generator().manual_seed(1)
-    warm_rows, rows = [(torch.randint(0, 65, (k * b, T), generator=g), torch.randint(0, 65, (k * b, T), generator=g))
-                       for _ in range(2)]
+    warm_rows, rows = [
+        (torch.randint(0, 65, (k * b, T), generator=g), torch.randint(0, 65, (k * b, T), generator=g)) for _ in range(2)
+    ]
     torch.manual_seed(0)
     big = GPT(GPTConfig(**MODEL))
     opt_big = make_optimizer(big, kind)

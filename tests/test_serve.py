@@ -24,21 +24,21 @@ import openai
 import pytest
 import torch
 import uvicorn
+from conftest import ATEN_BACKEND, REPO, chat_demo_copy, load_script, python_process, run_script, train_tiny_run
 
-from gpt import api
-from gpt import inference
-from gpt import serving
-from gpt import tokenizer
 import serve
 from configurator import ServeConfig, UserError, parse
-from conftest import ATEN_BACKEND, REPO, chat_demo_copy, load_script, python_process, run_script, train_tiny_run
+from gpt import api, inference, serving, tokenizer
 from model import GPT, GPTConfig
 
 KEY = "test-key-123"
 
 # ---------------------------------------------------------------------------- the engine itself
 
-SHAPES = [{}, dict(n_kv_head=1, pos_encoding="rope", norm="rmsnorm", mlp="swiglu", bias=False)]  # GPT-2's block, Llama's
+SHAPES = [
+    {},
+    dict(n_kv_head=1, pos_encoding="rope", norm="rmsnorm", mlp="swiglu", bias=False),
+]  # GPT-2's block, Llama's
 
 
 def peaked_model(**shape):
@@ -59,7 +59,10 @@ def token_lists(*lengths):
 
 def solo_greedy(model, prompts, budgets):
     """generate()'s greedy new tokens for each prompt alone."""
-    return [inference.generate(model, torch.tensor([p]), n, temperature=0)[0, len(p) :].tolist() for p, n in zip(prompts, budgets)]
+    return [
+        inference.generate(model, torch.tensor([p]), n, temperature=0)[0, len(p) :].tolist()
+        for p, n in zip(prompts, budgets)
+    ]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=["gpt2", "llama"])
@@ -77,12 +80,16 @@ def test_a_packed_step_gives_each_sequence_its_own_logits(shape):
 
     cache = inference.BatchCache(model.config, rows=5, room=32)
     with torch.inference_mode():
-        step = cache.packed(0, [s[:-1] for s in seqs[:2]], "cpu")  # the first two come in as prompts, less their last token
+        step = cache.packed(
+            0, [s[:-1] for s in seqs[:2]], "cpu"
+        )  # the first two come in as prompts, less their last token
         model(torch.tensor([seqs[0][:-1] + seqs[1][:-1]]), cache=step, logits_at=step.last)
         cache.lengths[:2] = [len(s) - 1 for s in seqs[:2]]
         # rows 0 and 1 decode their last token; rows 2 and 3 take in whole prompts
         step = cache.packed(2, seqs[2:4], "cpu")
-        logits, _ = model(torch.tensor([[seqs[0][-1], seqs[1][-1], *seqs[2], *seqs[3]]]), cache=step, logits_at=step.last)
+        logits, _ = model(
+            torch.tensor([[seqs[0][-1], seqs[1][-1], *seqs[2], *seqs[3]]]), cache=step, logits_at=step.last
+        )
         assert logits.shape == (4, 50)
         for got, seq in zip(logits, seqs[:4]):
             torch.testing.assert_close(got, alone(seq), rtol=1e-5, atol=1e-5)
@@ -109,8 +116,11 @@ def test_engine_rows_of_any_length_give_solo_greedy_tokens(shape):
     step = engine._step
     engine._step = lambda new: (peak.append(len(engine.active) + len(new)), step(new))[1]
     for i, (p, n) in enumerate(zip(prompts, budgets)):
-        assert engine.submit(inference.Request(p, n, outs[i].append, lambda *end, i=i: (ends.__setitem__(i, end), done.release()),
-                                               temperature=0))
+        assert engine.submit(
+            inference.Request(
+                p, n, outs[i].append, lambda *end, i=i: (ends.__setitem__(i, end), done.release()), temperature=0
+            )
+        )
     for _ in prompts:
         assert done.acquire(timeout=60)
     engine.close()
@@ -150,7 +160,9 @@ def test_a_compiled_model_in_the_engine_gives_solo_greedy_tokens(monkeypatch):
     solo = solo_greedy(model, prompts, budgets)
     model.compile(dynamic=True, backend=ATEN_BACKEND)  # as serve.py --compile does, on ATen's kernels (conftest)
     traced, run = [], inference.Packed.run
-    monkeypatch.setattr(inference.Packed, "run", lambda *args: traced.append(torch.compiler.is_compiling()) or run(*args))
+    monkeypatch.setattr(
+        inference.Packed, "run", lambda *args: traced.append(torch.compiler.is_compiling()) or run(*args)
+    )
     engine = inference.Engine(model, rows=3, waiting=10, compiled=True).start()
     outs, done = [[] for _ in prompts], threading.Semaphore(0)
     for i, (p, n) in enumerate(zip(prompts, budgets)):
@@ -177,8 +189,15 @@ def test_a_failing_request_ends_alone():
             raise RuntimeError("the client's callback broke")
 
     for name, on_token in (("broken", broken), ("fine", got.append)):
-        assert engine.submit(inference.Request(list(prompt), 12, on_token, lambda *end, name=name: (ends.__setitem__(name, end),
-                                                                                                    done.release()), temperature=0))
+        assert engine.submit(
+            inference.Request(
+                list(prompt),
+                12,
+                on_token,
+                lambda *end, name=name: (ends.__setitem__(name, end), done.release()),
+                temperature=0,
+            )
+        )
     for _ in range(2):
         assert done.acquire(timeout=60)
     engine.close()
@@ -213,7 +232,9 @@ def running(*args):
         assert thread.is_alive(), "uvicorn did not start"
         time.sleep(0.01)
     try:
-        yield types.SimpleNamespace(url=f"http://127.0.0.1:{sock.getsockname()[1]}", server=server, engine=server.engine, web=web)
+        yield types.SimpleNamespace(
+            url=f"http://127.0.0.1:{sock.getsockname()[1]}", server=server, engine=server.engine, web=web
+        )
     finally:
         web.should_exit = True
         thread.join(10)
@@ -246,16 +267,31 @@ def client(s, key="unused"):
 
 def chat_py(out_dir, message, max_new_tokens, system=None, sampling=("--temperature=0",)):
     """`chat.py --prompt=message --temperature=0`'s reply (its stdout, without the newline)."""
-    result = run_script("chat.py", f"--out_dir={out_dir}", "--device=cpu", f"--prompt={message}", *sampling,
-                        f"--max_new_tokens={max_new_tokens}", *([f"--system={system}"] if system else []))
+    result = run_script(
+        "chat.py",
+        f"--out_dir={out_dir}",
+        "--device=cpu",
+        f"--prompt={message}",
+        *sampling,
+        f"--max_new_tokens={max_new_tokens}",
+        *([f"--system={system}"] if system else []),
+    )
     assert result.returncode == 0 and result.stdout.endswith("\n"), result.stderr
     return result.stdout[:-1]
 
 
 def sample_py(out_dir, start, max_new_tokens):
     """sample.py's greedy continuation of start."""
-    result = run_script("sample.py", f"--out_dir={out_dir}", "--device=cpu", f"--start={start}", "--temperature=0",
-                        "--num_samples=1", f"--max_new_tokens={max_new_tokens}", "--stream=False")
+    result = run_script(
+        "sample.py",
+        f"--out_dir={out_dir}",
+        "--device=cpu",
+        f"--start={start}",
+        "--temperature=0",
+        "--num_samples=1",
+        f"--max_new_tokens={max_new_tokens}",
+        "--stream=False",
+    )
     assert result.returncode == 0, result.stderr
     loaded, out = result.stdout.split("\n", 1)  # "loaded <checkpoint> ...", then the sample and the separator line
     separator = "\n" + load_script("sample.py").SEPARATOR + "\n"
@@ -288,18 +324,28 @@ def test_openai_client_gets_chat_py_replies(demo, chat_server, chat_process):
     out_dir, heldout = demo
     cs = [client(chat_server), client(chat_process)]
     template = chat_server.server.template
-    cases = [(m, None, 40) for m in user_messages(heldout, 4)] + [("My name is Dovaki.", "Answer briefly.", 40),
-                                                                 ("Repeat after me: sule pova kire dano", None, 3)]
+    cases = [(m, None, 40) for m in user_messages(heldout, 4)] + [
+        ("My name is Dovaki.", "Answer briefly.", 40),
+        ("Repeat after me: sule pova kire dano", None, 3),
+    ]
     reasons = []
     for message, system, n in cases:
         expected = chat_py(out_dir, message, n, system)
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": message}]
         for c in cs:
-            reply = c.chat.completions.create(model=chat_server.server.name, messages=messages, temperature=0, max_tokens=n)
+            reply = c.chat.completions.create(
+                model=chat_server.server.name, messages=messages, temperature=0, max_tokens=n
+            )
             assert reply.choices[0].message.content == expected, (message, expected)
             assert reply.usage.prompt_tokens == len(template.render(messages, add_generation_prompt=True)[0])
-            stream = c.chat.completions.create(model=chat_server.server.name, messages=messages, temperature=0,
-                                               max_completion_tokens=n, stream=True, stream_options={"include_usage": True})
+            stream = c.chat.completions.create(
+                model=chat_server.server.name,
+                messages=messages,
+                temperature=0,
+                max_completion_tokens=n,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
             chunks = list(stream)
             assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == expected
             assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == reply.choices[0].finish_reason
@@ -309,16 +355,38 @@ def test_openai_client_gets_chat_py_replies(demo, chat_server, chat_process):
     greeting = chat_py(out_dir, "Hi, I'm Zuvaki.", 40)  # a stop string: the reply ends before its first match
     stop = greeting[6:9]
     for c, stream in itertools.product(cs, (False, True)):
-        reply = c.chat.completions.create(model=chat_server.server.name, messages=[{"role": "user", "content": "Hi, I'm Zuvaki."}],
-                                          temperature=0, stop=["zzz", stop], stream=stream)
+        reply = c.chat.completions.create(
+            model=chat_server.server.name,
+            messages=[{"role": "user", "content": "Hi, I'm Zuvaki."}],
+            temperature=0,
+            stop=["zzz", stop],
+            stream=stream,
+        )
         chunks = list(reply) if stream else [reply]
-        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) if stream else reply.choices[0].message.content
-        assert text == greeting[: greeting.index(stop)] and chunks[-1].choices[0].finish_reason == "stop", (greeting, stop, text)
-    for seed, message in [(7, "Hi, I'm Zuvaki."), (11, "Repeat after me: sule pova kire")]:  # sampled: the seed's generator
+        text = (
+            "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+            if stream
+            else reply.choices[0].message.content
+        )
+        assert text == greeting[: greeting.index(stop)] and chunks[-1].choices[0].finish_reason == "stop", (
+            greeting,
+            stop,
+            text,
+        )
+    for seed, message in [
+        (7, "Hi, I'm Zuvaki."),
+        (11, "Repeat after me: sule pova kire"),
+    ]:  # sampled: the seed's generator
         expected = chat_py(out_dir, message, 30, sampling=("--temperature=1.5", "--top_p=0.95", f"--seed={seed}"))
         for c in cs:
-            reply = c.chat.completions.create(model=chat_server.server.name, messages=[{"role": "user", "content": message}],
-                                              temperature=1.5, top_p=0.95, seed=seed, max_tokens=30)
+            reply = c.chat.completions.create(
+                model=chat_server.server.name,
+                messages=[{"role": "user", "content": message}],
+                temperature=1.5,
+                top_p=0.95,
+                seed=seed,
+                max_tokens=30,
+            )
             assert reply.choices[0].message.content == expected
 
 
@@ -331,7 +399,9 @@ def test_openai_client_gets_sample_py_continuation(base, base_server):
         reply = c.completions.create(model=base_server.server.name, prompt=prompt, temperature=0, max_tokens=n)
         assert reply.choices[0].text == expected and reply.choices[0].finish_reason == "length"
         assert reply.usage.prompt_tokens == len(prompt) and reply.usage.completion_tokens == n
-        streamed = c.completions.create(model=base_server.server.name, prompt=prompt, temperature=0, max_tokens=n, stream=True)
+        streamed = c.completions.create(
+            model=base_server.server.name, prompt=prompt, temperature=0, max_tokens=n, stream=True
+        )
         assert "".join(ch.choices[0].text for ch in streamed) == expected
     with pytest.raises(openai.AuthenticationError):
         client(base_server, "wrong").completions.create(model=base_server.server.name, prompt="The", max_tokens=2)
@@ -377,8 +447,10 @@ def test_sixteen_concurrent_clients_get_their_solo_replies(demo, chat_server):
     the one the request gets when served alone."""
     _, heldout = demo
     name = chat_server.server.name
-    bodies = [{"model": name, "messages": [{"role": "user", "content": m}], "temperature": 0, "max_tokens": 4 + 3 * i}
-              for i, m in enumerate(user_messages(heldout, 16))]
+    bodies = [
+        {"model": name, "messages": [{"role": "user", "content": m}], "temperature": 0, "max_tokens": 4 + 3 * i}
+        for i, m in enumerate(user_messages(heldout, 16))
+    ]
     for i in (2, 7, 11):
         bodies[i].update(temperature=0.9, top_p=0.95, seed=100 + i)
     alone = [solo(chat_server, b) for b in bodies]
@@ -394,16 +466,31 @@ def test_a_request_joining_mid_generation_gets_its_solo_reply(demo, chat_server)
     first decodes, joins the batch at the next step, and both replies are their solo replies."""
     _, heldout = demo
     name = chat_server.server.name
-    long = {"model": name, "prompt": "Hi, I'm Zuvaki.", "temperature": 0, "max_tokens": 80}  # no stop at <|end|>: a long reply
-    late = {"model": name, "messages": [{"role": "user", "content": user_messages(heldout, 1)[0]}], "temperature": 0, "max_tokens": 30}
+    long = {
+        "model": name,
+        "prompt": "Hi, I'm Zuvaki.",
+        "temperature": 0,
+        "max_tokens": 80,
+    }  # no stop at <|end|>: a long reply
+    late = {
+        "model": name,
+        "messages": [{"role": "user", "content": user_messages(heldout, 1)[0]}],
+        "temperature": 0,
+        "max_tokens": 30,
+    }
     alone = [solo(chat_server, long, "/v1/completions"), solo(chat_server, late)]
     engine, seen = chat_server.engine, []
     step = engine._step
 
     def paused_step(new):  # after the long one's 8th token, no step until the late one is queued (or has joined)
         deadline = time.monotonic() + 30
-        while (engine.active and engine.active[0].generated >= 8 and engine.held < 2 and len(seen) < 2
-               and time.monotonic() < deadline):
+        while (
+            engine.active
+            and engine.active[0].generated >= 8
+            and engine.held < 2
+            and len(seen) < 2
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.005)
         if new:  # who is decoding when a request joins
             seen.append([(r.ids == new[0].ids, r.generated, r.finished) for r in engine.active])
@@ -421,7 +508,9 @@ def test_a_request_joining_mid_generation_gets_its_solo_reply(demo, chat_server)
     finally:
         engine._step = step
     assert [long_reply, late_reply] == alone
-    assert seen[0] == [] and len(seen[1]) == 1 and seen[1][0][1] >= 8 and seen[1][0][2] is None  # it joined a running batch
+    assert (
+        seen[0] == [] and len(seen[1]) == 1 and seen[1][0][1] >= 8 and seen[1][0][2] is None
+    )  # it joined a running batch
 
 
 def test_llama3_chat_decoded_together_gets_chat_py_replies(tmp_path):
@@ -444,9 +533,18 @@ def test_llama3_chat_decoded_together_gets_chat_py_replies(tmp_path):
         assert s.server.template.format == "llama3"
         c = client(s)
         with held(s.engine, lambda: s.engine.held == 4) as rows:
-            replies = concurrently([lambda m=m: c.chat.completions.create(model=s.server.name, temperature=0, max_tokens=12,
-                                                                          messages=[{"role": "user", "content": m}])
-                                    .choices[0].message.content for m in messages])
+            replies = concurrently(
+                [
+                    lambda m=m: (
+                        c.chat.completions.create(
+                            model=s.server.name, temperature=0, max_tokens=12, messages=[{"role": "user", "content": m}]
+                        )
+                        .choices[0]
+                        .message.content
+                    )
+                    for m in messages
+                ]
+            )
     assert replies == expected and max(rows) == 4
 
 
@@ -482,8 +580,10 @@ def test_the_model_in_its_own_process_decodes_together_and_frees_rows(demo, chat
     _, heldout = demo
     s, name = chat_process, chat_process.server.name
     assert s.engine is None and s.server.process.process.is_alive()
-    bodies = [{"model": name, "messages": [{"role": "user", "content": m}], "temperature": 0, "max_tokens": 4 + 3 * i}
-              for i, m in enumerate(user_messages(heldout, 16))]
+    bodies = [
+        {"model": name, "messages": [{"role": "user", "content": m}], "temperature": 0, "max_tokens": 4 + 3 * i}
+        for i, m in enumerate(user_messages(heldout, 16))
+    ]
     alone = [solo(chat_server, b) for b in bodies]
     c = client(s)
     steps = httpx.get(s.url + "/health").json()["steps"]
@@ -491,7 +591,10 @@ def test_the_model_in_its_own_process_decodes_together_and_frees_rows(demo, chat
         together = concurrently([lambda b=b: c.chat.completions.create(**b).choices[0].message.content for b in bodies])
     assert together == alone
     tokens = sum(n for _, n in ends)
-    assert len(ends) == 16 and httpx.get(s.url + "/health").json()["steps"] - steps < tokens and max(active) >= 2, (active, ends)
+    assert len(ends) == 16 and httpx.get(s.url + "/health").json()["steps"] - steps < tokens and max(active) >= 2, (
+        active,
+        ends,
+    )
     child = s.server.process.process.pid
     body = {"model": name, "prompt": "Hi, I'm Zuvaki.", "max_tokens": 100, "temperature": 0, "stream": True}
     with watched(s.server) as (_, ends, cancels):
@@ -562,40 +665,87 @@ def test_errors_chat(chat_server):
         (b'{"model": "x", "messages": [', 400, ["not valid JSON"], None),  # malformed JSON
         ({"model": name}, 400, ["messages is required"], "messages"),  # a missing field
         ({"model": name, "messages": hi, "temperature": "hot"}, 400, ["temperature"], "temperature"),  # a mistyped one
-        ({"model": name, "messages": [{"role": "robot", "content": "Hi"}]}, 400, ["messages.0.role"], "messages.0.role"),
-        ({"model": name, "messages": [{"role": "user", "content": "sule " * 200}]}, 400, ["context of 128 tokens", "shorten it"], "messages"),
-        ({"model": name, "messages": hi, "max_tokens": 500}, 400, ["max_tokens=500", "left of the context of 128"], "max_tokens"),
+        (
+            {"model": name, "messages": [{"role": "robot", "content": "Hi"}]},
+            400,
+            ["messages.0.role"],
+            "messages.0.role",
+        ),
+        (
+            {"model": name, "messages": [{"role": "user", "content": "sule " * 200}]},
+            400,
+            ["context of 128 tokens", "shorten it"],
+            "messages",
+        ),
+        (
+            {"model": name, "messages": hi, "max_tokens": 500},
+            400,
+            ["max_tokens=500", "left of the context of 128"],
+            "max_tokens",
+        ),
         ({"model": "gpt-4o", "messages": hi}, 404, ["'gpt-4o' does not exist", name], "model"),
         ({"model": name, "messages": hi, "n": 2}, 400, ["n=2"], "n"),
-        ({"model": name, "messages": hi, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, ["tools"], "tools"),
+        (
+            {"model": name, "messages": hi, "tools": [{"type": "function", "function": {"name": "f"}}]},
+            400,
+            ["tools"],
+            "tools",
+        ),
         ({"model": name, "messages": hi, "logprobs": True}, 400, ["logprobs"], "logprobs"),
-        ({"model": name, "messages": hi, "response_format": {"type": "json_object"}}, 400, ["response_format"], "response_format"),
+        (
+            {"model": name, "messages": hi, "response_format": {"type": "json_object"}},
+            400,
+            ["response_format"],
+            "response_format",
+        ),
         ({"model": name, "messages": hi, "frobnicate": 1}, 400, ["unknown field 'frobnicate'"], "frobnicate"),
         ({"model": name, "messages": hi, "stop": ["a", "b", "c", "d", "e"]}, 400, ["at most 4"], "stop"),
-        ({"model": name, "messages": [{"role": "user", "content": "Hi", "name": "bo"}]}, 400, ["name"], "messages.0.name"),
+        (
+            {"model": name, "messages": [{"role": "user", "content": "Hi", "name": "bo"}]},
+            400,
+            ["name"],
+            "messages.0.name",
+        ),
         ({"model": name, "messages": hi, "store": True}, 400, ["store"], "store"),
     ]
     for body, status, words, param in cases:
         raw = isinstance(body, bytes)
-        r, payload = post(s, "/v1/chat/completions", None if raw else body, body if raw else None,
-                          {"Content-Type": "application/json"} if raw else None)
+        r, payload = post(
+            s,
+            "/v1/chat/completions",
+            None if raw else body,
+            body if raw else None,
+            {"Content-Type": "application/json"} if raw else None,
+        )
         assert is_error(payload, status, r, *words)["param"] == param, (body, payload)
-    r, payload = post(s, "/v1/chat/completions", {"model": name, "messages": hi, "temperature": None, "top_p": None, "n": None,
-                                                  "stream": None, "max_tokens": 3})  # null: OpenAI's default
+    r, payload = post(
+        s,
+        "/v1/chat/completions",
+        {"model": name, "messages": hi, "temperature": None, "top_p": None, "n": None, "stream": None, "max_tokens": 3},
+    )  # null: OpenAI's default
     assert r.status_code == 200 and payload["usage"]["completion_tokens"] <= 3
-    r, payload = post(s, "/v1/chat/completions", {"model": name, "messages": [{"role": "user", "content": "sule " * 200}]})
-    assert str(len(s.server.template.render([{"role": "user", "content": "sule " * 200}], True)[0])) in payload["error"]["message"]
+    r, payload = post(
+        s, "/v1/chat/completions", {"model": name, "messages": [{"role": "user", "content": "sule " * 200}]}
+    )
+    assert (
+        str(len(s.server.template.render([{"role": "user", "content": "sule " * 200}], True)[0]))
+        in payload["error"]["message"]
+    )
 
 
 def test_errors_base(base_server):
     s, name, auth = base_server, base_server.server.name, {"Authorization": f"Bearer {KEY}"}
-    r, payload = post(s, "/v1/chat/completions", {"model": name, "messages": [{"role": "user", "content": "Hi"}]}, headers=auth)
+    r, payload = post(
+        s, "/v1/chat/completions", {"model": name, "messages": [{"role": "user", "content": "Hi"}]}, headers=auth
+    )
     is_error(payload, 400, r, "no chat template", "/v1/completions", "fine-tune")
     r, payload = post(s, "/v1/completions", {"model": name, "prompt": "Hi"})  # no key
     assert is_error(payload, 401, r, "Authorization: Bearer")["code"] == "invalid_api_key"
     r, payload = post(s, "/v1/completions", {"model": name, "prompt": "Hi"}, headers={"Authorization": "Bearer nope"})
     is_error(payload, 401, r, "API key")
-    r, payload = post(s, "/v1/completions", {"model": name, "prompt": "x" * 5000}, headers=auth)  # Content-Length past 4096
+    r, payload = post(
+        s, "/v1/completions", {"model": name, "prompt": "x" * 5000}, headers=auth
+    )  # Content-Length past 4096
     is_error(payload, 413, r, "limit of 4096")
     chunks = (b'{"model": "%s", "prompt": "' % name.encode(), *[b"x" * 1000] * 5, b'"}')  # no Content-Length: chunked
     r, payload = post(s, "/v1/completions", content=iter(chunks), headers={**auth, "Content-Type": "application/json"})
@@ -614,16 +764,41 @@ def test_text_that_is_not_unicode_gets_400(chat_server, base_server):
     chat, base, auth = chat_server, base_server, {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     hi = b'[{"role": "user", "content": "Hi"}]'
     cases = [  # (server, path, raw body, param, words)
-        (chat, "/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": "Hi \\ud800"}]}',
-         "messages.0.content", ["not valid Unicode", "surrogate"]),
-        (chat, "/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": [{"type": "text", '
-                                       b'"text": "\xed\xa0\x80"}]}]}', "messages.0.content.0.text", ["not valid Unicode"]),
-        (chat, "/v1/chat/completions", b'{"model": "M", "messages": %s, "stop": ["a", "\\udc00"]}' % hi, "stop.1",
-         ["not valid Unicode"]),
-        (chat, "/v1/chat/completions", b'{"model": "M", "messages": %s, "\\ud800": 1}' % hi, None,
-         ["the body holds text that is not valid Unicode"]),
-        (chat, "/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": "Hi \xff"}]}', None,
-         ["the body is not valid UTF-8"]),
+        (
+            chat,
+            "/v1/chat/completions",
+            b'{"model": "M", "messages": [{"role": "user", "content": "Hi \\ud800"}]}',
+            "messages.0.content",
+            ["not valid Unicode", "surrogate"],
+        ),
+        (
+            chat,
+            "/v1/chat/completions",
+            b'{"model": "M", "messages": [{"role": "user", "content": [{"type": "text", "text": "\xed\xa0\x80"}]}]}',
+            "messages.0.content.0.text",
+            ["not valid Unicode"],
+        ),
+        (
+            chat,
+            "/v1/chat/completions",
+            b'{"model": "M", "messages": %s, "stop": ["a", "\\udc00"]}' % hi,
+            "stop.1",
+            ["not valid Unicode"],
+        ),
+        (
+            chat,
+            "/v1/chat/completions",
+            b'{"model": "M", "messages": %s, "\\ud800": 1}' % hi,
+            None,
+            ["the body holds text that is not valid Unicode"],
+        ),
+        (
+            chat,
+            "/v1/chat/completions",
+            b'{"model": "M", "messages": [{"role": "user", "content": "Hi \xff"}]}',
+            None,
+            ["the body is not valid UTF-8"],
+        ),
         (base, "/v1/completions", b'{"model": "M", "prompt": "The \\udfff king"}', "prompt", ["not valid Unicode"]),
         (base, "/v1/completions", b'{"model": "M", "prompt": ["The", "\\ud800"]}', "prompt.1", ["not valid Unicode"]),
         (base, "/v1/completions", b'{"model": "M", "prompt": "The", "stop": "\\ud800"}', "stop", ["not valid Unicode"]),
@@ -646,22 +821,45 @@ def test_a_host_header_naming_another_host_gets_421(base, chat_server):
     s = chat_server
     port, name = s.url.rsplit(":", 1)[1], s.server.name
     chat = {"model": name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
-    requests = [("POST", "/v1/chat/completions", chat), ("POST", "/v1/completions", {"model": name, "prompt": "Hi", "max_tokens": 3}),
-                ("GET", "/v1/models", None), ("GET", "/", None)]
+    requests = [
+        ("POST", "/v1/chat/completions", chat),
+        ("POST", "/v1/completions", {"model": name, "prompt": "Hi", "max_tokens": 3}),
+        ("GET", "/v1/models", None),
+        ("GET", "/", None),
+    ]
     for method, path, body in requests:
         r = httpx.request(method, s.url + path, json=body, headers={"Host": f"attacker.example:{port}"}, timeout=30)
-        error = is_error(r.json(), 421, r, f"Host 'attacker.example:{port}'", "DNS rebinding", "--allowed_hosts=attacker.example")
+        error = is_error(
+            r.json(), 421, r, f"Host 'attacker.example:{port}'", "DNS rebinding", "--allowed_hosts=attacker.example"
+        )
         assert error["code"] == "host_not_allowed" and error["type"] == "invalid_request_error"
         r = httpx.request(method, s.url + path, json=body, headers={"Host": f"10.0.0.5:{port}"}, timeout=30)
         assert r.status_code == 421, r.text  # on loopback, not even another IP address
         for host in ("localhost", "127.0.0.1", "[::1]", "127.3.2.1"):
-            r = httpx.request(method, s.url + path, json=body, headers={"Host": f"{host}:{port}", "Origin": "http://attacker.example"},
-                              timeout=30)
-            assert r.status_code == 200 and not any(h.startswith("access-control-") for h in r.headers), (host, path, r.text)
+            r = httpx.request(
+                method,
+                s.url + path,
+                json=body,
+                headers={"Host": f"{host}:{port}", "Origin": "http://attacker.example"},
+                timeout=30,
+            )
+            assert r.status_code == 200 and not any(h.startswith("access-control-") for h in r.headers), (
+                host,
+                path,
+                r.text,
+            )
     with running(f"--out_dir={base}", "--host=0.0.0.0", "--allowed_hosts=serve.example, Box.LAN") as s:
         port, body = s.url.rsplit(":", 1)[1], {"model": s.server.name, "prompt": "The", "max_tokens": 3}
-        for host, status in [("serve.example", 200), ("box.lan.", 200), ("BOX.lan", 200), ("192.168.1.7", 200), ("localhost", 200),
-                             ("attacker.example", 421), ("lan", 421), ("serve.example.attacker.example", 421)]:
+        for host, status in [
+            ("serve.example", 200),
+            ("box.lan.", 200),
+            ("BOX.lan", 200),
+            ("192.168.1.7", 200),
+            ("localhost", 200),
+            ("attacker.example", 421),
+            ("lan", 421),
+            ("serve.example.attacker.example", 421),
+        ]:
             r = httpx.post(s.url + "/v1/completions", json=body, headers={"Host": f"{host}:{port}"}, timeout=30)
             assert r.status_code == status, (host, r.text)
     with pytest.raises(UserError, match="allowed_hosts: 'http://box.lan' is not a host name"):
@@ -687,16 +885,22 @@ def test_a_full_server_answers_429_at_once(base, base_server):
     expected = [sample_py(base, p, 20) for p in prompts]
     with held(s.engine, lambda: s.engine.held == 3 and refused):
         refused = []
-        calls = [lambda p=p: c.completions.create(model=name, prompt=p, temperature=0, max_tokens=20).choices[0].text
-                 for p in prompts]
+        calls = [
+            lambda p=p: c.completions.create(model=name, prompt=p, temperature=0, max_tokens=20).choices[0].text
+            for p in prompts
+        ]
         results = [None]
         thread = threading.Thread(target=lambda: results.__setitem__(0, concurrently(calls)))
         thread.start()
         while s.engine.held < 3:
             time.sleep(0.005)
         t0 = time.monotonic()
-        r, payload = post(s, "/v1/completions", {"model": name, "prompt": "The", "max_tokens": 2},
-                          headers={"Authorization": f"Bearer {KEY}"})
+        r, payload = post(
+            s,
+            "/v1/completions",
+            {"model": name, "prompt": "The", "max_tokens": 2},
+            headers={"Authorization": f"Bearer {KEY}"},
+        )
         waited = time.monotonic() - t0
         refused.append(r)
         thread.join(60)
@@ -714,10 +918,18 @@ def test_a_client_that_hangs_up_frees_its_row_at_once(demo, chat_server):
     engine._step = lambda new: (time.sleep(0.02), step(new))[1]  # slow enough that the reply could not finish meanwhile
     engine._finish = lambda request, reason: (ends.append((reason, request.generated)), finish(request, reason))[1]
     try:
-        body = {"model": s.server.name, "prompt": "Hi, I'm Zuvaki.", "max_tokens": 100, "temperature": 0, "stream": True}
+        body = {
+            "model": s.server.name,
+            "prompt": "Hi, I'm Zuvaki.",
+            "max_tokens": 100,
+            "temperature": 0,
+            "stream": True,
+        }
         with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as r:
             lines = r.iter_lines()
-            assert [next(lines) for _ in range(6)][::2] and s.engine.stats()["active"] == 1  # three events and their blank lines
+            assert [next(lines) for _ in range(6)][::2] and s.engine.stats()[
+                "active"
+            ] == 1  # three events and their blank lines
         deadline = time.monotonic() + 5
         while engine.stats()["active"] and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -726,8 +938,15 @@ def test_a_client_that_hangs_up_frees_its_row_at_once(demo, chat_server):
         engine._step, engine._finish = step, finish
     assert ends and ends[0][0] == "cancelled" and ends[0][1] < 50, ends
     message = "Repeat after me: sule pova"
-    assert solo(s, {"model": s.server.name, "messages": [{"role": "user", "content": message}], "temperature": 0,
-                    "max_tokens": 20}) == chat_py(out_dir, message, 20)
+    assert solo(
+        s,
+        {
+            "model": s.server.name,
+            "messages": [{"role": "user", "content": message}],
+            "temperature": 0,
+            "max_tokens": 20,
+        },
+    ) == chat_py(out_dir, message, 20)
 
 
 def test_the_command_warns_when_it_listens_beyond_loopback_with_no_key(base, tmp_path):
@@ -739,14 +958,22 @@ def test_the_command_warns_when_it_listens_beyond_loopback_with_no_key(base, tmp
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     os.mkfifo(tmp_path / "stderr")  # read line by line as serve.py writes it
-    proc = python_process([REPO / "serve.py", f"--out_dir={base}", "--device=cpu", "--host=0.0.0.0", f"--port={port}"],
-                          out=tmp_path / "stdout", err=tmp_path / "stderr", env={"OPENAI_API_KEY": ""})  # '': no key
+    proc = python_process(
+        [REPO / "serve.py", f"--out_dir={base}", "--device=cpu", "--host=0.0.0.0", f"--port={port}"],
+        out=tmp_path / "stdout",
+        err=tmp_path / "stderr",
+        env={"OPENAI_API_KEY": ""},
+    )  # '': no key
     stderr = open(tmp_path / "stderr", encoding="utf-8")  # returns once serve.py has opened its end
     try:
         lines = [stderr.readline() for _ in range(2)]
         assert lines[0].startswith("warning: listening on 0.0.0.0 with no API key: anyone who can reach this machine")
         assert lines[1].startswith("serving out (completions only") and f":{port}/" in lines[1]
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "out", "prompt": "The", "max_tokens": 3}, timeout=30)
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"model": "out", "prompt": "The", "max_tokens": 3},
+            timeout=30,
+        )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         taken = run_script("serve.py", f"--out_dir={base}", f"--port={port}", "--host=0.0.0.0")
         assert taken.returncode == 2 and taken.stderr.startswith(f"error: cannot listen on 0.0.0.0:{port}")
@@ -784,5 +1011,12 @@ def test_schemathesis_finds_no_server_error(demo, chat_server):
     assert 200 in statuses and 400 in statuses and s.engine.held == 0
     out_dir, heldout = demo
     message = user_messages(heldout, 1)[0]
-    assert solo(s, {"model": s.server.name, "messages": [{"role": "user", "content": message}], "temperature": 0,
-                    "max_tokens": 30}) == chat_py(out_dir, message, 30)
+    assert solo(
+        s,
+        {
+            "model": s.server.name,
+            "messages": [{"role": "user", "content": message}],
+            "temperature": 0,
+            "max_tokens": 30,
+        },
+    ) == chat_py(out_dir, message, 30)

@@ -19,7 +19,6 @@ import threading
 
 import httpx
 import pytest
-
 from conftest import load_script
 from test_serve import demo, running  # noqa: F401 (demo is a fixture: the same model serve's tests train)
 
@@ -65,21 +64,31 @@ def open_page(driver, s, temperature="0"):
 
 
 def text(driver, selector):
-    return driver.execute_script("const e = document.querySelector(arguments[0]); return e ? e.textContent : null", selector)
+    return driver.execute_script(
+        "const e = document.querySelector(arguments[0]); return e ? e.textContent : null", selector
+    )
 
 
 def log(driver):
     """The conversation on the page: [(role, text)]; role is 'user' or 'assistant'."""
-    return [tuple(m) for m in driver.execute_script(
-        "return [...document.querySelectorAll('#log .message')].map("
-        "m => [m.classList.contains('user') ? 'user' : 'assistant', m.querySelector('.text').textContent])")]
+    return [
+        tuple(m)
+        for m in driver.execute_script(
+            "return [...document.querySelectorAll('#log .message')].map("
+            "m => [m.classList.contains('user') ? 'user' : 'assistant', m.querySelector('.text').textContent])"
+        )
+    ]
 
 
 def api(s, messages, key=None):
     """The server's own answer to the conversation at temperature 0: (status, JSON body)."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    r = httpx.post(s.url + "/v1/chat/completions", json={"model": s.server.name, "messages": messages, "temperature": 0},
-                   headers=headers, timeout=60)
+    r = httpx.post(
+        s.url + "/v1/chat/completions",
+        json={"model": s.server.name, "messages": messages, "temperature": 0},
+        headers=headers,
+        timeout=60,
+    )
     return r.status_code, r.json()
 
 
@@ -136,11 +145,19 @@ def test_a_conversation_streams_and_matches_the_api(browser, served):
     assert log(browser) == [("user", first), ("assistant", expected_first)]
     assert text(browser, "#stats").startswith(f"Last reply: {n_first} tokens in "), text(browser, "#stats")
 
-    two_turns = [{"role": "user", "content": first}, {"role": "assistant", "content": expected_first},
-                 {"role": "user", "content": second}]
+    two_turns = [
+        {"role": "user", "content": first},
+        {"role": "assistant", "content": expected_first},
+        {"role": "user", "content": second},
+    ]
     expected_second, _ = api_reply(served, two_turns)
     assert page_tools.type_message(browser, second) == expected_second
-    assert log(browser) == [("user", first), ("assistant", expected_first), ("user", second), ("assistant", expected_second)]
+    assert log(browser) == [
+        ("user", first),
+        ("assistant", expected_first),
+        ("user", second),
+        ("assistant", expected_second),
+    ]
 
     browser.find_element(By.ID, "new-chat").click()
     assert log(browser) == [] and browser.find_element(By.ID, "input").get_attribute("value") == ""

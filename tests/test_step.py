@@ -7,12 +7,11 @@ from contextlib import nullcontext
 import numpy as np
 import pytest
 import torch
+from conftest import nan_loss, nan_steps, read_metrics, run_script, tiny_args
 
-from gpt import checkpoint
-from gpt import runtime
+from gpt import checkpoint, runtime
 from gpt.batches import TrainBatches
 from gpt.step import train_step
-from conftest import nan_loss, nan_steps, read_metrics, run_script, tiny_args
 from model import GPT, GPTConfig
 
 CPU = runtime.Runtime("cpu", "cpu", torch.float32)
@@ -78,8 +77,10 @@ def test_a_poisoned_step_leaves_weights_and_optimizer_state_bit_unchanged():
     model, optimizer, scaler, batches = setup_step()
     for _ in range(2):
         step(model, optimizer, scaler, batches)
-    snapshot = lambda: ({k: v.clone() for k, v in model.state_dict().items()},
-                        [{k: v.clone() for k, v in s.items()} for s in optimizer.state.values()])
+    snapshot = lambda: (
+        {k: v.clone() for k, v in model.state_dict().items()},
+        [{k: v.clone() for k, v in s.items()} for s in optimizer.state.values()],
+    )
     weights, state = snapshot()
     result = step(model, optimizer, scaler, batches, poison=True)
     assert not bool(result.stepped) and not torch.isfinite(result.loss)
@@ -95,11 +96,18 @@ def test_bad_steps_between_logs_stop_the_run_at_the_next_log(char_data, tmp_path
     step 10, with the checkpoint of the eval at 8 (the bad steps never touched the weights)."""
     out = tmp_path / "out"
     nan_steps(monkeypatch.setattr, {6, 7, 8})
-    result = run_script("train.py", *tiny_args(char_data, out, max_iters=50, eval_interval=4, max_bad_steps=3,
-                                               log_interval=5, always_save_checkpoint=True), patched=True)
+    result = run_script(
+        "train.py",
+        *tiny_args(
+            char_data, out, max_iters=50, eval_interval=4, max_bad_steps=3, log_interval=5, always_save_checkpoint=True
+        ),
+        patched=True,
+    )
     assert result.returncode == 3, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "3 steps in a row" in result.stderr
-    assert "iter 10: non-finite loss or gradient norm, 1 step(s) skipped since the last log (0 in a row)" in result.stdout
+    assert (
+        "iter 10: non-finite loss or gradient norm, 1 step(s) skipped since the last log (0 in a row)" in result.stdout
+    )
     assert max(r["iter"] for r in read_metrics(out) if "loss" in r) == 5  # stopped at the log of step 10
     state = checkpoint.load(str(out / "ckpt.pt"))
     assert state["iter_num"] == 8 and all(torch.isfinite(v).all() for v in state["model"].values())

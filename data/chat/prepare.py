@@ -42,10 +42,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import numpy as np  # noqa: E402
 
-from gpt import tokenizer  # noqa: E402 (after the path line above)
 from configurator import UserError, run_main  # noqa: E402
 from data import corpus
-from gpt import tokens  # noqa: E402
+from gpt import (
+    tokenizer,  # noqa: E402 (after the path line above)
+    tokens,  # noqa: E402
+)
 from gpt.chat_template import ROLES, Template  # noqa: E402
 
 SPLITS = ("train", "val")
@@ -64,19 +66,49 @@ def parse_args(argv):
     source = p.add_argument_group("source: local .jsonl files (--input), or a Hugging Face dataset")
     source.add_argument("--input", nargs="+", metavar="FILE", help="conversations, one JSON object per line")
     source.add_argument("--val_input", nargs="+", metavar="FILE", help="the val conversations (replaces --val_frac)")
-    source.add_argument("--dataset", help="Hugging Face dataset with a 'messages' column, e.g. HuggingFaceTB/smol-smoltalk")
+    source.add_argument(
+        "--dataset", help="Hugging Face dataset with a 'messages' column, e.g. HuggingFaceTB/smol-smoltalk"
+    )
     source.add_argument("--name", help="its configuration, e.g. everyday-conversations (HuggingFaceTB/smoltalk)")
     source.add_argument("--split", default="train", help="its split for train (default: train)")
     source.add_argument("--val_split", help="its split for val, e.g. test (replaces --val_frac)")
     out = p.add_argument_group("output")
     out.add_argument("--out_dir", required=True, help="where the token files, masks and meta.json go")
-    out.add_argument("--tokenizer", default="gpt2", help="gpt2 (or another tiktoken name), or a tokenizer.json from "
-                     "data/train_tokenizer.py or Llama 3 (default: gpt2)")
-    out.add_argument("--val_frac", type=float, default=0.05, help="fraction of the conversations held out for val (default: %(default)s)")
+    out.add_argument(
+        "--tokenizer",
+        default="gpt2",
+        help="gpt2 (or another tiktoken name), or a tokenizer.json from "
+        "data/train_tokenizer.py or Llama 3 (default: gpt2)",
+    )
+    out.add_argument(
+        "--val_frac",
+        type=float,
+        default=0.05,
+        help="fraction of the conversations held out for val (default: %(default)s)",
+    )
     out.add_argument("--seed", type=int, default=1337, help="which conversations go to val (default: %(default)s)")
-    out.add_argument("--block_size", type=int, default=1024, help="the training context: longer conversations are reported (default: %(default)s)")
-    out.add_argument("--drop_long", type=flag, nargs="?", const=True, default=False, help="drop conversations longer than block_size + 1 tokens (default: keep them)")
-    out.add_argument("--skip_bad", type=flag, nargs="?", const=True, default=False, help="skip bad records, counted by reason (default: stop at the first)")
+    out.add_argument(
+        "--block_size",
+        type=int,
+        default=1024,
+        help="the training context: longer conversations are reported (default: %(default)s)",
+    )
+    out.add_argument(
+        "--drop_long",
+        type=flag,
+        nargs="?",
+        const=True,
+        default=False,
+        help="drop conversations longer than block_size + 1 tokens (default: keep them)",
+    )
+    out.add_argument(
+        "--skip_bad",
+        type=flag,
+        nargs="?",
+        const=True,
+        default=False,
+        help="skip bad records, counted by reason (default: stop at the first)",
+    )
     args = p.parse_args(argv)
     if (args.input is None) == (args.dataset is None):
         raise UserError("pass exactly one source: --input FILE (jsonl) or --dataset NAME (Hugging Face)")
@@ -147,8 +179,10 @@ def hub_records(name, config, split):
         for i, row in enumerate(ds):
             yield f"{name}/{split} row {i}", row
     except Exception as e:  # no network, an unknown name, config or split: the library's message says which
-        raise UserError(f"cannot read {name} (name={config}, split={split}): {corpus.first_line(e)}; or pass local "
-                        f"files with --input")
+        raise UserError(
+            f"cannot read {name} (name={config}, split={split}): {corpus.first_line(e)}; or pass local "
+            f"files with --input"
+        )
 
 
 def conversations(records, template, skip_bad, skipped):
@@ -171,7 +205,9 @@ def draw_val(convs, val_frac, seed):
     n = len(convs)
     n_val = max(1, round(val_frac * n))
     if n - n_val < 1:
-        raise UserError(f"{n} good conversation(s): too few to hold out --val_frac={val_frac} for val and train on the rest")
+        raise UserError(
+            f"{n} good conversation(s): too few to hold out --val_frac={val_frac} for val and train on the rest"
+        )
     is_val = np.zeros(n, bool)
     is_val[np.random.default_rng(seed).choice(n, n_val, replace=False)] = True
     return {"train": [c for c, v in zip(convs, is_val) if not v], "val": [c for c, v in zip(convs, is_val) if v]}
@@ -222,31 +258,57 @@ def main(argv=None):
         split = {s: [c for c in convs if len(c[0]) <= row] for s, convs in split.items()}
     for s in SPLITS:
         if not split[s]:
-            raise UserError(f"no {s} conversations left" + (" after --drop_long" if args.drop_long else "")
-                            + "; add conversations" + (" or raise --block_size" if args.drop_long else ""))
+            raise UserError(
+                f"no {s} conversations left"
+                + (" after --drop_long" if args.drop_long else "")
+                + "; add conversations"
+                + (" or raise --block_size" if args.drop_long else "")
+            )
 
     counts = {}
     for s in SPLITS:
         n_tokens = sum(len(ids) for ids, _ in split[s])
         trained = sum(int(mask.sum()) for _, mask in split[s])
-        counts[s] = {"conversations": len(split[s]), "tokens": n_tokens, "trained_tokens": trained,
-                     "long": len(long[s]),  # longer than block_size + 1 tokens: dropped with drop_long, else kept
-                     "long_untrained_tokens": 0 if args.drop_long else sum(int(mask[row:].sum()) for mask in long[s])}
-        print(f"{s}: {len(split[s]):,} conversations, {n_tokens:,} tokens, {trained:,} trained ({trained / n_tokens:.1%})")
+        counts[s] = {
+            "conversations": len(split[s]),
+            "tokens": n_tokens,
+            "trained_tokens": trained,
+            "long": len(long[s]),  # longer than block_size + 1 tokens: dropped with drop_long, else kept
+            "long_untrained_tokens": 0 if args.drop_long else sum(int(mask[row:].sum()) for mask in long[s]),
+        }
+        print(
+            f"{s}: {len(split[s]):,} conversations, {n_tokens:,} tokens, {trained:,} trained ({trained / n_tokens:.1%})"
+        )
     if skipped:
-        print(f"skipped {sum(skipped.values()):,} bad records: " + ", ".join(f"{n:,} {why}" for why, n in skipped.most_common()))
+        print(
+            f"skipped {sum(skipped.values()):,} bad records: "
+            + ", ".join(f"{n:,} {why}" for why, n in skipped.most_common())
+        )
     n_long = sum(c["long"] for c in counts.values())
     if n_long:
         untrained = sum(c["long_untrained_tokens"] for c in counts.values())
-        done = ("dropped (--drop_long=True)" if args.drop_long else
-                f"kept: a row takes their first {row:,} tokens, so {untrained:,} of their trained tokens are never "
-                f"trained (--drop_long=True drops them, or raise --block_size)")
-        print(f"{n_long:,} conversations (train {counts['train']['long']:,}, val {counts['val']['long']:,}) are longer "
-              f"than block_size + 1 = {row:,} tokens; {done}")
+        done = (
+            "dropped (--drop_long=True)"
+            if args.drop_long
+            else f"kept: a row takes their first {row:,} tokens, so {untrained:,} of their trained tokens are never "
+            f"trained (--drop_long=True drops them, or raise --block_size)"
+        )
+        print(
+            f"{n_long:,} conversations (train {counts['train']['long']:,}, val {counts['val']['long']:,}) are longer "
+            f"than block_size + 1 = {row:,} tokens; {done}"
+        )
 
-    meta = {**spec, "vocab_size": template.vocab_size,
-            "chat": {**template.meta(), "block_size": args.block_size, "drop_long": args.drop_long,
-                     "counts": counts, "skipped": dict(skipped)}}
+    meta = {
+        **spec,
+        "vocab_size": template.vocab_size,
+        "chat": {
+            **template.meta(),
+            "block_size": args.block_size,
+            "drop_long": args.drop_long,
+            "counts": counts,
+            "skipped": dict(skipped),
+        },
+    }
     dtype = tokens.dtype_for(template.vocab_size)
     try:
         os.makedirs(args.out_dir, exist_ok=True)
@@ -260,8 +322,10 @@ def main(argv=None):
         os.replace(path + ".tmp", path)
     except OSError as e:
         raise UserError(f"cannot write to --out_dir {args.out_dir} ({e.strerror or e})")
-    print(f"wrote {args.out_dir}: train.bin, val.bin, *_mask.npy, *_starts.npy, meta.json ({template.format} template, "
-          f"vocab_size {template.vocab_size:,})")
+    print(
+        f"wrote {args.out_dir}: train.bin, val.bin, *_mask.npy, *_starts.npy, meta.json ({template.format} template, "
+        f"vocab_size {template.vocab_size:,})"
+    )
     return 0
 
 

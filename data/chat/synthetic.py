@@ -103,8 +103,10 @@ def heldout_set(n, rng):
     """n conversations of held-out words, the intents in turn: greet, repeat and reverse as one
     exchange, recall as a greet and then the question."""
     words = Words(rng, heldout=True)
-    return [conversation(words, ["greet", "recall"] if intent == "recall" else [intent])
-            for intent in (INTENTS[i % len(INTENTS)] for i in range(n))]
+    return [
+        conversation(words, ["greet", "recall"] if intent == "recall" else [intent])
+        for intent in (INTENTS[i % len(INTENTS)] for i in range(n))
+    ]
 
 
 def write_jsonl(path, records):

@@ -24,8 +24,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def main(argv=None):
-    return corpus.main(argv, __doc__, dataset="HuggingFaceFW/fineweb-edu", name="sample-10BT", out_dir=HERE,
-                       val_tokens=100_000_000, test_tokens=100_000_000)
+    return corpus.main(
+        argv,
+        __doc__,
+        dataset="HuggingFaceFW/fineweb-edu",
+        name="sample-10BT",
+        out_dir=HERE,
+        val_tokens=100_000_000,
+        test_tokens=100_000_000,
+    )
 
 
 if __name__ == "__main__":

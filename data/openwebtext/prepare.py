@@ -25,8 +25,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def main(argv=None):
-    return corpus.main(argv, __doc__, dataset="Skylion007/openwebtext", out_dir=HERE,
-                       val_tokens=10_000_000, test_tokens=10_000_000)
+    return corpus.main(
+        argv, __doc__, dataset="Skylion007/openwebtext", out_dir=HERE, val_tokens=10_000_000, test_tokens=10_000_000
+    )
 
 
 if __name__ == "__main__":

@@ -17,15 +17,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from configurator import run_main  # noqa: E402 (after the path line above)
 from data import corpus  # noqa: E402
-from gpt import download  # noqa: E402
 from data.shakespeare_char.prepare import SHA256, URL  # noqa: E402 (the same text as the character-level set)
+from gpt import download  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def main(argv=None):
-    args = corpus.parse_args(argv, __doc__, out_dir=HERE, txt_separator="\n\n", shuffle_buffer=0,
-                             val_tokens=36_000, test_tokens=0)
+    args = corpus.parse_args(
+        argv, __doc__, out_dir=HERE, txt_separator="\n\n", shuffle_buffer=0, val_tokens=36_000, test_tokens=0
+    )
     if args.input is None and args.dataset is None:
         args.input = [download.fetch(URL, SHA256, os.path.join(HERE, "input.txt"))]
     return corpus.run(args)

@@ -40,7 +40,9 @@ def read_text(input_path):
         except OSError as e:
             sys.exit(f"error: cannot download tiny Shakespeare ({e}); pass a local copy: --input PATH")
         if hashlib.sha256(raw).hexdigest() != SHA256:
-            sys.exit("error: the downloaded text is not tiny Shakespeare (sha256 mismatch); pass a local copy: --input PATH")
+            sys.exit(
+                "error: the downloaded text is not tiny Shakespeare (sha256 mismatch); pass a local copy: --input PATH"
+            )
         with open(local, "wb") as f:
             f.write(raw)
     with open(local, encoding="utf-8") as f:
@@ -73,7 +75,9 @@ def main(argv=None):
         sys.exit("error: the input text is empty")
     os.makedirs(args.out_dir, exist_ok=True)
     vocab, n_train, n_val = prepare(text, args.out_dir)
-    print(f"{len(text):,} characters, vocabulary of {vocab}: {n_train:,} train and {n_val:,} val tokens in {args.out_dir}")
+    print(
+        f"{len(text):,} characters, vocabulary of {vocab}: {n_train:,} train and {n_val:,} val tokens in {args.out_dir}"
+    )
 
 
 if __name__ == "__main__":
