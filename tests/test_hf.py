@@ -9,16 +9,11 @@ from conftest import make_text, run_python, run_script
 
 transformers = pytest.importorskip("transformers")
 
-import hf  # noqa: E402
-import sample  # noqa: E402
-from configurator import TrainConfig, UserError, parse  # noqa: E402
-from gpt import (
-    checkpoint,  # noqa: E402
-    huggingface,  # noqa: E402
-    load,  # noqa: E402
-    tokenizer,  # noqa: E402
-)
-from model import GPT, GPTConfig  # noqa: E402
+import hf
+import sample
+from configurator import TrainConfig, UserError, parse
+from gpt import checkpoint, huggingface, load, tokenizer
+from model import GPT, GPTConfig
 
 SMALL = dict(
     n_layer=2, n_head=4, n_embd=64, vocab_size=50257, n_positions=64

@@ -14,22 +14,17 @@ from conftest import make_text, run_script
 
 transformers = pytest.importorskip("transformers")
 
-from test_hf import max_diff, our_logits, randomize, their_logits  # noqa: E402
+from test_hf import max_diff, our_logits, randomize, their_logits
 
-import hf  # noqa: E402
-import sample  # noqa: E402
-import train  # noqa: E402
-from configurator import TrainConfig, UserError, parse  # noqa: E402
-from data import corpus  # noqa: E402
-from gpt import (
-    checkpoint,  # noqa: E402
-    huggingface,  # noqa: E402
-    load,  # noqa: E402
-    tokenizer,  # noqa: E402
-)
+import hf
+import sample
+import train
+from configurator import TrainConfig, UserError, parse
+from data import corpus
+from gpt import checkpoint, huggingface, load, tokenizer
 from gpt.checkpoint import check_resumable
 from gpt.wrap import make_model_args
-from model import GPT, GPTConfig, apply_rope, rope_tables  # noqa: E402
+from model import GPT, GPTConfig, apply_rope, rope_tables
 
 TOL = 1e-4  # float32
 V = 96
