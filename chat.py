@@ -23,13 +23,49 @@ message stays, and what is left is read again once, with a note on stderr.
 
 import contextlib
 import sys
+from dataclasses import dataclass
+from typing import Literal, Optional
 
 import torch
 
-from configurator import ChatConfig, UserError, parse, run_main
+from configurator import UserError, parse, require, require_choices, require_init_from, require_sampling, run_main
 from gpt import inference, runtime, tokenizer
 from gpt.inference import KVCache
 from gpt.load import chat_template, for_inference
+
+
+@dataclass
+class ChatConfig:
+    # one line per key, its trailing comment the key's --help text
+    # fmt: off
+    init_from: str = "resume"  # 'resume' (a chat checkpoint from out_dir), or a Hugging Face Llama directory with Llama 3's chat tokens (Llama 3.2 Instruct) or a GPT-2 one exported by hf.py from a chat checkpoint
+    out_dir: str = "out"  # where the checkpoint is
+    checkpoint: Literal["best", "latest"] = "best"  # 'best' (ckpt_best.pt or ckpt_best/ when present) or 'latest' (ckpt.pt or the newest ckpt_<iter>/)
+    system: str = ""  # the system message, kept when old exchanges are dropped; '': none
+    prompt: Optional[str] = None  # one user message: print the reply alone on stdout and exit (for scripts); None: chat
+    max_new_tokens: int = 512  # the longest reply, in tokens
+    context: int = 0  # tokens of conversation the model reads at most (the KV cache's size); 0: block_size, at most 8192
+    temperature: float = 0.7  # <1 sharper, >1 more random; 0 is greedy (always the most likely token)
+    top_k: Optional[int] = None  # keep only the k most likely tokens; None keeps all
+    top_p: float = 0.9  # nucleus: keep the most likely tokens until their probabilities add up to top_p; 1.0 keeps all
+    seed: int = 1337  # the same seed gives the same replies to the same messages
+    device: str = "auto"  # 'auto', 'cpu', 'cuda', 'cuda:1', 'mps'
+    dtype: str = "auto"  # 'auto', 'float32', 'bfloat16', 'float16'
+    compile: bool = False  # torch.compile the model
+    engine: Literal["process", "thread"] = "process"  # where the model runs: 'process' (its own, beside the server's: the two use two cores) or 'thread' (serve.py's own)
+    # fmt: on
+
+    def __post_init__(self):
+        require_choices(self)
+        require_init_from(self.init_from, ("resume",))
+        require(
+            self.prompt is None or self.prompt.strip(),
+            "--prompt is empty; give the user's message, or leave it out to chat",
+        )
+        require(self.max_new_tokens >= 1, f"max_new_tokens={self.max_new_tokens} must be at least 1")
+        require(self.context >= 0, f"context={self.context} must be >= 0 (0: the model's block_size)")
+        require_sampling(self)
+
 
 MAX_CONTEXT = 8192  # context=0 takes the model's block_size up to this: Llama 3.2's 131072 would be an 8 GB cache
 

@@ -46,40 +46,35 @@ def run_main(main):
     sys.exit(code or 0)
 
 
+AT_LEAST_ONE = (
+    "block_size n_layer n_head n_embd gradient_accumulation_steps eval_interval log_interval eval_iters".split()
+)
+
+
 @dataclass
 class TrainConfig:
     # I/O
+    # one line per key, its trailing comment the key's --help text
+    # fmt: off
     out_dir: str = "out"  # checkpoints, config.json and metrics.jsonl are written here
     eval_interval: int = 2000  # evaluate (and maybe checkpoint) every this many iterations
     log_interval: int = 1  # print and record training metrics every this many iterations
-    update_ratio_interval: int = (
-        0  # every this many steps log each layer's |update| / |weight| (one copy of the weights that step); 0: off
-    )
+    update_ratio_interval: int = 0  # every this many steps log each layer's |update| / |weight| (one copy of the weights that step); 0: off
     eval_iters: int = 200  # batches per split in each evaluation (the same batches every time)
     eval_only: bool = False  # evaluate once, then exit
-    hellaswag_interval: int = (
-        0  # score HellaSwag every this many iterations (eval.py); 0: off. Needs a tokenizer that encodes text
-    )
+    hellaswag_interval: int = 0  # score HellaSwag every this many iterations (eval.py); 0: off. Needs a tokenizer that encodes text
     hellaswag_examples: int = 0  # score this fixed subset of HellaSwag (a seeded sample) for speed; 0: all 10,042
-    hellaswag_path: str = (
-        ""  # a HellaSwag jsonl (ctx, endings, label); '': data/hellaswag/hellaswag_val.jsonl, downloaded once
-    )
-    core_interval: int = (
-        0  # score CORE (eval.py --tasks=core) every this many iterations; 0: off. Needs a tokenizer that encodes text
-    )
-    core_max_per_task: int = (
-        100  # CORE in the loop: this many examples per task, the same ones every time; 0: all (~90k examples)
-    )
+    hellaswag_path: str = ""  # a HellaSwag jsonl (ctx, endings, label); '': data/hellaswag/hellaswag_val.jsonl, downloaded once
+    core_interval: int = 0  # score CORE (eval.py --tasks=core) every this many iterations; 0: off. Needs a tokenizer that encodes text
+    core_max_per_task: int = 100  # CORE in the loop: this many examples per task, the same ones every time; 0: all (~90k examples)
     core_bundle: str = ""  # the CORE eval bundle (a directory or zip); '': data/core/eval_bundle.zip, downloaded once
     eval_async: bool = False  # score each checkpoint in a watcher process beside the run (eval.py --watch): val, test, and HellaSwag/CORE when their interval is set; the loop then runs no HellaSwag or CORE itself (docs/watch.md)
     eval_async_device: str = "cpu"  # the watcher's device: 'cpu', 'cuda:7' (a GPU training does not use), 'mps', 'auto'
     keep_unscored: int = 4  # eval_async: checkpoints past keep_last that the watcher has not scored are kept, this many at most; older ones are removed and logged as skipped
     always_save_checkpoint: bool = True  # write ckpt.pt at every eval, not only when val improves
     keep_last: int = 1  # checkpoints kept: ckpt.pt is the newest; with N > 1 the N newest also stay as ckpt_<iter>.pt
-    checkpoint_format: str = "auto"  # 'full' (one file, ckpt.pt), 'sharded' (a directory ckpt_<iter>/ of per-rank shards) or 'auto' (sharded under FSDP, else full)
-    async_checkpoint: bool = (
-        False  # write checkpoints in the background while training goes on (state copied to host memory first)
-    )
+    checkpoint_format: Literal["auto", "full", "sharded"] = "auto"  # 'full' (one file, ckpt.pt), 'sharded' (a directory ckpt_<iter>/ of per-rank shards) or 'auto' (sharded under FSDP, else full)
+    async_checkpoint: bool = False  # write checkpoints in the background while training goes on (state copied to host memory first)
     init_from: str = "scratch"  # 'scratch', 'resume' (the newest complete checkpoint in out_dir), 'auto' (resume when out_dir holds a checkpoint, else scratch: for requeued jobs), 'gpt2'/'gpt2-medium'/'gpt2-large'/'gpt2-xl', a Hugging Face GPT-2 or Llama directory, or another run's out_dir (its best weights, a fresh optimizer: e.g. fine-tune after pretraining)
     overwrite: bool = False  # let a new run (not resume) start in an out_dir that holds a checkpoint; the old run is replaced at the new one's first checkpoint
     max_minutes: float = 0.0  # stop after this many minutes with a checkpoint (exit code 75); 0: no limit
@@ -92,33 +87,27 @@ class TrainConfig:
     # data
     dataset: str = "openwebtext"  # reads data/<dataset>/train.bin and val.bin
     gradient_accumulation_steps: int = 5 * 8  # micro-steps per optimizer step, summed over all ranks
-    batch_size: Union[int, Literal["auto"]] = (
-        12  # micro-batch per rank, or 'auto': the largest that fits (needs total_batch_size)
-    )
+    batch_size: Union[int, Literal["auto"]] = 12  # micro-batch per rank, or 'auto': the largest that fits (needs total_batch_size)
     total_batch_size: int = 0  # tokens per optimizer step that batch_size='auto' keeps fixed (0: not used)
     memory_budget_gb: float = 0.0  # memory batch_size='auto' may fill; 0: the GPU's memory, or half the free RAM on CPU
     block_size: int = 1024  # context length in tokens
-    data_mode: str = "auto"  # 'ram', 'memmap', or 'auto' (RAM when the files are small against free memory)
+    data_mode: Literal["auto", "ram", "memmap"] = "auto"  # 'ram', 'memmap', or 'auto' (RAM when the files are small against free memory)
     seed: int = 1337  # seeds init, dropout and the batch order; a resumed run keeps its own RNG state
     # document-aligned batches (docs/data.md): token data whose documents end with end-of-text
-    batch_order: str = (
-        "random"  # 'random': windows at random offsets; 'documents': rows that start at a document, each once per epoch
-    )
-    doc_mask: bool = (
-        False  # attention stays inside each document of a row, whose positions restart at 0 (train batches only)
-    )
+    batch_order: Literal["random", "documents"] = "random"  # 'random': windows at random offsets; 'documents': rows that start at a document, each once per epoch
+    doc_mask: bool = False  # attention stays inside each document of a row, whose positions restart at 0 (train batches only)
     # model: GPTConfig's keys, each described once, on GPTConfig in model.py (--help shows it there too)
     n_layer: int = 12
     n_head: int = 12
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = False
-    pos_encoding: str = "learned"
+    pos_encoding: Literal["learned", "rope"] = "learned"
     rope_theta: float = 10000.0
     rope_scaling: Optional[dict] = None
-    norm: str = "layernorm"
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
     norm_eps: float = 1e-5
-    mlp: str = "gelu"
+    mlp: Literal["gelu", "gelu_tanh", "swiglu", "relu2"] = "gelu"
     mlp_hidden: int = 0
     n_kv_head: int = 0
     qk_norm: bool = False
@@ -135,9 +124,7 @@ class TrainConfig:
     beta1: float = 0.9  # AdamW beta1
     beta2: float = 0.95  # AdamW beta2
     grad_clip: float = 1.0  # clip the global gradient norm to this; 0 disables
-    optimizer: str = (
-        "adamw"  # 'adamw' (every parameter) or 'muon': Muon for the blocks' weight matrices, AdamW for the rest
-    )
+    optimizer: Literal["adamw", "muon"] = "adamw"  # 'adamw' (every parameter) or 'muon': Muon for the blocks' weight matrices, AdamW for the rest
     muon_lr: float = 0.02  # Muon's peak learning rate; the schedule scales it as it scales learning_rate
     muon_momentum: float = 0.95  # Muon's Nesterov momentum
     muon_weight_decay: float = 0.0  # Muon's decoupled weight decay (each step multiplies the matrices by 1 - lr * this)
@@ -146,159 +133,148 @@ class TrainConfig:
     warmup_iters: int = 2000  # linear warmup steps
     lr_decay_iters: int = 600000  # step at which the cosine reaches min_lr (usually max_iters)
     min_lr: float = 6e-5  # floor of the schedule (about learning_rate / 10)
-    lr_schedule: str = "cosine"  # 'cosine' (to min_lr at lr_decay_iters) or 'wsd': constant, then linear to min_lr over the last decay_frac of max_iters
+    lr_schedule: Literal["cosine", "wsd"] = "cosine"  # 'cosine' (to min_lr at lr_decay_iters) or 'wsd': constant, then linear to min_lr over the last decay_frac of max_iters
     decay_frac: float = 0.2  # lr_schedule='wsd': the fraction of max_iters spent decaying, in (0, 1]
     # system
-    backend: str = "auto"  # torch.distributed backend: 'nccl', 'gloo', or 'auto' (nccl on CUDA, else gloo)
+    backend: Literal["auto", "nccl", "gloo"] = "auto"  # torch.distributed backend: 'nccl', 'gloo', or 'auto' (nccl on CUDA, else gloo)
     dist_timeout_s: int = 600  # under torchrun: a rank waiting this long to join the group, or in any collective, fails instead of hanging (torchrun then restarts the job or stops)
     device: str = "auto"  # 'auto' (cuda, else mps, else cpu), 'cpu', 'cuda', 'cuda:1', 'mps'
     dtype: str = "auto"  # 'auto', 'float32', 'bfloat16' or 'float16' (float16 uses a GradScaler)
     compile: bool = True  # torch.compile the model (slow to start, faster per step on GPUs)
-    parallelism: str = (
-        "ddp"  # under torchrun: 'ddp' (a full copy per rank) or 'fsdp' (weights, grads, AdamW state sharded)
-    )
-    activation_checkpointing: bool = (
-        False  # recompute each block's activations in backward: less memory, ~1/3 more compute
-    )
+    parallelism: Literal["ddp", "fsdp"] = "ddp"  # under torchrun: 'ddp' (a full copy per rank) or 'fsdp' (weights, grads, AdamW state sharded)
+    activation_checkpointing: bool = False  # recompute each block's activations in backward: less memory, ~1/3 more compute
     peak_flops: float = 0.0  # the device's dense peak FLOP/s for MFU (e.g. 989e12); 0: look it up by GPU name
-    attention: str = "auto"  # SDPA kernel: 'auto' (PyTorch's choice), 'flash', 'cudnn', 'efficient' or 'math'
+    attention: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"  # SDPA kernel: 'auto' (PyTorch's choice), 'flash', 'cudnn', 'efficient' or 'math'
     # fault-tolerant replica groups (torchft; docs/fault_tolerance.md)
     ft_replica_group: int = -1  # this process's replica group, 0..ft_groups-1; -1: off. A group is one process or a torchrun job (DDP inside), writing out_dir/group<g>
     ft_groups: int = 2  # replica groups expected; gradient_accumulation_steps is summed over them, and group g draws slice g of the global batch
     ft_min_groups: int = 1  # a step commits only when at least this many groups take part
-    ft_lighthouse: str = (
-        ""  # the torchft lighthouse's address, e.g. http://host:29510; '': the TORCHFT_LIGHTHOUSE environment variable
-    )
+    ft_lighthouse: str = ""  # the torchft lighthouse's address, e.g. http://host:29510; '': the TORCHFT_LIGHTHOUSE environment variable
     # DiLoCo / LocalSGD on the replica groups (torchft; docs/fault_tolerance.md)
     sync_every: int = 0  # H: each group steps alone and the groups sync every H steps (outer_method); 0: gradients averaged every step
-    outer_method: str = "diloco"  # sync_every: 'diloco' (outer SGD on the averaged change of the weights since the last sync) or 'localsgd' (the weights averaged)
+    outer_method: Literal["diloco", "localsgd"] = "diloco"  # sync_every: 'diloco' (outer SGD on the averaged change of the weights since the last sync) or 'localsgd' (the weights averaged)
     outer_lr: float = 0.7  # DiLoCo's outer learning rate
     outer_momentum: float = 0.9  # DiLoCo's outer Nesterov momentum (0: plain SGD)
+    # fmt: on
 
     def __post_init__(self):
-        for key in (
-            "block_size",
-            "n_layer",
-            "n_head",
-            "n_embd",
-            "gradient_accumulation_steps",
-            "eval_interval",
-            "log_interval",
-            "eval_iters",
-        ):
-            _require(getattr(self, key) >= 1, f"{key}={getattr(self, key)} must be at least 1")
+        require_choices(self)
+        for key in AT_LEAST_ONE:
+            require(getattr(self, key) >= 1, f"{key}={getattr(self, key)} must be at least 1")
         if self.batch_size == "auto":
-            _require(
+            require(
                 self.total_batch_size > 0 and self.total_batch_size % self.block_size == 0,
                 "batch_size='auto' keeps the tokens per optimizer step fixed: set total_batch_size "
                 f"to a multiple of block_size={self.block_size}, e.g. --total_batch_size={40 * 12 * self.block_size}",
             )
         else:
-            _require(self.batch_size >= 1, f"batch_size={self.batch_size} must be at least 1, or 'auto'")
-        _require(self.max_iters >= 0, f"max_iters={self.max_iters} must not be negative")
-        _require(
+            require(self.batch_size >= 1, f"batch_size={self.batch_size} must be at least 1, or 'auto'")
+        require(self.max_iters >= 0, f"max_iters={self.max_iters} must not be negative")
+        require(
             self.hellaswag_interval >= 0 and self.hellaswag_examples >= 0,
             "hellaswag_interval and hellaswag_examples must be >= 0 (0: off, and all examples)",
         )
-        _require(
+        require(
             self.core_interval >= 0 and self.core_max_per_task >= 0,
             "core_interval and core_max_per_task must be >= 0 (0: off, and all examples)",
         )
-        _require(self.max_minutes >= 0 and self.max_bad_steps >= 1, "max_minutes must be >= 0 and max_bad_steps >= 1")
-        _require(self.keep_last >= 1, f"keep_last={self.keep_last} must be at least 1 (ckpt.pt is always kept)")
-        _require(
+        require(self.max_minutes >= 0 and self.max_bad_steps >= 1, "max_minutes must be >= 0 and max_bad_steps >= 1")
+        require(self.keep_last >= 1, f"keep_last={self.keep_last} must be at least 1 (ckpt.pt is always kept)")
+        require(
             self.keep_unscored >= 0,
             f"keep_unscored={self.keep_unscored} must be >= 0 (0: the watcher scores what keep_last keeps)",
         )
-        _require(
+        self._check_model()
+        self._check_optimizer()
+        self._check_run()
+
+    def _check_model(self):
+        """The network's shape: what model.py can build."""
+        require(
             self.n_embd % self.n_head == 0,
             f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; each head gets n_embd/n_head dims",
         )
-        _require(0 <= self.dropout < 1, f"dropout={self.dropout} must be in [0, 1)")
-        _require(
+        require(0 <= self.dropout < 1, f"dropout={self.dropout} must be in [0, 1)")
+        require(
             0 <= self.n_kv_head <= self.n_head and self.n_head % (self.n_kv_head or self.n_head) == 0,
             f"n_kv_head={self.n_kv_head} must divide n_head={self.n_head} (each k/v head serves a whole group "
             f"of query heads); 0 means n_head",
         )
-        _require(
+        require(
             self.pos_encoding != "rope" or self.n_embd // self.n_head % 2 == 0,
             f"pos_encoding='rope' rotates pairs of dims: the head size n_embd/n_head={self.n_embd // self.n_head} must be even",
         )
-        _require(
+        require(
             self.rope_theta > 0 and self.mlp_hidden >= 0,
             "rope_theta must be > 0 and mlp_hidden >= 0 (0: the usual width)",
         )
-        _require_choice("pos_encoding", self.pos_encoding, ("learned", "rope"))
-        _require_rope_scaling(self.rope_scaling, self.pos_encoding)
-        _require(self.norm_eps > 0, f"norm_eps={self.norm_eps} must be > 0")
-        _require_choice("norm", self.norm, ("layernorm", "rmsnorm"))
-        _require_choice("mlp", self.mlp, ("gelu", "gelu_tanh", "swiglu", "relu2"))
-        _require(self.logit_softcap >= 0, f"logit_softcap={self.logit_softcap} must be >= 0 (0: off; e.g. 15 or 30)")
-        _require_choice("parallelism", self.parallelism, ("ddp", "fsdp"))
-        _require_choice("checkpoint_format", self.checkpoint_format, ("auto", "full", "sharded"))
-        _require_choice("attention", self.attention, ("auto", "flash", "cudnn", "efficient", "math"))
-        _require(self.learning_rate > 0 and self.min_lr >= 0, "learning_rate must be > 0 and min_lr >= 0")
-        _require(self.grad_clip >= 0, f"grad_clip={self.grad_clip} must be >= 0 (0 disables clipping)")
-        _require(
+        require_rope_scaling(self.rope_scaling, self.pos_encoding)
+        require(self.norm_eps > 0, f"norm_eps={self.norm_eps} must be > 0")
+        require(self.logit_softcap >= 0, f"logit_softcap={self.logit_softcap} must be >= 0 (0: off; e.g. 15 or 30)")
+
+    def _check_optimizer(self):
+        """The optimizer and its schedule."""
+        require(self.learning_rate > 0 and self.min_lr >= 0, "learning_rate must be > 0 and min_lr >= 0")
+        require(self.grad_clip >= 0, f"grad_clip={self.grad_clip} must be >= 0 (0 disables clipping)")
+        require(
             not self.decay_lr or self.lr_schedule == "wsd" or self.lr_decay_iters > self.warmup_iters >= 0,
             f"lr_decay_iters={self.lr_decay_iters} must be larger than warmup_iters={self.warmup_iters}",
         )
-        _require_choice("optimizer", self.optimizer, ("adamw", "muon"))
-        _require_choice("lr_schedule", self.lr_schedule, ("cosine", "wsd"))
-        _require(
+        require(
             0 < self.decay_frac <= 1,
             f"decay_frac={self.decay_frac} must be in (0, 1]: the fraction of max_iters spent decaying",
         )
-        _require(
+        require(
             self.muon_lr > 0 and 0 <= self.muon_momentum < 1 and self.muon_weight_decay >= 0,
             "muon_lr must be > 0, muon_momentum in [0, 1) and muon_weight_decay >= 0",
         )
-        _require(
+        require(
             self.optimizer != "muon" or self.parallelism != "fsdp",
             "optimizer='muon' orthogonalizes whole matrices, which parallelism='fsdp' shards; use parallelism='ddp' "
             "or optimizer='adamw'",
         )
-        _require(
+        require(
             self.update_ratio_interval >= 0, f"update_ratio_interval={self.update_ratio_interval} must be >= 0 (0: off)"
         )
-        _require(
+        require(
             self.update_ratio_interval == 0 or self.parallelism != "fsdp",
             "update_ratio_interval needs whole weights, which parallelism='fsdp' shards; set it to 0 under FSDP",
         )
-        _require_init_from(self.init_from, ("scratch", "resume", "auto"))
-        _require(
+
+    def _check_run(self):
+        """Where the run starts, its data, and its processes (torchrun, replica groups)."""
+        require_init_from(self.init_from, ("scratch", "resume", "auto"))
+        require(
             not self.overwrite or self.init_from not in ("resume", "auto"),
             f"overwrite=True replaces the run in out_dir, init_from={self.init_from!r} continues it: drop one of the two",
         )
-        _require_choice("data_mode", self.data_mode, ("auto", "ram", "memmap"))
-        _require_choice("batch_order", self.batch_order, ("random", "documents"))
-        _require_choice("backend", self.backend, ("auto", "nccl", "gloo"))
         if self.ft_replica_group >= 0:
-            _require(
+            require(
                 1 <= self.ft_min_groups <= self.ft_groups and self.ft_replica_group < self.ft_groups,
                 f"ft_replica_group={self.ft_replica_group} must be below ft_groups={self.ft_groups}, and ft_min_groups="
                 f"{self.ft_min_groups} between 1 and ft_groups",
             )
-            _require(
+            require(
                 self.batch_size != "auto" and self.gradient_accumulation_steps % self.ft_groups == 0,
                 f"replica groups share gradient_accumulation_steps={self.gradient_accumulation_steps}: make it a multiple "
                 f"of ft_groups={self.ft_groups}, with a fixed batch_size",
             )
-            _require(
+            require(
                 self.parallelism == "ddp",
                 "a replica group runs DDP inside (FSDP2 is not built for replica groups here): use parallelism='ddp'",
             )
-        _require(
+        require(
             self.sync_every == 0 or (self.sync_every > 0 and self.ft_replica_group >= 0),
             f"sync_every={self.sync_every} syncs replica groups every that many steps: set --ft_replica_group too (0: every step)",
         )
-        _require_choice("outer_method", self.outer_method, ("diloco", "localsgd"))
-        _require(self.dist_timeout_s > 0, f"dist_timeout_s={self.dist_timeout_s} must be a positive number of seconds")
+        require(self.dist_timeout_s > 0, f"dist_timeout_s={self.dist_timeout_s} must be a positive number of seconds")
 
 
 @dataclass
 class BenchConfig(TrainConfig):
     # every train.py key, plus what bench.py measures and how
+    # one line per key, its trailing comment the key's --help text
+    # fmt: off
     data: str = "synthetic"  # 'synthetic' (random tokens, no files needed) or 'real' (data/<dataset>/train.bin)
     bench_iters: int = 20  # timed optimizer steps
     bench_warmup: int = 5  # untimed steps first: compilation, autotuning, allocator warm-up
@@ -312,69 +288,37 @@ class BenchConfig(TrainConfig):
     estimate_tokens: float = 0.0  # time-to-train: its training tokens (0: 20 per parameter)
     # comparison: setting `against` trains two configurations with several seeds each and tests the difference (gpt/compare.py)
     compare: str = ""  # side A: train.py arguments (config files, --key=value) after this command's own, e.g. '--optimizer=adamw'; '': this command's config as it is
-    against: str = (
-        ""  # side B, the same way, e.g. '--mlp=swiglu'; set, bench.py compares A with B instead of timing a step
-    )
-    seeds: Union[int, list, tuple] = (
-        5  # the seeds each side trains with: N means 1..N, or the seeds themselves (--seeds=1,2,3): side A's; side B's are as many after A's largest (independent samples)
-    )
-    target: float = (
-        0.0  # also report the iterations and the training time to the loop's first eval with val loss <= this; 0: off
-    )
-    compare_dir: str = (
-        "out-compare"  # each run's out_dir (<A|B>-s<seed>) and its log, compare.md, compare.json, compare.png
-    )
+    against: str = ""  # side B, the same way, e.g. '--mlp=swiglu'; set, bench.py compares A with B instead of timing a step
+    seeds: Union[int, list, tuple] = 5  # the seeds each side trains with: N means 1..N, or the seeds themselves (--seeds=1,2,3): side A's; side B's are as many after A's largest (independent samples)
+    target: float = 0.0  # also report the iterations and the training time to the loop's first eval with val loss <= this; 0: off
+    compare_dir: str = "out-compare"  # each run's out_dir (<A|B>-s<seed>) and its log, compare.md, compare.json, compare.png
     compare_eval_tokens: int = 0  # every run's final checkpoint is scored on this many tokens from val's start, the same for all; 0: all of val
+    # fmt: on
 
     def __post_init__(self):
         super().__post_init__()
-        _require(
+        require(
             not self.compare or self.against, f"compare={self.compare!r} names side A; name side B with --against=..."
         )
         seeds = self.seeds
         if isinstance(seeds, int):
-            _require(
+            require(
                 seeds >= 1, f"seeds={seeds} must be at least 1 (a count), or the seeds themselves, e.g. --seeds=1,2,3"
             )
         else:
-            _require(
+            require(
                 seeds and all(isinstance(s, int) and not isinstance(s, bool) for s in seeds),
                 f"seeds={seeds!r} must be a count or whole numbers, e.g. --seeds=1,2,3",
             )
-            _require(
+            require(
                 len(set(seeds)) == len(seeds),
                 f"seeds={seeds!r} repeats a seed: a repeat with the same seed is the same run "
                 f"again, not another sample; give distinct seeds",
             )
-        _require(
+        require(
             self.target >= 0 and self.compare_eval_tokens >= 0,
             "target and compare_eval_tokens must be >= 0 (0: off, and all of val)",
         )
-
-
-@dataclass
-class BatteryConfig(BenchConfig):
-    # every bench.py key, plus which parts of scripts/gpu_battery.py run; report.md and report.json go to out_dir
-    parts: str = (
-        "env,attention,sweep,llama,baby,smoke"  # the parts to run, comma-separated (one 10-minute call each on an H100)
-    )
-    baby_iters: int = 0  # part baby: train.py's steps; 0: the config's own on a GPU, 300 on a CPU
-
-    def __post_init__(self):
-        super().__post_init__()
-        unknown = [p for p in self.parts.split(",") if p not in SUITE_PARTS]
-        _require(not unknown, f"parts: {', '.join(map(repr, unknown))} not among {', '.join(SUITE_PARTS)}")
-        _require(self.baby_iters >= 0, f"baby_iters={self.baby_iters} must be >= 0")
-
-
-SUITE_PARTS = (
-    "env",
-    "attention",
-    "sweep",
-    "llama",
-    "baby",
-    "smoke",
-)  # scripts/gpu_battery.py's parts, in the order they run
 
 
 GPT2_MODELS = (
@@ -385,218 +329,32 @@ GPT2_MODELS = (
 )  # released weights init_from can name (gpt/huggingface.py)
 
 
-@dataclass
-class SampleConfig:
-    init_from: str = "resume"  # 'resume' (a checkpoint from out_dir), 'gpt2'/'gpt2-medium'/'gpt2-large'/'gpt2-xl', a Hugging Face GPT-2 or Llama directory, or another run's out_dir
-    out_dir: str = "out"  # where the checkpoint is
-    checkpoint: str = (
-        "best"  # 'best' (ckpt_best.pt or ckpt_best/ when present) or 'latest' (ckpt.pt or the newest ckpt_<iter>/)
-    )
-    start: str = "\n"  # the prompt, or FILE:path to read it from a file
-    prompts_file: Optional[str] = None  # a file of prompts, one per line (blank lines skipped); replaces start
-    num_samples: int = 10  # samples per prompt, generated together as one batch
-    max_new_tokens: int = 500  # tokens generated per sample
-    temperature: float = 0.8  # <1 sharper, >1 more random; 0 is greedy (always the most likely token)
-    top_k: Optional[int] = 200  # keep only the k most likely tokens; None keeps all
-    top_p: float = 1.0  # nucleus: keep the most likely tokens until their probabilities add up to top_p; 1.0 keeps all
-    stop_at_eot: bool = True  # BPE models: end a sample at <|endoftext|>; False generates through it
-    seed: int = 1337  # the same seed gives the same samples
-    kv_cache: bool = True  # reuse each token's keys/values instead of recomputing the whole context per token
-    window_shift: Optional[int] = (
-        None  # once the context is full, slide it this many tokens at once; None: block_size // 8; 1: nanoGPT's exact last-block_size context (slow)
-    )
-    stream: Optional[bool] = None  # print tokens as they come; None: only when stdout is a terminal
-    device: str = "auto"  # 'auto', 'cpu', 'cuda', 'cuda:1', 'mps'
-    dtype: str = "auto"  # 'auto', 'float32', 'bfloat16', 'float16'
-    compile: bool = False  # torch.compile the model
-    engine: str = "process"  # where the model runs: 'process' (its own, beside the server's: the two use two cores) or 'thread' (serve.py's own)
-
-    def __post_init__(self):
-        _require_init_from(self.init_from, ("resume",))
-        _require_choice("engine", self.engine, ("process", "thread"))
-        _require_choice("checkpoint", self.checkpoint, ("best", "latest"))
-        _require(
-            self.num_samples >= 1 and self.max_new_tokens >= 1, "num_samples and max_new_tokens must be at least 1"
-        )
-        _require_sampling(self)
-        _require(
-            self.window_shift is None or self.window_shift >= 1,
-            f"window_shift={self.window_shift} must be at least 1, or None",
-        )
-
-
-@dataclass
-class ChatConfig:
-    init_from: str = "resume"  # 'resume' (a chat checkpoint from out_dir), or a Hugging Face Llama directory with Llama 3's chat tokens (Llama 3.2 Instruct) or a GPT-2 one exported by hf.py from a chat checkpoint
-    out_dir: str = "out"  # where the checkpoint is
-    checkpoint: str = (
-        "best"  # 'best' (ckpt_best.pt or ckpt_best/ when present) or 'latest' (ckpt.pt or the newest ckpt_<iter>/)
-    )
-    system: str = ""  # the system message, kept when old exchanges are dropped; '': none
-    prompt: Optional[str] = None  # one user message: print the reply alone on stdout and exit (for scripts); None: chat
-    max_new_tokens: int = 512  # the longest reply, in tokens
-    context: int = (
-        0  # tokens of conversation the model reads at most (the KV cache's size); 0: block_size, at most 8192
-    )
-    temperature: float = 0.7  # <1 sharper, >1 more random; 0 is greedy (always the most likely token)
-    top_k: Optional[int] = None  # keep only the k most likely tokens; None keeps all
-    top_p: float = 0.9  # nucleus: keep the most likely tokens until their probabilities add up to top_p; 1.0 keeps all
-    seed: int = 1337  # the same seed gives the same replies to the same messages
-    device: str = "auto"  # 'auto', 'cpu', 'cuda', 'cuda:1', 'mps'
-    dtype: str = "auto"  # 'auto', 'float32', 'bfloat16', 'float16'
-    compile: bool = False  # torch.compile the model
-    engine: str = "process"  # where the model runs: 'process' (its own, beside the server's: the two use two cores) or 'thread' (serve.py's own)
-
-    def __post_init__(self):
-        _require_init_from(self.init_from, ("resume",))
-        _require_choice("engine", self.engine, ("process", "thread"))
-        _require_choice("checkpoint", self.checkpoint, ("best", "latest"))
-        _require(
-            self.prompt is None or self.prompt.strip(),
-            "--prompt is empty; give the user's message, or leave it out to chat",
-        )
-        _require(self.max_new_tokens >= 1, f"max_new_tokens={self.max_new_tokens} must be at least 1")
-        _require(self.context >= 0, f"context={self.context} must be >= 0 (0: the model's block_size)")
-        _require_sampling(self)
-
-
-@dataclass
-class ServeConfig:
-    init_from: str = "resume"  # 'resume' (a checkpoint from out_dir), 'gpt2'/'gpt2-medium'/'gpt2-large'/'gpt2-xl', a Hugging Face GPT-2 or Llama directory, or another run's out_dir
-    out_dir: str = "out"  # where the checkpoint is
-    checkpoint: str = (
-        "best"  # 'best' (ckpt_best.pt or ckpt_best/ when present) or 'latest' (ckpt.pt or the newest ckpt_<iter>/)
-    )
-    host: str = "127.0.0.1"  # the address to listen on; '0.0.0.0' lets anyone who can reach this machine use the model (README: serve.py)
-    port: int = 8000  # the TCP port
-    allowed_hosts: str = ""  # host names to answer to, comma-separated ('*': any); always answered: localhost and loopback addresses, and on a non-loopback host any IP address; other Host headers get 421 (DNS rebinding)
-    api_key: str = (
-        ""  # clients must send 'Authorization: Bearer <api_key>'; '': the OPENAI_API_KEY environment variable, or none
-    )
-    name: str = (
-        ""  # the model's name in the API (GET /v1/models, a request's "model"); '': out_dir's or init_from's last part
-    )
-    batch_size: int = 16  # requests decoded together, at most (the batch's rows)
-    max_waiting: int = 64  # requests that may wait for a row; past that a request gets 429 at once
-    context: int = 0  # longest prompt + reply in tokens (the KV cache's room per row); 0: block_size, at most 8192
-    max_body: int = 1_000_000  # largest request body in bytes; larger ones get 413
-    device: str = "auto"  # 'auto', 'cpu', 'cuda', 'cuda:1', 'mps'
-    dtype: str = "auto"  # 'auto', 'float32', 'bfloat16', 'float16'
-    compile: bool = False  # torch.compile the model
-    engine: str = "process"  # where the model runs: 'process' (its own, beside the server's: the two use two cores) or 'thread' (serve.py's own)
-
-    def __post_init__(self):
-        _require_init_from(self.init_from, ("resume",))
-        _require_choice("engine", self.engine, ("process", "thread"))
-        _require_choice("checkpoint", self.checkpoint, ("best", "latest"))
-        _require(0 <= self.port <= 65535, f"port={self.port} must be in 0..65535 (0: any free port)")
-        _require(self.batch_size >= 1 and self.max_waiting >= 0, "batch_size must be at least 1 and max_waiting >= 0")
-        _require(self.context >= 0, f"context={self.context} must be >= 0 (0: the model's block_size)")
-        _require(self.max_body >= 1024, f"max_body={self.max_body} must be at least 1024 bytes")
-        for name in self.host_names():
-            _require(
-                re.fullmatch(r"[a-z0-9_.-]+|\*", name),
-                f"allowed_hosts: {name!r} is not a host name; give names "
-                f"alone (no scheme, port or path), comma-separated",
-            )
-
-    def host_names(self):
-        """allowed_hosts as a set of names, in lower case as a Host header's are compared."""
-        return {name.strip().lower().rstrip(".") for name in self.allowed_hosts.split(",") if name.strip()}
-
-
-@dataclass
-class ExportConfig:
-    out_dir: str = "out"  # the training run whose checkpoint is exported
-    checkpoint: str = (
-        "best"  # 'best' (ckpt_best.pt or ckpt_best/ when present) or 'latest' (ckpt.pt or the newest ckpt_<iter>/)
-    )
-    export_dir: str = ""  # where the Hugging Face directory is written ('': out_dir/hf), or model.gguf ('': out_dir)
-    format: str = "hf"  # 'hf' (a Hugging Face directory) or 'gguf' (one model.gguf for llama.cpp and ollama)
-    gguf_dtype: str = "f32"  # format=gguf: the weights' type, 'f32', 'f16' or 'q8_0'
-
-    def __post_init__(self):
-        _require_choice("checkpoint", self.checkpoint, ("best", "latest"))
-        _require_choice("format", self.format, ("hf", "gguf"))
-        _require_choice("gguf_dtype", self.gguf_dtype, ("f32", "f16", "q8_0"))
-
-
-EVAL_TASKS = ("hellaswag", "mc", "val", "test", "core")
-HELLASWAG_STYLES = ("nanogpt", "harness")
-
-
-@dataclass
-class EvalConfig:
-    init_from: str = "resume"  # 'resume' (a training run's checkpoint in out_dir), 'gpt2'/'gpt2-medium'/'gpt2-large'/'gpt2-xl', a Hugging Face GPT-2 or Llama directory, or another run's out_dir
-    out_dir: str = "out"  # the training run to evaluate
-    checkpoint: str = "best"  # 'best' (ckpt_best.pt when present), 'latest' (ckpt.pt), or one by name: ckpt_<iter>.pt or ckpt_<iter> in out_dir, or a path
-    watch: bool = False  # follow out_dir's run: score each checkpoint once as it lands, then exit when the run is over (docs/watch.md)
-    tasks: str = ""  # comma list of hellaswag, mc, val, test, core; '': hellaswag (unless character-level), mc (with mc_path), and the splits the data has
-    dataset: str = ""  # data/<dataset> holds val and test; '': the run's own (its config.json)
-    split_tokens: int = (
-        10_000_000  # val/test: score this many tokens from the split's start, each once; 0: the whole split
-    )
-    hellaswag_path: str = (
-        ""  # a HellaSwag jsonl (ctx, endings, label); '': data/hellaswag/hellaswag_val.jsonl, downloaded once
-    )
-    hellaswag_examples: int = 0  # score only this fixed subset of HellaSwag (a seeded sample); 0: all 10,042
-    hellaswag_style: str = "nanogpt"  # 'nanogpt': build-nanogpt/llm.c's prompt (ctx); 'harness': lm-evaluation-harness's (preprocessed activity_label: ctx_a Ctx_b)
-    core_bundle: str = ""  # the CORE eval bundle (a directory or zip); '': data/core/eval_bundle.zip, downloaded once
-    core_max_per_task: int = (
-        0  # CORE: score this many examples per task (nanochat's shuffle, then the first ones); 0: all
-    )
-    mc_path: str = (
-        ""  # your own multiple-choice task: jsonl with context, choices (a list of strings), answer (an index)
-    )
-    batch_size: int = 16  # examples (multiple choice) or block_size windows (val, test) per forward pass
-    json: bool = False  # print the results as one JSON object on the last line
-    device: str = "auto"  # 'auto', 'cpu', 'cuda', 'cuda:1', 'mps'
-    dtype: str = "auto"  # 'auto' (bf16 autocast on a GPU), 'float32', 'bfloat16', 'float16'
-    compile: bool = False  # torch.compile the model (pays off for the whole of HellaSwag on a GPU)
-    backend: str = "auto"  # under torchrun: 'nccl', 'gloo', or 'auto' (nccl on CUDA, else gloo)
-
-    def __post_init__(self):
-        _require_init_from(self.init_from, ("resume",))
-        _require(
-            not self.watch or self.init_from == "resume",
-            f"--watch follows a training run: give its --out_dir, not --init_from={self.init_from}",
-        )
-        _require_choice("backend", self.backend, ("auto", "nccl", "gloo"))
-        for task in self.task_list():
-            _require(task in EVAL_TASKS, f"unknown task {task!r} in --tasks; choose from {', '.join(EVAL_TASKS)}")
-        _require(
-            "mc" not in self.task_list() or self.mc_path, "--tasks has mc but no --mc_path=FILE names the questions"
-        )
-        _require(self.batch_size >= 1, f"batch_size={self.batch_size} must be at least 1")
-        _require(
-            self.split_tokens >= 0 and self.hellaswag_examples >= 0 and self.core_max_per_task >= 0,
-            "split_tokens, hellaswag_examples and core_max_per_task must be >= 0 (0: all)",
-        )
-        _require_choice("hellaswag_style", self.hellaswag_style, HELLASWAG_STYLES)
-
-    def task_list(self):
-        return [t.strip() for t in self.tasks.split(",") if t.strip()]
-
-
-def _require(ok, message):
+def require(ok, message):
     if not ok:
         raise UserError(message)
 
 
-def _require_choice(key, value, choices):
-    _require(value in choices, f"{key}={value!r} is not one of {', '.join(map(repr, choices))}")
+def require_choices(cfg):
+    """Each key typed Literal[...] holds one of its choices, also in a config built in code."""
+    for f in dataclasses.fields(cfg):
+        if typing.get_origin(f.type) is Literal:
+            require_choice(f.name, getattr(cfg, f.name), typing.get_args(f.type))
 
 
-def _require_sampling(cfg):
+def require_choice(key, value, choices):
+    require(value in choices, f"{key}={value!r} is not one of {', '.join(map(repr, choices))}")
+
+
+def require_sampling(cfg):
     """The sampling controls sample.py and chat.py share."""
-    _require(cfg.temperature >= 0, f"temperature={cfg.temperature} must be >= 0 (0 means greedy)")
-    _require(cfg.top_k is None or cfg.top_k >= 1, f"top_k={cfg.top_k} must be at least 1, or None")
-    _require(0 < cfg.top_p <= 1, f"top_p={cfg.top_p} must be in (0, 1]; 1.0 turns nucleus sampling off")
+    require(cfg.temperature >= 0, f"temperature={cfg.temperature} must be >= 0 (0 means greedy)")
+    require(cfg.top_k is None or cfg.top_k >= 1, f"top_k={cfg.top_k} must be at least 1, or None")
+    require(0 < cfg.top_p <= 1, f"top_p={cfg.top_p} must be in (0, 1]; 1.0 turns nucleus sampling off")
 
 
-def _require_init_from(value, own):
+def require_init_from(value, own):
     # a directory is checked for a GPT-2 or Llama inside when it is loaded (gpt/load.py)
-    _require(
+    require(
         value in own + GPT2_MODELS or os.path.isdir(value),
         f"init_from={value!r} is not one of {', '.join(map(repr, own + GPT2_MODELS))}, "
         f"nor a directory (a Hugging Face GPT-2 or Llama model, or a training run's out_dir)",
@@ -606,18 +364,18 @@ def _require_init_from(value, own):
 ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
-def _require_rope_scaling(scaling, pos_encoding):
+def require_rope_scaling(scaling, pos_encoding):
     if scaling is None:
         return
     example = (
         "{'factor': 32.0, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0, 'original_max_position_embeddings': 8192}"
     )
-    _require(pos_encoding == "rope", "rope_scaling scales RoPE's frequencies: it needs pos_encoding='rope'")
-    _require(
+    require(pos_encoding == "rope", "rope_scaling scales RoPE's frequencies: it needs pos_encoding='rope'")
+    require(
         sorted(scaling) == sorted(ROPE_SCALING_KEYS) and all(isinstance(v, (int, float)) for v in scaling.values()),
         f"rope_scaling={scaling!r} must have exactly the numbers {', '.join(ROPE_SCALING_KEYS)}, e.g. {example}",
     )
-    _require(
+    require(
         scaling["factor"] >= 1
         and 0 < scaling["low_freq_factor"] < scaling["high_freq_factor"]
         and scaling["original_max_position_embeddings"] >= 1,
@@ -731,6 +489,8 @@ def _literal(text):
 
 
 def _coerce(key, value, typ, source, text=None):
+    if typing.get_origin(typ) is Literal and all(isinstance(c, str) for c in typing.get_args(typ)):
+        typ = str  # a key of named choices: read as text here, refused with its choices by __post_init__
     options = typing.get_args(typ) if typing.get_origin(typ) is Union else (typ,)
     for option in options:
         ok, converted = _convert(value, option, text)

@@ -23,11 +23,64 @@ metrics.jsonl, named watch/<train.py's name> (watch/val_loss, watch/hellaswag_ac
 import dataclasses
 import json
 import os
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-from configurator import EvalConfig, UserError, parse, run_main
+from configurator import UserError, parse, require, require_choice, require_choices, require_init_from, run_main
 from gpt import core_eval, evaluation, load, runtime, tokenizer, tokens, watch
+
+EVAL_TASKS = ("hellaswag", "mc", "val", "test", "core")
+HELLASWAG_STYLES = ("nanogpt", "harness")
+
+
+@dataclass
+class EvalConfig:
+    # one line per key, its trailing comment the key's --help text
+    # fmt: off
+    init_from: str = "resume"  # 'resume' (a training run's checkpoint in out_dir), 'gpt2'/'gpt2-medium'/'gpt2-large'/'gpt2-xl', a Hugging Face GPT-2 or Llama directory, or another run's out_dir
+    out_dir: str = "out"  # the training run to evaluate
+    checkpoint: str = "best"  # 'best' (ckpt_best.pt when present), 'latest' (ckpt.pt), or one by name: ckpt_<iter>.pt or ckpt_<iter> in out_dir, or a path
+    watch: bool = False  # follow out_dir's run: score each checkpoint once as it lands, then exit when the run is over (docs/watch.md)
+    tasks: str = ""  # comma list of hellaswag, mc, val, test, core; '': hellaswag (unless character-level), mc (with mc_path), and the splits the data has
+    dataset: str = ""  # data/<dataset> holds val and test; '': the run's own (its config.json)
+    split_tokens: int = 10_000_000  # val/test: score this many tokens from the split's start, each once; 0: the whole split
+    hellaswag_path: str = ""  # a HellaSwag jsonl (ctx, endings, label); '': data/hellaswag/hellaswag_val.jsonl, downloaded once
+    hellaswag_examples: int = 0  # score only this fixed subset of HellaSwag (a seeded sample); 0: all 10,042
+    hellaswag_style: str = "nanogpt"  # 'nanogpt': build-nanogpt/llm.c's prompt (ctx); 'harness': lm-evaluation-harness's (preprocessed activity_label: ctx_a Ctx_b)
+    core_bundle: str = ""  # the CORE eval bundle (a directory or zip); '': data/core/eval_bundle.zip, downloaded once
+    core_max_per_task: int = 0  # CORE: score this many examples per task (nanochat's shuffle, then the first ones); 0: all
+    mc_path: str = ""  # your own multiple-choice task: jsonl with context, choices (a list of strings), answer (an index)
+    batch_size: int = 16  # examples (multiple choice) or block_size windows (val, test) per forward pass
+    json: bool = False  # print the results as one JSON object on the last line
+    device: str = "auto"  # 'auto', 'cpu', 'cuda', 'cuda:1', 'mps'
+    dtype: str = "auto"  # 'auto' (bf16 autocast on a GPU), 'float32', 'bfloat16', 'float16'
+    compile: bool = False  # torch.compile the model (pays off for the whole of HellaSwag on a GPU)
+    backend: Literal["auto", "nccl", "gloo"] = "auto"  # under torchrun: 'nccl', 'gloo', or 'auto' (nccl on CUDA, else gloo)
+    # fmt: on
+
+    def __post_init__(self):
+        require_choices(self)
+        require_init_from(self.init_from, ("resume",))
+        require(
+            not self.watch or self.init_from == "resume",
+            f"--watch follows a training run: give its --out_dir, not --init_from={self.init_from}",
+        )
+        for task in self.task_list():
+            require(task in EVAL_TASKS, f"unknown task {task!r} in --tasks; choose from {', '.join(EVAL_TASKS)}")
+        require(
+            "mc" not in self.task_list() or self.mc_path, "--tasks has mc but no --mc_path=FILE names the questions"
+        )
+        require(self.batch_size >= 1, f"batch_size={self.batch_size} must be at least 1")
+        require(
+            self.split_tokens >= 0 and self.hellaswag_examples >= 0 and self.core_max_per_task >= 0,
+            "split_tokens, hellaswag_examples and core_max_per_task must be >= 0 (0: all)",
+        )
+        require_choice("hellaswag_style", self.hellaswag_style, HELLASWAG_STYLES)
+
+    def task_list(self):
+        return [t.strip() for t in self.tasks.split(",") if t.strip()]
 
 
 def _run_dataset(cfg):

@@ -12,9 +12,26 @@ and docs/gguf.md.
 """
 
 import os
+from dataclasses import dataclass
+from typing import Literal
 
-from configurator import ExportConfig, UserError, parse, run_main
+from configurator import UserError, parse, require_choices, run_main
 from gpt import gguf_export, huggingface, load
+
+
+@dataclass
+class ExportConfig:
+    # one line per key, its trailing comment the key's --help text
+    # fmt: off
+    out_dir: str = "out"  # the training run whose checkpoint is exported
+    checkpoint: Literal["best", "latest"] = "best"  # 'best' (ckpt_best.pt or ckpt_best/ when present) or 'latest' (ckpt.pt or the newest ckpt_<iter>/)
+    export_dir: str = ""  # where the Hugging Face directory is written ('': out_dir/hf), or model.gguf ('': out_dir)
+    format: Literal["hf", "gguf"] = "hf"  # 'hf' (a Hugging Face directory) or 'gguf' (one model.gguf for llama.cpp and ollama)
+    gguf_dtype: Literal["f32", "f16", "q8_0"] = "f32"  # format=gguf: the weights' type, 'f32', 'f16' or 'q8_0'
+    # fmt: on
+
+    def __post_init__(self):
+        require_choices(self)
 
 
 def export_gguf(cfg):

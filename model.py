@@ -41,6 +41,8 @@ SDPA_BACKENDS = {
 
 @dataclass
 class GPTConfig:
+    # one line per key, its trailing comment the key's --help text
+    # fmt: off
     block_size: int = 1024  # longest context the position embedding covers
     vocab_size: int = 50304  # tokens the data can contain (GPT-2: 50257, padded up by nanoGPT configs)
     n_layer: int = 12  # transformer blocks
@@ -51,9 +53,7 @@ class GPTConfig:
     # the options below default to GPT-2; Llama 3 is rope, rmsnorm, swiglu, n_kv_head < n_head, bias=False
     pos_encoding: str = "learned"  # 'learned' (a wpe table, GPT-2) or 'rope' (rotary, on q and k: Llama)
     rope_theta: float = 10000.0  # RoPE base: the slowest pair turns once in ~2*pi*theta positions (Llama 3: 500000)
-    rope_scaling: Optional[dict] = (
-        None  # Llama 3's frequency scaling (model.rope_tables); None: plain RoPE. Llama 3.2's: {'factor': 32.0, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0, 'original_max_position_embeddings': 8192}
-    )
+    rope_scaling: Optional[dict] = None  # Llama 3's frequency scaling (model.rope_tables); None: plain RoPE. Llama 3.2's: {'factor': 32.0, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0, 'original_max_position_embeddings': 8192}
     norm: str = "layernorm"  # 'layernorm' (GPT-2) or 'rmsnorm' (Llama: no mean subtraction, no bias)
     norm_eps: float = 1e-5  # added to the variance in every norm (Hugging Face's layer_norm_epsilon / rms_norm_eps)
     mlp: str = "gelu"  # 'gelu', 'gelu_tanh' (GPT-2's released weights' approximation), 'swiglu' (Llama) or 'relu2': relu(x)**2 (modded-nanogpt, nanochat)
@@ -67,6 +67,7 @@ class GPTConfig:
     logit_softcap: float = 0.0  # 0: off; else logits = cap * tanh(logits / cap), in float32, in training and inference alike (modded-nanogpt: 30, nanochat: 15)
     value_embeds: bool = False  # layers n_layer-1, n_layer-3, ... (every other, the last included: nanochat's) add a token embedding of their own, (vocab, n_kv_head*hs), to attention's values: v + gate * ve, one learned gate per k/v head, starting at 1
     unet_skips: bool = False  # U-net: block i's output (i < n_layer//2) is added, times a learned scalar starting at 1, to the input of its mirror block n_layer-1-i (modded-nanogpt)
+    # fmt: on
 
     def __post_init__(self):
         # resolve the "0 means the usual" keys once, so every reader sees real sizes

@@ -15,11 +15,50 @@ num_samples samples of a prompt are generated together, as one batch.
 
 import sys
 import time
+from dataclasses import dataclass
+from typing import Literal, Optional
 
 import torch
 
-from configurator import SampleConfig, UserError, parse, run_main
+from configurator import UserError, parse, require, require_choices, require_init_from, require_sampling, run_main
 from gpt import inference, load, runtime, tokenizer
+
+
+@dataclass
+class SampleConfig:
+    # one line per key, its trailing comment the key's --help text
+    # fmt: off
+    init_from: str = "resume"  # 'resume' (a checkpoint from out_dir), 'gpt2'/'gpt2-medium'/'gpt2-large'/'gpt2-xl', a Hugging Face GPT-2 or Llama directory, or another run's out_dir
+    out_dir: str = "out"  # where the checkpoint is
+    checkpoint: Literal["best", "latest"] = "best"  # 'best' (ckpt_best.pt or ckpt_best/ when present) or 'latest' (ckpt.pt or the newest ckpt_<iter>/)
+    start: str = "\n"  # the prompt, or FILE:path to read it from a file
+    prompts_file: Optional[str] = None  # a file of prompts, one per line (blank lines skipped); replaces start
+    num_samples: int = 10  # samples per prompt, generated together as one batch
+    max_new_tokens: int = 500  # tokens generated per sample
+    temperature: float = 0.8  # <1 sharper, >1 more random; 0 is greedy (always the most likely token)
+    top_k: Optional[int] = 200  # keep only the k most likely tokens; None keeps all
+    top_p: float = 1.0  # nucleus: keep the most likely tokens until their probabilities add up to top_p; 1.0 keeps all
+    stop_at_eot: bool = True  # BPE models: end a sample at <|endoftext|>; False generates through it
+    seed: int = 1337  # the same seed gives the same samples
+    kv_cache: bool = True  # reuse each token's keys/values instead of recomputing the whole context per token
+    window_shift: Optional[int] = None  # once the context is full, slide it this many tokens at once; None: block_size // 8; 1: nanoGPT's exact last-block_size context (slow)
+    stream: Optional[bool] = None  # print tokens as they come; None: only when stdout is a terminal
+    device: str = "auto"  # 'auto', 'cpu', 'cuda', 'cuda:1', 'mps'
+    dtype: str = "auto"  # 'auto', 'float32', 'bfloat16', 'float16'
+    compile: bool = False  # torch.compile the model
+    engine: Literal["process", "thread"] = "process"  # where the model runs: 'process' (its own, beside the server's: the two use two cores) or 'thread' (serve.py's own)
+    # fmt: on
+
+    def __post_init__(self):
+        require_choices(self)
+        require_init_from(self.init_from, ("resume",))
+        require(self.num_samples >= 1 and self.max_new_tokens >= 1, "num_samples and max_new_tokens must be at least 1")
+        require_sampling(self)
+        require(
+            self.window_shift is None or self.window_shift >= 1,
+            f"window_shift={self.window_shift} must be at least 1, or None",
+        )
+
 
 SEPARATOR = "---------------"
 

@@ -24,13 +24,57 @@ The model runs in gpt/serving.py (a process of its own by default, --engine=proc
 in gpt/api.py; this command listens, loads the model, and runs the app under uvicorn.
 """
 
+import re
 import socket
 import sys
+from dataclasses import dataclass
+from typing import Literal
 
 import uvicorn
 
-from configurator import ServeConfig, UserError, parse, run_main
+from configurator import UserError, parse, require, require_choices, require_init_from, run_main
 from gpt import api, serving
+
+
+@dataclass
+class ServeConfig:
+    # one line per key, its trailing comment the key's --help text
+    # fmt: off
+    init_from: str = "resume"  # 'resume' (a checkpoint from out_dir), 'gpt2'/'gpt2-medium'/'gpt2-large'/'gpt2-xl', a Hugging Face GPT-2 or Llama directory, or another run's out_dir
+    out_dir: str = "out"  # where the checkpoint is
+    checkpoint: Literal["best", "latest"] = "best"  # 'best' (ckpt_best.pt or ckpt_best/ when present) or 'latest' (ckpt.pt or the newest ckpt_<iter>/)
+    host: str = "127.0.0.1"  # the address to listen on; '0.0.0.0' lets anyone who can reach this machine use the model (README: serve.py)
+    port: int = 8000  # the TCP port
+    allowed_hosts: str = ""  # host names to answer to, comma-separated ('*': any); always answered: localhost and loopback addresses, and on a non-loopback host any IP address; other Host headers get 421 (DNS rebinding)
+    api_key: str = ""  # clients must send 'Authorization: Bearer <api_key>'; '': the OPENAI_API_KEY environment variable, or none
+    name: str = ""  # the model's name in the API (GET /v1/models, a request's "model"); '': out_dir's or init_from's last part
+    batch_size: int = 16  # requests decoded together, at most (the batch's rows)
+    max_waiting: int = 64  # requests that may wait for a row; past that a request gets 429 at once
+    context: int = 0  # longest prompt + reply in tokens (the KV cache's room per row); 0: block_size, at most 8192
+    max_body: int = 1_000_000  # largest request body in bytes; larger ones get 413
+    device: str = "auto"  # 'auto', 'cpu', 'cuda', 'cuda:1', 'mps'
+    dtype: str = "auto"  # 'auto', 'float32', 'bfloat16', 'float16'
+    compile: bool = False  # torch.compile the model
+    engine: Literal["process", "thread"] = "process"  # where the model runs: 'process' (its own, beside the server's: the two use two cores) or 'thread' (serve.py's own)
+    # fmt: on
+
+    def __post_init__(self):
+        require_choices(self)
+        require_init_from(self.init_from, ("resume",))
+        require(0 <= self.port <= 65535, f"port={self.port} must be in 0..65535 (0: any free port)")
+        require(self.batch_size >= 1 and self.max_waiting >= 0, "batch_size must be at least 1 and max_waiting >= 0")
+        require(self.context >= 0, f"context={self.context} must be >= 0 (0: the model's block_size)")
+        require(self.max_body >= 1024, f"max_body={self.max_body} must be at least 1024 bytes")
+        for name in self.host_names():
+            require(
+                re.fullmatch(r"[a-z0-9_.-]+|\*", name),
+                f"allowed_hosts: {name!r} is not a host name; give names "
+                f"alone (no scheme, port or path), comma-separated",
+            )
+
+    def host_names(self):
+        """allowed_hosts as a set of names, in lower case as a Host header's are compared."""
+        return {name.strip().lower().rstrip(".") for name in self.allowed_hosts.split(",") if name.strip()}
 
 
 def listen(host, port):

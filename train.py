@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from configurator import TrainConfig, UserError, as_dict, parse, run_main
-from gpt import checkpoint, core_eval, evaluation, load, optim, outdir, runtime, tokenizer, watch
+from gpt import checkpoint, core_eval, evaluation, load, optim, outdir, runtime, saver, tokenizer, watch
 from gpt.batches import (
     ChatBatches,
     ChatData,
@@ -292,7 +292,7 @@ class Run:
             self.metrics = MetricsLog(cfg.out_dir, self.resumed_at, cfg, wandb_run_id, path=out.path("metrics.jsonl"))
         fmt = cfg.checkpoint_format if cfg.checkpoint_format != "auto" else "sharded" if uses_fsdp(cfg, rt) else "full"
         spare = watch.Retention(cfg.out_dir, cfg.keep_unscored) if cfg.eval_async else None  # the watcher's unscored
-        self.saver = checkpoint.Checkpointer(
+        self.saver = saver.Checkpointer(
             cfg.out_dir, fmt, cfg.keep_last, cfg.async_checkpoint, rt, on_commit=out.committed, spare=spare
         )
         self.bad = BadSteps(rt.device)

@@ -479,14 +479,29 @@ def shard_path(out_dir, split, index):
     return os.path.join(out_dir, f"{split}_{index:06d}.bin")
 
 
-def prepare(args, spec):
-    """Stream, tokenize and write the splits; resumes a run that stopped."""
-    out_dir = args.out_dir
+def refuse_foreign(out_dir):
+    """nanoGPT's single-file splits (train.bin) in out_dir are another preparation's: not mixed with shards."""
     foreign = [f"{s}.bin" for s in SPLITS if os.path.exists(os.path.join(out_dir, f"{s}.bin"))]
     if foreign:
         raise UserError(
             f"{out_dir} holds {', '.join(foreign)} from another preparation; move it away or choose another --out_dir"
         )
+
+
+def write_meta(out_dir, spec):
+    """meta.json, the tokenizer: written before the first shard."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "meta.json"), "w", encoding="utf-8") as f:
+            json.dump(spec, f)
+    except OSError as e:
+        raise UserError(f"cannot write to --out_dir {out_dir} ({e.strerror})")
+
+
+def prepare(args, spec):
+    """Stream, tokenize and write the splits; resumes a run that stopped."""
+    out_dir = args.out_dir
+    refuse_foreign(out_dir)
     progress = Progress(out_dir, settings(args, spec))
     state = progress.state
     if state["done"]:
@@ -513,12 +528,7 @@ def prepare(args, spec):
         first = next(batches, None)  # a source that cannot be read stops here, before anything is written
         if first is None and doc_index == 0:
             raise UserError("the input has no documents")
-        try:
-            os.makedirs(out_dir, exist_ok=True)
-            with open(os.path.join(out_dir, "meta.json"), "w", encoding="utf-8") as f:
-                json.dump(spec, f)
-        except OSError as e:
-            raise UserError(f"cannot write to --out_dir {out_dir} ({e.strerror})")
+        write_meta(out_dir, spec)
         bar = stack.enter_context(
             tqdm(total=args.tokens, initial=done_before, unit="tok", unit_scale=True, disable=None)
         )

@@ -29,10 +29,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
-from configurator import UserError, run_main  # noqa: E402
-from data import corpus  # noqa: E402
-from gpt import tokenizer  # noqa: E402 (after the path line above)
-from gpt.chat_template import RESERVED_TOKENS  # noqa: E402
+from configurator import UserError, run_main
+from data import corpus
+from gpt import tokenizer  # after the path line above
+from gpt.chat_template import RESERVED_TOKENS
 
 # GPT-4's (cl100k) split pattern, as Llama 3 also uses: a piece is a word with an optional leading
 # non-letter, up to 3 digits, punctuation with trailing newlines, or whitespace

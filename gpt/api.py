@@ -446,11 +446,9 @@ class HostCheck:
         await self.app(scope, receive, send)
 
 
-def make_app(server):
-    """The FastAPI app of a Server."""
-    app = FastAPI(title="gpt-trainer serve.py", version="1", summary="OpenAI-compatible completions from one model")
-    app.add_middleware(BodyLimit, limit=server.cfg.max_body)
-    app.add_middleware(HostCheck, names=server.cfg.host_names(), loopback=is_loopback(server.cfg.host))  # runs first
+def add_error_handlers(app):
+    """Every failure as the OpenAI error object: ours (APIError), a body that fails validation,
+    one that is not JSON in UTF-8, and a bug (500, without its traceback)."""
 
     @app.exception_handler(APIError)
     async def api_error(_, e):
@@ -479,6 +477,15 @@ def make_app(server):
         return error_response(
             APIError(500, f"the server failed ({type(e).__name__}); please report it", kind="server_error")
         )
+
+
+def make_app(server):
+    """The FastAPI app of a Server."""
+    app = FastAPI(title="gpt-trainer serve.py", version="1", summary="OpenAI-compatible completions from one model")
+    app.add_middleware(BodyLimit, limit=server.cfg.max_body)
+    app.add_middleware(HostCheck, names=server.cfg.host_names(), loopback=is_loopback(server.cfg.host))  # runs first
+
+    add_error_handlers(app)
 
     async def authorized(http: Request):  # async: a plain def would run in a worker thread for every request
         if server.api_key:

@@ -129,7 +129,7 @@ def released(out_dir):
 
 
 class Retention:
-    """checkpoint.Checkpointer's spare: of the checkpoints rotation would remove (doomed, iters),
+    """saver.Checkpointer's spare: of the checkpoints rotation would remove (doomed, iters),
     keep those the watcher has not scored, `hold` at most (the newest), and the one it is scoring.
     The others are listed in watch_released.jsonl before they are removed."""
 

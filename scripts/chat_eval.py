@@ -27,8 +27,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from configurator import UserError, run_main  # noqa: E402 (after the path line above)
-from data.corpus import Parser  # noqa: E402
+from configurator import UserError, run_main  # after the path line above
+from data.corpus import Parser
 
 
 def turns(conversation):

@@ -22,12 +22,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from configurator import TrainConfig, as_dict, parse, run_main  # noqa: E402
-from gpt import (
-    checkpoint,  # noqa: E402
-    runtime,  # noqa: E402
-)
-from model import GPT, GPTConfig  # noqa: E402
+from configurator import TrainConfig, as_dict, parse, run_main
+from gpt import runtime, saver
+from model import GPT, GPTConfig
 
 MODES = [("full", False), ("full", True), ("sharded", False), ("sharded", True)]
 
@@ -80,19 +77,19 @@ def main(argv=None):
     def run(mode):
         """(seconds for the steps, of which inside save())"""
         start, blocked = time.perf_counter(), 0.0
-        saver = None
+        writer = None
         if mode is not None:
             shutil.rmtree(args.out_dir, ignore_errors=True)
             os.makedirs(args.out_dir)
-            saver = checkpoint.Checkpointer(args.out_dir, mode[0], 1, mode[1], rt)
-            saver.save(model, optimizer, scaler, False, info, batches)
+            writer = saver.Checkpointer(args.out_dir, mode[0], 1, mode[1], rt)
+            writer.save(model, optimizer, scaler, False, info, batches)
             blocked = time.perf_counter() - start
         for _ in range(args.steps):
-            if saver is not None:
-                saver.poll()
+            if writer is not None:
+                writer.poll()
             step()
-        if saver is not None:
-            saver.wait()
+        if writer is not None:
+            writer.wait()
         return time.perf_counter() - start, blocked
 
     results = {m: [] for m in MODES}

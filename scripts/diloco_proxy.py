@@ -22,7 +22,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from configurator import UserError, parse, run_main  # noqa: E402
+from configurator import UserError, parse, run_main
 
 
 @dataclasses.dataclass

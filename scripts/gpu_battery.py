@@ -28,24 +28,40 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 sys.path.insert(0, REPO)
-from configurator import BatteryConfig, BenchConfig, UserError, parse, run_main  # noqa: E402
-from gpt import (  # noqa: E402 (after the path line above)
-    inference,
-    runtime,
-    tokens,  # noqa: E402
-)
-from gpt.batches import TrainBatches  # noqa: E402
-from gpt.benchmark import device_name, format_mfu, measure_or_oom, profiler_activities, synthetic  # noqa: E402
-from gpt.memory import with_batch_size  # noqa: E402
-from gpt.step import train_step  # noqa: E402
-from gpt.wrap import build, make_model_args  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
+from configurator import BenchConfig, UserError, parse, require, run_main
+from gpt import inference, runtime, tokens  # after the path line above
+from gpt.batches import TrainBatches
+from gpt.benchmark import device_name, format_mfu, measure_or_oom, profiler_activities, synthetic
+from gpt.memory import with_batch_size
+from gpt.step import train_step
+from gpt.wrap import build, make_model_args
+from model import GPT, GPTConfig
+
+
+@dataclass
+class BatteryConfig(BenchConfig):
+    # every bench.py key, plus which parts run; report.md and report.json go to out_dir
+    # one line per key, its trailing comment the key's --help text
+    # fmt: off
+    parts: str = "env,attention,sweep,llama,baby,smoke"  # the parts to run, comma-separated (one 10-minute call each on an H100)
+    baby_iters: int = 0  # part baby: train.py's steps; 0: the config's own on a GPU, 300 on a CPU
+    # fmt: on
+
+    def __post_init__(self):
+        super().__post_init__()
+        unknown = [p for p in self.parts.split(",") if p not in SUITE_PARTS]
+        require(not unknown, f"parts: {', '.join(map(repr, unknown))} not among {', '.join(SUITE_PARTS)}")
+        require(self.baby_iters >= 0, f"baby_iters={self.baby_iters} must be >= 0")
+
+
+SUITE_PARTS = ("env", "attention", "sweep", "llama", "baby", "smoke")  # the parts, in the order they run
 
 TARGET_VAL = 1.47  # the baby GPT's goal: nanoGPT's val loss after its full run
 

@@ -31,10 +31,10 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-import torch  # noqa: E402
+import torch
 
-from configurator import UserError, parse, run_main  # noqa: E402
-from gpt import checkpoint  # noqa: E402
+from configurator import UserError, parse, run_main
+from gpt import checkpoint
 
 
 @dataclasses.dataclass

@@ -56,7 +56,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from configurator import UserError, run_main  # noqa: E402 (after the path line above)
+from configurator import UserError, run_main  # after the path line above
 
 # The chat demo's four intents (data/chat/synthetic.py), with words of different lengths, so
 # prompts and replies differ in length; a two-turn one recalls a name.

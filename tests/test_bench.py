@@ -11,7 +11,7 @@ import torch
 from conftest import REPO, load_script, read_metrics, run_script, tiny_args
 
 import bench
-from configurator import BatteryConfig, BenchConfig, TrainConfig
+from configurator import BenchConfig, TrainConfig
 from gpt import benchmark, inference, memory, runtime
 from gpt.batches import row_starts
 from gpt.memory import auto_batch_size, saved_activation_bytes, with_batch_size
@@ -382,7 +382,7 @@ def test_suite_runs_every_part_on_a_cpu_and_writes_its_reports(char_data, tmp_pa
 
 def test_battery_parts_are_checked():
     with pytest.raises(Exception, match="parts: 'speed' not among env, attention"):
-        BatteryConfig(parts="env,speed")
+        battery.BatteryConfig(parts="env,speed")
 
 
 # ---------------------------------------------------------------------------- the suite on an H100, planned on a CPU
@@ -420,7 +420,9 @@ SUITE_COMMANDS = ("env,attention,smoke", "sweep", "llama", "baby")
 def test_every_suite_part_fits_8_minutes_on_an_h100_and_every_documented_command_10():
     """Printed with pytest -s: each part's estimate and each command's."""
     cuda = runtime.Runtime("cuda:0", "cuda", torch.bfloat16)
-    plan = battery.suite_plan(BatteryConfig(), battery.suite_scale(cuda))  # the defaults: python scripts/gpu_battery.py
+    plan = battery.suite_plan(
+        battery.BatteryConfig(), battery.suite_scale(cuda)
+    )  # the defaults: python scripts/gpu_battery.py
     assert list(plan) == list(battery.SUITE)
     assert sorted(",".join(SUITE_COMMANDS).split(",")) == sorted(battery.SUITE)  # every part, once
     llama = plan["llama"][0]
@@ -517,7 +519,7 @@ def test_the_baby_part_reads_an_unbuffered_train_py(monkeypatch, tmp_path):
     monkeypatch.setattr(battery.subprocess, "Popen", popen)
     cuda = runtime.Runtime("cuda:0", "cuda", torch.bfloat16)
     with pytest.raises(InterruptedError):
-        battery.part_baby(BatteryConfig(out_dir=str(tmp_path / "suite")), cuda, battery.suite_scale(cuda), {})
+        battery.part_baby(battery.BatteryConfig(out_dir=str(tmp_path / "suite")), cuda, battery.suite_scale(cuda), {})
     ((args, kwargs),) = started
     unbuffered = args[1] == "-u" or kwargs.get("env", {}).get("PYTHONUNBUFFERED") == "1"
     assert args[0] == battery.sys.executable and unbuffered, args
@@ -541,7 +543,7 @@ def test_the_smoke_compares_cache_and_no_cache_with_tf32_off(monkeypatch, tmp_pa
     try:
         cpu = runtime.Runtime("cpu", "cpu", torch.float32)
         report = {}
-        battery.part_smoke(BatteryConfig(out_dir=str(tmp_path)), cpu, battery.suite_scale(cpu), report)
+        battery.part_smoke(battery.BatteryConfig(out_dir=str(tmp_path)), cpu, battery.suite_scale(cpu), report)
         after = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32

@@ -8,8 +8,9 @@ import tokenize
 import pytest
 
 import configurator
-from configurator import SampleConfig, TrainConfig, UserError, parse
+from configurator import TrainConfig, UserError, parse
 from model import GPTConfig
+from sample import SampleConfig
 
 
 def write(tmp_path, name, text):

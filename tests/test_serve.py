@@ -27,9 +27,10 @@ import uvicorn
 from conftest import ATEN_BACKEND, REPO, chat_demo_copy, load_script, python_process, run_script, train_tiny_run
 
 import serve
-from configurator import ServeConfig, UserError, parse
+from configurator import UserError, parse
 from gpt import api, inference, serving, tokenizer
 from model import GPT, GPTConfig
+from serve import ServeConfig
 
 KEY = "test-key-123"
 

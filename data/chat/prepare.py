@@ -40,15 +40,15 @@ from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from configurator import UserError, run_main  # noqa: E402
+from configurator import UserError, run_main
 from data import corpus
 from gpt import (
-    tokenizer,  # noqa: E402 (after the path line above)
-    tokens,  # noqa: E402
+    tokenizer,  # after the path line above
+    tokens,
 )
-from gpt.chat_template import ROLES, Template  # noqa: E402
+from gpt.chat_template import ROLES, Template
 
 SPLITS = ("train", "val")
 
@@ -234,6 +234,44 @@ def write_split(out_dir, split, convs, dtype):
     save_npy(os.path.join(out_dir, f"{split}_starts.npy"), starts)
 
 
+def report(split, long, row, skipped, drop_long):
+    """Print each split's counts, the bad records skipped and the conversations longer than a row;
+    returns the counts meta.json records."""
+    counts = {}
+    for s in SPLITS:
+        n_tokens = sum(len(ids) for ids, _ in split[s])
+        trained = sum(int(mask.sum()) for _, mask in split[s])
+        counts[s] = {
+            "conversations": len(split[s]),
+            "tokens": n_tokens,
+            "trained_tokens": trained,
+            "long": len(long[s]),  # longer than block_size + 1 tokens: dropped with drop_long, else kept
+            "long_untrained_tokens": 0 if drop_long else sum(int(mask[row:].sum()) for mask in long[s]),
+        }
+        print(
+            f"{s}: {len(split[s]):,} conversations, {n_tokens:,} tokens, {trained:,} trained ({trained / n_tokens:.1%})"
+        )
+    if skipped:
+        print(
+            f"skipped {sum(skipped.values()):,} bad records: "
+            + ", ".join(f"{n:,} {why}" for why, n in skipped.most_common())
+        )
+    n_long = sum(c["long"] for c in counts.values())
+    if n_long:
+        untrained = sum(c["long_untrained_tokens"] for c in counts.values())
+        done = (
+            "dropped (--drop_long=True)"
+            if drop_long
+            else f"kept: a row takes their first {row:,} tokens, so {untrained:,} of their trained tokens are never "
+            f"trained (--drop_long=True drops them, or raise --block_size)"
+        )
+        print(
+            f"{n_long:,} conversations (train {counts['train']['long']:,}, val {counts['val']['long']:,}) are longer "
+            f"than block_size + 1 = {row:,} tokens; {done}"
+        )
+    return counts
+
+
 def main(argv=None):
     args = parse_args(argv)
     spec = tokenizer.make_spec(args.tokenizer)
@@ -265,39 +303,7 @@ def main(argv=None):
                 + (" or raise --block_size" if args.drop_long else "")
             )
 
-    counts = {}
-    for s in SPLITS:
-        n_tokens = sum(len(ids) for ids, _ in split[s])
-        trained = sum(int(mask.sum()) for _, mask in split[s])
-        counts[s] = {
-            "conversations": len(split[s]),
-            "tokens": n_tokens,
-            "trained_tokens": trained,
-            "long": len(long[s]),  # longer than block_size + 1 tokens: dropped with drop_long, else kept
-            "long_untrained_tokens": 0 if args.drop_long else sum(int(mask[row:].sum()) for mask in long[s]),
-        }
-        print(
-            f"{s}: {len(split[s]):,} conversations, {n_tokens:,} tokens, {trained:,} trained ({trained / n_tokens:.1%})"
-        )
-    if skipped:
-        print(
-            f"skipped {sum(skipped.values()):,} bad records: "
-            + ", ".join(f"{n:,} {why}" for why, n in skipped.most_common())
-        )
-    n_long = sum(c["long"] for c in counts.values())
-    if n_long:
-        untrained = sum(c["long_untrained_tokens"] for c in counts.values())
-        done = (
-            "dropped (--drop_long=True)"
-            if args.drop_long
-            else f"kept: a row takes their first {row:,} tokens, so {untrained:,} of their trained tokens are never "
-            f"trained (--drop_long=True drops them, or raise --block_size)"
-        )
-        print(
-            f"{n_long:,} conversations (train {counts['train']['long']:,}, val {counts['val']['long']:,}) are longer "
-            f"than block_size + 1 = {row:,} tokens; {done}"
-        )
-
+    counts = report(split, long, row, skipped, args.drop_long)
     meta = {
         **spec,
         "vocab_size": template.vocab_size,

@@ -32,8 +32,8 @@ import zlib
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root
 
-from configurator import UserError, run_main  # noqa: E402 (after the path line above)
-from data.corpus import Parser  # noqa: E402
+from configurator import UserError, run_main  # after the path line above
+from data.corpus import Parser
 
 CONSONANTS = "bdfgklmnprstvz"
 VOWELS = "aeiou"

@@ -18,8 +18,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root
 
-from configurator import run_main  # noqa: E402 (after the path line above)
-from data import corpus  # noqa: E402
+from configurator import run_main  # after the path line above
+from data import corpus
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

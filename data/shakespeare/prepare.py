@@ -15,10 +15,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root
 
-from configurator import run_main  # noqa: E402 (after the path line above)
-from data import corpus  # noqa: E402
-from data.shakespeare_char.prepare import SHA256, URL  # noqa: E402 (the same text as the character-level set)
-from gpt import download  # noqa: E402
+from configurator import run_main  # after the path line above
+from data import corpus
+from data.shakespeare_char.prepare import SHA256, URL  # the same text as the character-level set
+from gpt import download
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
