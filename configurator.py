@@ -70,7 +70,7 @@ class TrainConfig:
     core_bundle: str = ""  # the CORE eval bundle (a directory or zip); '': data/core/eval_bundle.zip, downloaded once
     eval_async: bool = False  # score each checkpoint in a watcher process beside the run (eval.py --watch): val, test, and HellaSwag/CORE when their interval is set; the loop then runs no HellaSwag or CORE itself (docs/watch.md)
     eval_async_device: str = "cpu"  # the watcher's device: 'cpu', 'cuda:7' (a GPU training does not use), 'mps', 'auto'
-    keep_unscored: int = 4  # eval_async: checkpoints past keep_last that the watcher has not scored are kept, this many at most; older ones are removed and logged as skipped
+    keep_unscored: int = 4  # while a watcher follows the run (eval_async, or eval.py --watch beside it): checkpoints past keep_last it has not scored are kept, this many at most (the one being scored first, then the newest); older ones are removed and logged as skipped
     always_save_checkpoint: bool = True  # write ckpt.pt at every eval, not only when val improves
     keep_last: int = 1  # checkpoints kept: ckpt.pt is the newest; with N > 1 the N newest also stay as ckpt_<iter>.pt
     checkpoint_format: Literal["auto", "full", "sharded"] = "auto"  # 'full' (one file, ckpt.pt), 'sharded' (a directory ckpt_<iter>/ of per-rank shards) or 'auto' (sharded under FSDP, else full)

@@ -155,10 +155,10 @@ def watch_run(cfg):
     rt = runtime.setup(cfg.device, cfg.dtype, cfg.backend)
     score = lambda path: record(evaluate_all(dataclasses.replace(cfg, checkpoint=os.path.basename(path)), rt))
     try:
-        counts = watch.follow(cfg.out_dir, score)
+        result = watch.follow(cfg.out_dir, score)
     finally:
         runtime.teardown(rt, all_finished=True)
-    print(f"watch: the run is over; {counts['scored']} checkpoint(s) scored, {counts['skipped']} skipped")
+    print(watch.summary(result))
     return 0
 
 

@@ -70,8 +70,8 @@ def main(argv=None):
     try:
         out = outdir.claim(cfg, rt)  # the out_dir lock; a used out_dir refused; init_from='auto' resolved
         if cfg.eval_async and rt.master and not cfg.eval_only:
-            watcher = watch.Child(watcher_command(out.cfg))
-        code = train(out.cfg, rt, stop, out)
+            watcher = watch.Child(watcher_command(out.cfg), out.cfg.out_dir)
+        code = train(out.cfg, rt, stop, out, watcher)
         finished = True
         return code
     finally:
@@ -291,7 +291,8 @@ class Run:
             out.write_config(cfg)
             self.metrics = MetricsLog(cfg.out_dir, self.resumed_at, cfg, wandb_run_id, path=out.path("metrics.jsonl"))
         fmt = cfg.checkpoint_format if cfg.checkpoint_format != "auto" else "sharded" if uses_fsdp(cfg, rt) else "full"
-        spare = watch.Retention(cfg.out_dir, cfg.keep_unscored) if cfg.eval_async else None  # the watcher's unscored
+        # keep_last spares what a watcher (eval_async's, or one started by hand) has not scored
+        spare = watch.Retention(cfg.out_dir, cfg.keep_unscored, child=cfg.eval_async)
         self.saver = saver.Checkpointer(
             cfg.out_dir, fmt, cfg.keep_last, cfg.async_checkpoint, rt, on_commit=out.committed, spare=spare
         )
@@ -348,8 +349,8 @@ class Run:
         )
 
 
-def train(cfg, rt, stop, out):
-    """Build the run and loop; returns the process exit code (0, or EXIT_STOPPED)."""
+def train(cfg, rt, stop, out, watcher=None):
+    """Build the run and loop; returns the process exit code (0, or EXIT_STOPPED). watcher: eval_async's watch.Child."""
     torch.manual_seed(cfg.seed + rt.rank)
     say = print if rt.master else (lambda message: None)  # notes from the pieces below: rank 0 prints them
     run = Run(cfg, rt, load_data(cfg, say), say, out)
@@ -357,19 +358,21 @@ def train(cfg, rt, stop, out):
     if rt.master:
         run.describe()
     try:
-        return loop(run, stop)
+        return loop(run, stop, watcher)
     finally:
         if run.ft is not None:
             run.ft.shutdown()
 
 
-def loop(run, stop):
+def loop(run, stop, watcher=None):
     """Evaluate, save and step until max_iters or a stop request; returns the exit code."""
     cfg, rt = run.cfg, run.rt
     # The loop runs once more after the last step, so the final eval and save live in one place.
     while True:
         last = run.iter_num >= cfg.max_iters
         run.saver.poll()  # a background save that finished is committed here; one that failed stops the run
+        if watcher is not None:
+            watcher.check()  # eval_async: a watcher that died is started again (a poll(), no device sync)
         saved_now = evaluate_and_save(run, last)
         if cfg.eval_only:
             return 0

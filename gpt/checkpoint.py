@@ -84,9 +84,9 @@ def link_or_copy(src, dst):
 
 def save_rotating(state, out_dir, keep_last=1, spare=None):
     """Write `state` as out_dir/ckpt.pt, always the newest checkpoint. With keep_last > 1 (or a
-    spare) it is first written as ckpt_<iter>.pt, ckpt.pt becomes a hard link to it, and only then
-    are the numbered files beyond the keep_last newest removed, but those spare(iters) keeps
-    (gpt/watch.py's: not yet scored). Returns the path of ckpt.pt."""
+    spare: a watcher follows the run) it is first written as ckpt_<iter>.pt, ckpt.pt becomes a hard
+    link to it, and only then are the numbered files beyond the keep_last newest removed, but those
+    spare(iters) keeps (gpt/watch.py's Retention: not yet scored). Returns the path of ckpt.pt."""
     latest = os.path.join(out_dir, "ckpt.pt")
     if keep_last <= 1 and spare is None:
         save(state, latest)

@@ -34,7 +34,7 @@ class Checkpointer:
 
     def __init__(self, out_dir, fmt, keep_last, asynchronous, rt, on_commit=None, spare=None):
         self.out_dir, self.fmt, self.keep_last, self.asynchronous, self.rt = out_dir, fmt, keep_last, asynchronous, rt
-        self.on_commit, self.spare = on_commit, spare  # spare: see save_rotating
+        self.on_commit, self.spare = on_commit, spare  # spare: gpt/watch.py's Retention, or None
         self.latest = os.path.join(out_dir, "ckpt.pt")
         self.pending = None  # (future, path, best, checkpoint.json's content or None)
         # gloo groups of their own, so host-side checks and DCP's background thread never
@@ -54,9 +54,9 @@ class Checkpointer:
             path = os.path.join(self.out_dir, "ckpt.pt")
             state = make_checkpoint(raw_model, optimizer, scaler, fsdp, info, batches, self.rt)
             if self.rt.master and self.asynchronous:
-                future = self.writer.submit(save_rotating, _to_host(state), self.out_dir, self.keep_last, self.spare)
+                future = self.writer.submit(save_rotating, _to_host(state), self.out_dir, self.keep_last, self._spare())
             elif self.rt.master:
-                future = _done(save_rotating, state, self.out_dir, self.keep_last, self.spare)
+                future = _done(save_rotating, state, self.out_dir, self.keep_last, self._spare())
         else:
             import torch.distributed.checkpoint as dcp
 
@@ -92,6 +92,11 @@ class Checkpointer:
                 concurrent.futures.wait([self.pending[0]])
             self._finish()
 
+    def _spare(self):
+        """This save's spare: the Retention while a watcher follows the run, else None (keep_last
+        alone). Asked at each save, since a watcher can be started by hand mid-run."""
+        return self.spare if self.spare is not None and self.spare.follows() else None
+
     def _agree(self, flag):
         """True when `flag` is true on any rank (a CPU all-reduce on our own gloo group)."""
         if self.status is None:
@@ -124,12 +129,13 @@ class Checkpointer:
 
     def _rotate_sharded(self, latest):
         """Keep the keep_last newest complete directories, ckpt_best's and `latest`, the one just
-        committed, and those spare keeps; remove the rest, incomplete ones included (what a crash left)."""
+        committed, and those the spare keeps; remove the rest, incomplete ones included (what a crash left)."""
         best = os.path.realpath(os.path.join(self.out_dir, "ckpt_best"))
         dirs = sorted(sharded_dirs(self.out_dir).items(), reverse=True)
         complete = [(i, p) for i, p in dirs if os.path.isfile(os.path.join(p, COMMIT))]
         doomed = [i for i, p in complete[self.keep_last :] if os.path.realpath(p) != best and p != latest]
-        spared = self.spare(doomed) if self.spare else set()
+        spare = self._spare()
+        spared = spare(doomed) if spare else set()
         kept = {p for _, p in complete[: self.keep_last]} | {p for i, p in complete if i in spared}
         for _, p in dirs:
             if p not in kept and os.path.realpath(p) != best and p != latest:

@@ -1,7 +1,11 @@
 """Evaluating while it trains (gpt/watch.py, eval.py --watch=True, train.py's eval_async=True): each
-checkpoint scored once, as eval.py scores it afterwards, in both formats; a watcher SIGKILLed and
-restarted; one that falls behind (retention); one checkpoint removed while read; a second watcher
-refused; the records in TensorBoard and wandb."""
+checkpoint scored once, as eval.py scores it afterwards, in both formats; a watcher started by hand
+beside a run and SIGKILLed three times; eval_async's watcher killed, restarted, then given up; a
+watcher stopped (SIGSTOP) for a whole run, and the disk it costs; one checkpoint removed while read;
+a second watcher refused; the records in TensorBoard and wandb.
+
+train.py, eval.py and plot.py run in this process (their main(argv)) where the test needs no process
+of their own; the watchers a user starts, and eval_async's child, are real processes."""
 
 import json
 import os
@@ -9,28 +13,104 @@ import random
 import shlex
 import shutil
 import signal
-import threading
+import subprocess
+import sys
 import time
 
 import pytest
 import torch.distributed as dist
-from conftest import (
-    REPO,
-    bpe_eval_data,
-    char_dataset,
-    load_script,
-    piped_python,
-    read_metrics,
-    run_python,
-    run_script,
-    tiny_args,
-)
+from conftest import REPO, bpe_eval_data, char_dataset, load_script, read_metrics, tiny_args
 
+from configurator import run_main
 from gpt import checkpoint, load, outdir, watch
+
+TRAIN, EVAL, PLOT = (load_script(name) for name in ("train.py", "eval.py", "plot.py"))
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def watch_records(out):
     return [r for r in read_metrics(out) if any(k.startswith("watch/") for k in r)]
+
+
+def watcher_args(out):
+    return ["--watch=True", f"--out_dir={out}", "--device=cpu", "--tasks=val", "--split_tokens=2048"]
+
+
+def start_watcher(out, log):
+    """`python eval.py --watch=True ...`, as a user starts it by hand; its output appended to `log`."""
+    with open(log, "ab") as f:
+        return subprocess.Popen(
+            [sys.executable, "eval.py", *watcher_args(out)], cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env=ENV
+        )
+
+
+def wait_for(condition, log):
+    """Until condition() holds; a watcher that never gets there fails the test with its output."""
+    deadline = time.monotonic() + 180
+    while not condition():
+        assert time.monotonic() < deadline, f"the watcher got stuck: {_read(log)}"
+        time.sleep(0.01)
+
+
+def holds_lock(out, pid):
+    return f'"pid": {pid},' in _read(out / "watch.lock")
+
+
+def _read(path):
+    try:
+        return path.read_text()
+    except (OSError, TypeError):
+        return ""
+
+
+def iter_of(path):
+    return checkpoint.load(path)["iter_num"] if os.path.isfile(path) else int(path.rsplit("_", 1)[1])
+
+
+def keep_copies(monkeypatch, kept, then=None):
+    """A copy of each checkpoint in `kept` as it becomes complete (keep_last removes them), then
+    then(iter) at that point of the run."""
+    committed = outdir.OutDir.committed
+
+    def keeping(self, path):
+        it = iter_of(path)
+        (shutil.copyfile if os.path.isfile(path) else shutil.copytree)(path, kept / kept_name(path, it))
+        committed(self, path)
+        if then is not None:
+            then(it)
+
+    kept.mkdir()
+    monkeypatch.setattr(outdir.OutDir, "committed", keeping)
+
+
+def kept_name(path, it):
+    return f"ckpt_{it:07d}{'.pt' * os.path.isfile(path)}"
+
+
+def eval_json(capfd, *args):
+    """`python eval.py ARGS --json=True` (its main, here): the results of its last line."""
+    capfd.readouterr()
+    assert EVAL.main([*map(str, args), "--json=True"]) == 0
+    return json.loads(capfd.readouterr().out.strip().splitlines()[-1])
+
+
+def as_eval_py_scores(capfd, out, it, kept):
+    """The watcher's record of checkpoint `it` as eval.py scores the kept copy afterwards."""
+    copy = next(kept.glob(f"ckpt_{it:07d}*"))
+    results = eval_json(capfd, *[a for a in watcher_args(out) if a != "--watch=True"], f"--checkpoint={copy}")
+    return {"iter": it, **{f"watch/{k}": v for k, v in EVAL.record(results).items()}}
+
+
+def one_record_each(out, saved):
+    """{iter: record}, asserting every saved iteration has exactly one watcher record."""
+    records = watch_records(out)
+    assert sorted(r["iter"] for r in records) == saved  # none missing, none twice
+    return {r["iter"]: r for r in records}
+
+
+def kill(process):
+    process.kill()
+    assert process.wait() == -signal.SIGKILL, "the watcher ended before its kill"
 
 
 @pytest.fixture(scope="module")
@@ -48,10 +128,7 @@ def chars(tmp_path_factory):
 def finished_run(chars, tmp_path_factory):
     """A finished character-level run with 10 checkpoints (iters 2, 4, ..., 20), all kept. Copy it to write there."""
     out = tmp_path_factory.mktemp("finished") / "out"
-    result = run_script(
-        "train.py", *tiny_args(chars, out, max_iters=20, eval_interval=2, keep_last=100, log_interval=10)
-    )
-    assert result.returncode == 0, result.stderr
+    assert TRAIN.main(tiny_args(chars, out, max_iters=20, eval_interval=2, keep_last=100, log_interval=10)) == 0
     return out
 
 
@@ -63,25 +140,14 @@ def copy_of(run, tmp_path):
 # full: a BPE model, scored on val, test and HellaSwag; sharded: a character model (cheaper), on val
 @pytest.mark.parametrize("fmt", ["full", "sharded"])
 def test_the_watcher_beside_a_run_scores_each_checkpoint_once_as_eval_py_does(
-    fmt, bpe, chars, tmp_path, monkeypatch, forked_pythons
+    fmt, bpe, chars, tmp_path, monkeypatch, capfd
 ):
     (data_dir, hs), bpe_tasks = (bpe, True) if fmt == "full" else ((chars, None), False)
     out, kept = tmp_path / "out", tmp_path / "kept"
-    kept.mkdir()
-    committed = outdir.OutDir.committed
-
-    def keeping(self, path):  # a copy of each checkpoint as it is complete: keep_last=2 removes them
-        iter_num = checkpoint.load(path)["iter_num"] if os.path.isfile(path) else int(path.rsplit("_", 1)[1])
-        (shutil.copyfile if os.path.isfile(path) else shutil.copytree)(
-            path, kept / f"ckpt_{iter_num:07d}{'.pt' * os.path.isfile(path)}"
-        )
-        committed(self, path)
-
-    monkeypatch.setattr(outdir.OutDir, "committed", keeping)
+    keep_copies(monkeypatch, kept)
     hellaswag = dict(hellaswag_interval=4, hellaswag_path=hs, hellaswag_examples=8) if bpe_tasks else {}
-    result = run_script(
-        "train.py",
-        *tiny_args(
+    code = TRAIN.main(
+        tiny_args(
             data_dir,
             out,
             block_size=32,
@@ -93,32 +159,34 @@ def test_the_watcher_beside_a_run_scores_each_checkpoint_once_as_eval_py_does(
             eval_async=True,
             tensorboard_log=bpe_tasks,
             **hellaswag,
-        ),
-        patched=True,
+        )
     )
-    assert result.returncode == 0, result.stderr
-    assert "Traceback" not in result.stdout + result.stderr
-    assert "watch: the run is over; 3 checkpoint(s) scored, 0 skipped" in result.stdout
+    stdout, stderr = capfd.readouterr()
+    assert code == 0, stderr
+    assert "Traceback" not in stdout + stderr
+    assert (
+        "watch: the run is over; 3 checkpoint(s) scored, 0 skipped; of the run's 3: 3 scored, 0 skipped, "
+        "none without a record" in stdout
+    )
     records = watch_records(out)
     assert [r["iter"] for r in records] == [4, 8, 12]  # every saved step once, in order
     assert sorted(os.listdir(kept)) == [f"ckpt_{i:07d}{'.pt' * (fmt == 'full')}" for i in (4, 8, 12)]
     assert not any("hellaswag_acc" in r for r in read_metrics(out))  # the loop ran no HellaSwag itself
-    assert json.loads((out / "watch.json").read_text()) == {"scored": [4, 8, 12], "skipped": [], "scoring": None}
+    assert json.loads((out / "watch.json").read_text()) == {
+        "scored": [4, 8, 12],
+        "skipped": [],
+        "seen": [],
+        "scoring": None,
+    }
 
     # eval.py afterwards, with the watcher's own command (as train.py printed it), on each kept copy
-    command = shlex.split(
-        next(line for line in result.stdout.splitlines() if line.startswith("eval_async:"))
-        .partition(": ")[2]
-        .partition(": ")[2]
-    )
+    line = next(line for line in stdout.splitlines() if line.startswith("eval_async:"))
+    command = shlex.split(line.partition(": ")[2].partition(": ")[2])
     args = [a for a in command[2:] if a != "--watch=True"]
     assert f"--tasks={'val,test,hellaswag' if bpe_tasks else 'val'}" in args
-    record = load_script("eval.py").record
     for r in records:
         copy = kept / f"ckpt_{r['iter']:07d}{'.pt' * (fmt == 'full')}"
-        after = run_script("eval.py", *args, f"--checkpoint={copy}", "--json=True")
-        assert after.returncode == 0, after.stderr
-        expected = {f"watch/{k}": v for k, v in record(json.loads(after.stdout.strip().splitlines()[-1])).items()}
+        expected = {f"watch/{k}": v for k, v in EVAL.record(eval_json(capfd, *args, f"--checkpoint={copy}")).items()}
         assert r == {"iter": r["iter"], **expected}  # every loss bitwise, every accuracy exactly
         names = ("val_loss", "val_bpb") + bpe_tasks * (
             "test_loss",
@@ -130,8 +198,8 @@ def test_the_watcher_beside_a_run_scores_each_checkpoint_once_as_eval_py_does(
         assert set(expected) == {f"watch/{k}" for k in names}
 
     if bpe_tasks:
-        plotted = run_script("plot.py", out)  # the watcher's HellaSwag alone makes the HellaSwag panel
-        assert plotted.returncode == 0 and int.from_bytes((out / "metrics.png").read_bytes()[16:20], "big") > 2000
+        PLOT.main([str(out)])  # the watcher's HellaSwag alone makes the HellaSwag panel
+        assert int.from_bytes((out / "metrics.png").read_bytes()[16:20], "big") > 2000
         # TensorBoard, read back with its own reader: the same numbers at the training steps
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -143,135 +211,222 @@ def test_the_watcher_beside_a_run_scores_each_checkpoint_once_as_eval_py_does(
             assert [e.value for e in scalars] == pytest.approx([r[key] for r in records], rel=1e-6)  # stored as float32
 
 
-# Starts watchers fast: a process that has imported what eval.py imports (and run nothing on torch)
-# forks one per "start" line, a real process running `python eval.py ARGS` from there on (output
-# to LOG), and answers with its pid; "wait PID" answers with its exit status.
-ZYGOTE = """
-import os, runpy, sys
-sys.path.insert(0, {repo!r})
-os.chdir({repo!r})
-import torch, torch.distributed.checkpoint
-from gpt import core_eval, evaluation, load, runtime, tokenizer, watch
-from gpt import tokens
-print("ready", flush=True)
-for line in sys.stdin:
-    if line.startswith("wait"):
-        print(os.waitpid(int(line.split()[1]), 0)[1], flush=True)
-        continue
-    pid = os.fork()
-    if pid == 0:
-        log = os.open({log!r}, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        sys.argv = ["eval.py", *{args!r}]
-        try:
-            runpy.run_path("eval.py", run_name="__main__")
-        except SystemExit as e:
-            os._exit(e.code or 0)
-        os._exit(1)
-    print(pid, flush=True)
-"""
+def test_a_watcher_started_by_hand_beside_a_run_and_killed_three_times_leaves_one_record_per_checkpoint(
+    chars, tmp_path, monkeypatch, capfd
+):
+    """issue 50's scenario: keep_last=2, no eval_async; `python eval.py --watch=True` started at the
+    first checkpoint, SIGKILLed three times (each time after it recorded something, then at a seeded
+    random moment: loading, scoring, appending a record, replacing watch.json) and started again
+    three checkpoints later, so checkpoints are saved, and rotated past keep_last, while none runs.
+    Every saved iteration ends with one record: scored, equal bitwise to eval.py afterwards, or
+    skipped as released by training."""
+    out, log, saved = tmp_path / "out", tmp_path / "watch.log", list(range(10, 121, 10))
+    rng, lives, at_kill = random.Random(0), [], []
+    kills = {20: 50, 60: 90, 100: 120}  # killed at the first checkpoint, started again at the second
 
+    def beside(it):
+        if it == 10 or it in kills.values():
+            lives.append(start_watcher(out, log))
+            wait_for(lambda: holds_lock(out, lives[-1].pid) and (out / "watch.json").exists(), log)
+        elif it in kills:
+            before = at_kill[-1] if at_kill else 0
+            wait_for(lambda: len(watch_records(out)) > before, log)  # each life gets somewhere
+            time.sleep(rng.uniform(0, 0.3))  # then anywhere
+            kill(lives[-1])
+            at_kill.append(len(watch_records(out)))
 
-def test_a_watcher_killed_at_random_moments_and_restarted_scores_each_checkpoint_once(finished_run, tmp_path):
-    out = copy_of(finished_run, tmp_path)
-    args = ["--watch=True", f"--out_dir={out}", "--device=cpu", "--tasks=val", "--split_tokens=0"]
-    zygote = piped_python(
-        ["-c", ZYGOTE.format(repo=str(REPO), log=str(tmp_path / "log"), args=args)],
-        tmp_path,
-        env={"OMP_NUM_THREADS": "1"},
+    keep_copies(monkeypatch, tmp_path / "kept", then=beside)
+    args = tiny_args(chars, out, max_iters=120, lr_decay_iters=120, eval_interval=10, keep_last=2, log_interval=10)
+    assert TRAIN.main(args) == 0
+    assert lives[-1].wait(timeout=180) == 0, _read(log)  # the run is over: the last life scores what is left
+    assert len(lives) == 4 and [p.returncode for p in lives] == [-9, -9, -9, 0]
+    assert all(0 < n < len(saved) for n in at_kill), at_kill  # killed midway, not only before or after the work
+
+    records = one_record_each(out, saved)
+    scored = sorted(i for i, r in records.items() if "watch/skipped" not in r)
+    skipped = sorted(i for i, r in records.items() if "watch/skipped" in r)
+    assert skipped == sorted(watch.released(str(out)))  # none skipped but those training released
+    assert all(records[i]["watch/skipped"] == "released unscored (keep_unscored)" for i in skipped)
+    progress = json.loads((out / "watch.json").read_text())
+    assert (progress["scored"], progress["skipped"], progress["seen"]) == (scored, skipped, [])
+    summary = _read(log).strip().splitlines()[-1]
+    assert summary.startswith("watch: the run is over; ") and summary.endswith(
+        f"of the run's 12: {len(scored)} scored, {len(skipped)} skipped, none without a record"
     )
-    ask = lambda line: (zygote.stdin.write(line + "\n"), zygote.stdin.flush(), zygote.stdout.readline())[-1].strip()
-    assert zygote.stdout.readline() == "ready\n"
-    rng, kills, scored_at_kill = random.Random(0), 0, []
-    try:
-        while kills < 10:
-            pid, deadline = int(ask("start")), time.time() + 120
-            while f'"pid": {pid},' not in _read(out / "watch.lock") or len(watch_records(out)) < kills * 4 // 5:
-                time.sleep(0.002)  # until it holds the lock and has scored some: each life gets somewhere
-                assert time.time() < deadline, f"the watcher got stuck: {_read(tmp_path / 'log')}"
-            time.sleep(
-                rng.uniform(0, 0.05)
-            )  # then anywhere: loading, scoring, appending a record, replacing watch.json
-            os.kill(pid, signal.SIGKILL)
-            status = int(ask(f"wait {pid}"))
-            assert os.WIFSIGNALED(status), f"the watcher ended before its kill: {_read(tmp_path / 'log')}"
-            kills += 1
-            scored_at_kill.append(len(watch_records(out)))
-        assert any(0 < n < 10 for n in scored_at_kill), (
-            scored_at_kill
-        )  # killed midway, not only before or after the work
-        last = int(ask("start"))
-        assert int(ask(f"wait {last}")) == 0, _read(tmp_path / "log")
-    finally:
-        zygote.stdin.close()
-        zygote.wait(timeout=60)
-    records = watch_records(out)
-    assert sorted(r["iter"] for r in records) == list(range(2, 21, 2))  # none missing, none twice
-    assert not any("watch/skipped" in r for r in records)
-    assert json.loads((out / "watch.json").read_text())["scored"] == list(range(2, 21, 2))
+    for it in scored:
+        assert records[it] == as_eval_py_scores(capfd, out, it, tmp_path / "kept")  # bitwise
+    print(f"standalone: kills at {at_kill} records; {len(scored)} scored {scored}, {len(skipped)} skipped {skipped}")
 
 
-def _read(path):
-    try:
-        return path.read_text()
-    except OSError:
-        return ""
+def test_eval_async_restarts_a_dead_watcher_three_times_then_goes_on_and_names_what_is_unscored(
+    chars, tmp_path, monkeypatch, capfd
+):
+    """eval_async's watcher SIGKILLed at checkpoints 20, 40 and 60 (after it scored something): the
+    run says so and starts it again, from its progress; killed a fourth time at 80, it is left dead,
+    training goes on to 100, and the run's last line names the checkpoints without a record. A
+    watcher started afterwards fills them in: one record per checkpoint."""
+    monkeypatch.setattr(watch, "RESTART_DELAYS_S", (0, 0, 0))  # at the next step (the delays: below)
+    out, saved, children, at_kill = tmp_path / "out", list(range(10, 101, 10)), [], []
+
+    class Child(watch.Child):  # the run's own, kept at hand to kill
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            children.append(self)
+
+    def beside(it):
+        if it in (20, 40, 60, 80):
+            process, before = children[0].process, at_kill[-1] if at_kill else 0
+            wait_for(lambda: holds_lock(out, process.pid) and len(watch_records(out)) > before, None)
+            kill(process)
+            at_kill.append(len(watch_records(out)))
+
+    monkeypatch.setattr(watch, "Child", Child)
+    keep_copies(monkeypatch, tmp_path / "kept", then=beside)
+    code = TRAIN.main(
+        tiny_args(
+            chars,
+            out,
+            max_iters=100,
+            lr_decay_iters=100,
+            eval_interval=10,
+            keep_last=2,
+            eval_async=True,
+            keep_unscored=2,
+        )
+    )
+    stdout, stderr = capfd.readouterr()
+    assert code == 0, stderr
+    lines = [line for line in stdout.splitlines() if "eval_async:" in line]
+    died = [line for line in lines if "was killed by SIGKILL (exit code -9)" in line]
+    assert [line.partition("; ")[2] for line in died] == [
+        "it starts again in 0 s (restart 1 of 3)",
+        "it starts again in 0 s (restart 2 of 3)",
+        "it starts again in 0 s (restart 3 of 3)",
+        "it was started again 3 times, not again: training goes on, and its end names the checkpoints left "
+        "without a record",
+    ]
+    assert sum("eval_async: the watcher started again (pid" in line for line in lines) == 3
+    assert "step 100: train loss" in stdout  # training went on to its end
+    unscored = sorted(set(saved) - {r["iter"] for r in watch_records(out)})
+    assert 90 in unscored and 100 in unscored  # saved after the last kill
+    assert lines[-1].startswith(
+        f"warning: eval_async: {len(unscored)} checkpoint(s) without a watcher record (iters "
+        f"{', '.join(map(str, unscored))}): python {REPO / 'eval.py'} --watch=True"
+    )
+    assert sorted(r["iter"] for r in watch_records(out)) == sorted(set(saved) - set(unscored))  # none twice
+
+    assert EVAL.main(watcher_args(out)) == 0  # the command the line names fills them in
+    records = one_record_each(out, saved)
+    skipped = [i for i, r in records.items() if "watch/skipped" in r]
+    assert skipped == sorted(watch.released(str(out)))
+    assert "none without a record" in capfd.readouterr().out
+    print(f"eval_async: kills at {at_kill} records; unscored at the end {unscored}; skipped {skipped}")
 
 
-class ThreadWatcher:
-    """watch.Child's stand-in: the watcher in a thread of this process, with the test's scorer."""
+def test_a_dead_child_is_started_again_after_longer_and_longer_waits_then_left(tmp_path, monkeypatch):
+    """Child.check() on a watcher that dies at once: started again after each of RESTART_DELAYS_S,
+    never sooner, checked without waiting; then left, and finish() names what has no record."""
+    monkeypatch.setattr(watch, "RESTART_DELAYS_S", (0.05, 0.1, 0.2))
+    (tmp_path / "ckpt_0000010.pt").write_bytes(b"")  # a complete checkpoint nobody scored
+    said = []
+    child = watch.Child(
+        [sys.executable, "-c", "raise SystemExit(3)"], str(tmp_path), say=lambda m: said.append((time.monotonic(), m))
+    )
+    deadline = time.monotonic() + 60
+    while "not again" not in said[-1][1]:
+        child.check()
+        time.sleep(0.002)
+        assert time.monotonic() < deadline, said
+    died = [(t, m) for t, m in said if "exited with code 3" in m]
+    started = [(t, m) for t, m in said if "started again (pid" in m]
+    assert [m.split("; ", 1)[1] for _, m in died[:3]] == [
+        f"it starts again in {d:g} s (restart {n} of 3)" for n, d in enumerate(watch.RESTART_DELAYS_S, 1)
+    ]
+    assert len(died) == 4 and len(started) == 3 and "not again" in died[3][1]
+    for (t_died, _), (t_started, m), delay in zip(died, started, watch.RESTART_DELAYS_S):
+        assert t_started - t_died >= delay, m  # never before its delay
+    child.check()  # left dead: nothing more
+    before = len(said)
+    child.finish()
+    assert [m for _, m in said[before:]] == [
+        "warning: eval_async: 1 checkpoint(s) without a watcher record (iters 10): python -c 'raise SystemExit(3)' "
+        "scores those still on disk and logs the others as skipped"
+    ]
 
-    def __init__(self, out, score):
-        self.thread = threading.Thread(target=lambda: self.counts.update(watch.follow(str(out), score, poll_s=0.05)))
-        self.counts = {}
-        self.thread.start()
 
-    def finish(self):
-        self.thread.join()
-
-
-def test_a_watcher_that_falls_behind_holds_keep_unscored_checkpoints_and_skips_the_older_ones(
+def test_a_stopped_watcher_costs_at_most_keep_last_plus_keep_unscored_plus_one_checkpoints(
     chars, tmp_path, monkeypatch
 ):
-    out = tmp_path / "out"
-    seen = {}
+    """A watcher started as the run starts, then SIGSTOPped for the whole run (keep_last=2,
+    keep_unscored=2, 10 saves): at no moment more than 5 checkpoints on disk (counted right after
+    each is renamed into place, before rotation: the most there ever are); the older unscored ones
+    released and, once it is continued, logged as skipped with one line each; the rest scored."""
+    out, log, saved, on_disk, watcher = tmp_path / "out", tmp_path / "watch.log", list(range(10, 101, 10)), [], []
+    write_config, save = outdir.OutDir.write_config, checkpoint.save
 
-    def slow_score(path):
-        """The first checkpoint takes until the run is over; the rest are quick."""
-        it = int(os.path.basename(path)[5:12])
-        if not seen:
-            seen["first"] = it
-            while watch.run_is_live(str(out)):
-                time.sleep(0.05)
-            seen["on_disk"] = sorted(
-                watch.complete_checkpoints(str(out))
-            )  # what training left: nothing more is removed
-        return {"n": it}
+    def then_a_watcher(self, cfg):  # train.lock is held, no checkpoint yet
+        write_config(self, cfg)
+        watcher.append(start_watcher(out, log))
+        wait_for(lambda: holds_lock(out, watcher[0].pid) and (out / "watch.json").exists(), log)
+        watcher[0].send_signal(signal.SIGSTOP)
 
-    monkeypatch.setattr(watch, "Child", lambda command: ThreadWatcher(out, slow_score))
-    result = run_script(
-        "train.py",
-        *tiny_args(chars, out, max_iters=20, eval_interval=2, keep_last=2, keep_unscored=3, eval_async=True),
-        patched=True,
+    def counted(state, path):
+        save(state, path)
+        on_disk.append(len(watch.complete_checkpoints(str(out))))
+
+    monkeypatch.setattr(outdir.OutDir, "write_config", then_a_watcher)
+    monkeypatch.setattr(checkpoint, "save", counted)
+    try:
+        code = TRAIN.main(
+            tiny_args(chars, out, max_iters=100, lr_decay_iters=100, eval_interval=10, keep_last=2, keep_unscored=2)
+        )
+        assert code == 0
+        assert len(on_disk) == len(saved) and max(on_disk) == 2 + 2 + 1, on_disk
+        assert sorted(watch.complete_checkpoints(str(out))) == [70, 80, 90, 100]  # keep_last 2, keep_unscored 2
+        assert sorted(watch.released(str(out))) == list(range(10, 61, 10))
+    finally:
+        watcher[0].send_signal(signal.SIGCONT)
+    assert watcher[0].wait(timeout=180) == 0, _read(log)
+    records = one_record_each(out, saved)
+    assert [i for i in saved if "watch/skipped" in records[i]] == list(range(10, 61, 10))
+    assert all(records[i]["watch/skipped"] == "released unscored (keep_unscored)" for i in range(10, 61, 10))
+    assert all("watch/val_loss" in records[i] for i in (70, 80, 90, 100))
+    output = _read(log).splitlines()
+    assert "note: iter 10's checkpoint was released by training before it was scored (keep_unscored); skipped" in output
+    assert output[-1] == (
+        "watch: the run is over; 4 checkpoint(s) scored, 6 skipped; of the run's 10: 4 scored, 6 skipped, "
+        "none without a record"
     )
-    assert result.returncode == 0, result.stderr
-    first, saved = seen["first"], list(range(2, 21, 2))
-    # at the run's end: 18 and 20 (keep_last=2), the three newest unscored before them (keep_unscored=3), and the
-    # one being scored all along; training never waited for it
-    assert seen["on_disk"] == sorted({first, 12, 14, 16, 18, 20})
-    records = {r["iter"]: r for r in watch_records(out)}
-    assert sorted(records) == saved  # every saved step has one record: scored or skipped
-    scored = sorted(i for i, r in records.items() if "watch/n" in r)
-    skipped = sorted(i for i, r in records.items() if "watch/skipped" in r)
-    assert scored == sorted({first, 12, 14, 16, 18, 20}), (scored, skipped)
-    assert (
-        skipped == [i for i in saved if i not in scored] and "released unscored" in records[skipped[0]]["watch/skipped"]
+    print(f"disk: checkpoints on disk right after each save {on_disk}")
+
+
+def test_retention_keeps_the_one_being_scored_then_the_newest_and_lists_the_others_once(tmp_path):
+    out = str(tmp_path)
+    retention = watch.Retention(out, hold=3)
+    assert not retention.follows()  # no watcher: keep_last alone
+    assert watch.Retention(out, hold=3, child=True).follows()  # eval_async's own, before it has started
+    fd = outdir.lock_watcher(out)  # a watcher holds watch.lock (before its first progress)
+    assert retention.follows()
+    os.close(fd)
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    holder = json.loads((tmp_path / "watch.lock").read_text())
+    (tmp_path / "watch.lock").write_text(json.dumps({**holder, "pid": int(finished.stdout)}))
+    assert not retention.follows()  # the process that held it is gone
+    checkpoint.write_json(
+        os.path.join(out, "watch.json"), {"scored": [30], "skipped": [], "seen": [10, 20], "scoring": 10}
     )
-    assert f"note: iter {skipped[0]}'s checkpoint was released by training before it was scored" in result.stdout
+    assert retention.follows()  # a watcher's progress: it follows even while dead or stopped
+    doomed = [10, 20, 30, 40, 50, 60]
+    assert retention(doomed) == {10, 60, 50}  # the one being scored, then the newest; 30 is scored
+    assert sorted(watch.released(out)) == [20, 40]
+    assert retention(doomed) == {10, 60, 50} and (tmp_path / "watch_released.jsonl").read_text().count("\n") == 2
+    assert watch.Retention(out, hold=0)(doomed) == set()  # keep_unscored=0: not even the one being scored
+    assert sorted(watch.released(out)) == [10, 20, 40, 50, 60]
+    (tmp_path / "staged").mkdir()  # a new run over this one, before its first checkpoint: these are the old run's
+    assert not retention.follows() and retention([70]) == set() and 70 not in watch.released(out)
 
 
-def test_a_checkpoint_removed_while_it_is_read_is_skipped_with_one_line(finished_run, tmp_path, monkeypatch):
+def test_a_checkpoint_removed_while_it_is_read_is_skipped_with_one_line(finished_run, tmp_path, monkeypatch, capsys):
     out = copy_of(finished_run, tmp_path)
     for_inference = load.for_inference
 
@@ -281,41 +436,54 @@ def test_a_checkpoint_removed_while_it_is_read_is_skipped_with_one_line(finished
         return for_inference(init_from, out_dir, which, report)
 
     monkeypatch.setattr(load, "for_inference", removed_first)
-    result = run_script("eval.py", "--watch=True", f"--out_dir={out}", "--device=cpu", "--tasks=val", patched=True)
-    assert result.returncode == 0 and "Traceback" not in result.stderr + result.stdout, result.stderr
-    assert [line for line in result.stdout.splitlines() if "ckpt_0000004.pt" in line] == [
+    assert EVAL.main(["--watch=True", f"--out_dir={out}", "--device=cpu", "--tasks=val"]) == 0
+    stdout = capsys.readouterr().out
+    assert [line for line in stdout.splitlines() if "ckpt_0000004.pt" in line] == [
         "note: ckpt_0000004.pt disappeared while it was read (training removed it); skipped"
     ]
     records = {r["iter"]: r for r in watch_records(out)}
     assert sorted(records) == list(range(2, 21, 2)) and list(records[4]) == ["iter", "watch/skipped"]
 
 
+def test_a_checkpoint_removed_by_hand_before_it_was_scored_gets_a_record_and_a_line(finished_run, tmp_path, capsys):
+    """A checkpoint a watcher saw (watch.json's seen) that is gone when it comes back to it, and not
+    released by training: skipped with one line, never missing in silence."""
+    out = copy_of(finished_run, tmp_path)
+    checkpoint.write_json(str(out / "watch.json"), {"scored": [], "skipped": [], "seen": [2, 4], "scoring": None})
+    os.remove(out / "ckpt_0000004.pt")
+    assert EVAL.main(["--watch=True", f"--out_dir={out}", "--device=cpu", "--tasks=val"]) == 0
+    stdout = capsys.readouterr().out
+    assert "note: iter 4's checkpoint was removed before it was scored (not by keep_unscored); skipped" in stdout
+    records = one_record_each(out, list(range(2, 21, 2)))
+    assert records[4] == {"iter": 4, "watch/skipped": "removed before it was scored"}
+    assert stdout.strip().splitlines()[-1] == (
+        "watch: the run is over; 9 checkpoint(s) scored, 1 skipped; of the run's 10: 9 scored, 1 skipped, "
+        "none without a record"
+    )
+
+
 def test_a_resumed_run_keeps_the_watchers_records_and_a_second_watch_fills_in_the_new_ones(
-    finished_run, chars, tmp_path
+    finished_run, chars, tmp_path, capsys
 ):
     out = copy_of(finished_run, tmp_path)
-    first = run_script("eval.py", "--watch=True", f"--out_dir={out}", "--device=cpu", "--tasks=val")
-    assert first.returncode == 0 and "10 checkpoint(s) scored" in first.stdout, first.stderr
+    assert EVAL.main(["--watch=True", f"--out_dir={out}", "--device=cpu", "--tasks=val"]) == 0
+    assert "10 checkpoint(s) scored" in capsys.readouterr().out
     before = watch_records(out)
-    resumed = run_script(
-        "train.py",
-        *tiny_args(chars, out, max_iters=24, lr_decay_iters=24, eval_interval=2, keep_last=100, init_from="resume"),
-    )
-    assert resumed.returncode == 0, resumed.stderr
+    resumed = tiny_args(chars, out, max_iters=24, lr_decay_iters=24, eval_interval=2, keep_last=100, init_from="resume")
+    assert TRAIN.main(resumed) == 0
     assert watch_records(out) == before  # the resumed run's truncation of metrics.jsonl kept them
-    again = run_script("eval.py", "--watch=True", f"--out_dir={out}", "--device=cpu", "--tasks=val")
-    assert again.returncode == 0 and "2 checkpoint(s) scored, 0 skipped" in again.stdout, again.stderr
+    assert EVAL.main(["--watch=True", f"--out_dir={out}", "--device=cpu", "--tasks=val"]) == 0
+    assert "2 checkpoint(s) scored, 0 skipped; of the run's 12: 12 scored" in capsys.readouterr().out
     assert [r["iter"] for r in watch_records(out)] == list(range(2, 25, 2))
 
 
 APPENDER = """
 import sys
-sys.path.insert(0, {repo!r})
 from gpt import metrics
 print("ready", flush=True)
 sys.stdin.readline()  # go: both write at once
 for i in range(1000):
-    metrics.append_record({path!r}, {{"iter": i, "watch/text": "w" * 8000}})
+    metrics.append_record(sys.argv[1], {"iter": i, "watch/text": "w" * 8000})
 """
 
 
@@ -325,13 +493,21 @@ def test_the_trainers_and_the_watchers_appends_never_tear_or_interleave(tmp_path
     from gpt.metrics import MetricsLog
 
     log = MetricsLog(str(tmp_path), None, SimpleNamespace(wandb_log=False, tensorboard_log=False))
-    other = piped_python(["-c", APPENDER.format(repo=str(REPO), path=str(tmp_path / "metrics.jsonl"))], tmp_path)
+    other = subprocess.Popen(
+        [sys.executable, "-c", APPENDER, str(tmp_path / "metrics.jsonl")],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert other.stdout.readline() == "ready\n"
     other.stdin.write("go\n")
     other.stdin.flush()
     for i in range(1000):  # lines of 8 kB, past what one write() to a pipe keeps whole
         log.write({"iter": i, "text": "t" * 8000})
+    other.stdin.close()
     assert other.wait(timeout=60) == 0
+    other.stdout.close()
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]  # each line whole
     assert sorted(r["iter"] for r in records if "text" in r) == list(range(1000))
@@ -342,21 +518,28 @@ def test_the_trainers_and_the_watchers_appends_never_tear_or_interleave(tmp_path
     )
 
 
-def test_a_second_watcher_is_refused_naming_the_first(finished_run, tmp_path):
+def one_line_error(capsys, main, argv):
+    """(exit code, stderr) of `python <command> ARGV` as run_main ends it."""
+    with pytest.raises(SystemExit) as end:
+        run_main(lambda: main(argv))
+    return end.value.code, capsys.readouterr().err
+
+
+def test_a_second_watcher_is_refused_naming_the_first(finished_run, tmp_path, capsys):
     out = copy_of(finished_run, tmp_path)
-    fd = outdir.lock_watcher(str(out))
+    fd = outdir.lock_watcher(str(out))  # a separate open file: flock refuses this process's second one too
     try:
-        result = run_script("eval.py", "--watch=True", f"--out_dir={out}", "--device=cpu")
+        code, stderr = one_line_error(capsys, EVAL.main, ["--watch=True", f"--out_dir={out}", "--device=cpu"])
     finally:
         os.close(fd)
-    lines = result.stderr.strip().splitlines()
-    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    lines = stderr.strip().splitlines()
+    assert code == 2 and len(lines) == 1, stderr
     assert lines[0].startswith(f"error: out_dir={out} is already watched by another watcher (pid {os.getpid()} on ")
     assert not (out / "watch.json").exists()
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
-def test_under_torchrun_rank_0_alone_starts_the_watcher_and_its_records_join_the_runs_wandb_run(chars, tmp_path):
+def test_under_torchrun_rank_0_alone_starts_the_watcher_and_its_records_join_the_runs_wandb_run(chars, tmp_path, capfd):
     """Two gloo ranks with eval_async=True: one watcher, whose records equal eval.py's in one process
     afterwards; with wandb (offline) they are in the training run's wandb run, at the training steps."""
     try:
@@ -365,11 +548,12 @@ def test_under_torchrun_rank_0_alone_starts_the_watcher_and_its_records_join_the
         wandb_internal_pb2 = None
     out = tmp_path / "out"
     cmd = [
+        sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         "--nproc_per_node=2",
-        REPO / "train.py",
+        "train.py",
         *tiny_args(
             chars,
             out,
@@ -383,24 +567,21 @@ def test_under_torchrun_rank_0_alone_starts_the_watcher_and_its_records_join_the
             wandb_log=wandb_internal_pb2 is not None,
         ),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    result = run_python(cmd, env=env)
+    env = {**ENV, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("eval_async: the watcher (pid") == 1 and "already watched" not in result.stderr
     records = watch_records(out)
     assert [r["iter"] for r in records] == [4, 8]
     for r in records:  # as one process scores the same checkpoint afterwards
-        after = run_script(
-            "eval.py",
+        val = eval_json(
+            capfd,
             f"--out_dir={out}",
             f"--checkpoint=ckpt_{r['iter']:07d}.pt",
             "--device=cpu",
             "--tasks=val",
             f"--split_tokens={2 * 4 * 16}",
-            "--json=True",
-        )
-        assert after.returncode == 0, after.stderr
-        val = json.loads(after.stdout.strip().splitlines()[-1])["val"]
+        )["val"]
         assert (r["watch/val_loss"], r["watch/val_bpb"]) == (val["loss"], val["bpb"])
 
     if wandb_internal_pb2 is None:
@@ -444,18 +625,18 @@ def wandb_records(path, block=32768):
             yield pending
 
 
-def test_bad_input_is_one_line(tmp_path):
+def test_bad_input_is_one_line(tmp_path, capsys):
     cases = [
         (
-            "eval.py",
+            EVAL.main,
             ["--watch=True", f"--out_dir={tmp_path / 'missing'}"],
             "out_dir=" + str(tmp_path / "missing") + " does not exist",
         ),
-        ("eval.py", ["--watch=True", "--init_from=gpt2"], "--watch follows a training run: give its --out_dir"),
-        ("eval.py", [f"--out_dir={tmp_path}", "--checkpoint=ckpt_0000099.pt"], "no checkpoint at"),
-        ("train.py", ["--eval_async=True", "--keep_unscored=-1"], "keep_unscored=-1 must be >= 0"),
+        (EVAL.main, ["--watch=True", "--init_from=gpt2"], "--watch follows a training run: give its --out_dir"),
+        (EVAL.main, [f"--out_dir={tmp_path}", "--checkpoint=ckpt_0000099.pt"], "no checkpoint at"),
+        (TRAIN.main, ["--eval_async=True", "--keep_unscored=-1"], "keep_unscored=-1 must be >= 0"),
     ]
-    for script, args, message in cases:
-        result = run_script(script, "--device=cpu", *args)
-        lines = result.stderr.strip().splitlines()
-        assert result.returncode == 2 and len(lines) == 1 and message in lines[0], (args, result.stderr)
+    for main, args, message in cases:
+        code, stderr = one_line_error(capsys, main, ["--device=cpu", *args])
+        lines = stderr.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and message in lines[0], (args, stderr)
