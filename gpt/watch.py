@@ -423,8 +423,8 @@ class Child:
             return
         delay = RESTART_DELAYS_S[self.restarts]
         self.restarts += 1
-        self.restart_at = time.monotonic() + delay
         self.say(f"{ended}; it starts again in {delay:g} s (restart {self.restarts} of {len(RESTART_DELAYS_S)})")
+        self.restart_at = time.monotonic() + delay
 
     def finish(self):
         """The run is over (train.lock released): wait for the watcher to score what is left; when

@@ -337,16 +337,19 @@ def test_a_dead_child_is_started_again_after_longer_and_longer_waits_then_left(t
         child.check()
         time.sleep(0.002)
         assert time.monotonic() < deadline, said
-    died = [(t, m) for t, m in said if "exited with code 3" in m]
-    started = [(t, m) for t, m in said if "started again (pid" in m]
+    kinds = ["died" if "exited with code 3" in m else "started" if "started again (pid" in m else m for _, m in said]
+    assert kinds[1:] == ["died", "started"] * 3 + ["died"] and "scores each checkpoint" in kinds[0]
+    died = [(t, m) for (t, m), kind in zip(said, kinds) if kind == "died"]
+    started = [(t, m) for (t, m), kind in zip(said, kinds) if kind == "started"]
     assert [m.split("; ", 1)[1] for _, m in died[:3]] == [
         f"it starts again in {d:g} s (restart {n} of 3)" for n, d in enumerate(watch.RESTART_DELAYS_S, 1)
     ]
     assert len(died) == 4 and len(started) == 3 and "not again" in died[3][1]
     for (t_died, _), (t_started, m), delay in zip(died, started, watch.RESTART_DELAYS_S):
-        assert t_started - t_died >= delay, m  # never before its delay
-    child.check()  # left dead: nothing more
+        assert t_started - t_died >= delay, m  # never before its delay (said, then scheduled)
     before = len(said)
+    child.check()  # left dead: nothing more
+    assert len(said) == before
     child.finish()
     assert [m for _, m in said[before:]] == [
         "warning: eval_async: 1 checkpoint(s) without a watcher record (iters 10): python -c 'raise SystemExit(3)' "
