@@ -417,8 +417,8 @@ class Child:
         if self.restarts == len(RESTART_DELAYS_S):
             self.process = None
             self.say(
-                f"{ended}; it was started again {self.restarts} times, not again: training goes on, and its end "
-                f"names the checkpoints left without a record"
+                f"{ended}; no restart left ({self.restarts} used): training goes on, and its end names the "
+                f"checkpoints left without a record"
             )
             return
         delay = RESTART_DELAYS_S[self.restarts]

@@ -258,69 +258,100 @@ def test_a_watcher_started_by_hand_beside_a_run_and_killed_three_times_leaves_on
     print(f"standalone: kills at {at_kill} records; {len(scored)} scored {scored}, {len(skipped)} skipped {skipped}")
 
 
-def test_eval_async_restarts_a_dead_watcher_three_times_then_goes_on_and_names_what_is_unscored(
-    chars, tmp_path, monkeypatch, capfd
-):
-    """eval_async's watcher SIGKILLed at checkpoints 20, 40 and 60 (after it scored something): the
-    run says so and starts it again, from its progress; killed a fourth time at 80, it is left dead,
-    training goes on to 100, and the run's last line names the checkpoints without a record. A
-    watcher started afterwards fills them in: one record per checkpoint."""
-    monkeypatch.setattr(watch, "RESTART_DELAYS_S", (0, 0, 0))  # at the next step (the delays: below)
-    out, saved, children, at_kill = tmp_path / "out", list(range(10, 101, 10)), [], []
+def eval_async_run(chars, out, monkeypatch, capfd, kill_at, max_iters):
+    """train.py with eval_async=True (keep_last=2, keep_unscored=2, a checkpoint every 10 steps),
+    its watcher SIGKILLed at the checkpoints kill_at, each time once it holds watch.lock and has
+    recorded something since the last kill. (its stdout's eval_async lines, its stdout, the number of
+    records at each kill)."""
+    children, at_kill = [], []
 
     class Child(watch.Child):  # the run's own, kept at hand to kill
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             children.append(self)
 
-    def beside(it):
-        if it in (20, 40, 60, 80):
+    def beside(self, path):
+        committed(self, path)
+        if iter_of(path) in kill_at:
             process, before = children[0].process, at_kill[-1] if at_kill else 0
             wait_for(lambda: holds_lock(out, process.pid) and len(watch_records(out)) > before, None)
             kill(process)
             at_kill.append(len(watch_records(out)))
 
+    committed = outdir.OutDir.committed
     monkeypatch.setattr(watch, "Child", Child)
-    keep_copies(monkeypatch, tmp_path / "kept", then=beside)
+    monkeypatch.setattr(outdir.OutDir, "committed", beside)
     code = TRAIN.main(
         tiny_args(
             chars,
             out,
-            max_iters=100,
-            lr_decay_iters=100,
+            max_iters=max_iters,
+            lr_decay_iters=max_iters,
             eval_interval=10,
+            log_interval=10,
             keep_last=2,
-            eval_async=True,
             keep_unscored=2,
+            eval_async=True,
         )
     )
     stdout, stderr = capfd.readouterr()
     assert code == 0, stderr
-    lines = [line for line in stdout.splitlines() if "eval_async:" in line]
-    died = [line for line in lines if "was killed by SIGKILL (exit code -9)" in line]
-    assert [line.partition("; ")[2] for line in died] == [
-        "it starts again in 0 s (restart 1 of 3)",
-        "it starts again in 0 s (restart 2 of 3)",
-        "it starts again in 0 s (restart 3 of 3)",
-        "it was started again 3 times, not again: training goes on, and its end names the checkpoints left "
-        "without a record",
+    assert f"step {max_iters}: train loss" in stdout  # training went on to its end
+    return [line for line in stdout.splitlines() if "eval_async:" in line], stdout, at_kill
+
+
+def test_eval_async_starts_a_dead_watcher_again_and_every_checkpoint_ends_with_one_record(
+    chars, tmp_path, monkeypatch, capfd
+):
+    """eval_async's watcher SIGKILLed at checkpoints 20, 40 and 60: each time the run says so in one
+    line with the exit code, and starts it again (at the next step: the delays are the next test's);
+    the last one scores what is left at the end, from its progress."""
+    monkeypatch.setattr(watch, "RESTART_DELAYS_S", (0, 0, 0))
+    out, saved = tmp_path / "out", list(range(10, 81, 10))
+    lines, stdout, at_kill = eval_async_run(chars, out, monkeypatch, capfd, {20, 40, 60}, max_iters=80)
+    died = [line for line in lines if line.startswith("warning: eval_async: the watcher (pid")]
+    assert [line.partition(" (pid ")[2].partition(") ")[2] for line in died] == [
+        f"was killed by SIGKILL (exit code -9); it starts again in 0 s (restart {n} of 3)" for n in (1, 2, 3)
     ]
-    assert sum("eval_async: the watcher started again (pid" in line for line in lines) == 3
-    assert "step 100: train loss" in stdout  # training went on to its end
+    started = [line for line in lines if line.startswith("eval_async: the watcher started again (pid")]
+    assert [line.partition(", ")[2] for line in started] == [
+        f"restart {n} of 3); it goes on from its progress" for n in (1, 2, 3)
+    ]
+    records = one_record_each(out, saved)
+    skipped = sorted(i for i, r in records.items() if "watch/skipped" in r)
+    assert skipped == sorted(watch.released(str(out)))  # none skipped but those training released
+    assert all(records[i]["watch/skipped"] == "released unscored (keep_unscored)" for i in skipped)
+    assert "none without a record" in stdout and not any("without a watcher record" in line for line in lines)
+    print(f"eval_async restarted: kills at {at_kill} records; skipped {skipped}")
+
+
+def test_eval_async_leaves_a_watcher_dead_after_its_restarts_training_goes_on_and_its_end_names_what_is_unscored(
+    chars, tmp_path, monkeypatch, capfd
+):
+    """One restart (RESTART_DELAYS_S of one): the watcher killed at 20 is started again; killed again
+    at 40, it is left dead with one line, training goes on to 60, and the run's last line names the
+    checkpoints without a record. The command it names fills them in: one record per checkpoint."""
+    monkeypatch.setattr(watch, "RESTART_DELAYS_S", (0,))
+    out, saved = tmp_path / "out", list(range(10, 61, 10))
+    lines, stdout, at_kill = eval_async_run(chars, out, monkeypatch, capfd, {20, 40}, max_iters=60)
+    died = [line for line in lines if line.startswith("warning: eval_async: the watcher (pid")]
+    assert [line.partition("; ")[2] for line in died] == [
+        "it starts again in 0 s (restart 1 of 1)",
+        "no restart left (1 used): training goes on, and its end names the checkpoints left without a record",
+    ]
     unscored = sorted(set(saved) - {r["iter"] for r in watch_records(out)})
-    assert 90 in unscored and 100 in unscored  # saved after the last kill
+    assert 50 in unscored and 60 in unscored  # saved after the last kill
     assert lines[-1].startswith(
         f"warning: eval_async: {len(unscored)} checkpoint(s) without a watcher record (iters "
         f"{', '.join(map(str, unscored))}): python {REPO / 'eval.py'} --watch=True"
     )
-    assert sorted(r["iter"] for r in watch_records(out)) == sorted(set(saved) - set(unscored))  # none twice
-
-    assert EVAL.main(watcher_args(out)) == 0  # the command the line names fills them in
+    command = shlex.split(lines[-1].partition("): ")[2].partition(" scores those")[0])
+    assert EVAL.main(command[2:]) == 0  # the command the line names fills them in
     records = one_record_each(out, saved)
-    skipped = [i for i, r in records.items() if "watch/skipped" in r]
+    skipped = sorted(i for i, r in records.items() if "watch/skipped" in r)
     assert skipped == sorted(watch.released(str(out)))
     assert "none without a record" in capfd.readouterr().out
-    print(f"eval_async: kills at {at_kill} records; unscored at the end {unscored}; skipped {skipped}")
+    print(f"eval_async given up: kills at {at_kill} records; unscored at the end {unscored}; skipped {skipped}")
 
 
 def test_a_dead_child_is_started_again_after_longer_and_longer_waits_then_left(tmp_path, monkeypatch):
@@ -333,7 +364,7 @@ def test_a_dead_child_is_started_again_after_longer_and_longer_waits_then_left(t
         [sys.executable, "-c", "raise SystemExit(3)"], str(tmp_path), say=lambda m: said.append((time.monotonic(), m))
     )
     deadline = time.monotonic() + 60
-    while "not again" not in said[-1][1]:
+    while "no restart left" not in said[-1][1]:
         child.check()
         time.sleep(0.002)
         assert time.monotonic() < deadline, said
@@ -344,7 +375,7 @@ def test_a_dead_child_is_started_again_after_longer_and_longer_waits_then_left(t
     assert [m.split("; ", 1)[1] for _, m in died[:3]] == [
         f"it starts again in {d:g} s (restart {n} of 3)" for n, d in enumerate(watch.RESTART_DELAYS_S, 1)
     ]
-    assert len(died) == 4 and len(started) == 3 and "not again" in died[3][1]
+    assert len(died) == 4 and len(started) == 3 and "no restart left (3 used)" in died[3][1]
     for (t_died, _), (t_started, m), delay in zip(died, started, watch.RESTART_DELAYS_S):
         assert t_started - t_died >= delay, m  # never before its delay (said, then scheduled)
     before = len(said)
