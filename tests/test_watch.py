@@ -44,11 +44,11 @@ def start_watcher(out, log):
         )
 
 
-def wait_for(condition, log):
-    """Until condition() holds; a watcher that never gets there fails the test with its output."""
+def wait_for(condition, log=None):
+    """Until condition() holds; a watcher that never gets there fails the test (with its output, when in a log)."""
     deadline = time.monotonic() + 180
     while not condition():
-        assert time.monotonic() < deadline, f"the watcher got stuck: {_read(log)}"
+        assert time.monotonic() < deadline, f"the watcher got stuck: {_read(log) if log else ''}"
         time.sleep(0.01)
 
 
@@ -59,7 +59,7 @@ def holds_lock(out, pid):
 def _read(path):
     try:
         return path.read_text()
-    except (OSError, TypeError):
+    except OSError:
         return ""
 
 
@@ -74,17 +74,15 @@ def keep_copies(monkeypatch, kept, then=None):
 
     def keeping(self, path):
         it = iter_of(path)
-        (shutil.copyfile if os.path.isfile(path) else shutil.copytree)(path, kept / kept_name(path, it))
+        (shutil.copyfile if os.path.isfile(path) else shutil.copytree)(
+            path, kept / f"ckpt_{it:07d}{'.pt' * os.path.isfile(path)}"
+        )
         committed(self, path)
         if then is not None:
             then(it)
 
     kept.mkdir()
     monkeypatch.setattr(outdir.OutDir, "committed", keeping)
-
-
-def kept_name(path, it):
-    return f"ckpt_{it:07d}{'.pt' * os.path.isfile(path)}"
 
 
 def eval_json(capfd, *args):
@@ -274,7 +272,7 @@ def eval_async_run(chars, out, monkeypatch, capfd, kill_at, max_iters):
         committed(self, path)
         if iter_of(path) in kill_at:
             process, before = children[0].process, at_kill[-1] if at_kill else 0
-            wait_for(lambda: holds_lock(out, process.pid) and len(watch_records(out)) > before, None)
+            wait_for(lambda: holds_lock(out, process.pid) and len(watch_records(out)) > before)
             kill(process)
             at_kill.append(len(watch_records(out)))
 
