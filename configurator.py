@@ -141,6 +141,8 @@ class TrainConfig:
     device: str = "auto"  # 'auto' (cuda, else mps, else cpu), 'cpu', 'cuda', 'cuda:1', 'mps'
     dtype: str = "auto"  # 'auto', 'float32', 'bfloat16' or 'float16' (float16 uses a GradScaler)
     compile: bool = True  # torch.compile the model (slow to start, faster per step on GPUs)
+    fp8: Union[bool, Literal["emulate"]] = False  # the blocks' Linear layers in float8 (torchao, tensorwise scaling): needs an NVIDIA GPU of compute capability 8.9+ (H100, L4, RTX 4090) and compile=True; 'emulate': float8's rounding with high-precision matmuls, on any device (docs/fp8.md)
+    fp8_skip: str = "lm_head"  # fp8: the Linear layers kept as they are, comma-separated parts of their names, e.g. 'lm_head,transformer.h.0.'; '': lm_head in float8 too
     parallelism: Literal["ddp", "fsdp"] = "ddp"  # under torchrun: 'ddp' (a full copy per rank) or 'fsdp' (weights, grads, AdamW state sharded)
     activation_checkpointing: bool = False  # recompute each block's activations in backward: less memory, ~1/3 more compute
     peak_flops: float = 0.0  # the device's dense peak FLOP/s for MFU (e.g. 989e12); 0: look it up by GPU name
@@ -183,6 +185,11 @@ class TrainConfig:
         require(
             self.keep_unscored >= 0,
             f"keep_unscored={self.keep_unscored} must be >= 0 (0: the watcher scores what keep_last keeps)",
+        )
+        require(
+            self.fp8 is not True or self.compile,
+            "fp8=True without compile is slower than bf16 (only torch.compile fuses torchao's float8 casts and scales "
+            "into a few kernels): set --compile=True, or --fp8=emulate to check float8's numerics uncompiled",
         )
         self._check_model()
         self._check_optimizer()

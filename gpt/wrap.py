@@ -1,6 +1,7 @@
 """The model as the loop trains it: the GPTConfig arguments a config asks for, and build(),
-which adds the optimizer and GradScaler, restores a checkpoint's state, checks the attention
-kernel, compiles, and wraps the model in DDP or shards it with FSDP2 under torchrun."""
+which converts its Linear layers to float8 when asked (fp8.py), adds the optimizer and GradScaler,
+restores a checkpoint's state, checks the attention kernel, compiles, and wraps the model in DDP
+or shards it with FSDP2 under torchrun."""
 
 import re
 import warnings
@@ -12,7 +13,7 @@ from torch.nn.attention import sdpa_kernel
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from configurator import UserError
-from gpt import checkpoint, optim
+from gpt import checkpoint, fp8, optim
 from model import SDPA_BACKENDS
 
 # GPTConfig's keys that TrainConfig has: those that fix the model, and two that only start it (zero_init_proj: an init)
@@ -29,6 +30,12 @@ def build(raw_model, cfg, rt, state=None):
     asked; evaluation uses it) and `train_model` (also DDP-wrapped under torchrun). With
     parallelism='fsdp' under torchrun, raw_model itself is sharded in place instead."""
     raw_model.activation_checkpointing = cfg.activation_checkpointing
+    # float8 first: FSDP2 then shards Float8Linear's weights (plain tensors, gathered in the run's
+    # dtype and cast to float8 in forward), and the optimizer and a checkpoint see the same parameters
+    converted, kept = fp8.convert(raw_model, cfg.fp8, cfg.fp8_skip, rt.device)
+    if converted and rt.master:
+        how = "emulated: float8's rounding, high-precision matmuls" if cfg.fp8 == "emulate" else "tensorwise scaling"
+        print(f"fp8: {len(converted)} Linear layers in float8 ({how}); kept as they are: {', '.join(kept) or 'none'}")
     fsdp = uses_fsdp(cfg, rt)
     if fsdp:
         shard(raw_model, rt)  # before the optimizer is made: it must hold the sharded parameters
