@@ -1,6 +1,7 @@
-"""Timing the training step train.py runs: what bench.py and scripts/gpu_battery.py share. The
-data a measurement reads, the measurement itself (ms/iter, tokens/s, TFLOPS, MFU, peak memory),
-and a configuration that does not fit reported as such rather than raised."""
+"""Timing the training step train.py runs: what bench.py and the scripts that measure on a GPU
+(gpu_battery.py, fp8_bench.py) share. The data a measurement reads (random tokens, or learnable
+ones), the measurement itself (ms/iter, tokens/s, TFLOPS, MFU, peak memory), and a configuration
+that does not fit reported as such rather than raised."""
 
 import gc
 import os
@@ -29,6 +30,14 @@ def synthetic(vocab_size, block_size, seed=0, eot=None):
     if eot is not None:
         data[rng.random(size) < 1 / block_size] = eot
     return data
+
+
+def learnable(vocab_size, period=997, repeats=1000):
+    """Random tokens repeated with a fixed period: a model learns them, so losses fall and greedy
+    decoding has real continuations to produce."""
+    return np.tile(np.random.default_rng(0).integers(0, vocab_size, size=period), repeats).astype(
+        tokens.dtype_for(vocab_size)
+    )
 
 
 def document_eot(cfg, vocab_size):

@@ -38,7 +38,7 @@ sys.path.insert(0, REPO)
 from configurator import BenchConfig, UserError, parse, require, run_main
 from gpt import inference, runtime, tokens  # after the path line above
 from gpt.batches import TrainBatches
-from gpt.benchmark import device_name, format_mfu, measure_or_oom, profiler_activities, synthetic
+from gpt.benchmark import device_name, format_mfu, learnable, measure_or_oom, profiler_activities, synthetic
 from gpt.memory import with_batch_size
 from gpt.step import train_step
 from gpt.wrap import build, make_model_args
@@ -105,14 +105,6 @@ def suite_scale(rt):
         baby_iters=300,
         smoke=dict(n_layer=2, n_head=4, n_embd=64, block_size=64, batch_size=4),
         smoke_steps=8,
-    )
-
-
-def learnable(vocab_size, period=997, repeats=1000):
-    """Random tokens repeated with a fixed period: a model learns them, so losses fall and greedy
-    decoding has real continuations to produce."""
-    return np.tile(np.random.default_rng(0).integers(0, vocab_size, size=period), repeats).astype(
-        tokens.dtype_for(vocab_size)
     )
 
 

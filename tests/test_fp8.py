@@ -284,3 +284,31 @@ def test_two_ranks_in_fp8_train_like_one_process(tmp_path, parallelism):
     # one ulp across a rounding boundary rounds to the next e4m3 value, 1/8 away. Measured over these
     # 8 steps and 3 evals: 6.4e-4 (DDP) and 3.0e-3 (FSDP2); a run without fp8 is 5.4e-2 away
     assert max(abs(x - y) for x, y in zip(a, b)) < 1e-2, json.dumps([a, b])
+
+
+# ---------------------------------------------------------------------------- the GPU measurement, on a CPU
+
+
+def test_fp8_bench_runs_both_parts_at_its_cpu_shapes(tmp_path):
+    """scripts/fp8_bench.py, the GPU's FP8 measurement (docs/fp8.md), at its CPU shapes with fp8='emulate':
+    both sides of each part ran, and the loss curves start from the same init and part as fp8 rounds."""
+    result = run_script(
+        "scripts/fp8_bench.py", "--device=cpu", f"--out_dir={tmp_path}", "--bench_iters=1", "--bench_warmup=1"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["parts"] == ["speed", "loss"] and report["torchao"] == "0.17.0"
+    assert [s["model"] for s in report["speed"]] == ["config/train_llama_tiny.py", "GPT-2's shape, small"]
+    for s in report["speed"]:
+        assert [r["label"] for r in s["rows"]] == ["fp8=False", "fp8=emulate"] and s["speedup"] > 0
+    loss = report["loss"]
+    a, b = loss["curves"]["fp8=False"], loss["curves"]["fp8=emulate"]
+    assert loss["steps"] == len(a) == len(b) == 8
+    assert abs(a[0] - b[0]) < 1e-2 and a != b  # one init and batch; float8's rounding shows from the first step
+    assert a[-1] < a[0] - 0.3 and b[-1] < b[0] - 0.3  # both learn the repeating tokens
+    assert loss["relative_gap_at_last_step"] == (b[-1] - a[-1]) / a[-1]
+    markdown = (tmp_path / "report.md").read_text()
+    assert (
+        "## Speed: train.py's step without and with fp8" in markdown
+        and "## Loss: config/train_llama_tiny.py" in markdown
+    )
