@@ -1,13 +1,14 @@
 """What only a CUDA GPU can show: a bf16 autocast step, fused AdamW's skip on the device with no
 host sync (CUDA's sync debug mode raises on one), the SDPA kernel each `attention` value selects,
-pinned non-blocking batches, and every available kernel giving the same loss. Skipped without CUDA."""
+pinned non-blocking batches, every available kernel giving the same loss, and FP8's matmuls (fp8=True)
+against their emulation, compiled. Skipped without CUDA; the FP8 test without FP8 units too."""
 
 import numpy as np
 import pytest
 import torch
 from conftest import load_script, nan_loss
 
-from gpt import runtime
+from gpt import fp8, runtime
 from gpt.batches import TrainBatches, get_batch
 from gpt.step import train_step
 from gpt.wrap import attention_error
@@ -93,3 +94,34 @@ def test_each_attention_value_runs_its_kernel_with_the_same_loss(rt, attention):
         kinds = {battery.sdpa_kernel_kind(e.key) for e in prof.key_averages()} - {None}
     assert kinds == {attention}, sorted(e.key for e in prof.key_averages())  # cuDNN's kernels say "flash" too
     assert losses[attention] == pytest.approx(losses["math"], abs=2e-2)  # bf16 rounding differs per kernel
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < fp8.FP8_CAPABILITY,
+    reason="needs a GPU with FP8 units (compute capability 8.9+)",
+)
+def test_fp8_matmuls_match_their_emulation_and_compiled_steps_track_bf16(rt):
+    """A converted layer on the FP8 units (torch._scaled_mm) against torchao's emulation of the same
+    casts; then 10 compiled steps with fp8=True against the same steps in bf16."""
+    torch.manual_seed(0)
+    real, emulated = GPT(GPTConfig(**MODEL)).to(rt.device), GPT(GPTConfig(**MODEL)).to(rt.device)
+    emulated.load_state_dict(real.state_dict())
+    fp8.convert(real, True, "lm_head", rt.device)
+    fp8.convert(emulated, "emulate", "lm_head", rt.device)
+    x = torch.randn(8, 64, 128, device=rt.device)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        a, b = (m.transformer.h[0].mlp.c_fc(x).float() for m in (real, emulated))
+    # the same float8 operands and scales; only the accumulation (fast, on the FP8 units) and bf16's
+    # rounding of the output differ. A wrong scale would be off by a power of two
+    assert (a - b).abs().max() <= 2e-2 * b.abs().max()
+
+    losses = {}
+    for mode in (False, True):
+        model, optimizer, scaler, batches = setup_step(rt)
+        fp8.convert(model, mode, "lm_head", rt.device)  # the optimizer's parameters are still the model's
+        compiled = torch.compile(model, dynamic=False)
+        losses[mode] = torch.stack(
+            [train_step(compiled, optimizer, scaler, batches, 1e-3, 2, 1.0, rt).loss for _ in range(10)]
+        )
+    assert torch.isfinite(losses[True]).all()
+    assert (losses[True] - losses[False]).abs().max() < 2e-2, (losses[False].tolist(), losses[True].tolist())
