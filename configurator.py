@@ -188,8 +188,8 @@ class TrainConfig:
         )
         require(
             self.fp8 is not True or self.compile,
-            "fp8=True without compile is slower than bf16 (only torch.compile fuses torchao's float8 casts and scales "
-            "into a few kernels): set --compile=True, or --fp8=emulate to check float8's numerics uncompiled",
+            "fp8=True needs compile=True: unfused by torch.compile, torchao's float8 casts and scales cost more than "
+            "FP8 saves; set --compile=True, or --fp8=emulate to check float8's numerics uncompiled",
         )
         self._check_model()
         self._check_optimizer()

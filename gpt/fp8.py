@@ -29,10 +29,10 @@ INSTALL = "pip install torchao==0.17.0"  # requirements.txt's pin: built for tor
 def refusal(mode, device):
     """None when fp8=`mode` can train on `device`; otherwise the one line that says what to do.
     'emulate' runs on a CPU or any CUDA GPU; True needs a CUDA GPU with FP8 units."""
-    device = torch.device(device)
     if not mode:
         return None
-    if device.type == "mps":  # float8 tensors came to MPS late, e4m3 first; the gradients' e5m2 is missing
+    device = torch.device(device)
+    if device.type == "mps":  # float8 tensors came to MPS late and in part (e4m3 first)
         return f"fp8={mode!r} needs float8 tensors, which MPS lacks: drop --fp8, or run --fp8=emulate with --device=cpu"
     if mode == "emulate":
         return None
