@@ -4,9 +4,9 @@ the same shapes; part loss trains the 1B from the same init on the same learnabl
 steps each way and puts the two loss curves side by side. report.md and report.json go to
 out_dir, rewritten after each part. A developer's tool: nothing imports it.
 
-    python scripts/fp8_bench.py --parts=speed --out_dir=fp8            # ~6 min on an H100
-    python scripts/fp8_bench.py --parts=loss --out_dir=fp8/loss        # ~6 min
-    python scripts/fp8_bench.py --parts=speed --fp8_skip= --out_dir=fp8/lm_head   # lm_head in float8 too
+    python scripts/fp8_bench.py --parts=speed --bench_iters=5 --bench_warmup=1 --out_dir=fp8                 # ~6 min on an H100
+    python scripts/fp8_bench.py --parts=loss --out_dir=fp8/loss                                              # ~6 min
+    python scripts/fp8_bench.py --parts=speed --bench_iters=5 --bench_warmup=1 --fp8_skip= --out_dir=fp8/lm_head   # lm_head too
 
 (the estimates as tests/test_bench.py makes them for the battery: 40% MFU, 90 s to compile the 1B,
 60 s GPT-2). The goal: 1.15x the tokens/s of the 1B, with the loss at the last step within 1%.
