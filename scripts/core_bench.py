@@ -1,5 +1,6 @@
-"""Examples per second of the CORE scorer (core_eval.py) on tests/test_core.py's synthetic bundle
-(every task type, few-shot 0 to 3) and a small random GPT-2-vocabulary model, three ways:
+"""Examples per second of the CORE scorer (core_eval.py) on synthetic tasks made here (every task
+type, few-shot 0 to 3, a multi-character delimiter) and a small random GPT-2-vocabulary model,
+three ways:
   batched          core_eval: the choices of many examples in one forward, logits only where scored
   one per forward  core_eval with batch_tokens=0: the same scorer, one example per forward
   nanochat's way   one example per forward, the logits, cross-entropy and argmax of every
@@ -14,22 +15,58 @@ They run in turn, --rounds times; the medians are printed, and the verdicts comp
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gpt import core_eval, runtime, tokenizer
+from model import GPT, GPTConfig
+
+GPT2 = {"kind": "tiktoken", "name": "gpt2", "vocab_size": 50257}
+WORDS = "the man picks up a ball and throws it to his dog who runs across green field".split()
+# label: (type, shots, delimiter, records at scale 1, random baseline as a fraction): 108 records
+TASKS = {
+    "mc_zero": ("multiple_choice", 0, " ", 24, 0.25),
+    "mc_fewshot": ("multiple_choice", 2, "\nAnswer: ", 24, 0.25),
+    "schema_fewshot": ("schema", 1, " ", 20, 0.5),
+    "lm_zero": ("language_modeling", 0, " ", 20, 0.0),
+    "lm_fewshot": ("language_modeling", 3, ": ", 20, 0.0),
+}
+
+
+def synthetic_tasks(scale, seed=0):
+    """[core_eval.Task]: TASKS with `scale` times their records, sentences of WORDS drawn at random."""
+    rng = np.random.default_rng(seed)
+    sentence = lambda lo, hi: " ".join(rng.choice(WORDS, size=rng.integers(lo, hi)))
+    make = {
+        "multiple_choice": lambda: {
+            "query": sentence(3, 9).capitalize() + "?",
+            "choices": [w + " " + sentence(1, 3) for w in rng.choice(WORDS, 4, replace=False)],
+            "gold": int(rng.integers(4)),
+        },
+        "schema": lambda: {
+            "context_options": [sentence(2, 7) + " " + w for w in rng.choice(WORDS, 2, replace=False)],
+            "continuation": sentence(2, 5),
+            "gold": int(rng.integers(2)),
+        },
+        "language_modeling": lambda: {"context": sentence(3, 9), "continuation": sentence(1, 4)},
+    }
+    return [
+        core_eval.Task(
+            label, kind, shots, delimiter, baseline, [(f"{label}:{i}", make[kind]()) for i in range(n * scale)]
+        )
+        for label, (kind, shots, delimiter, n, baseline) in TASKS.items()
+    ]
 
 
 @torch.no_grad()
 def nanochat_way(model, tasks, spec, block_size):
     """{label: [0/1 per example]} by nanochat's per-example procedure (its steps, on our tokens)."""
-    from gpt import core_eval, tokenizer
-
     encode_batch, bos = tokenizer.batch_encoder(spec), tokenizer.eot(spec)
     verdicts = {}
     for task in tasks:
@@ -62,26 +99,18 @@ def main():
     parser.add_argument("--n_layer", type=int, default=2)
     parser.add_argument("--n_embd", type=int, default=64)
     parser.add_argument("--block_size", type=int, default=128)
-    parser.add_argument("--scale", type=int, default=4, help="records: this many times tests/test_core.py's 108")
+    parser.add_argument("--scale", type=int, default=4, help="records: this many times 108")
     parser.add_argument(
         "--batch", type=int, default=16, help="batch_tokens = batch x block_size (eval.py's --batch_size)"
     )
     args = parser.parse_args()
-
-    import test_core
-
-    from gpt import core_eval, runtime
-    from model import GPT, GPTConfig
 
     rt = runtime.setup("cpu", "float32")
     torch.manual_seed(0)
     model = GPT(
         GPTConfig(n_layer=args.n_layer, n_head=2, n_embd=args.n_embd, block_size=args.block_size, vocab_size=50257)
     ).eval()
-    with tempfile.TemporaryDirectory() as tmp:
-        tasks = core_eval.load_tasks(
-            str(test_core.write_bundle(Path(tmp), test_core.Bigram().eval(), scale=args.scale))
-        )
+    tasks = synthetic_tasks(args.scale)
     n = sum(len(t.records) for t in tasks)
     print(
         f"{n} examples in {len(tasks)} tasks; GPT n_layer={args.n_layer} n_embd={args.n_embd} block_size={args.block_size} "
@@ -93,10 +122,10 @@ def main():
         for name, batch_tokens in ways.items():
             t0 = time.perf_counter()
             if batch_tokens is None:
-                verdicts[name] = nanochat_way(model, tasks, test_core.GPT2, args.block_size)
+                verdicts[name] = nanochat_way(model, tasks, GPT2, args.block_size)
             else:
                 result = core_eval.evaluate_core(
-                    model, tasks, test_core.GPT2, args.block_size, rt, batch_tokens, per_example=True
+                    model, tasks, GPT2, args.block_size, rt, batch_tokens, per_example=True
                 )
                 verdicts[name] = {k: v["correct"] for k, v in result["tasks"].items()}
             speeds[name].append(n / (time.perf_counter() - t0))

@@ -98,9 +98,8 @@ def records_for(kind, n, rng, model, delimiter):
     return out
 
 
-def write_bundle(root, model, zipped=False, seed=0, scale=1):
-    """root/bundle (or root/eval_bundle.zip holding eval_bundle/...): core.yaml, eval_data, the meta
-    CSV; `scale` times the records of TASKS (scripts/core_bench.py)."""
+def write_bundle(root, model, zipped=False, seed=0):
+    """root/bundle (or root/eval_bundle.zip holding eval_bundle/...): core.yaml, eval_data, the meta CSV."""
     rng = np.random.default_rng(seed)
     files = {}
     entries = []
@@ -114,7 +113,7 @@ def write_bundle(root, model, zipped=False, seed=0, scale=1):
         if delimiter is not None:
             entry["continuation_delimiter"] = delimiter
         entries.append(entry)
-        records = records_for(kind, n * scale, rng, model, " " if delimiter is None else delimiter)
+        records = records_for(kind, n, rng, model, " " if delimiter is None else delimiter)
         files[f"eval_data/synthetic/{label}.jsonl"] = "".join(json.dumps(r) + "\n" for r in records)
     import yaml
 
