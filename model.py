@@ -30,7 +30,8 @@ from torch.utils.checkpoint import checkpoint
 
 # the `attention` key: which scaled_dot_product_attention kernel runs; 'auto' leaves it to PyTorch,
 # which takes the first kernel that accepts the inputs in an order that depends on its version and
-# the GPU (torch 2.11 on an H100 tries cuDNN first); bench.py --suite reports which one ran
+# the GPU (torch 2.11 on an H100 tries cuDNN first); the GPU battery reports which one ran
+# (python scripts/gpu_battery.py --parts=attention)
 SDPA_BACKENDS = {
     "flash": SDPBackend.FLASH_ATTENTION,
     "cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -471,8 +472,8 @@ class GPT(nn.Module):
     def from_pretrained(cls, model_type, override_args=None):
         """nanoGPT's: a GPT with GPT-2's released weights, model_type 'gpt2', 'gpt2-medium',
         'gpt2-large' or 'gpt2-xl' (or a local Hugging Face GPT-2 directory), read by transformers
-        from its cache or the hub. override_args may set dropout, as in nanoGPT. (hf.py reads the
-        same weights with friendlier errors, and Llama's too.)"""
+        from its cache or the hub. override_args may set dropout, as in nanoGPT. (gpt/load.py reads
+        the same weights with one-line errors, and Llama's too.)"""
         override_args = override_args or {}
         assert set(override_args) <= {"dropout"}, "only dropout can be overridden"
         from transformers import GPT2LMHeadModel  # optional dependency: only this needs it

@@ -298,9 +298,9 @@ def write(model, tok_spec, path, arch, dtype="f32", name="nanogpt"):
     ('gpt2' or 'llama', from huggingface.export_architecture), weights in dtype (f32, f16, q8_0)."""
     assert dtype in DTYPES and arch in ("gpt2", "llama"), (dtype, arch)
     gguf, c = _gguf(), model.config
-    if huggingface.levers_lacked(
-        c
-    ):  # llama.cpp has no graph for them: refused in one line (hf.py's check does it first)
+    # llama.cpp has no graph for the speedrun levers: refused here in one line, for any caller
+    # (hf.py --format=gguf refuses them before it writes anything, in the same words)
+    if huggingface.levers_lacked(c):
         huggingface.export_architecture(c, TARGETS)
     vocab = vocabulary(tok_spec, _rows(model, tok_spec))
     n_vocab = len(vocab["tokens"])
