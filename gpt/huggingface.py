@@ -1,8 +1,8 @@
 """Hugging Face weights in and out: GPT2LMHeadModel and LlamaForCausalLM <-> this trainer's GPT.
 gpt/load.py reads them for every command (init_from=gpt2 or a directory); hf.py's command writes them.
 
-    from gpt import huggingface
-    model = huggingface.from_pretrained("gpt2")              # or a GPT-2 or Llama directory
+    from gpt import huggingface, load
+    model, tok_spec = load.pretrained("gpt2")                # or a GPT-2 or Llama directory: gpt/load.py
     arch = huggingface.export(model, tok_spec, "out/hf")     # 'gpt2' or 'llama'
 
 An exported directory is an ordinary GPT2LMHeadModel (a GPT-2-style model: learned positions,
@@ -322,13 +322,6 @@ def load(name_or_path, dropout=0.0):
     arch = architecture(name_or_path)
     load = load_gpt2 if arch == "gpt2" else load_llama
     return (*load(name_or_path, dropout), arch)
-
-
-def from_pretrained(name_or_path, dropout=0.0):
-    """Our GPT with released weights: from_pretrained('gpt2' | 'gpt2-medium' | 'gpt2-large' |
-    'gpt2-xl' | a GPT-2 or Llama directory). model.GPT.from_pretrained is nanoGPT's GPT-2-only
-    form of this."""
-    return load(name_or_path, dropout)[0]
 
 
 # ---------------------------------------------------------------------------- out

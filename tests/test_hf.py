@@ -74,11 +74,11 @@ def test_import_gives_transformers_logits(options):
     assert model_args["mlp"] == ("gelu" if options["activation_function"] == "gelu" else "gelu_tanh")
 
 
-def test_from_pretrained_reads_a_directory(tmp_path):
+def test_load_reads_a_directory(tmp_path):
     reference = randomize(transformers.GPT2LMHeadModel(transformers.GPT2Config(**SMALL)))
     reference.save_pretrained(tmp_path / "gpt2")
-    model = huggingface.from_pretrained(str(tmp_path / "gpt2"))
-    assert isinstance(model, GPT)
+    model, tok_spec = load.pretrained(str(tmp_path / "gpt2"))
+    assert isinstance(model, GPT) and tok_spec == huggingface.GPT2_TOKENIZER
     idx = tokens()
     assert max_diff(our_logits(model, idx), their_logits(reference, idx)) <= TOL
 
@@ -94,13 +94,13 @@ def test_import_refuses_what_our_gpt_cannot_reproduce():
 
 def test_a_directory_without_gpt2_is_a_one_line_error(tmp_path):
     with pytest.raises(UserError, match="no config.json"):
-        huggingface.from_pretrained(str(tmp_path))
+        load.pretrained(str(tmp_path))
     (tmp_path / "config.json").write_text('{"model_type": "gpt_neox"}')
     with pytest.raises(UserError, match="'gpt_neox' model; only GPT-2 and Llama"):
-        huggingface.from_pretrained(str(tmp_path))
+        load.pretrained(str(tmp_path))
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
     with pytest.raises(UserError, match="cannot load the GPT-2 model in"):  # no weights
-        huggingface.from_pretrained(str(tmp_path))
+        load.pretrained(str(tmp_path))
     with pytest.raises(UserError, match="init_from='gpt7' is not one of"):
         parse(TrainConfig, ["--init_from=gpt7"])
     assert parse(TrainConfig, ["--init_from=gpt2-xl"]).init_from == "gpt2-xl"

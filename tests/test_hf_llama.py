@@ -103,6 +103,16 @@ def reference(case, seed=0, std=0.2, **overrides):
     return randomize(transformers.LlamaForCausalLM(llama_config(case, **overrides)), seed, std)
 
 
+def with_tokenizer(directory):
+    """directory, given a tokenizer.json of its own as every Llama directory has (load.pretrained
+    reads it beside the weights): two tokens, end-of-text one of them."""
+    from tokenizers import Tokenizer, models
+
+    tok = Tokenizer(models.WordLevel({"<|end_of_text|>": 0, "<unk>": 1}, unk_token="<unk>"))
+    tok.save(str(directory / "tokenizer.json"))
+    return directory
+
+
 def tokens(B=2, length=T):
     return torch.randint(0, V, (B, length), generator=torch.Generator().manual_seed(1))
 
@@ -140,7 +150,7 @@ def test_rope_is_transformers_rotation(scaling):
 def test_import_gives_transformers_logits(tmp_path, case):
     theirs = reference(case)
     theirs.save_pretrained(tmp_path / "llama")
-    model = huggingface.from_pretrained(str(tmp_path / "llama"))
+    model, _ = load.pretrained(str(with_tokenizer(tmp_path / "llama")))
     idx = tokens()
     assert max_diff(our_logits(model, idx), their_logits(theirs, idx)) <= TOL
     c = theirs.config
@@ -401,12 +411,12 @@ def test_missing_weights_are_one_line(tmp_path):
     theirs.save_pretrained(tmp_path / "whole")
     (tmp_path / "whole" / "model.safetensors").unlink()
     with pytest.raises(UserError, match="has no model.safetensors nor model.safetensors.index.json") as e:
-        huggingface.from_pretrained(str(tmp_path / "whole"))
+        load.pretrained(str(tmp_path / "whole"))
     assert_one_line(e)
     theirs.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
     next((tmp_path / "sharded").glob("model-00002-*.safetensors")).unlink()
     with pytest.raises(UserError, match=r"model-00002-of-\d+\.safetensors is missing") as e:
-        huggingface.from_pretrained(str(tmp_path / "sharded"))
+        load.pretrained(str(tmp_path / "sharded"))
     assert_one_line(e)
 
 
@@ -426,7 +436,7 @@ def test_weights_that_disagree_with_config_json_are_one_line(tmp_path):
     ]:
         (tmp_path / "llama" / "config.json").write_text(json.dumps({**config, key: value}))
         with pytest.raises(UserError, match=named) as e:
-            huggingface.from_pretrained(str(tmp_path / "llama"))
+            load.pretrained(str(tmp_path / "llama"))
         assert_one_line(e)
 
 
@@ -447,7 +457,7 @@ def test_settings_our_gpt_cannot_reproduce_are_refused(tmp_path, setting, named)
     config = {**LLAMA_3_2_1B, **setting}
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(UserError, match=named) as e:
-        huggingface.from_pretrained(str(tmp_path))  # refused before any weights are looked for
+        load.pretrained(str(tmp_path))  # refused before any weights are looked for
     assert_one_line(e)
 
 
