@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from configurator import TrainConfig, UserError, as_dict, parse, run_main
-from gpt import checkpoint, core_eval, evaluation, load, optim, outdir, runtime, saver, tokenizer, watch
+from gpt import checkpoint, core_eval, evaluation, load, optim, outdir, replicas, runtime, saver, tokenizer, watch
 from gpt.batches import (
     ChatBatches,
     ChatData,
@@ -59,19 +59,15 @@ def main(argv=None):
             f"{world_size} processes; make it a multiple of {world_size}"
         )
     rt = runtime.setup(cfg.device, cfg.dtype, cfg.backend, cfg.dist_timeout_s)
-    if cfg.ft_replica_group >= 0:
-        from gpt import (
-            replicas,
-        )  # here, not at the top: torchft takes a second to import, and only replica groups need it
-
-        cfg = replicas.group_out_dir(cfg)  # each replica group writes its own out_dir/group<g>
+    groups = replicas.of(cfg)  # this process's replica groups (torchft), or Alone
+    cfg = groups.out_dir(cfg)  # each replica group writes its own out_dir/group<g>
     stop = runtime.StopRequest(cfg.max_minutes)
     finished, out, watcher = False, None, None
     try:
         out = outdir.claim(cfg, rt)  # the out_dir lock; a used out_dir refused; init_from='auto' resolved
         if cfg.eval_async and rt.master and not cfg.eval_only:
             watcher = watch.Child(watcher_command(out.cfg), out.cfg.out_dir)
-        code = train(out.cfg, rt, stop, out, watcher)
+        code = train(out.cfg, rt, stop, out, groups, watcher)
         finished = True
         return code
     finally:
@@ -235,21 +231,18 @@ class Run:
     """What the loop reads and updates: the model in its three forms, the optimizer, the data,
     where it is (iter_num, best_val_loss), and the log and checkpoint writers."""
 
-    def __init__(self, cfg, rt, data, say, out):
+    def __init__(self, cfg, rt, data, groups, out, say):
         raw_model, self.model_args, state = make_model(cfg, rt, data, say)
         if cfg.batch_size == "auto":
             # a resumed run keeps the micro-batch it started with, so its data order stays the same
             batch_size = state["config"]["batch_size"] if state is not None else auto_batch_size(raw_model, cfg, rt)
             cfg = with_batch_size(cfg, batch_size, cfg.total_batch_size)
-        self.cfg, self.rt, self.data, self.raw_model = cfg, rt, data, raw_model
-        self.groups = cfg.ft_groups if cfg.ft_replica_group >= 0 else 1  # replica groups share the global batch too
-        if cfg.ft_replica_group >= 0:
-            from gpt import replicas  # (see main)
-        self.accum_steps = cfg.gradient_accumulation_steps // (rt.world_size * self.groups)
+        self.cfg, self.rt, self.data, self.raw_model, self.groups = cfg, rt, data, raw_model, groups
+        self.accum_steps = cfg.gradient_accumulation_steps // (rt.world_size * groups.count)  # groups share it too
         self.tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
         self.model, self.train_model, self.optimizer, self.scaler = build(raw_model, cfg, rt, state)
         self.chat = isinstance(data.train, ChatData)
-        data_rt = replicas.data_view(cfg, rt) if cfg.ft_replica_group >= 0 else rt  # group g draws as rank g would
+        data_rt = groups.data_view(rt)  # replica group g draws as rank g would
         if self.chat:
             self.batches = ChatBatches(data.train, cfg.batch_size, cfg.block_size, cfg.seed, data_rt, self.accum_steps)
         elif cfg.batch_order == "documents":
@@ -272,8 +265,7 @@ class Run:
             )
             outer = state.get("outer")  # DiLoCo's outer optimizer and last-sync weights (sync_every)
             del state  # free the host copy of the weights
-        # torchft's wrappers around train_model and the optimizer; a restarted group heals from a live one
-        self.ft = replicas.join(cfg, rt, self, outer) if cfg.ft_replica_group >= 0 else None
+        groups.join(self, outer)  # replica groups: torchft's wrappers around train_model and the optimizer
         self.resumed_at = self.iter_num if cfg.init_from == "resume" else None  # no eval or save again at this iter
         offsets = lambda d, seed: (
             chat_eval_offsets(d, cfg.eval_iters, cfg.batch_size, seed)
@@ -310,7 +302,7 @@ class Run:
             "iter_num": self.iter_num,
             "best_val_loss": self.best_val_loss,
             "wandb_run_id": self.metrics.wandb_run_id if self.rt.master else None,
-            **({"outer": self.ft.outer_state()} if self.ft is not None and self.cfg.sync_every else {}),
+            **self.groups.checkpoint(),  # replica groups' DiLoCo: its outer state
         }
         self.saver.save(
             self.raw_model, self.optimizer, self.scaler, uses_fsdp(self.cfg, self.rt), info, self.batches, best
@@ -340,7 +332,7 @@ class Run:
                 "config: " + " ".join(f"{k}={v!r}" for k, v in as_dict(cfg).items()), 120, subsequent_indent="  "
             )
         )
-        groups = f"{self.groups} replica groups x " if self.groups > 1 else ""
+        groups = f"{self.groups.count} replica groups x " if self.groups.count > 1 else ""
         print(
             f"{self.raw_model.num_params() / 1e6:.2f}M parameters | {self.tokens_per_iter:,} tokens/iter "
             f"({groups}{rt.world_size} rank(s) x {self.accum_steps} micro-steps x {cfg.batch_size} x {cfg.block_size}) | "
@@ -349,19 +341,18 @@ class Run:
         )
 
 
-def train(cfg, rt, stop, out, watcher=None):
+def train(cfg, rt, stop, out, groups, watcher=None):
     """Build the run and loop; returns the process exit code (0, or EXIT_STOPPED). watcher: eval_async's watch.Child."""
     torch.manual_seed(cfg.seed + rt.rank)
     say = print if rt.master else (lambda message: None)  # notes from the pieces below: rank 0 prints them
-    run = Run(cfg, rt, load_data(cfg, say), say, out)
+    run = Run(cfg, rt, load_data(cfg, say), groups, out, say)
     cfg = run.cfg  # batch_size='auto' is now a number
     if rt.master:
         run.describe()
     try:
         return loop(run, stop, watcher)
     finally:
-        if run.ft is not None:
-            run.ft.shutdown()
+        groups.shutdown()
 
 
 def loop(run, stop, watcher=None):
@@ -404,7 +395,7 @@ def loop(run, stop, watcher=None):
         run.throughput.end_step()
         if run.iter_num % cfg.log_interval == 0:
             log_step(run, result, lr)
-        run.iter_num = run.ft.step_done() if run.ft else run.iter_num + 1  # a healed group jumps to its peers' step
+        run.iter_num = run.groups.step_done(run.iter_num)  # a healed replica group jumps to its peers' step
 
 
 def evaluate_and_save(run, last):
@@ -522,8 +513,9 @@ def log_step(run, result, lr):
     dt, warm = run.throughput.read()
     mfu = runtime.mfu(run.flops_per_iter, dt, run.peak, rt.world_size) if warm else None
     # replica groups: only the groups that took part in the step trained tokens (the loss is this group's)
-    tokens = run.tokens_per_iter * (run.ft.participants / run.groups if run.ft else 1)
-    groups = f", {run.ft.participants}/{run.groups} groups, sync {run.ft.sent():,} B" if run.ft else ""
+    tokens = run.tokens_per_iter * run.groups.participants / run.groups.count
+    sync = run.groups.log()
+    groups = f", {sync['groups']}/{run.groups.count} groups, sync {sync['sync_bytes']:,} B" if sync else ""
     if rt.master:
         eta = format_duration(dt * (cfg.max_iters - run.iter_num - 1))
         mfu_text = f"{mfu:.1%}" if mfu is not None else "n/a"
@@ -542,7 +534,7 @@ def log_step(run, result, lr):
                 "dt_ms": dt * 1000,
                 "tokens_per_s": tokens / dt,
                 "mfu": mfu,
-                **({"groups": run.ft.participants, "sync_bytes": run.ft.sent()} if run.ft else {}),
+                **sync,
                 **({"trained_tokens": run.batches.step_tokens} if run.chat else {}),
             }
         )

@@ -13,12 +13,10 @@ Its rank r averages the gradients with its own group's ranks (torchrun's process
 with rank r of every other group (torchft's), so each step averages them over all R x W ranks as
 one R x W-rank DDP job would; healing, rank r copies rank r of a live group.
 
-What train.py calls: group_out_dir (each group writes its own out_dir/group<g>), data_view (the
-rank and world size the batches are drawn with: rank r of group g takes slice g x W + r of the
-global batch, as DDP's rank g x W + r would), join (wraps the model in torchft's
-DistributedDataParallel and the optimizer in its OptimizerWrapper, and starts the first quorum),
-and Replicas.step_done (the step count after a step: the Manager's, which jumps forward when this
-group healed).
+train.py holds a Groups as gpt/replicas.py describes (replicas.of(cfg) makes it): join wraps the
+model in torchft's DistributedDataParallel and the optimizer in its OptimizerWrapper and starts
+the first quorum; step_done gives the step count after a step: the Manager's, which jumps
+forward when this group healed.
 
 With sync_every=H > 0 the groups do not average gradients: each steps its own optimizer, and
 every H steps torchft's DiLoCo (an outer SGD step, Nesterov momentum, on the averaged change of
@@ -51,24 +49,6 @@ try:
 except ImportError:  # torchft has wheels for Linux x86-64 only: elsewhere train.py runs, and replica groups are refused
     DistributedDataParallel = OptimizerWrapper = object
     Manager = DiLoCo = LocalSGD = None
-
-
-def group_out_dir(cfg):
-    """cfg with out_dir/group<g> as its out_dir: one writer per file, so each group checkpoints
-    and logs on its own (their weights are the same at every step they share). The first call a
-    replica group makes: without torchft it stops here, in one line."""
-    if Manager is None:
-        raise UserError(
-            "ft_replica_group needs torchft, which is not installed here (its wheels are for Linux x86-64): "
-            "pip install torchft on such a machine, or train without --ft_replica_group"
-        )
-    return replace(cfg, out_dir=os.path.join(cfg.out_dir, f"group{cfg.ft_replica_group}"))
-
-
-def data_view(cfg, rt):
-    """The Runtime the training batches are drawn with: rank r of group g (W ranks a group, R
-    groups) is rank g x W + r of R x W."""
-    return replace(rt, rank=cfg.ft_replica_group * rt.world_size + rt.rank, world_size=cfg.ft_groups * rt.world_size)
 
 
 def process_group(device_type, timeout):
@@ -207,21 +187,68 @@ class _Hook:
         self.hooks.remove(self.hook)
 
 
-class Replicas:
-    """This group's Manager and what it sends a healing peer: weights, optimizer state, the data
-    generator's state for the next step, and best_val_loss (the step is the Manager's own)."""
+class Groups:
+    """This group in the replica groups (the object gpt/replicas.py describes) and what it sends a
+    healing peer: weights, optimizer state, the data generator's state for the next step, and
+    best_val_loss (the step is the Manager's own). Made before the out_dir is claimed; join, once
+    the run is built, starts torchft's Manager."""
 
-    def __init__(self, cfg, rt, run, lighthouse):
-        self.cfg, self.run, self.healed, self.data_state = cfg, run, False, None
+    def __init__(self, cfg):
+        if Manager is None:
+            raise UserError(
+                "ft_replica_group needs torchft, which is not installed here (its wheels are for Linux x86-64): "
+                "pip install torchft on such a machine, or train without --ft_replica_group"
+            )
+        self.cfg, self.count, self.healed, self.data_state = cfg, cfg.ft_groups, False, None
         self.participants = 0  # groups whose gradients the last step averaged (0: it did not commit)
-        timeout = timedelta(seconds=cfg.dist_timeout_s)
+        self.sync = self.outer = None
+
+    def out_dir(self, cfg):
+        """cfg with out_dir/group<g> as its out_dir: one writer per file, so each group checkpoints
+        and logs on its own (their weights are the same at every step they share)."""
+        return replace(cfg, out_dir=os.path.join(cfg.out_dir, f"group{cfg.ft_replica_group}"))
+
+    def data_view(self, rt):
+        """The Runtime the training batches are drawn with: rank r of group g (W ranks a group, R
+        groups) is rank g x W + r of R x W, as DDP's rank g x W + r would be."""
+        return replace(
+            rt, rank=self.cfg.ft_replica_group * rt.world_size + rt.rank, world_size=self.count * rt.world_size
+        )
+
+    def join(self, run, outer=None):
+        """Join the replica groups: run.train_model and run.optimizer become torchft's wrappers, and
+        the first quorum is started (the wrapper's zero_grad). With sync_every, the optimizer steps
+        alone and DiLoCo or LocalSGD syncs (outer: the checkpoint's outer state)."""
+        cfg, rt = run.cfg, run.rt  # the run's: batch_size='auto' is a number now
+        lighthouse = cfg.ft_lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
+        if not lighthouse:
+            raise UserError(
+                "ft_replica_group is set but no lighthouse is named: start torchft_lighthouse and pass "
+                "--ft_lighthouse=http://HOST:29510 (or set TORCHFT_LIGHTHOUSE)"
+            )
+        # a torchrun group's ranks start from its rank 0's weights, as DDP's do (torchft's DDP broadcasts nothing)
+        if rt.ddp:
+            for t in run.raw_model.state_dict().values():
+                dist.broadcast(t, src=0)
+        self.cfg, self.run = cfg, run
+        self.connect(rt, lighthouse)
+        if cfg.sync_every:
+            self.start_sync(cfg, outer)
+            return
+        run.train_model = _DDP(self.manager, run.train_model)
+        run.optimizer = _Optimizer(self.manager, run.optimizer, self)
+        run.optimizer.zero_grad()
+
+    def connect(self, rt, lighthouse):
+        """This group's Manager, at the lighthouse, starting from the run's step."""
+        cfg, timeout = self.cfg, timedelta(seconds=self.cfg.dist_timeout_s)
         # the group's own store, on its rank 0: the Manager's and, when this group is the quorum's
         # first, the one the groups meet at to connect their process group
         self.store = TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False) if rt.master else None
         where = [socket.gethostname(), self.store.port if rt.master else 0]
         if rt.ddp:  # a torchrun group: its other ranks connect to rank 0's store
             dist.broadcast_object_list(where, src=0)
-        self.sync_every, self.sync, self.ranks = cfg.sync_every, None, rt.world_size
+        self.sync_every, self.ranks = cfg.sync_every, rt.world_size
         self.manager = _Manager(
             pg=process_group(rt.device_type, timeout),
             load_state_dict=self.load_state_dict,
@@ -242,7 +269,7 @@ class Replicas:
         self.manager.lighthouse = lighthouse  # named in the error when no quorum comes
         # the groups start from the same seed, so their initial weights are already equal (init_sync=False);
         # the Manager counts the steps that committed: every step, or every sync
-        commits = run.iter_num // self.sync_every if self.sync_every else run.iter_num
+        commits = self.run.iter_num // self.sync_every if self.sync_every else self.run.iter_num
         self.manager.load_state_dict({"step": commits, "batches_committed": 0})
         self.snapshot()
 
@@ -285,8 +312,8 @@ class Replicas:
         run.best_val_loss = state["best_val_loss"]
         self.healed = True
 
-    def step_done(self):
-        """The step count after a step: one more when it committed, the peer's when this group
+    def step_done(self, it):
+        """The step count after step `it`: one more when it committed, the peer's when this group
         healed; with sync_every, one more than this step's, or than the peer's when this group
         healed at this step's sync. The bytes sent count from here for the next step."""
         self.manager.sent = 0
@@ -294,19 +321,24 @@ class Replicas:
             self.run.optimizer.count_skipped()
             if self.sync._local_step == 0:  # this step synced: the groups in its quorum
                 self.participants = self.manager.num_participants()
-            step = self.healed_at if self.healed else self.run.iter_num
+            step = self.healed_at if self.healed else it
             self.healed = False
             return step + 1
         return self.manager.current_step()
 
-    def sent(self):
-        """Bytes this group all-reduced with the others in the step just taken: each of its ranks
-        sends as many as rank 0."""
-        return self.manager.sent * self.ranks
+    def log(self):
+        """The step record's fields: the groups that took part in it, and the bytes this group
+        all-reduced with the others in it (each of its ranks sends as many as rank 0)."""
+        return {"groups": self.participants, "sync_bytes": self.manager.sent * self.ranks}
+
+    def checkpoint(self):
+        """What a checkpoint holds beside the weights and inner optimizer, with sync_every:
+        DiLoCo's outer optimizer and the weights of the last sync (LocalSGD has none: None)."""
+        return {"outer": self.outer_state()} if self.cfg.sync_every else {}
 
     def start_sync(self, cfg, outer):
         """torchft's DiLoCo or LocalSGD around the run's optimizer, at the step of the run (the
-        checkpoint's outer state, from outer_state, when it resumed between syncs)."""
+        checkpoint's outer state, from checkpoint(), when it resumed between syncs)."""
         run = self.run
         run.optimizer = _Local(run.optimizer)
         if cfg.outer_method == "diloco":
@@ -332,7 +364,7 @@ class Replicas:
     def outer_state(self):
         """What a checkpoint holds beside the weights and inner optimizer: DiLoCo's outer
         optimizer and the weights of the last sync (LocalSGD has none)."""
-        if self.sync is None or not isinstance(self.sync, DiLoCo):
+        if self.outer is None:  # LocalSGD
             return None
         last = self.sync._fragments[0].original_parameters
         return {"optimizer": self.outer.state_dict(), "last_sync": {k: v.clone() for k, v in last.items()}}
@@ -345,28 +377,3 @@ class Replicas:
         if pending is not None:
             concurrent.futures.wait([pending], timeout=self.cfg.dist_timeout_s)
         self.manager.shutdown(wait=False)
-
-
-def join(cfg, rt, run, outer=None):
-    """Join the replica groups: run.train_model and run.optimizer become torchft's wrappers, and
-    the first quorum is started (the wrapper's zero_grad). With sync_every, the optimizer steps
-    alone and DiLoCo or LocalSGD syncs (outer: the checkpoint's outer_state). Returns the Replicas."""
-    lighthouse = cfg.ft_lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
-    if not lighthouse:
-        raise UserError(
-            "ft_replica_group is set but no lighthouse is named: start torchft_lighthouse and pass "
-            "--ft_lighthouse=http://HOST:29510 (or set TORCHFT_LIGHTHOUSE)"
-        )
-    if (
-        rt.ddp
-    ):  # a torchrun group's ranks start from its rank 0's weights, as DDP's do (torchft's DDP broadcasts nothing)
-        for t in run.raw_model.state_dict().values():
-            dist.broadcast(t, src=0)
-    replicas = Replicas(cfg, rt, run, lighthouse)
-    if cfg.sync_every:
-        replicas.start_sync(cfg, outer)
-        return replicas
-    run.train_model = _DDP(replicas.manager, run.train_model)
-    run.optimizer = _Optimizer(replicas.manager, run.optimizer, replicas)
-    run.optimizer.zero_grad()
-    return replicas

@@ -1,4 +1,4 @@
-"""Fault-tolerant replica groups (gpt/replicas.py, torchft): two groups of one process each,
+"""Fault-tolerant replica groups (gpt/torchft_groups.py, torchft): two groups of one process each,
 meeting at a torchft lighthouse, train as plain 2-rank DDP does, and so do two groups that are
 torchrun jobs of 2 ranks; started again with init_from=auto after a full stop they go on exactly;
 they start no quorum after the last step. One group SIGKILLed mid-run leaves the other stepping
@@ -390,12 +390,12 @@ def test_the_process_group_is_nccl_in_a_child_on_cuda_and_gloo_on_the_cpu():
 
     from torchft.process_group import ProcessGroupBabyNCCL, ProcessGroupGloo
 
-    from gpt import replicas
+    from gpt import torchft_groups
 
     with mock.patch.object(torch.cuda, "is_available", return_value=True):
-        pg = replicas.process_group("cuda", timedelta(seconds=5))
+        pg = torchft_groups.process_group("cuda", timedelta(seconds=5))
     assert isinstance(pg, ProcessGroupBabyNCCL)
-    assert isinstance(replicas.process_group("cpu", timedelta(seconds=5)), ProcessGroupGloo)
+    assert isinstance(torchft_groups.process_group("cpu", timedelta(seconds=5)), ProcessGroupGloo)
 
 
 def test_replica_group_mistakes_are_one_line(char_data, tmp_path, monkeypatch):
@@ -432,3 +432,12 @@ def test_without_torchft_training_runs_and_replica_groups_are_one_line(tmp_path)
         "are for Linux x86-64): pip install torchft on such a machine, or train "
         "without --ft_replica_group"
     ]
+
+
+def test_a_run_without_replica_groups_never_imports_torchft(data, tmp_path):
+    # torchft takes about a second to import and only replica groups need it (gpt/replicas.py's
+    # Alone stands in for them): a fresh interpreter, since this one may have imported it already
+    check = "import sys, train; train.main(sys.argv[1:]); assert 'torchft' not in sys.modules, 'torchft imported'"
+    args = tiny_args(data, tmp_path / "out", max_iters=2)
+    result = subprocess.run([sys.executable, "-c", check, *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
