@@ -29,7 +29,7 @@ from typing import Literal
 import torch
 
 from configurator import UserError, parse, require, require_choice, require_choices, require_init_from, run_main
-from gpt import core_eval, evaluation, load, runtime, tokenizer, tokens, watch
+from gpt import core_eval, evaluation, load, metrics, runtime, tokenizer, tokens, watch
 
 EVAL_TASKS = ("hellaswag", "mc", "val", "test", "core")
 HELLASWAG_STYLES = ("nanogpt", "harness")
@@ -153,33 +153,15 @@ def watch_run(cfg):
     if not os.path.isdir(cfg.out_dir):
         raise UserError(f"out_dir={cfg.out_dir} does not exist; point --out_dir at a training run's directory")
     rt = runtime.setup(cfg.device, cfg.dtype, cfg.backend)
-    score = lambda path: record(evaluate_all(dataclasses.replace(cfg, checkpoint=os.path.basename(path)), rt))
+    score = lambda path: metrics.eval_record(
+        evaluate_all(dataclasses.replace(cfg, checkpoint=os.path.basename(path)), rt)
+    )
     try:
         result = watch.follow(cfg.out_dir, score)
     finally:
         runtime.teardown(rt, all_finished=True)
     print(watch.summary(result))
     return 0
-
-
-def record(results):
-    """evaluate_all's results as one metrics record, in train.py's names: val_loss, val_bpb,
-    hellaswag_acc, hellaswag_acc_norm (per token), hellaswag_acc_norm_chars, mc_..., core, core/<task>."""
-    out = {}
-    for task, r in results.items():
-        if task in ("val", "test"):
-            out.update({f"{task}_loss": r["loss"], f"{task}_bpb": r["bpb"]})
-        elif task == "core":
-            out.update({"core": r["core"], **{f"core/{k}": v["centered"] for k, v in r["tasks"].items()}})
-        else:
-            out.update(
-                {
-                    f"{task}_acc": r["acc"],
-                    f"{task}_acc_norm": r["acc_norm_tokens"],
-                    f"{task}_acc_norm_chars": r["acc_norm_chars"],
-                }
-            )
-    return out
 
 
 def evaluate_all(cfg, rt):

@@ -8,46 +8,31 @@
     python train.py config/train_shakespeare_char.py --eval_async=True --keep_last=2   # a watcher scores each checkpoint
     python train.py --help                                                   # every key
 
-The story of a run: main() reads the config and sets up the device; train() loads the data
-(load_data), makes the model (make_model), builds what trains it, and runs the loop, which
-evaluates and saves (evaluate_and_save), steps, and logs (log_step). The pieces live in the
-library modules: batches, step, optim, wrap, memory, checkpoint, metrics, runtime; eval_async starts
-the watcher (gpt/watch.py, eval.py --watch) as a child process beside the run.
+The story of a run: main() reads the config, sets up the device and claims the out_dir; train()
+loads the data (load_data), builds the Run (the model, what trains it, the batches, where it is,
+the writers) and runs the loop, which evaluates and saves (evaluate_and_save), steps, and logs
+(log_step). The pieces live in the library: batches, step, optim, wrap, memory, checkpoint,
+saver, metrics, runtime. Replica groups (torchft) are one object, gpt/replicas.py's, that does
+nothing in a run without them; eval_async starts the watcher (gpt/watch.py, eval.py --watch) as
+a child process beside the run.
 """
 
-import glob
 import os
-import sys
-import textwrap
 from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
 from configurator import TrainConfig, UserError, as_dict, parse, run_main
-from gpt import checkpoint, core_eval, evaluation, load, optim, outdir, replicas, runtime, saver, tokenizer, watch
-from gpt.batches import (
-    ChatBatches,
-    ChatData,
-    DocumentBatches,
-    TrainBatches,
-    chat_eval_offsets,
-    end_of_text,
-    eval_offsets,
-    load_split,
-    packing,
-)
-from gpt.memory import auto_batch_size, with_batch_size
-from gpt.metrics import MetricsLog, Throughput, format_duration
+from gpt import batches, checkpoint, evaluation, load, metrics, optim, outdir, replicas, runtime, tokenizer, watch
+from gpt.core_eval import evaluate_core, load_tasks
+from gpt.memory import settle_batch_size
+from gpt.saver import Checkpointer
 from gpt.step import BadSteps, eval_group, evaluate, train_step
 from gpt.wrap import build, make_model_args, uses_fsdp
 from model import GPT, GPTConfig
 
 EXIT_STOPPED = 75  # stopped early (SIGTERM, SIGINT, max_minutes) with a checkpoint: resume to go on
-
-
-class Diverged(UserError):
-    exit_code = 3
 
 
 def main(argv=None):
@@ -66,7 +51,7 @@ def main(argv=None):
     try:
         out = outdir.claim(cfg, rt)  # the out_dir lock; a used out_dir refused; init_from='auto' resolved
         if cfg.eval_async and rt.master and not cfg.eval_only:
-            watcher = watch.Child(watcher_command(out.cfg), out.cfg.out_dir)
+            watcher = watch.Child(watch.command(out.cfg), out.cfg.out_dir)
         code = train(out.cfg, rt, stop, out, groups, watcher)
         finished = True
         return code
@@ -79,42 +64,11 @@ def main(argv=None):
             watcher.finish()
 
 
-def watcher_command(cfg):
-    """eval_async: eval.py --watch=True on eval_async_device, scoring each checkpoint's val (and
-    test) loss on the first eval_iters x batch_size x block_size tokens, and HellaSwag and CORE as
-    the loop would (when their interval is set)."""
-    data_dir = os.path.join("data", cfg.dataset)
-    tasks = (
-        ["val"]
-        + ["test"] * bool(glob.glob(os.path.join(glob.escape(data_dir), "test*.bin")))
-        + ["hellaswag"] * bool(cfg.hellaswag_interval)
-        + ["core"] * bool(cfg.core_interval)
-    )
-    rows = cfg.batch_size if cfg.batch_size != "auto" else cfg.total_batch_size // cfg.block_size
-    keys = {
-        "watch": True,
-        "out_dir": cfg.out_dir,
-        "dataset": cfg.dataset,
-        "tasks": ",".join(tasks),
-        "device": cfg.eval_async_device,
-        "split_tokens": cfg.eval_iters * rows * cfg.block_size,
-        "hellaswag_path": cfg.hellaswag_path,
-        "hellaswag_examples": cfg.hellaswag_examples,
-        "core_bundle": cfg.core_bundle,
-        "core_max_per_task": cfg.core_max_per_task,
-    }
-    return [
-        sys.executable,
-        os.path.join(os.path.dirname(os.path.abspath(__file__)), "eval.py"),
-        *(f"--{k}={v}" for k, v in keys.items()),
-    ]
-
-
 # ---------------------------------------------------------------------------- setup
 
 
 class Data(NamedTuple):
-    train: object  # gpt.tokens.Tokens of each split; test is None when the directory has none
+    train: object  # gpt.tokens.Tokens of each split, or batches.ChatData; test is None when there is none
     val: object
     test: object
     tok_spec: dict  # the tokenizer (tokenizer.py), saved in every checkpoint
@@ -126,54 +80,24 @@ class Data(NamedTuple):
 
 def load_data(cfg, say):
     """The splits of data/<dataset>, checked against block_size and the vocabulary, and
-    HellaSwag's examples, read and tokenized now so a bad file is refused before training."""
+    HellaSwag's examples and CORE's tasks, read now so a bad file is refused before training."""
     data_dir = os.path.join("data", cfg.dataset)  # an absolute dataset path is used as it is
-    share = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     tok_spec = tokenizer.describe(data_dir)
     vocab_size = tokenizer.vocab_size(tok_spec) or 50304  # no meta: GPT-2 padded, as nanoGPT did
-    if "chat" in tok_spec:  # conversations (data/chat/prepare.py): rows start at a conversation's start
-        splits = {name: ChatData.open(data_dir, name, cfg.data_mode, share) for name in ("train", "val")}
-        for data in splits.values():
-            data.check_vocab(vocab_size)
-        padding, trained = packing(splits["train"], cfg.block_size)
-        say(
-            f"chat data: {splits['train'].conversations:,} conversations; rows of block_size={cfg.block_size} hold "
-            f"whole conversations: {padding:.1%} of positions are padding, {trained:.1%} are trained (assistant) tokens"
-        )
-        splits = {**splits, "test": None}
-    else:
-        splits = {name: load_split(data_dir, name, cfg.data_mode, share) for name in ("train", "val")}
-        if glob.glob(os.path.join(glob.escape(data_dir), "test*.bin")):  # optional; scored once, at the end
-            splits["test"] = load_split(data_dir, "test", cfg.data_mode, share)
-    for name, data in list(splits.items()):
-        if data is None or isinstance(data, ChatData):
-            continue
-        if len(data) <= cfg.block_size:
-            if name == "test":
-                say(f"note: the test split ({len(data)} tokens) is shorter than block_size; it is not evaluated")
-                splits[name] = None
-                continue
-            where = data.paths[0] if len(data.paths) == 1 else os.path.join(data_dir, f"{name}_*.bin")
-            raise UserError(
-                f"block_size={cfg.block_size} is longer than {where} ({len(data)} tokens); lower block_size"
-            )
-        data.check_vocab(vocab_size)  # an id past the embedding table would fail mid-run, or worse on GPU
-    hellaswag = (
-        evaluation.encode_examples(evaluation.load_hellaswag(cfg.hellaswag_path, cfg.hellaswag_examples), tok_spec)
-        if cfg.hellaswag_interval and not cfg.eval_async
-        else None
-    )  # eval_async: the watcher's
+    splits = batches.open_splits(data_dir, tok_spec, vocab_size, cfg.block_size, cfg.data_mode, say)
+    hellaswag = core = eot = None  # eval_async: HellaSwag and CORE are the watcher's
+    if cfg.hellaswag_interval and not cfg.eval_async:
+        examples = evaluation.load_hellaswag(cfg.hellaswag_path, cfg.hellaswag_examples)
+        hellaswag = evaluation.encode_examples(examples, tok_spec)
     if cfg.core_interval and tok_spec["kind"] == "char":
         raise UserError(
             "core_interval needs a tokenizer that encodes any text; this data is character-level: set core_interval=0"
         )
-    core = (
-        core_eval.load_tasks(cfg.core_bundle, cfg.core_max_per_task)
-        if cfg.core_interval and not cfg.eval_async
-        else None
-    )
-    eot = end_of_text(cfg, tok_spec, data_dir) if cfg.batch_order == "documents" or cfg.doc_mask else None
-    return Data(splits["train"], splits["val"], splits.get("test"), tok_spec, vocab_size, hellaswag, core, eot)
+    if cfg.core_interval and not cfg.eval_async:
+        core = load_tasks(cfg.core_bundle, cfg.core_max_per_task)
+    if cfg.batch_order == "documents" or cfg.doc_mask:
+        eot = batches.end_of_text(cfg, tok_spec, data_dir)
+    return Data(splits["train"], splits["val"], splits["test"], tok_spec, vocab_size, hellaswag, core, eot)
 
 
 def make_model(cfg, rt, data, say):
@@ -182,22 +106,7 @@ def make_model(cfg, rt, data, say):
     model_args, state = make_model_args(cfg, data.vocab_size), None
     if cfg.init_from == "resume":
         state = checkpoint.load_newest(cfg.out_dir, report=say)
-        trained_with = {**as_dict(TrainConfig()), **state["config"]}  # a key an older checkpoint lacks had its default
-        if all(trained_with[k] == getattr(cfg, k) for k in checkpoint.SHAPE_KEYS if hasattr(cfg, k)):
-            # the config it was trained with: the model is the checkpoint's, also when GPT-2's
-            # weights (init_from='gpt2...') gave it a shape other than these keys say
-            model_args = {**state["model_args"], "dropout": cfg.dropout}
-        checkpoint.check_resumable(state["model_args"], model_args)
-        if trained_with["optimizer"] != cfg.optimizer:
-            raise UserError(
-                f"cannot resume: the checkpoint was trained with optimizer={trained_with['optimizer']!r}, whose "
-                f"state this run's optimizer={cfg.optimizer!r} cannot take; resume with --optimizer={trained_with['optimizer']}"
-            )
-        if trained_with["batch_order"] != cfg.batch_order:
-            raise UserError(
-                f"cannot resume: the checkpoint was trained with batch_order={trained_with['batch_order']!r}, whose "
-                f"data position this run's {cfg.batch_order!r} cannot take; resume with --batch_order={trained_with['batch_order']}"
-            )
+        model_args = checkpoint.resumable_model_args(state, cfg, model_args)
     if cfg.init_from in ("scratch", "resume"):
         raw_model = GPT(GPTConfig(**model_args))
     else:  # GPT-2's weights by name, or a Hugging Face GPT-2 or Llama directory; they fix the model's shape
@@ -205,23 +114,30 @@ def make_model(cfg, rt, data, say):
     return raw_model.to(rt.device), model_args, state
 
 
-def eval_bytes_per_split(cfg, data, eval_splits, say):
-    """Bits per byte's denominators: the eval windows are fixed, so the bytes of their targets'
-    text are counted once, on the host. None (no bpb) when the tokenizer's vocabulary is not on
-    this machine: training needs only the token ids, and never downloads. Chat data: None too;
-    its loss covers only the assistant's tokens."""
-    if isinstance(data.train, ChatData):
+def where_it_stopped(state, train_batches, rt):
+    """(iter_num, best_val_loss, wandb_run_id, DiLoCo's outer state) of a resumed run's checkpoint,
+    whose data order and random generators train_batches and the RNGs take up; a new run's start."""
+    if state is None:
+        return 0, float("inf"), None, None
+    checkpoint.restore_rng(state, train_batches, rt)
+    return state["iter_num"], state["best_val_loss"], state.get("wandb_run_id"), state.get("outer")
+
+
+def metrics_log(cfg, rt, out, resumed_at, wandb_run_id):
+    """Rank 0's metrics.jsonl (with wandb and TensorBoard when asked for), beside the run's config."""
+    if not rt.master:
         return None
-    try:
-        token_bytes = tokenizer.token_bytes(data.tok_spec, offline=True)
-    except UserError as e:
-        say(f"note: no bits per byte in this run: {e}")
-        return None
-    return {
-        split: evaluation.target_bytes(d, offsets, cfg.block_size, token_bytes)
-        for split, (d, offsets) in eval_splits.items()
-        if split != "train"
-    }
+    out.write_config(cfg)
+    return metrics.MetricsLog(cfg.out_dir, resumed_at, cfg, wandb_run_id, path=out.path("metrics.jsonl"))
+
+
+def checkpointer(cfg, rt, out):
+    """The run's saves: full files, or sharded ones under FSDP2 (checkpoint_format='auto'); the
+    rotation spares the checkpoints a watcher has yet to score."""
+    fmt = cfg.checkpoint_format if cfg.checkpoint_format != "auto" else "sharded" if uses_fsdp(cfg, rt) else "full"
+    # keep_last spares what a watcher (eval_async's, or one started by hand) has not scored
+    spare = watch.Retention(cfg.out_dir, cfg.keep_unscored, child=cfg.eval_async)
+    return Checkpointer(cfg.out_dir, fmt, cfg.keep_last, cfg.async_checkpoint, rt, on_commit=out.committed, spare=spare)
 
 
 # ---------------------------------------------------------------------------- the run
@@ -229,67 +145,28 @@ def eval_bytes_per_split(cfg, data, eval_splits, say):
 
 class Run:
     """What the loop reads and updates: the model in its three forms, the optimizer, the data,
-    where it is (iter_num, best_val_loss), and the log and checkpoint writers."""
+    where it is (iter_num, best_val_loss), the replica groups, and the log and checkpoint writers."""
 
     def __init__(self, cfg, rt, data, groups, out, say):
         raw_model, self.model_args, state = make_model(cfg, rt, data, say)
-        if cfg.batch_size == "auto":
-            # a resumed run keeps the micro-batch it started with, so its data order stays the same
-            batch_size = state["config"]["batch_size"] if state is not None else auto_batch_size(raw_model, cfg, rt)
-            cfg = with_batch_size(cfg, batch_size, cfg.total_batch_size)
-        self.cfg, self.rt, self.data, self.raw_model, self.groups = cfg, rt, data, raw_model, groups
+        cfg = settle_batch_size(cfg, raw_model, rt, state)  # batch_size='auto' is a number from here
+        self.cfg, self.rt, self.data, self.raw_model, self.groups, self.say = cfg, rt, data, raw_model, groups, say
         self.accum_steps = cfg.gradient_accumulation_steps // (rt.world_size * groups.count)  # groups share it too
         self.tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
         self.model, self.train_model, self.optimizer, self.scaler = build(raw_model, cfg, rt, state)
-        self.chat = isinstance(data.train, ChatData)
-        data_rt = groups.data_view(rt)  # replica group g draws as rank g would
-        if self.chat:
-            self.batches = ChatBatches(data.train, cfg.batch_size, cfg.block_size, cfg.seed, data_rt, self.accum_steps)
-        elif cfg.batch_order == "documents":
-            self.batches = DocumentBatches(
-                data.train, cfg.batch_size, cfg.block_size, cfg.seed, data_rt, data.eot, cfg.doc_mask
-            )
-            say(
-                f"documents: {self.batches.documents:,} in train, {len(self.batches.starts):,} rows of block_size="
-                f"{cfg.block_size} an epoch (~{len(self.batches.starts) // (cfg.batch_size * cfg.gradient_accumulation_steps):,} iterations)"
-            )
-        else:  # data.eot: doc_mask on random windows
-            self.batches = TrainBatches(data.train, cfg.batch_size, cfg.block_size, cfg.seed, data_rt, data.eot)
-        self.iter_num, self.best_val_loss, wandb_run_id, outer = 0, float("inf"), None, None
-        if state is not None:
-            checkpoint.restore_rng(state, self.batches, rt)
-            self.iter_num, self.best_val_loss, wandb_run_id = (
-                state["iter_num"],
-                state["best_val_loss"],
-                state.get("wandb_run_id"),
-            )
-            outer = state.get("outer")  # DiLoCo's outer optimizer and last-sync weights (sync_every)
-            del state  # free the host copy of the weights
+        self.chat = isinstance(data.train, batches.ChatData)
+        self.batches = batches.for_training(data.train, cfg, groups.data_view(rt), self.accum_steps, data.eot, say)
+        self.iter_num, self.best_val_loss, wandb_run_id, outer = where_it_stopped(state, self.batches, rt)
+        del state  # free the host copy of the weights
         groups.join(self, outer)  # replica groups: torchft's wrappers around train_model and the optimizer
         self.resumed_at = self.iter_num if cfg.init_from == "resume" else None  # no eval or save again at this iter
-        offsets = lambda d, seed: (
-            chat_eval_offsets(d, cfg.eval_iters, cfg.batch_size, seed)
-            if self.chat
-            else eval_offsets(d, cfg.eval_iters, cfg.batch_size, cfg.block_size, seed)
-        )
-        self.eval_splits = {
-            split: (d, offsets(d, cfg.seed + i + 1))
-            for i, (split, d) in enumerate((("train", data.train), ("val", data.val), ("test", data.test)))
-            if d is not None
-        }
-        self.eval_bytes = eval_bytes_per_split(cfg, data, self.eval_splits, say)
-        self.metrics = None
-        if rt.master:
-            out.write_config(cfg)
-            self.metrics = MetricsLog(cfg.out_dir, self.resumed_at, cfg, wandb_run_id, path=out.path("metrics.jsonl"))
-        fmt = cfg.checkpoint_format if cfg.checkpoint_format != "auto" else "sharded" if uses_fsdp(cfg, rt) else "full"
-        # keep_last spares what a watcher (eval_async's, or one started by hand) has not scored
-        spare = watch.Retention(cfg.out_dir, cfg.keep_unscored, child=cfg.eval_async)
-        self.saver = saver.Checkpointer(
-            cfg.out_dir, fmt, cfg.keep_last, cfg.async_checkpoint, rt, on_commit=out.committed, spare=spare
-        )
+        splits = {"train": data.train, "val": data.val, "test": data.test}
+        self.eval_splits = batches.eval_windows(splits, cfg.eval_iters, cfg.batch_size, cfg.block_size, cfg.seed)
+        self.eval_bytes = evaluation.eval_bytes(self.eval_splits, data.tok_spec, cfg.block_size, say)
+        self.metrics = metrics_log(cfg, rt, out, self.resumed_at, wandb_run_id)  # rank 0's; None elsewhere
+        self.saver = checkpointer(cfg, rt, out)
         self.bad = BadSteps(rt.device)
-        self.throughput = Throughput(rt)
+        self.throughput = metrics.Throughput(rt)
         self.flops_per_iter = raw_model.flops_per_token() * self.tokens_per_iter
         self.peak = runtime.device_peak_flops(rt, cfg.peak_flops)
 
@@ -309,36 +186,8 @@ class Run:
         )
 
     def check_bad_steps(self):
-        """Report the steps skipped since the last check; stop (exit 3) when max_bad_steps came in a row.
-        The weights never saw those steps, so ckpt.pt, written before or after them, is good."""
-        skipped, in_a_row, worst = self.bad.read()
-        if skipped and self.rt.master:
-            print(
-                f"iter {self.iter_num}: non-finite loss or gradient norm, {skipped} step(s) skipped since the last log "
-                f"({in_a_row} in a row)"
-            )
-        if worst >= self.cfg.max_bad_steps:
-            self.saver.wait()  # a save in flight holds good weights: let it complete
-            raise Diverged(
-                f"{worst} steps in a row had a non-finite loss or gradient norm (max_bad_steps="
-                f"{self.cfg.max_bad_steps}); {self.saver.latest} is the last good checkpoint: lower "
-                f"learning_rate or check the data, then --init_from=resume"
-            )
-
-    def describe(self):
-        cfg, rt = self.cfg, self.rt
-        print(
-            textwrap.fill(
-                "config: " + " ".join(f"{k}={v!r}" for k, v in as_dict(cfg).items()), 120, subsequent_indent="  "
-            )
-        )
-        groups = f"{self.groups.count} replica groups x " if self.groups.count > 1 else ""
-        print(
-            f"{self.raw_model.num_params() / 1e6:.2f}M parameters | {self.tokens_per_iter:,} tokens/iter "
-            f"({groups}{rt.world_size} rank(s) x {self.accum_steps} micro-steps x {cfg.batch_size} x {cfg.block_size}) | "
-            f"{rt.device} {str(rt.dtype).removeprefix('torch.')}"
-            + (f" | resuming at iter {self.iter_num}" if self.resumed_at is not None else "")
-        )
+        """The steps skipped since the last check, reported; Diverged (exit 3) at max_bad_steps in a row."""
+        self.bad.check(self.iter_num, self.cfg.max_bad_steps, self.saver, self.say)
 
 
 def train(cfg, rt, stop, out, groups, watcher=None):
@@ -346,9 +195,11 @@ def train(cfg, rt, stop, out, groups, watcher=None):
     torch.manual_seed(cfg.seed + rt.rank)
     say = print if rt.master else (lambda message: None)  # notes from the pieces below: rank 0 prints them
     run = Run(cfg, rt, load_data(cfg, say), groups, out, say)
-    cfg = run.cfg  # batch_size='auto' is now a number
-    if rt.master:
-        run.describe()
+    say(
+        metrics.describe(
+            run.cfg, rt, run.raw_model.num_params(), run.tokens_per_iter, run.accum_steps, groups.count, run.resumed_at
+        )
+    )
     try:
         return loop(run, stop, watcher)
     finally:
@@ -482,21 +333,17 @@ def score_hellaswag(run):
             f"step {it}: hellaswag acc {scores['acc']:.4f}, acc_norm_tokens {scores['acc_norm_tokens']:.4f}, "
             f"acc_norm_chars {scores['acc_norm_chars']:.4f} ({scores['n']} examples)"
         )
-    return {
-        "hellaswag_acc": scores["acc"],
-        "hellaswag_acc_norm": scores["acc_norm_tokens"],
-        "hellaswag_acc_norm_chars": scores["acc_norm_chars"],
-    }
+    return metrics.eval_record({"hellaswag": scores})
 
 
 def score_core(run):
     cfg, rt, it = run.cfg, run.rt, run.iter_num
-    core = core_eval.evaluate_core(
+    core = evaluate_core(
         run.raw_model, run.data.core, run.data.tok_spec, cfg.block_size, rt, cfg.batch_size * cfg.block_size
     )
     if rt.master:
         print(f"step {it}: CORE {core['core']:.4f} ({core['examples']} examples, {core['examples_per_s']:.0f}/s)")
-    return {"core": core["core"], **{f"core/{k}": v["centered"] for k, v in core["tasks"].items()}}
+    return metrics.eval_record({"core": core})
 
 
 def log_step(run, result, lr):
@@ -509,35 +356,25 @@ def log_step(run, result, lr):
         dist.all_reduce(loss)
         loss = loss / rt.world_size
     loss_value, norm_value = torch.stack([loss, result.grad_norm.float()]).tolist()
-    clipped = cfg.grad_clip > 0 and norm_value > cfg.grad_clip
     dt, warm = run.throughput.read()
-    mfu = runtime.mfu(run.flops_per_iter, dt, run.peak, rt.world_size) if warm else None
     # replica groups: only the groups that took part in the step trained tokens (the loss is this group's)
     tokens = run.tokens_per_iter * run.groups.participants / run.groups.count
-    sync = run.groups.log()
-    groups = f", {sync['groups']}/{run.groups.count} groups, sync {sync['sync_bytes']:,} B" if sync else ""
+    record = {
+        "iter": run.iter_num,
+        "loss": loss_value,
+        "lr": lr,
+        "grad_norm": norm_value,
+        "clipped": cfg.grad_clip > 0 and norm_value > cfg.grad_clip,
+        "dt_ms": dt * 1000,
+        "tokens_per_s": tokens / dt,
+        "mfu": runtime.mfu(run.flops_per_iter, dt, run.peak, rt.world_size) if warm else None,
+        **run.groups.log(),
+        **({"trained_tokens": run.batches.step_tokens} if run.chat else {}),
+    }
     if rt.master:
-        eta = format_duration(dt * (cfg.max_iters - run.iter_num - 1))
-        mfu_text = f"{mfu:.1%}" if mfu is not None else "n/a"
-        print(
-            f"iter {run.iter_num}: loss {loss_value:.4f}, lr {lr:.2e}, grad norm {norm_value:.3g}{' (clipped)' if clipped else ''}, "
-            f"{dt * 1000:.1f} ms/iter, {tokens / dt:,.0f} tok/s{groups}, "
-            f"{run.flops_per_iter / dt / 1e12 / rt.world_size:.3g} TFLOPS/device, mfu {mfu_text}, eta {eta}"
-        )
-        run.metrics.write(
-            {
-                "iter": run.iter_num,
-                "loss": loss_value,
-                "lr": lr,
-                "grad_norm": norm_value,
-                "clipped": clipped,
-                "dt_ms": dt * 1000,
-                "tokens_per_s": tokens / dt,
-                "mfu": mfu,
-                **sync,
-                **({"trained_tokens": run.batches.step_tokens} if run.chat else {}),
-            }
-        )
+        eta_s = dt * (cfg.max_iters - run.iter_num - 1)
+        print(metrics.step_line(record, run.flops_per_iter / dt / 1e12 / rt.world_size, eta_s, run.groups.count))
+        run.metrics.write(record)
 
 
 if __name__ == "__main__":

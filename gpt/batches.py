@@ -13,8 +13,12 @@ tokens the model is trained to produce (the assistant's).
     chat = ChatData.open("data/my_chat", "train")
     batches = ChatBatches(chat, batch_size=8, block_size=1024, seed=1337, rt=rt, accum_steps=4)
     x, y, weight = batches()                           # y is -1 where nothing is trained
+
+train.py's: open_splits (train, val and test, checked against block_size and the vocabulary),
+for_training (whichever of the three the config asks for) and eval_windows (what every eval scores).
 """
 
+import glob
 import os
 from collections import deque
 
@@ -337,3 +341,70 @@ def eval_batch(data, offsets, block_size, rt):
         ids, trained = data.rows(offsets, block_size)
         return (*chat_batch(ids, trained, rt), int(trained.sum()))
     return (*get_batch(data, offsets, block_size, rt), None)
+
+
+# ---------------------------------------------------------------------------- a run's data
+
+
+def open_splits(data_dir, tok_spec, vocab_size, block_size, mode="auto", say=print):
+    """{"train", "val", "test"} of data_dir, checked against block_size and the vocabulary: token
+    files, or chat data's conversations (data/chat/prepare.py), whose rows start at a
+    conversation's start. test is None when the directory has none, or one shorter than block_size."""
+    share = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # the ranks on this machine each hold a copy
+    if "chat" in tok_spec:
+        splits = {name: ChatData.open(data_dir, name, mode, share) for name in ("train", "val")}
+        for data in splits.values():
+            data.check_vocab(vocab_size)
+        padding, trained = packing(splits["train"], block_size)
+        say(
+            f"chat data: {splits['train'].conversations:,} conversations; rows of block_size={block_size} hold "
+            f"whole conversations: {padding:.1%} of positions are padding, {trained:.1%} are trained (assistant) tokens"
+        )
+        return {**splits, "test": None}
+    splits = {name: load_split(data_dir, name, mode, share) for name in ("train", "val")}
+    splits["test"] = None
+    if glob.glob(os.path.join(glob.escape(data_dir), "test*.bin")):  # optional; scored once, at the end
+        splits["test"] = load_split(data_dir, "test", mode, share)
+    for name, data in list(splits.items()):
+        if data is None:
+            continue
+        if len(data) <= block_size:
+            if name == "test":
+                say(f"note: the test split ({len(data)} tokens) is shorter than block_size; it is not evaluated")
+                splits[name] = None
+                continue
+            where = data.paths[0] if len(data.paths) == 1 else os.path.join(data_dir, f"{name}_*.bin")
+            raise UserError(f"block_size={block_size} is longer than {where} ({len(data)} tokens); lower block_size")
+        data.check_vocab(vocab_size)  # an id past the embedding table would fail mid-run, or worse on GPU
+    return splits
+
+
+def for_training(data, cfg, rt, accum_steps, eot=None, say=print):
+    """The training batches cfg asks for from the train split `data`: chat rows, rows that start
+    at a document (batch_order='documents'), or random windows (with eot: doc_mask on them)."""
+    if isinstance(data, ChatData):
+        return ChatBatches(data, cfg.batch_size, cfg.block_size, cfg.seed, rt, accum_steps)
+    if cfg.batch_order == "random":
+        return TrainBatches(data, cfg.batch_size, cfg.block_size, cfg.seed, rt, eot)
+    batches = DocumentBatches(data, cfg.batch_size, cfg.block_size, cfg.seed, rt, eot, cfg.doc_mask)
+    rows = len(batches.starts)
+    say(
+        f"documents: {batches.documents:,} in train, {rows:,} rows of block_size={cfg.block_size} an epoch "
+        f"(~{rows // (cfg.batch_size * cfg.gradient_accumulation_steps):,} iterations)"
+    )
+    return batches
+
+
+def eval_windows(splits, eval_iters, batch_size, block_size, seed):
+    """{split: (data, offsets)}: the fixed windows (chat data: rows) every eval scores, drawn
+    once, with a seed of each split's own."""
+    return {
+        name: (
+            data,
+            chat_eval_offsets(data, eval_iters, batch_size, seed + i + 1)
+            if isinstance(data, ChatData)
+            else eval_offsets(data, eval_iters, batch_size, block_size, seed + i + 1),
+        )
+        for i, (name, data) in enumerate(splits.items())
+        if data is not None
+    }

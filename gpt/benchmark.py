@@ -13,8 +13,8 @@ import torch
 
 from configurator import UserError
 from gpt import runtime, tokenizer, tokens
-from gpt.batches import DocumentBatches, TrainBatches, end_of_text, load_split
-from gpt.memory import auto_batch_size, with_batch_size
+from gpt.batches import end_of_text, for_training, load_split
+from gpt.memory import settle_batch_size
 from gpt.step import train_step
 from gpt.wrap import build, make_model_args
 from model import GPT, GPTConfig
@@ -80,15 +80,10 @@ def measure(cfg, rt, data, vocab_size, profiler=None):
     as training draws them (batch_order, doc_mask)."""
     torch.manual_seed(cfg.seed)
     raw_model = GPT(GPTConfig(**make_model_args(cfg, vocab_size))).to(rt.device)
-    if cfg.batch_size == "auto":
-        cfg = with_batch_size(cfg, auto_batch_size(raw_model, cfg, rt), cfg.total_batch_size)
+    cfg = settle_batch_size(cfg, raw_model, rt)
     model, train_model, optimizer, scaler = build(raw_model, cfg, rt)
-    eot = document_eot(cfg, vocab_size)
-    if cfg.batch_order == "documents":
-        batches = DocumentBatches(data, cfg.batch_size, cfg.block_size, cfg.seed, rt, eot, cfg.doc_mask)
-    else:
-        batches = TrainBatches(data, cfg.batch_size, cfg.block_size, cfg.seed, rt, eot if cfg.doc_mask else None)
     accum_steps = cfg.gradient_accumulation_steps // rt.world_size
+    batches = for_training(data, cfg, rt, accum_steps, document_eot(cfg, vocab_size), say=lambda message: None)
 
     def step():
         return train_step(

@@ -21,7 +21,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from configurator import UserError
+from configurator import TrainConfig, UserError, as_dict
 from gpt import tokenizer
 from model import GPT, GPTConfig
 
@@ -459,6 +459,28 @@ def check_resumable(saved, wanted):
         raise UserError(
             f"cannot resume: the checkpoint's model differs in {', '.join(differ)}; use the config it was trained with"
         )
+
+
+def resumable_model_args(state, cfg, model_args):
+    """The GPTConfig arguments a run resuming from `state` builds its model with: the checkpoint's
+    when cfg has the shape it was trained with (also when GPT-2's weights, init_from='gpt2...',
+    gave it a shape other than these keys say), else model_args, which must match it. Refused in
+    one line when the checkpoint's optimizer state or data position cannot go on under cfg."""
+    trained_with = {**as_dict(TrainConfig()), **state["config"]}  # a key an older checkpoint lacks had its default
+    if all(trained_with[k] == getattr(cfg, k) for k in SHAPE_KEYS if hasattr(cfg, k)):
+        model_args = {**state["model_args"], "dropout": cfg.dropout}
+    check_resumable(state["model_args"], model_args)
+    if trained_with["optimizer"] != cfg.optimizer:
+        raise UserError(
+            f"cannot resume: the checkpoint was trained with optimizer={trained_with['optimizer']!r}, whose "
+            f"state this run's optimizer={cfg.optimizer!r} cannot take; resume with --optimizer={trained_with['optimizer']}"
+        )
+    if trained_with["batch_order"] != cfg.batch_order:
+        raise UserError(
+            f"cannot resume: the checkpoint was trained with batch_order={trained_with['batch_order']!r}, whose "
+            f"data position this run's {cfg.batch_order!r} cannot take; resume with --batch_order={trained_with['batch_order']}"
+        )
+    return model_args
 
 
 def load_newest(out_dir, map_location="cpu", report=print):

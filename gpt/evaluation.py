@@ -32,7 +32,7 @@ import torch
 
 from configurator import UserError
 from gpt import download, scoring, tokenizer
-from gpt.batches import to_device
+from gpt.batches import ChatData, to_device
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 HELLASWAG_PATH = os.path.join("data", "hellaswag", "hellaswag_val.jsonl")  # gitignored: data/*/*.jsonl
@@ -227,6 +227,25 @@ def target_bytes(data, offsets, block_size, token_bytes):
         known = ids < len(token_bytes)  # ids past the tokenizer's table (a vocabulary padded in meta.json) are no text
         total += int(token_bytes[np.where(known, ids, 0)][known].sum())
     return total
+
+
+def eval_bytes(windows, tok_spec, block_size, say=print):
+    """Bits per byte's denominators in training, {split: bytes} of the targets of the eval windows
+    ({split: (data, offsets)}, fixed, so counted once, on the host) but train's. None (no bpb)
+    when the tokenizer's vocabulary is not on this machine: training needs only the token ids,
+    and never downloads. Chat data: None too; its loss covers only the assistant's tokens."""
+    if any(isinstance(data, ChatData) for data, _ in windows.values()):
+        return None
+    try:
+        token_bytes = tokenizer.token_bytes(tok_spec, offline=True)
+    except UserError as e:
+        say(f"note: no bits per byte in this run: {e}")
+        return None
+    return {
+        split: target_bytes(data, offsets, block_size, token_bytes)
+        for split, (data, offsets) in windows.items()
+        if split != "train"
+    }
 
 
 def bits_per_byte(loss, n_tokens, n_bytes):

@@ -111,3 +111,12 @@ def auto_batch_size(model, cfg, rt, safety=0.85):
             f"{cfg.total_batch_size:,} tokens per step"
         )
     return batch_size
+
+
+def settle_batch_size(cfg, model, rt, state=None):
+    """cfg with batch_size='auto' made a number: a resumed run's (the checkpoint `state`'s), so its
+    data order stays the same, or the largest that fits (auto_batch_size). A number stays as it is."""
+    if cfg.batch_size != "auto":
+        return cfg
+    batch_size = state["config"]["batch_size"] if state is not None else auto_batch_size(model, cfg, rt)
+    return with_batch_size(cfg, batch_size, cfg.total_batch_size)

@@ -1,8 +1,10 @@
 """The run's log: out_dir/metrics.jsonl, one JSON object per line, with wandb and TensorBoard
-fed the same records when asked for; and the durations the log prints."""
+fed the same records when asked for; and the lines train.py prints: the run's description, each
+logged step, and the durations in them."""
 
 import json
 import os
+import textwrap
 import time
 import weakref
 
@@ -93,6 +95,57 @@ def append_record(path, record):
                 return
         finally:
             os.close(fd)
+
+
+def describe(cfg, rt, n_params, tokens_per_iter, accum_steps, groups=1, resumed_at=None):
+    """The lines a run starts with: its whole config, then its model, batch and device."""
+    config = textwrap.fill(
+        "config: " + " ".join(f"{k}={v!r}" for k, v in as_dict(cfg).items()), 120, subsequent_indent="  "
+    )
+    shape = f"{groups} replica groups x " if groups > 1 else ""
+    resuming = f" | resuming at iter {resumed_at}" if resumed_at is not None else ""
+    run = (
+        f"{n_params / 1e6:.2f}M parameters | {tokens_per_iter:,} tokens/iter "
+        f"({shape}{rt.world_size} rank(s) x {accum_steps} micro-steps x {cfg.batch_size} x {cfg.block_size}) | "
+        f"{rt.device} {str(rt.dtype).removeprefix('torch.')}{resuming}"
+    )
+    return f"{config}\n{run}"
+
+
+def step_line(record, tflops, eta_s, groups=1):
+    """The log line of a training step's record (train.py's log_step): tflops per device, eta_s
+    seconds to the end; with replica groups (`groups` of them), those that took part and the
+    bytes this group sent."""
+    r = record
+    clipped = " (clipped)" if r["clipped"] else ""
+    sync = f", {r['groups']}/{groups} groups, sync {r['sync_bytes']:,} B" if "groups" in r else ""
+    mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
+    return (
+        f"iter {r['iter']}: loss {r['loss']:.4f}, lr {r['lr']:.2e}, grad norm {r['grad_norm']:.3g}{clipped}, "
+        f"{r['dt_ms']:.1f} ms/iter, {r['tokens_per_s']:,.0f} tok/s{sync}, "
+        f"{tflops:.3g} TFLOPS/device, mfu {mfu}, eta {format_duration(eta_s)}"
+    )
+
+
+def eval_record(results):
+    """Scores, {task: results} (eval.py's, or an eval of train.py's loop), as one metrics record
+    in train.py's names: val_loss, val_bpb, hellaswag_acc, hellaswag_acc_norm (per token),
+    hellaswag_acc_norm_chars, mc_..., core, core/<task>."""
+    out = {}
+    for task, r in results.items():
+        if task in ("val", "test"):
+            out.update({f"{task}_loss": r["loss"], f"{task}_bpb": r["bpb"]})
+        elif task == "core":
+            out.update({"core": r["core"], **{f"core/{k}": v["centered"] for k, v in r["tasks"].items()}})
+        else:
+            out.update(
+                {
+                    f"{task}_acc": r["acc"],
+                    f"{task}_acc_norm": r["acc_norm_tokens"],
+                    f"{task}_acc_norm_chars": r["acc_norm_chars"],
+                }
+            )
+    return out
 
 
 def format_duration(seconds):

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from configurator import UserError
 from gpt.batches import IGNORE, eval_batch
 
 
@@ -166,3 +167,25 @@ class BadSteps:
         self.skipped.zero_()
         self.worst.copy_(self.in_a_row)
         return skipped, in_a_row, worst
+
+    def check(self, it, max_bad_steps, saver, say=print):
+        """Report the steps skipped since the last check; stop (Diverged) when max_bad_steps came in
+        a row. The weights never saw those steps, so the last checkpoint, written before or after
+        them, is good."""
+        skipped, in_a_row, worst = self.read()
+        if skipped:
+            say(
+                f"iter {it}: non-finite loss or gradient norm, {skipped} step(s) skipped since the last log "
+                f"({in_a_row} in a row)"
+            )
+        if worst >= max_bad_steps:
+            saver.wait()  # a save in flight holds good weights: let it complete
+            raise Diverged(
+                f"{worst} steps in a row had a non-finite loss or gradient norm (max_bad_steps="
+                f"{max_bad_steps}); {saver.latest} is the last good checkpoint: lower "
+                f"learning_rate or check the data, then --init_from=resume"
+            )
+
+
+class Diverged(UserError):
+    exit_code = 3  # train.py's exit code when the loss or gradients stay non-finite

@@ -27,6 +27,7 @@ itself is the caller's (eval.py's tasks): follow() takes it as a function of a c
                starts a dead one again, len(RESTART_DELAYS_S) times at most, each after a longer wait.
 """
 
+import glob
 import json
 import os
 import re
@@ -34,6 +35,7 @@ import shlex
 import signal
 import socket
 import subprocess
+import sys
 import time
 
 from configurator import UserError
@@ -41,6 +43,7 @@ from gpt import checkpoint, metrics, outdir
 
 PREFIX = "watch/"  # the watcher's names in metrics.jsonl, TensorBoard and wandb
 PROGRESS, RELEASED = outdir.WATCH_FILES  # watch.json, watch_released.jsonl
+EVAL_PY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "eval.py")
 NUMBERED = re.compile(r"ckpt_(\d+)(\.pt)?")
 RESTART_DELAYS_S = (10, 60, 300)  # a dead eval_async watcher is started again after each wait; after the last, not
 TORCHRUN_VARIABLES = (
@@ -381,6 +384,34 @@ def summary(result):
             else "none without a record"
         )
     )
+
+
+def command(cfg):
+    """The command of train.py's eval_async watcher (Child): eval.py --watch=True on
+    eval_async_device, scoring each checkpoint's val (and test) loss on the first eval_iters x
+    batch_size x block_size tokens, and HellaSwag and CORE as the loop would (when their interval
+    is set)."""
+    data_dir = os.path.join("data", cfg.dataset)
+    tasks = (
+        ["val"]
+        + ["test"] * bool(glob.glob(os.path.join(glob.escape(data_dir), "test*.bin")))
+        + ["hellaswag"] * bool(cfg.hellaswag_interval)
+        + ["core"] * bool(cfg.core_interval)
+    )
+    rows = cfg.batch_size if cfg.batch_size != "auto" else cfg.total_batch_size // cfg.block_size
+    keys = {
+        "watch": True,
+        "out_dir": cfg.out_dir,
+        "dataset": cfg.dataset,
+        "tasks": ",".join(tasks),
+        "device": cfg.eval_async_device,
+        "split_tokens": cfg.eval_iters * rows * cfg.block_size,
+        "hellaswag_path": cfg.hellaswag_path,
+        "hellaswag_examples": cfg.hellaswag_examples,
+        "core_bundle": cfg.core_bundle,
+        "core_max_per_task": cfg.core_max_per_task,
+    }
+    return [sys.executable, EVAL_PY, *(f"--{k}={v}" for k, v in keys.items())]
 
 
 class Child:

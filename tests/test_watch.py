@@ -22,7 +22,7 @@ import torch.distributed as dist
 from conftest import REPO, bpe_eval_data, char_dataset, load_script, read_metrics, tiny_args
 
 from configurator import run_main
-from gpt import checkpoint, load, outdir, watch
+from gpt import checkpoint, load, metrics, outdir, watch
 
 TRAIN, EVAL, PLOT = (load_script(name) for name in ("train.py", "eval.py", "plot.py"))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -96,7 +96,7 @@ def as_eval_py_scores(capfd, out, it, kept):
     """The watcher's record of checkpoint `it` as eval.py scores the kept copy afterwards."""
     copy = next(kept.glob(f"ckpt_{it:07d}*"))
     results = eval_json(capfd, *[a for a in watcher_args(out) if a != "--watch=True"], f"--checkpoint={copy}")
-    return {"iter": it, **{f"watch/{k}": v for k, v in EVAL.record(results).items()}}
+    return {"iter": it, **{f"watch/{k}": v for k, v in metrics.eval_record(results).items()}}
 
 
 def one_record_each(out, saved):
@@ -184,7 +184,9 @@ def test_the_watcher_beside_a_run_scores_each_checkpoint_once_as_eval_py_does(
     assert f"--tasks={'val,test,hellaswag' if bpe_tasks else 'val'}" in args
     for r in records:
         copy = kept / f"ckpt_{r['iter']:07d}{'.pt' * (fmt == 'full')}"
-        expected = {f"watch/{k}": v for k, v in EVAL.record(eval_json(capfd, *args, f"--checkpoint={copy}")).items()}
+        expected = {
+            f"watch/{k}": v for k, v in metrics.eval_record(eval_json(capfd, *args, f"--checkpoint={copy}")).items()
+        }
         assert r == {"iter": r["iter"], **expected}  # every loss bitwise, every accuracy exactly
         names = ("val_loss", "val_bpb") + bpe_tasks * (
             "test_loss",
