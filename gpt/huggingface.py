@@ -34,7 +34,7 @@ import shutil
 import torch
 
 from configurator import GPT2_MODELS, ROPE_SCALING_KEYS, UserError
-from gpt import tokenizer
+from gpt import fp8, tokenizer
 from gpt.chat_template import Template, write_hf_tokenizer
 from model import GPT, GPT2_CONV1D, GPTConfig
 
@@ -50,7 +50,12 @@ def is_gpt2_bpe(tok_spec):
 
 def _transformers():
     try:
-        import transformers
+        # its model classes import torchao where it is installed, which logs each CUDA kernel
+        # library a CPU build cannot load: imported here, quietly, once
+        with fp8.quiet_import():
+            import transformers
+
+            transformers.PreTrainedModel
     except ImportError:
         raise UserError("GPT-2 weights go through Hugging Face transformers: pip install transformers safetensors")
     return transformers
