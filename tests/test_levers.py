@@ -357,7 +357,8 @@ def test_all_levers_compile_to_one_graph_that_never_recompiles(monkeypatch):
     with torch.compiler.set_stance("fail_on_recompile"):  # new data, same shapes: a recompile is an error
         losses += [step() for _ in range(3)]
     assert all(math.isfinite(x) for x in losses)
-    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    # the model's one graph, and Muon's compiled iteration once per matrix shape (c_attn, attn.c_proj, c_fc, mlp.c_proj)
+    assert counters["stats"]["unique_graphs"] == 1 + 4, dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])
     torch._dynamo.reset()
 

@@ -3,6 +3,7 @@ metrics (gradient norm, clipping, update-to-weight ratios): against torch's own 
 hand computation, and end to end through train.py (exact resume, DDP, extending a WSD run)."""
 
 import copy
+import functools
 import os
 import shutil
 
@@ -10,7 +11,9 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import char_dataset, read_metrics, run_python, run_script, tiny_args
+from conftest import ATEN_BACKEND, char_dataset, nan_loss, read_metrics, run_python, run_script, tiny_args
+from torch._dynamo.utils import counters
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import configurator
 from configurator import TrainConfig, UserError
@@ -40,6 +43,7 @@ def test_muon_half_steps_as_torch_muon_and_the_rest_as_adamw(monkeypatch):
     monkeypatch.setattr(optim, "CPU_NS_DTYPE", torch.bfloat16)
     cfg = TrainConfig(
         optimizer="muon",
+        compile=False,  # inductor's iteration rounds its own way (test_compiled_muon_...)
         learning_rate=1e-2,
         muon_lr=0.03,
         muon_momentum=0.9,
@@ -99,10 +103,12 @@ def test_muon_on_a_cpu_orthogonalizes_in_float32_closer_to_the_exact_iteration_t
     coefficients = (3.4445, -4.7750, 2.0315)
     for shape in ((48, 16), (16, 48), (32, 32)):
         m = torch.randn(shape)
-        exact = optim.orthogonalize(m.double(), coefficients, 5, 1e-7, torch.float64)
-        ours = optim.orthogonalize(m, coefficients, 5, 1e-7, optim.CPU_NS_DTYPE)
+        exact = optim.orthogonalize(m[None].double(), coefficients, 5, 1e-7)[0]
+        ours = optim.orthogonalize(m[None].to(optim.CPU_NS_DTYPE), coefficients, 5, 1e-7)[0]
         torchs = torch.optim._muon._zeropower_via_newtonschulz(m, coefficients, 5, 1e-7)
-        assert torch.equal(optim.orthogonalize(m, coefficients, 5, 1e-7, torch.bfloat16), torchs)  # the same iteration
+        assert torch.equal(
+            optim.orthogonalize(m[None].bfloat16(), coefficients, 5, 1e-7)[0], torchs
+        )  # the same iteration
         assert ours.dtype == torch.float32 and (ours.double() - exact).abs().max() < 1e-5
         assert (torchs.double() - exact).abs().max() > 1e-3  # bfloat16's 8 bits of mantissa
         # and it orthogonalizes: singular values pushed into Newton-Schulz's band around 1
@@ -110,13 +116,135 @@ def test_muon_on_a_cpu_orthogonalizes_in_float32_closer_to_the_exact_iteration_t
         assert s.min() > 0.5 and s.max() < 1.5
 
 
-def test_muon_off_the_cpu_is_torchs_own_step(monkeypatch):
-    calls = []
-    monkeypatch.setattr(torch.optim.Muon, "step", lambda self, closure=None: calls.append(self))
-    p = torch.nn.Parameter(torch.zeros(4, 4, device="meta"))  # any device but the CPU: a GPU's path
-    opt = optim.Muon([p], lr=0.02)
+# several matrices of each shape (so the stacks have more than one), tall, wide and square
+SHAPES = [(48, 16), (16, 48), (48, 16), (32, 32), (16, 48), (32, 32), (48, 16), (8, 24)]
+
+
+def muon_pair(options, seed=0):
+    """Our Muon and torch's on two copies of the same matrices."""
+    torch.manual_seed(seed)
+    ours = [torch.nn.Parameter(torch.randn(shape)) for shape in SHAPES]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    return ours, theirs, optim.Muon(ours, **options), torch.optim.Muon(theirs, **options)
+
+
+def step_both(ours, theirs, opt, ref, steps=3, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p, q in zip(ours, theirs):
+            p.grad = torch.randn(p.shape, generator=g)
+            q.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(lr=0.02, momentum=0.9, weight_decay=0.05),
+        dict(lr=0.05, momentum=0.95, weight_decay=0.0, nesterov=False, adjust_lr_fn="match_rms_adamw"),
+    ],
+)
+def test_batched_muon_steps_every_matrix_as_torch_muon(monkeypatch, options):
+    # in torch's bfloat16 the stacked iteration is torch's, matrix for matrix: bit for bit
+    monkeypatch.setattr(optim, "CPU_NS_DTYPE", torch.bfloat16)
+    ours, theirs, opt, ref = muon_pair(options)
+    step_both(ours, theirs, opt, ref)
+    assert all(torch.equal(p, q) for p, q in zip(ours, theirs))
+    for p, q in zip(ours, theirs):  # and the state: checkpoints move between the two
+        assert torch.equal(opt.state[p]["momentum_buffer"], ref.state[q]["momentum_buffer"])
+    # in float32 (a CPU's), each matrix within bfloat16's rounding of torch's updates: each step's
+    # elements are below 2 (times lr and the shape's ratio), rounded to 8 bits of mantissa
+    monkeypatch.setattr(optim, "CPU_NS_DTYPE", torch.float32)
+    ours, theirs, opt, ref = muon_pair(options)
+    step_both(ours, theirs, opt, ref)
+    for p, q in zip(ours, theirs):
+        ratio = optim.adjusted_lr_ratio(options.get("adjust_lr_fn"), p.shape)
+        gap = (p - q).abs().max().item()
+        assert 0 < gap < 3 * 2 * options["lr"] * ratio * 2**-8, (p.shape, gap)
+
+
+def test_muon_off_the_cpu_orthogonalizes_in_bfloat16():
+    """The device branch, run on the meta device (any device but the CPU takes it): the batched
+    matmuls run in bfloat16 there and in float32 on the CPU."""
+
+    class Matmuls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.dtypes = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default):
+                self.dtypes.add(args[0].dtype)
+            return func(*args, **(kwargs or {}))
+
+    for device, dtype in (("meta", torch.bfloat16), ("cpu", torch.float32)):
+        params = [torch.nn.Parameter(torch.zeros(shape, device=device)) for shape in SHAPES]
+        for p in params:
+            p.grad = torch.ones_like(p)
+        with Matmuls() as seen:
+            optim.Muon(params, lr=0.02).step()
+        assert seen.dtypes == {dtype}, device
+
+
+def test_compiled_muon_is_one_graph_per_shape_and_steps_as_eager(monkeypatch):
+    # train.py's compile=True compiles the iteration (inductor); dynamo's graphs, run by ATen's kernels here
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=ATEN_BACKEND))
+    torch._dynamo.reset()
+    counters.clear()
+    options = dict(lr=0.02, momentum=0.9, weight_decay=0.05)
+    ours, eager, opt, _ = muon_pair(options)
+    ref = optim.Muon(eager, **options)
+    compiled = optim.Muon(ours, compile=True, **options)
+    step_both(ours, eager, compiled, ref)
+    assert counters["stats"]["unique_graphs"] == len(set(SHAPES))  # one per shape, no recompiles over 3 steps
+    for p, q in zip(ours, eager):
+        assert (p - q).abs().max() < 1e-5
+    torch._dynamo.reset()
+
+
+def test_a_skipped_muon_step_leaves_weights_and_momenta_bit_unchanged_without_a_host_read(monkeypatch):
+    """train_step hands Muon beside fused AdamW (optim.Optimizers) its skip flag on the device, as
+    it does fused AdamW alone: a non-finite step changes nothing, and no step reads the device."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**MODEL))
+    opt = optim.configure(model, TrainConfig(optimizer="muon", learning_rate=1e-2, muon_lr=0.02), "cpu")
+    assert opt._step_supports_amp_scaling
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    data = np.random.default_rng(0).integers(0, 65, size=2000).astype(np.uint16)
+    batches = TrainBatches(data, 4, 16, 0, CPU)
+    train_step(model, opt, scaler, batches, 1e-2, 2, 1.0, CPU)  # the states exist from here
+    before = [p.detach().clone() for p in model.parameters()], copy.deepcopy(opt.state_dict())
+    reads = []
+    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(
+            torch.Tensor, name, lambda self, *a, _n=name, _o=original, **k: reads.append(_n) or _o(self, *a, **k)
+        )
+    with nan_loss(model):
+        poisoned = train_step(model, opt, scaler, batches, 1e-2, 2, 1.0, CPU)
+    assert reads == []
+    monkeypatch.undo()
+    assert not bool(poisoned.stepped)
+    assert all(torch.equal(a, b) for a, b in zip(before[0], model.parameters()))
+    for a, b in zip(before[1]["optimizers"], opt.state_dict()["optimizers"]):
+        assert all(torch.equal(a["state"][i][k], b["state"][i][k]) for i in a["state"] for k in a["state"][i])
+    good = train_step(model, opt, scaler, batches, 1e-2, 2, 1.0, CPU)
+    assert bool(good.stepped) and not all(torch.equal(a, b) for a, b in zip(before[0], model.parameters()))
+
+
+def test_muon_unscales_fp16_gradients_it_is_handed_scaled():
+    """GradScaler's protocol: a gradient still multiplied by the loss scale comes with grad_scale."""
+    options = dict(lr=0.02, momentum=0.9, weight_decay=0.05)
+    ours, theirs, opt, _ = muon_pair(options)
+    ref = optim.Muon(theirs, **options)
+    for p, q in zip(ours, theirs):
+        q.grad = torch.randn(q.shape)
+        p.grad = q.grad * 1024
+    opt.grad_scale, opt.found_inf = torch.tensor(1024.0), torch.tensor(0.0)
     opt.step()
-    assert calls == [opt]
+    ref.step()
+    assert all(torch.equal(p, q) for p, q in zip(ours, theirs))  # a power of two: exact
 
 
 def test_optimizers_state_dict_round_trip_keeps_this_runs_muon_lr():
