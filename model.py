@@ -127,11 +127,22 @@ def gpt2_args(config, dropout=0.0):
     )
 
 
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm with its gain cast to the input's dtype. Under bf16 autocast the input is bf16
+    and a float32 gain sends torch's rms_norm to its unfused path, which computes and keeps
+    float32 intermediates (it warns "Mismatch dtype between input and weight ... Cannot dispatch
+    to fused implementation"); with the dtypes equal CUDA runs its fused kernel. In float32 the
+    cast returns the gain itself: the same numbers as nn.RMSNorm, bit for bit."""
+
+    def forward(self, x):
+        return F.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps)
+
+
 def make_norm(config, dim):
     """The pre-norm of a block (and the final one): LayerNorm as GPT-2, or RMSNorm as Llama
     (x / rms(x) * weight: cheaper, and as good in practice)."""
     if config.norm == "rmsnorm":
-        return nn.RMSNorm(dim, eps=config.norm_eps)
+        return RMSNorm(dim, eps=config.norm_eps)
     return nn.LayerNorm(dim, eps=config.norm_eps, bias=config.bias)
 
 
@@ -210,8 +221,8 @@ class CausalSelfAttention(nn.Module):
             # RMSNorm of each head's q and k (as nanochat and modded-nanogpt do, here with a
             # learned gain): the attention logits cannot grow with the weights, which steadies
             # training at high learning rates
-            self.q_norm = nn.RMSNorm(self.head_size, eps=config.norm_eps)
-            self.k_norm = nn.RMSNorm(self.head_size, eps=config.norm_eps)
+            self.q_norm = RMSNorm(self.head_size, eps=config.norm_eps)
+            self.k_norm = RMSNorm(self.head_size, eps=config.norm_eps)
         if value_embed:  # value_embeds: how much of the token's value embedding each k/v head takes
             self.ve_gate = nn.Parameter(torch.ones(self.n_kv_head))  # (n_kv,)
 
@@ -379,7 +390,7 @@ class GPT(nn.Module):
                 n -= sum(p.numel() for p in self.transformer.ve.parameters())
         return n
 
-    def forward(self, idx, targets=None, cache=None, logits_at=None, reduction="mean", docs=None):
+    def forward(self, idx, targets=None, cache=None, logits_at=None, reduction="mean", docs=None, loss_only=False):
         """idx (B, T) -> (logits, loss). With targets, loss is the mean cross-entropy over the
         targets that are not -1 (reduction='sum': their sum, for chat batches, which weigh
         micro-batches by their trained tokens). The logits are every position's with targets, else
@@ -391,7 +402,10 @@ class GPT(nn.Module):
         keys and values and runs its attention over them (CausalSelfAttention.forward). docs (B, T),
         for rows packed from documents (gpt/batches.py): each token's document number in its row;
         a token then sees only its own document, whose positions start at 0, as if it ran alone.
-        With logit_softcap the logits are capped (and float32) on every path, the loss's included."""
+        With logit_softcap the logits are capped (and float32) on every path, the loss's included.
+        loss_only, with targets: (None, loss), for a step that never reads the logits. They then stay
+        inside the loss, so a compiled step need not write them out ((B, T, vocab), in float32 with
+        logit_softcap): inductor may fuse the cap into the cross-entropy's kernels."""
         B, T = idx.size()
         mask = None
         if cache is None:
@@ -442,7 +456,7 @@ class GPT(nn.Module):
             loss = F.cross_entropy(
                 logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1, reduction=reduction
             )
-        return logits, loss
+        return (None if loss_only and loss is not None else logits), loss
 
     def crop_block_size(self, block_size):
         """Shorten the context (e.g. to finetune a 1024-token model on 256-token blocks)."""

@@ -44,10 +44,10 @@ def train_step(model, optimizer, scaler, next_batch, lr, accum_steps, grad_clip,
         with model.no_sync() if isinstance(model, DDP) and not last else nullcontext():
             with rt.autocast():
                 if weight:
-                    _, loss = model(x, y, reduction="sum")
+                    _, loss = model(x, y, reduction="sum", loss_only=True)
                     loss = loss * weight[0]
                 else:
-                    _, loss = model(x, y, **docs)
+                    _, loss = model(x, y, loss_only=True, **docs)
                     # each micro-batch's mean loss, scaled so the accumulated gradient is that of the
                     # mean over the whole batch, not the sum
                     loss = loss / accum_steps
@@ -124,7 +124,7 @@ def evaluate(model, splits, block_size, rt, group=1):
                 y = y.clone()  # a view of the same ids as x
                 y[real:] = IGNORE
             with rt.autocast():
-                _, loss = model(x, y, reduction="sum")
+                _, loss = model(x, y, reduction="sum", loss_only=True)
             total[0] += loss.float()
             total[1] += (y != IGNORE).sum()
         if rt.ddp:

@@ -15,13 +15,14 @@ import torch
 import torch.nn.functional as F
 from conftest import ATEN_BACKEND, char_dataset, read_metrics, run_script, tiny_args
 from torch._dynamo.utils import counters
+from torch.overrides import TorchFunctionMode
 
 from configurator import TrainConfig, UserError, parse
 from gpt import checkpoint, inference, load, optim, runtime, tokenizer
 from gpt.batches import TrainBatches
 from gpt.step import train_step
 from gpt.wrap import build, make_model_args
-from model import GPT, MLP, CausalSelfAttention, GPTConfig
+from model import GPT, MLP, CausalSelfAttention, GPTConfig, RMSNorm
 
 TINY = dict(n_layer=4, n_head=4, n_embd=32, block_size=16, vocab_size=65, dropout=0.0)
 LEVERS = dict(mlp="relu2", zero_init_proj=True, logit_softcap=15.0, value_embeds=True, unet_skips=True)
@@ -78,6 +79,67 @@ def test_logit_softcap_is_cap_tanh_of_the_uncapped_logits_in_training_and_infere
     torch.testing.assert_close(last, 3.0 * torch.tanh(z[:, -1:] / 3.0))
     with torch.autocast("cpu", dtype=torch.bfloat16):  # capped in float32 under autocast too
         assert capped(idx)[0].dtype == torch.float32
+
+
+def test_loss_only_is_the_same_loss_and_gradients_without_the_logits():
+    """train_step's forward (loss_only=True) leaves the capped float32 logits inside the loss: the
+    loss and every gradient are the ones the full forward gives, bit for bit."""
+    model = randomized(GPT(GPTConfig(**TINY, **LEVERS, qk_norm=True, norm="rmsnorm")), std=0.2)
+    idx = tokens()
+    grads = []
+    for loss_only in (False, True):
+        model.zero_grad()
+        logits, loss = model(idx, idx, loss_only=loss_only)
+        loss.backward()
+        grads.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        assert (logits is None) == loss_only
+    assert torch.equal(grads[0][0], grads[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(grads[0][1], grads[1][1]))
+    assert model(idx, loss_only=True)[0].shape == (2, 1, 65)  # without targets there is no loss to keep them in
+
+
+class RMSNormCalls(TorchFunctionMode):
+    """The (input, gain) dtypes of every rms_norm call made while inside."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (F.rms_norm, torch.rms_norm):
+            weight = args[2] if len(args) > 2 else kwargs.get("weight")
+            self.dtypes.append((args[0].dtype, weight.dtype))
+        return func(*args, **kwargs)
+
+
+def test_rmsnorm_under_bf16_autocast_hands_rms_norm_one_dtype():
+    """Under bf16 autocast the norms see bf16 activations. torch's rms_norm with a float32 gain
+    falls off its fused kernel (it warns "Mismatch dtype ... Cannot dispatch to fused
+    implementation", once a process): torch's own nn.RMSNorm does, below. Ours casts the gain,
+    and gives the norm's formula, computed here in float64, to bf16's rounding; in float32 it is
+    nn.RMSNorm, bit for bit. (That CUDA then runs the fused kernel: tests/test_gpu.py.)"""
+    torch.manual_seed(0)
+    ours, theirs = RMSNorm(32, eps=1e-5), torch.nn.RMSNorm(32, eps=1e-5)
+    with torch.no_grad():
+        ours.weight.normal_(1, 0.5)
+        theirs.weight.copy_(ours.weight)
+    x = torch.randn(4, 7, 32) * 3
+    assert torch.equal(ours(x), theirs(x))
+    expected = x.double() / x.double().pow(2).mean(-1, keepdim=True).add(1e-5).sqrt() * ours.weight.double()
+    for norm, gain in ((ours, torch.bfloat16), (theirs, torch.float32)):
+        with RMSNormCalls() as calls, torch.autocast("cpu", dtype=torch.bfloat16):
+            y = norm(x.bfloat16())
+        assert calls.dtypes == [(torch.bfloat16, gain)] and y.dtype == torch.bfloat16
+        # bf16's 8-bit mantissa: the input, the gain and the output each rounded once
+        torch.testing.assert_close(y.double(), expected, rtol=3 * 2**-8, atol=1e-6)
+    # every norm of the speedrun's model under autocast: the blocks' and ln_f see the float32 residual
+    # stream, QK-norm the bf16 projections; none mixes the two
+    model = GPT(GPTConfig(**TINY, **LEVERS, norm="rmsnorm", qk_norm=True))
+    with RMSNormCalls() as calls, torch.autocast("cpu", dtype=torch.bfloat16):
+        model(tokens(), tokens(), loss_only=True)[1].backward()
+    assert len(calls.dtypes) == 4 * 4 + 1 and all(a == b for a, b in calls.dtypes)
+    assert calls.dtypes.count((torch.bfloat16, torch.bfloat16)) == 4 * 2
 
 
 def test_value_embedding_attention_adds_the_gated_embedding_to_v():
