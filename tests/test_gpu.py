@@ -1,18 +1,21 @@
 """What only a CUDA GPU can show: a bf16 autocast step, fused AdamW's skip on the device with no
-host sync (CUDA's sync debug mode raises on one), the SDPA kernel each `attention` value selects,
-pinned non-blocking batches, every available kernel giving the same loss, and FP8's matmuls (fp8=True)
-against their emulation, compiled. Skipped without CUDA; the FP8 test without FP8 units too."""
+host sync (CUDA's sync debug mode raises on one), and Muon's beside it, compiled; the SDPA kernel
+each `attention` value selects, pinned non-blocking batches, every available kernel giving the same
+loss, RMSNorm's fused kernel under autocast, and FP8's matmuls (fp8=True) against their emulation,
+compiled. Skipped without CUDA; the FP8 test without FP8 units too."""
 
 import numpy as np
 import pytest
 import torch
 from conftest import load_script, nan_loss
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from gpt import fp8, runtime
+from configurator import TrainConfig
+from gpt import fp8, optim, runtime
 from gpt.batches import TrainBatches, get_batch
 from gpt.step import train_step
 from gpt.wrap import attention_error
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, RMSNorm
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -125,3 +128,58 @@ def test_fp8_matmuls_match_their_emulation_and_compiled_steps_track_bf16(rt):
         )
     assert torch.isfinite(losses[True]).all()
     assert (losses[True] - losses[False]).abs().max() < 2e-2, (losses[False].tolist(), losses[True].tolist())
+
+
+def test_rmsnorm_under_bf16_autocast_runs_the_fused_kernel(rt):
+    """model.RMSNorm hands rms_norm one dtype (tests/test_levers.py), so CUDA dispatches its fused
+    kernel: the op itself, not the float32 chain of ops torch falls back to."""
+    ops = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    norm = RMSNorm(128).to(rt.device)
+    x = torch.randn(8, 64, 128, device=rt.device, dtype=torch.bfloat16, requires_grad=True)
+    with Ops(), rt.autocast():
+        norm(x).sum().backward()
+    assert any("_fused_rms_norm" in op for op in ops), ops
+
+
+def test_muon_beside_adamw_steps_without_a_sync_and_a_poisoned_step_changes_nothing(rt):
+    cfg = TrainConfig(optimizer="muon", learning_rate=1e-3, muon_lr=0.02, compile=True)
+    model, _, scaler, batches = setup_step(rt)
+    optimizer = optim.configure(model, cfg, "cuda")  # Muon's iteration compiled, as train.py builds it
+    train_step(model, optimizer, scaler, batches, 1e-3, 2, 1.0, rt)  # compiles, and the states exist
+    torch.cuda.synchronize()
+    weights = [p.detach().clone() for p in model.parameters()]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with nan_loss(model):
+            poisoned = train_step(model, optimizer, scaler, batches, 1e-3, 2, 1.0, rt)
+        after = [p.detach().clone() for p in model.parameters()]
+        good = train_step(model, optimizer, scaler, batches, 1e-3, 2, 1.0, rt)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert not bool(poisoned.stepped) and bool(good.stepped)
+    assert all(torch.equal(a, b) for a, b in zip(weights, after))
+    assert not all(torch.equal(a, b) for a, b in zip(after, model.parameters()))
+
+
+def test_batched_compiled_muon_steps_each_matrix_as_torch_muon(rt):
+    torch.manual_seed(0)
+    shapes = [(384, 128), (128, 128), (512, 128), (128, 512)] * 3
+    ours = [torch.nn.Parameter(torch.randn(s, device=rt.device)) for s in shapes]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = optim.Muon(ours, compile=True, lr=0.02, momentum=0.95, weight_decay=0.1)
+    ref = torch.optim.Muon(theirs, lr=0.02, momentum=0.95, weight_decay=0.1)
+    for _ in range(3):
+        for p, q in zip(ours, theirs):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+    for p, q in zip(ours, theirs):  # both iterate in bfloat16; inductor rounds its fused ops its own way
+        ratio = optim.adjusted_lr_ratio(None, p.shape)
+        assert (p - q).abs().max() < 3 * 2 * 0.02 * ratio * 2**-7, p.shape
