@@ -1,8 +1,10 @@
-"""llama.cpp's side of tests/test_gguf.py, run in a child process (conftest.in_child): llama.cpp is
-native code that can die of a signal (a segmentation fault in its CPU kernels), and a death inside a
-pytest-xdist worker takes the worker down and can leave the whole run waiting. In a child it is one
-failed test that names the signal. This module imports only llama_cpp and numpy, so a child starts
-in a fraction of a second.
+"""llama.cpp's side of tests/test_gguf.py, run as a process of its own (test_gguf.llama_cpp):
+llama.cpp is native code that can die of a signal (a segmentation fault in its CPU kernels), and a
+death inside a pytest-xdist worker takes the worker down and can leave the whole run waiting. In a
+child it is one failed test that names the signal. This script imports only llama_cpp and numpy, so
+it starts in a fraction of a second.
+
+    python tests/llama_cpp_child.py FUNCTION RESULT < args.pickle   # FUNCTION(*args), pickled to RESULT
 
 On CPUs with AMX (Intel Xeon from Sapphire Rapids on, `amx_int8` in /proc/cpuinfo), llama.cpp's CPU
 backend moves q8_0 (and q4_0, q4_1, q4_K, q5_K, q6_K, iq4_xs) matrix weights into its AMX buffer
@@ -13,6 +15,8 @@ for it, so `load` sets it on the model parameters llama-cpp-python starts from."
 
 import contextlib
 import itertools
+import pickle
+import sys
 
 F32 = 0  # GGML_TYPE_F32: llama.cpp's key/value cache in float32 (its default is f16)
 
@@ -103,3 +107,10 @@ def chat_replies(path, conversations, n_ctx=128):
         for m in conversations
     ]
     return {"metadata": dict(llm.metadata), "eos": llm.token_eos(), "prompts": prompts, "replies": replies}
+
+
+if __name__ == "__main__":
+    function, result = sys.argv[1:]
+    value = globals()[function](*pickle.load(sys.stdin.buffer))
+    with open(result, "wb") as f:
+        pickle.dump(value, f)

@@ -2,8 +2,7 @@
 resume on another world size, single-process readers, faults during a background write, and
 one-line messages for damaged checkpoints.
 
-The multi-process runs are shared by the tests, and run in tests/test_fsdp.py's two launches
-(test_fsdp.shared_launches; torchrun's start-up is most of their time):
+The multi-process runs are shared by the tests, each a torchrun launch (test_fsdp.torchrun):
   sharded_straight   FSDP on 2 ranks, sharded + async, 20 steps (keep_last=4: iters 5, 10, 15 and 20 stay)
   sharded_split      the straight run's out_dir as it stood at iter 10, resumed to 20 by a new launch
   sharded_full_disk  the straight run's checkpoint resumed on 2 ranks, its next write hitting /dev/full
@@ -19,9 +18,8 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import REPO, python_process, read_metrics, run_script, tiny_args
-from test_fsdp import SHARDED as COMMON
-from test_fsdp import reports, shared_launches
+from conftest import REPO, char_dataset, read_metrics, run_script, start_python, tiny_args
+from test_fsdp import succeeded, torchrun
 
 from configurator import UserError
 from gpt import checkpoint
@@ -38,18 +36,46 @@ def untimed(records):
     return [json.dumps({k: v for k, v in r.items() if k not in ("dt_ms", "tokens_per_s", "mfu")}) for r in records]
 
 
+# the runs' keys (tiny_args and these): FSDP on 2 ranks, sharded + async, 20 steps
+# (keep_last=4: iters 5, 10, 15 and 20 stay)
+COMMON = dict(
+    max_iters=20,
+    lr_decay_iters=20,
+    eval_interval=5,
+    gradient_accumulation_steps=2,
+    dropout=0.1,
+    parallelism="fsdp",
+    checkpoint_format="sharded",
+    async_checkpoint=True,
+    keep_last=4,
+)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    root = shared_launches(tmp_path_factory)
-    return (
-        root,
-        root / "chars",
-        {name: reports(root, name) for name in ("sharded_straight", "sharded_split", "sharded_full_disk")},
+    """The runs of the module docstring: (their root, the data, each run's ranks' reports)."""
+    root = tmp_path_factory.mktemp("sharded")
+    data = char_dataset(root / "chars")
+    sharded = lambda name, **keys: torchrun(root, name, tiny_args(data, root / name, **{**COMMON, **keys}))
+    succeeded(straight := sharded("sharded_straight"))
+    # iter 10's checkpoint was written in the background while the straight run trained on
+    at_10 = shutil.ignore_patterns("ckpt_0000015", "ckpt_0000020", "ckpt_best", "rank*")
+    shutil.copytree(root / "sharded_straight", root / "sharded_split", symlinks=True, ignore=at_10)
+    succeeded(split := sharded("sharded_split", init_from="resume"))
+    # the straight run's last checkpoint resumed on 2 ranks, its next write (iter 25) failing with ENOSPC
+    shutil.copytree(
+        root / "sharded_straight", root / "sharded_full_disk", symlinks=True, ignore=shutil.ignore_patterns("rank*")
     )
+    (root / "sharded_full_disk" / "ckpt_0000025").mkdir()
+    for rank in range(2):
+        os.symlink("/dev/full", root / "sharded_full_disk" / "ckpt_0000025" / f"__{rank}_0.distcp")
+    full_disk = sharded("sharded_full_disk", init_from="resume", max_iters=30, lr_decay_iters=30)
+    reports = {"sharded_straight": straight[2], "sharded_split": split[2], "sharded_full_disk": full_disk[2]}
+    return root, data, reports, full_disk[0]
 
 
 def test_fsdp_sharded_async_resume_is_exact(runs):
-    root, _, results = runs
+    root, _, results, _ = runs
     assert untimed(read_metrics(root / "sharded_split")) == untimed(
         read_metrics(root / "sharded_straight")
     )  # loss for loss
@@ -64,7 +90,7 @@ def test_fsdp_sharded_async_resume_is_exact(runs):
 
 
 def test_a_sharded_checkpoint_is_a_directory_of_shards_committed_last(runs):
-    root, _, _ = runs
+    root, _, _, _ = runs
     names = sorted(p.name for p in (root / "sharded_straight").iterdir() if p.name.startswith("ckpt"))
     assert names == ["ckpt_0000005", "ckpt_0000010", "ckpt_0000015", "ckpt_0000020", "ckpt_best"]  # keep_last=4
     assert sorted(os.listdir(root / "sharded_straight" / "ckpt_0000020")) == [
@@ -80,7 +106,7 @@ def test_a_sharded_checkpoint_is_a_directory_of_shards_committed_last(runs):
 
 
 def test_the_sharded_checkpoint_resumes_on_one_rank_and_readers_need_no_process_group(runs, tmp_path):
-    root, data, _ = runs
+    root, data, _, _ = runs
     out = tmp_path / "one"
     shutil.copytree(root / "sharded_split", out, symlinks=True)
     result = run_script("train.py", *tiny_args(data, out, **{**COMMON, "max_iters": 24, "init_from": "resume"}))
@@ -115,11 +141,9 @@ def test_the_sharded_checkpoint_resumes_on_one_rank_and_readers_need_no_process_
 
 
 def test_a_failing_background_write_is_one_line_on_every_rank_and_keeps_the_last_checkpoint(runs):
-    root, _, results = runs
+    root, _, results, launch_exit = runs
     result = results["sharded_full_disk"]
-    assert [r["exit"] for r in result] != [0, 0] and json.loads(
-        (root / "sharded_full_disk" / "launch.json").read_text()
-    ) != [0]
+    assert [r["exit"] for r in result] != [0, 0] and launch_exit != [0]
     errors = [line for r in result for line in r["stderr"].splitlines() if line.startswith("error:")]
     stderr = "".join(r["stderr"][-3000:] for r in result)
     assert errors and all("No space left on device" in e or "another rank" in e for e in errors), stderr
@@ -152,9 +176,10 @@ SLOW_DRIVER = textwrap.dedent("""
 
 
 def start_slow(tmp_path, delay, args):
+    """train.py ARGS in a process of its own, its background write of iter 10 taking `delay` s longer."""
     driver = tmp_path / "slow.py"
     driver.write_text(SLOW_DRIVER.format(repo=str(REPO)))
-    return python_process([driver, delay, *args])
+    return start_python([driver, delay, *args])
 
 
 def wait_for(path, proc, timeout=120):
@@ -237,7 +262,7 @@ def test_a_damaged_checkpoint_is_one_line(tmp_path, content):
 
 
 def test_a_sharded_directory_missing_a_shard_is_one_line(runs, tmp_path):
-    root, data, _ = runs
+    root, data, _, _ = runs
     out = tmp_path / "out"
     shutil.copytree(root / "sharded_split", out, symlinks=True)
     (out / "ckpt_0000020" / "__1_0.distcp").unlink()

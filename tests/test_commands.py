@@ -1,7 +1,6 @@
-"""Every command starts in a process of its own. The rest of the suite runs the scripts inside the
-test process (conftest.run_script) for speed; this is the check that each one also imports and
-parses on its own, as a user runs it (conftest.python_process: only torch and numpy are imported
-before it runs)."""
+"""Every command starts in a process of its own. The rest of the suite mostly calls the commands'
+main(argv) inside the test process (conftest.run_script); this is the check that each one also
+imports and parses in a fresh interpreter, as a user runs it."""
 
 import pytest
 from conftest import run_script
@@ -30,7 +29,7 @@ COMMANDS = [
 
 @pytest.mark.parametrize("script", COMMANDS)
 def test_help_in_a_process_of_its_own(script):
-    result = run_script(script, "--help", isolated=True, timeout=120)
+    result = run_script(script, "--help", isolated=True)
     assert result.returncode == 0, result.stderr
     assert "usage" in result.stdout.lower() or "--" in result.stdout
     assert "Traceback" not in result.stderr

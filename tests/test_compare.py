@@ -46,7 +46,7 @@ def bench_args(data_dir, tmp_path, **overrides):
 
 def in_process(args, log_path):
     """compare.run_train, with train.py run in this process: the same script, ~1 s less a run."""
-    result = run_script("train.py", *args, patched=True)
+    result = run_script("train.py", *args)
     Path(log_path).write_text(result.stdout + result.stderr)
     return result.returncode
 
@@ -175,9 +175,8 @@ def test_two_seeds_are_too_few_and_say_so(char_data, tmp_path, fast_runs, capsys
     assert result["summary"]["val_loss"]["B-A"]["p"] is None and result["summary"]["val_loss"]["A"]["low"] is not None
 
 
-def test_the_runs_are_train_py_processes(char_data, tmp_path, capsys, forked_pythons):
+def test_the_runs_are_train_py_processes(char_data, tmp_path, capsys):
     # the product's own path: python train.py, a process per run, its output in <side>-s<seed>.log
-    # (the processes forked from a server that imported torch: conftest.forked_pythons)
     result = compare_run(
         char_data, tmp_path, seeds=1, max_iters=10, lr_decay_iters=10, against=f"--learning_rate={LR / 30}"
     )

@@ -483,7 +483,6 @@ def test_an_in_loop_eval_that_runs_out_of_memory_costs_the_run_nothing(setup, tm
             core_max_per_task=5,
             core_bundle=bundle,
         ),
-        patched=True,
     )
     assert result.returncode == 0, result.stderr
     assert found == [None, 2, 4, 6, 8]  # CORE ran after its step's checkpoint

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import make_text, run_script, tiny_args
+from conftest import make_text, needs, run_script, tiny_args
 from test_tokenizer import make_128k_tokenizer
 
 import sample
@@ -359,7 +359,6 @@ def test_unknown_dataset_without_network_is_one_line(tmp_path):
         "--dataset=nobody/no-such-dataset",
         f"--out_dir={out_dir}",
         env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
-        timeout=120,
         isolated=True,
     )  # datasets reads these when it is imported
     assert result.returncode == 2
@@ -396,6 +395,7 @@ def test_shakespeare_script(tmp_path):
 def test_hub_stream_shuffles_by_seed_and_resumes(corpus_files, tmp_path, monkeypatch):
     """The Hugging Face path with the Hub replaced by a local streaming dataset: the library's
     seeded shuffle, and a restart that writes the same bytes."""
+    needs("datasets")
     import datasets
     import huggingface_hub
 

@@ -8,14 +8,13 @@ import shutil
 
 import pytest
 import torch
-from conftest import char_dataset, read_metrics
+from conftest import char_dataset, needs, read_metrics
 from test_replicas import Lighthouse, finish, group, steps
 
 from gpt import checkpoint
 from model import GPT, GPTConfig
 
-torchft = pytest.importorskip("torchft")
-
+needs("torchft")
 H = 4
 RUN = dict(max_iters=12, lr_decay_iters=12, eval_interval=2, keep_last=10, gradient_accumulation_steps=2, sync_every=H)
 

@@ -3,15 +3,14 @@ DDP and FSDP2 (losses, graphs, an exact resume), the skip decision of a step wit
 loss on one rank only (fp16, as the GPU runs it), one eval shape on every rank, and DDP's
 gradients held once (gradient_as_bucket_view) as memory.py counts them.
 
-The runs, shared by the tests, in one torchrun launch; a process's start and its first compile's
-imports are most of a small run's time, so the launch's ranks run the train.py runs one after the
-other (DRIVER: each compiles from nothing and has a process group of its own):
+The runs, shared by the tests, each a torchrun launch of tests/train_rank.py (train.py's main in each
+rank, with what a rank alone knows written down: its output, its checkpoint writes, its compile counters):
   eager         DDP, not compiled: the reference; which rank writes and logs, and the replicas' weights
   ddp           DDP, compiled, 8 steps
   fsdp          FSDP2, compiled, 8 steps
   resumed       a copy of ddp's out_dir as it stood at iter 4 (its ckpt_0000004.pt), resumed to 8,
                 compiling again
-  nan_one_rank  fp16, not compiled, a NaN loss on rank 1 only; it fails, last, with the launch
+  nan_one_rank  fp16, not compiled, a NaN loss on rank 1 only; it fails
 Every run evaluates 3 batches on 2 ranks, so one rank evaluates a padded batch (step.evaluate).
 
 What is under test here is how train.py's compiled model meets DDP and FSDP2: dynamo's graphs
@@ -19,25 +18,22 @@ What is under test here is how train.py's compiled model meets DDP and FSDP2: dy
 backward, the collectives between them, recompiles and a compiled resume. The ranks compile with
 torch.compile's aot_eager backend: the same dynamo and AOTAutograd graphs, run by ATen's kernels
 instead of inductor's generated C++. On a CPU inductor compiles each fused kernel with g++ (about
-1.3 s each, 38 for the DDP run). With aot_eager the launch took 47 CPU-seconds (2026-11-26; five
-launches of one run each had taken 128).
-Inductor on these model options (every Llama option, activation checkpointing) is tested in one
-process by tests/test_compile.py."""
+1.3 s each, 38 for the DDP run). Inductor on these model options (every Llama option, activation
+checkpointing) is tested in one process by tests/test_compile.py."""
 
 import gc
 import json
 import os
+import shutil
 import signal
-import socket
 import subprocess
-import textwrap
 import weakref
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import REPO, char_dataset, python_process, read_metrics
+from conftest import REPO, char_dataset, read_metrics, start_python
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from configurator import TrainConfig
@@ -67,111 +63,33 @@ TRAIN_ARGS = [
     "--mlp_hidden=512",
 ]
 
-# train.py under torchrun as a user runs it, once for each run in the JSON list argv[2] (name, train.py
-# arguments, nan_at, copy), one after the other in the same ranks: a process's start and its first compile's
-# imports are most of a small run's time. Each run starts from nothing: torch._dynamo.reset() (so it
-# compiles again), a process group of its own (a store on the port that the test chose, hosted by
-# rank 0, for each run after the first: torchrun's own store keeps the previous group's addresses), the
-# NaN patches of its own (nan_at=(iters, ranks): those steps on those ranks have a NaN loss,
-# conftest.train_in_rank); with copy, its out_dir is first a copy of an earlier run's. For the test it records what a rank alone knows of each run, in
-# root/<name>/rank<r>.*: its exit code, its stdout and stderr, torch.compile's counters
-# (tests/test_compile.py reads the same ones), the checkpoint files it wrote, and the weights it put in
-# its last checkpoint. A run that fails ends the process with its exit code
-DRIVER = textwrap.dedent("""
-    import functools, json, os, shutil, sys, time
-    sys.path[:0] = [{repo!r}, os.path.join({repo!r}, "tests")]
-    import torch, torch._dynamo
-    from conftest import train_in_rank
-    from torch._dynamo.utils import counters
-    from gpt import checkpoint
-    # train.py's torch.compile(model, ...) call, with the aot_eager backend (see the docstring)
-    torch.compile = functools.partial(torch.compile, backend="aot_eager")
-    root, runs = sys.argv[1], json.loads(sys.argv[2])
-    save, make, report = checkpoint.save, checkpoint.make_checkpoint, None
 
-    def recording_save(state, path):
-        with open(report + ".writes", "a") as f:
-            f.write(path + "\\n")
-        save(state, path)
-
-    def make_and_keep(*args):
-        state = make(*args)
-        torch.save(state["model"], report + ".weights.pt")
-        return state
-
-    checkpoint.save, checkpoint.make_checkpoint = recording_save, make_and_keep
-
-    def run(name, args, nan_at, port, copy):
-        global report
-        out = os.path.join(root, name)
-        report = os.path.join(out, "rank" + os.environ["RANK"])
-        if copy:  # out_dir: a copy of another run's (copy: its name, what to leave out), made by rank 0
-            if os.environ["RANK"] == "0":
-                shutil.copytree(os.path.join(root, copy[0]), out, ignore=shutil.ignore_patterns(*copy[1]), dirs_exist_ok=True)
-                open(os.path.join(out, "copied"), "w").close()
-            while not os.path.exists(os.path.join(out, "copied")):
-                time.sleep(0.05)
-        torch._dynamo.reset()
-        counters.clear()
-        code = train_in_rank(report, args, port, *(nan_at or ()))
-        with open(report + ".json", "w") as f:
-            json.dump({{"exit": code, "counters": {{k: {{str(a): b for a, b in v.items()}} for k, v in counters.items()}}}}, f)
-        return code
-
-    for spec in runs:
-        code = run(**spec)
-        if code:
-            sys.exit(code)
-""")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun(root, data_dir, runs, timeout=300):
-    """One `torchrun --nproc_per_node=2` launch that runs `train.py TRAIN_ARGS extra` for each
-    (name, extra, nan_at, copy) in runs, in that order, in root/name (out_dir and each rank's report; see
-    DRIVER); killed, with the test failing, if it runs past `timeout` (a rank waiting forever).
-    Returns torchrun's exit code, stdout and stderr, and each run's ranks' reports by name (the runs
-    that ran)."""
-    driver = root / "driver.py"
-    driver.write_text(DRIVER.format(repo=str(REPO)))
-    specs = []
-    for i, (name, extra, nan_at, copy) in enumerate(runs):
-        (root / name).mkdir(exist_ok=True)
-        specs.append(
-            {
-                "name": name,
-                "args": [*TRAIN_ARGS, f"--dataset={data_dir}", f"--out_dir={root / name}", *extra],
-                "nan_at": nan_at and [sorted(s) for s in nan_at],
-                "port": i and free_port(),
-                "copy": copy,
-            }
-        )
-    cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", driver, root, json.dumps(specs)]
-    # inductor compiles in the rank's own process (python_process's TORCHINDUCTOR_COMPILE_THREADS=1).
-    # Its cache is torch's default, as in tests/test_compile.py
-    proc = python_process(cmd, env={"OMP_NUM_THREADS": "1"})
+def torchrun(root, data_dir, name, extra, nan_at=None, timeout=300):
+    """`torchrun --nproc_per_node=2` of train.py TRAIN_ARGS EXTRA in root/name (tests/train_rank.py,
+    compiling with aot_eager, recording; nan_at: (iters, ranks) whose loss is NaN). Killed, with the
+    test failing, past `timeout` (a rank waiting for ever). Returns (torchrun's exit code, its stderr,
+    each rank's report: exit, counters, stdout, stderr)."""
+    out = root / name
+    out.mkdir(exist_ok=True)  # a resume's: a copy of another run's
+    options = {"backend": "aot_eager", "record": True}
+    if nan_at:
+        options.update(nan_at=sorted(nan_at[0]), nan_ranks=sorted(nan_at[1]))
+    args = [*TRAIN_ARGS, f"--dataset={data_dir}", f"--out_dir={out}", *extra]
+    driver = [REPO / "tests" / "train_rank.py", out / "rank", json.dumps(options)]
+    cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *driver, *args]
+    proc = start_python(cmd, env={"OMP_NUM_THREADS": "1"})
     try:
-        stdout, stderr = proc.communicate(timeout=timeout)
+        _, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers
-        proc.wait()
-        pytest.fail(
-            f"torchrun of {[name for name, *_ in runs]} still running after {timeout} s: a rank is waiting for another"
-        )
-    reports = {}
-    for name, *_ in runs:
-        out = root / name
-        if not all((out / f"rank{r}.json").exists() for r in range(2)):
-            break
-        reports[name] = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-        for r, rank in enumerate(reports[name]):
-            rank["stdout"], rank["stderr"] = ((out / f"rank{r}{suffix}").read_text() for suffix in (".out", ".err"))
-    return proc.returncode, stdout, stderr, reports
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its ranks
+        proc.communicate()
+        pytest.fail(f"torchrun of {name} still running after {timeout} s: a rank is waiting for another")
+    ranks = []
+    for r in range(2):
+        report = json.loads((out / f"rank{r}.json").read_text())
+        report.update(stdout=(out / f"rank{r}.out").read_text(), stderr=(out / f"rank{r}.err").read_text())
+        ranks.append(report)
+    return proc.returncode, stderr, ranks
 
 
 # fp16, a NaN loss on rank 1 at iters 3, 6 and 7 (test_one_rank_non_finite_loss_is_skipped_by_every_rank)
@@ -179,7 +97,6 @@ NAN_ONE_RANK = (
     "nan_one_rank",
     ["--dtype=float16", "--max_iters=10", "--eval_interval=100", "--max_bad_steps=2"],
     ({3, 6, 7}, {1}),
-    None,
 )
 
 
@@ -201,26 +118,16 @@ def data_dir(tmp_path_factory):
 def compiled(data_dir):
     root, chars = data_dir, data_dir / "chars"
     ddp = ["--compile=True", "--always_save_checkpoint=True", "--keep_last=2"]  # checkpoints at 4 and 8
-    at_4 = ("ddp", ["ckpt.pt", "ckpt_best.pt", "ckpt_0000008.pt", "rank*"])  # ddp's out_dir as it stood at iter 4
-    code, _, stderr, runs = torchrun(
-        root,
-        chars,
-        [
-            ("eager", [], None, None),
-            ("ddp", ddp, None, None),
-            ("fsdp", ["--compile=True", "--parallelism=fsdp"], None, None),
-            (
-                "resumed",
-                [*ddp, "--init_from=resume"],
-                None,
-                at_4,
-            ),  # compiled again from nothing (torch._dynamo.reset())
-            NAN_ONE_RANK,
-        ],
-    )  # last: its failing exit is the launch's
-    assert len(runs) == 5 and all(
-        r["exit"] == 0 for name, ranks in runs.items() if name != NAN_ONE_RANK[0] for r in ranks
-    ), stderr[-3000:] + "".join(r["stderr"][-3000:] for ranks in runs.values() for r in ranks)
+    runs = {}
+    for name, extra in (("eager", []), ("ddp", ddp), ("fsdp", ["--compile=True", "--parallelism=fsdp"])):
+        code, stderr, runs[name] = torchrun(root, chars, name, extra)
+        assert code == 0, stderr[-3000:] + "".join(r["stderr"][-3000:] for r in runs[name])
+    # ddp's out_dir as it stood at iter 4, resumed: compiled again from nothing
+    at_4 = shutil.ignore_patterns("ckpt.pt", "ckpt_best.pt", "ckpt_0000008.pt", "rank*")
+    shutil.copytree(root / "ddp", root / "resumed", ignore=at_4)
+    code, stderr, runs["resumed"] = torchrun(root, chars, "resumed", [*ddp, "--init_from=resume"])
+    assert code == 0, stderr[-3000:] + "".join(r["stderr"][-3000:] for r in runs["resumed"])
+    code, _, runs[NAN_ONE_RANK[0]] = torchrun(root, chars, *NAN_ONE_RANK)
     return root, {**runs, "launch exit": code}
 
 

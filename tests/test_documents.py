@@ -233,7 +233,7 @@ def document_data(tmp_path):
 
 
 def train(data_dir, out_dir, **overrides):
-    return run_script("train.py", *tiny_args(data_dir, out_dir, **overrides), timeout=900)
+    return run_script("train.py", *tiny_args(data_dir, out_dir, **overrides))
 
 
 def test_resume_mid_epoch_is_exact(document_data, tmp_path):

@@ -8,7 +8,8 @@ import time
 
 import pytest
 import torch
-from conftest import REPO, nan_steps, python_process, read_metrics, run_script, tiny_args
+from conftest import REPO, read_metrics, run_script, start_python, tiny_args
+from train_rank import nan_steps
 
 from gpt import checkpoint
 
@@ -19,8 +20,9 @@ def untimed(records):
     return [{k: v for k, v in r.items() if k not in ("dt_ms", "tokens_per_s", "mfu")} for r in records]
 
 
-def start(args, env=None, module_args=None):
-    return python_process([*(module_args or []), *([] if module_args else [REPO / "train.py"]), *args], env=env)
+def start(args, env=None, launcher=()):
+    """train.py ARGS in a process of its own (under `launcher`, torchrun's module and flags)."""
+    return start_python([*launcher, REPO / "train.py", *args], env=env)
 
 
 def wait_for_steps(out_dir, n, proc, timeout=300):
@@ -37,7 +39,7 @@ def wait_for_steps(out_dir, n, proc, timeout=300):
 
 def test_sigterm_checkpoints_and_resume_is_exact(char_data, tmp_path):
     common = dict(max_iters=400, lr_decay_iters=400, eval_interval=100, dropout=0.1)
-    straight = run_script("train.py", *tiny_args(char_data, tmp_path / "straight", **common), timeout=900)
+    straight = run_script("train.py", *tiny_args(char_data, tmp_path / "straight", **common))
     assert straight.returncode == 0, straight.stderr
 
     out = tmp_path / "stopped"
@@ -49,7 +51,7 @@ def test_sigterm_checkpoints_and_resume_is_exact(char_data, tmp_path):
     stopped_at = checkpoint.load(str(out / "ckpt.pt"))["iter_num"]
     assert 30 <= stopped_at < 400 and f"stopped at iter {stopped_at} (SIGTERM)" in stdout
 
-    resumed = run_script("train.py", *tiny_args(char_data, out, **common, init_from="resume"), timeout=900)
+    resumed = run_script("train.py", *tiny_args(char_data, out, **common, init_from="resume"))
     assert resumed.returncode == 0, resumed.stderr
     assert untimed(read_metrics(out)) == untimed(read_metrics(tmp_path / "straight"))
 
@@ -69,9 +71,7 @@ def test_a_non_finite_step_leaves_the_weights_alone(char_data, tmp_path, monkeyp
     """Step 5 is poisoned: the weights after steps 0-5 equal those after steps 0-4."""
     five = run_script("train.py", *tiny_args(char_data, tmp_path / "five", max_iters=5, eval_interval=1000))
     nan_steps(monkeypatch.setattr, {5})
-    poisoned = run_script(
-        "train.py", *tiny_args(char_data, tmp_path / "six", max_iters=6, eval_interval=1000), patched=True
-    )
+    poisoned = run_script("train.py", *tiny_args(char_data, tmp_path / "six", max_iters=6, eval_interval=1000))
     assert five.returncode == 0 and poisoned.returncode == 0, poisoned.stderr
     assert (
         "iter 5: non-finite loss or gradient norm, 1 step(s) skipped since the last log (1 in a row)" in poisoned.stdout
@@ -90,7 +90,6 @@ def test_too_many_bad_steps_stop_the_run_with_the_last_good_checkpoint(char_data
     result = run_script(
         "train.py",
         *tiny_args(char_data, out, max_iters=50, eval_interval=4, max_bad_steps=3, always_save_checkpoint=True),
-        patched=True,
     )
     assert result.returncode == 3
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
@@ -108,7 +107,7 @@ def test_ddp_sigterm_to_the_launcher_stops_both_ranks_with_one_checkpoint(char_d
     proc = start(
         args,
         env={"OMP_NUM_THREADS": "1"},
-        module_args=["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(REPO / "train.py")],
+        launcher=["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"],
     )
     wait_for_steps(out, 20, proc)
     proc.send_signal(signal.SIGTERM)  # to torchrun, which passes it on to both ranks
@@ -189,7 +188,6 @@ def test_a_rank_whose_peer_never_comes_gives_up_after_dist_timeout_s(char_data, 
         *tiny_args(char_data, tmp_path / "out", gradient_accumulation_steps=2, dist_timeout_s=2),
         env=env,
         isolated=True,
-        timeout=120,
     )
     assert result.returncode == 2, result.stderr
     assert (

@@ -13,11 +13,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-from conftest import REPO, bpe_eval_data, char_dataset, read_metrics, run_script, tiny_args
+from conftest import REPO, bpe_eval_data, char_dataset, needs, read_metrics, run_script, tiny_args
 
 from configurator import TrainConfig, UserError, parse
 from gpt import checkpoint, fp8
 from model import GPT, GPTConfig
+
+needs("torchao")
 
 BLOCK_LINEARS = [
     f"transformer.h.{i}.{name}" for i in range(2) for name in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
@@ -242,8 +244,10 @@ def test_the_checkpoint_samples_where_torchao_cannot_be_imported(runs):
 
 
 def test_an_fp8_run_exports_to_hugging_face_and_gguf(runs, tmp_path):
-    transformers = pytest.importorskip("transformers")
-    gguf = pytest.importorskip("gguf")
+    needs("transformers", "gguf")
+    import gguf
+    import transformers
+
     out = runs / "straight"
     assert run_script("hf.py", f"--out_dir={out}", f"--export_dir={tmp_path / 'hf'}").returncode == 0
     model, _ = checkpoint.load_model(str(out), report=lambda _: None)

@@ -1,16 +1,11 @@
 """Several processes on CPU (gloo) under torchrun: FSDP2 trains like DDP, saves the same
 checkpoint format and resumes exactly, and two torchrun launches rendezvous as two nodes.
 
-Two launches of two processes each, shared by the tests here and by tests/test_checkpoint_format.py
-(shared_launches; a process's start is most of a small run's time, so each launch runs several
-train.py runs one after the other in the same ranks, see DRIVER):
-  first, two torchrun agents (--nnodes=2, c10d rendezvous on localhost), one process each:
-    ddp               DDP, 8 steps
-    two_node          FSDP, 8 steps
-    sharded_straight  test_checkpoint_format's FSDP run, sharded + async checkpoints
-  then one standalone launch:
-    split             the two-node run's out_dir as it stood at iter 4, resumed to 8
-    sharded_split, sharded_full_disk   test_checkpoint_format's resumes (the last one fails)
+The runs, shared by the tests, each a torchrun launch of tests/train_rank.py (train.py's main in
+each rank, a NaN loss injected; tests/test_checkpoint_format.py launches its sharded runs the same way):
+  ddp       DDP, 8 steps
+  two_node  FSDP, 8 steps, by two torchrun agents (--nnodes=2, c10d rendezvous on localhost) of one rank each
+  split     the two-node run's out_dir as it stood at iter 4, resumed to 8
 The runs here also use activation checkpointing, so its composition with DDP and FSDP is under
 test too, and have a NaN loss injected at step 5, which all ranks must skip (the gradient norm decides)."""
 
@@ -21,12 +16,11 @@ import shutil
 import signal
 import socket
 import subprocess
-import textwrap
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import REPO, char_dataset, python_process, read_metrics, shared_dir, tiny_args
+from conftest import REPO, char_dataset, read_metrics, start_python
 
 from model import GPT, GPTConfig
 
@@ -51,70 +45,26 @@ TRAIN_ARGS = [
 ]
 FSDP = "--parallelism=fsdp"
 NAN_STEP = 5
-# test_checkpoint_format.py's runs (tiny_args and these): FSDP on 2 ranks, sharded + async, 20 steps
-# (keep_last=4: iters 5, 10, 15 and 20 stay)
-SHARDED = dict(
-    max_iters=20,
-    lr_decay_iters=20,
-    eval_interval=5,
-    gradient_accumulation_steps=2,
-    dropout=0.1,
-    parallelism="fsdp",
-    checkpoint_format="sharded",
-    async_checkpoint=True,
-    keep_last=4,
-)
-
-# train.py under torchrun as a user runs it, once for each run in the JSON list argv[2] (name, train.py
-# arguments, NaN steps), one after the other in the same ranks. Each run has a process group of its
-# own (for each run after the first, a store on the port that the test chose, hosted by rank 0:
-# torchrun's own store keeps the previous group's addresses) and a NaN loss at its NaN steps on every
-# rank (conftest.train_in_rank). Each rank's stdout, stderr and exit code of each run go to
-# root/<name>/rank<r>.*; a run that fails ends the process with its exit code
-DRIVER = textwrap.dedent("""
-    import json, os, sys
-    sys.path[:0] = [{repo!r}, os.path.join({repo!r}, "tests")]
-    from conftest import train_in_rank
-    root, runs = sys.argv[1], json.loads(sys.argv[2])
-    # every rank runs on this machine, the two "nodes" too: they share its cores as a standalone launch's
-    # ranks do (runtime.setup gives a rank cpu_count / LOCAL_WORLD_SIZE threads), so a run computes the
-    # same under both launches, bit for bit
-    os.environ["LOCAL_WORLD_SIZE"] = os.environ["WORLD_SIZE"]
-
-    def run(name, args, nan, port):
-        report = os.path.join(root, name, "rank" + os.environ["RANK"])
-        code = train_in_rank(report, args, port, nan)
-        with open(report + ".json", "w") as f:
-            json.dump({{"exit": code}}, f)
-        return code
-
-    for spec in runs:
-        code = run(**spec)
-        if code:
-            sys.exit(code)
-""")
 
 
-def torchrun(launch, root, runs, nodes=1):
-    """Start `torchrun <launch>` `nodes` times (one agent per node), its ranks running `train.py args`
-    for each (name, args, NaN steps) in runs, in that order (DRIVER); returns the Popens."""
-    driver = root / "driver.py"
-    driver.write_text(DRIVER.format(repo=str(REPO)))
-    for name, *_ in runs:
-        (root / name).mkdir(exist_ok=True)
-    specs = json.dumps(
-        [
-            {"name": name, "args": [*map(str, args)], "nan": sorted(nan), "port": i and free_port()}
-            for i, (name, args, nan) in enumerate(runs)
-        ]
-    )
-    cmd = ["-m", "torch.distributed.run", *launch, driver, root, specs]
-    return [python_process(cmd, env={"OMP_NUM_THREADS": "1"}) for _ in range(nodes)]
-
-
-def finish(procs, root, runs, timeout=300):
-    """Wait for a launch's agents; (their exit codes, their stderr, each run's ranks' reports by name:
-    exit, stdout, stderr)."""
+def torchrun(root, name, args, nan=(), nodes=False, timeout=300):
+    """train.py ARGS on 2 ranks as run `name` (tests/train_rank.py, its reports in root/name), a NaN
+    loss at the steps `nan` on every rank: one standalone torchrun launch, or with nodes=True two
+    agents of one rank each meeting at a c10d rendezvous as two machines would. Killed, with the test
+    failing, past `timeout` (a rank waiting for ever). Returns (the agents' exit codes, their stderr,
+    the ranks' reports: exit, stdout, stderr)."""
+    (root / name).mkdir(exist_ok=True)  # a resume's: a copy of another run's
+    options = {"nan_at": sorted(nan)}
+    launch = ["--standalone", "--nproc_per_node=2"]
+    if nodes:
+        rendezvous = f"--rdzv_endpoint=localhost:{free_port()}"
+        launch = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", rendezvous, f"--rdzv_id={name}"]
+        # both ranks run on this machine, sharing its cores as a standalone launch's do (runtime.setup gives a
+        # rank cpu_count / LOCAL_WORLD_SIZE threads), so a run computes the same under both launches, bit for bit
+        options["local_world_size"] = 2
+    driver = [REPO / "tests" / "train_rank.py", root / name / "rank", json.dumps(options)]
+    cmd = ["-m", "torch.distributed.run", *launch, *driver, *map(str, args)]
+    procs = [start_python(cmd, env={"OMP_NUM_THREADS": "1"}) for _ in range(2 if nodes else 1)]
     outputs = []
     for p in procs:
         try:
@@ -122,17 +72,10 @@ def finish(procs, root, runs, timeout=300):
         except subprocess.TimeoutExpired:
             for q in procs:
                 if q.poll() is None:
-                    os.killpg(q.pid, signal.SIGKILL)  # torchrun and its workers
-                    q.wait()
-            pytest.fail(
-                f"torchrun of {[name for name, *_ in runs]} still running after {timeout} s: a rank is waiting for another"
-            )
-    done = {}
-    for name, *_ in runs:
-        if not all((root / name / f"rank{r}.json").exists() for r in range(2)):
-            break
-        done[name] = reports(root, name)
-    return [p.returncode for p in procs], "".join(err[-3000:] for _, err in outputs), done
+                    os.killpg(q.pid, signal.SIGKILL)  # torchrun and its ranks
+                    q.communicate()
+            pytest.fail(f"torchrun of {name} still running after {timeout} s: a rank is waiting for another")
+    return [p.returncode for p in procs], "".join(err[-3000:] for _, err in outputs), reports(root, name)
 
 
 def free_port():
@@ -141,87 +84,40 @@ def free_port():
         return s.getsockname()[1]
 
 
-def build_launches(root):
-    """The runs of the module docstring, under root (shared_launches)."""
-    data = char_dataset(root / "chars")
-    ours = lambda name, *extra: (
-        name,
-        [*TRAIN_ARGS, f"--dataset={data}", f"--out_dir={root / name}", *extra],
-        {NAN_STEP},
-    )
-    sharded = lambda name, **overrides: (name, tiny_args(data, root / name, **{**SHARDED, **overrides}), set())
-    # two "nodes" of one process each, meeting at a c10d rendezvous as separate machines would
-    node = [
-        "--nnodes=2",
-        "--nproc_per_node=1",
-        "--rdzv_backend=c10d",
-        f"--rdzv_endpoint=localhost:{free_port()}",
-        "--rdzv_id=test-two-nodes",
-    ]
-    # checkpoints at iters 4 and 8 (eval_interval=4) besides ckpt.pt
-    first = [
-        ours("ddp", "--parallelism=ddp"),
-        ours("two_node", FSDP, "--always_save_checkpoint=True", "--keep_last=2"),
-        sharded("sharded_straight"),
-    ]
-    codes, stderr, reports = finish(torchrun(node, root, first, nodes=2), root, first)
-    assert codes == [0, 0], stderr + "".join(r["stderr"][-3000:] for ranks in reports.values() for r in ranks)
-    # the two-node run as it stood at iter 4, resumed by a standalone launch
-    shutil.copytree(
-        root / "two_node",
-        root / "split",
-        ignore=shutil.ignore_patterns("ckpt.pt", "ckpt_best.pt", "ckpt_0000008.pt", "rank*"),
-    )
-    # test_checkpoint_format's: iter 10's checkpoint was written in the background while the straight run trained on
-    shutil.copytree(
-        root / "sharded_straight",
-        root / "sharded_split",
-        symlinks=True,
-        ignore=shutil.ignore_patterns("ckpt_0000015", "ckpt_0000020", "ckpt_best", "rank*"),
-    )
-    # and the straight run's last checkpoint resumed on 2 ranks, its next write (iter 25) failing with ENOSPC
-    shutil.copytree(
-        root / "sharded_straight", root / "sharded_full_disk", symlinks=True, ignore=shutil.ignore_patterns("rank*")
-    )
-    (root / "sharded_full_disk" / "ckpt_0000025").mkdir()
-    for rank in range(2):
-        os.symlink("/dev/full", root / "sharded_full_disk" / "ckpt_0000025" / f"__{rank}_0.distcp")
-    then = [
-        ours("split", FSDP, "--init_from=resume"),
-        sharded("sharded_split", init_from="resume"),
-        sharded("sharded_full_disk", init_from="resume", max_iters=30, lr_decay_iters=30),
-    ]
-    codes, stderr, reports = finish(torchrun(["--standalone", "--nproc_per_node=2"], root, then), root, then)
-    assert len(reports) == 3 and all(r["exit"] == 0 for name in ("split", "sharded_split") for r in reports[name]), (
-        stderr + "".join(r["stderr"][-3000:] for ranks in reports.values() for r in ranks)
-    )
-    (root / "sharded_full_disk" / "launch.json").write_text(json.dumps(codes))
-
-
-def shared_launches(tmp_path_factory):
-    """The launches' root, built once per test run (conftest.shared_dir) for this file and
-    tests/test_checkpoint_format.py; read it only."""
-    return shared_dir(tmp_path_factory, "fsdp_launches", build_launches)
-
-
-def reports(root, name):
-    """Each rank's report of run `name` (exit, stdout, stderr)."""
-    return [
-        {
-            **json.loads((root / name / f"rank{r}.json").read_text()),
-            **{
-                key: (root / name / f"rank{r}{suffix}").read_text()
-                for key, suffix in (("stdout", ".out"), ("stderr", ".err"))
-            },
-        }
-        for r in range(2)
-    ]
+def succeeded(launch):
+    codes, stderr, ranks = launch
+    assert codes == [0] * len(codes), stderr + "".join(r["stderr"][-3000:] for r in ranks)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    root = shared_launches(tmp_path_factory)
+    """The runs of the module docstring: their root, and the two-node run's ranks' stdout."""
+    root = tmp_path_factory.mktemp("fsdp")
+    data = char_dataset(root / "chars")
+    ours = lambda name, *extra, nodes=False: torchrun(
+        root, name, [*TRAIN_ARGS, f"--dataset={data}", f"--out_dir={root / name}", *extra], {NAN_STEP}, nodes
+    )
+    succeeded(ours("ddp", "--parallelism=ddp"))
+    # checkpoints at iters 4 and 8 (eval_interval=4) besides ckpt.pt
+    succeeded(ours("two_node", FSDP, "--always_save_checkpoint=True", "--keep_last=2", nodes=True))
+    # the two-node run as it stood at iter 4, resumed by a standalone launch
+    at_4 = shutil.ignore_patterns("ckpt.pt", "ckpt_best.pt", "ckpt_0000008.pt", "rank*")
+    shutil.copytree(root / "two_node", root / "split", ignore=at_4)
+    succeeded(ours("split", FSDP, "--init_from=resume"))
     return root, [r["stdout"] for r in reports(root, "two_node")]
+
+
+def reports(root, name):
+    """Each rank's report of run `name` (exit, stdout, stderr); exit None: the rank wrote none."""
+    read = lambda path: path.read_text() if path.exists() else ""
+    return [
+        {
+            "exit": json.loads(read(root / name / f"rank{r}.json") or "{}").get("exit"),
+            "stdout": read(root / name / f"rank{r}.out"),
+            "stderr": read(root / name / f"rank{r}.err"),
+        }
+        for r in range(2)
+    ]
 
 
 def losses(out_dir):

@@ -5,14 +5,18 @@ logits at every position and our 64 greedy tokens at f32 (f16 and q8_0 agreement
 chat demo's GGUF renders chat.py's ids and answers chat.py's replies through
 create_chat_completion; and the refusals are one line that leave no file behind."""
 
-import importlib.util
 import json
+import pickle
 import random
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
-import llama_cpp_child
 import pytest
 import torch
-from conftest import chat_demo_copy, in_child, load_script, make_text, run_script, tiny_args, train_tiny_run
+from conftest import chat_demo_copy, load_script, make_text, needs, run_script, tiny_args, train_tiny_run
 from test_chat_template import CONVERSATIONS, LLAMA3_SPECIALS, make_trained_tokenizer
 
 from data import corpus
@@ -20,11 +24,25 @@ from gpt import gguf_export, tokenizer
 from gpt.chat_template import Template
 from model import GPT, GPTConfig
 
-# llama.cpp runs in a child process (tests/llama_cpp_child.py): a crash there fails one test
-needs_llama_cpp = pytest.mark.skipif(
-    importlib.util.find_spec("llama_cpp") is None,
-    reason="llama-cpp-python is not installed (make test builds it into .venv)",
-)
+needs("gguf")
+
+
+def llama_cpp(function, *args, timeout=240):
+    """tests/llama_cpp_child.py's `function`(*args) in a process of its own: llama.cpp is native code
+    that can die of a signal, which then fails this test in one line instead of the pytest worker."""
+    needs("llama-cpp-python")
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.pickle"
+        child = [sys.executable, Path(__file__).with_name("llama_cpp_child.py"), function, result]
+        try:
+            done = subprocess.run(child, input=pickle.dumps(args), capture_output=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"llama.cpp's {function} gave no result in {timeout} s: killed", pytrace=False)
+        if done.returncode:
+            code = done.returncode
+            cause = f"died of {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            pytest.fail(f"llama.cpp's {function} {cause}:\n{done.stderr.decode()[-3000:]}", pytrace=False)
+        return pickle.loads(result.read_bytes())
 
 
 def export(out_dir, *args):
@@ -141,7 +159,6 @@ def tokenizers(tmp_path_factory):
     }
 
 
-@needs_llama_cpp
 @pytest.mark.parametrize("kind,pre", [("gpt2", "gpt-2"), ("trained", "dbrx"), ("llama3", "llama-bpe")])
 def test_llama_cpp_tokenizes_random_text_to_our_ids(tokenizers, tmp_path, kind, pre):
     """300 random strings: llama.cpp's ids (special tokens parsed, no BOS) are tokenizer.py's."""
@@ -156,16 +173,14 @@ def test_llama_cpp_tokenizes_random_text_to_our_ids(tokenizers, tmp_path, kind, 
     }[kind]
     rng = random.Random(kind)
     texts = [random_text(rng, specials) for _ in range(300)]
-    theirs = in_child(llama_cpp_child.tokenize, tmp_path / "model.gguf", texts)
+    theirs = llama_cpp("tokenize", tmp_path / "model.gguf", texts)
     assert theirs["metadata"]["tokenizer.ggml.pre"] == pre
     wrong = [(t, encode(t), ids) for t, ids in zip(texts, theirs["ids"])]
     wrong = [w for w in wrong if w[1] != w[2]]
     assert not wrong, f"{len(wrong)} of 300 differ, e.g. {wrong[:3]}"
     assert sum(len(encode(t)) for t in texts) > 3000  # the strings are not trivially short
     if kind == "llama3":  # ignore_merges: the piece that is a token is read whole on both sides
-        assert in_child(llama_cpp_child.tokenize, tmp_path / "model.gguf", [UNMERGED], False)["ids"] == [
-            encode(UNMERGED)
-        ]
+        assert llama_cpp("tokenize", tmp_path / "model.gguf", [UNMERGED], False)["ids"] == [encode(UNMERGED)]
         assert len(encode(UNMERGED)) == 1
 
 
@@ -252,7 +267,6 @@ def ours(out_dir):
     return model.eval(), spec
 
 
-@needs_llama_cpp
 @pytest.mark.parametrize("shape", SHAPES)
 def test_llama_cpp_logits_and_greedy_tokens_are_ours(trained, shape, monkeypatch):
     """At f32 llama.cpp's logits over the whole vocabulary at all 96 positions are our forward
@@ -267,9 +281,7 @@ def test_llama_cpp_logits_and_greedy_tokens_are_ours(trained, shape, monkeypatch
     encode, _ = tokenizer.load(spec)
     ids = encode(make_text(2000, seed=11))[:BLOCK]
     prompt = ids[:16]
-    scores, greedy = in_child(
-        llama_cpp_child.scores_and_greedy, trained[shape] / "f32" / "model.gguf", ids, prompt, BLOCK
-    )
+    scores, greedy = llama_cpp("scores_and_greedy", trained[shape] / "f32" / "model.gguf", ids, prompt, BLOCK)
     theirs = torch.from_numpy(scores)
     n_vocab = theirs.shape[-1]
     with torch.no_grad():
@@ -295,8 +307,8 @@ def test_llama_cpp_logits_and_greedy_tokens_are_ours(trained, shape, monkeypatch
     our_tokens = greedy_ours(model, prompt, n_vocab)
     assert greedy == our_tokens
     for dtype in ("f16", "q8_0"):  # reported, not asserted
-        scores, theirs_tokens = in_child(
-            llama_cpp_child.scores_and_greedy, trained[shape] / dtype / "model.gguf", ids, prompt, BLOCK
+        scores, theirs_tokens = llama_cpp(
+            "scores_and_greedy", trained[shape] / dtype / "model.gguf", ids, prompt, BLOCK
         )
         d = (torch.from_numpy(scores) - logits).abs().max().item()
         same_argmax = (torch.from_numpy(scores).argmax(-1) == logits.argmax(-1)).float().mean()
@@ -308,9 +320,7 @@ def test_llama_cpp_logits_and_greedy_tokens_are_ours(trained, shape, monkeypatch
     # q8_0 with llama.cpp's weight repacking off (no AMX buffer: the workaround for AMX CPUs) runs,
     # computes what the default load computes, and stays near our logits (q8_0 rounds each weight to
     # 1/127 of its block's largest: about 1% of the logits' range, measured)
-    no_repack, _ = in_child(
-        llama_cpp_child.scores_and_greedy, trained[shape] / "q8_0" / "model.gguf", ids, prompt, BLOCK, 0, True
-    )
+    no_repack, _ = llama_cpp("scores_and_greedy", trained[shape] / "q8_0" / "model.gguf", ids, prompt, BLOCK, 0, True)
     torch.testing.assert_close(torch.from_numpy(no_repack), torch.from_numpy(scores), rtol=0, atol=1e-3 * scale)
     assert (torch.from_numpy(no_repack) - logits).abs().max().item() < 0.05 * scale
 
@@ -339,7 +349,6 @@ def chat_demo(tmp_path_factory, shared_chat_demo):
     return out, single_turn
 
 
-@needs_llama_cpp
 @pytest.mark.parametrize("kind", ["gpt2", "trained", "llama3"])
 def test_llama_cpp_renders_the_chat_template_to_our_ids(tokenizers, tmp_path, kind):
     """For a chat model of each tokenizer (GPT-2's BPE with its four new turn tokens, a trained
@@ -349,7 +358,7 @@ def test_llama_cpp_renders_the_chat_template_to_our_ids(tokenizers, tmp_path, ki
     spec = {**tokenizers[kind], "vocab_size": template.vocab_size, "chat": template.meta()}
     model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=32, block_size=32, vocab_size=template.vocab_size))
     gguf_export.write(model, spec, str(tmp_path / "model.gguf"), "gpt2")
-    vocab = in_child(llama_cpp_child.tokenize, tmp_path / "model.gguf", [])
+    vocab = llama_cpp("tokenize", tmp_path / "model.gguf", [])
     assert (vocab["bos"], vocab["eos"]) == (template.id["bos"], template.end_id)
     assert vocab["metadata"]["tokenizer.ggml.eot_token_id"] == str(template.end_id)
     prompts = [
@@ -358,12 +367,11 @@ def test_llama_cpp_renders_the_chat_template_to_our_ids(tokenizers, tmp_path, ki
         for n in range(1, len(messages) + 1)
         if messages[n - 1]["role"] != "assistant"
     ]
-    rendered = in_child(llama_cpp_child.render_and_tokenize, tmp_path / "model.gguf", prompts)
+    rendered = llama_cpp("render_and_tokenize", tmp_path / "model.gguf", prompts)
     for prompt, ids in zip(prompts, rendered, strict=True):
         assert ids == template.render(prompt, add_generation_prompt=True)[0], (kind, prompt)
 
 
-@needs_llama_cpp
 def test_create_chat_completion_answers_what_chat_py_answers(chat_demo):
     """20 held-out prompts: llama.cpp renders the GGUF's chat template to the ids chat.py feeds
     the model, and create_chat_completion at temperature 0 replies what chat.py --prompt
@@ -372,7 +380,7 @@ def test_create_chat_completion_answers_what_chat_py_answers(chat_demo):
     model, spec = ours(out_dir)
     template = Template(spec)
     asked = [c["messages"][:-1] for c in conversations]  # the system message (if any) and the user's
-    theirs = in_child(llama_cpp_child.chat_replies, out_dir / "model.gguf", asked)
+    theirs = llama_cpp("chat_replies", out_dir / "model.gguf", asked)
     assert theirs["eos"] == template.end_id and theirs["metadata"]["tokenizer.ggml.pre"] == "dbrx"
     right = 0
     for c, messages, prompt, reply in zip(conversations, asked, theirs["prompts"], theirs["replies"], strict=True):

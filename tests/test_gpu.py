@@ -7,8 +7,9 @@ compiled. Skipped without CUDA; the FP8 test without FP8 units too."""
 import numpy as np
 import pytest
 import torch
-from conftest import load_script, nan_loss
+from conftest import load_script
 from torch.utils._python_dispatch import TorchDispatchMode
+from train_rank import nan_loss
 
 from configurator import TrainConfig
 from gpt import fp8, optim, runtime

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ATEN_BACKEND, char_dataset, read_metrics, run_script, tiny_args
+from conftest import ATEN_BACKEND, char_dataset, needs, read_metrics, run_script, tiny_args
 from torch._dynamo.utils import counters
 from torch.overrides import TorchFunctionMode
 
@@ -474,10 +474,10 @@ def test_ddp_on_two_gloo_ranks_keeps_the_replicas_equal(tmp_path):
 
     char_dataset(tmp_path / "chars")
     flags = [f"--{k}={v}" for k, v in LEVER_FLAGS.items() if k != "n_layer"]
-    code, _, stderr, reports = torchrun(
-        tmp_path, tmp_path / "chars", [("levers", [*flags, "--max_iters=4", "--eval_interval=4"], None, None)]
+    code, stderr, ranks = torchrun(
+        tmp_path, tmp_path / "chars", "levers", [*flags, "--max_iters=4", "--eval_interval=4"]
     )
-    assert code == 0, stderr[-3000:] + "".join(r["stderr"][-3000:] for r in reports.get("levers", []))
+    assert code == 0, stderr[-3000:] + "".join(r["stderr"][-3000:] for r in ranks)
     w0, w1 = (torch.load(tmp_path / "levers" / f"rank{r}.weights.pt", weights_only=True) for r in range(2))
     assert any(k.startswith("transformer.ve.") for k in w0) and "skip_weights" in w0
     assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
@@ -528,6 +528,7 @@ def test_exports_refuse_each_lever_they_cannot_compute_in_one_line(tmp_path, opt
 
 
 def test_the_gguf_writer_itself_refuses_the_levers(tmp_path):
+    needs("gguf")
     from gpt import gguf_export
 
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=50257, value_embeds=True))

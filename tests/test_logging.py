@@ -3,12 +3,13 @@ plot.py turning metrics.jsonl files into a PNG."""
 
 import struct
 
-from conftest import read_metrics, run_script, tiny_args
+from conftest import needs, read_metrics, run_script, tiny_args
 
 from gpt import checkpoint
 
 
 def test_wandb_offline_run_continues_the_same_run_after_resume(char_data, tmp_path):
+    needs("wandb")
     out = tmp_path / "out"
     env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     # isolated: wandb keeps a service process and module state per interpreter
@@ -29,6 +30,7 @@ def test_wandb_offline_run_continues_the_same_run_after_resume(char_data, tmp_pa
 
 
 def test_tensorboard_gets_the_same_scalars_as_metrics_jsonl(char_data, tmp_path):
+    needs("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "out"

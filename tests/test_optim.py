@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import ATEN_BACKEND, char_dataset, nan_loss, read_metrics, run_python, run_script, tiny_args
+from conftest import ATEN_BACKEND, char_dataset, read_metrics, run_python, run_script, tiny_args
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
+from train_rank import nan_loss
 
 import configurator
 from configurator import TrainConfig, UserError
@@ -30,7 +31,7 @@ UNTIMED = lambda records: [{k: v for k, v in r.items() if k not in ("dt_ms", "to
 
 
 def run_train(data_dir, out_dir, **overrides):
-    result = run_script("train.py", *tiny_args(data_dir, out_dir, **overrides), timeout=600)
+    result = run_script("train.py", *tiny_args(data_dir, out_dir, **overrides))
     assert result.returncode == 0, result.stderr
     return result
 

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import REPO, char_dataset, python_process, read_metrics, run_python, run_script, tiny_args
+from conftest import REPO, char_dataset, read_metrics, run_python, run_script, start_python, tiny_args
 
 from configurator import TrainConfig, UserError, parse
 from gpt import checkpoint, outdir, runtime
@@ -53,7 +53,7 @@ def one_line_error(result):
 
 
 def start(args):
-    return python_process([REPO / "train.py", *args])
+    return start_python([REPO / "train.py", *args])
 
 
 def wait_until(ready, proc, timeout=120):

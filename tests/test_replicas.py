@@ -17,12 +17,12 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import REPO, char_dataset, python_process, read_metrics, run_python, tiny_args
+from conftest import REPO, char_dataset, needs, read_metrics, run_python, start_python, tiny_args
 
 from gpt import checkpoint
 from model import GPT, GPTConfig
 
-torchft = pytest.importorskip("torchft")
+needs("torchft")
 
 # one global batch of 4 micro-batches (a group of 1 rank takes 2 of them, a rank of a 2-rank group 1);
 # a checkpoint every 12 steps, the one at step 12 kept for the resume. dist_timeout_s only bounds a
@@ -65,8 +65,7 @@ class Lighthouse:
 def start(args, log):
     """A process whose output goes to the file `log` (torchft's Rust side logs every quorum: a pipe
     nobody reads while it runs would fill and stop it)."""
-    open(log, "w").close()
-    proc = python_process(args, log, env={"OMP_NUM_THREADS": "1"})  # forked from a process that imported torch
+    proc = start_python(args, log, env={"OMP_NUM_THREADS": "1"})
     proc.log = log
     return proc
 

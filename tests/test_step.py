@@ -7,7 +7,8 @@ from contextlib import nullcontext
 import numpy as np
 import pytest
 import torch
-from conftest import nan_loss, nan_steps, read_metrics, run_script, tiny_args
+from conftest import read_metrics, run_script, tiny_args
+from train_rank import nan_loss, nan_steps
 
 from gpt import checkpoint, runtime
 from gpt.batches import TrainBatches
@@ -101,7 +102,6 @@ def test_bad_steps_between_logs_stop_the_run_at_the_next_log(char_data, tmp_path
         *tiny_args(
             char_data, out, max_iters=50, eval_interval=4, max_bad_steps=3, log_interval=5, always_save_checkpoint=True
         ),
-        patched=True,
     )
     assert result.returncode == 3, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "3 steps in a row" in result.stderr
