@@ -214,7 +214,7 @@ def test_errors_are_one_line(demo, tmp_path):
         ([f"--out_dir={tmp_path / 'nothing'}"], "does not exist"),
     ]
     for args, message in cases:
-        result = run_script("chat.py", *args)
+        result = run_script("chat.py", *args, "--device=cpu")
         assert result.returncode == 2 and result.stdout == "", (args, result.stdout)
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (args, result.stderr)
