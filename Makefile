@@ -1,6 +1,7 @@
 # Two commands on a fresh machine:
 #   make quickstart   set up .venv, prepare Shakespeare, train (CPU config, or the baby GPT on a GPU), sample
 #   make test         set up .venv with the test dependencies and run the suite
+#   make test-fast    the tests that start no process of their own, in under 2 minutes
 #   make lint         ruff check and ruff format --check, as CI runs them before make test
 # Both keep a GPU build of torch (>= scripts/system_torch.py's floor) that python3 already has.
 
@@ -9,7 +10,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 SHAKESPEARE_TXT ?= $(wildcard ../shared/data/tinyshakespeare/input.txt)
 
-.PHONY: quickstart test lint venv clean
+.PHONY: quickstart test test-fast lint venv clean
 
 venv: $(VENV)/.installed
 
@@ -45,26 +46,22 @@ quickstart: venv
 		$(PY) sample.py --out_dir=out-shakespeare-char-cpu --num_samples=1 --max_new_tokens=500; \
 	fi
 
-# one test process per core (pytest-xdist), one thread each: the tests' models are tiny, and idle
-# OpenMP threads spinning beside another worker's cost more than they give. Inductor compiles in the
-# test's own process (TORCHINDUCTOR_COMPILE_THREADS=1): with its pool of compile workers (fresh
-# interpreters) tests/test_compile.py's inductor test took 59 CPU-s with a cold cache, 53 without.
-# A file's tests stay on one worker, so a module's shared fixture (a trained run, an FSDP launch) is
-# built once; files go out in the order tests/conftest.py gives them, the longest first
-# (--no-loadscope-reorder).
-# Bytecode is cached (PYTHONDONTWRITEBYTECODE cleared, __pycache__ is git-ignored): the suite
-# starts some 150 Python processes, each compiling the repo's modules afresh without it.
-# No test can take the run down or hold it for ever: native code that can crash (llama.cpp) runs in a
-# child process (tests/conftest.py in_child); a test still running at --timeout seconds fails
-# (pytest-timeout, by SIGALRM inside the test, so the worker lives on); and a worker that dies anyway
-# is not replaced (--max-worker-restart=0): pytest-xdist's replacement under --dist loadfile can wait
-# for ever, while without one the run ends, failed, naming the test that was running.
-# schemathesis' and hypothesis' pytest plugins are off (-p no:...): no test uses them (test_serve.py
-# drives schemathesis itself), and their imports cost each of the three pytest processes ~1.2 s.
+# one pytest-xdist worker per core, one thread each: the tests' models are tiny, and OpenMP threads
+# spinning beside another worker's cost more than they give; inductor compiles in the test's own
+# process, not in a pool of fresh interpreters. A file's tests stay on one worker (--dist loadfile),
+# so a module's shared run is built once. A test still running at --timeout fails (pytest-timeout);
+# a worker that dies is not replaced (pytest-xdist's replacement under loadfile can wait for ever).
+# Bytecode is cached (PYTHONDONTWRITEBYTECODE cleared): the suite starts many Python processes.
+# schemathesis' and hypothesis' pytest plugins are off: no test uses them, and each import costs ~1 s.
+PYTEST := OMP_NUM_THREADS=1 TORCHINDUCTOR_COMPILE_THREADS=1 PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n auto \
+	--dist loadfile --max-worker-restart=0 --timeout=300 -p no:schemathesis -p no:hypothesispytest
 test: venv $(VENV)/.llama
-	SHAKESPEARE_TXT=$(abspath $(SHAKESPEARE_TXT)) OMP_NUM_THREADS=1 TORCHINDUCTOR_COMPILE_THREADS=1 PYTHONDONTWRITEBYTECODE= \
-		$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --max-worker-restart=0 \
-		--timeout=300 --timeout-method=signal -p no:schemathesis -p no:hypothesispytest tests
+	SHAKESPEARE_TXT=$(abspath $(SHAKESPEARE_TXT)) $(PYTEST) tests
+
+# the tests that run in pytest's own process, for the edit loop: not those marked `process` (a
+# torchrun, a signal, a server, a fresh interpreter) or `slow` (pyproject.toml)
+test-fast: venv
+	$(PYTEST) -m "not process and not slow" tests
 
 # llama-cpp-python, built from source once (tests/test_gguf.py runs llama.cpp on hf.py's GGUF files):
 # the library only, without llama.cpp's multimodal library (LLAVA_BUILD=OFF), tests, examples, tools,

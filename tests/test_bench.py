@@ -335,6 +335,7 @@ def test_train_with_auto_batch_size(char_data, tmp_path):
     assert saved["batch_size"] * saved["gradient_accumulation_steps"] * 16 == 16 * 8
 
 
+@pytest.mark.process
 def test_suite_runs_every_part_on_a_cpu_and_writes_its_reports(char_data, tmp_path):
     """The whole battery at its CPU scale, shortened: every part, report.md and report.json."""
     work = tmp_path / "work"

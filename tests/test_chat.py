@@ -113,6 +113,7 @@ def chat(out_dir, *args, stdin=None):
     return result
 
 
+@pytest.mark.slow
 def test_the_demo_model_answers_held_out_prompts(demo):
     """Greedy replies through chat.py, word for word: one turn through --prompt, the name recalled
     a turn later through the REPL. Untrained, every answer is wrong; the 180 steps here get about
@@ -129,6 +130,7 @@ def test_the_demo_model_answers_held_out_prompts(demo):
     assert right["greet"] >= 10 and right["recall"] >= 6, right
 
 
+@pytest.mark.slow
 def test_repl_clear_blank_lines_and_exit(demo):
     """Each line a message, each reply a line; after /clear the model answers as in a new
     conversation (--prompt), before it as one that knows the name."""
@@ -144,6 +146,7 @@ def test_repl_clear_blank_lines_and_exit(demo):
     assert "cleared" in result.stderr and "unknown command /clera" in result.stderr
 
 
+@pytest.mark.slow
 def test_the_checkpoint_is_read_on_the_cpu_and_only_the_model_moved(demo, monkeypatch):
     """As sample.py: the checkpoint (its optimizer state too) is read into host memory, and only
     the model goes to the device ('meta' stands in for a GPU here)."""
@@ -163,6 +166,7 @@ def test_the_checkpoint_is_read_on_the_cpu_and_only_the_model_moved(demo, monkey
     assert read == ["cpu"] and {p.device.type for p in model.parameters()} == {"meta"}
 
 
+@pytest.mark.slow
 def test_the_conversation_past_its_context(demo, capsys):
     """With a 64-token context the oldest exchanges are dropped (the system message stays) and
     the rest is read again once, with one note on stderr; after every reply the carried cache
@@ -200,6 +204,7 @@ def test_the_conversation_past_its_context(demo, capsys):
 # ---------------------------------------------------------------------------- errors
 
 
+@pytest.mark.slow
 def test_errors_are_one_line(demo, tmp_path):
     out_dir, _ = demo
     plain = train_tiny_run(tmp_path)  # a character model trained on plain text
@@ -301,6 +306,7 @@ def check_export(out_dir, max_new_tokens, *, expect_end=False, init_from_export=
     return export_dir
 
 
+@pytest.mark.slow
 def test_export_gpt2_with_a_trained_tokenizer(demo):
     """The demo's model (a GPT-2 block, the 512-token tokenizer): its replies end at <|end|>."""
     out_dir, _ = demo

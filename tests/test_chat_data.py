@@ -253,6 +253,7 @@ def test_argument_errors(tmp_path):
         assert message in str(e.value) and "\n" not in str(e.value), argv
 
 
+@pytest.mark.process
 def test_hub_dataset_without_the_hub(tmp_path):
     """--dataset with the Hub out of reach: one line naming the dataset, and the way out."""
     result = run_script(

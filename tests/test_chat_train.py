@@ -222,6 +222,7 @@ def test_train_py_trains_on_chat_data_and_resumes_exactly(tmp_path):
     assert "val_bpb" not in evals[-1]  # no bits per byte over masked targets
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
 def test_two_ranks_train_as_one(tmp_path, parallelism):
     """2 ranks x 1 micro-step against 1 rank x 2 micro-steps: the same 8 rows per step (every rank

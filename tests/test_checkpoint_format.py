@@ -74,6 +74,7 @@ def runs(tmp_path_factory):
     return root, data, reports, full_disk[0]
 
 
+@pytest.mark.process
 def test_fsdp_sharded_async_resume_is_exact(runs):
     root, _, results, _ = runs
     assert untimed(read_metrics(root / "sharded_split")) == untimed(
@@ -89,6 +90,7 @@ def test_fsdp_sharded_async_resume_is_exact(runs):
     # run's shows the state was staged at the step boundary, before step 10 changed a weight
 
 
+@pytest.mark.process
 def test_a_sharded_checkpoint_is_a_directory_of_shards_committed_last(runs):
     root, _, _, _ = runs
     names = sorted(p.name for p in (root / "sharded_straight").iterdir() if p.name.startswith("ckpt"))
@@ -105,6 +107,7 @@ def test_a_sharded_checkpoint_is_a_directory_of_shards_committed_last(runs):
     assert os.readlink(root / "sharded_straight" / "ckpt_best") == f"ckpt_{min(vals, key=vals.get):07d}"
 
 
+@pytest.mark.process
 def test_the_sharded_checkpoint_resumes_on_one_rank_and_readers_need_no_process_group(runs, tmp_path):
     root, data, _, _ = runs
     out = tmp_path / "one"
@@ -140,6 +143,7 @@ def test_the_sharded_checkpoint_resumes_on_one_rank_and_readers_need_no_process_
     assert state["optimizer"]["param_groups"][0]["params"][0] == 0 and len(state["rng"]["torch"]) == 2
 
 
+@pytest.mark.process
 def test_a_failing_background_write_is_one_line_on_every_rank_and_keeps_the_last_checkpoint(runs):
     root, _, results, launch_exit = runs
     result = results["sharded_full_disk"]
@@ -194,6 +198,7 @@ def single(char_data, out, **overrides):
     return tiny_args(char_data, out, **args)
 
 
+@pytest.mark.process
 def test_kill_during_a_background_write_resumes_from_the_previous_complete_checkpoint(char_data, tmp_path):
     out = tmp_path / "out"
     proc = start_slow(tmp_path, 600, single(char_data, out))
@@ -209,6 +214,7 @@ def test_kill_during_a_background_write_resumes_from_the_previous_complete_check
     assert checkpoint.read_sharded(str(out / "ckpt_0000012"))["iter_num"] == 12
 
 
+@pytest.mark.process
 def test_sigterm_while_a_save_is_in_flight_waits_for_it_and_exits_75(char_data, tmp_path):
     out = tmp_path / "out"
     proc = start_slow(tmp_path, 2, single(char_data, out))
@@ -261,6 +267,7 @@ def test_a_damaged_checkpoint_is_one_line(tmp_path, content):
         checkpoint.load(str(path))
 
 
+@pytest.mark.process
 def test_a_sharded_directory_missing_a_shard_is_one_line(runs, tmp_path):
     root, data, _, _ = runs
     out = tmp_path / "out"

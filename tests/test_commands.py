@@ -5,6 +5,8 @@ imports and parses in a fresh interpreter, as a user runs it."""
 import pytest
 from conftest import run_script
 
+pytestmark = pytest.mark.process  # every test here starts a process
+
 COMMANDS = [
     "train.py",
     "sample.py",

@@ -175,6 +175,7 @@ def test_two_seeds_are_too_few_and_say_so(char_data, tmp_path, fast_runs, capsys
     assert result["summary"]["val_loss"]["B-A"]["p"] is None and result["summary"]["val_loss"]["A"]["low"] is not None
 
 
+@pytest.mark.process
 def test_the_runs_are_train_py_processes(char_data, tmp_path, capsys):
     # the product's own path: python train.py, a process per run, its output in <side>-s<seed>.log
     result = compare_run(

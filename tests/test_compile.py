@@ -91,6 +91,7 @@ def test_eval_group_needs_the_fewest_forwards_and_pads_less_than_a_batch_each():
                 assert forwards * group - per_rank < forwards
 
 
+@pytest.mark.slow
 def test_llama_options_and_checkpointing_train_as_one_graph():
     # one block: every option is in it, and with a cold cache (as in CI) a second block's kernels
     # cost 20 more CPU-s of g++ (66 against 47, 2026-11-26)

@@ -375,6 +375,7 @@ def gpt2_tiny(tmp_path_factory):
     return root / "gpt2-tiny"
 
 
+@pytest.mark.process
 def test_torchrun_two_gloo_ranks_equal_one(setup, gpt2_tiny, tmp_path):
     """eval.py under torchrun, every task in one launch: CORE, HellaSwag, and val and test bits per
     byte on 2 gloo ranks give what 1 rank gives."""
@@ -412,6 +413,7 @@ def test_torchrun_two_gloo_ranks_equal_one(setup, gpt2_tiny, tmp_path):
     assert any(line.startswith("CORE ") and "examples/s" in line for line in lines)
 
 
+@pytest.mark.slow
 def test_training_logs_core_in_rhythm_and_plots_it(setup, tmp_path):
     root, model, bundle, rt = setup
     enc = tokenizer.encoding("gpt2")
@@ -452,6 +454,7 @@ def test_training_logs_core_in_rhythm_and_plots_it(setup, tmp_path):
     assert width > 2000  # a fourth panel, CORE
 
 
+@pytest.mark.slow
 def test_an_in_loop_eval_that_runs_out_of_memory_costs_the_run_nothing(setup, tmp_path, monkeypatch):
     """CORE raising out-of-memory at steps 4 and 6 (patched here): the run trains on to its end, the
     step's checkpoint was already written when CORE started, and each failure is one line and a

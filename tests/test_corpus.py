@@ -352,6 +352,7 @@ def test_other_local_input_errors(tmp_path):
     assert not (tmp_path / "new").exists()
 
 
+@pytest.mark.process
 def test_unknown_dataset_without_network_is_one_line(tmp_path):
     out_dir = tmp_path / "fw"
     result = run_script(

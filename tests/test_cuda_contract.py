@@ -159,6 +159,7 @@ def fake_cuda_shim(tmp_path_factory):
     return build / "shim.so"
 
 
+@pytest.mark.process
 def test_a_step_an_eval_and_generation_keep_every_tensor_on_the_gpu(fake_cuda_shim):
     """train.py's step (forward and backward under bf16 autocast, clipping, fused AdamW with its
     on-device skip), its eval and model.generate (KV cache, top-k, top-p, a stop token), on a fake

@@ -15,6 +15,8 @@ from gpt import checkpoint
 from model import GPT, GPTConfig
 
 needs("torchft")
+pytestmark = pytest.mark.process  # every test here starts the groups' processes
+
 H = 4
 RUN = dict(max_iters=12, lr_decay_iters=12, eval_interval=2, keep_last=10, gradient_accumulation_steps=2, sync_every=H)
 

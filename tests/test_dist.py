@@ -131,6 +131,7 @@ def compiled(data_dir):
     return root, {**runs, "launch exit": code}
 
 
+@pytest.mark.process
 def test_compiled_ddp_and_fsdp_train_like_eager(compiled):
     root, _ = compiled
     eager, ddp, fsdp = (losses(root / name) for name in ("eager", "ddp", "fsdp"))
@@ -146,6 +147,7 @@ def test_compiled_ddp_and_fsdp_train_like_eager(compiled):
     assert eager[-1] < eager[0] - 0.3  # and they learned
 
 
+@pytest.mark.process
 def test_only_rank_0_writes_and_logs_and_the_replicas_stay_equal(compiled):
     """Plain DDP, as the eager launch ran it: rank 0 alone writes checkpoints and logs a line per
     step, and the two ranks put the same weights in their last checkpoint (each trained on its own
@@ -159,6 +161,7 @@ def test_only_rank_0_writes_and_logs_and_the_replicas_stay_equal(compiled):
     assert [r["iter"] for r in read_metrics(out) if "loss" in r] == list(range(8))
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("name", ["ddp", "resumed", "fsdp"])
 def test_compiled_run_has_one_train_graph_and_one_eval_graph(compiled, name):
     _, runs = compiled
@@ -178,6 +181,7 @@ def test_compiled_run_has_one_train_graph_and_one_eval_graph(compiled, name):
         assert not counters.get("graph_break"), counters
 
 
+@pytest.mark.process
 def test_compiled_ddp_resumes_exactly(compiled):
     root, runs = compiled
     untimed = lambda name: [
@@ -196,6 +200,7 @@ def test_compiled_ddp_resumes_exactly(compiled):
     )
 
 
+@pytest.mark.process
 def test_one_rank_non_finite_loss_is_skipped_by_every_rank(compiled):
     """fp16 (GradScaler on, as on a GPU without bf16): a NaN loss on rank 1 only, at iters 3, 6 and 7,
     max_bad_steps=2. Every rank counts the same skipped steps: rank 0 reports rank 1's skip at

@@ -246,6 +246,7 @@ def test_eval_loops_read_the_device_once_whatever_the_number_of_batches(monkeypa
     assert len(reads["split_loss", 8]) <= 2 and len(reads["score_choices", 8]) <= 2, reads  # the final .cpu().tolist()
 
 
+@pytest.mark.process
 @pytest.mark.skipif(
     not os.environ.get("LM_EVAL_PYTHON"), reason="set LM_EVAL_PYTHON to a Python with lm-eval installed (its own venv)"
 )

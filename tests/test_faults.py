@@ -37,6 +37,7 @@ def wait_for_steps(out_dir, n, proc, timeout=300):
     raise AssertionError("training did not get going")
 
 
+@pytest.mark.process
 def test_sigterm_checkpoints_and_resume_is_exact(char_data, tmp_path):
     common = dict(max_iters=400, lr_decay_iters=400, eval_interval=100, dropout=0.1)
     straight = run_script("train.py", *tiny_args(char_data, tmp_path / "straight", **common))
@@ -99,6 +100,7 @@ def test_too_many_bad_steps_stop_the_run_with_the_last_good_checkpoint(char_data
     assert all(torch.isfinite(v).all() for v in state["model"].values())
 
 
+@pytest.mark.process
 def test_ddp_sigterm_to_the_launcher_stops_both_ranks_with_one_checkpoint(char_data, tmp_path):
     out = tmp_path / "out"
     args = tiny_args(
@@ -166,6 +168,7 @@ def test_a_full_disk_stops_with_one_line_and_the_old_checkpoint(char_data, tmp_p
     assert (out / "ckpt.pt").read_bytes() == before and not os.path.lexists(out / "ckpt.pt.tmp")
 
 
+@pytest.mark.process
 def test_a_rank_whose_peer_never_comes_gives_up_after_dist_timeout_s(char_data, tmp_path):
     """Rank 0 of 2 alone (rank 1 never starts): it stops waiting at dist_timeout_s with one line,
     instead of hanging (torch's default wait is 30 minutes for gloo)."""

@@ -222,6 +222,7 @@ def test_the_checkpoint_holds_plain_float32_weights_under_plain_names(runs):
     assert all(type(v) is torch.Tensor and v.dtype == torch.float32 for v in state["model"].values())
 
 
+@pytest.mark.process
 def test_the_checkpoint_samples_where_torchao_cannot_be_imported(runs):
     """sample.py in a fresh interpreter whose `import torchao` fails, as on a machine without it."""
     blocked = "import runpy, sys; sys.modules['torchao'] = None; sys.argv[0] = 'sample.py'; runpy.run_path('sample.py', run_name='__main__')"
@@ -267,6 +268,7 @@ def test_an_fp8_run_exports_to_hugging_face_and_gguf(runs, tmp_path):
 # ---------------------------------------------------------------------------- DDP and FSDP2
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
 def test_two_ranks_in_fp8_train_like_one_process(tmp_path, parallelism):
     """torchrun with 2 CPU ranks (gloo) against one process with the same global batch, both in

@@ -24,9 +24,12 @@ from conftest import REPO, char_dataset, read_metrics, start_python
 
 from model import GPT, GPTConfig
 
-pytestmark = pytest.mark.skipif(
-    not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
+    ),
+    pytest.mark.process,  # every test here reads the torchrun launches
+]
 
 TRAIN_ARGS = [
     "config/train_llama_tiny.py",

@@ -159,6 +159,7 @@ def tokenizers(tmp_path_factory):
     }
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("kind,pre", [("gpt2", "gpt-2"), ("trained", "dbrx"), ("llama3", "llama-bpe")])
 def test_llama_cpp_tokenizes_random_text_to_our_ids(tokenizers, tmp_path, kind, pre):
     """300 random strings: llama.cpp's ids (special tokens parsed, no BOS) are tokenizer.py's."""
@@ -267,6 +268,7 @@ def ours(out_dir):
     return model.eval(), spec
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("shape", SHAPES)
 def test_llama_cpp_logits_and_greedy_tokens_are_ours(trained, shape, monkeypatch):
     """At f32 llama.cpp's logits over the whole vocabulary at all 96 positions are our forward
@@ -349,6 +351,7 @@ def chat_demo(tmp_path_factory, shared_chat_demo):
     return out, single_turn
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("kind", ["gpt2", "trained", "llama3"])
 def test_llama_cpp_renders_the_chat_template_to_our_ids(tokenizers, tmp_path, kind):
     """For a chat model of each tokenizer (GPT-2's BPE with its four new turn tokens, a trained
@@ -372,6 +375,7 @@ def test_llama_cpp_renders_the_chat_template_to_our_ids(tokenizers, tmp_path, ki
         assert ids == template.render(prompt, add_generation_prompt=True)[0], (kind, prompt)
 
 
+@pytest.mark.process
 def test_create_chat_completion_answers_what_chat_py_answers(chat_demo):
     """20 held-out prompts: llama.cpp renders the GGUF's chat template to the ids chat.py feeds
     the model, and create_chat_completion at temperature 0 replies what chat.py --prompt

@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 headline = load_script("scripts/headline.py")
 
 
+@pytest.mark.process
 def test_cpu_mode_runs_every_part_and_writes_its_reports(tmp_path, monkeypatch):
     work = tmp_path / "work"
     char_dataset(work / "data" / "shakespeare_char")  # the baby GPT trains on data/shakespeare_char
@@ -145,6 +146,7 @@ def python_step(name, code, limit_s, tmp_path):
     return headline.Step(name, "tests", "pytest", ["-c", code], str(tmp_path), limit_s)
 
 
+@pytest.mark.process
 def test_a_step_past_its_limit_is_killed_with_its_children_and_a_spent_budget_runs_nothing_more(tmp_path, monkeypatch):
     hang = "import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); print(c.pid, flush=True); time.sleep(600)"
     quick = "print('=== 3 passed, 1 skipped in 0.12s ===')"
@@ -263,6 +265,7 @@ def test_bad_input_is_one_line(args, expected):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.process
 def test_an_unprepared_nanogpt_is_one_line_from_the_command(nanogpt, tmp_path):
     (nanogpt / "data" / "shakespeare_char" / "meta.pkl").unlink()
     result = subprocess.run(

@@ -111,6 +111,7 @@ def test_a_directory_without_gpt2_is_a_one_line_error(tmp_path):
         load.for_training(cfg, {"kind": "char", "chars": "ab"})
 
 
+@pytest.mark.process
 def test_an_unreachable_hub_is_a_one_line_error(tmp_path):
     # an empty cache and no network: it must fail at once, saying what to do instead
     # isolated: huggingface_hub reads HF_HUB_OFFLINE and HF_HOME when it is imported
@@ -310,6 +311,7 @@ def test_sample_py_from_a_gpt2_directory_is_transformers_greedy(finetuned, capsy
     assert capsys.readouterr().out.count("ROMEO:") == 2
 
 
+@pytest.mark.process
 def test_nanogpt_from_pretrained_gives_transformers_logits(tmp_path):
     # nanoGPT's own line, `GPT.from_pretrained("gpt2", dict(dropout=0.0))`, offline: a tiny random
     # GPT-2 saved into a Hugging Face cache under the released name, read with the hub switched off

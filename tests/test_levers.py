@@ -469,6 +469,7 @@ def test_resume_with_every_lever_is_exact(char_data, tmp_path):
     assert result.returncode != 0 and "unet_skips True -> False" in result.stderr
 
 
+@pytest.mark.process
 def test_ddp_on_two_gloo_ranks_keeps_the_replicas_equal(tmp_path):
     from test_dist import losses, torchrun
 

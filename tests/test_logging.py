@@ -3,11 +3,13 @@ plot.py turning metrics.jsonl files into a PNG."""
 
 import struct
 
+import pytest
 from conftest import needs, read_metrics, run_script, tiny_args
 
 from gpt import checkpoint
 
 
+@pytest.mark.process
 def test_wandb_offline_run_continues_the_same_run_after_resume(char_data, tmp_path):
     needs("wandb")
     out = tmp_path / "out"

@@ -12,6 +12,8 @@ import sys
 import pytest
 from conftest import REPO
 
+pytestmark = pytest.mark.process  # every test here starts a process
+
 
 def fake_torch(root, version, cuda=None, hip=None, broken=False):
     """root/torch: a package that imports as torch `version` built for `cuda` or `hip` (None: CPU)."""

