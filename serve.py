@@ -97,7 +97,7 @@ def main(argv=None):
     cfg = parse(ServeConfig, argv)
     sock = listen(cfg.host, cfg.port)
     server = serving.Server(cfg)
-    if cfg.host not in ("127.0.0.1", "localhost", "::1") and not server.api_key:
+    if cfg.host not in ("127.0.0.1", "localhost", "::1") and not api.api_key(cfg):
         print(
             f"warning: listening on {cfg.host} with no API key: anyone who can reach this machine can use the "
             f"model; set --api_key or OPENAI_API_KEY",

@@ -1,17 +1,19 @@
 """OpenAI's API over a serving.Server: the request shapes (a field the model cannot honour gets a
-400), OpenAI's error JSON for every error, replies as one JSON object or as server-sent events,
-and the FastAPI app with its middleware (a limit on the body, a check of the Host header). serve.py
-listens and runs it under uvicorn.
+400), a request's prompt ids, token limit and sampling settings, OpenAI's error JSON for every
+error, replies as one JSON object or as server-sent events, and the FastAPI app with its
+middleware (a limit on the body, a check of the Host header). serve.py listens and runs it under
+uvicorn.
 
     from gpt import api, serving
     app = api.make_app(serving.Server(cfg).start())
 
-Reads top to bottom: errors, request shapes, replies, the app.
+Reads top to bottom: errors, request shapes, what a request asks of the model, replies, the app.
 """
 
 import asyncio
 import ipaddress
 import json
+import os
 import secrets
 import time
 from pathlib import Path
@@ -23,12 +25,21 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException
 
-from gpt.serving import APIError
+from configurator import UserError
 
 PAGE = Path(__file__).resolve().parents[1] / "static" / "chat.html"
 
 
 # ---------------------------------------------------------------------------- errors
+
+
+class APIError(Exception):
+    """A request the server refuses: OpenAI's error JSON with this HTTP status."""
+
+    def __init__(self, status, message, param=None, code=None, kind="invalid_request_error", headers=None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.kind, self.headers = kind, headers
 
 
 def error_body(message, kind="invalid_request_error", param=None, code=None):
@@ -209,6 +220,105 @@ class CompletionRequest(Sampling):
     best_of: Optional[int] = None
 
 
+# ---------------------------------------------------------------------------- what a request asks of the model
+
+
+def check_model(server, name):
+    if name != server.name:
+        raise APIError(
+            404,
+            f"the model {name!r} does not exist: this server serves {server.name!r} (GET /v1/models)",
+            "model",
+            "model_not_found",
+        )
+
+
+def prompt_ids(server, body):
+    """The token ids of a completion request's prompt (sample.py's rules for an empty one)."""
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        vocab = server.vocab_size
+        if not all(0 <= i < vocab for i in prompt):
+            raise APIError(400, f"prompt holds a token id outside this model's vocabulary 0..{vocab - 1}", "prompt")
+        return list(prompt)
+    if isinstance(prompt, list):
+        if len(prompt) != 1:
+            raise APIError(400, f"prompt is a list of {len(prompt)} strings: send one prompt per request", "prompt")
+        prompt = prompt[0]
+    try:
+        ids = server.encode(prompt)
+    except UserError as e:
+        raise APIError(400, str(e), "prompt")
+    if not ids and server.eot is None:
+        raise APIError(400, "the prompt is empty; give it some text", "prompt")
+    return ids or [server.eot]  # GPT-2 saw <|endoftext|> before every document: an empty prompt starts one
+
+
+def chat_ids(server, body):
+    """The token ids of a chat request's conversation, rendered by the model's chat template
+    (OpenAI's `developer` role is the template's `system`)."""
+    if server.template is None:
+        raise APIError(
+            400,
+            f"{server.name} has no chat template, so it cannot chat: use /v1/completions, or "
+            f"fine-tune it on conversations first ({server.no_chat.split(': ', 1)[-1]})",
+            "messages",
+        )
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+    return server.template.render(messages, add_generation_prompt=True)[0]
+
+
+def token_limit(server, body, n_prompt):
+    """The most new tokens for this request: max_(completion_)tokens, checked against the context."""
+    context = server.context
+    if n_prompt >= context:
+        raise APIError(
+            400,
+            f"the prompt is {n_prompt} tokens, longer than this model's context of {context} "
+            f"tokens (with room for one new token); shorten it",
+            "messages",
+            "context_length_exceeded",
+        )
+    left = context - n_prompt
+    wanted = body.max_completion_tokens or body.max_tokens
+    if wanted is not None and wanted > left:
+        key = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        raise APIError(
+            400,
+            f"{key}={wanted} is more than the {left} tokens left of the context of {context} "
+            f"after the {n_prompt}-token prompt; ask for at most {left}",
+            key,
+            "context_length_exceeded",
+        )
+    return wanted or left
+
+
+def check_running(server):
+    """503 once the model's process is gone."""
+    if server.stopped:
+        raise APIError(503, server.stopped, code="engine_stopped", kind="server_error")
+
+
+def start(server, body, ids, chat, stop_ids, stops):
+    """The request handed to the server's model: (its id, its queue of reply items); 400 past the
+    context, 429 when the server is full, 503 when its model's process is gone."""
+    max_tokens = token_limit(server, body, len(ids))
+    if server.full():
+        cfg = server.cfg
+        raise APIError(
+            429,
+            f"the server is full ({cfg.batch_size} requests decoding, {cfg.max_waiting} waiting); retry in a moment",
+            None,
+            "server_busy",
+            "rate_limit_error",
+            {"Retry-After": "1"},
+        )
+    check_running(server)
+    temperature, top_p = (1.0 if x is None else x for x in (body.temperature, body.top_p))  # None: OpenAI's 1
+    sampling = {"temperature": temperature, "top_p": top_p, "top_k": body.top_k, "seed": body.seed}
+    return server.start_request(ids, max_tokens, sampling, chat, stop_ids, stops)
+
+
 # ---------------------------------------------------------------------------- replies
 
 
@@ -244,12 +354,11 @@ def done_error(item):
 
 async def respond(http, server, body, ids, stop_ids, stops, chat):
     """The reply, as one JSON object or as server-sent events."""
-    rid, queue = server.start_request(body, ids, chat, stop_ids, stops)
-    created = int(time.time())
+    rid, queue = start(server, body, ids, chat, stop_ids, stops)
     head = {
         "id": ("chatcmpl-" if chat else "cmpl-") + rid,
         "object": "chat.completion" if chat else "text_completion",
-        "created": created,
+        "created": int(time.time()),
         "model": server.name,
     }
     if not body.stream:
@@ -317,11 +426,8 @@ async def events(server, rid, queue, head, chat, n_prompt, with_usage):
                 return
             _, reason, n_completion, error = item
             if reason in ("error", "stopped"):
-                message, code = (
-                    (error, "engine_stopped")
-                    if reason == "stopped"
-                    else (f"the server failed while generating ({error})", None)
-                )
+                message = error if reason == "stopped" else f"the server failed while generating ({error})"
+                code = "engine_stopped" if reason == "stopped" else None
                 end = [f"data: {json.dumps(error_body(message, 'server_error', code=code))}\n\n"]
             else:
                 end = [chunk(reason=reason)]
@@ -479,8 +585,14 @@ def add_error_handlers(app):
         )
 
 
+def api_key(cfg):
+    """The key clients must send: --api_key, else the OPENAI_API_KEY environment variable ('': none)."""
+    return cfg.api_key or os.environ.get("OPENAI_API_KEY", "")
+
+
 def make_app(server):
     """The FastAPI app of a Server."""
+    key, created = api_key(server.cfg), int(time.time())
     app = FastAPI(title="gpt-trainer serve.py", version="1", summary="OpenAI-compatible completions from one model")
     app.add_middleware(BodyLimit, limit=server.cfg.max_body)
     app.add_middleware(HostCheck, names=server.cfg.host_names(), loopback=is_loopback(server.cfg.host))  # runs first
@@ -488,9 +600,9 @@ def make_app(server):
     add_error_handlers(app)
 
     async def authorized(http: Request):  # async: a plain def would run in a worker thread for every request
-        if server.api_key:
-            scheme, _, key = http.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), server.api_key.encode()):
+        if key:
+            scheme, _, sent = http.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(sent.strip().encode(), key.encode()):
                 raise APIError(
                     401,
                     "a valid API key is required: send the header 'Authorization: Bearer <key>'",
@@ -501,15 +613,15 @@ def make_app(server):
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat_completions(body: ChatRequest, http: Request):
         stops = body.check()
-        server.check_model(body.model)
-        ids = server.chat_ids(body)
+        check_model(server, body.model)
+        ids = chat_ids(server, body)
         return await respond(http, server, body, ids, (server.template.end_id,), stops, chat=True)
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(body: CompletionRequest, http: Request):
         stops = body.check()
-        server.check_model(body.model)
-        ids = server.prompt_ids(body)
+        check_model(server, body.model)
+        ids = prompt_ids(server, body)
         stop_ids = () if server.eot is None else (server.eot,)  # sample.py's stop_at_eot
         return await respond(http, server, body, ids, stop_ids, stops, chat=False)
 
@@ -517,11 +629,12 @@ def make_app(server):
     async def models():
         return {
             "object": "list",
-            "data": [{"id": server.name, "object": "model", "created": server.created, "owned_by": "gpt-trainer"}],
+            "data": [{"id": server.name, "object": "model", "created": created, "owned_by": "gpt-trainer"}],
         }
 
     @app.get("/health")
     async def health():
+        check_running(server)
         return {
             "status": "ok",
             "model": server.name,

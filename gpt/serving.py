@@ -1,14 +1,15 @@
 """The model's side of serve.py: a Worker that owns the model and the engine that decodes every
 request together (in a process of its own, or on a thread of the server's), each reply's text as
-the engine makes it, and the Server the event loop holds: a request's prompt ids and limits, its
-queue of reply items, and the way to the Worker.
+the engine makes it, and the Server the event loop holds: the tokenizer and chat template, each
+request's queue of reply items, and the way to the Worker. It knows nothing of HTTP: a request
+comes as token ids, a token limit and sampling settings.
 
     from gpt import serving
     server = serving.Server(parse(ServeConfig, ["--out_dir=out-chat-demo"])).start()
-    rid, queue = server.start_request(body, ids, chat, stop_ids, stops)  # on the event loop
+    rid, queue = server.start_request(ids, 50, {"temperature": 0})  # on the event loop
     server.close()
 
-Reads top to bottom: a refused request, a reply's text (Reply), the Worker, the model's own
+Reads top to bottom: a reply's text (Reply), the Worker, the model's own
 process and the server's end of it (EngineProcess), the Server. gpt/api.py puts OpenAI's API
 over a Server.
 """
@@ -17,7 +18,6 @@ import asyncio
 import multiprocessing
 import os
 import signal
-import time
 import traceback
 import uuid
 
@@ -25,21 +25,6 @@ from configurator import UserError
 from gpt import inference, load, runtime, tokenizer
 
 MAX_CONTEXT = 8192  # context=0 takes the model's block_size up to this, as chat.py does
-
-
-class APIError(Exception):
-    """A request the server refuses: gpt/api.py makes it OpenAI's error JSON with this status."""
-
-    def __init__(self, status, message, param=None, code=None, kind="invalid_request_error", headers=None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind, self.headers = (
-            status,
-            message,
-            param,
-            code,
-            kind,
-            headers,
-        )
 
 
 # ---------------------------------------------------------------------------- the model's side
@@ -223,21 +208,15 @@ class EngineProcess:
         self.process.join(5)
         self.stopped = f"the model's process has stopped (exit code {self.process.exitcode}); restart serve.py"
 
-    def check(self):
-        """APIError 503 once the model's process is gone."""
-        if self.stopped:
-            raise APIError(503, self.stopped, code="engine_stopped", kind="server_error")
-
     def send(self, *message):
-        """A request or a cancellation to the model's process; a request gets 503 once it is gone (a
-        cancellation then has nothing left to cancel)."""
+        """A request or a cancellation to the model's process: False once it is gone."""
         if not self.stopped:
             try:
-                return self.requests.send(message)
+                self.requests.send(message)
+                return True
             except OSError:  # it died, and the reader has not seen the end of its pipe yet
                 self._ended()
-        if message[0] == "submit":
-            self.check()
+        return False
 
     def close(self):
         try:
@@ -282,8 +261,6 @@ class Server:
             self.template, self.no_chat = None, str(e)
         self.encode, self.decode = tokenizer.load(tok_spec)
         self.eot = tokenizer.eot(tok_spec)
-        self.api_key = cfg.api_key or os.environ.get("OPENAI_API_KEY", "")
-        self.created = int(time.time())
 
     def start(self):
         if self.engine is not None:
@@ -313,9 +290,16 @@ class Server:
     def deliver_soon(self, items, stats):  # a thread's Worker: called on the engine's thread
         self.loop.call_soon_threadsafe(self.deliver, items, stats)
 
+    @property
+    def stopped(self):
+        """Why the model can answer no more (its process is gone), or None while it can."""
+        return None if self.process is None else self.process.stopped
+
+    def full(self):
+        """Whether every row is busy and max_waiting requests wait: a new request is refused."""
+        return len(self.pending) >= self.cfg.batch_size + self.cfg.max_waiting
+
     def health(self):
-        if self.process is not None:
-            self.process.check()
         active = min(self.stats["active"], len(self.pending))
         return {
             "active": active,
@@ -324,96 +308,19 @@ class Server:
             "steps": self.stats["steps"],
         }
 
-    def check_model(self, name):
-        if name != self.name:
-            raise APIError(
-                404,
-                f"the model {name!r} does not exist: this server serves {self.name!r} (GET /v1/models)",
-                "model",
-                "model_not_found",
-            )
-
-    def prompt_ids(self, body):
-        """The token ids of a completion request's prompt (sample.py's rules for an empty one)."""
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-            vocab = self.vocab_size
-            if not all(0 <= i < vocab for i in prompt):
-                raise APIError(400, f"prompt holds a token id outside this model's vocabulary 0..{vocab - 1}", "prompt")
-            return list(prompt)
-        if isinstance(prompt, list):
-            if len(prompt) != 1:
-                raise APIError(400, f"prompt is a list of {len(prompt)} strings: send one prompt per request", "prompt")
-            prompt = prompt[0]
-        try:
-            ids = self.encode(prompt)
-        except UserError as e:
-            raise APIError(400, str(e), "prompt")
-        if not ids and self.eot is None:
-            raise APIError(400, "the prompt is empty; give it some text", "prompt")
-        return ids or [self.eot]  # GPT-2 saw <|endoftext|> before every document: an empty prompt starts one
-
-    def chat_ids(self, body):
-        if self.template is None:
-            raise APIError(
-                400,
-                f"{self.name} has no chat template, so it cannot chat: use /v1/completions, or "
-                f"fine-tune it on conversations first ({self.no_chat.split(': ', 1)[-1]})",
-                "messages",
-            )
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
-        return self.template.render(messages, add_generation_prompt=True)[0]
-
-    def limit(self, body, n_prompt):
-        """The most new tokens for this request: max_(completion_)tokens, checked against the context."""
-        if n_prompt >= self.context:
-            raise APIError(
-                400,
-                f"the prompt is {n_prompt} tokens, longer than this model's context of {self.context} "
-                f"tokens (with room for one new token); shorten it",
-                "messages",
-                "context_length_exceeded",
-            )
-        left = self.context - n_prompt
-        wanted = body.max_completion_tokens or body.max_tokens
-        if wanted is not None and wanted > left:
-            key = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-            raise APIError(
-                400,
-                f"{key}={wanted} is more than the {left} tokens left of the context of {self.context} "
-                f"after the {n_prompt}-token prompt; ask for at most {left}",
-                key,
-                "context_length_exceeded",
-            )
-        return wanted or left
-
-    def start_request(self, body, ids, chat, stop_ids, stops):
-        """Hand the request to the model's side: (its id, the queue its reply items come to); 429
-        when every row is busy and max_waiting requests wait."""
+    def start_request(self, ids, max_tokens, sampling, chat=False, stop_ids=(), stops=()):
+        """Hand a request to the model's side: its prompt's token ids, the most new tokens, the
+        sampling settings (inference.Request's temperature, top_p, top_k, seed), whether its text
+        is decoded as a chat reply, the token ids and strings that end it. Returns (its id, the
+        queue its reply items come to: ("text", piece)..., then ("done", finish_reason, tokens, error))."""
         if self.loop is None:
             self.loop = asyncio.get_running_loop()  # uvicorn's one loop
             if self.process is not None:
                 self.process.listen(self.loop)
-        max_tokens = self.limit(body, len(ids))
-        if len(self.pending) >= self.cfg.batch_size + self.cfg.max_waiting:
-            raise APIError(
-                429,
-                f"the server is full ({self.cfg.batch_size} requests decoding, {self.cfg.max_waiting} "
-                f"waiting); retry in a moment",
-                None,
-                "server_busy",
-                "rate_limit_error",
-                {"Retry-After": "1"},
-            )
-        sampling = {
-            "temperature": 1.0 if body.temperature is None else body.temperature,
-            "top_p": 1.0 if body.top_p is None else body.top_p,
-            "top_k": body.top_k,
-            "seed": body.seed,
-        }
         rid, queue = uuid.uuid4().hex, asyncio.Queue()
-        self.tell("submit", rid, ids, max_tokens, sampling, chat, stop_ids, stops)
         self.pending[rid] = queue
+        if not self.tell("submit", rid, ids, max_tokens, sampling, chat, stop_ids, stops):
+            self.deliver([(rid, ("done", "stopped", 0, self.stopped))], self.stats)  # the process died just now
         return rid, queue
 
     def cancel(self, rid):
@@ -423,8 +330,9 @@ class Server:
             self.tell("cancel", rid)
 
     def tell(self, kind, *args):
-        """A request ('submit') or a cancellation ('cancel') to the model's side, wherever it runs."""
+        """A request ('submit') or a cancellation ('cancel') to the model's side, wherever it runs:
+        False when the model's process is gone."""
         if self.process is not None:
-            self.process.send(kind, *args)
-        else:
-            getattr(self.worker, kind)(*args)
+            return self.process.send(kind, *args)
+        getattr(self.worker, kind)(*args)
+        return True
