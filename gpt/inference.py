@@ -14,7 +14,6 @@ per step over all of its rows and the prompts that join them.
 """
 
 import collections
-import contextlib
 import itertools
 import random
 import threading
@@ -194,42 +193,62 @@ class BatchCache:
     """Keys and values of up to `rows` sequences that each have their own length, for a server
     that decodes them together: row j holds lengths[j] positions, from position 0, and the rest of
     its room is padding that attention masks out. Rows in use are always 0..n-1 (a finished row is
-    filled with the last one), so a step's keys are a slice, never a gather. The room grows as the
-    longest row needs it, up to `room` (at most block_size)."""
+    filled with the last one), so a step's keys are a slice, never a gather. The whole room of every
+    row is allocated at the first step and never moves: a compiled step writes into it in place."""
 
-    def __init__(self, config, rows, room, compiled=False):
+    def __init__(self, config, rows, room):
         assert room <= config.block_size
         self.config, self.rows, self.room = config, rows, room
-        # a torch.compile'd model (serve.py --compile) runs the packed attention as it is: its loop
-        # over the prompts and its writes into the cache would otherwise be traced, and guarded on,
-        # step by step. Disabled here, not by a decorator: torch.compiler.disable imports dynamo, a
-        # second of every sample.py, chat.py and serve.py start that runs no compiled model
-        self.run = torch.compiler.disable(Packed.run) if compiled else Packed.run
-        self.k = self.v = None  # (L, rows, n_kv, allocated, hs), zeros: padding must be finite (0 * NaN is NaN)
+        # a tensor per layer, (rows, n_kv, room + 1, hs), zeros: padding must be finite (0 * NaN is NaN). Per
+        # layer, so that a compiled step's write of new keys is an index_put into one of its inputs, which
+        # inductor does in place (into a view of one (L, ...) tensor, it copied the whole cache every step)
+        self.k = self.v = None
         self.lengths = [0] * rows
 
-    def _ensure(self, need, like):
-        """Room for `need` positions, in the dtype and device of `like`."""
-        have = 0 if self.k is None else self.k.size(3)
-        if need <= have:
-            return
-        c = self.config
-        size = min(self.room, max(need, 2 * have, 64))
-        shape = (c.n_layer, self.rows, c.n_kv_head, size, c.n_embd // c.n_head)
-        k, v = (like.new_zeros(shape) for _ in range(2))
-        if have:
-            k[:, :, :, :have], v[:, :, :, :have] = self.k, self.v
-        self.k, self.v = k, v
+    def allocate(self, dtype, device):
+        if self.k is None:
+            # one position more than the room: a compiled step's span of keys is then never the whole
+            # dimension, where its strides would be a contiguous tensor's and torch.compile guards on that
+            c = self.config
+            shape = (self.rows, c.n_kv_head, self.room + 1, c.n_embd // c.n_head)
+            self.k, self.v = ([torch.zeros(shape, dtype=dtype, device=device) for _ in range(c.n_layer)] for _ in "kv")
 
     def move(self, src, dst):
         n = self.lengths[src]
-        self.k[:, dst, :, :n], self.v[:, dst, :, :n] = self.k[:, src, :, :n], self.v[:, src, :, :n]
+        for t in (*self.k, *self.v):
+            t[dst, :, :n] = t[src, :, :n]
         self.lengths[dst] = n
 
     def packed(self, n, prompts, device):
         """The cache GPT.forward takes for one step of a server: a new token in each of rows
         0..n-1, and the whole prompt of each new row n, n+1, ..., packed into one sequence."""
         return Packed(self, n, [len(p) for p in prompts], device)
+
+
+class Decoding:
+    """One decoding step of rows 0..B-1 of a BatchCache, as GPT.forward takes a cache: idx (B, 1),
+    row b's new token at positions[b], attending to the keys before it in its own row. keys (S,):
+    0..S-1, the positions attention reads (S > every position), so that every tensor's shape is
+    (B, ...) or (S, ...) and a compiled step takes any S in one graph. Rows past the ones in use
+    may be padding (a bucket's size): they write at position 0 of rows nobody uses."""
+
+    def __init__(self, cache, positions, keys):
+        self.cache, self.pos = cache, positions  # (B,)
+        self.mask = (keys[None, :] <= positions[:, None])[:, None, None, :]  # (B, 1, 1, S): its cached keys and its own
+        self.rows = torch.arange(positions.size(0), device=positions.device)
+
+    def positions(self, T, device):
+        return self.pos[:, None]  # (B, 1)
+
+    def layer(self, i):
+        return CacheLayer(self, i)
+
+    def attend(self, i, q, k, v, sdpa):
+        """Layer i: q (B, nh, 1, hs), k and v (B, n_kv, 1, hs): store each row's new key and value at its
+        position, and attend over its row's keys (B, n_kv, S, hs): (B, nh, 1, hs)."""
+        c, B, S = self.cache, q.size(0), self.mask.size(-1)
+        c.k[i][self.rows, :, self.pos], c.v[i][self.rows, :, self.pos] = k[:, :, 0], v[:, :, 0]
+        return sdpa(q, c.k[i][:B, :, :S], c.v[i][:B, :, :S], self.mask)
 
 
 class Packed:
@@ -257,8 +276,6 @@ class Packed:
             itertools.accumulate(sizes, initial=n)
         )  # where each prompt starts in the packed sequence, then ends
         last = list(range(n)) + [end - 1 for end in ends[1:]]  # each row's last token
-        # tensors of their own, none a view of another: a compiled model (serve.py --compile) takes them
-        # as inputs, and inputs that share memory are guarded on as one
         self.rows, self.columns, self.last = (torch.tensor(x, device=device) for x in (rows, columns, last))
         self.packed_positions = torch.tensor([columns], device=device)  # (1, N): GPT.forward's positions
         if n:  # key j is seen by decoding row r's query when j <= lengths[r]: its cached keys and its new one
@@ -272,19 +289,15 @@ class Packed:
         return CacheLayer(self, i)
 
     def attend(self, i, q, k, v, sdpa):
-        return self.cache.run(self, i, q, k, v, sdpa)  # outside a compiled model's graphs (BatchCache)
-
-    def run(self, i, q, k, v, sdpa):
         """Layer i: q (1, nh, N, hs), k and v (1, n_kv, N, hs) of the packed tokens: store every token's
         key and value at its row and position, and return the attention output (1, nh, N, hs)."""
         c = self.cache
-        c._ensure(self.end, k)
-        c.k[i, self.rows, :, self.columns] = k[0].transpose(0, 1)  # (N, n_kv, hs), each at its own row and position
-        c.v[i, self.rows, :, self.columns] = v[0].transpose(0, 1)
+        c.k[i][self.rows, :, self.columns] = k[0].transpose(0, 1)  # (N, n_kv, hs), each at its own row and position
+        c.v[i][self.rows, :, self.columns] = v[0].transpose(0, 1)
         parts, n = [], self.n
         if n:  # the decoding rows: one query each, over their cached keys (n, n_kv, end, hs), masked per row
             end = self.end_decoding
-            y = sdpa(q[0, :, :n, None].transpose(0, 1), c.k[i, :n, :, :end], c.v[i, :n, :, :end], self.mask)
+            y = sdpa(q[0, :, :n, None].transpose(0, 1), c.k[i][:n, :, :end], c.v[i][:n, :, :end], self.mask)
             parts.append(y[:, :, 0].transpose(0, 1)[None])  # (n, nh, 1, hs) -> (1, nh, n, hs)
         start = n
         for size in self.sizes:  # each prompt over its own keys, causal: what it gets alone
@@ -326,26 +339,21 @@ class Engine:
     each row at its own position with its own stop. The requests that arrive between two steps
     join at the next one: their prompts go into that same forward pass, packed after the active
     rows' tokens, so a step that takes in new requests is still one pass. One that finishes or is
-    cancelled leaves before the next step. At most `rows` run at once and
-    `waiting` wait; submit() refuses more (the server's 429). One thread owns the model."""
+    cancelled leaves before the next step. At most `rows` run at once and `waiting` wait; submit()
+    refuses more (the server's 429). One thread owns the model, and computes in its dtype.
 
-    def __init__(
-        self,
-        model,
-        rows=16,
-        waiting=64,
-        room=None,
-        device="cpu",
-        autocast=contextlib.nullcontext,
-        after_step=None,
-        compiled=False,
-    ):
-        self.model, self.device, self.autocast = model, device, autocast
+    A step that only decodes (no prompt joins) is the one a reply spends its time in: compile()
+    makes it one torch.compile'd graph per bucket of rows (1, 2, 4, ..., rows), each taking any
+    span of keys, so requests that come and go never compile another."""
+
+    def __init__(self, model, rows=16, waiting=64, room=None, device="cpu", after_step=None):
+        self.model, self.device = model, device
         self.after_step = after_step or (lambda: None)  # called on the engine's thread after each step
         self.rows, self.max_waiting = rows, waiting
-        self.cache = BatchCache(
-            model.config, rows, room or model.config.block_size, compiled
-        )  # compiled: model is torch.compile'd
+        self.cache = BatchCache(model.config, rows, room or model.config.block_size)
+        self.cache.allocate(next(model.parameters()).dtype, device)
+        self.keys = torch.arange(self.cache.room, device=device)  # Decoding's keys are a slice of it
+        self.decode, self.buckets = self._decode, None  # eager: exactly the rows in use, exactly the keys they need
         self.queue = collections.deque()
         self.active = []  # active[j] is in the cache's row j
         self.lock = threading.Condition()
@@ -353,6 +361,45 @@ class Engine:
         self.held = 0  # requests submitted and not yet done: decoding, prefilling or waiting
         self.steps = 0  # steps (forward passes) run, for tests and /health
         self.thread = threading.Thread(target=self._run, name="inference-engine", daemon=True)
+
+    def compile(self, **options):
+        """torch.compile the decoding step (options: torch.compile's mode or options) and compile its
+        graphs now, one per bucket of rows, each for any span of keys. None when done, else the error,
+        and the step stays as it was. The cache's tensors keep their address, so CUDA graphs
+        (mode='reduce-overhead') may write into them."""
+        self.buckets = sorted({min(2**i, self.rows) for i in range(self.rows.bit_length() + 1)})
+        for t in (*self.cache.k, *self.cache.v):
+            torch._dynamo.mark_static_address(t)
+        step = torch.compile(self._decode, dynamic=False, **options)
+        try:
+            with torch.inference_mode():
+                for rows in self.buckets:  # rows of padding in unused rows, at position 0
+                    step(*(torch.zeros(rows, dtype=torch.long, device=self.device) for _ in range(2)), self._span(1))
+        except Exception as e:  # noqa: BLE001 (a compiler's failure of any kind: serving goes on without it)
+            self.buckets = None
+            torch.compiler.reset()
+            while (e.__cause__ or e.__context__) is not None:  # dynamo says "backend raised": what did it raise?
+                e = e.__cause__ or e.__context__
+            message = str(e).strip()
+            return f"{type(e).__name__}: {message.splitlines()[0]}" if message else type(e).__name__
+        self.decode = step
+        return None
+
+    def _span(self, end):
+        """keys[:S] for a step whose longest row ends at `end`: compiled, S a power of two (at least 64,
+        at most the room) and its size symbolic, so one graph serves every S and CUDA graphs record a
+        few; eager, exactly `end`."""
+        if self.buckets is None:
+            return self.keys[:end]
+        keys = self.keys[: min(self.cache.room, max(64, 1 << (end - 1).bit_length()))]
+        torch._dynamo.mark_dynamic(keys, 0)
+        return keys
+
+    def _decode(self, tokens, positions, keys):
+        """The decoding step: tokens and positions (B,) of rows 0..B-1 -> (logits (B, V), their argmax (B,))."""
+        logits, _ = self.model(tokens[:, None], cache=Decoding(self.cache, positions, keys))
+        logits = logits[:, -1]
+        return logits, logits.argmax(dim=-1)
 
     def start(self):
         self.thread.start()
@@ -384,7 +431,7 @@ class Engine:
         }
 
     def _run(self):
-        with torch.inference_mode(), self.autocast():  # both are per thread: set here, not by the caller
+        with torch.inference_mode():  # per thread: set here, not by the caller
             while True:
                 with self.lock:
                     while not self.closed and not self.queue and not self.active:
@@ -432,20 +479,26 @@ class Engine:
     def _step(self, new):
         """One forward pass for everything: the next token of every active row, and the prompts of
         the `new` requests (those that arrived since the last step), which join as rows n, n+1, ...
-        All are packed into one sequence (BatchCache.packed), so a prompt costs its own tokens'
-        work and no pass of its own; each row's logits are read at its last token."""
-        n = len(self.active)
-        step = self.cache.packed(n, [r.ids for r in new], self.device)
-        tokens = [r.last for r in self.active] + [t for r in new for t in r.ids]
-        logits, _ = self.model(
-            torch.tensor([tokens], device=self.device), cache=step, logits_at=step.last
-        )  # (n + new, V)
+        With prompts, all are packed into one sequence (BatchCache.packed), so a prompt costs its
+        own tokens' work and no pass of its own; without, it is the decoding step (self.decode),
+        over a bucket of rows when compiled. Each row's logits are read at its last token."""
+        n, lengths = len(self.active), self.cache.lengths
+        tokens = [r.last for r in self.active]
+        if new:
+            step = self.cache.packed(n, [r.ids for r in new], self.device)
+            tokens += [t for r in new for t in r.ids]
+            logits, _ = self.model(torch.tensor([tokens], device=self.device), cache=step, logits_at=step.last)
+            greedy = logits.argmax(dim=-1)  # (n + new, V) -> (n + new,)
+        else:
+            pad = (self.buckets and next(b for b in self.buckets if b >= n)) or n
+            tokens, positions = (torch.tensor(x + [0] * (pad - n), device=self.device) for x in (tokens, lengths[:n]))
+            logits, greedy = self.decode(tokens, positions, self._span(max(lengths[:n]) + 1))
+        greedy = greedy.tolist()  # every row's argmax in one read from the device
         for j in range(n):
-            self.cache.lengths[j] += 1
+            lengths[j] += 1
         for request in new:
-            self.cache.lengths[len(self.active)] = len(request.ids)
+            lengths[len(self.active)] = len(request.ids)
             self.active.append(request)
-        greedy = logits.argmax(dim=-1).tolist()  # every row's argmax in one read from the device
         for j, request in enumerate(self.active):
             self._guard([request], self._take, request, logits[j : j + 1], greedy[j])  # a failure here is this row's
         self.steps += 1

@@ -10,11 +10,14 @@ conversations instead of 1,200 on 60,000, once for the whole test run (conftest'
 shared_chat_demo, which test_chat.py and test_gguf.py use too)."""
 
 import contextlib
+import functools
 import itertools
 import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import types
@@ -24,11 +27,11 @@ import openai
 import pytest
 import torch
 import uvicorn
-from conftest import ATEN_BACKEND, REPO, chat_demo_copy, load_script, python_process, run_script, train_tiny_run
+from conftest import ATEN_BACKEND, REPO, chat_demo_copy, load_script, run_script, train_tiny_run
 
 import serve
 from configurator import UserError, parse
-from gpt import api, inference, serving, tokenizer
+from gpt import api, inference, runtime, serving, tokenizer
 from model import GPT, GPTConfig
 from serve import ServeConfig
 
@@ -42,11 +45,11 @@ SHAPES = [
 ]  # GPT-2's block, Llama's
 
 
-def peaked_model(**shape):
+def peaked_model(block_size=64, **shape):
     """A small GPT (vocab 50, 2 layers, context 64) with weights spread far from the init: peaked
     next-token distributions, so greedy tokens have no near-ties."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=50, n_layer=2, n_head=2, n_embd=32, block_size=64, **shape)).eval()
+    model = GPT(GPTConfig(vocab_size=50, n_layer=2, n_head=2, n_embd=32, block_size=block_size, **shape)).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.3)
@@ -80,6 +83,7 @@ def test_a_packed_step_gives_each_sequence_its_own_logits(shape):
         return model(torch.tensor([seq]))[0][0, -1]
 
     cache = inference.BatchCache(model.config, rows=5, room=32)
+    cache.allocate(torch.float32, "cpu")
     with torch.inference_mode():
         step = cache.packed(
             0, [s[:-1] for s in seqs[:2]], "cpu"
@@ -150,29 +154,82 @@ def test_requests_prefilled_together_give_solo_greedy_tokens(shape):
     assert batches[0] == 5 and set(batches[1:]) == {0} and outs == solo
 
 
-def test_a_compiled_model_in_the_engine_gives_solo_greedy_tokens(monkeypatch):
-    """serve.py --compile: the engine's packed steps through a torch.compile'd model (prompts joining
-    a decoding row, rows of three lengths) give, token for token, generate()'s greedy tokens of the
-    model as it was. The packed attention runs outside the compiled graphs, which take the rest.
-    What is under test is dynamo's graphs and their symbolic shapes (the packed steps change shape
-    every step), so they run on ATen's kernels; inductor's are test_compile.py's and test_gpu.py's."""
-    model = peaked_model()
-    prompts, budgets = token_lists(3, 9, 1, 20, 5), [10, 7, 12, 6, 9]
+@pytest.mark.parametrize("shape", SHAPES, ids=["gpt2", "llama"])
+def test_a_compiled_engine_gives_solo_greedy_tokens_and_never_recompiles(shape):
+    """serve.py --compile: the decoding step compiled, one graph per bucket of rows (1, 2, 3 for three
+    rows) made at start-up. Then, with torch.compile's stance set to fail on a recompile, seven
+    requests come and go (prompts of 1 to 20 tokens, replies past 64 positions, so the span of keys
+    grows from one bucket to the next, rows moving as others leave) and each gets, token for token,
+    generate()'s greedy tokens of the model alone. dynamo's graphs on ATen's kernels (conftest):
+    inductor's are test_compile.py's and test_gpu.py's."""
+    from torch._dynamo.utils import counters
+
+    model = peaked_model(block_size=128, **shape)
+    prompts, budgets = token_lists(3, 9, 1, 20, 5, 2, 14), [20, 7, 25, 12, 3, 70, 16]
     solo = solo_greedy(model, prompts, budgets)
-    model.compile(dynamic=True, backend=ATEN_BACKEND)  # as serve.py --compile does, on ATen's kernels (conftest)
-    traced, run = [], inference.Packed.run
-    monkeypatch.setattr(
-        inference.Packed, "run", lambda *args: traced.append(torch.compiler.is_compiling()) or run(*args)
+    torch._dynamo.reset()
+    counters.clear()
+    engine = inference.Engine(model, rows=3, waiting=10)
+    assert engine.compile(backend=ATEN_BACKEND) is None
+    assert engine.buckets == [1, 2, 3] and counters["stats"]["unique_graphs"] == 3
+    outs, done, spans = [[] for _ in prompts], threading.Semaphore(0), []
+    span = engine._span
+    engine._span = lambda end: spans.append(span(end).size(0)) or span(end)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        engine.start()
+        for i, (p, n) in enumerate(zip(prompts, budgets)):
+            assert engine.submit(inference.Request(p, n, outs[i].append, lambda *end: done.release(), temperature=0))
+        for _ in prompts:
+            assert done.acquire(timeout=300)
+        engine.close()
+    torch._dynamo.reset()
+    assert outs == solo and counters["stats"]["unique_graphs"] == 3
+    assert set(spans) == {64, 128}  # rows up to position 63, then past it
+
+
+def test_a_compile_failure_at_start_up_serves_eagerly_and_says_so(base, base_server, monkeypatch, capsys):
+    """serve.py --compile where torch.compile cannot compile (its backend fails, as inductor does
+    without a working C++ compiler): one line on stderr says so and what failed, and the server
+    answers as the one that never compiled."""
+
+    def broken(graph, example_inputs):
+        raise RuntimeError("no working C++ compiler found")
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=broken))
+    body, auth = (
+        {"model": "", "prompt": "The king", "temperature": 0, "max_tokens": 20},
+        {"Authorization": f"Bearer {KEY}"},
     )
-    engine = inference.Engine(model, rows=3, waiting=10, compiled=True).start()
-    outs, done = [[] for _ in prompts], threading.Semaphore(0)
-    for i, (p, n) in enumerate(zip(prompts, budgets)):
-        assert engine.submit(inference.Request(p, n, outs[i].append, lambda *end: done.release(), temperature=0))
-    for _ in prompts:
-        assert done.acquire(timeout=300)
-    engine.close()
-    assert outs == solo
-    assert traced and not any(traced)  # the packed attention ran as it is at every step, never traced into a graph
+    expected = solo(base_server, {**body, "model": base_server.server.name}, "/v1/completions", auth)
+    capsys.readouterr()
+    with running(f"--out_dir={base}", "--compile=True") as s:
+        assert s.engine.decode == s.engine._decode
+        assert solo(s, {**body, "model": s.server.name}, "/v1/completions") == expected
+    assert [line for line in capsys.readouterr().err.splitlines() if "compile" in line] == [
+        "warning: torch.compile of the decoding step failed (RuntimeError: no working C++ compiler found); "
+        "serving without it"
+    ]
+
+
+def test_on_a_gpu_the_decoding_step_replays_cuda_graphs(base, monkeypatch):
+    """The model's side on a CUDA runtime (its weights left on the CPU) compiles the decoding step with
+    mode='reduce-overhead' (CUDA graphs); on the CPU, inductor's default. Both compile one graph per
+    bucket of rows at start-up. Recorded at the public torch.compile,
+    which then compiles on ATen's kernels."""
+    calls, compile = [], torch.compile
+    monkeypatch.setattr(
+        torch,
+        "compile",
+        lambda fn, **options: calls.append(options) or compile(fn, dynamic=False, backend=ATEN_BACKEND),
+    )
+    cfg = parse(ServeConfig, [f"--out_dir={base}", "--compile=True", "--batch_size=2"])
+    for rt, expected in [
+        (runtime.Runtime("cpu", "cuda", torch.float32), {"dynamic": False, "mode": "reduce-overhead"}),
+        (runtime.Runtime("cpu", "cpu", torch.float32), {"dynamic": False}),
+    ]:
+        worker = serving.Worker(cfg, rt, lambda items, stats: None)
+        assert calls[-1] == expected and worker.engine.buckets == [1, 2]
+    torch.compiler.reset()
 
 
 def test_a_failing_request_ends_alone():
@@ -950,7 +1007,7 @@ def test_a_client_that_hangs_up_frees_its_row_at_once(demo, chat_server):
     ) == chat_py(out_dir, message, 20)
 
 
-def test_the_command_warns_when_it_listens_beyond_loopback_with_no_key(base, tmp_path):
+def test_the_command_warns_when_it_listens_beyond_loopback_with_no_key(base):
     """`python serve.py` in its own process: by default on 127.0.0.1; --host=0.0.0.0 without a key
     says on stderr who can then use the model, serves, and ends on Ctrl-C without a traceback; a
     taken port is one line."""
@@ -958,16 +1015,16 @@ def test_the_command_warns_when_it_listens_beyond_loopback_with_no_key(base, tmp
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    os.mkfifo(tmp_path / "stderr")  # read line by line as serve.py writes it
-    proc = python_process(
-        [REPO / "serve.py", f"--out_dir={base}", "--device=cpu", "--host=0.0.0.0", f"--port={port}"],
-        out=tmp_path / "stdout",
-        err=tmp_path / "stderr",
-        env={"OPENAI_API_KEY": ""},
-    )  # '': no key
-    stderr = open(tmp_path / "stderr", encoding="utf-8")  # returns once serve.py has opened its end
+    proc = subprocess.Popen(
+        [sys.executable, "serve.py", f"--out_dir={base}", "--device=cpu", "--host=0.0.0.0", f"--port={port}"],
+        cwd=REPO,
+        env={**os.environ, "OPENAI_API_KEY": ""},  # '': no key
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        lines = [stderr.readline() for _ in range(2)]
+        lines = [proc.stderr.readline() for _ in range(2)]  # as serve.py writes them
         assert lines[0].startswith("warning: listening on 0.0.0.0 with no API key: anyone who can reach this machine")
         assert lines[1].startswith("serving out (completions only") and f":{port}/" in lines[1]
         r = httpx.post(
@@ -981,8 +1038,8 @@ def test_the_command_warns_when_it_listens_beyond_loopback_with_no_key(base, tmp
         assert len(taken.stderr.splitlines()) == 1
     finally:
         proc.send_signal(signal.SIGINT)  # uvicorn shuts down, then Ctrl-C ends the command as any other here
-        with stderr:
-            assert proc.wait(30) == 130 and stderr.read() == "interrupted\n"
+        rest = proc.communicate(timeout=30)[1]
+    assert proc.returncode == 130 and rest == "interrupted\n"
 
 
 # ---------------------------------------------------------------------------- fuzzing
