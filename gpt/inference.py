@@ -189,40 +189,63 @@ def generate_tokens(
 # ---------------------------------------------------------------------------- a batch of any lengths
 
 
+def common(a, b):
+    """How many items the sequences a and b share at their start."""
+    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 class BatchCache:
     """Keys and values of up to `rows` sequences that each have their own length, for a server
     that decodes them together: row j holds lengths[j] positions, from position 0, and the rest of
-    its room is padding that attention masks out. Rows in use are always 0..n-1 (a finished row is
-    filled with the last one), so a step's keys are a slice, never a gather. The whole room of every
-    row is allocated at the first step and never moves: a compiled step writes into it in place."""
+    its room is padding that attention masks out. Rows in use are always 0..n-1 (a finished row
+    swaps places with the last one), so a step's keys are a slice, never a gather. The whole room of
+    every row is allocated at the first step and never moves: a compiled step writes into it in place.
+
+    A free row keeps what its last sequence left, and `kept[j]` says which token ids those are: a new
+    prompt that starts with them (a conversation's next turn, a system prompt, a prompt asked again)
+    takes that row and runs only the rest (reuse)."""
 
     def __init__(self, config, rows, room):
         assert room <= config.block_size
         self.config, self.rows, self.room = config, rows, room
-        # a tensor per layer, (rows, n_kv, room + 1, hs), zeros: padding must be finite (0 * NaN is NaN). Per
+        # a tensor per layer, (rows + 1, n_kv, room + 1, hs), zeros: padding must be finite (0 * NaN is NaN). Per
         # layer, so that a compiled step's write of new keys is an index_put into one of its inputs, which
         # inductor does in place (into a view of one (L, ...) tensor, it copied the whole cache every step)
         self.k = self.v = None
         self.lengths = [0] * rows
+        self.kept = [[] for _ in range(rows)]  # of a free row: the ids of its keys and values
 
     def allocate(self, dtype, device):
         if self.k is None:
-            # one position more than the room: a compiled step's span of keys is then never the whole
-            # dimension, where its strides would be a contiguous tensor's and torch.compile guards on that
+            # a row and a position more than the rows and the room: a compiled step's slice of rows and span
+            # of keys is then never the whole dimension, where its strides would be a contiguous tensor's
+            # and torch.compile would specialize the graph on that size
             c = self.config
-            shape = (self.rows, c.n_kv_head, self.room + 1, c.n_embd // c.n_head)
+            shape = (self.rows + 1, c.n_kv_head, self.room + 1, c.n_embd // c.n_head)
             self.k, self.v = ([torch.zeros(shape, dtype=dtype, device=device) for _ in range(c.n_layer)] for _ in "kv")
 
-    def move(self, src, dst):
-        n = self.lengths[src]
-        for t in (*self.k, *self.v):
-            t[dst, :, :n] = t[src, :, :n]
-        self.lengths[dst] = n
+    def swap(self, a, b):
+        """Rows a and b change places (their keys, values, lengths and kept ids)."""
+        if a != b:
+            n, pair = max(self.lengths[a], self.lengths[b]), torch.tensor([a, b], device=self.k[0].device)
+            for t in (*self.k, *self.v):
+                t[pair.flip(0), :, :n] = t[pair, :, :n]  # the right side is read whole first
+            for x in (self.lengths, self.kept):
+                x[a], x[b] = x[b], x[a]
 
-    def packed(self, n, prompts, device):
+    def reuse(self, row, ids):
+        """Into `row` (one of the free rows row, row+1, ...), the free row whose kept ids share the longest
+        start with ids, all of them but the last (its logits are the step's): how many it shares."""
+        shared = [common(self.kept[j], ids[:-1]) for j in range(row, self.rows)]
+        most = max(shared)
+        self.swap(row, row + shared.index(most))
+        return most
+
+    def packed(self, n, prompts, starts, device):
         """The cache GPT.forward takes for one step of a server: a new token in each of rows
-        0..n-1, and the whole prompt of each new row n, n+1, ..., packed into one sequence."""
-        return Packed(self, n, [len(p) for p in prompts], device)
+        0..n-1, and the prompt of each new row n, n+1, ... from its start (the positions the row holds
+        already), packed into one sequence."""
+        return Packed(self, n, [len(p) for p in prompts], starts, device)
 
 
 class Decoding:
@@ -254,24 +277,26 @@ class Decoding:
 class Packed:
     """One forward pass over the rows of a BatchCache, packed into a single sequence (1, N): rows
     0..n-1 add one token each at their own position (length), and new rows n, n+1, ... add their
-    whole prompts from position 0. The matmuls so run over exactly the N real tokens, with no
-    padding and one pass for everything (decoding and prompts); attention runs sequence by
-    sequence: one masked pass over the cache for the decoding rows, one causal pass per prompt
-    over its own keys. GPT.forward takes it as it takes a KVCache (positions, layer); `last` is
-    where each row's logits are read (its token, or its prompt's last). The Engine advances the
-    cache's lengths."""
+    prompts from their start (0, or the positions the row holds already). The matmuls so run over
+    exactly the N real tokens, with no padding and one pass for everything (decoding and prompts);
+    attention runs sequence by sequence: one masked pass over the cache for the decoding rows, one
+    causal pass per prompt (over its own keys, or its row's from position 0 when it starts later).
+    GPT.forward takes it as it takes a KVCache (positions, layer); `last` is where each row's logits
+    are read (its token, or its prompt's last). The Engine advances the cache's lengths."""
 
-    def __init__(self, cache, n, sizes, device):
+    def __init__(self, cache, n, sizes, starts, device):
         lengths = cache.lengths[:n]
         self.end_decoding = max(lengths, default=-1) + 1  # the decoding rows' keys, new ones included
-        self.end = max(self.end_decoding, *sizes, 0)
+        self.end = max(self.end_decoding, *(a + b for a, b in zip(starts, sizes)), 0)
         if self.end > cache.room:
             raise ValueError(f"a row of length {self.end} does not fit the cache's room of {cache.room}")
         if n + len(sizes) > cache.rows:
             raise ValueError(f"{n + len(sizes)} rows do not fit the cache's {cache.rows}")
-        self.cache, self.n, self.sizes = cache, n, sizes
+        self.cache, self.n, self.sizes, self.starts = cache, n, sizes, starts
         rows = list(range(n)) + [n + r for r, size in enumerate(sizes) for _ in range(size)]  # each token's row
-        columns = lengths + [j for size in sizes for j in range(size)]  # and its position there
+        columns = lengths + [
+            j for start, size in zip(starts, sizes) for j in range(start, start + size)
+        ]  # its position
         ends = list(
             itertools.accumulate(sizes, initial=n)
         )  # where each prompt starts in the packed sequence, then ends
@@ -299,11 +324,16 @@ class Packed:
             end = self.end_decoding
             y = sdpa(q[0, :, :n, None].transpose(0, 1), c.k[i][:n, :, :end], c.v[i][:n, :, :end], self.mask)
             parts.append(y[:, :, 0].transpose(0, 1)[None])  # (n, nh, 1, hs) -> (1, nh, n, hs)
-        start = n
-        for size in self.sizes:  # each prompt over its own keys, causal: what it gets alone
-            part = slice(start, start + size)
-            parts.append(sdpa(q[:, :, part], k[:, :, part], v[:, :, part], None, True))
-            start += size
+        at = n
+        for row, (start, size) in enumerate(zip(self.starts, self.sizes), n):
+            part = slice(at, at + size)
+            if start == 0:  # over its own keys, causal: what it gets alone
+                parts.append(sdpa(q[:, :, part], k[:, :, part], v[:, :, part], None, True))
+            else:  # after the held ones: new token t sees positions 0..start+t of its row
+                mask = torch.ones(size, start + size, dtype=torch.bool, device=q.device).tril(start)
+                keys, values = (t[i][row : row + 1, :, : start + size] for t in (c.k, c.v))  # (1, n_kv, start+size, hs)
+                parts.append(sdpa(q[:, :, part], keys, values, mask))
+            at += size
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
 
@@ -328,7 +358,7 @@ class Request:
     seed: Optional[int] = None
     cancelled: bool = False
     generated: int = 0
-    last: Optional[int] = None  # the newest token, run at the next step
+    tokens: list = field(default_factory=list)  # the reply's tokens so far; the last is run at the next step
     finished: Optional[str] = None
     error: Optional[str] = None
     generator: Optional[torch.Generator] = field(default=None, repr=False)
@@ -343,8 +373,8 @@ class Engine:
     refuses more (the server's 429). One thread owns the model, and computes in its dtype.
 
     A step that only decodes (no prompt joins) is the one a reply spends its time in: compile()
-    makes it one torch.compile'd graph per bucket of rows (1, 2, 4, ..., rows), each taking any
-    span of keys, so requests that come and go never compile another."""
+    makes it torch.compile'd graphs made at start-up, over rows padded to a bucket (1, 2, 4, ...,
+    rows) and any span of keys, so requests that come and go never compile another."""
 
     def __init__(self, model, rows=16, waiting=64, room=None, device="cpu", after_step=None):
         self.model, self.device = model, device
@@ -353,7 +383,7 @@ class Engine:
         self.cache = BatchCache(model.config, rows, room or model.config.block_size)
         self.cache.allocate(next(model.parameters()).dtype, device)
         self.keys = torch.arange(self.cache.room, device=device)  # Decoding's keys are a slice of it
-        self.decode, self.buckets = self._decode, None  # eager: exactly the rows in use, exactly the keys they need
+        self.decode, self.buckets = self._decode, None  # compile() sets them
         self.queue = collections.deque()
         self.active = []  # active[j] is in the cache's row j
         self.lock = threading.Condition()
@@ -364,7 +394,7 @@ class Engine:
 
     def compile(self, **options):
         """torch.compile the decoding step (options: torch.compile's mode or options) and compile its
-        graphs now, one per bucket of rows, each for any span of keys. None when done, else the error,
+        graphs now: one for a single row, one for any bucket of more, each for any span of keys. None when done, else the error,
         and the step stays as it was. The cache's tensors keep their address, so CUDA graphs
         (mode='reduce-overhead') may write into them."""
         self.buckets = sorted({min(2**i, self.rows) for i in range(self.rows.bit_length() + 1)})
@@ -373,8 +403,8 @@ class Engine:
         step = torch.compile(self._decode, dynamic=False, **options)
         try:
             with torch.inference_mode():
-                for rows in self.buckets:  # rows of padding in unused rows, at position 0
-                    step(*(torch.zeros(rows, dtype=torch.long, device=self.device) for _ in range(2)), self._span(1))
+                for rows in self.buckets:
+                    step(*self._inputs([0] * rows, [0] * rows, 1))
         except Exception as e:  # noqa: BLE001 (a compiler's failure of any kind: serving goes on without it)
             self.buckets = None
             torch.compiler.reset()
@@ -385,15 +415,22 @@ class Engine:
         self.decode = step
         return None
 
-    def _span(self, end):
-        """keys[:S] for a step whose longest row ends at `end`: compiled, S a power of two (at least 64,
-        at most the room) and its size symbolic, so one graph serves every S and CUDA graphs record a
-        few; eager, exactly `end`."""
-        if self.buckets is None:
-            return self.keys[:end]
-        keys = self.keys[: min(self.cache.room, max(64, 1 << (end - 1).bit_length()))]
-        torch._dynamo.mark_dynamic(keys, 0)
-        return keys
+    def _inputs(self, tokens, positions, end):
+        """The decoding step's inputs for rows 0..n-1 whose longest ends at `end`: tokens and positions
+        (B,), keys (S,). Compiled: B the next bucket of rows (padding rows write at position 0 of rows
+        nobody uses) and S rounded up to a multiple of 64 (or past 512 keys, of an eighth of the next power of
+        two: at most a quarter more keys than needed), both sizes symbolic (but B=1, which torch.compile specializes): two graphs serve every step, and
+        CUDA graphs record one per (B, S) seen; eager: B = n and S = end."""
+        n, compiled = len(tokens), self.buckets is not None
+        B = next(b for b in self.buckets if b >= n) if compiled else n
+        grain = max(64, (1 << (end - 1).bit_length()) // 8)  # an eighth of the next power of two, or 64
+        S = min(self.cache.room, -(-end // grain) * grain) if compiled else end
+        tokens, positions = (torch.tensor(x + [0] * (B - n), device=self.device) for x in (tokens, positions))
+        inputs = tokens, positions, self.keys[:S]
+        if compiled:
+            for t in inputs[0 if B > 1 else 2 :]:
+                torch._dynamo.mark_dynamic(t, 0)
+        return inputs
 
     def _decode(self, tokens, positions, keys):
         """The decoding step: tokens and positions (B,) of rows 0..B-1 -> (logits (B, V), their argmax (B,))."""
@@ -480,19 +517,18 @@ class Engine:
         """One forward pass for everything: the next token of every active row, and the prompts of
         the `new` requests (those that arrived since the last step), which join as rows n, n+1, ...
         With prompts, all are packed into one sequence (BatchCache.packed), so a prompt costs its
-        own tokens' work and no pass of its own; without, it is the decoding step (self.decode),
+        own tokens' work (those a free row does not hold already) and no pass of its own; without, it is the decoding step (self.decode),
         over a bucket of rows when compiled. Each row's logits are read at its last token."""
         n, lengths = len(self.active), self.cache.lengths
-        tokens = [r.last for r in self.active]
-        if new:
-            step = self.cache.packed(n, [r.ids for r in new], self.device)
-            tokens += [t for r in new for t in r.ids]
+        tokens = [r.tokens[-1] for r in self.active]
+        if new:  # each into the free row that holds the longest start of its prompt
+            starts = [self.cache.reuse(n + k, r.ids) for k, r in enumerate(new)]
+            step = self.cache.packed(n, [r.ids[s:] for r, s in zip(new, starts)], starts, self.device)
+            tokens += [t for r, s in zip(new, starts) for t in r.ids[s:]]
             logits, _ = self.model(torch.tensor([tokens], device=self.device), cache=step, logits_at=step.last)
             greedy = logits.argmax(dim=-1)  # (n + new, V) -> (n + new,)
         else:
-            pad = (self.buckets and next(b for b in self.buckets if b >= n)) or n
-            tokens, positions = (torch.tensor(x + [0] * (pad - n), device=self.device) for x in (tokens, lengths[:n]))
-            logits, greedy = self.decode(tokens, positions, self._span(max(lengths[:n]) + 1))
+            logits, greedy = self.decode(*self._inputs(tokens, lengths[:n], max(lengths[:n]) + 1))
         greedy = greedy.tolist()  # every row's argmax in one read from the device
         for j in range(n):
             lengths[j] += 1
@@ -517,10 +553,11 @@ class Engine:
             request.finished = "stop"
         elif request.generated >= request.max_tokens:
             request.finished = "length"
-        request.last = token
+        request.tokens.append(token)
 
     def _leave(self):
-        """Free the rows of finished and cancelled requests: the last row moves into each gap."""
+        """Free the rows of finished and cancelled requests: each swaps places with the last active row,
+        and keeps what it holds (the prompt and the reply but its last token) for a later prompt."""
         j = 0
         while j < len(self.active):
             request = self.active[j]
@@ -528,8 +565,8 @@ class Engine:
                 j += 1
                 continue
             last = len(self.active) - 1
-            if j != last:
-                self.cache.move(last, j)
+            self.cache.kept[j] = (request.ids + request.tokens)[: self.cache.lengths[j]]
+            self.cache.swap(j, last)
             self.active[j] = self.active[last]
             self.active.pop()
             self._finish(request, request.finished or "cancelled")

@@ -106,7 +106,9 @@ class Worker:
             options = {"mode": "reduce-overhead"} if rt.device_type == "cuda" else {}
             error = self.engine.compile(**options)
             if error is not None:
-                print(f"warning: torch.compile of the decoding step failed ({error}); serving without it", file=sys.stderr)
+                print(
+                    f"warning: torch.compile of the decoding step failed ({error}); serving without it", file=sys.stderr
+                )
 
     def submit(self, rid, ids, max_tokens, sampling, chat, stop_ids, stops):
         reply = Reply(self, rid, self.decoders[chat], stops)

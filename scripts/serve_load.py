@@ -7,6 +7,8 @@ check that every reply under load is the one its prompt gets alone.
     python scripts/serve_load.py --url=http://127.0.0.1:8000 --api_key=KEY  # a server already running
     python scripts/serve_load.py --url=http://127.0.0.1:8001,http://127.0.0.1:8002 --clients=1,16   # two, interleaved
     python scripts/serve_load.py --out_dir=out-chat-demo --engine_only      # no HTTP: inference.Engine alone
+    python scripts/serve_load.py --out_dir=out-gpt2-124m-random --random_gpt2=124m --llama_server=PATH/llama-server \\
+        --baseline=../before --serve_args="--device=cpu --compile=True" --clients=1,16 --max_tokens=32   # three servers
     python scripts/serve_load.py --help
 
 Each client is an asyncio task that streams one request after another (POST /v1/chat/completions,
@@ -28,6 +30,13 @@ alike, and each server gets its own table.
 --engine_only puts the same load on inference.Engine in this process (each client submits its
 next request when its last one ends; replies checked token for token against one-at-a-time runs):
 what batching alone gives, without HTTP, JSON and the client.
+
+--llama_server and --baseline start more servers beside serve.py, measured interleaved with it:
+llama.cpp's llama-server on the GGUF export of --out_dir (hf.py --format=gguf, written into
+out_dir/gguf-<dtype> when missing), on as many threads as this process may use cores, with
+--rows slots of --context tokens; and the serve.py of another checkout (a git worktree of the
+commit before a change) with --baseline_args. A last table gives each server's tokens/s and TTFT
+against the last one's.
 
 --random_gpt2=124m writes a GPT-2-124M-shaped chat checkpoint with random weights (GPT-2's BPE
 and chat template) into --out_dir when it holds none: a speed measure only, its replies are noise,
@@ -305,17 +314,18 @@ def free_port():
         return s.getsockname()[1]
 
 
-def start_server(out_dir, extra):
-    """serve.py on a free loopback port, once /health answers: (process, url)."""
+def start(cmd, what):
+    """A server process on a free loopback port (cmd takes it as {port}), once /health answers 200:
+    (process, url)."""
     port = free_port()
-    cmd = [sys.executable, str(REPO / "serve.py"), f"--out_dir={out_dir}", f"--port={port}", *extra]
+    cmd = [part.format(port=port) for part in cmd]
     print("starting: " + " ".join(cmd), file=sys.stderr)
     process = subprocess.Popen(cmd, cwd=REPO)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
+    deadline = time.time() + 900  # serve.py --compile compiles its decoding step before it answers
     while time.time() < deadline:
         if process.poll() is not None:
-            raise UserError(f"serve.py exited with {process.returncode} before it answered /health")
+            raise UserError(f"{what} exited with {process.returncode} before it answered /health")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return process, url
@@ -323,7 +333,35 @@ def start_server(out_dir, extra):
             pass
         time.sleep(0.5)
     process.terminate()
-    raise UserError("serve.py did not answer /health within 300 s")
+    raise UserError(f"{what} did not answer /health within 900 s")
+
+
+def llama_server_cmd(path, out_dir, dtype, rows, context):
+    """llama-server on the GGUF export of out_dir's checkpoint (written first, into out_dir/gguf-<dtype>,
+    when missing): as many threads as this process may use cores, `rows` slots of `context` tokens."""
+    export_dir = os.path.join(out_dir, f"gguf-{dtype}")
+    gguf = os.path.join(export_dir, "model.gguf")
+    if not os.path.exists(gguf):
+        subprocess.run(
+            [
+                sys.executable,
+                "hf.py",
+                f"--out_dir={out_dir}",
+                "--format=gguf",
+                f"--gguf_dtype={dtype}",
+                f"--export_dir={export_dir}",
+            ],
+            cwd=REPO,
+            check=True,
+        )
+    cores = str(len(os.sched_getaffinity(0)))
+    return [path, "-m", gguf, "--host", "127.0.0.1", "--port", "{port}", "-t", cores, "-tb", cores, "--jinja"] + [
+        "-np",
+        str(rows),
+        "-c",
+        str(rows * context),
+        "--no-webui",
+    ]
 
 
 def write_random_gpt2(out_dir):
@@ -383,22 +421,49 @@ def report(runs, levels, client=True):
 
 
 def served_runs(args, levels):
-    """{url: runs}: the levels against each --url, or against serve.py started here on --out_dir
-    (and stopped after)."""
-    process, urls = None, [u.rstrip("/") for u in args.url.split(",")] if args.url else []
-    if not urls:
-        process, url = start_server(args.out_dir, args.serve_args.split())
-        urls = [url]
+    """{name: runs}: the levels against each --url, or against the servers started here (and stopped
+    after): serve.py on --out_dir with --serve_args, the --baseline checkout's serve.py, llama-server."""
+    processes, urls = [], {u.rstrip("/"): u.rstrip("/") for u in args.url.split(",")} if args.url else {}
     try:
-        return asyncio.run(measure(urls, args.api_key, levels, args))
+        if not urls:
+            serve = [sys.executable, "{repo}/serve.py", f"--out_dir={os.path.abspath(args.out_dir)}", "--port={port}"]
+            starts = [("serve.py", [part.replace("{repo}", str(REPO)) for part in serve] + args.serve_args.split())]
+            if args.baseline:
+                baseline = [part.replace("{repo}", args.baseline) for part in serve] + args.baseline_args.split()
+                starts.append((f"serve.py of {args.baseline}", baseline))
+            if args.llama_server:
+                cmd = llama_server_cmd(args.llama_server, args.out_dir, args.gguf_dtype, args.rows, args.context)
+                starts.append(("llama-server", cmd))
+            for name, cmd in starts:
+                process, url = start(cmd, name)
+                processes.append(process)
+                urls[url] = name
+        runs = asyncio.run(measure(list(urls), args.api_key, levels, args))
+        return {urls[url]: figures for url, figures in runs.items()}
     except aiohttp.ClientConnectionError as e:
         raise UserError(
             f"cannot talk to {' or '.join(urls)}: {e}; start the server there, or leave --url out to start serve.py"
         )
     finally:
-        if process is not None:
+        for process in processes:
             process.terminate()
             process.wait(timeout=30)
+
+
+def compare(by_server, levels):
+    """Each server's median tokens/s and TTFT p50 against the last one's (llama-server, when started)."""
+    names = list(by_server)
+    reference = names[-1]
+    med = lambda name, c, key: statistics.median(r[key] for r in by_server[name] if r["clients"] == c)
+    print(f"\n| server | clients | tokens/s | x {reference}'s | TTFT p50 ms | x {reference}'s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for c in levels:
+        for name in names:
+            tps, ttft = med(name, c, "tokens_per_s"), med(name, c, "ttft_p50_ms")
+            print(
+                f"| {name} | {c} | {tps:.1f} | {tps / med(reference, c, 'tokens_per_s'):.2f} | {ttft:.0f} | "
+                f"{ttft / med(reference, c, 'ttft_p50_ms'):.2f} |"
+            )
 
 
 def main(argv=None):
@@ -415,6 +480,17 @@ def main(argv=None):
     p.add_argument(
         "--random_gpt2", choices=["124m"], help="first write a random GPT-2-124M-shaped checkpoint into --out_dir"
     )
+    p.add_argument(
+        "--baseline", help="also start the serve.py of this checkout (another git worktree: before a change)"
+    )
+    p.add_argument("--baseline_args", default="--device=cpu", help="--baseline's serve.py flags (default: %(default)s)")
+    p.add_argument(
+        "--llama_server", help="also start this llama-server binary on --out_dir's GGUF export (written if missing)"
+    )
+    p.add_argument(
+        "--gguf_dtype", default="f32", choices=["f32", "f16"], help="--llama_server's weights (default: %(default)s)"
+    )
+    p.add_argument("--context", type=int, default=1024, help="--llama_server's tokens per slot (default: %(default)s)")
     p.add_argument("--api_key", default=os.environ.get("OPENAI_API_KEY"), help="Bearer key (default: $OPENAI_API_KEY)")
     p.add_argument("--clients", default="1,4,16,64", help="concurrency levels (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=4, help="requests per client at each level (default: %(default)s)")
@@ -424,7 +500,9 @@ def main(argv=None):
     p.add_argument(
         "--engine_only", action="store_true", help="no server: the same load on inference.Engine in this process"
     )
-    p.add_argument("--rows", type=int, default=16, help="--engine_only: the engine's rows (serve.py's --batch_size)")
+    p.add_argument(
+        "--rows", type=int, default=16, help="--engine_only's rows, --llama_server's slots (serve.py's --batch_size)"
+    )
     args = p.parse_args(argv)
     levels = [int(c) for c in args.clients.split(",")]
     if min(levels) < 1 or args.repeats < 1 or args.rounds < 1:
@@ -444,6 +522,8 @@ def main(argv=None):
                 f"first: {next(r['first_wrong'] for r in runs if r['wrong'])}",
                 file=sys.stderr,
             )
+    if len(by_server) > 1:
+        compare(by_server, levels)
     return 1 if wrong else 0
 
 

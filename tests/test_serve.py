@@ -73,8 +73,10 @@ def solo_greedy(model, prompts, budgets):
 def test_a_packed_step_gives_each_sequence_its_own_logits(shape):
     """One packed pass that decodes two rows (at positions 6 and 11) and takes in two new prompts
     (4 and 9 tokens) gives each of the four the logits the plain forward gives its own sequence
-    alone, and leaves in the cache the keys a later step needs: a second packed pass (three rows
-    decoding, a fifth prompt joining) matches too. Learned positions and RoPE alike."""
+    alone, and leaves in the cache the keys a later step needs: a second packed pass matches too,
+    where three rows decode, row 3 has ended and a prompt that starts with its first 5 tokens takes
+    its place running only its own 2 more (reuse), and another prompt joins from position 0.
+    Learned positions and RoPE alike."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=50, n_layer=2, n_head=4, n_embd=32, block_size=32, **shape)).eval()
     seqs = token_lists(6, 11, 4, 9, 3)
@@ -85,13 +87,12 @@ def test_a_packed_step_gives_each_sequence_its_own_logits(shape):
     cache = inference.BatchCache(model.config, rows=5, room=32)
     cache.allocate(torch.float32, "cpu")
     with torch.inference_mode():
-        step = cache.packed(
-            0, [s[:-1] for s in seqs[:2]], "cpu"
-        )  # the first two come in as prompts, less their last token
+        # the first two come in as prompts, less their last token
+        step = cache.packed(0, [s[:-1] for s in seqs[:2]], [0, 0], "cpu")
         model(torch.tensor([seqs[0][:-1] + seqs[1][:-1]]), cache=step, logits_at=step.last)
         cache.lengths[:2] = [len(s) - 1 for s in seqs[:2]]
         # rows 0 and 1 decode their last token; rows 2 and 3 take in whole prompts
-        step = cache.packed(2, seqs[2:4], "cpu")
+        step = cache.packed(2, seqs[2:4], [0, 0], "cpu")
         logits, _ = model(
             torch.tensor([[seqs[0][-1], seqs[1][-1], *seqs[2], *seqs[3]]]), cache=step, logits_at=step.last
         )
@@ -99,11 +100,19 @@ def test_a_packed_step_gives_each_sequence_its_own_logits(shape):
         for got, seq in zip(logits, seqs[:4]):
             torch.testing.assert_close(got, alone(seq), rtol=1e-5, atol=1e-5)
         cache.lengths[:4] = [len(s) for s in seqs[:4]]
-        nexts = [7, 8, 9]  # rows 0, 1 and 2 decode one more token each; row 3 waits; a fifth prompt joins as row 3
-        cache.move(3, 4)  # (the Engine keeps rows 0..n-1 in use: row 3's sequence steps aside to row 4)
-        step = cache.packed(3, [seqs[4]], "cpu")
-        logits, _ = model(torch.tensor([[*nexts, *seqs[4]]]), cache=step, logits_at=step.last)
-        for got, seq in zip(logits, [seqs[0] + [7], seqs[1] + [8], seqs[2] + [9], seqs[4]]):
+        cache.kept[3] = seqs[3]  # row 3 has ended: what it holds stays there
+        again = seqs[3][:5] + [1, 2]
+        assert cache.reuse(4, seqs[4]) == 0 and cache.reuse(3, again) == 5  # a prompt that shares nothing: row 4
+        nexts = [7, 8, 9]  # rows 0, 1 and 2 decode one more token each
+        step = cache.packed(3, [again[5:], seqs[4]], [5, 0], "cpu")
+        logits, _ = model(torch.tensor([[*nexts, *again[5:], *seqs[4]]]), cache=step, logits_at=step.last)
+        for got, seq in zip(logits, [seqs[0] + [7], seqs[1] + [8], seqs[2] + [9], again, seqs[4]]):
+            torch.testing.assert_close(got, alone(seq), rtol=1e-5, atol=1e-5)
+        cache.lengths[:5] = [len(seqs[0]) + 1, len(seqs[1]) + 1, len(seqs[2]) + 1, len(again), len(seqs[4])]
+        cache.swap(3, 1)  # rows change places, keys and all: row 1 now holds `again`
+        step = cache.packed(2, [], [], "cpu")
+        logits, _ = model(torch.tensor([[3, 4]]), cache=step, logits_at=step.last)
+        for got, seq in zip(logits, [seqs[0] + [7, 3], again + [4]]):
             torch.testing.assert_close(got, alone(seq), rtol=1e-5, atol=1e-5)
 
 
@@ -156,8 +165,8 @@ def test_requests_prefilled_together_give_solo_greedy_tokens(shape):
 
 @pytest.mark.parametrize("shape", SHAPES, ids=["gpt2", "llama"])
 def test_a_compiled_engine_gives_solo_greedy_tokens_and_never_recompiles(shape):
-    """serve.py --compile: the decoding step compiled, one graph per bucket of rows (1, 2, 3 for three
-    rows) made at start-up. Then, with torch.compile's stance set to fail on a recompile, seven
+    """serve.py --compile: the decoding step compiled at start-up, rows padded to a bucket (1, 2, 3 for
+    three rows): a graph for one row, one for more. Then, with torch.compile's stance set to fail on a recompile, seven
     requests come and go (prompts of 1 to 20 tokens, replies past 64 positions, so the span of keys
     grows from one bucket to the next, rows moving as others leave) and each gets, token for token,
     generate()'s greedy tokens of the model alone. dynamo's graphs on ATen's kernels (conftest):
@@ -171,10 +180,16 @@ def test_a_compiled_engine_gives_solo_greedy_tokens_and_never_recompiles(shape):
     counters.clear()
     engine = inference.Engine(model, rows=3, waiting=10)
     assert engine.compile(backend=ATEN_BACKEND) is None
-    assert engine.buckets == [1, 2, 3] and counters["stats"]["unique_graphs"] == 3
+    assert engine.buckets == [1, 2, 3] and counters["stats"]["unique_graphs"] == 2  # one row; two or three
     outs, done, spans = [[] for _ in prompts], threading.Semaphore(0), []
-    span = engine._span
-    engine._span = lambda end: spans.append(span(end).size(0)) or span(end)
+    make_inputs = engine._inputs
+
+    def inputs(*args):  # the decoding steps' spans of keys
+        made = make_inputs(*args)
+        spans.append(made[2].size(0))
+        return made
+
+    engine._inputs = inputs
     with torch.compiler.set_stance("fail_on_recompile"):
         engine.start()
         for i, (p, n) in enumerate(zip(prompts, budgets)):
@@ -183,8 +198,32 @@ def test_a_compiled_engine_gives_solo_greedy_tokens_and_never_recompiles(shape):
             assert done.acquire(timeout=300)
         engine.close()
     torch._dynamo.reset()
-    assert outs == solo and counters["stats"]["unique_graphs"] == 3
+    assert outs == solo and counters["stats"]["unique_graphs"] == 2
     assert set(spans) == {64, 128}  # rows up to position 63, then past it
+
+
+def test_a_prompt_that_starts_as_an_ended_sequence_runs_only_the_rest():
+    """A conversation's next turn (the first turn's prompt and reply, then more), and the same prompt
+    asked again, after the first request has ended: each takes the row the first left, runs only the
+    tokens that row does not hold (for a repeat, its last), and gets generate()'s greedy tokens
+    alone; a prompt that shares nothing runs whole."""
+    model = peaked_model(block_size=128)
+    first = token_lists(12)[0]
+    reply = solo_greedy(model, [first], [10])[0]
+    prompts = [first, first + reply[:6] + [4, 5, 6], list(first), token_lists(7)[0]]
+    solo = solo_greedy(model, prompts, [10, 9, 5, 6])
+    engine = inference.Engine(model, rows=2).start()
+    packed, run = [], engine.cache.packed
+    engine.cache.packed = lambda n, prompts, starts, device: packed.append(starts) or run(n, prompts, starts, device)
+    outs = []
+    for prompt, n in zip(prompts, [10, 9, 5, 6]):  # one after another: each finds the rows the last ones left
+        done, out = threading.Semaphore(0), []
+        assert engine.submit(inference.Request(prompt, n, out.append, lambda *end: done.release(), temperature=0))
+        assert done.acquire(timeout=60)
+        outs.append(out)
+    engine.close()
+    assert outs == solo
+    assert packed == [[0], [12 + 6], [11], [0]]  # the second holds the first's prompt and 6 tokens of its reply
 
 
 def test_a_compile_failure_at_start_up_serves_eagerly_and_says_so(base, base_server, monkeypatch, capsys):
