@@ -235,11 +235,13 @@ class BatchCache:
 
     def reuse(self, row, ids):
         """Into `row` (one of the free rows row, row+1, ...), the free row whose kept ids share the longest
-        start with ids, all of them but the last (its logits are the step's): how many it shares."""
-        shared = [common(self.kept[j], ids[:-1]) for j in range(row, self.rows)]
-        most = max(shared)
-        self.swap(row, row + shared.index(most))
-        return most
+        start with ids, all of them but the last (its logits are the step's): how many it shares. A
+        row so taken keeps nothing more until its sequence ends."""
+        # the most shared, or when none is, the least held: what the others keep stays for later prompts
+        best = max(range(row, self.rows), key=lambda j: (common(self.kept[j], ids[:-1]), -len(self.kept[j])))
+        self.swap(row, best)
+        shared, self.kept[row] = common(self.kept[row], ids[:-1]), []
+        return shared
 
     def packed(self, n, prompts, starts, device):
         """The cache GPT.forward takes for one step of a server: a new token in each of rows
@@ -252,13 +254,13 @@ class Decoding:
     """One decoding step of rows 0..B-1 of a BatchCache, as GPT.forward takes a cache: idx (B, 1),
     row b's new token at positions[b], attending to the keys before it in its own row. keys (S,):
     0..S-1, the positions attention reads (S > every position), so that every tensor's shape is
-    (B, ...) or (S, ...) and a compiled step takes any S in one graph. Rows past the ones in use
-    may be padding (a bucket's size): they write at position 0 of rows nobody uses."""
+    (B, ...) or (S, ...) and a compiled step takes any S in one graph. rows (B,): where each writes
+    its key and value, b itself, or for rows of padding (a bucket's size) the cache's spare row,
+    so that a free row keeps what it holds."""
 
-    def __init__(self, cache, positions, keys):
-        self.cache, self.pos = cache, positions  # (B,)
+    def __init__(self, cache, rows, positions, keys):
+        self.cache, self.rows, self.pos = cache, rows, positions  # (B,) each
         self.mask = (keys[None, :] <= positions[:, None])[:, None, None, :]  # (B, 1, 1, S): its cached keys and its own
-        self.rows = torch.arange(positions.size(0), device=positions.device)
 
     def positions(self, T, device):
         return self.pos[:, None]  # (B, 1)
@@ -404,7 +406,7 @@ class Engine:
         try:
             with torch.inference_mode():
                 for rows in self.buckets:
-                    step(*self._inputs([0] * rows, [0] * rows, 1))
+                    step(*self._inputs([0] * rows, [0] * rows, 1))  # the decoding steps of `rows` rows
         except Exception as e:  # noqa: BLE001 (a compiler's failure of any kind: serving goes on without it)
             self.buckets = None
             torch.compiler.reset()
@@ -416,25 +418,27 @@ class Engine:
         return None
 
     def _inputs(self, tokens, positions, end):
-        """The decoding step's inputs for rows 0..n-1 whose longest ends at `end`: tokens and positions
-        (B,), keys (S,). Compiled: B the next bucket of rows (padding rows write at position 0 of rows
-        nobody uses) and S rounded up to a multiple of 64 (or past 512 keys, of an eighth of the next power of
-        two: at most a quarter more keys than needed), both sizes symbolic (but B=1, which torch.compile specializes): two graphs serve every step, and
-        CUDA graphs record one per (B, S) seen; eager: B = n and S = end."""
+        """The decoding step's inputs for rows 0..n-1 whose longest ends at `end`: tokens, rows and
+        positions (B,), keys (S,). Compiled: B the next bucket of rows (rows of padding write into the
+        spare row) and S rounded up to a multiple of 64 (past 512 keys, of an eighth of the next power
+        of two: at most a quarter more keys than needed), both sizes symbolic (but B=1, which
+        torch.compile specializes): two graphs serve every step, and CUDA graphs record one per (B, S)
+        seen. Eager: B = n and S = end."""
         n, compiled = len(tokens), self.buckets is not None
         B = next(b for b in self.buckets if b >= n) if compiled else n
         grain = max(64, (1 << (end - 1).bit_length()) // 8)  # an eighth of the next power of two, or 64
         S = min(self.cache.room, -(-end // grain) * grain) if compiled else end
-        tokens, positions = (torch.tensor(x + [0] * (B - n), device=self.device) for x in (tokens, positions))
-        inputs = tokens, positions, self.keys[:S]
+        rows = list(range(n)) + [self.cache.rows] * (B - n)
+        inputs = [torch.tensor(x + [0] * (B - len(x)), device=self.device) for x in (tokens, rows, positions)]
+        inputs.append(self.keys[:S])
         if compiled:
-            for t in inputs[0 if B > 1 else 2 :]:
+            for t in inputs[0 if B > 1 else 3 :]:
                 torch._dynamo.mark_dynamic(t, 0)
         return inputs
 
-    def _decode(self, tokens, positions, keys):
-        """The decoding step: tokens and positions (B,) of rows 0..B-1 -> (logits (B, V), their argmax (B,))."""
-        logits, _ = self.model(tokens[:, None], cache=Decoding(self.cache, positions, keys))
+    def _decode(self, tokens, rows, positions, keys):
+        """The decoding step: tokens, rows and positions (B,) -> (logits (B, V), their argmax (B,))."""
+        logits, _ = self.model(tokens[:, None], cache=Decoding(self.cache, rows, positions, keys))
         logits = logits[:, -1]
         return logits, logits.argmax(dim=-1)
 

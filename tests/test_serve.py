@@ -186,7 +186,7 @@ def test_a_compiled_engine_gives_solo_greedy_tokens_and_never_recompiles(shape):
 
     def inputs(*args):  # the decoding steps' spans of keys
         made = make_inputs(*args)
-        spans.append(made[2].size(0))
+        spans.append(made[3].size(0))
         return made
 
     engine._inputs = inputs
@@ -202,28 +202,40 @@ def test_a_compiled_engine_gives_solo_greedy_tokens_and_never_recompiles(shape):
     assert set(spans) == {64, 128}  # rows up to position 63, then past it
 
 
-def test_a_prompt_that_starts_as_an_ended_sequence_runs_only_the_rest():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_prompt_that_starts_as_an_ended_sequence_runs_only_the_rest(compiled):
     """A conversation's next turn (the first turn's prompt and reply, then more), and the same prompt
     asked again, after the first request has ended: each takes the row the first left, runs only the
     tokens that row does not hold (for a repeat, its last), and gets generate()'s greedy tokens
-    alone; a prompt that shares nothing runs whole."""
+    alone; a prompt that shares nothing runs whole, in a row that holds nothing. Meanwhile three other
+    requests decode together in a bucket of four rows (compiled: one of padding), and the row the
+    first left is kept as it was."""
     model = peaked_model(block_size=128)
-    first = token_lists(12)[0]
+    first, others = token_lists(12)[0], token_lists(5, 8, 3)
     reply = solo_greedy(model, [first], [10])[0]
-    prompts = [first, first + reply[:6] + [4, 5, 6], list(first), token_lists(7)[0]]
-    solo = solo_greedy(model, prompts, [10, 9, 5, 6])
-    engine = inference.Engine(model, rows=2).start()
+    prompts = [first, *others, first + reply[:6] + [4, 5, 6], list(first), token_lists(7)[0]]
+    budgets = [10, 20, 20, 20, 9, 5, 6]
+    solo = solo_greedy(model, prompts, budgets)
+    engine = inference.Engine(model, rows=4)
+    if compiled:
+        assert engine.compile(backend=ATEN_BACKEND) is None and engine.buckets == [1, 2, 4]
+    engine.start()
     packed, run = [], engine.cache.packed
     engine.cache.packed = lambda n, prompts, starts, device: packed.append(starts) or run(n, prompts, starts, device)
-    outs = []
-    for prompt, n in zip(prompts, [10, 9, 5, 6]):  # one after another: each finds the rows the last ones left
-        done, out = threading.Semaphore(0), []
-        assert engine.submit(inference.Request(prompt, n, out.append, lambda *end: done.release(), temperature=0))
-        assert done.acquire(timeout=60)
-        outs.append(out)
+    outs = [[] for _ in prompts]
+    for group in ([0], [1, 2, 3], [4], [5], [6]):  # a group at a time: each finds the rows the last ones left
+        done = threading.Semaphore(0)
+        with engine.lock:  # the group's requests join in one step
+            for i in group:
+                request = inference.Request(prompts[i], budgets[i], outs[i].append, lambda *end: done.release())
+                request.temperature = 0
+                assert engine.submit(request)
+        for _ in group:
+            assert done.acquire(timeout=120)
     engine.close()
+    torch.compiler.reset()
     assert outs == solo
-    assert packed == [[0], [12 + 6], [11], [0]]  # the second holds the first's prompt and 6 tokens of its reply
+    assert packed == [[0], [0, 0, 0], [12 + 6], [11], [0]]  # the next turn holds the first prompt and 6 of its reply
 
 
 def test_a_compile_failure_at_start_up_serves_eagerly_and_says_so(base, base_server, monkeypatch, capsys):
