@@ -520,19 +520,22 @@ class Engine:
     def _step(self, new):
         """One forward pass for everything: the next token of every active row, and the prompts of
         the `new` requests (those that arrived since the last step), which join as rows n, n+1, ...
-        With prompts, all are packed into one sequence (BatchCache.packed), so a prompt costs its
-        own tokens' work (those a free row does not hold already) and no pass of its own; without, it is the decoding step (self.decode),
-        over a bucket of rows when compiled. Each row's logits are read at its last token."""
+        With prompts, all are packed into one sequence (BatchCache.packed), so a prompt costs its own
+        tokens' work (those a free row does not hold already) and no pass of its own. When no prompt
+        has more than its last token to run, as when every one is a prompt asked again, or none
+        joins, it is the decoding step (self.decode), over a bucket of rows when compiled. Each row's
+        logits are read at its last token."""
         n, lengths = len(self.active), self.cache.lengths
-        tokens = [r.tokens[-1] for r in self.active]
-        if new:  # each into the free row that holds the longest start of its prompt
-            starts = [self.cache.reuse(n + k, r.ids) for k, r in enumerate(new)]
+        tokens, positions = [r.tokens[-1] for r in self.active], lengths[:n]
+        starts = [self.cache.reuse(n + k, r.ids) for k, r in enumerate(new)]  # each into the row that holds most
+        if any(len(r.ids) - s > 1 for r, s in zip(new, starts)):
             step = self.cache.packed(n, [r.ids[s:] for r, s in zip(new, starts)], starts, self.device)
             tokens += [t for r, s in zip(new, starts) for t in r.ids[s:]]
             logits, _ = self.model(torch.tensor([tokens], device=self.device), cache=step, logits_at=step.last)
             greedy = logits.argmax(dim=-1)  # (n + new, V) -> (n + new,)
         else:
-            logits, greedy = self.decode(*self._inputs(tokens, lengths[:n], max(lengths[:n]) + 1))
+            tokens, positions = tokens + [r.ids[-1] for r in new], positions + starts
+            logits, greedy = self.decode(*self._inputs(tokens, positions, max(positions) + 1))
         greedy = greedy.tolist()  # every row's argmax in one read from the device
         for j in range(n):
             lengths[j] += 1

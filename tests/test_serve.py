@@ -206,8 +206,8 @@ def test_a_compiled_engine_gives_solo_greedy_tokens_and_never_recompiles(shape):
 def test_a_prompt_that_starts_as_an_ended_sequence_runs_only_the_rest(compiled):
     """A conversation's next turn (the first turn's prompt and reply, then more), and the same prompt
     asked again, after the first request has ended: each takes the row the first left, runs only the
-    tokens that row does not hold (for a repeat, its last), and gets generate()'s greedy tokens
-    alone; a prompt that shares nothing runs whole, in a row that holds nothing. Meanwhile three other
+    tokens that row does not hold (for a repeat, its last: a decoding step), and gets generate()'s
+    greedy tokens alone; a prompt that shares nothing runs whole, in a row that holds nothing. Meanwhile three other
     requests decode together in a bucket of four rows (compiled: one of padding), and the row the
     first left is kept as it was."""
     model = peaked_model(block_size=128)
@@ -220,8 +220,9 @@ def test_a_prompt_that_starts_as_an_ended_sequence_runs_only_the_rest(compiled):
     if compiled:
         assert engine.compile(backend=ATEN_BACKEND) is None and engine.buckets == [1, 2, 4]
     engine.start()
-    packed, run = [], engine.cache.packed
+    packed, run, decoded, inputs = [], engine.cache.packed, [], engine._inputs
     engine.cache.packed = lambda n, prompts, starts, device: packed.append(starts) or run(n, prompts, starts, device)
+    engine._inputs = lambda tokens, positions, end: decoded.append(list(positions)) or inputs(tokens, positions, end)
     outs = [[] for _ in prompts]
     for group in ([0], [1, 2, 3], [4], [5], [6]):  # a group at a time: each finds the rows the last ones left
         done = threading.Semaphore(0)
@@ -235,7 +236,8 @@ def test_a_prompt_that_starts_as_an_ended_sequence_runs_only_the_rest(compiled):
     engine.close()
     torch.compiler.reset()
     assert outs == solo
-    assert packed == [[0], [0, 0, 0], [12 + 6], [11], [0]]  # the next turn holds the first prompt and 6 of its reply
+    assert packed == [[0], [0, 0, 0], [12 + 6], [0]]  # the next turn holds the first prompt and 6 of its reply
+    assert [11] in decoded  # the repeat's last token, alone in a decoding step
 
 
 def test_a_compile_failure_at_start_up_serves_eagerly_and_says_so(base, base_server, monkeypatch, capsys):
