@@ -203,7 +203,7 @@ class BatchCache:
 
     A free row keeps what its last sequence left, and `kept[j]` says which token ids those are: a new
     prompt that starts with them (a conversation's next turn, a system prompt, a prompt asked again)
-    takes that row and runs only the rest (reuse)."""
+    runs only the rest (reuse). The row that has been free longest is the first to be overwritten."""
 
     def __init__(self, config, rows, room):
         assert room <= config.block_size
@@ -214,6 +214,8 @@ class BatchCache:
         self.k = self.v = None
         self.lengths = [0] * rows
         self.kept = [[] for _ in range(rows)]  # of a free row: the ids of its keys and values
+        self.freed = [-1] * rows  # when each free row's sequence ended (the count of sequences kept); -1: holds none
+        self.count = 0
 
     def allocate(self, dtype, device):
         if self.k is None:
@@ -230,18 +232,30 @@ class BatchCache:
             n, pair = max(self.lengths[a], self.lengths[b]), torch.tensor([a, b], device=self.k[0].device)
             for t in (*self.k, *self.v):
                 t[pair.flip(0), :, :n] = t[pair, :, :n]  # the right side is read whole first
-            for x in (self.lengths, self.kept):
+            for x in (self.lengths, self.kept, self.freed):
                 x[a], x[b] = x[b], x[a]
 
+    def keep(self, row, ids):
+        """Row `row` is free and holds the keys and values of ids."""
+        self.count += 1
+        self.kept[row], self.freed[row] = ids, self.count
+
     def reuse(self, row, ids):
-        """Into `row` (one of the free rows row, row+1, ...), the free row whose kept ids share the longest
-        start with ids, all of them but the last (its logits are the step's): how many it shares. A
-        row so taken keeps nothing more until its sequence ends."""
-        # the most shared, or when none is, the least held: what the others keep stays for later prompts
-        best = max(range(row, self.rows), key=lambda j: (common(self.kept[j], ids[:-1]), -len(self.kept[j])))
+        """Make `row` (one of the free rows row, row+1, ...) a new sequence's, holding the longest start
+        of ids that a free row holds, all of them but the last (its logits are the step's): how many
+        ids it holds. It is that row itself when that start is all it held; otherwise the row free
+        longest (one that holds nothing, first) gets a copy of that start, and the rest stays."""
+        free = range(row, self.rows)
+        shared = {j: common(self.kept[j], ids[:-1]) for j in free}
+        best = max(free, key=lambda j: (shared[j], -len(self.kept[j])))
+        spare, most = min(free, key=lambda j: self.freed[j]), shared[best]
+        if most < len(self.kept[best]) and spare != best:
+            for t in (*self.k, *self.v):
+                t[spare, :, :most] = t[best, :, :most]
+            best = spare
         self.swap(row, best)
-        shared, self.kept[row] = common(self.kept[row], ids[:-1]), []
-        return shared
+        self.kept[row], self.freed[row] = [], -1
+        return most
 
     def packed(self, n, prompts, starts, device):
         """The cache GPT.forward takes for one step of a server: a new token in each of rows
@@ -572,7 +586,7 @@ class Engine:
                 j += 1
                 continue
             last = len(self.active) - 1
-            self.cache.kept[j] = (request.ids + request.tokens)[: self.cache.lengths[j]]
+            self.cache.keep(j, (request.ids + request.tokens)[: self.cache.lengths[j]])
             self.cache.swap(j, last)
             self.active[j] = self.active[last]
             self.active.pop()

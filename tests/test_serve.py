@@ -213,8 +213,8 @@ def test_a_prompt_that_starts_as_an_ended_sequence_runs_only_the_rest(compiled):
     model = peaked_model(block_size=128)
     first, others = token_lists(12)[0], token_lists(5, 8, 3)
     reply = solo_greedy(model, [first], [10])[0]
-    prompts = [first, *others, first + reply[:6] + [4, 5, 6], list(first), token_lists(7)[0]]
-    budgets = [10, 20, 20, 20, 9, 5, 6]
+    prompts = [first, *others, first + reply[:6] + [4, 5, 6], first[:3] + [7, 7, 7], list(first), token_lists(7)[0]]
+    budgets = [10, 20, 20, 20, 9, 8, 5, 6]
     solo = solo_greedy(model, prompts, budgets)
     engine = inference.Engine(model, rows=4)
     if compiled:
@@ -224,7 +224,7 @@ def test_a_prompt_that_starts_as_an_ended_sequence_runs_only_the_rest(compiled):
     engine.cache.packed = lambda n, prompts, starts, device: packed.append(starts) or run(n, prompts, starts, device)
     engine._inputs = lambda tokens, positions, end: decoded.append(list(positions)) or inputs(tokens, positions, end)
     outs = [[] for _ in prompts]
-    for group in ([0], [1, 2, 3], [4], [5], [6]):  # a group at a time: each finds the rows the last ones left
+    for group in ([0], [1, 2, 3], [4], [5], [6], [7]):  # a group at a time: each finds the rows the last ones left
         done = threading.Semaphore(0)
         with engine.lock:  # the group's requests join in one step
             for i in group:
@@ -236,7 +236,7 @@ def test_a_prompt_that_starts_as_an_ended_sequence_runs_only_the_rest(compiled):
     engine.close()
     torch.compiler.reset()
     assert outs == solo
-    assert packed == [[0], [0, 0, 0], [12 + 6], [0]]  # the next turn holds the first prompt and 6 of its reply
+    assert packed == [[0], [0, 0, 0], [12 + 6], [3], [0]]  # the next turn holds the first prompt and 6 of its reply
     assert [11] in decoded  # the repeat's last token, alone in a decoding step
 
 
