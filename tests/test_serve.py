@@ -204,12 +204,13 @@ def test_a_compiled_engine_gives_solo_greedy_tokens_and_never_recompiles(shape):
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_a_prompt_that_starts_as_an_ended_sequence_runs_only_the_rest(compiled):
-    """A conversation's next turn (the first turn's prompt and reply, then more), and the same prompt
-    asked again, after the first request has ended: each takes the row the first left, runs only the
-    tokens that row does not hold (for a repeat, its last: a decoding step), and gets generate()'s
-    greedy tokens alone; a prompt that shares nothing runs whole, in a row that holds nothing. Meanwhile three other
-    requests decode together in a bucket of four rows (compiled: one of padding), and the row the
-    first left is kept as it was."""
+    """After the first request has ended, while three others decode together in a bucket of four rows
+    (compiled: one of padding, and the row the first left is kept as it was), then one at a time: a
+    conversation's next turn (the first turn's prompt and 6 tokens of its reply, then more) runs
+    only what follows them; a prompt that shares only the first 3 tokens runs the rest, in a copy
+    of them, and the first turn is still kept whole; the first prompt asked again runs only its last
+    token (a decoding step); a prompt that shares nothing runs whole. Each gets generate()'s greedy
+    tokens alone."""
     model = peaked_model(block_size=128)
     first, others = token_lists(12)[0], token_lists(5, 8, 3)
     reply = solo_greedy(model, [first], [10])[0]
