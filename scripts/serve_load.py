@@ -39,8 +39,9 @@ commit before a change) with --baseline_args. A last table gives each server's t
 against the last one's.
 
 --random_gpt2=124m writes a GPT-2-124M-shaped chat checkpoint with random weights (GPT-2's BPE
-and chat template) into --out_dir when it holds none: a speed measure only, its replies are noise,
-and the content check compares them with their solo replies all the same. --repeats runs the
+and chat template) into --out_dir when it holds none (1b: Llama-3.2-1B's shape, context 2048): a
+speed measure only, its replies are noise, and the content check compares them with their solo
+replies all the same. --repeats runs the
 levels several times and prints each figure's median: on a shared machine single runs are noisy.
 The clients run on the same CPU as the server, so they take as little of it as they can: aiohttp
 (its HTTP parser is C), only the lines up to a reply's first content parsed on the clock and the
@@ -364,8 +365,29 @@ def llama_server_cmd(path, out_dir, dtype, rows, context):
     ]
 
 
-def write_random_gpt2(out_dir):
-    """A GPT-2-124M-shaped chat checkpoint with random weights (speed only), as train.py writes one."""
+# the shapes --random_gpt2 writes: GPT-2 124M's, and config/train_llama_1b.py's (Llama-3.2-1B's, with
+# GPT-2's vocabulary and a context of 2048)
+RANDOM_SHAPES = {
+    "124m": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),
+    "1b": dict(
+        n_layer=16,
+        n_head=32,
+        n_kv_head=8,
+        n_embd=2048,
+        mlp="swiglu",
+        mlp_hidden=8192,
+        pos_encoding="rope",
+        rope_theta=500000.0,
+        norm="rmsnorm",
+        bias=False,
+        block_size=2048,
+    ),
+}
+
+
+def write_random_gpt2(out_dir, shape):
+    """A chat checkpoint of the shape with random weights (speed only), GPT-2's BPE and chat template,
+    as train.py writes one."""
     import dataclasses
     import math
 
@@ -378,9 +400,7 @@ def write_random_gpt2(out_dir):
     spec = tokenizer.make_spec("gpt2")
     template = Template(spec)
     torch.manual_seed(0)
-    model = GPT(
-        GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=template.vocab_size, dropout=0.0)
-    )
+    model = GPT(GPTConfig(**RANDOM_SHAPES[shape], vocab_size=template.vocab_size, dropout=0.0))
     os.makedirs(out_dir, exist_ok=True)
     torch.save(
         {
@@ -478,7 +498,9 @@ def main(argv=None):
         "--serve_args", default="--device=cpu", help="more serve.py flags, space-separated (default: %(default)s)"
     )
     p.add_argument(
-        "--random_gpt2", choices=["124m"], help="first write a random GPT-2-124M-shaped checkpoint into --out_dir"
+        "--random_gpt2",
+        choices=list(RANDOM_SHAPES),
+        help="first write a random chat checkpoint of GPT-2 124M's or Llama-3.2-1B's shape into --out_dir",
     )
     p.add_argument(
         "--baseline", help="also start the serve.py of this checkout (another git worktree: before a change)"
@@ -508,7 +530,7 @@ def main(argv=None):
     if min(levels) < 1 or args.repeats < 1 or args.rounds < 1:
         raise UserError("--clients, --repeats and --rounds must be positive")
     if args.random_gpt2 and not os.path.exists(os.path.join(args.out_dir, "ckpt.pt")):
-        write_random_gpt2(args.out_dir)
+        write_random_gpt2(args.out_dir, args.random_gpt2)
     by_server = {"engine": engine_runs(args, levels)} if args.engine_only else served_runs(args, levels)
     wrong = 0
     for server, runs in by_server.items():
