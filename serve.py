@@ -5,6 +5,7 @@ requests in flight at the same time are decoded together, one batch per step.
     python serve.py --out_dir=out-shakespeare-char --port=8001    # a base model: /v1/completions
     python serve.py --init_from=gpt2 --batch_size=32              # released GPT-2 (transformers)
     python serve.py --init_from=Llama-3.2-1B-Instruct --context=4096
+    python serve.py --out_dir=out-chat-demo --compile=True        # the decoding step compiled: faster per token
     OPENAI_API_KEY=secret python serve.py --out_dir=out-chat-demo --host=0.0.0.0   # on the network: a key
     OPENAI_API_KEY=secret python serve.py --out_dir=out-chat-demo --host=0.0.0.0 --allowed_hosts=box.lan  # http://box.lan:8000/
     python serve.py --help
@@ -53,8 +54,8 @@ class ServeConfig:
     context: int = 0  # longest prompt + reply in tokens (the KV cache's room per row); 0: block_size, at most 8192
     max_body: int = 1_000_000  # largest request body in bytes; larger ones get 413
     device: str = "auto"  # 'auto', 'cpu', 'cuda', 'cuda:1', 'mps'
-    dtype: str = "auto"  # 'auto', 'float32', 'bfloat16', 'float16'
-    compile: bool = False  # torch.compile the model
+    dtype: str = "auto"  # the weights' type: 'auto' (float32 on a CPU, bfloat16 on a GPU), 'float32', 'bfloat16', 'float16'
+    compile: bool = False  # torch.compile the decoding step at start-up (CUDA graphs on a GPU); docs/serving.md
     engine: Literal["process", "thread"] = "process"  # where the model runs: 'process' (its own, beside the server's: the two use two cores) or 'thread' (serve.py's own)
     # fmt: on
 

@@ -6,6 +6,7 @@ put under one heading, and what is left of the step's wall time (Python, dispatc
     python scripts/serve_profile.py --out_dir=out-gpt2-124m-random --rows=1,16 --compile   # serve.py --compile
     python scripts/serve_profile.py --out_dir=out-gpt2-124m-random --dtype=bfloat16 --compile
     python scripts/serve_profile.py --out_dir=out-gpt2-124m-random --threads=1 --trace=step.json   # for Perfetto
+    python scripts/serve_profile.py --out_dir=out-gpt2-124m-random --baseline=../before            # another checkout's
 
 The rows are filled first, each with a prompt of --prompt tokens, then --steps decoding steps are
 profiled (after --warmup unprofiled ones). Headings, by op name (a compiled step's fused kernels are
@@ -34,7 +35,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from configurator import run_main  # after the path line above
-from gpt import inference, load, runtime
 
 HEADINGS = ["matmuls", "lm_head", "attention", "cache writes", "other ops", "Python/dispatch"]
 
@@ -51,7 +51,7 @@ def heading(event, vocab):
     return "other ops"
 
 
-def fill(engine, rows, prompt):
+def fill(engine, rows, prompt, inference):
     """rows requests of `prompt` ids each, prefilled into rows 0..rows-1 (one packed step), which then
     are the engine's active requests."""
     requests = [
@@ -89,7 +89,11 @@ def main(argv=None):
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, default=0, help="torch's threads (0: its default, every core)")
     p.add_argument("--trace", help="also write the last profile's Chrome trace here")
+    p.add_argument("--baseline", help="profile the engine of this checkout instead (eager: a commit before a change)")
     args = p.parse_args(argv)
+    sys.path.insert(0, args.baseline or str(REPO))
+    from gpt import inference, load, runtime  # this checkout's, or --baseline's
+
     if args.threads:
         torch.set_num_threads(args.threads)
     levels = [int(r) for r in args.rows.split(",")]
@@ -106,11 +110,11 @@ def main(argv=None):
     rows = {}
     with torch.inference_mode():
         engine.cache.lengths = [0] * engine.rows
-        times, wall, _ = profiled(lambda: (engine.active.clear(), fill(engine, 1, prompt)), 3, vocab)
+        times, wall, _ = profiled(lambda: (engine.active.clear(), fill(engine, 1, prompt, inference)), 3, vocab)
         rows["prefill"] = (times, wall)
         for n in levels:
             engine.active.clear()
-            fill(engine, n, prompt)
+            fill(engine, n, prompt, inference)
             for _ in range(args.warmup):
                 engine._step([])
             times, wall, prof = profiled(lambda: engine._step([]), args.steps, vocab)

@@ -163,6 +163,7 @@ def test_requests_prefilled_together_give_solo_greedy_tokens(shape):
     assert batches[0] == 5 and set(batches[1:]) == {0} and outs == solo
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES, ids=["gpt2", "llama"])
 def test_a_compiled_engine_gives_solo_greedy_tokens_and_never_recompiles(shape):
     """serve.py --compile: the decoding step compiled at start-up, rows padded to a bucket (1, 2, 3 for
@@ -202,7 +203,7 @@ def test_a_compiled_engine_gives_solo_greedy_tokens_and_never_recompiles(shape):
     assert set(spans) == {64, 128}  # rows up to position 63, then past it
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
 def test_a_prompt_that_starts_as_an_ended_sequence_runs_only_the_rest(compiled):
     """After the first request has ended, while three others decode together in a bucket of four rows
     (compiled: one of padding, and the row the first left is kept as it was), then one at a time: a
@@ -241,6 +242,7 @@ def test_a_prompt_that_starts_as_an_ended_sequence_runs_only_the_rest(compiled):
     assert [11] in decoded  # the repeat's last token, alone in a decoding step
 
 
+@pytest.mark.slow
 def test_a_compile_failure_at_start_up_serves_eagerly_and_says_so(base, base_server, monkeypatch, capsys):
     """serve.py --compile where torch.compile cannot compile (its backend fails, as inductor does
     without a working C++ compiler): one line on stderr says so and what failed, and the server
@@ -265,6 +267,7 @@ def test_a_compile_failure_at_start_up_serves_eagerly_and_says_so(base, base_ser
     ]
 
 
+@pytest.mark.slow
 def test_on_a_gpu_the_decoding_step_replays_cuda_graphs(base, monkeypatch):
     """The model's side on a CUDA runtime (its weights left on the CPU) compiles the decoding step with
     mode='reduce-overhead' (CUDA graphs); on the CPU, inductor's default. Both compile one graph per
@@ -427,6 +430,7 @@ def solo(s, body, path="/v1/chat/completions", headers=None):
 # ---------------------------------------------------------------------------- the openai client
 
 
+@pytest.mark.process
 def test_openai_client_gets_chat_py_replies(demo, chat_server, chat_process):
     """chat.completions.create, streamed and not, returns exactly `chat.py --prompt --temperature=0`'s
     reply, with the system message too; usage counts the template's prompt ids, finish_reason says
@@ -502,6 +506,7 @@ def test_openai_client_gets_chat_py_replies(demo, chat_server, chat_process):
             assert reply.choices[0].message.content == expected
 
 
+@pytest.mark.slow
 def test_openai_client_gets_sample_py_continuation(base, base_server):
     """A base model (characters, no chat template): completions.create, streamed and not, gives
     sample.py's greedy continuation; the API key is required."""
@@ -553,6 +558,7 @@ def concurrently(fns):
     return results
 
 
+@pytest.mark.slow
 def test_sixteen_concurrent_clients_get_their_solo_replies(demo, chat_server):
     """16 clients at once, different prompts and budgets, at temperature 0 (and three sampled with
     a seed): all 16 are decoded in one batch, rows leave as their replies end, and each reply is
@@ -573,6 +579,7 @@ def test_sixteen_concurrent_clients_get_their_solo_replies(demo, chat_server):
     assert max(rows) == 16 and rows[-1] < 16  # one batch of all sixteen, which shrank as replies ended
 
 
+@pytest.mark.slow
 def test_a_request_joining_mid_generation_gets_its_solo_reply(demo, chat_server):
     """A long completion is 8 tokens in when a chat request arrives: it is prefilled while the
     first decodes, joins the batch at the next step, and both replies are their solo replies."""
@@ -625,6 +632,7 @@ def test_a_request_joining_mid_generation_gets_its_solo_reply(demo, chat_server)
     )  # it joined a running batch
 
 
+@pytest.mark.slow
 def test_llama3_chat_decoded_together_gets_chat_py_replies(tmp_path):
     """A Llama (RoPE, so every row's keys are rotated at its own positions; grouped-query attention)
     with Llama 3's chat format, weights spread far from the init: four chat requests of different
@@ -684,6 +692,7 @@ def watched(server):
         server.tell = tell
 
 
+@pytest.mark.process
 def test_the_model_in_its_own_process_decodes_together_and_frees_rows(demo, chat_server, chat_process):
     """`serve.py` runs the model in a process of its own (--engine=process, the default): 16
     concurrent clients each get the reply the thread server gives them alone, in steps shared
@@ -726,6 +735,7 @@ def test_the_model_in_its_own_process_decodes_together_and_frees_rows(demo, chat
     assert solo(s, bodies[0]) == alone[0]
 
 
+@pytest.mark.process
 def test_a_model_process_that_dies_fails_its_requests_and_says_so(base):
     """The model's process killed (out of memory, say) with requests in flight: they, and every
     request after them, /health included, get a 503 saying to restart serve.py; a stream gets it
@@ -770,6 +780,7 @@ def is_error(payload, status, r, *words):
     return error
 
 
+@pytest.mark.slow
 def test_errors_chat(chat_server):
     s, name = chat_server, chat_server.server.name
     hi = [{"role": "user", "content": "Hi"}]
@@ -845,6 +856,7 @@ def test_errors_chat(chat_server):
     )
 
 
+@pytest.mark.slow
 def test_errors_base(base_server):
     s, name, auth = base_server, base_server.server.name, {"Authorization": f"Bearer {KEY}"}
     r, payload = post(
@@ -869,6 +881,7 @@ def test_errors_base(base_server):
     assert httpx.get(s.url + "/health").status_code == 200 and httpx.get(s.url + "/v1/models").status_code == 401
 
 
+@pytest.mark.slow
 def test_text_that_is_not_unicode_gets_400(chat_server, base_server):
     """JSON's \\u escapes can spell half a surrogate pair alone (and Python's json takes UTF-8 bytes
     for one): wherever such text is, the request gets a 400 that says so, as do bytes that are not
@@ -924,6 +937,7 @@ def test_text_that_is_not_unicode_gets_400(chat_server, base_server):
             assert solo(s, {"model": s.server.name, "prompt": "The", "max_tokens": 3}, "/v1/completions", auth)
 
 
+@pytest.mark.slow
 def test_a_host_header_naming_another_host_gets_421(base, chat_server):
     """DNS rebinding: a page on attacker.example that points its name at 127.0.0.1 reaches the
     server, but its requests say Host: attacker.example, and get OpenAI's error JSON with a 421
@@ -978,6 +992,7 @@ def test_a_host_header_naming_another_host_gets_421(base, chat_server):
         parse(ServeConfig, ["--allowed_hosts=box.lan,http://box.lan"])
 
 
+@pytest.mark.slow
 def test_connections_send_without_nagle(base_server):
     """The server's side of an accepted connection has TCP_NODELAY set: without it each streamed
     chunk after the first waits for the client's delayed ACK (about 40 ms on Linux) before it leaves."""
@@ -988,6 +1003,7 @@ def test_connections_send_without_nagle(base_server):
         assert sockets and all(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for sock in sockets)
 
 
+@pytest.mark.slow
 def test_a_full_server_answers_429_at_once(base, base_server):
     """Two rows and one waiting place: a fourth request gets 429 with Retry-After at once, and the
     three accepted get sample.py's continuations when the engine goes on."""
@@ -1021,6 +1037,7 @@ def test_a_full_server_answers_429_at_once(base, base_server):
     assert results[0] == expected
 
 
+@pytest.mark.slow
 def test_a_client_that_hangs_up_frees_its_row_at_once(demo, chat_server):
     """A stream dropped after three chunks: its row is freed before the next step (cancelled, far
     from its 100 tokens), and the server answers the next request as before."""
@@ -1061,6 +1078,7 @@ def test_a_client_that_hangs_up_frees_its_row_at_once(demo, chat_server):
     ) == chat_py(out_dir, message, 20)
 
 
+@pytest.mark.process
 def test_the_command_warns_when_it_listens_beyond_loopback_with_no_key(base):
     """`python serve.py` in its own process: by default on 127.0.0.1; --host=0.0.0.0 without a key
     says on stderr who can then use the model, serves, and ends on Ctrl-C without a traceback; a
@@ -1099,6 +1117,7 @@ def test_the_command_warns_when_it_listens_beyond_loopback_with_no_key(base):
 # ---------------------------------------------------------------------------- fuzzing
 
 
+@pytest.mark.slow
 def test_schemathesis_finds_no_server_error(demo, chat_server):
     """Cases generated from the server's own OpenAPI schema, valid and invalid: never a 5xx, every
     4xx in OpenAI's error shape, and afterwards the server still gives chat.py's reply."""

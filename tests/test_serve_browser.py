@@ -22,6 +22,7 @@ import pytest
 from conftest import load_script
 from test_serve import demo, running  # noqa: F401 (demo is a fixture: the same model serve's tests train)
 
+pytestmark = pytest.mark.slow  # a browser, and the chat demo model trained once per run
 page_tools = load_script("scripts/chat_screenshot.py")  # open_browser, set_field, type_message
 KEY = "browser-test-key"
 
