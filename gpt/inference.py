@@ -310,12 +310,9 @@ class Packed:
             raise ValueError(f"{n + len(sizes)} rows do not fit the cache's {cache.rows}")
         self.cache, self.n, self.sizes, self.starts = cache, n, sizes, starts
         rows = list(range(n)) + [n + r for r, size in enumerate(sizes) for _ in range(size)]  # each token's row
-        columns = lengths + [
-            j for start, size in zip(starts, sizes) for j in range(start, start + size)
-        ]  # its position
-        ends = list(
-            itertools.accumulate(sizes, initial=n)
-        )  # where each prompt starts in the packed sequence, then ends
+        # each token's position in its row, and where each prompt starts in the packed sequence, then ends
+        columns = lengths + [j for start, size in zip(starts, sizes) for j in range(start, start + size)]
+        ends = list(itertools.accumulate(sizes, initial=n))
         last = list(range(n)) + [end - 1 for end in ends[1:]]  # each row's last token
         self.rows, self.columns, self.last = (torch.tensor(x, device=device) for x in (rows, columns, last))
         self.packed_positions = torch.tensor([columns], device=device)  # (1, N): GPT.forward's positions
@@ -410,9 +407,9 @@ class Engine:
 
     def compile(self, **options):
         """torch.compile the decoding step (options: torch.compile's mode or options) and compile its
-        graphs now: one for a single row, one for any bucket of more, each for any span of keys. None when done, else the error,
-        and the step stays as it was. The cache's tensors keep their address, so CUDA graphs
-        (mode='reduce-overhead') may write into them."""
+        graphs now: one for a single row, one for any bucket of more, each for any span of keys.
+        None when done; else the error, and the step stays eager. The cache's tensors are marked as
+        keeping their address, so CUDA graphs (mode='reduce-overhead') may write into them."""
         self.buckets = sorted({min(2**i, self.rows) for i in range(self.rows.bit_length() + 1)})
         for t in (*self.cache.k, *self.cache.v):
             torch._dynamo.mark_static_address(t)
