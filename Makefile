@@ -39,8 +39,8 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt scripts/system_torch.p
 quickstart: venv
 	$(PY) data/shakespeare_char/prepare.py $(if $(SHAKESPEARE_TXT),--input $(SHAKESPEARE_TXT))
 	@if $(PY) -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then \
-		$(PY) train.py config/train_shakespeare_char.py --overwrite=True && \
-		$(PY) sample.py --out_dir=out-shakespeare-char --num_samples=1 --max_new_tokens=500; \
+		$(PY) train.py config/train_shakespeare_char_fast.py --overwrite=True && \
+		$(PY) sample.py --out_dir=out-shakespeare-char-fast --num_samples=1 --max_new_tokens=500; \
 	else \
 		$(PY) train.py config/train_shakespeare_char_cpu.py --overwrite=True && \
 		$(PY) sample.py --out_dir=out-shakespeare-char-cpu --num_samples=1 --max_new_tokens=500; \
@@ -79,4 +79,4 @@ lint: venv
 	$(PY) -m ruff format --check .
 
 clean:
-	rm -rf $(VENV) out-shakespeare-char out-shakespeare-char-cpu
+	rm -rf $(VENV) out-shakespeare-char out-shakespeare-char-cpu out-shakespeare-char-fast

@@ -12,9 +12,11 @@
 #   an untied head and batches aligned to documents; its README at the 3.8-minute record gives
 #   0.8B tokens. Its later records add what this trainer lacks (FP8 matmuls, sliding-window
 #   attention, schedules on the batch and window size), so this recipe spends more tokens: 1.05B.
-# - What is unmeasured here: no GPU has run this file. The learning rates are modded-nanogpt's and
-#   nanochat's orders of magnitude, not a sweep; the token budget is a guess with margin. BENCHMARKS.md's
-#   ablation is a CPU-scale proxy and says which levers won at that scale (not all did).
+# - What is unmeasured here: on an H200 its step ran (BENCHMARKS.md: 0.72x plain GPT-2's tokens/s at
+#   16 x 1024, 0.86x at accumulation 8), but no run has trained it to the target. The learning
+#   rates are modded-nanogpt's and nanochat's orders of magnitude, not a sweep; the token budget is a
+#   guess with margin. BENCHMARKS.md's ablation is a CPU-scale proxy and says which levers won at
+#   that scale (not all did).
 
 out_dir = "out-speedrun-gpt2"
 dataset = "fineweb"

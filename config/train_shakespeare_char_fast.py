@@ -5,7 +5,10 @@
 #   python train.py config/train_shakespeare_char_fast.py
 #   python scripts/headline.py --parts=baby --nanogpt=../nanoGPT     # beside nanoGPT's, 2 seeds each
 #
-# NOT YET MEASURED ON A GPU: each choice below is reasoned from what was measured elsewhere.
+# Measured on an H200 (BENCHMARKS.md, "GPU: the baby GPT beside nanoGPT"): nanoGPT's best val there,
+# 1.4676, at step 700 with both seeds, in 33.1 s from launch against nanoGPT's 57.4 s (0.58x; the goal
+# is 0.5x); its own best 1.4304 and 1.4529 at step 1,000. Eager, its step took 26-42 ms against
+# nanoGPT's compiled 10.5-12.5 ms: launch-bound. The choices below were reasoned before that run.
 # - Steps. nanoGPT's config has its best val at step 1,750 of 5,000 and overfits after. On the CPU
 #   quick start Muon reached val 1.88 in about half AdamW's steps, and the speedrun's architecture
 #   (RoPE, QK-norm, ReLU², value embeddings, U-net skips, soft-cap) won 0.064 at equal steps
@@ -15,12 +18,11 @@
 #   forward passes, 60% of the FLOPs of its 1,750 training steps. Here 20 fixed batches per split
 #   (327,680 characters, three times the val split's 111,540) every 100 steps: 440 in the run.
 # - No compile. On an H200 train_shakespeare_char.py took 84 s for 5,000 steps, compilation and
-#   21 evals included; the baby model's step is likely launch-bound, and on a run of ~1,000 steps the
-#   ~20 s of a cold compile is more than compiled kernels save. scripts/headline.py reports each
-#   run's ms/iter and its time to the first eval, so --compile=True can be weighed when measured.
+#   21 evals included; on a run of ~1,000 steps the ~20 s of a cold compile may cost more than
+#   compiled kernels save. Not yet weighed: `scripts/headline.py --parts=baby --baby_args=--compile=True`.
 # - Checkpoints. ckpt.pt is written whenever val improves, which in a run this short is at nearly
 #   every eval: written in the background (async_checkpoint) instead of pausing the loop.
-# make quickstart keeps config/train_shakespeare_char.py on a GPU until this has been measured there.
+# make quickstart trains this on a GPU: a lower val than nanoGPT's config, sooner.
 
 out_dir = "out-shakespeare-char-fast"
 dataset = "shakespeare_char"
