@@ -377,6 +377,14 @@ class Request:
     generator: Optional[torch.Generator] = field(default=None, repr=False)
 
 
+def compile_options(device_type):
+    """torch.compile's settings for the Engine's decoding step on device_type. On a GPU the step
+    replays a CUDA graph: no launch overhead per kernel. On a CPU the graph's kernels are called
+    from C++ (inductor's cpp_wrapper) instead of Python: 1.5 ms less a step of a 124M model, about
+    17 s more for the first, cold compile (BENCHMARKS.md)."""
+    return {"mode": "reduce-overhead"} if device_type == "cuda" else {"options": {"cpp_wrapper": True}}
+
+
 class Engine:
     """Decodes every request it holds together: one forward pass per step over all active rows,
     each row at its own position with its own stop. The requests that arrive between two steps

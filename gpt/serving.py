@@ -102,9 +102,7 @@ class Worker:
             model, rows=cfg.batch_size, waiting=cfg.max_waiting, room=context, device=rt.device, after_step=self.flush
         )
         if cfg.compile:
-            # on a GPU each decoding step replays a CUDA graph: no launch overhead per kernel
-            options = {"mode": "reduce-overhead"} if rt.device_type == "cuda" else {}
-            error = self.engine.compile(**options)
+            error = self.engine.compile(**inference.compile_options(rt.device_type))
             if error is not None:
                 print(
                     f"warning: torch.compile of the decoding step failed ({error}); serving without it", file=sys.stderr

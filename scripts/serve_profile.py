@@ -3,7 +3,7 @@
 put under one heading, and what is left of the step's wall time (Python, dispatch, waits).
 
     python scripts/serve_profile.py --out_dir=out-gpt2-124m-random --rows=1,16
-    python scripts/serve_profile.py --out_dir=out-gpt2-124m-random --rows=1,16 --compile   # serve.py --compile
+    python scripts/serve_profile.py --out_dir=out-gpt2-124m-random --rows=1,16 --compile   # serve.py --compile, kernels called from Python
     python scripts/serve_profile.py --out_dir=out-gpt2-124m-random --dtype=bfloat16 --compile
     python scripts/serve_profile.py --out_dir=out-gpt2-124m-random --threads=1 --trace=step.json   # for Perfetto
     python scripts/serve_profile.py --out_dir=out-gpt2-124m-random --baseline=../before            # another checkout's
@@ -85,7 +85,11 @@ def main(argv=None):
     p.add_argument("--prompt", type=int, default=40, help="prompt tokens per row (default: %(default)s)")
     p.add_argument("--steps", type=int, default=20, help="decoding steps profiled (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=5, help="decoding steps run first (default: %(default)s)")
-    p.add_argument("--compile", action="store_true", help="the engine's compiled decoding step (serve.py --compile)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="the engine's compiled decoding step (serve.py --compile, with inductor's Python wrapper: the profiler sees each op)",
+    )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, default=0, help="torch's threads (0: its default, every core)")
     p.add_argument("--trace", help="also write the last profile's Chrome trace here")
@@ -102,6 +106,8 @@ def main(argv=None):
     vocab = model.config.padded_vocab_size
     engine = inference.Engine(model, rows=max(levels), room=min(model.config.block_size, 1024))
     if args.compile:
+        # inductor's Python wrapper: serve.py's C++ one (inference.compile_options, cpp_wrapper) calls the
+        # kernels where the profiler sees none of them, only the step's wall
         error = engine.compile()
         if error:
             print(f"torch.compile failed: {error}", file=sys.stderr)

@@ -248,7 +248,7 @@ def test_a_compile_failure_at_start_up_serves_eagerly_and_says_so(base, base_ser
     without a working C++ compiler): one line on stderr says so and what failed, and the server
     answers as the one that never compiled."""
 
-    def broken(graph, example_inputs):
+    def broken(graph, example_inputs, **options):
         raise RuntimeError("no working C++ compiler found")
 
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=broken))
@@ -270,7 +270,7 @@ def test_a_compile_failure_at_start_up_serves_eagerly_and_says_so(base, base_ser
 @pytest.mark.slow
 def test_on_a_gpu_the_decoding_step_replays_cuda_graphs(base, monkeypatch):
     """The model's side on a CUDA runtime (its weights left on the CPU) compiles the decoding step with
-    mode='reduce-overhead' (CUDA graphs); on the CPU, inductor's default. Both compile one graph per
+    mode='reduce-overhead' (CUDA graphs); on the CPU, inductor's C++ wrapper. Both compile one graph per
     bucket of rows at start-up. Recorded at the public torch.compile,
     which then compiles on ATen's kernels."""
     calls, compile = [], torch.compile
@@ -282,7 +282,7 @@ def test_on_a_gpu_the_decoding_step_replays_cuda_graphs(base, monkeypatch):
     cfg = parse(ServeConfig, [f"--out_dir={base}", "--compile=True", "--batch_size=2"])
     for rt, expected in [
         (runtime.Runtime("cpu", "cuda", torch.float32), {"dynamic": False, "mode": "reduce-overhead"}),
-        (runtime.Runtime("cpu", "cpu", torch.float32), {"dynamic": False}),
+        (runtime.Runtime("cpu", "cpu", torch.float32), {"dynamic": False, "options": {"cpp_wrapper": True}}),
     ]:
         worker = serving.Worker(cfg, rt, lambda items, stats: None)
         assert calls[-1] == expected and worker.engine.buckets == [1, 2]
