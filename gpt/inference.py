@@ -199,32 +199,27 @@ class BatchCache:
     that decodes them together: row j holds lengths[j] positions, from position 0, and the rest of
     its room is padding that attention masks out. Rows in use are always 0..n-1 (a finished row
     swaps places with the last one), so a step's keys are a slice, never a gather. The whole room of
-    every row is allocated at the first step and never moves: a compiled step writes into it in place.
+    every row is allocated when the cache is made and never moves: a compiled step writes into it in place.
 
     A free row keeps what its last sequence left, and `kept[j]` says which token ids those are: a new
     prompt that starts with them (a conversation's next turn, a system prompt, a prompt asked again)
     runs only the rest (reuse). The row that has been free longest is the first to be overwritten."""
 
-    def __init__(self, config, rows, room):
+    def __init__(self, config, rows, room, dtype, device):
         assert room <= config.block_size
         self.config, self.rows, self.room = config, rows, room
         # a tensor per layer, (rows + 1, n_kv, room + 1, hs), zeros: padding must be finite (0 * NaN is NaN). Per
         # layer, so that a compiled step's write of new keys is an index_put into one of its inputs, which
-        # inductor does in place (into a view of one (L, ...) tensor, it copied the whole cache every step)
-        self.k = self.v = None
+        # inductor does in place (into a view of one (L, ...) tensor, it copied the whole cache every step).
+        # A row and a position more than the rows and the room: a compiled step's slice of rows and span of
+        # keys is then never the whole dimension, where its strides would be a contiguous tensor's and
+        # torch.compile would specialize the graph on that size
+        shape = (rows + 1, config.n_kv_head, room + 1, config.n_embd // config.n_head)
+        self.k, self.v = ([torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)] for _ in "kv")
         self.lengths = [0] * rows
         self.kept = [[] for _ in range(rows)]  # of a free row: the ids of its keys and values
         self.freed = [-1] * rows  # when each free row's sequence ended (the count of sequences kept); -1: holds none
         self.count = 0
-
-    def allocate(self, dtype, device):
-        if self.k is None:
-            # a row and a position more than the rows and the room: a compiled step's slice of rows and span
-            # of keys is then never the whole dimension, where its strides would be a contiguous tensor's
-            # and torch.compile would specialize the graph on that size
-            c = self.config
-            shape = (self.rows + 1, c.n_kv_head, self.room + 1, c.n_embd // c.n_head)
-            self.k, self.v = ([torch.zeros(shape, dtype=dtype, device=device) for _ in range(c.n_layer)] for _ in "kv")
 
     def swap(self, a, b):
         """Rows a and b change places (their keys, values, lengths and kept ids)."""
@@ -319,6 +314,11 @@ class Packed:
         if n:  # key j is seen by decoding row r's query when j <= lengths[r]: its cached keys and its new one
             keys = torch.arange(self.end_decoding, device=device)
             self.mask = (keys[None, :] <= self.columns[:n, None])[:, None, None, :]  # (n, 1, 1, end_decoding)
+        # a prompt after the positions its row holds: its new token t sees positions 0..start+t of the row
+        self.prompt_masks = [
+            torch.ones(size, start + size, dtype=torch.bool, device=device).tril(start) if start else None
+            for start, size in zip(starts, sizes)
+        ]
 
     def positions(self, T, device):
         return self.packed_positions  # (1, N): every token's position in its own row
@@ -338,12 +338,11 @@ class Packed:
             y = sdpa(q[0, :, :n, None].transpose(0, 1), c.k[i][:n, :, :end], c.v[i][:n, :, :end], self.mask)
             parts.append(y[:, :, 0].transpose(0, 1)[None])  # (n, nh, 1, hs) -> (1, nh, n, hs)
         at = n
-        for row, (start, size) in enumerate(zip(self.starts, self.sizes), n):
+        for row, (start, size, mask) in enumerate(zip(self.starts, self.sizes, self.prompt_masks), n):
             part = slice(at, at + size)
             if start == 0:  # over its own keys, causal: what it gets alone
                 parts.append(sdpa(q[:, :, part], k[:, :, part], v[:, :, part], None, True))
-            else:  # after the held ones: new token t sees positions 0..start+t of its row
-                mask = torch.ones(size, start + size, dtype=torch.bool, device=q.device).tril(start)
+            else:  # after the held ones, over its row's keys from position 0
                 keys, values = (t[i][row : row + 1, :, : start + size] for t in (c.k, c.v))  # (1, n_kv, start+size, hs)
                 parts.append(sdpa(q[:, :, part], keys, values, mask))
             at += size
@@ -401,8 +400,8 @@ class Engine:
         self.model, self.device = model, device
         self.after_step = after_step or (lambda: None)  # called on the engine's thread after each step
         self.rows, self.max_waiting = rows, waiting
-        self.cache = BatchCache(model.config, rows, room or model.config.block_size)
-        self.cache.allocate(next(model.parameters()).dtype, device)
+        dtype = next(model.parameters()).dtype
+        self.cache = BatchCache(model.config, rows, room or model.config.block_size, dtype, device)
         self.keys = torch.arange(self.cache.room, device=device)  # Decoding's keys are a slice of it
         self.decode, self.buckets = self._decode, None  # compile() sets them
         self.queue = collections.deque()

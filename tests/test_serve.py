@@ -84,8 +84,7 @@ def test_a_packed_step_gives_each_sequence_its_own_logits(shape):
     def alone(seq):  # the last position's logits of the plain forward, no cache
         return model(torch.tensor([seq]))[0][0, -1]
 
-    cache = inference.BatchCache(model.config, rows=5, room=32)
-    cache.allocate(torch.float32, "cpu")
+    cache = inference.BatchCache(model.config, rows=5, room=32, dtype=torch.float32, device="cpu")
     with torch.inference_mode():
         # the first two come in as prompts, less their last token
         step = cache.packed(0, [s[:-1] for s in seqs[:2]], [0, 0], "cpu")
