@@ -247,7 +247,7 @@ class BatchCache:
         if most < len(self.kept[best]) and spare != best:
             for t in (*self.k, *self.v):
                 t[spare, :, :most] = t[best, :, :most]
-            best = spare
+            self.lengths[spare], best = most, spare  # what the swap below moves: the copy, whatever spare held
         self.swap(row, best)
         self.kept[row], self.freed[row] = [], -1
         return most

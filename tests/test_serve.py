@@ -241,6 +241,77 @@ def test_a_prompt_that_starts_as_an_ended_sequence_runs_only_the_rest(compiled):
     assert [11] in decoded  # the repeat's last token, alone in a decoding step
 
 
+FORWARD, ALTERNATE, BACKWARD = list(range(8)), [0, 7, 1, 6, 2, 5, 3, 4], list(range(7, -1, -1))
+
+
+@pytest.mark.parametrize(
+    "compiled, rows, orders",
+    [
+        (False, 8, [FORWARD, ALTERNATE, FORWARD, ALTERNATE]),
+        (False, 5, [BACKWARD] * 4),
+        (False, 8, None),
+        pytest.param(True, 8, [FORWARD, ALTERNATE, FORWARD, ALTERNATE], marks=pytest.mark.slow),
+        pytest.param(True, 3, None, marks=pytest.mark.slow),
+    ],
+    ids=[
+        "eager-8rows-rounds",
+        "eager-5rows-rounds",
+        "eager-8rows-clients",
+        "compiled-8rows-rounds",
+        "compiled-3rows-clients",
+    ],
+)
+def test_concurrent_conversations_with_repeats_each_get_their_solo_replies(compiled, rows, orders):
+    """Eight two-turn conversations at once, as chat clients hold them: the first turn, the same turn
+    asked again, the second turn (the first prompt, the engine's own reply to it, and more user
+    tokens), asked again. Rows end, are kept, and are taken again all the time: a repeat finds its
+    prompt, less its last token, at the start of a row that holds its reply too, and gets a copy of
+    that start in the row free longest. In rounds (orders: each round's requests join in one step in
+    that order of the conversations, `rows` at once, the rest as rows free up) or as clients (None:
+    a thread per conversation, each asking again as soon as its reply is done); through an engine
+    with a row per conversation and with fewer. Every reply is generate()'s greedy reply to its
+    prompt alone."""
+    model = peaked_model(block_size=128)
+    firsts, extra = token_lists(*[3 + 4 * i for i in range(8)]), token_lists(*[1 + i % 5 for i in range(8)])
+    budgets = [(5 + 3 * i % 11, 4 + 5 * i % 9) for i in range(8)]
+    engine = inference.Engine(model, rows=rows)
+    if compiled:
+        assert engine.compile(backend=ATEN_BACKEND) is None
+    engine.start()
+    asked, lock = [], threading.Lock()
+
+    def ask(conversations, turn, replies=None):
+        """The turn's request of each conversation, joining in one step in that order: their replies."""
+        prompts = [firsts[i] if turn == 0 else firsts[i] + replies[i] + extra[i] for i in conversations]
+        outs, done = [[] for _ in prompts], threading.Semaphore(0)
+        with engine.lock:
+            for i, prompt, out in zip(conversations, prompts, outs):
+                request = inference.Request(prompt, budgets[i][turn], out.append, lambda *end: done.release())
+                request.temperature = 0
+                assert engine.submit(request)
+        for _ in outs:
+            assert done.acquire(timeout=120)
+        with lock:
+            asked.extend((prompt, budgets[i][turn], out) for i, prompt, out in zip(conversations, prompts, outs))
+        return dict(zip(conversations, outs))
+
+    def conversations(orders):
+        replies = ask(orders[0], 0)
+        ask(orders[1], 0)
+        ask(orders[2], 1, replies)
+        ask(orders[3], 1, replies)
+
+    if orders is None:
+        concurrently([functools.partial(conversations, [[i]] * 4) for i in range(8)])
+    else:
+        conversations(orders)
+    engine.close()
+    torch.compiler.reset()
+    assert len(asked) == 32
+    wrong = [(prompt, out) for prompt, budget, out in asked if out != solo_greedy(model, [prompt], [budget])[0]]
+    assert not wrong, f"{len(wrong)} of 32 replies are not the prompt's own"
+
+
 @pytest.mark.slow
 def test_a_compile_failure_at_start_up_serves_eagerly_and_says_so(base, base_server, monkeypatch, capsys):
     """serve.py --compile where torch.compile cannot compile (its backend fails, as inductor does
