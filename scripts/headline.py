@@ -1,14 +1,15 @@
 """The headline numbers in one command of at most 8 minutes on one GPU: GPT-2 124M's training step at
 12 x 1024 and 32 x 1024 tokens, the speedrun recipe's at its own micro-batch (16 x 1024, accumulation
-1 and 8) beside plain GPT-2's at the same shapes, the 1B config's, the baby GPT trained to nanoGPT's
-best val (the fast recipe, 2 seeds, and nanoGPT's own config), and tests/test_gpu.py. With --nanogpt
+1, 8 and 32) beside plain GPT-2's at the same shapes, the 1B config's, the baby GPT trained to nanoGPT's
+best val (the fast recipe, 2 seeds, each on a cold compile cache and on a warm one, and nanoGPT's own
+config), and tests/test_gpu.py. With --nanogpt
 (a checkout of github.com/karpathy/nanoGPT) its bench.py and its baby train.py run beside ours, the
 baby runs interleaved, and the tables give each ratio. report.md and report.json go to out_dir,
 rewritten after every step; each step's output to out_dir/logs/<step>.log.
 
     python data/shakespeare_char/prepare.py            # and nanoGPT's: cd ../nanoGPT && python data/shakespeare_char/prepare.py
     python scripts/headline.py --nanogpt=../nanoGPT --out_dir=headline
-    python scripts/headline.py --nanogpt=../nanoGPT --parts=baby --baby_args="--compile=True"
+    python scripts/headline.py --nanogpt=../nanoGPT --parts=baby --baby_args="--compile=True" --baby_caches=warm
     python scripts/headline.py --device=cpu --out_dir=headline-cpu   # tiny shapes, a minute or two: the suite runs it
 
 Each step is a process of its own with its own time limit, and the command stops at budget_s: a step
@@ -61,6 +62,7 @@ class HeadlineConfig:
     baby_seeds: int = 2  # baby GPT: runs a side (ours: seeds 1..N; nanoGPT fixes its seed, so its runs repeat 1337)
     baby_fast: str = "config/train_shakespeare_char_fast.py"  # baby GPT: our recipe raced against nanoGPT's train.py
     baby_args: str = ""  # baby GPT: more train.py flags for that recipe, e.g. '--compile=True'
+    baby_caches: str = "cold,warm"  # baby GPT: 'cold' (each run an empty compile cache of its own), 'warm' (each run on a cache one untimed run of its side filled), or both
     # fmt: on
 
     def __post_init__(self):
@@ -68,6 +70,11 @@ class HeadlineConfig:
         require(not unknown, f"parts: {', '.join(map(repr, unknown))} not among {', '.join(PARTS)}")
         require(self.budget_s >= 0 and self.baby_seeds >= 1, "budget_s must be >= 0 and baby_seeds >= 1")
         require(os.path.isfile(in_repo(self.baby_fast)), f"baby_fast={self.baby_fast!r} is not a config file")
+        caches = self.baby_caches.split(",")
+        require(
+            caches and set(caches) <= {"cold", "warm"} and len(set(caches)) == len(caches),
+            f"baby_caches={self.baby_caches!r}: give 'cold', 'warm' or 'cold,warm'",
+        )
         if self.nanogpt:
             require(
                 all(os.path.isfile(os.path.join(self.nanogpt, f)) for f in ("bench.py", "train.py", "model.py")),
@@ -91,6 +98,7 @@ class Step:
     cwd: str
     limit_s: float
     meta: dict = field(default_factory=dict)  # what the report needs to read the result: tokens per step, seed, side
+    env: dict = field(default_factory=dict)  # set in the process's environment: the baby runs' compile caches
 
 
 def scale(device_type):
@@ -102,7 +110,7 @@ def scale(device_type):
             block=1024,
             gpt2_batches=(12, 32),
             speedrun_batch=16,
-            accumulations=(1, 8),
+            accumulations=(1, 8, 32),  # 32: the speedrun config's own, on one GPU
             bench_iters=["--bench_iters=20", "--bench_warmup=10"],  # the issue's own command
             sweep_iters=["--bench_iters=10", "--bench_warmup=3"],
             llama=[
@@ -115,6 +123,9 @@ def scale(device_type):
             baby_tiny=[],
             baby_iters=2000,  # past nanoGPT's best (step 1,750 of 5,000); lr_decay_iters stays 5,000: the same schedule
             fast_iters=[],  # the recipe's own max_iters
+            warmup_iters=[
+                "--max_iters=20"
+            ],  # a warm-up run: every graph of a run compiled (training, and eval at step 0)
         )
     tiny = ["--n_layer=2", "--n_head=2", "--n_embd=64", "--compile=False", "--dtype=float32"]
     return dict(
@@ -133,6 +144,7 @@ def scale(device_type):
         + ["--warmup_iters=2", "--log_interval=5", "--lr_decay_iters=20"],
         baby_iters=20,
         fast_iters=["--max_iters=20"],
+        warmup_iters=["--max_iters=4"],
     )
 
 
@@ -170,22 +182,41 @@ def speedrun_steps(device, s):
     ]
 
 
+def cache_env(path):
+    """A compile cache of its own at path: inductor's (FX graphs, AOTAutograd, kernels) and Triton's."""
+    return {"TORCHINDUCTOR_CACHE_DIR": path, "TRITON_CACHE_DIR": os.path.join(path, "triton")}
+
+
 def baby_steps(cfg, device, s):
-    """nanoGPT's train.py and our fast recipe, interleaved run by run."""
-    runs = os.path.join(os.path.abspath(cfg.out_dir), "runs")
-    iters = [f"--max_iters={s['baby_iters']}"]
+    """nanoGPT's train.py and our fast recipe, interleaved run by run, for each of cfg.baby_caches:
+    cold, every run on an empty compile cache of its own (a first run on a new machine); warm, every
+    run on its side's cache, filled first by one untimed run (a user's second run)."""
+    out = os.path.abspath(cfg.out_dir)
+    sides = ["nanogpt"] * bool(cfg.nanogpt) + ["fast"]
+
+    def run(side, seed, cache, iters, kind=None, name=None):
+        name = name or f"baby-{cache}-{side}-{seed}"
+        meta = {"side": side, "seed": seed, "cache": cache}
+        out_dir = f"--out_dir={os.path.join(out, 'runs', name)}"
+        if side == "nanogpt":
+            argv = ["train.py", "config/train_shakespeare_char.py", *iters, *s["baby_tiny"], f"--device={device}"]
+            cwd, kind, limit = cfg.nanogpt, kind or "nanogpt_train", 150
+        else:
+            argv = [os.path.join(REPO, "train.py"), in_repo(cfg.baby_fast), *s["baby_tiny"], *iters]
+            argv += [*cfg.baby_args.split(), f"--seed={seed}", f"--device={device}", "--overwrite=True"]
+            cwd, kind, limit = os.getcwd(), kind or "train", 120
+        path = os.path.join(out, "caches", name if cache == "cold" else f"warm-{side}")
+        return Step(name, "baby", kind, [*argv, out_dir], cwd, limit, meta, cache_env(path))
+
     steps = []
-    for seed in range(1, cfg.baby_seeds + 1):
-        if cfg.nanogpt:
-            argv = ["train.py", "config/train_shakespeare_char.py", *iters, *s["baby_tiny"]]
-            argv += [f"--device={device}", f"--out_dir={os.path.join(runs, f'nanogpt-{seed}')}"]
-            steps.append(
-                Step(f"baby-nanogpt-{seed}", "baby", "nanogpt_train", argv, cfg.nanogpt, 150, {"side": "nanogpt"})
-            )
-        argv = [os.path.join(REPO, "train.py"), in_repo(cfg.baby_fast), *s["baby_tiny"], *s["fast_iters"]]
-        argv += [*cfg.baby_args.split(), f"--seed={seed}", f"--device={device}", "--overwrite=True"]
-        argv += [f"--out_dir={os.path.join(runs, f'fast-{seed}')}"]
-        steps.append(Step(f"baby-fast-{seed}", "baby", "train", argv, os.getcwd(), 120, {"side": "fast", "seed": seed}))
+    for cache in cfg.baby_caches.split(","):
+        if cache == "warm":
+            steps += [run(side, 1, cache, s["warmup_iters"], "warmup", f"baby-warmup-{side}") for side in sides]
+        for seed in range(1, cfg.baby_seeds + 1):
+            steps += [
+                run(side, seed, cache, [f"--max_iters={s['baby_iters']}"] if side == "nanogpt" else s["fast_iters"])
+                for side in sides
+            ]
     return steps
 
 
@@ -214,12 +245,12 @@ def plan(cfg, device):
     return [step for part in PARTS if part in wanted for step in by_part[part]()]
 
 
-def run_process(argv, cwd, limit_s, log_path):
-    """Run `python argv` in cwd (unbuffered: each line is timed as it is printed) for at most
+def run_process(argv, cwd, limit_s, log_path, extra_env=None):
+    """Run `python argv` in cwd, extra_env added to its environment (unbuffered: each line is timed as it is printed) for at most
     limit_s seconds, its whole process group killed at the limit. -> (status, seconds, [(t, line)]),
     status 'ok', 'failed' (non-zero exit) or 'timeout'; t counts from the launch."""
     lines, start = [], time.perf_counter()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **(extra_env or {}), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         [sys.executable, *argv],
         cwd=cwd,
@@ -243,7 +274,8 @@ def run_process(argv, cwd, limit_s, log_path):
     reader.join(timeout=30)
     seconds = time.perf_counter() - start
     with open(log_path, "w") as f:
-        f.write(f"$ cd {cwd} && {sys.executable} {' '.join(argv)}\n# {status} after {seconds:.1f} s\n")
+        assigned = "".join(f"{k}={v} " for k, v in (extra_env or {}).items())
+        f.write(f"$ cd {cwd} && {assigned}{sys.executable} {' '.join(argv)}\n# {status} after {seconds:.1f} s\n")
         f.writelines(line for _, line in lines)
     return status, seconds, lines
 
@@ -271,6 +303,8 @@ def read_result(step, lines):
             return {}
         ms = float(m[1])
         return {"rows": [{"setting": "", "ms_per_iter": ms, "tokens_per_s": step.meta["tokens"] / ms * 1000}]}
+    if step.kind == "warmup":
+        return {}
     if step.kind in ("train", "nanogpt_train"):
         evals = [(int(m[1]), float(m[2]), round(t, 2)) for t, line in lines if (m := EVAL.match(line))]
         ms = [float(m[1] or m[2]) for _, line in lines if (m := ITER_MS.match(line))][1:]  # past the first: compilation
@@ -305,7 +339,7 @@ def run_all(cfg, steps, write, start):
             done.append({**record, "status": "not run: budget", "seconds": 0.0})
             continue
         log = os.path.join(cfg.out_dir, "logs", f"{step.name}.log")
-        status, seconds, lines = run_process(step.argv, step.cwd, min(step.limit_s, left), log)
+        status, seconds, lines = run_process(step.argv, step.cwd, min(step.limit_s, left), log, step.env)
         if status == "timeout" and left < step.limit_s:
             status = "stopped: budget"
         done.append({**record, "status": status, "seconds": round(seconds, 1), **read_result(step, lines)})
@@ -355,10 +389,11 @@ def first_at_or_below(evals, target):
 
 
 def baby_summary(steps):
-    """The race: the target is nanoGPT's best val (the median of its runs' bests; without nanoGPT,
+    """The race, for each compile cache the runs had ('cold', 'warm'): the target is nanoGPT's best
+    val (the median of its runs' bests, cold and warm, in this command; without nanoGPT,
     NANOGPT_BEST_H200); nanoGPT's time is each run's time to its own best, ours each run's time to
     its first eval at or under the target. Times are from the process's launch: start-up and
-    compilation included. The ratio is the fast recipe's median over nanoGPT's."""
+    compilation included. The ratio is the fast recipe's median over nanoGPT's, cache against cache."""
     runs = [s for s in steps if s["kind"] in ("train", "nanogpt_train") and s.get("evals")]
     nano = [s for s in runs if s["meta"]["side"] == "nanogpt"]
     best = lambda s: min(s["evals"], key=lambda e: e[1])  # (step, val, seconds)
@@ -368,19 +403,18 @@ def baby_summary(steps):
         hit = first_at_or_below(s["evals"], target)
         counted = best(s)[2] if s in nano else (hit[1] if hit else None)
         rows.append(
-            dict(name=s["name"], side=s["meta"]["side"], best=best(s), at_target=hit, seconds_counted=counted)
-            | dict(first_eval_s=s["evals"][0][2], ms_per_iter=s["ms_per_iter"], wall_s=s["seconds"])
+            dict(name=s["name"], side=s["meta"]["side"], cache=s["meta"].get("cache"), best=best(s), at_target=hit)
+            | dict(seconds_counted=counted, first_eval_s=s["evals"][0][2], ms_per_iter=s["ms_per_iter"])
+            | dict(wall_s=s["seconds"])
         )
-    nano_s = median_or_none([r["seconds_counted"] for r in rows if r["side"] == "nanogpt"])
-    fast_s = median_or_none([r["seconds_counted"] for r in rows if r["side"] == "fast"])
-    return dict(
-        target=target,
-        target_from="nanoGPT's runs here" if nano else "nanoGPT on an H200 (issue 47)",
-        runs=rows,
-        nanogpt_s=nano_s,
-        fast_s=fast_s,
-        ratio=fast_s / nano_s if nano_s and fast_s is not None else None,
-    )
+    races = {}
+    for cache in dict.fromkeys(r["cache"] for r in rows if r["side"] != "config"):
+        nano_s = median_or_none([r["seconds_counted"] for r in rows if (r["side"], r["cache"]) == ("nanogpt", cache)])
+        fast_s = median_or_none([r["seconds_counted"] for r in rows if (r["side"], r["cache"]) == ("fast", cache)])
+        ratio = fast_s / nano_s if nano_s and fast_s is not None else None
+        races[cache] = dict(nanogpt_s=nano_s, fast_s=fast_s, ratio=ratio)
+    from_ = "nanoGPT's runs here" if nano else "nanoGPT on an H200 (issue 47)"
+    return dict(target=target, target_from=from_, runs=rows, races=races)
 
 
 def median_or_none(values):
@@ -432,12 +466,18 @@ def markdown(cfg, env, steps, s):
         for r in baby["runs"]
     ]
     header = ["run", "best val", "first eval <= target", "seconds counted", "first eval (s)", "ms/iter", "wall (s)"]
+    races = [
+        f"{cache} cache: nanoGPT (time to its best) {fmt(r['nanogpt_s'], '.1f')} s; ours, the fast recipe (time to "
+        f"the target) {fmt(r['fast_s'], '.1f')} s; ratio {fmt(r['ratio'], '.3f')} (goal: <= 0.5).\n"
+        for cache, r in baby["races"].items()
+        if cache is not None
+    ]
     out.append(
         f"## Baby GPT to val {baby['target']:.4f} ({baby['target_from']})\n\n"
         + table(header, rows)
-        + f"\nnanoGPT (time to its best): {fmt(baby['nanogpt_s'], '.1f')} s; ours, the fast recipe (time to the "
-        f"target): {fmt(baby['fast_s'], '.1f')} s; ratio {fmt(baby['ratio'], '.3f')} (goal: <= 0.5). Medians "
-        "over runs; times from each process's launch.\n"
+        + "\n"
+        + "".join(races)
+        + "Medians over runs; times from each process's launch, compilation included.\n"
     )
     tests = next((t for t in steps if t["kind"] == "pytest"), None)
     if tests:

@@ -28,10 +28,11 @@ def test_cpu_mode_runs_every_part_and_writes_its_reports(tmp_path, monkeypatch):
     work = tmp_path / "work"
     char_dataset(work / "data" / "shakespeare_char")  # the baby GPT trains on data/shakespeare_char
     monkeypatch.chdir(work)
-    assert headline.main(["--device=cpu", f"--out_dir={work / 'report'}", "--budget_s=0"]) == 0
+    assert headline.main(["--device=cpu", f"--out_dir={work / 'report'}", "--budget_s=0", "--baby_seeds=1"]) == 0
     report = json.loads((work / "report" / "report.json").read_text())
     assert report["torch"] == torch.__version__ and report["gpu"] is None
-    names = ["speedrun", "plain", "baby-fast-1", "baby-fast-2", "gpt2-2", "tests", "gpt2-4", "llama", "baby-config-1"]
+    baby = ["baby-cold-fast-1", "baby-warmup-fast", "baby-warm-fast-1"]
+    names = ["speedrun", "plain", *baby, "gpt2-2", "tests", "gpt2-4", "llama", "baby-config-1"]
     assert [(s["name"], s["status"]) for s in report["steps"]] == [(n, "ok") for n in names]
     rows = {(s["name"], r["setting"]): r for s in report["steps"] for r in s.get("rows", [])}
     sweep = ["gradient_accumulation_steps=1", "gradient_accumulation_steps=2"]
@@ -46,8 +47,12 @@ def test_cpu_mode_runs_every_part_and_writes_its_reports(tmp_path, monkeypatch):
             fast / rows[("plain", key[1])]["tokens_per_s"]
         )
     baby = report["baby"]
-    assert baby["target"] == headline.NANOGPT_BEST_H200 and baby["nanogpt_s"] is None  # no nanoGPT here
-    assert [r["name"] for r in baby["runs"]] == ["baby-fast-1", "baby-fast-2", "baby-config-1"]
+    assert baby["target"] == headline.NANOGPT_BEST_H200  # no nanoGPT here
+    assert all(race["nanogpt_s"] is None for race in baby["races"].values())
+    assert list(baby["races"]) == ["cold", "warm"]
+    assert [r["name"] for r in baby["runs"]] == ["baby-cold-fast-1", "baby-warm-fast-1", "baby-config-1"]
+    caches = work / "report" / "caches"
+    assert sorted(p.name for p in caches.iterdir()) == ["baby-cold-fast-1", "warm-fast"]  # each side's, each cold run's
     for step in (s for s in report["steps"] if s["kind"] == "train"):
         assert [e[0] for e in step["evals"]] == [0, 10, 20] and step["ms_per_iter"] > 0
         assert min(e[1] for e in step["evals"]) < math.log(65)  # below a uniform guess: they trained
@@ -80,7 +85,9 @@ def test_on_a_gpu_it_plans_the_issues_commands_at_full_shape(nanogpt, tmp_path, 
     assert [s.name for s in steps] == [
         "speedrun",
         "plain",
-        *("baby-nanogpt-1", "baby-fast-1", "baby-nanogpt-2", "baby-fast-2"),  # interleaved
+        *("baby-cold-nanogpt-1", "baby-cold-fast-1", "baby-cold-nanogpt-2", "baby-cold-fast-2"),  # interleaved
+        *("baby-warmup-nanogpt", "baby-warmup-fast"),  # untimed: they fill each side's cache
+        *("baby-warm-nanogpt-1", "baby-warm-fast-1", "baby-warm-nanogpt-2", "baby-warm-fast-2"),
         "gpt2-12",
         "nanogpt-gpt2-12",
         "tests",
@@ -96,7 +103,7 @@ def test_on_a_gpu_it_plans_the_issues_commands_at_full_shape(nanogpt, tmp_path, 
         assert (c.batch_size, c.block_size, c.sweep, c.device, c.compile) == (
             16,
             1024,
-            "gradient_accumulation_steps=1,8",
+            "gradient_accumulation_steps=1,8,32",
             "cuda",
             True,
         )
@@ -118,8 +125,14 @@ def test_on_a_gpu_it_plans_the_issues_commands_at_full_shape(nanogpt, tmp_path, 
         )
     llama = ours("llama")
     assert (llama.n_layer, llama.n_embd, llama.gradient_accumulation_steps, llama.bench_iters) == (16, 2048, 2, 3)
+    caches = {name: s.env["TORCHINDUCTOR_CACHE_DIR"] for name, s in by.items() if s.part == "baby"}
+    cold = [caches[f"baby-cold-{side}-{seed}"] for side in ("nanogpt", "fast") for seed in (1, 2)]
+    assert len(set(cold)) == 4 and all(by[n].env["TRITON_CACHE_DIR"].startswith(caches[n]) for n in caches)
+    for side in ("nanogpt", "fast"):  # the warm runs share the cache their side's warm-up filled
+        assert {caches[f"baby-warm-{side}-{seed}"] for seed in (1, 2)} == {caches[f"baby-warmup-{side}"]}
+    assert ours("baby-warmup-fast", TrainConfig).max_iters == 20 and "--max_iters=20" in by["baby-warmup-nanogpt"].argv
     for seed in (1, 2):
-        fast = ours(f"baby-fast-{seed}", TrainConfig)
+        fast = ours(f"baby-warm-fast-{seed}", TrainConfig)
         assert (fast.seed, fast.optimizer, fast.max_iters, fast.n_embd, fast.device) == (
             seed,
             "muon",
@@ -127,7 +140,7 @@ def test_on_a_gpu_it_plans_the_issues_commands_at_full_shape(nanogpt, tmp_path, 
             384,
             "cuda",
         )
-        nano = by[f"baby-nanogpt-{seed}"]
+        nano = by[f"baby-cold-nanogpt-{seed}"]
         assert nano.cwd == str(nanogpt) and nano.argv[:4] == [
             "train.py",
             "config/train_shakespeare_char.py",
@@ -224,31 +237,39 @@ def test_what_nanogpts_commands_and_pytest_print_is_read_as_they_print_it():
     }
 
 
-def run_record(name, side, evals, seconds=60.0):
+def run_record(name, side, evals, cache="cold"):
     kind = "nanogpt_train" if side == "nanogpt" else "train"
-    return dict(name=name, kind=kind, meta={"side": side}, evals=evals, ms_per_iter=10.0, seconds=seconds, status="ok")
+    meta = {"side": side, "cache": cache}
+    return dict(name=name, kind=kind, meta=meta, evals=evals, ms_per_iter=10.0, seconds=60.0, status="ok")
 
 
-def test_the_baby_race_counts_nanogpt_to_its_best_and_ours_to_that_val():
+def test_the_baby_race_counts_nanogpt_to_its_best_and_ours_to_that_val_cache_against_cache():
     nano = [
-        run_record("baby-nanogpt-1", "nanogpt", [(0, 4.28, 20.0), (1750, 1.4784, 58.8), (2000, 1.4801, 64.0)]),
-        run_record("baby-nanogpt-2", "nanogpt", [(0, 4.28, 8.0), (1500, 1.4790, 41.2), (1750, 1.4795, 46.0)]),
+        run_record("baby-cold-nanogpt-1", "nanogpt", [(0, 4.28, 20.0), (1750, 1.4784, 58.8), (2000, 1.4801, 64.0)]),
+        run_record("baby-cold-nanogpt-2", "nanogpt", [(0, 4.28, 8.0), (1500, 1.4790, 41.2), (1750, 1.4795, 46.0)]),
     ]
     fast = [
         run_record(
-            "baby-fast-1", "fast", [(0, 4.2, 3.0), (800, 1.4801, 17.0), (900, 1.4780, 19.5), (1000, 1.4700, 21.0)]
+            "baby-cold-fast-1", "fast", [(0, 4.2, 3.0), (800, 1.4801, 17.0), (900, 1.4780, 19.5), (1000, 1.47, 21.0)]
         ),
-        run_record("baby-fast-2", "fast", [(0, 4.2, 3.0), (900, 1.4786, 18.0), (1000, 1.4760, 20.0)]),
+        run_record("baby-cold-fast-2", "fast", [(0, 4.2, 3.0), (900, 1.4786, 18.0), (1000, 1.4760, 20.0)]),
     ]
-    summary = headline.baby_summary(nano + fast)
-    assert summary["target"] == pytest.approx((1.4784 + 1.4790) / 2)  # the median of nanoGPT's bests
-    assert [r["seconds_counted"] for r in summary["runs"]] == [58.8, 41.2, 19.5, 18.0]
-    assert summary["nanogpt_s"] == pytest.approx(50.0) and summary["fast_s"] == pytest.approx(18.75)
-    assert summary["ratio"] == pytest.approx(18.75 / 50.0)
+    warm = [
+        run_record("baby-warm-nanogpt-1", "nanogpt", [(0, 4.28, 5.0), (1750, 1.4770, 30.0)], "warm"),
+        run_record("baby-warm-fast-1", "fast", [(0, 4.2, 1.0), (900, 1.4780, 12.0)], "warm"),
+    ]
+    summary = headline.baby_summary(nano + fast + warm)
+    assert summary["target"] == pytest.approx(1.4784)  # the median of nanoGPT's bests, cold and warm
+    assert [r["seconds_counted"] for r in summary["runs"]] == [58.8, 41.2, 19.5, 20.0, 30.0, 12.0]
+    cold, hot = summary["races"]["cold"], summary["races"]["warm"]
+    assert cold["nanogpt_s"] == pytest.approx(50.0) and cold["fast_s"] == pytest.approx(19.75)
+    assert cold["ratio"] == pytest.approx(19.75 / 50.0)
+    assert (hot["nanogpt_s"], hot["fast_s"], hot["ratio"]) == (30.0, 12.0, pytest.approx(0.4))
     # a run that never gets there: with one of two never there, the median is never there either
-    slow = run_record("baby-fast-2", "fast", [(0, 4.2, 3.0), (1000, 1.4900, 20.0)])
+    slow = run_record("baby-cold-fast-2", "fast", [(0, 4.2, 3.0), (1000, 1.4900, 20.0)])
     summary = headline.baby_summary(nano + fast[:1] + [slow])
-    assert summary["runs"][-1]["at_target"] is None and summary["fast_s"] is None and summary["ratio"] is None
+    cold = summary["races"]["cold"]
+    assert summary["runs"][-1]["at_target"] is None and cold["fast_s"] is None and cold["ratio"] is None
 
 
 @pytest.mark.parametrize(
@@ -257,6 +278,7 @@ def test_the_baby_race_counts_nanogpt_to_its_best_and_ours_to_that_val():
         (["--nanogpt=/nonexistent/nanoGPT"], "is not a nanoGPT checkout"),
         (["--parts=speedrun,sweep"], "parts: 'sweep' not among speedrun, baby"),
         (["--baby_fast=config/none.py"], "baby_fast='config/none.py' is not a config file"),
+        (["--baby_caches=hot"], "baby_caches='hot': give 'cold', 'warm' or 'cold,warm'"),
     ],
 )
 def test_bad_input_is_one_line(args, expected):
