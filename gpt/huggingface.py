@@ -369,23 +369,12 @@ def llama_lacks(c):
     return [option for option, lacking in checks.items() if lacking] + [o for o in levers_lacked(c) if o not in checks]
 
 
-def export_architecture(c, targets=("a Hugging Face GPT-2", "a Llama")):
-    """'gpt2' or 'llama': the architecture that holds a model of GPTConfig c, or a one-line error
-    naming what neither of `targets` can hold. GGUF's gpt2 and llama (llama.cpp's) hold what
-    Hugging Face's do."""
-    levers = levers_lacked(c)
-    if levers:
-        raise UserError(
-            f"this model cannot be exported: neither {targets[0]} nor {targets[1]} computes its "
-            f"{', '.join(levers)} (speedrun levers); sample, serve or evaluate it here, or train without them to export"
-        )
-    gpt2, llama = gpt2_lacks(c), llama_lacks(c)
-    if not gpt2 or not llama:
-        return "gpt2" if not gpt2 else "llama"
-    raise UserError(
-        f"this model cannot be exported: {targets[0]} cannot hold its {', '.join(gpt2)}, "
-        f"nor {targets[1]} its {', '.join(llama)}"
-    )
+def export_architecture(c):
+    """'gpt2' or 'llama' when a Hugging Face GPT-2 or Llama computes a model of GPTConfig c, else
+    'gpt_trainer': our own model class (gpt/modeling_gpt_trainer.py), shipped beside the weights."""
+    if not gpt2_lacks(c):
+        return "gpt2"
+    return "llama" if not llama_lacks(c) else "gpt_trainer"
 
 
 def hf_config(config, vocab_size, special=None):
@@ -492,6 +481,51 @@ def llama_weights(model, vocab_size):
     return tensors
 
 
+def trainer_from_gpt(model, vocab_size, bos, eos):
+    """A GPTTrainerForCausalLM (gpt/modeling_gpt_trainer.py) with our GPT's weights and its first
+    vocab_size tokens: the same module and weight names, so a copy, but for the padding rows of
+    the embeddings, lm_head and value embeddings, which are left out."""
+    _transformers()  # quietly, as for GPT-2
+    from gpt import modeling_gpt_trainer as trainer
+
+    c = model.config
+    config = trainer.GPTTrainerConfig(
+        vocab_size=vocab_size,
+        block_size=c.block_size,
+        n_layer=c.n_layer,
+        n_head=c.n_head,
+        n_kv_head=c.n_kv_head,
+        n_embd=c.n_embd,
+        bias=c.bias,
+        pos_encoding=c.pos_encoding,
+        rope_theta=c.rope_theta,
+        rope_frequency_scaling=c.rope_scaling,
+        norm=c.norm,
+        norm_eps=c.norm_eps,
+        mlp=c.mlp,
+        mlp_hidden=c.mlp_hidden,
+        qk_norm=c.qk_norm,
+        logit_softcap=c.logit_softcap,
+        value_embeds=c.value_embeds,
+        unet_skips=c.unet_skips,
+        tie_word_embeddings=c.tie_embeddings,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        architectures=["GPTTrainerForCausalLM"],
+    )
+    # save_pretrained then writes config.json's auto_map and copies the module's file beside it
+    trainer.GPTTrainerConfig.register_for_auto_class()
+    trainer.GPTTrainerForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+    hf_model = trainer.GPTTrainerForCausalLM(config)
+    ours, theirs = model.state_dict(), hf_model.state_dict()
+    _check_same_keys(ours.keys(), theirs.keys())
+    with torch.no_grad():
+        for key, dst in theirs.items():
+            vocab_rows = key in ("transformer.wte.weight", "lm_head.weight") or key.startswith("transformer.ve.")
+            dst.copy_(ours[key][:vocab_size] if vocab_rows else ours[key])  # raises on a shape mismatch
+    return hf_model.eval()
+
+
 def export(model, tok_spec, export_dir):
     """Write model as a Hugging Face directory, a GPT2LMHeadModel or a LlamaForCausalLM as its
     options make it (config.json, model.safetensors; a Llama also generation_config.json), with
@@ -507,12 +541,15 @@ def export(model, tok_spec, export_dir):
     special = (chat.id["bos"], chat.end_id) if chat else None  # eos: generation_config.json's too
     if arch == "gpt2":
         hf_model = hf_from_gpt(model, vocab_size, special)  # float32 on the CPU, whatever model's device and dtype
+    elif arch == "gpt_trainer":
+        eot = tokenizer.eot(tok_spec)
+        hf_model = trainer_from_gpt(model, vocab_size, *(special or (eot, eot)))
     else:
         config = llama_config(dataclasses.replace(model.config, vocab_size=vocab_size), tok_spec, special)
         tensors = llama_weights(model, vocab_size)
     try:
         os.makedirs(export_dir, exist_ok=True)
-        if arch == "gpt2":
+        if arch != "llama":
             hf_model.save_pretrained(export_dir)  # safetensors; a tied lm_head is stored once
         else:
             _write_json(os.path.join(export_dir, "config.json"), config)
