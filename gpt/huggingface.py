@@ -1,9 +1,10 @@
-"""Hugging Face weights in and out: GPT2LMHeadModel and LlamaForCausalLM <-> this trainer's GPT.
+"""Hugging Face weights in and out: GPT2LMHeadModel and LlamaForCausalLM <-> this trainer's GPT,
+and out as GPTTrainerForCausalLM (gpt/modeling_gpt_trainer.py) what neither of them computes.
 gpt/load.py reads them for every command (init_from=gpt2 or a directory); hf.py's command writes them.
 
     from gpt import huggingface, load
     model, tok_spec = load.pretrained("gpt2")                # or a GPT-2 or Llama directory: gpt/load.py
-    arch = huggingface.export(model, tok_spec, "out/hf")     # 'gpt2' or 'llama'
+    arch = huggingface.export(model, tok_spec, "out/hf")     # 'gpt2', 'llama' or 'gpt_trainer'
 
 An exported directory is an ordinary GPT2LMHeadModel (a GPT-2-style model: learned positions,
 LayerNorm, GELU) or LlamaForCausalLM (RoPE, RMSNorm, SwiGLU), with its tokenizer's files:
@@ -23,6 +24,12 @@ dependency: only those functions import it.
 Llama: read and written as files (config.json, safetensors, tokenizer.json) with the
 safetensors package, no transformers needed. Our fused matrices are Llama's stacked by rows,
 and Hugging Face's Llama RoPE layout is already ours: see llama_layout.
+
+Anything else (the speedrun recipe: ReLU², logit soft-cap, value embeddings, U-net skips, q/k
+norm; or learned positions with RMSNorm, ...): a GPTTrainerForCausalLM, whose modeling file
+save_pretrained copies beside the weights and names in config.json's auto_map, so that
+AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True) reads it anywhere. Its weights
+are ours under the same names, less the padding rows; gpt/load.py reads such a directory back.
 """
 
 import dataclasses
@@ -481,6 +488,13 @@ def llama_weights(model, vocab_size):
     return tensors
 
 
+# the GPTConfig keys GPTTrainerConfig holds under the same names
+TRAINER_KEYS = (
+    *("block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "bias", "pos_encoding", "rope_theta", "norm"),
+    *("norm_eps", "mlp", "mlp_hidden", "qk_norm", "logit_softcap", "value_embeds", "unet_skips"),
+)
+
+
 def trainer_from_gpt(model, vocab_size, bos, eos):
     """A GPTTrainerForCausalLM (gpt/modeling_gpt_trainer.py) with our GPT's weights and its first
     vocab_size tokens: the same module and weight names, so a copy, but for the padding rows of
@@ -491,23 +505,8 @@ def trainer_from_gpt(model, vocab_size, bos, eos):
     c = model.config
     config = trainer.GPTTrainerConfig(
         vocab_size=vocab_size,
-        block_size=c.block_size,
-        n_layer=c.n_layer,
-        n_head=c.n_head,
-        n_kv_head=c.n_kv_head,
-        n_embd=c.n_embd,
-        bias=c.bias,
-        pos_encoding=c.pos_encoding,
-        rope_theta=c.rope_theta,
-        rope_frequency_scaling=c.rope_scaling,
-        norm=c.norm,
-        norm_eps=c.norm_eps,
-        mlp=c.mlp,
-        mlp_hidden=c.mlp_hidden,
-        qk_norm=c.qk_norm,
-        logit_softcap=c.logit_softcap,
-        value_embeds=c.value_embeds,
-        unet_skips=c.unet_skips,
+        **{key: getattr(c, key) for key in TRAINER_KEYS},
+        rope_frequency_scaling=c.rope_scaling,  # transformers keeps rope_scaling for its own format
         tie_word_embeddings=c.tie_embeddings,
         bos_token_id=bos,
         eos_token_id=eos,
@@ -533,7 +532,8 @@ def export(model, tok_spec, export_dir):
     tokens (the padding rows of nanoGPT's 50304 are never targets); others keep their own.
     A chat model (trained on data/chat/prepare.py's data) keeps its turn tokens, its tokenizer
     gets them as special tokens and its chat template, and generate() stops at the end of a turn.
-    Returns the architecture: 'gpt2' or 'llama'."""
+    A model neither computes goes out as GPTTrainerForCausalLM (trainer_from_gpt).
+    Returns the architecture: 'gpt2', 'llama' or 'gpt_trainer'."""
     arch = export_architecture(model.config)
     chat = Template(tok_spec) if "chat" in tok_spec else None
     bpe = is_gpt2_bpe(tok_spec) and chat is None  # GPT-2's turn tokens come after its 50257
@@ -579,9 +579,13 @@ def write_tokenizer(tok_spec, export_dir):
     download). A Hugging Face tokenizer: its tokenizer.json, with the tokenizer_config.json and
     special_tokens_map.json beside it (a Llama directory's special tokens and chat template).
     Where the settings are not at hand, a tokenizer_config.json naming the class that reads the
-    files, so that AutoTokenizer (and lm-evaluation-harness) finds it for either architecture.
-    Character vocabularies have no such files."""
+    files, so that AutoTokenizer (and lm-evaluation-harness) finds it for any architecture.
+    A character vocabulary: a tokenizer.json made here (char_tokenizer)."""
     config = os.path.join(export_dir, "tokenizer_config.json")
+    if tok_spec["kind"] == "char":
+        char_tokenizer(tok_spec["chars"]).save(os.path.join(export_dir, "tokenizer.json"))
+        _write_json(config, {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False})
+        return
     if tok_spec["kind"] == "tokenizers":
         shutil.copyfile(tok_spec["path"], os.path.join(export_dir, "tokenizer.json"))
         _write_json(config, {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok_spec["eot"]})
@@ -598,3 +602,15 @@ def write_tokenizer(tok_spec, export_dir):
     shutil.copyfile(os.path.join(data, "encoder.json"), os.path.join(export_dir, "vocab.json"))
     shutil.copyfile(os.path.join(data, "vocab.bpe"), os.path.join(export_dir, "merges.txt"))
     _write_json(config, {"tokenizer_class": "GPT2Tokenizer"})
+
+
+def char_tokenizer(chars):
+    """A character vocabulary (data/shakespeare_char's meta.json) as a tokenizers.Tokenizer: every
+    character its own piece, id its place in chars, and decoding joins the pieces as they are. A
+    character outside the vocabulary is an error, as in our encoder."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({ch: i for i, ch in enumerate(chars)}))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one piece per character
+    tok.decoder = decoders.Fuse()
+    return tok
