@@ -88,14 +88,15 @@ def _read_json(path):
 
 
 def architecture(name_or_path):
-    """'gpt2' or 'llama': what a released GPT-2 name or a local Hugging Face directory holds."""
+    """'gpt2', 'llama' or 'gpt_trainer' (hf.py's own class): what a released GPT-2 name or a local
+    Hugging Face directory holds."""
     if name_or_path in GPT2_MODELS:
         return "gpt2"
     model_type = read_config(name_or_path).get("model_type")
-    if model_type not in ("gpt2", "llama"):
+    if model_type not in ("gpt2", "llama", "gpt_trainer"):
         raise UserError(
             f"{name_or_path} holds a {model_type!r} model; only GPT-2 and Llama (model_type 'gpt2' or "
-            f"'llama') can be loaded"
+            f"'llama') and hf.py's own export ('gpt_trainer') can be loaded"
         )
     return model_type
 
@@ -329,10 +330,33 @@ def llama_tokenizer(path):
     return tokenizer.make_spec(tok_path)
 
 
+def load_trainer(path, dropout=0.0):
+    """hf.py's GPTTrainerForCausalLM directory in our GPT -> (model, model_args): config.json holds
+    our keys and the weights our names; the padding rows come back as zeros."""
+    config = read_config(path)
+    try:
+        model_args = {key: config[key] for key in ("vocab_size", *TRAINER_KEYS)}
+    except KeyError as e:
+        raise UserError(f"{path}/config.json lacks {e.args[0]}; export the run again with hf.py")
+    tied = config.get("tie_word_embeddings", True)
+    model_args.update(rope_scaling=config.get("rope_frequency_scaling"), tie_embeddings=tied, dropout=dropout)
+    model = GPT(GPTConfig(**model_args))
+    weights, ours = read_safetensors(path), model.state_dict()
+    if tied:  # stored once, as the embedding
+        weights.setdefault("lm_head.weight", weights.get("transformer.wte.weight"))
+    if weights.keys() != ours.keys() or any(weights[k].shape[1:] != ours[k].shape[1:] for k in ours):
+        raise UserError(f"{path}: its weights do not match its config.json; export the run again with hf.py")
+    with torch.no_grad():
+        for key, dst in ours.items():
+            dst.zero_()  # the padding rows of the embeddings, lm_head and value embeddings
+            dst[: weights[key].size(0)].copy_(weights[key])
+    return model, dataclasses.asdict(model.config)
+
+
 def load(name_or_path, dropout=0.0):
-    """(model, model_args, 'gpt2' or 'llama') for a released GPT-2 name or a local directory."""
+    """(model, model_args, 'gpt2', 'llama' or 'gpt_trainer') for a released GPT-2 name or a local directory."""
     arch = architecture(name_or_path)
-    load = load_gpt2 if arch == "gpt2" else load_llama
+    load = {"gpt2": load_gpt2, "llama": load_llama, "gpt_trainer": load_trainer}[arch]
     return (*load(name_or_path, dropout), arch)
 
 

@@ -18,8 +18,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import hf
 import sample
 import train
-from configurator import UserError
-from gpt import checkpoint, huggingface, tokenizer
+from configurator import TrainConfig, UserError, parse
+from gpt import checkpoint, huggingface, load, tokenizer
 from gpt.chat_template import Template
 from model import GPT, GPTConfig
 
@@ -147,3 +147,26 @@ def test_gguf_refuses_the_recipe_in_one_line_naming_a_config_it_takes(recipe_run
         "export it to Hugging Face instead" in message and "config/train_llama_tiny.py --dataset=shakespeare" in message
     )
     assert not (recipe_run / "model.gguf").exists()
+
+
+def test_the_export_reads_back_as_a_source(recipe_run, capsys):
+    """sample.py --init_from=<the export> samples what the run does; train.py starts from it on data
+    in its characters, and refuses data in other tokens."""
+    common = ["--device=cpu", "--temperature=0", "--num_samples=1", "--max_new_tokens=30", "--stream=False"]
+    sample.main([f"--out_dir={recipe_run}", *common])
+    from_run = capsys.readouterr().out.split("\n", 1)[1]
+    sample.main([f"--init_from={recipe_run / 'hf'}", *common])
+    assert capsys.readouterr().out.split("\n", 1)[1] == from_run
+    model, _ = checkpoint.load_model(str(recipe_run), "best")
+    again, model_args, arch = huggingface.load(str(recipe_run / "hf"))
+    # zero_init_proj is only how training started: the export does not keep it
+    assert arch == "gpt_trainer" and model_args == {**dataclasses.asdict(model.config), "zero_init_proj": False}
+    # every weight as trained, but the padding rows past vocab_size (never sampled), which come back as zeros
+    V = model.config.vocab_size
+    assert all(torch.equal(t[:V], model.state_dict()[k][:V]) for k, t in again.state_dict().items())
+    chars = recipe_run.parent / "chars"
+    cfg = parse(TrainConfig, [f"--init_from={recipe_run / 'hf'}", f"--dataset={chars}", "--block_size=64"])
+    started, _ = load.for_training(cfg, tokenizer.describe(str(chars)), report=lambda line: None)
+    assert all(torch.equal(t, again.state_dict()[k]) for k, t in started.state_dict().items())
+    with pytest.raises(UserError, match="needs data tokenized with the tokenizer hf.py wrote beside it"):
+        load.for_training(cfg, tokenizer.make_spec("gpt2"))
