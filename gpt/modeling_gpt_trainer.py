@@ -11,7 +11,8 @@ It depends on torch and transformers only (it is read on machines that have neit
 its model.py), and computes what model.py's GPT computes, in the same order and with the same
 module and weight names (transformer.wte, transformer.h.0.attn.c_attn, ...), so its logits equal
 ours to float32 rounding. Inference only: no dropout, and no packed-document masks. The model sees
-at most block_size (max_position_embeddings) positions, as ours does; generating past them is refused.
+at most block_size (max_position_embeddings) positions, as ours does; generating past them is
+refused (sample.py slides its window instead). Read by transformers 4.57 and 5.24 alike.
 """
 
 import math
