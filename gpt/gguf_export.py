@@ -6,8 +6,8 @@ llama-server), ollama, LM Studio and llamafile run. hf.py's command writes it:
     llama-cli -m out-shakespeare/model.gguf -p "ROMEO:" -n 64 --temp 0
 
 The architecture (architecture()) is the Hugging Face export's where that is GPT-2 or Llama: a
-GPT-2-shaped model is llama.cpp's `gpt2` (learned positions, LayerNorm, GELU; zero biases where the model has none),
-a Llama-shaped one its `llama` (RoPE, RMSNorm, SwiGLU, grouped-query attention, Llama 3's RoPE
+GPT-2-shaped model is llama.cpp's `gpt2` (learned positions, LayerNorm, GELU; zero biases where
+the model has none), a Llama-shaped one its `llama` (RoPE, RMSNorm, SwiGLU, grouped-query attention, Llama 3's RoPE
 scaling as the rope_freqs tensor). llama.cpp rotates the adjacent pairs (2i, 2i + 1) of each
 head; our q and k rotate (i, i + hs/2) (model.apply_rope), so their rows are permuted.
 
