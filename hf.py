@@ -1,5 +1,6 @@
-"""Export a training run's model: a Hugging Face directory (GPT2LMHeadModel or LlamaForCausalLM,
-with its tokenizer's files) or one GGUF file for llama.cpp, ollama and LM Studio.
+"""Export a training run's model: a Hugging Face directory (GPT2LMHeadModel or LlamaForCausalLM, or
+for the speedrun recipe's architecture this trainer's own model class, loaded with
+trust_remote_code=True; with its tokenizer's files) or one GGUF file for llama.cpp, ollama and LM Studio.
 
     python hf.py --out_dir=out-shakespeare              # its best checkpoint -> out-shakespeare/hf
     python hf.py --out_dir=out-shakespeare --checkpoint=latest --export_dir=/tmp/my-gpt2
@@ -38,7 +39,7 @@ def export_gguf(cfg):
     """--format=gguf: model.gguf in export_dir (default out_dir)."""
     export_dir = cfg.export_dir or cfg.out_dir
     model, tok_spec = load.for_inference("resume", cfg.out_dir, cfg.checkpoint)
-    arch = huggingface.export_architecture(model.config, gguf_export.TARGETS)
+    arch = gguf_export.architecture(model.config)
     try:
         os.makedirs(export_dir, exist_ok=True)
     except OSError as e:
@@ -65,8 +66,11 @@ def main(argv=None):
     export_dir = cfg.export_dir or os.path.join(cfg.out_dir, "hf")
     model, tok_spec = load.for_inference("resume", cfg.out_dir, cfg.checkpoint)
     arch = huggingface.export(model, tok_spec, export_dir)
-    loader = "GPT2LMHeadModel" if arch == "gpt2" else "LlamaForCausalLM"
-    print(f"wrote {export_dir}: {loader}.from_pretrained({export_dir!r}) loads it")
+    if arch == "gpt_trainer":  # the model class is the directory's own modeling_gpt_trainer.py
+        loads = f"AutoModelForCausalLM.from_pretrained({export_dir!r}, trust_remote_code=True)"
+    else:
+        loads = f"{'GPT2LMHeadModel' if arch == 'gpt2' else 'LlamaForCausalLM'}.from_pretrained({export_dir!r})"
+    print(f"wrote {export_dir} ({arch}): {loads} loads it")
 
 
 if __name__ == "__main__":

@@ -18,10 +18,12 @@
 #   (--max_iters=1400 --lr_decay_iters=1400 --warmup_iters=50 is the previous recipe, val ~1.83).
 # - The speedrun's architecture (docs/speedrun.md) won here over 5 seeds against 5 (BENCHMARKS.md,
 #   "Speedrun levers at CPU scale"), though ReLU² alone lost: so the blocks below are the recipe's
-#   whole, and 450 steps reach what 650 did. Its price: hf.py cannot export these levers (it says
-#   so in one line); --pos_encoding=learned --norm=layernorm --qk_norm=False --bias=True --mlp=gelu
-#   --tie_embeddings=True --logit_softcap=0 --value_embeds=False --unet_skips=False
-#   --zero_init_proj=False --max_iters=650 --lr_decay_iters=650 --eval_interval=325 is the GPT-2 block.
+#   whole, and 450 steps reach what 650 did. Its price: Hugging Face's GPT-2 and Llama classes
+#   compute none of these levers, so hf.py exports this repo's own model class, loaded with
+#   trust_remote_code=True (docs/weights.md); --pos_encoding=learned --norm=layernorm --qk_norm=False
+#   --bias=True --mlp=gelu --tie_embeddings=True --logit_softcap=0 --value_embeds=False --unet_skips=False
+#   --zero_init_proj=False --max_iters=650 --lr_decay_iters=650 --eval_interval=325 is the GPT-2 block,
+#   a plain GPT2LMHeadModel.
 
 out_dir = "out-shakespeare-char-cpu"
 dataset = "shakespeare_char"

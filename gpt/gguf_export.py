@@ -5,9 +5,9 @@ llama-server), ollama, LM Studio and llamafile run. hf.py's command writes it:
     python hf.py --out_dir=out-chat-demo --format=gguf --gguf_dtype=q8_0     # 8-bit weights
     llama-cli -m out-shakespeare/model.gguf -p "ROMEO:" -n 64 --temp 0
 
-The architecture is the Hugging Face export's (huggingface.export_architecture): a GPT-2-shaped model is
-llama.cpp's `gpt2` (learned positions, LayerNorm, GELU; zero biases where the model has none),
-a Llama-shaped one its `llama` (RoPE, RMSNorm, SwiGLU, grouped-query attention, Llama 3's RoPE
+The architecture (architecture()) is the Hugging Face export's where that is GPT-2 or Llama: a
+GPT-2-shaped model is llama.cpp's `gpt2` (learned positions, LayerNorm, GELU; zero biases where
+the model has none), a Llama-shaped one its `llama` (RoPE, RMSNorm, SwiGLU, grouped-query attention, Llama 3's RoPE
 scaling as the rope_freqs tensor). llama.cpp rotates the adjacent pairs (2i, 2i + 1) of each
 head; our q and k rotate (i, i + hs/2) (model.apply_rope), so their rows are permuted.
 
@@ -34,7 +34,8 @@ from gpt.chat_template import Template, json_tokenizer
 from model import rope_tables
 
 DTYPES = ("f32", "f16", "q8_0")
-TARGETS = ("GGUF's gpt2", "its llama")  # how huggingface.export_architecture's refusals name them
+# a config whose model and tokenizer GGUF holds, for the refusals to name (data/shakespeare: GPT-2's BPE)
+GGUF_CONFIG = "python train.py config/train_llama_tiny.py --dataset=shakespeare"
 # GPT-4's split pattern (data/train_tokenizer.py's, Llama 3's): the regex of llama.cpp's LLAMA3
 # pre-tokenizer ('llama-bpe' and 'dbrx' name it, see pre_tokenizer)
 GPT4_SPLIT = (
@@ -293,15 +294,32 @@ def _encode(gguf, name, t, dtype):
 # ---------------------------------------------------------------------------- the file
 
 
+def architecture(c):
+    """'gpt2' or 'llama': the llama.cpp architecture that computes a model of GPTConfig c, or a
+    one-line error naming what neither holds, the Hugging Face export, and a config GGUF takes."""
+    gpt2, llama = huggingface.gpt2_lacks(c), huggingface.llama_lacks(c)
+    if not gpt2 or not llama:
+        return "gpt2" if not gpt2 else "llama"
+    levers = huggingface.levers_lacked(c)
+    if levers:
+        what = f"neither GGUF's gpt2 nor its llama computes its {', '.join(levers)} (speedrun levers)"
+    else:
+        what = f"GGUF's gpt2 cannot hold its {', '.join(gpt2)}, nor its llama its {', '.join(llama)}"
+    raise UserError(
+        f"this model cannot be exported to GGUF: {what}; export it to Hugging Face instead (hf.py without "
+        f"--format=gguf), or train a model GGUF holds, e.g. {GGUF_CONFIG}"
+    )
+
+
 def write(model, tok_spec, path, arch, dtype="f32", name="nanogpt"):
     """Write model (our GPT) and its tokenizer to path as GGUF: llama.cpp architecture arch
-    ('gpt2' or 'llama', from huggingface.export_architecture), weights in dtype (f32, f16, q8_0)."""
+    ('gpt2' or 'llama', from architecture), weights in dtype (f32, f16, q8_0)."""
     assert dtype in DTYPES and arch in ("gpt2", "llama"), (dtype, arch)
     gguf, c = _gguf(), model.config
     # llama.cpp has no graph for the speedrun levers: refused here in one line, for any caller
     # (hf.py --format=gguf refuses them before it writes anything, in the same words)
     if huggingface.levers_lacked(c):
-        huggingface.export_architecture(c, TARGETS)
+        architecture(c)
     vocab = vocabulary(tok_spec, _rows(model, tok_spec))
     n_vocab = len(vocab["tokens"])
     weights = [(n, *_encode(gguf, n, t, dtype)) for n, t in tensors(model, arch, n_vocab)]

@@ -1,9 +1,10 @@
-"""Hugging Face weights in and out: GPT2LMHeadModel and LlamaForCausalLM <-> this trainer's GPT.
+"""Hugging Face weights in and out: GPT2LMHeadModel and LlamaForCausalLM <-> this trainer's GPT,
+and out as GPTTrainerForCausalLM (gpt/modeling_gpt_trainer.py) what neither of them computes.
 gpt/load.py reads them for every command (init_from=gpt2 or a directory); hf.py's command writes them.
 
     from gpt import huggingface, load
     model, tok_spec = load.pretrained("gpt2")                # or a GPT-2 or Llama directory: gpt/load.py
-    arch = huggingface.export(model, tok_spec, "out/hf")     # 'gpt2' or 'llama'
+    arch = huggingface.export(model, tok_spec, "out/hf")     # 'gpt2', 'llama' or 'gpt_trainer'
 
 An exported directory is an ordinary GPT2LMHeadModel (a GPT-2-style model: learned positions,
 LayerNorm, GELU) or LlamaForCausalLM (RoPE, RMSNorm, SwiGLU), with its tokenizer's files:
@@ -23,6 +24,12 @@ dependency: only those functions import it.
 Llama: read and written as files (config.json, safetensors, tokenizer.json) with the
 safetensors package, no transformers needed. Our fused matrices are Llama's stacked by rows,
 and Hugging Face's Llama RoPE layout is already ours: see llama_layout.
+
+Anything else (the speedrun recipe: ReLU², logit soft-cap, value embeddings, U-net skips, q/k
+norm; or learned positions with RMSNorm, ...): a GPTTrainerForCausalLM, whose modeling file
+save_pretrained copies beside the weights and names in config.json's auto_map, so that
+AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True) reads it anywhere. Its weights
+are ours under the same names, less the padding rows; gpt/load.py reads such a directory back.
 """
 
 import dataclasses
@@ -81,14 +88,15 @@ def _read_json(path):
 
 
 def architecture(name_or_path):
-    """'gpt2' or 'llama': what a released GPT-2 name or a local Hugging Face directory holds."""
+    """'gpt2', 'llama' or 'gpt_trainer' (hf.py's own class): what a released GPT-2 name or a local
+    Hugging Face directory holds."""
     if name_or_path in GPT2_MODELS:
         return "gpt2"
     model_type = read_config(name_or_path).get("model_type")
-    if model_type not in ("gpt2", "llama"):
+    if model_type not in ("gpt2", "llama", "gpt_trainer"):
         raise UserError(
             f"{name_or_path} holds a {model_type!r} model; only GPT-2 and Llama (model_type 'gpt2' or "
-            f"'llama') can be loaded"
+            f"'llama') and hf.py's own export ('gpt_trainer') can be loaded"
         )
     return model_type
 
@@ -322,10 +330,33 @@ def llama_tokenizer(path):
     return tokenizer.make_spec(tok_path)
 
 
+def load_trainer(path, dropout=0.0):
+    """hf.py's GPTTrainerForCausalLM directory in our GPT -> (model, model_args): config.json holds
+    our keys and the weights our names; the padding rows come back as zeros."""
+    config = read_config(path)
+    try:
+        model_args = {key: config[key] for key in ("vocab_size", *TRAINER_KEYS)}
+    except KeyError as e:
+        raise UserError(f"{path}/config.json lacks {e.args[0]}; export the run again with hf.py")
+    tied = config.get("tie_word_embeddings", True)
+    model_args.update(rope_scaling=config.get("rope_frequency_scaling"), tie_embeddings=tied, dropout=dropout)
+    model = GPT(GPTConfig(**model_args))
+    weights, ours = read_safetensors(path), model.state_dict()
+    if tied:  # stored once, as the embedding
+        weights.setdefault("lm_head.weight", weights.get("transformer.wte.weight"))
+    if weights.keys() != ours.keys() or any(weights[k].shape[1:] != ours[k].shape[1:] for k in ours):
+        raise UserError(f"{path}: its weights do not match its config.json; export the run again with hf.py")
+    with torch.no_grad():
+        for key, dst in ours.items():
+            dst.zero_()  # the padding rows of the embeddings, lm_head and value embeddings
+            dst[: weights[key].size(0)].copy_(weights[key])
+    return model, dataclasses.asdict(model.config)
+
+
 def load(name_or_path, dropout=0.0):
-    """(model, model_args, 'gpt2' or 'llama') for a released GPT-2 name or a local directory."""
+    """(model, model_args, 'gpt2', 'llama' or 'gpt_trainer') for a released GPT-2 name or a local directory."""
     arch = architecture(name_or_path)
-    load = load_gpt2 if arch == "gpt2" else load_llama
+    load = {"gpt2": load_gpt2, "llama": load_llama, "gpt_trainer": load_trainer}[arch]
     return (*load(name_or_path, dropout), arch)
 
 
@@ -369,23 +400,12 @@ def llama_lacks(c):
     return [option for option, lacking in checks.items() if lacking] + [o for o in levers_lacked(c) if o not in checks]
 
 
-def export_architecture(c, targets=("a Hugging Face GPT-2", "a Llama")):
-    """'gpt2' or 'llama': the architecture that holds a model of GPTConfig c, or a one-line error
-    naming what neither of `targets` can hold. GGUF's gpt2 and llama (llama.cpp's) hold what
-    Hugging Face's do."""
-    levers = levers_lacked(c)
-    if levers:
-        raise UserError(
-            f"this model cannot be exported: neither {targets[0]} nor {targets[1]} computes its "
-            f"{', '.join(levers)} (speedrun levers); sample, serve or evaluate it here, or train without them to export"
-        )
-    gpt2, llama = gpt2_lacks(c), llama_lacks(c)
-    if not gpt2 or not llama:
-        return "gpt2" if not gpt2 else "llama"
-    raise UserError(
-        f"this model cannot be exported: {targets[0]} cannot hold its {', '.join(gpt2)}, "
-        f"nor {targets[1]} its {', '.join(llama)}"
-    )
+def export_architecture(c):
+    """'gpt2' or 'llama' when a Hugging Face GPT-2 or Llama computes a model of GPTConfig c, else
+    'gpt_trainer': our own model class (gpt/modeling_gpt_trainer.py), shipped beside the weights."""
+    if not gpt2_lacks(c):
+        return "gpt2"
+    return "llama" if not llama_lacks(c) else "gpt_trainer"
 
 
 def hf_config(config, vocab_size, special=None):
@@ -492,6 +512,43 @@ def llama_weights(model, vocab_size):
     return tensors
 
 
+# the GPTConfig keys GPTTrainerConfig holds under the same names
+TRAINER_KEYS = (
+    *("block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "bias", "pos_encoding", "rope_theta", "norm"),
+    *("norm_eps", "mlp", "mlp_hidden", "qk_norm", "logit_softcap", "value_embeds", "unet_skips"),
+)
+
+
+def trainer_from_gpt(model, vocab_size, bos, eos):
+    """A GPTTrainerForCausalLM (gpt/modeling_gpt_trainer.py) with our GPT's weights and its first
+    vocab_size tokens: the same module and weight names, so a copy, but for the padding rows of
+    the embeddings, lm_head and value embeddings, which are left out."""
+    _transformers()  # quietly, as for GPT-2
+    from gpt import modeling_gpt_trainer as trainer
+
+    c = model.config
+    config = trainer.GPTTrainerConfig(
+        vocab_size=vocab_size,
+        **{key: getattr(c, key) for key in TRAINER_KEYS},
+        rope_frequency_scaling=c.rope_scaling,  # transformers keeps rope_scaling for its own format
+        tie_word_embeddings=c.tie_embeddings,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        architectures=["GPTTrainerForCausalLM"],
+    )
+    # save_pretrained then writes config.json's auto_map and copies the module's file beside it
+    trainer.GPTTrainerConfig.register_for_auto_class()
+    trainer.GPTTrainerForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+    hf_model = trainer.GPTTrainerForCausalLM(config)
+    ours, theirs = model.state_dict(), hf_model.state_dict()
+    _check_same_keys(ours.keys(), theirs.keys())
+    with torch.no_grad():
+        for key, dst in theirs.items():
+            vocab_rows = key in ("transformer.wte.weight", "lm_head.weight") or key.startswith("transformer.ve.")
+            dst.copy_(ours[key][:vocab_size] if vocab_rows else ours[key])  # raises on a shape mismatch
+    return hf_model.eval()
+
+
 def export(model, tok_spec, export_dir):
     """Write model as a Hugging Face directory, a GPT2LMHeadModel or a LlamaForCausalLM as its
     options make it (config.json, model.safetensors; a Llama also generation_config.json), with
@@ -499,7 +556,8 @@ def export(model, tok_spec, export_dir):
     tokens (the padding rows of nanoGPT's 50304 are never targets); others keep their own.
     A chat model (trained on data/chat/prepare.py's data) keeps its turn tokens, its tokenizer
     gets them as special tokens and its chat template, and generate() stops at the end of a turn.
-    Returns the architecture: 'gpt2' or 'llama'."""
+    A model neither computes goes out as GPTTrainerForCausalLM (trainer_from_gpt).
+    Returns the architecture: 'gpt2', 'llama' or 'gpt_trainer'."""
     arch = export_architecture(model.config)
     chat = Template(tok_spec) if "chat" in tok_spec else None
     bpe = is_gpt2_bpe(tok_spec) and chat is None  # GPT-2's turn tokens come after its 50257
@@ -507,12 +565,15 @@ def export(model, tok_spec, export_dir):
     special = (chat.id["bos"], chat.end_id) if chat else None  # eos: generation_config.json's too
     if arch == "gpt2":
         hf_model = hf_from_gpt(model, vocab_size, special)  # float32 on the CPU, whatever model's device and dtype
+    elif arch == "gpt_trainer":
+        eot = tokenizer.eot(tok_spec)
+        hf_model = trainer_from_gpt(model, vocab_size, *(special or (eot, eot)))
     else:
         config = llama_config(dataclasses.replace(model.config, vocab_size=vocab_size), tok_spec, special)
         tensors = llama_weights(model, vocab_size)
     try:
         os.makedirs(export_dir, exist_ok=True)
-        if arch == "gpt2":
+        if arch != "llama":
             hf_model.save_pretrained(export_dir)  # safetensors; a tied lm_head is stored once
         else:
             _write_json(os.path.join(export_dir, "config.json"), config)
@@ -542,9 +603,13 @@ def write_tokenizer(tok_spec, export_dir):
     download). A Hugging Face tokenizer: its tokenizer.json, with the tokenizer_config.json and
     special_tokens_map.json beside it (a Llama directory's special tokens and chat template).
     Where the settings are not at hand, a tokenizer_config.json naming the class that reads the
-    files, so that AutoTokenizer (and lm-evaluation-harness) finds it for either architecture.
-    Character vocabularies have no such files."""
+    files, so that AutoTokenizer (and lm-evaluation-harness) finds it for any architecture.
+    A character vocabulary: a tokenizer.json made here (char_tokenizer)."""
     config = os.path.join(export_dir, "tokenizer_config.json")
+    if tok_spec["kind"] == "char":
+        char_tokenizer(tok_spec["chars"]).save(os.path.join(export_dir, "tokenizer.json"))
+        _write_json(config, {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False})
+        return
     if tok_spec["kind"] == "tokenizers":
         shutil.copyfile(tok_spec["path"], os.path.join(export_dir, "tokenizer.json"))
         _write_json(config, {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok_spec["eot"]})
@@ -561,3 +626,15 @@ def write_tokenizer(tok_spec, export_dir):
     shutil.copyfile(os.path.join(data, "encoder.json"), os.path.join(export_dir, "vocab.json"))
     shutil.copyfile(os.path.join(data, "vocab.bpe"), os.path.join(export_dir, "merges.txt"))
     _write_json(config, {"tokenizer_class": "GPT2Tokenizer"})
+
+
+def char_tokenizer(chars):
+    """A character vocabulary (data/shakespeare_char's meta.json) as a tokenizers.Tokenizer: every
+    character its own piece, id its place in chars, and decoding joins the pieces as they are. A
+    character outside the vocabulary is an error, as in our encoder."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({ch: i for i, ch in enumerate(chars)}))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one piece per character
+    tok.decoder = decoders.Fuse()
+    return tok

@@ -12,14 +12,15 @@ to start from weights trained elsewhere.
 
 The sources: a training run's checkpoint (init_from='resume' with out_dir, or init_from naming
 a run's out_dir; either format, gpt/checkpoint.py reads it), a released GPT-2 name or a local
-GPT-2 or Llama directory (gpt/huggingface.py reads those). Models come back in float32 on the
-CPU; lines about what was read go to report.
+GPT-2 or Llama directory, or hf.py's export of any other model (gpt/huggingface.py reads those).
+Models come back in float32 on the CPU; lines about what was read go to report.
 """
 
 import contextlib
 import dataclasses
 import filecmp
 import io
+import json
 import os
 
 from configurator import UserError
@@ -71,6 +72,8 @@ def pretrained(name_or_path, report=print):
         report(line)
     if arch == "llama":
         tok_spec = huggingface.llama_tokenizer(name_or_path)
+    elif arch == "gpt_trainer":
+        tok_spec = _exported_tokenizer(name_or_path)
     elif model.config.vocab_size < huggingface.GPT2_VOCAB:
         raise UserError(
             f"{name_or_path} has {model.config.vocab_size} tokens, not GPT-2's {huggingface.GPT2_VOCAB}: its "
@@ -85,6 +88,21 @@ def pretrained(name_or_path, report=print):
         )
     report(f"loaded {name_or_path} ({model.num_params(non_embedding=False) / 1e6:.1f}M parameters)")
     return model, tok_spec
+
+
+def _exported_tokenizer(path):
+    """The tokenizer description of what hf.py wrote beside a model: a character vocabulary (its
+    one-piece-per-character tokenizer.json), GPT-2's BPE (vocab.json) or a tokenizer.json."""
+    tok_path = os.path.join(path, "tokenizer.json")
+    if os.path.isfile(os.path.join(path, "vocab.json")):
+        return huggingface.GPT2_TOKENIZER
+    if not os.path.isfile(tok_path):
+        raise UserError(f"{path} has no tokenizer.json nor vocab.json; export the run again with hf.py")
+    with open(tok_path, encoding="utf-8") as f:
+        model = json.load(f)["model"]
+    if model["type"] == "WordLevel" and all(len(piece) == 1 for piece in model["vocab"]):
+        return {"kind": "char", "chars": "".join(sorted(model["vocab"], key=model["vocab"].get))}
+    return tokenizer.make_spec(tok_path)
 
 
 def for_training(cfg, tok_spec, report=print):
@@ -107,11 +125,15 @@ def for_training(cfg, tok_spec, report=print):
         if arch == "llama":
             theirs = huggingface.llama_tokenizer(cfg.init_from)["path"]
             if tok_spec["kind"] != "tokenizers" or not _same_contents(tok_spec["path"], theirs):
-                used = tok_spec.get("path") or tok_spec.get("name") or tok_spec["kind"]
                 raise UserError(
                     f"init_from={cfg.init_from!r} needs data tokenized with its {theirs}, but {cfg.dataset} was "
-                    f"prepared with {used}; prepare it again with --tokenizer={theirs}"
+                    f"prepared with {_used(tok_spec)}; prepare it again with --tokenizer={theirs}"
                 )
+        if arch == "gpt_trainer" and not _same_vocabulary(_exported_tokenizer(cfg.init_from), tok_spec):
+            raise UserError(
+                f"init_from={cfg.init_from!r} needs data tokenized with the tokenizer hf.py wrote beside it, but "
+                f"{cfg.dataset} was prepared with {_used(tok_spec)}; prepare it again with that tokenizer"
+            )
         model, model_args, _ = huggingface.load(cfg.init_from, cfg.dropout)
         source_spec = {}
     turn_ids = _untrained_turn_tokens(tok_spec, source_spec)
@@ -157,20 +179,28 @@ def _load_run(cfg, tok_spec, report):
     """(model, model_args, its tokenizer) from the best checkpoint of the run in cfg.init_from, with
     this run's dropout. Its tokenizer must be the data's (chat data may add turn tokens to it)."""
     trained, source_spec = checkpoint.load_model(cfg.init_from, "best", report=report)
-    vocabulary = lambda spec: {k: v for k, v in spec.items() if k not in ("chat", "vocab_size", "path")}
-    same = vocabulary(source_spec) == vocabulary(tok_spec) and (
-        "path" not in tok_spec or _same_contents(tok_spec["path"], source_spec.get("path", ""))
-    )
-    if not same:
-        used = lambda spec: spec.get("path") or spec.get("name") or spec["kind"]
+    if not _same_vocabulary(source_spec, tok_spec):
         raise UserError(
-            f"init_from={cfg.init_from!r} was trained on data tokenized with {used(source_spec)}, but "
-            f"{cfg.dataset} was prepared with {used(tok_spec)}; prepare it again with that tokenizer"
+            f"init_from={cfg.init_from!r} was trained on data tokenized with {_used(source_spec)}, but "
+            f"{cfg.dataset} was prepared with {_used(tok_spec)}; prepare it again with that tokenizer"
         )
     model_args = {**dataclasses.asdict(trained.config), "dropout": cfg.dropout}
     model = GPT(GPTConfig(**model_args))
     model.load_state_dict(trained.state_dict())
     return model, model_args, source_spec
+
+
+def _same_vocabulary(source_spec, tok_spec):
+    """Whether data tokenized by tok_spec has the tokens of the weights' source_spec (chat data may
+    add turn tokens)."""
+    vocabulary = lambda spec: {k: v for k, v in spec.items() if k not in ("chat", "vocab_size", "path")}
+    return vocabulary(source_spec) == vocabulary(tok_spec) and (
+        "path" not in tok_spec or _same_contents(tok_spec["path"], source_spec.get("path", ""))
+    )
+
+
+def _used(spec):
+    return spec.get("path") or spec.get("name") or spec["kind"]
 
 
 def _same_contents(a, b):

@@ -168,11 +168,12 @@ def test_export_loads_in_transformers_with_our_logits(tmp_path, options):
         (dict(qk_norm=True), "qk_norm=True"),
     ],
 )
-def test_export_refuses_models_gpt2_cannot_hold(tmp_path, options, named):
-    model = GPT(GPTConfig(n_layer=1, n_head=4, n_embd=32, block_size=16, vocab_size=65, **options))
+def test_models_gpt2_cannot_hold_export_as_our_own_class(options, named):
+    # GPTTrainerForCausalLM, whose logits tests/test_hf_recipe.py checks
+    config = GPTConfig(n_layer=1, n_head=4, n_embd=32, block_size=16, vocab_size=65, **options)
     with pytest.raises(UserError, match=named):
-        huggingface.export(model, {"kind": "char", "chars": "x" * 65}, str(tmp_path / "hf"))
-    assert not (tmp_path / "hf").exists()
+        huggingface.hf_config(config, 65)
+    assert huggingface.export_architecture(config) == "gpt_trainer"
 
 
 def test_chat_data_takes_gpt2s_padding_rows_for_its_turn_tokens(tmp_path):

@@ -462,21 +462,14 @@ def test_settings_our_gpt_cannot_reproduce_are_refused(tmp_path, setting, named)
 
 
 @pytest.mark.parametrize(
-    "options, named",
-    [
-        (
-            dict(norm="rmsnorm"),
-            "a Hugging Face GPT-2 cannot hold its norm='rmsnorm', nor a Llama its pos_encoding='learned'",
-        ),
-        (dict(pos_encoding="rope", norm="rmsnorm", mlp="swiglu", qk_norm=True), "nor a Llama its qk_norm=True"),
-    ],
+    "options", [dict(norm="rmsnorm"), dict(pos_encoding="rope", norm="rmsnorm", mlp="swiglu", qk_norm=True)]
 )
-def test_export_refuses_models_neither_format_can_hold(tmp_path, options, named):
-    model = GPT(GPTConfig(n_layer=1, n_head=4, n_embd=32, block_size=16, vocab_size=65, **options))
-    with pytest.raises(UserError, match=named) as e:
-        huggingface.export(model, {"kind": "char", "chars": "x" * 65}, str(tmp_path / "hf"))
-    assert_one_line(e)
-    assert not (tmp_path / "hf").exists()
+def test_models_neither_class_computes_export_as_our_own(options):
+    # GPTTrainerForCausalLM, whose logits tests/test_hf_recipe.py checks; a Llama is still a Llama
+    config = GPTConfig(n_layer=1, n_head=4, n_embd=32, block_size=16, vocab_size=65, **options)
+    assert huggingface.export_architecture(config) == "gpt_trainer"
+    llama = dataclasses.replace(config, pos_encoding="rope", norm="rmsnorm", mlp="swiglu", qk_norm=False)
+    assert huggingface.export_architecture(llama) == "llama"
 
 
 def test_rope_scaling_key_is_validated():

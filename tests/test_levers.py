@@ -2,7 +2,7 @@
 mlp='relu2'): each against its formula computed here by hand, in backward (gradcheck in float64),
 and together through what a run does with a model: torch.compile without recompiles, train.py's
 exact resume, DDP on two gloo ranks, the key/value caches of generation and of the serving engine,
-old checkpoints, and the exports that must refuse what they cannot compute. Off, they change
+old checkpoints, and GGUF's export, which must refuse what llama.cpp cannot compute. Off, they change
 nothing: a default model is the one it was before."""
 
 import dataclasses
@@ -517,14 +517,14 @@ def saved(out_dir, **options):
         ),  # a Llama but for it
     ],
 )
-@pytest.mark.parametrize("format", ["hf", "gguf"])
-def test_exports_refuse_each_lever_they_cannot_compute_in_one_line(tmp_path, options, named, format):
+def test_gguf_refuses_each_lever_it_cannot_compute_in_one_line(tmp_path, options, named):
+    # (the Hugging Face export takes them: tests/test_hf_recipe.py)
     out_dir, _ = saved(tmp_path / "out", **options)
-    result = run_script("hf.py", f"--out_dir={out_dir}", f"--format={format}")
+    result = run_script("hf.py", f"--out_dir={out_dir}", "--format=gguf")
     lines = result.stderr.strip().splitlines()
     assert result.returncode != 0 and len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: this model cannot be exported: neither") and named in lines[0]
-    assert lines[0].endswith("or train without them to export")
+    assert lines[0].startswith("error: this model cannot be exported to GGUF: neither") and named in lines[0]
+    assert lines[0].endswith("e.g. python train.py config/train_llama_tiny.py --dataset=shakespeare")
     assert sorted(p.name for p in out_dir.iterdir()) == ["ckpt.pt"]  # nothing written
 
 
