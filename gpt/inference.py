@@ -6,6 +6,7 @@
     out = inference.generate(model.eval(), idx, max_new_tokens=100, temperature=0.8, top_k=200)
     for next_id in inference.generate_tokens(model, idx, 100, temperature=0, stop_token=eot): ...
     engine = inference.Engine(model, rows=16); engine.start(); engine.submit(inference.Request(ids, 50, ...))
+    engine.on_step = lambda step: print(len(step.decoding), "rows decode,", len(step.joining), "join")
 
 Reads top to bottom: sampling one token, the single-sequence-length cache with
 generate_tokens (the window that slides past block_size), then the batch cache whose rows each
@@ -376,7 +377,7 @@ class Request:
     generator: Optional[torch.Generator] = field(default=None, repr=False)
 
 
-@dataclass(eq=False)
+@dataclass
 class Step:
     """What one step of the Engine is about to run, as its on_step hook gets it (for metrics, tracing,
     a debugger): rows 0..n-1 decode, each its last token at its position, and the requests that join
@@ -384,7 +385,7 @@ class Step:
     (a conversation's earlier turns, a prompt asked again: BatchCache.reuse). packed: the prompts run
     packed after the rows' tokens in one sequence; else it is the decoding step, and each joining
     prompt runs only its last token. rows and keys: the rows the pass computes and the span of keys
-    it reads; the decoding step's, compiled, are padded to a bucket of rows and of keys (_inputs)."""
+    it reads; the decoding step's, compiled, are padded to a bucket of rows and a rounded span of keys."""
 
     decoding: list  # the requests of rows 0..n-1
     positions: list  # where each of them writes its token (the positions its row holds)

@@ -173,11 +173,11 @@ def test_a_compiled_engine_gives_solo_greedy_tokens_and_never_recompiles(shape):
     solo = solo_greedy(model, prompts, budgets)
     torch._dynamo.reset()
     counters.clear()
-    engine = inference.Engine(model, rows=3, waiting=10)
+    steps = []
+    engine = inference.Engine(model, rows=3, waiting=10, on_step=steps.append)
     assert engine.compile(backend=ATEN_BACKEND) is None
     assert engine.buckets == [1, 2, 3] and counters["stats"]["unique_graphs"] == 2  # one row; two or three
-    outs, done, steps = [[] for _ in prompts], threading.Semaphore(0), []
-    engine.on_step = steps.append
+    outs, done = [[] for _ in prompts], threading.Semaphore(0)
     with torch.compiler.set_stance("fail_on_recompile"):
         engine.start()
         for i, (p, n) in enumerate(zip(prompts, budgets)):
@@ -1119,7 +1119,8 @@ def test_a_full_server_answers_429_at_once(base, base_server):
 @pytest.mark.slow
 def test_a_client_that_hangs_up_frees_its_row_at_once(demo, chat_server):
     """A stream dropped after three chunks: its row is freed before the next step (cancelled, far
-    from its 100 tokens), and the server answers the next request as before."""
+    from its 100 tokens: the engine waits for the hang-up after 20), and the server answers the
+    next request as before."""
     out_dir, _ = demo
     s, engine = chat_server, chat_server.engine
     body = {"model": s.server.name, "prompt": "Hi, I'm Zuvaki.", "max_tokens": 100, "temperature": 0, "stream": True}
