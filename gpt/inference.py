@@ -6,6 +6,7 @@
     out = inference.generate(model.eval(), idx, max_new_tokens=100, temperature=0.8, top_k=200)
     for next_id in inference.generate_tokens(model, idx, 100, temperature=0, stop_token=eot): ...
     engine = inference.Engine(model, rows=16); engine.start(); engine.submit(inference.Request(ids, 50, ...))
+    engine.on_step = lambda step: print(len(step.decoding), "rows decode,", len(step.joining), "join")
 
 Reads top to bottom: sampling one token, the single-sequence-length cache with
 generate_tokens (the window that slides past block_size), then the batch cache whose rows each
@@ -376,6 +377,26 @@ class Request:
     generator: Optional[torch.Generator] = field(default=None, repr=False)
 
 
+@dataclass
+class Step:
+    """What one step of the Engine is about to run, as its on_step hook gets it (for metrics, tracing,
+    a debugger): rows 0..n-1 decode, each its last token at its position, and the requests that join
+    take rows n, n+1, ..., each running its prompt from its start, the positions its row holds already
+    (a conversation's earlier turns, a prompt asked again: BatchCache.reuse). packed: the prompts run
+    packed after the rows' tokens in one sequence; else it is the decoding step, and each joining
+    prompt runs only its last token. rows and keys: the rows the pass computes and the span of keys
+    it reads; the decoding step's, compiled, are padded to a bucket of rows and a rounded span of keys."""
+
+    decoding: list  # the requests of rows 0..n-1
+    positions: list  # where each of them writes its token (the positions its row holds)
+    joining: list  # the requests that join
+    starts: list  # where each of them starts
+    tokens: int  # the tokens the pass runs: one per decoding row, and each joining prompt's rest
+    packed: bool
+    rows: int
+    keys: int
+
+
 def compile_options(device_type):
     """torch.compile's settings for the Engine's decoding step on device_type. On a GPU the step
     replays a CUDA graph: no launch overhead per kernel. On a CPU the graph's kernels are called
@@ -394,11 +415,20 @@ class Engine:
 
     A step that only decodes (no prompt joins) is the one a reply spends its time in: compile()
     makes it torch.compile'd graphs made at start-up, over rows padded to a bucket (1, 2, 4, ...,
-    rows) and any span of keys, so requests that come and go never compile another."""
+    rows) and any span of keys, so requests that come and go never compile another.
 
-    def __init__(self, model, rows=16, waiting=64, room=None, device="cpu", after_step=None):
+    To watch it (metrics, tracing): on_step(step) is called on the engine's thread just before each
+    forward pass with what the pass runs (a Step), and after_step() after each step, once the rows of
+    the requests that ended are free; while either runs, no step does. `lock`, a threading.Condition,
+    guards the queue and `held` (the requests submitted and not yet done), and every submit() and
+    close() notifies all its waiters: wait_for on it to see requests arrive. on_step may be set at
+    any time; None, the default, costs nothing. Should it raise, the step's requests end with the
+    error, as with any failure of a step."""
+
+    def __init__(self, model, rows=16, waiting=64, room=None, device="cpu", after_step=None, on_step=None):
         self.model, self.device = model, device
         self.after_step = after_step or (lambda: None)  # called on the engine's thread after each step
+        self.on_step = on_step  # called on the engine's thread with each Step, before its forward pass
         self.rows, self.max_waiting = rows, waiting
         dtype = next(model.parameters()).dtype
         self.cache = BatchCache(model.config, rows, room or model.config.block_size, dtype, device)
@@ -467,7 +497,7 @@ class Engine:
     def close(self):
         with self.lock:
             self.closed = True
-            self.lock.notify()
+            self.lock.notify_all()
         self.thread.join()
 
     def submit(self, request):
@@ -477,7 +507,7 @@ class Engine:
                 return False
             self.held += 1
             self.queue.append(request)
-            self.lock.notify()
+            self.lock.notify_all()
             return True
 
     def stats(self):
@@ -547,13 +577,21 @@ class Engine:
         tokens, positions = [r.tokens[-1] for r in self.active], lengths[:n]
         starts = [self.cache.reuse(n + k, r.ids) for k, r in enumerate(new)]  # each into the row that holds most
         if any(len(r.ids) - s > 1 for r, s in zip(new, starts)):
-            step = self.cache.packed(n, [r.ids[s:] for r, s in zip(new, starts)], starts, self.device)
+            packed = self.cache.packed(n, [r.ids[s:] for r, s in zip(new, starts)], starts, self.device)
             tokens += [t for r, s in zip(new, starts) for t in r.ids[s:]]
-            logits, _ = self.model(torch.tensor([tokens], device=self.device), cache=step, logits_at=step.last)
+        else:
+            tokens, at = tokens + [r.ids[-1] for r in new], positions + starts  # a prompt's last token at its start
+            packed, inputs = None, self._inputs(tokens, at, max(at) + 1)
+        on_step = self.on_step
+        if on_step is not None:
+            # the rows the pass computes and the span of keys it reads: the decoding step's are its (B,) and (S,)
+            rows, keys = (n + len(new), packed.end) if packed is not None else (len(inputs[0]), len(inputs[3]))
+            on_step(Step(list(self.active), positions, list(new), starts, len(tokens), packed is not None, rows, keys))
+        if packed is not None:
+            logits, _ = self.model(torch.tensor([tokens], device=self.device), cache=packed, logits_at=packed.last)
             greedy = logits.argmax(dim=-1)  # (n + new, V) -> (n + new,)
         else:
-            tokens, positions = tokens + [r.ids[-1] for r in new], positions + starts
-            logits, greedy = self.decode(*self._inputs(tokens, positions, max(positions) + 1))
+            logits, greedy = self.decode(*inputs)
         greedy = greedy.tolist()  # every row's argmax in one read from the device
         for j in range(n):
             lengths[j] += 1

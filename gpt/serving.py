@@ -247,13 +247,11 @@ class Server:
         else:
             self.process = None
             self.worker = Worker(cfg, runtime.setup(cfg.device, cfg.dtype), self.deliver_soon)
-            self.engine, info = self.worker.engine, self.worker.info  # tests reach into the engine
+            self.engine, info = self.worker.engine, self.worker.info  # tests watch its steps (Engine.on_step)
         tok_spec, self.vocab_size, self.context = info["tok_spec"], info["vocab_size"], info["context"]
         try:
-            self.template, self.no_chat = (
-                load.chat_template(self.vocab_size, tok_spec, cfg.init_from, cfg.out_dir),
-                None,
-            )
+            self.template = load.chat_template(self.vocab_size, tok_spec, cfg.init_from, cfg.out_dir)
+            self.no_chat = None
         except UserError as e:
             self.template, self.no_chat = None, str(e)
         self.encode, self.decode = tokenizer.load(tok_spec)

@@ -39,10 +39,8 @@ KEY = "test-key-123"
 
 # ---------------------------------------------------------------------------- the engine itself
 
-SHAPES = [
-    {},
-    dict(n_kv_head=1, pos_encoding="rope", norm="rmsnorm", mlp="swiglu", bias=False),
-]  # GPT-2's block, Llama's
+# GPT-2's block, Llama's
+SHAPES = [{}, dict(n_kv_head=1, pos_encoding="rope", norm="rmsnorm", mlp="swiglu", bias=False)]
 
 
 def peaked_model(block_size=64, **shape):
@@ -123,43 +121,40 @@ def test_engine_rows_of_any_length_give_solo_greedy_tokens(shape):
     model = peaked_model(**shape)
     prompts, budgets = token_lists(3, 9, 1, 20, 5, 2, 14), [20, 7, 25, 12, 3, 30, 16]
     solo = solo_greedy(model, prompts, budgets)
-    engine = inference.Engine(model, rows=3, waiting=10).start()
+    steps = []
+    engine = inference.Engine(model, rows=3, waiting=10, on_step=steps.append).start()
     outs, ends, done = [[] for _ in prompts], [None] * len(prompts), threading.Semaphore(0)
-    peak = []
-    step = engine._step
-    engine._step = lambda new: (peak.append(len(engine.active) + len(new)), step(new))[1]
     for i, (p, n) in enumerate(zip(prompts, budgets)):
-        assert engine.submit(
-            inference.Request(
-                p, n, outs[i].append, lambda *end, i=i: (ends.__setitem__(i, end), done.release()), temperature=0
-            )
-        )
+        request = inference.Request(p, n, outs[i].append, lambda *end, i=i: (ends.__setitem__(i, end), done.release()))
+        request.temperature = 0
+        assert engine.submit(request)
     for _ in prompts:
         assert done.acquire(timeout=60)
     engine.close()
     assert outs == solo and ends == [("length", n, None) for n in budgets]
-    assert max(peak) == 3 and engine.held == 0
+    assert max(len(step.decoding) + len(step.joining) for step in steps) == 3 and engine.held == 0
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=["gpt2", "llama"])
 def test_requests_prefilled_together_give_solo_greedy_tokens(shape):
     """Five requests queued before the engine starts are prefilled in one pass, their prompts (1 to
     19 tokens) packed into one sequence, then decoded together: each gets, token for token,
-    generate()'s greedy tokens for its prompt alone."""
+    generate()'s greedy tokens for its prompt alone; every later step is the decoding step."""
     model = peaked_model(**shape)
     prompts, budgets = token_lists(12, 1, 19, 7, 3), [9, 15, 6, 20, 11]
     solo = solo_greedy(model, prompts, budgets)
-    engine = inference.Engine(model, rows=8)
-    outs, done, batches = [[] for _ in prompts], threading.Semaphore(0), []
-    step = engine._step
-    engine._step = lambda new: (batches.append(len(new)), step(new))[1]
+    steps = []
+    engine = inference.Engine(model, rows=8, on_step=steps.append)
+    outs, done = [[] for _ in prompts], threading.Semaphore(0)
     for i, (p, n) in enumerate(zip(prompts, budgets)):
         assert engine.submit(inference.Request(p, n, outs[i].append, lambda *end: done.release(), temperature=0))
     engine.start()
     for _ in prompts:
         assert done.acquire(timeout=60)
     engine.close()
-    assert batches[0] == 5 and set(batches[1:]) == {0} and outs == solo
+    first, later = steps[0], steps[1:]
+    assert first.packed and len(first.joining) == 5 and first.tokens == sum(map(len, prompts))
+    assert not any(step.packed or step.joining for step in later) and outs == solo
 
 
 @pytest.mark.slow
@@ -178,18 +173,11 @@ def test_a_compiled_engine_gives_solo_greedy_tokens_and_never_recompiles(shape):
     solo = solo_greedy(model, prompts, budgets)
     torch._dynamo.reset()
     counters.clear()
-    engine = inference.Engine(model, rows=3, waiting=10)
+    steps = []
+    engine = inference.Engine(model, rows=3, waiting=10, on_step=steps.append)
     assert engine.compile(backend=ATEN_BACKEND) is None
     assert engine.buckets == [1, 2, 3] and counters["stats"]["unique_graphs"] == 2  # one row; two or three
-    outs, done, spans = [[] for _ in prompts], threading.Semaphore(0), []
-    make_inputs = engine._inputs
-
-    def inputs(*args):  # the decoding steps' spans of keys
-        made = make_inputs(*args)
-        spans.append(made[3].size(0))
-        return made
-
-    engine._inputs = inputs
+    outs, done = [[] for _ in prompts], threading.Semaphore(0)
     with torch.compiler.set_stance("fail_on_recompile"):
         engine.start()
         for i, (p, n) in enumerate(zip(prompts, budgets)):
@@ -199,7 +187,9 @@ def test_a_compiled_engine_gives_solo_greedy_tokens_and_never_recompiles(shape):
         engine.close()
     torch._dynamo.reset()
     assert outs == solo and counters["stats"]["unique_graphs"] == 2
-    assert set(spans) == {64, 128}  # rows up to position 63, then past it
+    decoding = [step for step in steps if not step.packed]
+    assert {step.keys for step in decoding} == {64, 128}  # rows up to position 63, then past it
+    assert {step.rows for step in decoding} <= set(engine.buckets)
 
 
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
@@ -217,13 +207,11 @@ def test_a_prompt_that_starts_as_an_ended_sequence_runs_only_the_rest(compiled):
     prompts = [first, *others, first + reply[:6] + [4, 5, 6], first[:3] + [7, 7, 7], list(first), token_lists(7)[0]]
     budgets = [10, 20, 20, 20, 9, 8, 5, 6]
     solo = solo_greedy(model, prompts, budgets)
-    engine = inference.Engine(model, rows=4)
+    steps = []
+    engine = inference.Engine(model, rows=4, on_step=steps.append)
     if compiled:
         assert engine.compile(backend=ATEN_BACKEND) is None and engine.buckets == [1, 2, 4]
     engine.start()
-    packed, run, decoded, inputs = [], engine.cache.packed, [], engine._inputs
-    engine.cache.packed = lambda n, prompts, starts, device: packed.append(starts) or run(n, prompts, starts, device)
-    engine._inputs = lambda tokens, positions, end: decoded.append(list(positions)) or inputs(tokens, positions, end)
     outs = [[] for _ in prompts]
     for group in ([0], [1, 2, 3], [4], [5], [6], [7]):  # a group at a time: each finds the rows the last ones left
         done = threading.Semaphore(0)
@@ -237,8 +225,10 @@ def test_a_prompt_that_starts_as_an_ended_sequence_runs_only_the_rest(compiled):
     engine.close()
     torch.compiler.reset()
     assert outs == solo
-    assert packed == [[0], [0, 0, 0], [12 + 6], [3], [0]]  # the next turn holds the first prompt and 6 of its reply
-    assert [11] in decoded  # the repeat's last token, alone in a decoding step
+    # the next turn holds the first prompt and 6 of its reply
+    assert [step.starts for step in steps if step.packed] == [[0], [0, 0, 0], [12 + 6], [3], [0]]
+    # the repeat's last token, alone in a decoding step
+    assert ([], [11]) in [(step.positions, step.starts) for step in steps if not step.packed]
 
 
 FORWARD, ALTERNATE, BACKWARD = list(range(8)), [0, 7, 1, 6, 2, 5, 3, 4], list(range(7, -1, -1))
@@ -322,15 +312,21 @@ def test_a_compile_failure_at_start_up_serves_eagerly_and_says_so(base, base_ser
         raise RuntimeError("no working C++ compiler found")
 
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=broken))
-    body, auth = (
-        {"model": "", "prompt": "The king", "temperature": 0, "max_tokens": 20},
-        {"Authorization": f"Bearer {KEY}"},
-    )
+    body = {"model": "", "prompt": "The king", "temperature": 0, "max_tokens": 20}
+    auth = {"Authorization": f"Bearer {KEY}"}
     expected = solo(base_server, {**body, "model": base_server.server.name}, "/v1/completions", auth)
     capsys.readouterr()
+    steps = []
     with running(f"--out_dir={base}", "--compile=True") as s:
-        assert s.engine.decode == s.engine._decode
+        assert s.engine.buckets is None
+        s.engine.on_step = steps.append
         assert solo(s, {**body, "model": s.server.name}, "/v1/completions") == expected
+    # the eager step: its own rows, over just the keys they need (compiled: a bucket, 64 keys)
+    decoding = [step for step in steps if not step.packed]
+    assert len(decoding) == 19 and all(
+        step.rows == len(step.decoding) + len(step.joining) and step.keys == max(step.positions + step.starts) + 1
+        for step in decoding
+    )
     assert [line for line in capsys.readouterr().err.splitlines() if "compile" in line] == [
         "warning: torch.compile of the decoding step failed (RuntimeError: no working C++ compiler found); "
         "serving without it"
@@ -488,6 +484,14 @@ def user_messages(heldout, n):
     return [c["messages"][-2]["content"] for c in heldout if len(c["messages"]) == 2][:n]
 
 
+def chat_bodies(name, messages):
+    """A greedy chat request for each user message, of 4, 7, 10, ... tokens at most."""
+    return [
+        {"model": name, "messages": [{"role": "user", "content": m}], "temperature": 0, "max_tokens": 4 + 3 * i}
+        for i, m in enumerate(messages)
+    ]
+
+
 def solo(s, body, path="/v1/chat/completions", headers=None):
     """A request served alone: nothing else is in the engine while it runs."""
     assert not s.server.pending
@@ -495,6 +499,12 @@ def solo(s, body, path="/v1/chat/completions", headers=None):
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     return choice["message"]["content"] if "message" in choice else choice["text"]
+
+
+def solo_chat(s, message, max_tokens):
+    """The greedy chat reply to one user message, served alone."""
+    messages = [{"role": "user", "content": message}]
+    return solo(s, {"model": s.server.name, "messages": messages, "temperature": 0, "max_tokens": max_tokens})
 
 
 # ---------------------------------------------------------------------------- the openai client
@@ -554,15 +564,10 @@ def test_openai_client_gets_chat_py_replies(demo, chat_server, chat_process):
             if stream
             else reply.choices[0].message.content
         )
-        assert text == greeting[: greeting.index(stop)] and chunks[-1].choices[0].finish_reason == "stop", (
-            greeting,
-            stop,
-            text,
-        )
-    for seed, message in [
-        (7, "Hi, I'm Zuvaki."),
-        (11, "Repeat after me: sule pova kire"),
-    ]:  # sampled: the seed's generator
+        finish_reason = chunks[-1].choices[0].finish_reason
+        assert text == greeting[: greeting.index(stop)] and finish_reason == "stop", (greeting, stop, text)
+    # sampled: the seed's generator
+    for seed, message in [(7, "Hi, I'm Zuvaki."), (11, "Repeat after me: sule pova kire")]:
         expected = chat_py(out_dir, message, 30, sampling=("--temperature=1.5", "--top_p=0.95", f"--seed={seed}"))
         for c in cs:
             reply = c.chat.completions.create(
@@ -598,24 +603,83 @@ def test_openai_client_gets_sample_py_continuation(base, base_server):
 
 
 @contextlib.contextmanager
-def held(engine, until):
-    """Keep the engine from prefilling until until() is true: the requests sent meanwhile are
-    all queued when it goes on. Yields the row counts of the decoding steps that ran."""
-    step, rows, opened = engine._step, [], []
-
-    def gated_step(new):
-        deadline = time.monotonic() + 30
-        while new and not opened and not until() and time.monotonic() < deadline:
-            time.sleep(0.005)
-        opened.append(True)  # once open, it stays open
-        rows.append(len(engine.active) + len(new))
-        step(new)
-
-    engine._step = gated_step
+def watching(engine, on_step):
+    """The engine's on_step hook is on_step until the block ends."""
+    engine.on_step = on_step
     try:
-        yield rows
+        yield
     finally:
-        engine._step = step
+        engine.on_step = None
+
+
+def held_requests(engine, n):
+    """Wait until the engine holds n requests (submitted and not done): True, or False after 30 s."""
+    with engine.lock:
+        return engine.lock.wait_for(lambda: engine.held >= n, timeout=30)
+
+
+@contextlib.contextmanager
+def held(engine, n, opened=None):
+    """Keep the engine from taking in prompts until it holds n requests (and the event `opened` is
+    set, when given): the requests sent meanwhile are all queued when it goes on. Yields the rows
+    (decoding and joining) of each step that ran."""
+    rows, released = [], threading.Event()
+
+    def gate(step):
+        if step.joining and not released.is_set():
+            if held_requests(engine, n) and opened is not None:
+                opened.wait(30)
+            released.set()  # once open, it stays open
+        rows.append(len(step.decoding) + len(step.joining))
+
+    with watching(engine, gate):
+        yield rows
+
+
+class Watch:
+    """What the server's event loop has got from the model's side and told it, as it comes: the
+    active rows each step's output reports, the requests' ends as (finish_reason, tokens), and the
+    ids of the requests submitted and of the cancellations sent."""
+
+    def __init__(self):
+        self.active, self.ends, self.submits, self.cancels = [], [], [], []
+        self.changed = threading.Condition()
+
+    def wait(self, until):
+        """Wait until until() is true, as what comes changes it: True, or False after 30 s."""
+        with self.changed:
+            return self.changed.wait_for(until, timeout=30)
+
+
+@contextlib.contextmanager
+def watched(server):
+    """Yields a Watch of what the server's event loop gets from the model's side (in a process of
+    its own or on a thread) and tells it, until the block ends."""
+    deliver, tell, seen = server.deliver, server.tell, Watch()
+
+    def watch_deliver(items, stats):
+        deliver(items, stats)
+        with seen.changed:
+            seen.active.append(stats and stats["active"])
+            seen.ends.extend(item[1:3] for _, item in items or () if item[0] == "done")
+            seen.changed.notify_all()
+
+    def watch_tell(kind, *args):
+        told = tell(kind, *args)
+        with seen.changed:
+            (seen.submits if kind == "submit" else seen.cancels).append(args[0])
+            seen.changed.notify_all()
+        return told
+
+    server.deliver, server.tell = watch_deliver, watch_tell
+    if server.process is not None:
+        server.process.deliver = watch_deliver
+    try:
+        yield seen
+    finally:
+        server.deliver, server.tell = deliver, tell
+        if server.process is not None:
+            server.process.deliver = deliver
 
 
 def concurrently(fns):
@@ -635,15 +699,12 @@ def test_sixteen_concurrent_clients_get_their_solo_replies(demo, chat_server):
     the one the request gets when served alone."""
     _, heldout = demo
     name = chat_server.server.name
-    bodies = [
-        {"model": name, "messages": [{"role": "user", "content": m}], "temperature": 0, "max_tokens": 4 + 3 * i}
-        for i, m in enumerate(user_messages(heldout, 16))
-    ]
+    bodies = chat_bodies(name, user_messages(heldout, 16))
     for i in (2, 7, 11):
         bodies[i].update(temperature=0.9, top_p=0.95, seed=100 + i)
     alone = [solo(chat_server, b) for b in bodies]
     c = client(chat_server)
-    with held(chat_server.engine, lambda: chat_server.engine.held == 16) as rows:
+    with held(chat_server.engine, 16) as rows:
         together = concurrently([lambda b=b: c.chat.completions.create(**b).choices[0].message.content for b in bodies])
     assert together == alone
     assert max(rows) == 16 and rows[-1] < 16  # one batch of all sixteen, which shrank as replies ended
@@ -655,12 +716,8 @@ def test_a_request_joining_mid_generation_gets_its_solo_reply(demo, chat_server)
     first decodes, joins the batch at the next step, and both replies are their solo replies."""
     _, heldout = demo
     name = chat_server.server.name
-    long = {
-        "model": name,
-        "prompt": "Hi, I'm Zuvaki.",
-        "temperature": 0,
-        "max_tokens": 80,
-    }  # no stop at <|end|>: a long reply
+    # no stop at <|end|>: a long reply
+    long = {"model": name, "prompt": "Hi, I'm Zuvaki.", "temperature": 0, "max_tokens": 80}
     late = {
         "model": name,
         "messages": [{"role": "user", "content": user_messages(heldout, 1)[0]}],
@@ -668,38 +725,29 @@ def test_a_request_joining_mid_generation_gets_its_solo_reply(demo, chat_server)
         "max_tokens": 30,
     }
     alone = [solo(chat_server, long, "/v1/completions"), solo(chat_server, late)]
-    engine, seen = chat_server.engine, []
-    step = engine._step
+    engine, joins, eighth = chat_server.engine, [], threading.Event()
 
-    def paused_step(new):  # after the long one's 8th token, no step until the late one is queued (or has joined)
-        deadline = time.monotonic() + 30
-        while (
-            engine.active
-            and engine.active[0].generated >= 8
-            and engine.held < 2
-            and len(seen) < 2
-            and time.monotonic() < deadline
-        ):
-            time.sleep(0.005)
-        if new:  # who is decoding when a request joins
-            seen.append([(r.ids == new[0].ids, r.generated, r.finished) for r in engine.active])
-        step(new)
+    def pause(step):
+        if step.joining:  # who joins, and who is decoding then (with how many tokens, finished or not)
+            joins.append((step.joining, [(r, r.generated, r.finished) for r in step.decoding]))
+        if len(joins) == 1 and step.decoding and step.decoding[0].generated >= 8:
+            # after the long one's 8th token, no step until the late one is queued
+            eighth.set()
+            held_requests(engine, 2)
 
-    engine._step = paused_step
-    try:
+    with watching(engine, pause):
         c = client(chat_server)
         stream = c.completions.create(**long, stream=True)
-        deadline = time.monotonic() + 30
-        while not (engine.active and engine.active[0].generated >= 8) and time.monotonic() < deadline:
-            time.sleep(0.005)
+        assert eighth.wait(30)
         late_reply = c.chat.completions.create(**late).choices[0].message.content
         long_reply = "".join(ch.choices[0].text for ch in stream)
-    finally:
-        engine._step = step
     assert [long_reply, late_reply] == alone
-    assert (
-        seen[0] == [] and len(seen[1]) == 1 and seen[1][0][1] >= 8 and seen[1][0][2] is None
-    )  # it joined a running batch
+    (long_request,), decoding = joins[0]
+    (late_request,), decoding_then = joins[1]
+    assert decoding == [] and late_request is not long_request
+    # it joined a running batch: the long one, 8 tokens in or more and not finished
+    ((request, generated, finished),) = decoding_then
+    assert request is long_request and generated >= 8 and finished is None
 
 
 @pytest.mark.slow
@@ -722,7 +770,7 @@ def test_llama3_chat_decoded_together_gets_chat_py_replies(tmp_path):
     with running(f"--out_dir={out_dir}", "--batch_size=4") as s:
         assert s.server.template.format == "llama3"
         c = client(s)
-        with held(s.engine, lambda: s.engine.held == 4) as rows:
+        with held(s.engine, 4) as rows:
             replies = concurrently(
                 [
                     lambda m=m: (
@@ -741,27 +789,6 @@ def test_llama3_chat_decoded_together_gets_chat_py_replies(tmp_path):
 # ---------------------------------------------------------------------------- the model in its own process
 
 
-@contextlib.contextmanager
-def watched(server):
-    """What the server's event loop gets from the model's process and tells it: (the steps'
-    reported active rows, the requests' ends as (finish_reason, tokens), the cancellations sent)."""
-    deliver, tell = server.deliver, server.tell
-    active, ends, cancels = [], [], []
-
-    def watch_deliver(items, stats):
-        active.append(stats and stats["active"])
-        ends.extend(item[1:3] for _, item in items or () if item[0] == "done")
-        deliver(items, stats)
-
-    server.deliver = server.process.deliver = watch_deliver
-    server.tell = lambda kind, *args: (kind == "cancel" and cancels.append(args[0]), tell(kind, *args))[1]
-    try:
-        yield active, ends, cancels
-    finally:
-        server.deliver = server.process.deliver = deliver
-        server.tell = tell
-
-
 @pytest.mark.process
 def test_the_model_in_its_own_process_decodes_together_and_frees_rows(demo, chat_server, chat_process):
     """`serve.py` runs the model in a process of its own (--engine=process, the default): 16
@@ -771,36 +798,28 @@ def test_the_model_in_its_own_process_decodes_together_and_frees_rows(demo, chat
     _, heldout = demo
     s, name = chat_process, chat_process.server.name
     assert s.engine is None and s.server.process.process.is_alive()
-    bodies = [
-        {"model": name, "messages": [{"role": "user", "content": m}], "temperature": 0, "max_tokens": 4 + 3 * i}
-        for i, m in enumerate(user_messages(heldout, 16))
-    ]
+    bodies = chat_bodies(name, user_messages(heldout, 16))
     alone = [solo(chat_server, b) for b in bodies]
     c = client(s)
-    steps = httpx.get(s.url + "/health").json()["steps"]
-    with watched(s.server) as (active, ends, _):
+    steps_before = httpx.get(s.url + "/health").json()["steps"]
+    with watched(s.server) as seen:
         together = concurrently([lambda b=b: c.chat.completions.create(**b).choices[0].message.content for b in bodies])
     assert together == alone
-    tokens = sum(n for _, n in ends)
-    assert len(ends) == 16 and httpx.get(s.url + "/health").json()["steps"] - steps < tokens and max(active) >= 2, (
-        active,
-        ends,
-    )
+    tokens, steps = sum(n for _, n in seen.ends), httpx.get(s.url + "/health").json()["steps"] - steps_before
+    assert len(seen.ends) == 16 and steps < tokens and max(seen.active) >= 2, (seen.active, seen.ends)
     child = s.server.process.process.pid
     body = {"model": name, "prompt": "Hi, I'm Zuvaki.", "max_tokens": 100, "temperature": 0, "stream": True}
-    with watched(s.server) as (_, ends, cancels):
+    with watched(s.server) as seen:
         os.kill(child, signal.SIGSTOP)  # no step runs until the hang-up has been sent
         try:
             with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as r:
                 assert r.status_code == 200
-            deadline = time.monotonic() + 10
-            while not cancels and time.monotonic() < deadline:
-                time.sleep(0.01)
+            assert seen.wait(lambda: seen.cancels)
         finally:
             os.kill(child, signal.SIGCONT)
-        while not ends and time.monotonic() < deadline:
-            time.sleep(0.01)
-    assert len(cancels) == 1 and ends[0][0] == "cancelled" and ends[0][1] < 50, (cancels, ends)
+        assert seen.wait(lambda: seen.ends)
+    ((reason, tokens),) = seen.ends
+    assert len(seen.cancels) == 1 and reason == "cancelled" and tokens < 50, (seen.cancels, seen.ends)
     assert httpx.get(s.url + "/health").json()["active"] == 0
     assert solo(s, bodies[0]) == alone[0]
 
@@ -816,15 +835,14 @@ def test_a_model_process_that_dies_fails_its_requests_and_says_so(base):
         assert post(s, "/v1/completions", body)[0].status_code == 200
         os.kill(child, signal.SIGSTOP)
         results = []
-        thread = threading.Thread(target=lambda: results.append(post(s, "/v1/completions", body)))
-        thread.start()
-        with httpx.stream("POST", s.url + "/v1/completions", json={**body, "stream": True}, timeout=30) as r:
-            deadline = time.monotonic() + 10
-            while len(s.server.pending) < 2 and time.monotonic() < deadline:
-                time.sleep(0.01)
-            os.kill(child, signal.SIGKILL)
-            events = [line for line in r.iter_lines() if line]
-        thread.join(30)
+        with watched(s.server) as seen:
+            thread = threading.Thread(target=lambda: results.append(post(s, "/v1/completions", body)))
+            thread.start()
+            with httpx.stream("POST", s.url + "/v1/completions", json={**body, "stream": True}, timeout=30) as r:
+                assert seen.wait(lambda: len(seen.submits) == 2)
+                os.kill(child, signal.SIGKILL)
+                events = [line for line in r.iter_lines() if line]
+            thread.join(30)
         is_error(results[0][1], 503, results[0][0], "the model's process has stopped (exit code -9); restart serve.py")
         assert events[-1] == "data: [DONE]" and json.loads(events[-2][6:])["error"]["code"] == "engine_stopped"
         for r, payload in [post(s, "/v1/completions", body), (lambda r: (r, r.json()))(httpx.get(s.url + "/health"))]:
@@ -911,19 +929,15 @@ def test_errors_chat(chat_server):
             {"Content-Type": "application/json"} if raw else None,
         )
         assert is_error(payload, status, r, *words)["param"] == param, (body, payload)
-    r, payload = post(
-        s,
-        "/v1/chat/completions",
-        {"model": name, "messages": hi, "temperature": None, "top_p": None, "n": None, "stream": None, "max_tokens": 3},
-    )  # null: OpenAI's default
+    # null: OpenAI's default
+    nulls = {"temperature": None, "top_p": None, "n": None, "stream": None}
+    r, payload = post(s, "/v1/chat/completions", {"model": name, "messages": hi, **nulls, "max_tokens": 3})
     assert r.status_code == 200 and payload["usage"]["completion_tokens"] <= 3
     r, payload = post(
         s, "/v1/chat/completions", {"model": name, "messages": [{"role": "user", "content": "sule " * 200}]}
     )
-    assert (
-        str(len(s.server.template.render([{"role": "user", "content": "sule " * 200}], True)[0]))
-        in payload["error"]["message"]
-    )
+    prompt_tokens = len(s.server.template.render([{"role": "user", "content": "sule " * 200}], True)[0])
+    assert str(prompt_tokens) in payload["error"]["message"]
 
 
 @pytest.mark.slow
@@ -937,9 +951,8 @@ def test_errors_base(base_server):
     assert is_error(payload, 401, r, "Authorization: Bearer")["code"] == "invalid_api_key"
     r, payload = post(s, "/v1/completions", {"model": name, "prompt": "Hi"}, headers={"Authorization": "Bearer nope"})
     is_error(payload, 401, r, "API key")
-    r, payload = post(
-        s, "/v1/completions", {"model": name, "prompt": "x" * 5000}, headers=auth
-    )  # Content-Length past 4096
+    # Content-Length past 4096
+    r, payload = post(s, "/v1/completions", {"model": name, "prompt": "x" * 5000}, headers=auth)
     is_error(payload, 413, r, "limit of 4096")
     chunks = (b'{"model": "%s", "prompt": "' % name.encode(), *[b"x" * 1000] * 5, b'"}')  # no Content-Length: chunked
     r, payload = post(s, "/v1/completions", content=iter(chunks), headers={**auth, "Content-Type": "application/json"})
@@ -1039,11 +1052,8 @@ def test_a_host_header_naming_another_host_gets_421(base, chat_server):
                 headers={"Host": f"{host}:{port}", "Origin": "http://attacker.example"},
                 timeout=30,
             )
-            assert r.status_code == 200 and not any(h.startswith("access-control-") for h in r.headers), (
-                host,
-                path,
-                r.text,
-            )
+            cors = [h for h in r.headers if h.startswith("access-control-")]
+            assert r.status_code == 200 and not cors, (host, path, r.text)
     with running(f"--out_dir={base}", "--host=0.0.0.0", "--allowed_hosts=serve.example, Box.LAN") as s:
         port, body = s.url.rsplit(":", 1)[1], {"model": s.server.name, "prompt": "The", "max_tokens": 3}
         for host, status in [
@@ -1081,8 +1091,8 @@ def test_a_full_server_answers_429_at_once(base, base_server):
     c = client(s, KEY)
     prompts = ["The king", "What is", "Now my lord"]
     expected = [sample_py(base, p, 20) for p in prompts]
-    with held(s.engine, lambda: s.engine.held == 3 and refused):
-        refused = []
+    refused = threading.Event()
+    with held(s.engine, 3, opened=refused):
         calls = [
             lambda p=p: c.completions.create(model=name, prompt=p, temperature=0, max_tokens=20).choices[0].text
             for p in prompts
@@ -1090,8 +1100,7 @@ def test_a_full_server_answers_429_at_once(base, base_server):
         results = [None]
         thread = threading.Thread(target=lambda: results.__setitem__(0, concurrently(calls)))
         thread.start()
-        while s.engine.held < 3:
-            time.sleep(0.005)
+        assert held_requests(s.engine, 3)
         t0 = time.monotonic()
         r, payload = post(
             s,
@@ -1100,7 +1109,7 @@ def test_a_full_server_answers_429_at_once(base, base_server):
             headers={"Authorization": f"Bearer {KEY}"},
         )
         waited = time.monotonic() - t0
-        refused.append(r)
+        refused.set()
         thread.join(60)
     assert is_error(payload, 429, r, "full")["code"] == "server_busy" and r.headers["Retry-After"] == "1"
     assert waited < 5  # answered while the others were still held, not after them
@@ -1110,42 +1119,30 @@ def test_a_full_server_answers_429_at_once(base, base_server):
 @pytest.mark.slow
 def test_a_client_that_hangs_up_frees_its_row_at_once(demo, chat_server):
     """A stream dropped after three chunks: its row is freed before the next step (cancelled, far
-    from its 100 tokens), and the server answers the next request as before."""
+    from its 100 tokens: the engine waits for the hang-up after 20), and the server answers the
+    next request as before."""
     out_dir, _ = demo
-    s, engine, ends = chat_server, chat_server.engine, []
-    step, finish = engine._step, engine._finish
-    engine._step = lambda new: (time.sleep(0.02), step(new))[1]  # slow enough that the reply could not finish meanwhile
-    engine._finish = lambda request, reason: (ends.append((reason, request.generated)), finish(request, reason))[1]
-    try:
-        body = {
-            "model": s.server.name,
-            "prompt": "Hi, I'm Zuvaki.",
-            "max_tokens": 100,
-            "temperature": 0,
-            "stream": True,
-        }
-        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as r:
-            lines = r.iter_lines()
-            assert [next(lines) for _ in range(6)][::2] and s.engine.stats()[
-                "active"
-            ] == 1  # three events and their blank lines
-        deadline = time.monotonic() + 5
-        while engine.stats()["active"] and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert httpx.get(s.url + "/health").json()["active"] == 0
-    finally:
-        engine._step, engine._finish = step, finish
-    assert ends and ends[0][0] == "cancelled" and ends[0][1] < 50, ends
+    s, engine = chat_server, chat_server.engine
+    body = {"model": s.server.name, "prompt": "Hi, I'm Zuvaki.", "max_tokens": 100, "temperature": 0, "stream": True}
+    with watched(s.server) as seen:
+
+        def pause(step):  # after 20 tokens, no step until the hang-up is told: the reply cannot finish meanwhile
+            if step.decoding and step.decoding[0].generated == 20:
+                seen.wait(lambda: seen.cancels)
+
+        with watching(engine, pause):
+            with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as r:
+                lines = r.iter_lines()
+                # three events and their blank lines
+                events = [next(lines) for _ in range(6)][::2]
+                assert all(event.startswith("data: ") for event in events) and engine.stats()["active"] == 1
+            assert seen.wait(lambda: seen.ends)
+    assert httpx.get(s.url + "/health").json()["active"] == 0
+    # freed at the step after the hang-up at the latest
+    ((reason, tokens),) = seen.ends
+    assert reason == "cancelled" and tokens <= 21 and len(seen.cancels) == 1, seen.ends
     message = "Repeat after me: sule pova"
-    assert solo(
-        s,
-        {
-            "model": s.server.name,
-            "messages": [{"role": "user", "content": message}],
-            "temperature": 0,
-            "max_tokens": 20,
-        },
-    ) == chat_py(out_dir, message, 20)
+    assert solo_chat(s, message, 20) == chat_py(out_dir, message, 20)
 
 
 @pytest.mark.process
@@ -1212,12 +1209,4 @@ def test_schemathesis_finds_no_server_error(demo, chat_server):
     assert 200 in statuses and 400 in statuses and s.engine.held == 0
     out_dir, heldout = demo
     message = user_messages(heldout, 1)[0]
-    assert solo(
-        s,
-        {
-            "model": s.server.name,
-            "messages": [{"role": "user", "content": message}],
-            "temperature": 0,
-            "max_tokens": 30,
-        },
-    ) == chat_py(out_dir, message, 30)
+    assert solo_chat(s, message, 30) == chat_py(out_dir, message, 30)

@@ -20,7 +20,7 @@ import threading
 import httpx
 import pytest
 from conftest import load_script
-from test_serve import demo, running  # noqa: F401 (demo is a fixture: the same model serve's tests train)
+from test_serve import demo, running, watching  # noqa: F401 (demo is a fixture: the same model serve's tests train)
 
 pytestmark = pytest.mark.slow  # a browser, and the chat demo model trained once per run
 page_tools = load_script("scripts/chat_screenshot.py")  # open_browser, set_field, type_message
@@ -104,21 +104,19 @@ def engine_held(engine, after_steps):
     """The engine stops before its decoding step number `after_steps` (the reply has that many
     tokens: one from the prompt's pass, one per step before) until the block ends; yields an
     Event set once it has stopped there."""
-    step, count, reached, release = engine._step, [0], threading.Event(), threading.Event()
+    count, reached, release = [0], threading.Event(), threading.Event()
 
-    def held(new):
-        count[0] += bool(engine.active)  # a decoding step (a pass of prompts alone is not one)
-        if count[0] == after_steps and engine.active:
+    def hold(step):
+        count[0] += bool(step.decoding)  # a decoding step (a pass of prompts alone is not one)
+        if count[0] == after_steps and step.decoding:
             reached.set()
             release.wait(60)
-        return step(new)
 
-    engine._step = held
-    try:
-        yield reached
-    finally:
-        release.set()
-        engine._step = step
+    with watching(engine, hold):
+        try:
+            yield reached
+        finally:
+            release.set()
 
 
 # ---------------------------------------------------------------------------- the tests
@@ -153,12 +151,8 @@ def test_a_conversation_streams_and_matches_the_api(browser, served):
     ]
     expected_second, _ = api_reply(served, two_turns)
     assert page_tools.type_message(browser, second) == expected_second
-    assert log(browser) == [
-        ("user", first),
-        ("assistant", expected_first),
-        ("user", second),
-        ("assistant", expected_second),
-    ]
+    both_turns = [("user", first), ("assistant", expected_first), ("user", second), ("assistant", expected_second)]
+    assert log(browser) == both_turns
 
     browser.find_element(By.ID, "new-chat").click()
     assert log(browser) == [] and browser.find_element(By.ID, "input").get_attribute("value") == ""
