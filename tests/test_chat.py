@@ -5,15 +5,13 @@ past its context; and hf.py's export, where transformers' apply_chat_template gi
 feeds the model and its greedy generate() the reply chat.py prints, for a GPT-2 with a trained
 tokenizer, a GPT-2 with GPT-2's BPE, and a Llama with Llama 3's template."""
 
-import dataclasses
 import io
 import json
-import math
 import sys
 
 import pytest
 import torch
-from conftest import REPO, chat_demo_copy, load_script, run_script, train_tiny_run
+from conftest import REPO, chat_demo_copy, load_script, run_script, save_checkpoint, train_tiny_run
 from test_chat_template import make_llama3_tokenizer
 
 from configurator import TrainConfig, parse
@@ -240,19 +238,7 @@ def test_configs_parse():
 def save_chat_checkpoint(out_dir, model, spec):
     """A checkpoint as train.py writes it for chat data (its tokenizer description records the template)."""
     template = Template(spec)
-    out_dir.mkdir()
-    torch.save(
-        {
-            "model": model.state_dict(),
-            "model_args": dataclasses.asdict(model.config),
-            "config": {},
-            "iter_num": 0,
-            "best_val_loss": math.nan,
-            "tokenizer": {**spec, "vocab_size": template.vocab_size, "chat": template.meta()},
-        },
-        out_dir / "ckpt.pt",
-    )
-    return out_dir
+    return save_checkpoint(out_dir, model, {**spec, "vocab_size": template.vocab_size, "chat": template.meta()})
 
 
 CONVERSATIONS = [

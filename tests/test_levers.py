@@ -13,7 +13,19 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ATEN_BACKEND, char_dataset, needs, read_metrics, run_script, tiny_args
+from conftest import (
+    ATEN_BACKEND,
+    TORCHRUN_ARGS,
+    char_dataset,
+    losses,
+    needs,
+    run_script,
+    save_checkpoint,
+    succeeded,
+    tiny_args,
+    torchrun,
+    untimed,
+)
 from torch._dynamo.utils import counters
 from torch.overrides import TorchFunctionMode
 
@@ -452,10 +464,7 @@ def test_resume_with_every_lever_is_exact(char_data, tmp_path):
     train("straight")
     train("split", max_iters=4)
     assert "resuming at iter 4" in train("split", init_from="resume").stdout
-    untimed = lambda out: [
-        {k: v for k, v in r.items() if k not in ("dt_ms", "tokens_per_s", "mfu")} for r in read_metrics(tmp_path / out)
-    ]
-    assert untimed("split") == untimed("straight")
+    assert untimed(tmp_path / "split") == untimed(tmp_path / "straight")
     a, b = (checkpoint.load(str(tmp_path / out / "ckpt.pt")) for out in ("straight", "split"))
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert all(a["model_args"][k] == v for k, v in LEVER_FLAGS.items())
@@ -471,14 +480,10 @@ def test_resume_with_every_lever_is_exact(char_data, tmp_path):
 
 @pytest.mark.process
 def test_ddp_on_two_gloo_ranks_keeps_the_replicas_equal(tmp_path):
-    from test_dist import losses, torchrun
-
-    char_dataset(tmp_path / "chars")
+    data = char_dataset(tmp_path / "chars")
     flags = [f"--{k}={v}" for k, v in LEVER_FLAGS.items() if k != "n_layer"]
-    code, stderr, ranks = torchrun(
-        tmp_path, tmp_path / "chars", "levers", [*flags, "--max_iters=4", "--eval_interval=4"]
-    )
-    assert code == 0, stderr[-3000:] + "".join(r["stderr"][-3000:] for r in ranks)
+    args = [*TORCHRUN_ARGS, "--eval_iters=2", f"--dataset={data}", f"--out_dir={tmp_path / 'levers'}", *flags]
+    succeeded(torchrun(tmp_path, "levers", [*args, "--max_iters=4", "--eval_interval=4"], {"record": True}))
     w0, w1 = (torch.load(tmp_path / "levers" / f"rank{r}.weights.pt", weights_only=True) for r in range(2))
     assert any(k.startswith("transformer.ve.") for k in w0) and "skip_weights" in w0
     assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
@@ -489,19 +494,7 @@ def test_ddp_on_two_gloo_ranks_keeps_the_replicas_equal(tmp_path):
 def saved(out_dir, **options):
     """A checkpoint of a GPT-2-shaped model with `options`, as train.py writes one, for hf.py."""
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=50257, **options))
-    out_dir.mkdir()
-    torch.save(
-        {
-            "model": model.state_dict(),
-            "model_args": dataclasses.asdict(model.config),
-            "config": {},
-            "iter_num": 0,
-            "best_val_loss": math.nan,
-            "tokenizer": tokenizer.make_spec("gpt2"),
-        },
-        out_dir / "ckpt.pt",
-    )
-    return out_dir, model
+    return save_checkpoint(out_dir, model, tokenizer.make_spec("gpt2")), model
 
 
 @pytest.mark.parametrize(

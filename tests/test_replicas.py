@@ -17,7 +17,7 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import REPO, char_dataset, needs, read_metrics, run_python, start_python, tiny_args
+from conftest import REPO, char_dataset, needs, read_metrics, run_python, start_python, tiny_args, wait_for
 
 from gpt import checkpoint
 from model import GPT, GPTConfig
@@ -65,9 +65,7 @@ class Lighthouse:
 def start(args, log):
     """A process whose output goes to the file `log` (torchft's Rust side logs every quorum: a pipe
     nobody reads while it runs would fill and stop it)."""
-    proc = start_python(args, log, env={"OMP_NUM_THREADS": "1"})
-    proc.log = log
-    return proc
+    return start_python(args, log, env={"OMP_NUM_THREADS": "1"})
 
 
 def finish(proc, timeout=120, expect=0):
@@ -264,7 +262,7 @@ def kill_and_heal(data, tmp_path, sync_every):
             for g, name in ((0, "survivor"), (1, "victim"))
         ]
         survivor, victim = procs
-        until = lambda done, *alive: wait_for(done, deadline, *alive)
+        until = lambda done, *alive: wait_for(done, *alive, timeout=deadline - time.monotonic())
         # both in a step's all-reduce (with DiLoCo: past two syncs of both)
         until(
             lambda: any(
@@ -366,21 +364,13 @@ def test_a_lighthouse_that_dies_stops_the_group_in_one_line(data, tmp_path):
             lr_decay_iters=100,
             dist_timeout_s=3,
         )
-        wait_for(lambda: len(steps_or_empty(tmp_path / "ft" / "group0")) > 2, time.monotonic() + 120, proc)
+        wait_for(lambda: len(steps_or_empty(tmp_path / "ft" / "group0")) > 2, proc, timeout=120)
     finally:
         lighthouse.shutdown()
     output = finish(proc, expect=2)
     last = output.strip().splitlines()[-1]
     assert "Traceback" not in output and last.startswith("error: no quorum from the torchft lighthouse at "), last
     assert "within dist_timeout_s=3: is it running" in last
-
-
-def wait_for(done, deadline, *procs):
-    """Until done(), while every process in procs runs, or fail at the deadline with their logs' tails."""
-    while not done():
-        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-            pytest.fail("\n".join(open(p.log).read()[-2000:] for p in procs))
-        time.sleep(0.05)
 
 
 def steps_or_empty(out_dir):
