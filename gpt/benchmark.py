@@ -57,9 +57,8 @@ def bench_data(cfg):
     data_dir = os.path.join("data", cfg.dataset)
     vocab_size = tokenizer.vocab_size(tokenizer.describe(data_dir)) or 50304
     if cfg.data == "real":
-        data = load_split(
-            data_dir, "train", cfg.data_mode, share=int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        )  # a copy per local rank
+        # a copy per local rank
+        data = load_split(data_dir, "train", cfg.data_mode, share=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
         data.check_vocab(vocab_size)
         return data, vocab_size
     if cfg.data != "synthetic":

@@ -56,9 +56,8 @@ def activation_bytes(model, cfg, rt):
 
     was = model.activation_checkpointing
     try:
-        per_row, fixed = saved(
-            False
-        )  # checkpointing frees some weight copies until backward: fixed is an upper bound then
+        # checkpointing frees some weight copies until backward: fixed is an upper bound then
+        per_row, fixed = saved(False)
         if cfg.activation_checkpointing:
             kept, _ = saved(True)
             per_row = kept + (per_row - kept) // model.config.n_layer
@@ -91,9 +90,8 @@ def auto_batch_size(model, cfg, rt, safety=0.85):
         )
     per_row, step_fixed = activation_bytes(model, cfg, rt)
     n_params = sum(p.numel() for p in model.parameters())
-    fixed = (
-        4 * n_params + gradient_bytes(model) + 8 * n_params + step_fixed
-    )  # fp32 weights, grads, Adam m and v; autocast copies
+    # fp32 weights, grads, Adam m and v; autocast copies
+    fixed = 4 * n_params + gradient_bytes(model) + 8 * n_params + step_fixed
     rows_per_rank = cfg.total_batch_size // cfg.block_size // rt.world_size
     fits = int((safety * budget - fixed) // per_row)
     candidates = [b for b in range(min(fits, rows_per_rank), 0, -1) if rows_per_rank % b == 0]

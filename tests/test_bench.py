@@ -421,9 +421,8 @@ SUITE_COMMANDS = ("env,attention,smoke", "sweep", "llama", "baby")
 def test_every_suite_part_fits_8_minutes_on_an_h100_and_every_documented_command_10():
     """Printed with pytest -s: each part's estimate and each command's."""
     cuda = runtime.Runtime("cuda:0", "cuda", torch.bfloat16)
-    plan = battery.suite_plan(
-        battery.BatteryConfig(), battery.suite_scale(cuda)
-    )  # the defaults: python scripts/gpu_battery.py
+    # the defaults: python scripts/gpu_battery.py
+    plan = battery.suite_plan(battery.BatteryConfig(), battery.suite_scale(cuda))
     assert list(plan) == list(battery.SUITE)
     assert sorted(",".join(SUITE_COMMANDS).split(",")) == sorted(battery.SUITE)  # every part, once
     llama = plan["llama"][0]

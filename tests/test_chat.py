@@ -136,9 +136,8 @@ def test_repl_clear_blank_lines_and_exit(demo):
     lines = "My name is Zuvaki.\n\nWhat is my name?\n/clera\n/clear\nWhat is my name?\n/exit\nRepeat after me: never asked\n"
     result = chat(out_dir, "--temperature=0", stdin=lines)
     replies = result.stdout.split("\n")
-    assert (
-        len(replies) == 4 and replies[-1] == ""
-    )  # three replies: the blank line, /clera and what follows /exit ask nothing
+    # three replies: the blank line, /clera and what follows /exit ask nothing
+    assert len(replies) == 4 and replies[-1] == ""
     fresh = chat(out_dir, "--temperature=0", "--prompt=What is my name?").stdout
     assert replies[0] == "Nice to meet you, Zuvaki!" and replies[2] + "\n" == fresh != replies[1] + "\n"
     assert "cleared" in result.stderr and "unknown command /clera" in result.stderr
@@ -192,9 +191,8 @@ def test_the_conversation_past_its_context(demo, capsys):
         torch.testing.assert_close(
             conv.cache.k[:, :, :, : fresh.length], fresh.k[:, :, :, : fresh.length], rtol=1e-5, atol=1e-6
         )
-        assert (
-            len(ids) - 2 <= conv.cache.length < len(ids)
-        )  # not the last token generated, nor an end token added to a cut reply
+        # not the last token generated, nor an end token added to a cut reply
+        assert len(ids) - 2 <= conv.cache.length < len(ids)
         notes += capsys.readouterr().err.count("dropped the")
     assert notes >= 2 and len(conv.exchanges) < 6
 

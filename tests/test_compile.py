@@ -43,9 +43,8 @@ def fresh_dynamo():
 
 
 def test_training_with_evals_compiles_two_graphs_and_never_recompiles(monkeypatch):
-    monkeypatch.setattr(
-        torch, "compile", functools.partial(torch.compile, backend=ATEN_BACKEND)
-    )  # wrap.build's compile
+    # wrap.build's compile
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=ATEN_BACKEND))
     cfg = TrainConfig(
         device="cpu",
         compile=True,

@@ -118,9 +118,8 @@ def test_keep_last_rotates_and_resume_takes_the_newest_complete(char_data, tmp_p
     ]
     assert os.path.samefile(out / "ckpt.pt", out / "ckpt_0000040.pt")  # a link, not a second copy
     vals = {r["iter"]: r["val_loss"] for r in read_metrics(out) if "val_loss" in r and r["iter"] > 0}
-    assert checkpoint.load(str(out / "ckpt_best.pt"))["iter_num"] == min(
-        vals, key=vals.get
-    )  # kept apart from the rotation
+    best = min(vals, key=vals.get)
+    assert checkpoint.load(str(out / "ckpt_best.pt"))["iter_num"] == best  # kept apart from the rotation
 
     # the newest files are damaged (a copy cut short): resume falls back to the newest one that loads whole
     (out / "ckpt.pt").unlink()

@@ -162,9 +162,8 @@ def test_value_embedding_attention_adds_the_gated_embedding_to_v():
     q, k, v = (x @ attn.c_attn.weight.T + attn.c_attn.bias).split([C, 2 * hs, 2 * hs], dim=-1)
     heads = lambda t, n: t.reshape(B, T, n, hs).transpose(1, 2)
     v = heads(v, 2) + attn.ve_gate[None, :, None, None] * heads(ve, 2)  # each k/v head its own gate
-    y = causal_attention(
-        heads(q, 4), *(t.repeat_interleave(2, dim=1) for t in (heads(k, 2), v))
-    )  # 2 q heads a k/v head
+    # 2 q heads a k/v head
+    y = causal_attention(heads(q, 4), *(t.repeat_interleave(2, dim=1) for t in (heads(k, 2), v)))
     expected = y.transpose(1, 2).reshape(B, T, C) @ attn.c_proj.weight.T + attn.c_proj.bias
     torch.testing.assert_close(attn(x, ve=ve), expected)
 
@@ -217,9 +216,8 @@ def test_zero_init_proj_starts_projections_at_zero_and_they_still_learn():
     projections = {n: p for n, p in model.named_parameters() if ".c_proj." in n}
     assert len(projections) == 4 * 2 * 2  # attention's and the MLP's, weight and bias, in every block
     assert all(torch.equal(p, torch.zeros_like(p)) for p in projections.values())
-    assert (
-        model.lm_head.weight.std() > 0.01
-    )  # the head keeps its init: a zero head would give no gradient to anything below it
+    # the head keeps its init: a zero head would give no gradient to anything below it
+    assert model.lm_head.weight.std() > 0.01
     idx = tokens()
     _, loss = model(idx, idx)
     loss.backward()
@@ -318,9 +316,8 @@ def test_optimizer_groups_param_counts_and_flops():
     groups = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu").param_groups
     decayed, plain = ({id(p) for p in g["params"]} for g in groups)
     assert all(id(named[n]) in decayed for n in extra if n.startswith("transformer.ve."))  # embeddings decay, as wte
-    assert all(
-        id(named[n]) in plain for n in extra if not n.startswith("transformer.ve.")
-    )  # gates and skip weights do not
+    # gates and skip weights do not
+    assert all(id(named[n]) in plain for n in extra if not n.startswith("transformer.ve."))
     # the value embedding tables are lookups: no matmul FLOPs; relu2 has GELU's matmuls
     tables = sum(p.numel() for n, p in named.items() if n.startswith("transformer.ve."))
     gates = sum(p.numel() for n, p in named.items() if "ve_gate" in n or "skip" in n)
@@ -406,9 +403,8 @@ def test_cached_decoding_with_every_lever_is_one_graph():
 def test_all_levers_compile_to_one_graph_that_never_recompiles(monkeypatch):
     torch._dynamo.reset()
     counters.clear()
-    monkeypatch.setattr(
-        torch, "compile", functools.partial(torch.compile, backend=ATEN_BACKEND)
-    )  # wrap.build's compile
+    # wrap.build's compile
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=ATEN_BACKEND))
     cfg = TrainConfig(
         device="cpu",
         compile=True,
@@ -504,10 +500,8 @@ def saved(out_dir, **options):
         (dict(logit_softcap=30.0), "logit_softcap=30.0"),
         (dict(value_embeds=True), "value_embeds=True"),
         (dict(unet_skips=True), "unet_skips=True"),
-        (
-            dict(pos_encoding="rope", norm="rmsnorm", mlp="swiglu", bias=False, unet_skips=True),
-            "unet_skips=True",
-        ),  # a Llama but for it
+        # a Llama but for it
+        (dict(pos_encoding="rope", norm="rmsnorm", mlp="swiglu", bias=False, unet_skips=True), "unet_skips=True"),
     ],
 )
 @pytest.mark.parametrize("format", ["hf", "gguf"])

@@ -329,9 +329,8 @@ def test_a_killed_group_restarts_and_heals_to_the_survivors_weights(killed, sync
     ckpts = lambda g: {int(p.stem[5:]) for p in (out / f"group{g}").glob("ckpt_[0-9]*.pt")}
     alone = [i for i, r in steps(out / "group0").items() if i > killed_at and r["groups"] == 1]
     assert alone, "the survivor did not step on alone"
-    assert (
-        "healing is required" in open(restarted_log).read()
-    )  # torchft's log: the restarted group took the survivor's state
+    # torchft's log: the restarted group took the survivor's state
+    assert "healing is required" in open(restarted_log).read()
     its = sorted(r["iter"] for r in read_metrics(out / "group1") if "loss" in r and r["iter"] > min(alone))
     assert its and its[0] > max(alone) - 16, its[:5]  # it went on from the survivor's step, not from its own
     shared = min(n for n in (ckpts(1) - before) & ckpts(0) if n > killed_at)
