@@ -292,10 +292,10 @@ def test_two_ranks_in_fp8_train_like_one_process(tmp_path, parallelism):
 
 
 def test_fp8_bench_runs_both_parts_at_its_cpu_shapes(tmp_path):
-    """scripts/fp8_bench.py, the GPU's FP8 measurement (docs/fp8.md), at its CPU shapes with fp8='emulate':
+    """dev/fp8_bench.py, the GPU's FP8 measurement (docs/fp8.md), at its CPU shapes with fp8='emulate':
     both sides of each part ran, and the loss curves start from the same init and part as fp8 rounds."""
     result = run_script(
-        "scripts/fp8_bench.py", "--device=cpu", f"--out_dir={tmp_path}", "--bench_iters=1", "--bench_warmup=1"
+        "dev/fp8_bench.py", "--device=cpu", f"--out_dir={tmp_path}", "--bench_iters=1", "--bench_warmup=1"
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())

@@ -4,13 +4,13 @@ the same shapes; part loss trains the 1B from the same init on the same learnabl
 steps each way and puts the two loss curves side by side. report.md and report.json go to
 out_dir, rewritten after each part. A developer's tool: nothing imports it.
 
-    python scripts/fp8_bench.py --parts=speed --bench_iters=5 --bench_warmup=1 --out_dir=fp8                 # ~6 min on an H100
-    python scripts/fp8_bench.py --parts=loss --out_dir=fp8/loss                                              # ~6 min
-    python scripts/fp8_bench.py --parts=speed --bench_iters=5 --bench_warmup=1 --fp8_skip= --out_dir=fp8/lm_head   # lm_head too
+    python dev/fp8_bench.py --parts=speed --bench_iters=5 --bench_warmup=1 --out_dir=fp8                 # ~6 min on an H100
+    python dev/fp8_bench.py --parts=loss --out_dir=fp8/loss                                              # ~6 min
+    python dev/fp8_bench.py --parts=speed --bench_iters=5 --bench_warmup=1 --fp8_skip= --out_dir=fp8/lm_head   # lm_head too
 
 (the estimates as tests/test_bench.py makes them for the battery: 40% MFU, 90 s to compile the 1B,
 60 s GPT-2). The goal: 1.15x the tokens/s of the 1B, with the loss at the last step within 1%.
-Every bench.py key works here too (`python scripts/fp8_bench.py --help`); fp8_skip applies to the
+Every bench.py key works here too (`python dev/fp8_bench.py --help`); fp8_skip applies to the
 fp8 side. On a GPU without FP8 units it stops with fp8's one-line refusal; on a CPU the same parts
 run at tiny shapes with fp8='emulate' in seconds.
 """
@@ -201,7 +201,7 @@ def main(argv=None):
         report["torchao"] = importlib.metadata.version("torchao")
         os.makedirs(cfg.out_dir, exist_ok=True)
         sections = [
-            f"# scripts/fp8_bench.py: {report['device']}, torch {torch.__version__}, torchao {report['torchao']}\n"
+            f"# dev/fp8_bench.py: {report['device']}, torch {torch.__version__}, torchao {report['torchao']}\n"
         ]
         for part in report["parts"]:
             start = time.perf_counter()

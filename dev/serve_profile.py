@@ -2,11 +2,11 @@
 (inference.Engine._step), a prompt's prefill and then decoding steps of --rows rows, each op's time
 put under one heading, and what is left of the step's wall time (Python, dispatch, waits).
 
-    python scripts/serve_profile.py --out_dir=out-gpt2-124m-random --rows=1,16
-    python scripts/serve_profile.py --out_dir=out-gpt2-124m-random --rows=1,16 --compile   # serve.py --compile, kernels called from Python
-    python scripts/serve_profile.py --out_dir=out-gpt2-124m-random --dtype=bfloat16 --compile
-    python scripts/serve_profile.py --out_dir=out-gpt2-124m-random --threads=1 --trace=step.json   # for Perfetto
-    python scripts/serve_profile.py --out_dir=out-gpt2-124m-random --baseline=../before            # another checkout's
+    python dev/serve_profile.py --out_dir=out-gpt2-124m-random --rows=1,16
+    python dev/serve_profile.py --out_dir=out-gpt2-124m-random --rows=1,16 --compile   # serve.py --compile, kernels called from Python
+    python dev/serve_profile.py --out_dir=out-gpt2-124m-random --dtype=bfloat16 --compile
+    python dev/serve_profile.py --out_dir=out-gpt2-124m-random --threads=1 --trace=step.json   # for Perfetto
+    python dev/serve_profile.py --out_dir=out-gpt2-124m-random --baseline=../before            # another checkout's
 
 The rows are filled first, each with a prompt of --prompt tokens, then --steps decoding steps are
 profiled (after --warmup unprofiled ones). Headings, by op name (a compiled step's fused kernels are
