@@ -361,7 +361,7 @@ class GPT(nn.Module):
     def set_attention(self, name):
         """Run every layer's attention with one SDPA kernel ('flash', 'cudnn', 'efficient', 'math'),
         or let PyTorch choose ('auto'). A kernel that cannot take the inputs fails in forward
-        (gpt/wrap.py's attention_error() checks first)."""
+        (gpt/training_setup.py's attention_error() checks first)."""
         assert name == "auto" or name in SDPA_BACKENDS, name
         for block in self.transformer.h:
             block.attn.attention = name

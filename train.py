@@ -11,7 +11,7 @@
 The story of a run: main() reads the config, sets up the device and claims the out_dir; train()
 loads the data (load_data), builds the Run (the model, what trains it, the batches, where it is,
 the writers) and runs the loop, which evaluates and saves (evaluate_and_save), steps, and logs
-(log_step). The pieces live in the library: batches, step, optim, wrap, memory, checkpoint,
+(log_step). The pieces live in the library: batches, step, optim, training_setup, memory, checkpoint,
 saver, metrics, runtime. Replica groups (torchft) are one object, gpt/replicas.py's, that does
 nothing in a run without them; eval_async starts the watcher (gpt/watch.py, eval.py --watch) as
 a child process beside the run.
@@ -29,7 +29,7 @@ from gpt.core_eval import evaluate_core, load_tasks
 from gpt.memory import settle_batch_size
 from gpt.saver import Checkpointer
 from gpt.step import BadSteps, eval_group, evaluate, train_step
-from gpt.wrap import build, make_model_args, uses_fsdp
+from gpt.training_setup import build, make_model_args, uses_fsdp
 from model import GPT, GPTConfig
 
 EXIT_STOPPED = 75  # stopped early (SIGTERM, SIGINT, max_minutes) with a checkpoint: resume to go on

@@ -34,7 +34,7 @@ from gpt.batches import TrainBatches
 from gpt.benchmark import device_name, format_mfu, learnable, measure_or_oom, synthetic
 from gpt.optim import get_lr
 from gpt.step import train_step
-from gpt.wrap import build, make_model_args
+from gpt.training_setup import build, make_model_args
 from model import GPT, GPTConfig
 
 PARTS = ("speed", "loss")
@@ -200,9 +200,7 @@ def main(argv=None):
         report = {"device": device_name(rt), "torch": torch.__version__, "parts": cfg.parts.split(","), "speed": []}
         report["torchao"] = importlib.metadata.version("torchao")
         os.makedirs(cfg.out_dir, exist_ok=True)
-        sections = [
-            f"# dev/fp8_bench.py: {report['device']}, torch {torch.__version__}, torchao {report['torchao']}\n"
-        ]
+        sections = [f"# dev/fp8_bench.py: {report['device']}, torch {torch.__version__}, torchao {report['torchao']}\n"]
         for part in report["parts"]:
             start = time.perf_counter()
             sections.append({"speed": part_speed, "loss": part_loss}[part](cfg, rt, shape, report))

@@ -16,7 +16,7 @@ from gpt import runtime, tokenizer, tokens
 from gpt.batches import end_of_text, for_training, load_split
 from gpt.memory import settle_batch_size
 from gpt.step import train_step
-from gpt.wrap import build, make_model_args
+from gpt.training_setup import build, make_model_args
 from model import GPT, GPTConfig
 
 

@@ -25,7 +25,7 @@ from configurator import TrainConfig
 from gpt import inference, runtime
 from gpt.batches import TrainBatches, eval_offsets
 from gpt.step import eval_group, evaluate, train_step
-from gpt.wrap import build
+from gpt.training_setup import build
 from model import GPT, GPTConfig
 
 CPU = runtime.Runtime("cpu", "cpu", torch.float32)
@@ -43,7 +43,7 @@ def fresh_dynamo():
 
 
 def test_training_with_evals_compiles_two_graphs_and_never_recompiles(monkeypatch):
-    # wrap.build's compile
+    # training_setup.build's compile
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=ATEN_BACKEND))
     cfg = TrainConfig(
         device="cpu",

@@ -193,7 +193,7 @@ def trace_on_fake_cuda():
     from gpt import inference
     from gpt.batches import ChatBatches, ChatData, TrainBatches, chat_eval_offsets, eval_offsets, get_batch
     from gpt.step import evaluate, train_step
-    from gpt.wrap import build, make_model_args
+    from gpt.training_setup import build, make_model_args
     from model import GPT, GPTConfig
 
     mode = FakeTensorMode()  # no real tensor may enter an operation uncaught
@@ -317,7 +317,7 @@ def test_auto_batch_size_budgets_the_gpus_memory(monkeypatch):
 
     from configurator import TrainConfig
     from gpt.memory import auto_batch_size
-    from gpt.wrap import make_model_args
+    from gpt.training_setup import make_model_args
     from model import GPT, GPTConfig
 
     asked = []
@@ -366,16 +366,16 @@ def test_the_stop_flag_of_gpu_ranks_travels_over_gloo(monkeypatch):
 
 def test_ddp_on_gpus_holds_the_gpu_of_the_local_rank(monkeypatch):
     from configurator import TrainConfig
-    from gpt import wrap
+    from gpt import training_setup
     from model import GPT, GPTConfig
 
     wrapped = []
     monkeypatch.setattr(
-        wrap, "DDP", lambda model, device_ids, **options: wrapped.append((device_ids, options)) or model
+        training_setup, "DDP", lambda model, device_ids, **options: wrapped.append((device_ids, options)) or model
     )
     cfg = TrainConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, dropout=0.0, compile=False, parallelism="ddp")
     rt = runtime.Runtime("cpu", "cuda", torch.float32, rank=1, local_rank=1, world_size=2)  # weights stay on the CPU
-    wrap.build(GPT(GPTConfig(**wrap.make_model_args(cfg, 65))), cfg, rt)
+    training_setup.build(GPT(GPTConfig(**training_setup.make_model_args(cfg, 65))), cfg, rt)
     assert wrapped == [([1], {"gradient_as_bucket_view": True})]
 
 

@@ -35,7 +35,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from configurator import TrainConfig
 from gpt import memory, runtime, step
 from gpt.batches import TrainBatches, eval_offsets
-from gpt.wrap import build
+from gpt.training_setup import build
 from model import GPT, GPTConfig
 
 pytestmark = pytest.mark.skipif(
@@ -223,7 +223,7 @@ def test_every_rank_evaluates_one_shape_and_each_window_counts_once(monkeypatch,
 
 def ddp_gradient_bytes():
     """(bytes held by gradients and buckets at each measure, the raw model, its parameters, a weak
-    reference to the DDP model) of three steps of the DDP train_model that wrap.build makes, in the
+    reference to the DDP model) of three steps of the DDP train_model that training_setup.build makes, in the
     process group already made. Nothing else refers to the DDP model when this returns."""
     # a one-process group: DDP builds its reducer and buckets as with more ranks. The Runtime
     # says two ranks so that build wraps the model in DDP
@@ -263,7 +263,7 @@ def ddp_gradient_bytes():
 
 
 def test_ddp_holds_one_set_of_gradients_its_buckets(tmp_path):
-    """The DDP train_model that wrap.build makes keeps gradients as views into its all-reduce
+    """The DDP train_model that training_setup.build makes keeps gradients as views into its all-reduce
     buckets through every micro-step (no_sync ones too) and from step to step: the bytes held by
     the gradients and the buckets together are memory.gradient_bytes, one float32 per parameter."""
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)

@@ -23,7 +23,7 @@ from configurator import TrainConfig, UserError, parse
 from data import corpus
 from gpt import checkpoint, huggingface, load, tokenizer
 from gpt.checkpoint import check_resumable
-from gpt.wrap import make_model_args
+from gpt.training_setup import make_model_args
 from model import GPT, GPTConfig, apply_rope, rope_tables
 
 TOL = 1e-4  # float32

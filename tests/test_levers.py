@@ -33,7 +33,7 @@ from configurator import TrainConfig, UserError, parse
 from gpt import checkpoint, inference, load, optim, runtime, tokenizer
 from gpt.batches import TrainBatches
 from gpt.step import train_step
-from gpt.wrap import build, make_model_args
+from gpt.training_setup import build, make_model_args
 from model import GPT, MLP, CausalSelfAttention, GPTConfig, RMSNorm
 
 TINY = dict(n_layer=4, n_head=4, n_embd=32, block_size=16, vocab_size=65, dropout=0.0)
@@ -403,7 +403,7 @@ def test_cached_decoding_with_every_lever_is_one_graph():
 def test_all_levers_compile_to_one_graph_that_never_recompiles(monkeypatch):
     torch._dynamo.reset()
     counters.clear()
-    # wrap.build's compile
+    # training_setup.build's compile
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=ATEN_BACKEND))
     cfg = TrainConfig(
         device="cpu",

@@ -14,7 +14,7 @@ from conftest import REPO, read_metrics, run_script
 from configurator import TrainConfig, UserError, parse
 from gpt.checkpoint import check_resumable
 from gpt.inference import KVCache, generate
-from gpt.wrap import make_model_args
+from gpt.training_setup import make_model_args
 from model import GPT, MLP, CausalSelfAttention, GPTConfig, apply_rope, make_norm, rope_tables
 
 LLAMA = dict(

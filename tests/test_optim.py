@@ -22,7 +22,7 @@ from gpt import optim, runtime, tokenizer
 from gpt.batches import TrainBatches, load_split
 from gpt.optim import get_lr
 from gpt.step import train_step
-from gpt.wrap import make_model_args
+from gpt.training_setup import make_model_args
 from model import GPT, GPTConfig
 
 CPU = runtime.Runtime("cpu", "cpu", torch.float32)
