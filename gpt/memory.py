@@ -6,7 +6,7 @@ import dataclasses
 import torch
 
 from configurator import UserError
-from gpt import runtime
+from gpt import host_memory
 
 
 def with_batch_size(cfg, batch_size, tokens_per_step):
@@ -82,7 +82,7 @@ def auto_batch_size(model, cfg, rt, safety=0.85):
     elif rt.device_type == "cuda":
         budget, source = torch.cuda.get_device_properties(rt.device).total_memory, "GPU memory"
     else:
-        budget, source = runtime.free_memory() / 2, "half the free RAM"
+        budget, source = host_memory.free_memory() / 2, "half the free RAM"
     if cfg.total_batch_size % (cfg.block_size * rt.world_size):
         raise UserError(
             f"total_batch_size={cfg.total_batch_size} does not split into whole sequences of block_size="

@@ -12,7 +12,7 @@ from conftest import REPO, load_script, read_metrics, run_script, tiny_args
 
 import bench
 from configurator import BenchConfig, TrainConfig
-from gpt import benchmark, inference, memory, runtime
+from gpt import benchmark, gpu_flops, inference, memory, runtime
 from gpt.batches import row_starts
 from gpt.memory import auto_batch_size, saved_activation_bytes, with_batch_size
 from model import GPT, GPTConfig
@@ -59,9 +59,9 @@ DEVICE_PEAKS = [
 
 @pytest.mark.parametrize("name, bf16, tf32", DEVICE_PEAKS, ids=[d[0] for d in DEVICE_PEAKS])
 def test_peak_lookup_by_reported_name(name, bf16, tf32):
-    assert runtime.peak_flops(name, torch.bfloat16) == bf16 * 1e12
-    assert runtime.peak_flops(name, torch.float16) == bf16 * 1e12
-    assert runtime.peak_flops(name, torch.float32) == tf32 * 1e12  # TF32 matmuls are on under CUDA
+    assert gpu_flops.peak_flops(name, torch.bfloat16) == bf16 * 1e12
+    assert gpu_flops.peak_flops(name, torch.float16) == bf16 * 1e12
+    assert gpu_flops.peak_flops(name, torch.float32) == tf32 * 1e12  # TF32 matmuls are on under CUDA
 
 
 @pytest.mark.parametrize(
@@ -69,20 +69,20 @@ def test_peak_lookup_by_reported_name(name, bf16, tf32):
 )
 def test_unknown_devices_have_no_peak(name):
     # no number is better than a wrong one: MFU shows n/a, and peak_flops= can supply it
-    assert runtime.peak_flops(name, torch.bfloat16) is None
+    assert gpu_flops.peak_flops(name, torch.bfloat16) is None
 
 
 def test_peak_override_and_cpu():
     cpu = runtime.Runtime("cpu", "cpu", torch.float32)
-    assert runtime.device_peak_flops(cpu) is None
-    assert runtime.device_peak_flops(cpu, override=123e12) == 123e12
+    assert gpu_flops.device_peak_flops(cpu) is None
+    assert gpu_flops.device_peak_flops(cpu, override=123e12) == 123e12
 
 
 def test_mfu_scales_with_world_size():
-    one = runtime.mfu(1e15, 2.0, 989e12, world_size=1)
+    one = gpu_flops.mfu(1e15, 2.0, 989e12, world_size=1)
     assert one == pytest.approx(1e15 / 2.0 / 989e12)
-    assert runtime.mfu(1e15, 2.0, 989e12, world_size=8) == pytest.approx(one / 8)
-    assert runtime.mfu(1e15, 2.0, None) is None
+    assert gpu_flops.mfu(1e15, 2.0, 989e12, world_size=8) == pytest.approx(one / 8)
+    assert gpu_flops.mfu(1e15, 2.0, None) is None
 
 
 def best_gemm_flops():

@@ -14,7 +14,7 @@ import torch
 from conftest import REPO
 
 from configurator import UserError
-from gpt import runtime
+from gpt import gpu_flops, runtime, stopping
 
 TORCHRUN_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -88,7 +88,7 @@ def test_peak_flops_are_looked_up_for_the_indexed_device(two_gpus, monkeypatch):
     names = {0: "NVIDIA A100-SXM4-80GB", 1: "NVIDIA H100 80GB HBM3"}
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: names[torch.cuda._get_device_index(device)])
     rt = runtime.setup("cuda:1", "bfloat16")
-    assert runtime.device_peak_flops(rt) == 989.4e12
+    assert gpu_flops.device_peak_flops(rt) == 989.4e12
 
 
 # ---------------------------------------------------------------------------- a step, an eval and generation on a fake GPU
@@ -355,7 +355,7 @@ def test_the_stop_flag_of_gpu_ranks_travels_over_gloo(monkeypatch):
     rt = runtime.Runtime(
         "cuda:1", "cuda", torch.bfloat16, rank=1, local_rank=1, world_size=2, timeout=datetime.timedelta(seconds=42)
     )
-    stop = runtime.StopRequest()
+    stop = stopping.StopRequest()
     try:
         assert stop.check(rt) is False and stop.check(rt) is False
     finally:
