@@ -31,7 +31,7 @@ import torch
 
 from configurator import BenchConfig, UserError, override, parse, run_main
 from gpt import benchmark, compare, runtime
-from gpt.memory import with_batch_size
+from gpt.auto_batch import with_batch_size
 from gpt.metrics import format_duration
 
 

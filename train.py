@@ -25,9 +25,9 @@ import torch.distributed as dist
 
 from configurator import TrainConfig, UserError, as_dict, parse, run_main
 from gpt import batches, checkpoint, evaluation, load, metrics, optim, outdir, replicas, runtime, tokenizer, watch
+from gpt.auto_batch import settle_batch_size
 from gpt.core_eval import evaluate_core, load_tasks
 from gpt.gpu_flops import device_peak_flops, mfu
-from gpt.memory import settle_batch_size
 from gpt.saver import Checkpointer
 from gpt.step import BadSteps, eval_group, evaluate, train_step
 from gpt.stopping import StopRequest

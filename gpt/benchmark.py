@@ -13,8 +13,8 @@ import torch
 
 from configurator import UserError
 from gpt import gpu_flops, runtime, tokenizer, tokens
+from gpt.auto_batch import settle_batch_size
 from gpt.batches import end_of_text, for_training, load_split
-from gpt.memory import settle_batch_size
 from gpt.step import train_step
 from gpt.training_setup import build, make_model_args
 from model import GPT, GPTConfig

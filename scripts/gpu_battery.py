@@ -37,9 +37,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the reposi
 sys.path.insert(0, REPO)
 from configurator import BenchConfig, UserError, parse, require, run_main
 from gpt import gpu_flops, inference, runtime, tokens  # after the path line above
+from gpt.auto_batch import with_batch_size
 from gpt.batches import TrainBatches
 from gpt.benchmark import device_name, format_mfu, learnable, measure_or_oom, profiler_activities, synthetic
-from gpt.memory import with_batch_size
 from gpt.step import train_step
 from gpt.training_setup import build, make_model_args
 from model import GPT, GPTConfig

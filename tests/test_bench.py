@@ -12,9 +12,9 @@ from conftest import REPO, load_script, read_metrics, run_script, tiny_args
 
 import bench
 from configurator import BenchConfig, TrainConfig
-from gpt import benchmark, gpu_flops, inference, memory, runtime
+from gpt import auto_batch, benchmark, gpu_flops, inference, runtime
+from gpt.auto_batch import auto_batch_size, saved_activation_bytes, with_batch_size
 from gpt.batches import row_starts
-from gpt.memory import auto_batch_size, saved_activation_bytes, with_batch_size
 from model import GPT, GPTConfig
 
 battery = load_script("scripts/gpu_battery.py")
@@ -272,8 +272,8 @@ def test_auto_batch_size_is_the_largest_that_fits_and_keeps_tokens_per_step(dtyp
 def test_autocast_weight_copies_are_counted_once_per_step():
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=65, bias=False))
     cfg = auto_cfg()
-    per_row32, fixed32 = memory.activation_bytes(model, cfg, runtime.Runtime("cpu", "cpu", torch.float32))
-    per_row16, fixed16 = memory.activation_bytes(model, cfg, runtime.Runtime("cpu", "cpu", torch.bfloat16))
+    per_row32, fixed32 = auto_batch.activation_bytes(model, cfg, runtime.Runtime("cpu", "cpu", torch.float32))
+    per_row16, fixed16 = auto_batch.activation_bytes(model, cfg, runtime.Runtime("cpu", "cpu", torch.bfloat16))
     linear_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     assert fixed16 - fixed32 == 2 * linear_weights  # a bf16 copy of every matmul's weight (lm_head's too), once
     assert per_row16 < per_row32  # the activations themselves are half as wide
@@ -284,8 +284,8 @@ def test_activation_checkpointing_is_measured_as_training_runs_it():
     one block at a time, which holds what it saves. Against that formula, one block measured alone."""
     rt = runtime.Runtime("cpu", "cpu", torch.bfloat16)
     model = GPT(GPTConfig(n_layer=4, n_head=2, n_embd=64, block_size=32, vocab_size=65, bias=False))
-    plain, _ = memory.activation_bytes(model, auto_cfg(), rt)
-    checkpointed, _ = memory.activation_bytes(model, auto_cfg(activation_checkpointing=True), rt)
+    plain, _ = auto_batch.activation_bytes(model, auto_cfg(), rt)
+    checkpointed, _ = auto_batch.activation_bytes(model, auto_cfg(activation_checkpointing=True), rt)
     assert model.activation_checkpointing is False  # measured as asked, left as found
 
     def block_saved(batch):  # one block's forward, alone, as training runs it: what it saves besides its input

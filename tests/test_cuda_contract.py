@@ -316,7 +316,7 @@ def test_auto_batch_size_budgets_the_gpus_memory(monkeypatch):
     from types import SimpleNamespace
 
     from configurator import TrainConfig
-    from gpt.memory import auto_batch_size
+    from gpt.auto_batch import auto_batch_size
     from gpt.training_setup import make_model_args
     from model import GPT, GPTConfig
 

@@ -1,7 +1,7 @@
 """What the multi-GPU command runs, on CPU processes over gloo: torchrun with compile=True under
 DDP and FSDP2 (losses, graphs, an exact resume), the skip decision of a step with a non-finite
 loss on one rank only (fp16, as the GPU runs it), one eval shape on every rank, and DDP's
-gradients held once (gradient_as_bucket_view) as memory.py counts them.
+gradients held once (gradient_as_bucket_view) as auto_batch.py counts them.
 
 The runs, shared by the tests, each a torchrun launch of tests/train_rank.py (train.py's main in each
 rank, with what a rank alone knows written down: its output, its checkpoint writes, its compile counters):
@@ -33,7 +33,7 @@ from conftest import TORCHRUN_ARGS, char_dataset, losses, read_metrics, succeede
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from configurator import TrainConfig
-from gpt import memory, runtime, step
+from gpt import auto_batch, runtime, step
 from gpt.batches import TrainBatches, eval_offsets
 from gpt.training_setup import build
 from model import GPT, GPTConfig
@@ -265,7 +265,7 @@ def ddp_gradient_bytes():
 def test_ddp_holds_one_set_of_gradients_its_buckets(tmp_path):
     """The DDP train_model that training_setup.build makes keeps gradients as views into its all-reduce
     buckets through every micro-step (no_sync ones too) and from step to step: the bytes held by
-    the gradients and the buckets together are memory.gradient_bytes, one float32 per parameter."""
+    the gradients and the buckets together are auto_batch.gradient_bytes, one float32 per parameter."""
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         held, raw_model, params, ddp = ddp_gradient_bytes()
@@ -275,4 +275,4 @@ def test_ddp_holds_one_set_of_gradients_its_buckets(tmp_path):
     finally:
         dist.destroy_process_group()
     assert len(held) == 3 * (2 * len(params) + 1)
-    assert max(held) == memory.gradient_bytes(raw_model) == 4 * sum(p.numel() for p in params)
+    assert max(held) == auto_batch.gradient_bytes(raw_model) == 4 * sum(p.numel() for p in params)
