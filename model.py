@@ -355,7 +355,8 @@ class GPT(nn.Module):
                     # (modded-nanogpt, nanochat); c_proj's gradient, h^T dy, is not zero, so it learns
                     nn.init.zeros_(p)
         # recompute each block's activations in backward instead of keeping them: less memory for
-        # long contexts, about a third more compute (train.py sets it from activation_checkpointing)
+        # long contexts, about a third more compute (gpt/training_setup.py's build() sets it from
+        # activation_checkpointing)
         self.activation_checkpointing = False
 
     def set_attention(self, name):
