@@ -68,6 +68,20 @@ def needs(*packages):
         pytest.skip(f"{package} is not installed (optional here)", allow_module_level=True)
 
 
+@pytest.fixture
+def aten_compile(monkeypatch):
+    """torch.compile (training_setup.build's, Muon's) with ATEN_BACKEND, dynamo's caches and counters
+    fresh before and after; yields the counters."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=ATEN_BACKEND))
+    yield counters
+    torch._dynamo.reset()
+
+
 def make_text(n_chars=20000, seed=0):
     """Text with learnable structure: words from a small vocabulary, lines, punctuation."""
     rng = np.random.default_rng(seed)
@@ -134,6 +148,16 @@ def tiny_args(data_dir, out_dir, **overrides):
     args.update(log_interval=1)
     args.update(overrides)
     return [f"--{k}={v}" for k, v in args.items()]
+
+
+# bench.py's keys for a model it measures in a second, on the CPU whatever the machine has
+TINY_BENCH = dict(device="cpu", compile=False, n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=2)
+TINY_BENCH.update(gradient_accumulation_steps=1, bench_iters=2, bench_warmup=1)
+
+
+def tiny_bench_args(**overrides):
+    """bench.py flags for TINY_BENCH's model, with `overrides`."""
+    return [f"--{k}={v}" for k, v in {**TINY_BENCH, **overrides}.items()]
 
 
 def train_tiny_run(root, **overrides):

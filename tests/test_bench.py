@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, load_script, read_metrics, run_script, tiny_args
+from conftest import REPO, TINY_BENCH, load_script, read_metrics, run_script, tiny_args, tiny_bench_args
 
 import bench
 from configurator import BenchConfig, TrainConfig
@@ -107,21 +107,8 @@ def test_mfu_never_above_100_percent_in_training(char_data, tmp_path):
 
 def test_bench_json_and_mfu_bound(tmp_path):
     peak = best_gemm_flops()
-    result = run_script(
-        "bench.py",
-        "--device=cpu",
-        "--compile=False",
-        "--n_layer=2",
-        "--n_head=2",
-        "--n_embd=64",
-        "--block_size=32",
-        "--batch_size=8",
-        "--gradient_accumulation_steps=2",
-        "--bench_iters=4",
-        "--bench_warmup=1",
-        f"--peak_flops={peak}",
-        "--json=True",
-    )
+    shape = dict(n_layer=2, n_embd=64, block_size=32, batch_size=8, gradient_accumulation_steps=2)
+    result = run_script("bench.py", *tiny_bench_args(**shape, bench_iters=4, peak_flops=peak, json=True))
     assert result.returncode == 0, result.stderr
     r = json.loads(result.stdout.strip().splitlines()[-1])
     assert {"ms_per_iter", "tokens_per_s", "tflops", "mfu", "peak_mem_mb"} <= r.keys()
@@ -132,40 +119,14 @@ def test_bench_json_and_mfu_bound(tmp_path):
 
 
 def test_bench_json_mfu_is_null_without_a_peak():
-    result = run_script(
-        "bench.py",
-        "--device=cpu",
-        "--compile=False",
-        "--n_layer=1",
-        "--n_head=2",
-        "--n_embd=32",
-        "--block_size=16",
-        "--batch_size=2",
-        "--gradient_accumulation_steps=1",
-        "--bench_iters=2",
-        "--bench_warmup=1",
-        "--json=True",
-    )
+    result = run_script("bench.py", *tiny_bench_args(json=True))
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.strip().splitlines()[-1])["mfu"] is None
 
 
 def test_sweep_keeps_tokens_per_step_and_marks_the_best(tmp_path):
-    result = run_script(
-        "bench.py",
-        "--device=cpu",
-        "--compile=False",
-        "--n_layer=1",
-        "--n_head=2",
-        "--n_embd=32",
-        "--block_size=16",
-        "--batch_size=8",
-        "--gradient_accumulation_steps=2",
-        "--bench_iters=2",
-        "--bench_warmup=1",
-        "--sweep=batch_size=2,4,16,3",
-        "--json=True",
-    )
+    sweep = tiny_bench_args(batch_size=8, gradient_accumulation_steps=2, sweep="batch_size=2,4,16,3", json=True)
+    result = run_script("bench.py", *sweep)
     assert result.returncode == 0, result.stderr
     assert "skipping batch_size=3" in result.stdout  # 3 does not divide 16 sequences per step
     assert result.stdout.count("<- best") == 1
@@ -177,24 +138,8 @@ def test_sweep_keeps_tokens_per_step_and_marks_the_best(tmp_path):
 
 
 def test_profile_writes_a_trace(tmp_path):
-    result = run_script(
-        "bench.py",
-        "--device=cpu",
-        "--compile=False",
-        "--n_layer=1",
-        "--n_head=2",
-        "--n_embd=32",
-        "--block_size=16",
-        "--batch_size=2",
-        "--gradient_accumulation_steps=1",
-        "--bench_iters=1",
-        "--bench_warmup=0",
-        "--profile=True",
-        "--profile_wait=1",
-        "--profile_warmup=1",
-        "--profile_active=2",
-        f"--out_dir={tmp_path}",
-    )
+    profile = dict(profile=True, profile_wait=1, profile_warmup=1, profile_active=2, out_dir=tmp_path)
+    result = run_script("bench.py", *tiny_bench_args(bench_iters=1, bench_warmup=0, **profile))
     assert result.returncode == 0, result.stderr
     traces = list((tmp_path / "profile").glob("*.pt.trace.json"))
     assert len(traces) == 1
@@ -489,17 +434,7 @@ def test_a_sweep_row_that_runs_out_of_cublas_memory_is_reported_not_raised(monke
         }
 
     monkeypatch.setattr(benchmark, "measure", measure)
-    cfg = BenchConfig(
-        device="cpu",
-        compile=False,
-        n_layer=1,
-        n_head=2,
-        n_embd=32,
-        block_size=16,
-        batch_size=8,
-        gradient_accumulation_steps=1,
-        sweep="batch_size=2,4",
-    )
+    cfg = BenchConfig(**{**TINY_BENCH, "batch_size": 8, "sweep": "batch_size=2,4"})
     bench.run(cfg, runtime.Runtime("cpu", "cpu", torch.float32))
     out = capsys.readouterr().out
     assert "batch_size=4         out of memory" in out and "batch_size=2" in out and "<- best" in out
@@ -608,20 +543,7 @@ def test_the_timed_steps_draw_batches_as_training_does(keys, monkeypatch):
         return forward(self, idx, targets, **kwargs)
 
     monkeypatch.setattr(GPT, "forward", recording)
-    cfg = BenchConfig(
-        device="cpu",
-        compile=False,
-        n_layer=1,
-        n_head=2,
-        n_embd=32,
-        block_size=64,
-        batch_size=4,
-        gradient_accumulation_steps=1,
-        bench_iters=2,
-        bench_warmup=1,
-        dataset="none",
-        **keys,
-    )
+    cfg = BenchConfig(**{**TINY_BENCH, "block_size": 64, "batch_size": 4, "dataset": "none", **keys})
     data, vocab = benchmark.bench_data(cfg)
     eot = vocab - 1
     assert benchmark.document_eot(cfg, vocab) == (eot if keys else None)

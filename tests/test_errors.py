@@ -3,7 +3,7 @@ and nothing already written is lost."""
 
 import pytest
 import torch
-from conftest import one_line_error, run_script, tiny_args
+from conftest import one_line_error, run_script, tiny_args, tiny_bench_args
 
 
 @pytest.fixture
@@ -128,19 +128,7 @@ BENCH_CASES = [
 
 @pytest.mark.parametrize("argv, expected", BENCH_CASES, ids=[" ".join(a) for a, _ in BENCH_CASES])
 def test_bench_errors(argv, expected):
-    tiny = [
-        "--device=cpu",
-        "--compile=False",
-        "--n_layer=1",
-        "--n_head=2",
-        "--n_embd=32",
-        "--block_size=16",
-        "--batch_size=2",
-        "--gradient_accumulation_steps=1",
-        "--bench_iters=2",
-        "--bench_warmup=1",
-    ]
-    one_line_error(run_script("bench.py", *tiny, *argv), *expected)
+    one_line_error(run_script("bench.py", *tiny_bench_args(), *argv), *expected)
 
 
 def test_prepare_with_a_missing_input(tmp_path):

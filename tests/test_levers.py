@@ -6,7 +6,6 @@ old checkpoints, and the exports that must refuse what they cannot compute. Off,
 nothing: a default model is the one it was before."""
 
 import dataclasses
-import functools
 import math
 
 import numpy as np
@@ -400,24 +399,9 @@ def test_cached_decoding_with_every_lever_is_one_graph():
     torch._dynamo.reset()
 
 
-def test_all_levers_compile_to_one_graph_that_never_recompiles(monkeypatch):
-    torch._dynamo.reset()
-    counters.clear()
-    # training_setup.build's compile
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=ATEN_BACKEND))
-    cfg = TrainConfig(
-        device="cpu",
-        compile=True,
-        batch_size=4,
-        block_size=16,
-        n_layer=4,
-        n_head=4,
-        n_embd=32,
-        gradient_accumulation_steps=2,
-        dropout=0.0,
-        optimizer="muon",
-        **LEVERS,
-    )
+def test_all_levers_compile_to_one_graph_that_never_recompiles(aten_compile):
+    keys = dict(device="cpu", compile=True, batch_size=4, block_size=16, n_layer=4, n_head=4, n_embd=32)
+    cfg = TrainConfig(**keys, gradient_accumulation_steps=2, dropout=0.0, optimizer="muon", **LEVERS)
     torch.manual_seed(0)
     model, train_model, optimizer, scaler = build(GPT(GPTConfig(**make_model_args(cfg, 65))), cfg, CPU)
     data = np.random.default_rng(0).integers(0, 65, size=4000).astype(np.uint16)
@@ -430,7 +414,6 @@ def test_all_levers_compile_to_one_graph_that_never_recompiles(monkeypatch):
     # the model's one graph, and Muon's compiled iteration once per matrix shape (c_attn, attn.c_proj, c_fc, mlp.c_proj)
     assert counters["stats"]["unique_graphs"] == 1 + 4, dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])
-    torch._dynamo.reset()
 
 
 # ---------------------------------------------------------------------------- train.py, torchrun, exports
