@@ -108,7 +108,7 @@ def runs(data, tmp_path_factory):
                 both groups started again on them with init_from=auto, to step 24
     Returns {name: out_dir}."""
     root = tmp_path_factory.mktemp("replicas")
-    torchrun = lambda n: ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", REPO / "train.py"]
+    launch = lambda n: ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", REPO / "train.py"]
     lighthouses, procs = [], []
 
     def pair(name, launcher, **keys):
@@ -134,9 +134,9 @@ def runs(data, tmp_path_factory):
         return procs[-2:]
 
     try:
-        pair("torchrun", torchrun(2))
+        pair("torchrun", launch(2))
         groups = pair("groups", [REPO / "train.py"])
-        procs.append(start([*torchrun(2), *tiny_args(data, root / "ddp", **COMMON)], root / "ddp.log"))
+        procs.append(start([*launch(2), *tiny_args(data, root / "ddp", **COMMON)], root / "ddp.log"))
         for proc in groups:
             finish(proc, timeout=240)
         for g in range(2):
