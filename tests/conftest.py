@@ -313,7 +313,7 @@ def wait_for(condition, *procs, timeout=180):
     while not condition():
         if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
             pytest.fail(f"not within {timeout} s, or a process ended:\n" + "\n".join(map(output_of, procs)))
-        time.sleep(0.02)
+        time.sleep(0.05)
 
 
 def logged_steps(metrics, n=1):
