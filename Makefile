@@ -52,7 +52,8 @@ quickstart: venv
 # so a module's shared run is built once. A test still running at --timeout fails (pytest-timeout);
 # a worker that dies is not replaced (pytest-xdist's replacement under loadfile can wait for ever).
 # Bytecode is cached (PYTHONDONTWRITEBYTECODE cleared): the suite starts many Python processes.
-# schemathesis' and hypothesis' pytest plugins are off: no test uses them, and each import costs ~1 s.
+# schemathesis' and hypothesis' pytest plugins are off: tests/test_serve.py calls the two libraries
+# themselves, not their plugins, and each plugin's import costs ~1 s.
 PYTEST := OMP_NUM_THREADS=1 TORCHINDUCTOR_COMPILE_THREADS=1 PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n auto \
 	--dist loadfile --max-worker-restart=0 --timeout=300 -p no:schemathesis -p no:hypothesispytest
 test: venv $(VENV)/.llama

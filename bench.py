@@ -1,4 +1,4 @@
-"""Measure the training step train.py runs (step.train_step on wrap.build's model): ms/iter,
+"""Measure the training step train.py runs (step.train_step on training_setup.build's model): ms/iter,
 tokens/s, TFLOPS, MFU and peak memory.
 
     python bench.py config/train_shakespeare_char_cpu.py                       # a CPU-sized model
@@ -31,7 +31,7 @@ import torch
 
 from configurator import BenchConfig, UserError, override, parse, run_main
 from gpt import benchmark, compare, runtime
-from gpt.memory import with_batch_size
+from gpt.auto_batch import with_batch_size
 from gpt.metrics import format_duration
 
 

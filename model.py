@@ -355,13 +355,14 @@ class GPT(nn.Module):
                     # (modded-nanogpt, nanochat); c_proj's gradient, h^T dy, is not zero, so it learns
                     nn.init.zeros_(p)
         # recompute each block's activations in backward instead of keeping them: less memory for
-        # long contexts, about a third more compute (train.py sets it from activation_checkpointing)
+        # long contexts, about a third more compute (gpt/training_setup.py's build() sets it from
+        # activation_checkpointing)
         self.activation_checkpointing = False
 
     def set_attention(self, name):
         """Run every layer's attention with one SDPA kernel ('flash', 'cudnn', 'efficient', 'math'),
         or let PyTorch choose ('auto'). A kernel that cannot take the inputs fails in forward
-        (gpt/wrap.py's attention_error() checks first)."""
+        (gpt/training_setup.py's attention_error() checks first)."""
         assert name == "auto" or name in SDPA_BACKENDS, name
         for block in self.transformer.h:
             block.attn.attention = name

@@ -7,15 +7,12 @@ in the loop or by a watcher (eval.py --watch, its watch/ records: dashed, at the
     python plot.py out-a/metrics.jsonl out-b/metrics.jsonl --out=compare.png
 """
 
-import argparse
 import json
 import os
 import sys
 
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not argparse's usage block
-        sys.exit(f"error: {message}; see --help")
+from configurator import run_main
+from gpt.argparsing import Parser
 
 
 def metrics_file(path):
@@ -117,4 +114,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -11,7 +11,7 @@
 The story of a run: main() reads the config, sets up the device and claims the out_dir; train()
 loads the data (load_data), builds the Run (the model, what trains it, the batches, where it is,
 the writers) and runs the loop, which evaluates and saves (evaluate_and_save), steps, and logs
-(log_step). The pieces live in the library: batches, step, optim, wrap, memory, checkpoint,
+(log_step). The pieces live in the library: batches, step, optim, training_setup, memory, checkpoint,
 saver, metrics, runtime. Replica groups (torchft) are one object, gpt/replicas.py's, that does
 nothing in a run without them; eval_async starts the watcher (gpt/watch.py, eval.py --watch) as
 a child process beside the run.
@@ -25,11 +25,13 @@ import torch.distributed as dist
 
 from configurator import TrainConfig, UserError, as_dict, parse, run_main
 from gpt import batches, checkpoint, evaluation, load, metrics, optim, outdir, replicas, runtime, tokenizer, watch
+from gpt.auto_batch import settle_batch_size
 from gpt.core_eval import evaluate_core, load_tasks
-from gpt.memory import settle_batch_size
+from gpt.gpu_flops import device_peak_flops, mfu
 from gpt.saver import Checkpointer
 from gpt.step import BadSteps, eval_group, evaluate, train_step
-from gpt.wrap import build, make_model_args, uses_fsdp
+from gpt.stopping import StopRequest
+from gpt.training_setup import build, make_model_args, uses_fsdp
 from model import GPT, GPTConfig
 
 EXIT_STOPPED = 75  # stopped early (SIGTERM, SIGINT, max_minutes) with a checkpoint: resume to go on
@@ -46,7 +48,7 @@ def main(argv=None):
     rt = runtime.setup(cfg.device, cfg.dtype, cfg.backend, cfg.dist_timeout_s)
     groups = replicas.of(cfg)  # this process's replica groups (torchft), or Alone
     cfg = groups.out_dir(cfg)  # each replica group writes its own out_dir/group<g>
-    stop = runtime.StopRequest(cfg.max_minutes)
+    stop = StopRequest(cfg.max_minutes)
     finished, out, watcher = False, None, None
     try:
         out = outdir.claim(cfg, rt)  # the out_dir lock; a used out_dir refused; init_from='auto' resolved
@@ -168,7 +170,7 @@ class Run:
         self.bad = BadSteps(rt.device)
         self.throughput = metrics.Throughput(rt)
         self.flops_per_iter = raw_model.flops_per_token() * self.tokens_per_iter
-        self.peak = runtime.device_peak_flops(rt, cfg.peak_flops)
+        self.peak = device_peak_flops(rt, cfg.peak_flops)
 
     def save(self, best=False):
         """A checkpoint of this step (the keep_last history, ckpt_best when best), written now or in the background."""
@@ -367,7 +369,7 @@ def log_step(run, result, lr):
         "clipped": cfg.grad_clip > 0 and norm_value > cfg.grad_clip,
         "dt_ms": dt * 1000,
         "tokens_per_s": tokens / dt,
-        "mfu": runtime.mfu(run.flops_per_iter, dt, run.peak, rt.world_size) if warm else None,
+        "mfu": mfu(run.flops_per_iter, dt, run.peak, rt.world_size) if warm else None,
         **run.groups.log(),
         **({"trained_tokens": run.batches.step_tokens} if run.chat else {}),
     }

@@ -41,6 +41,7 @@ import numpy as np
 
 from configurator import UserError
 from gpt import tokenizer, tokens
+from gpt.argparsing import Parser
 
 SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz", ".parquet")
 SPLITS = ("val", "test", "train")  # in stream order: the held-out splits come first, so --tokens never moves them
@@ -48,11 +49,6 @@ BATCH_CHARS = 1 << 18  # text per task sent to a worker process: ~60k GPT-2 toke
 
 
 # ---------------------------------------------------------------------------- command line
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not argparse's usage block
-        raise UserError(f"{message}; see --help")
 
 
 def count(text):

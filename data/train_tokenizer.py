@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from configurator import UserError, run_main
 from data import corpus
 from gpt import tokenizer  # after the path line above
+from gpt.argparsing import Parser
 from gpt.chat_template import RESERVED_TOKENS
 
 # GPT-4's (cl100k) split pattern, as Llama 3 also uses: a piece is a word with an optional leading
@@ -45,7 +46,7 @@ PIECE_CUT = re.compile(r"\n(?=\S)")  # after a newline that precedes a non-space
 
 
 def parse_args(argv):
-    p = corpus.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = p.add_argument_group("source: local files (--input), or a Hugging Face dataset")
     source.add_argument("--input", nargs="+", metavar="PATH", help="local .txt/.jsonl/.parquet files or directories")
     source.add_argument("--dataset", help="Hugging Face dataset name, e.g. HuggingFaceFW/fineweb-edu")

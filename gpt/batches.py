@@ -26,19 +26,19 @@ import numpy as np
 import torch
 
 from configurator import UserError
-from gpt import runtime, tokenizer, tokens
+from gpt import host_memory, tokenizer, tokens
 
 
 def load_split(data_dir, split, mode="auto", share=1):
     """A split's token ids (gpt/tokens.py: one file or many shards, read as one sequence):
     memory-mapped, or read into RAM when mode='ram' or ('auto' and the `share` copies, one per rank
-    on this machine, take under a quarter of the memory the job may still use: runtime.free_memory,
+    on this machine, take under a quarter of the memory the job may still use: host_memory.free_memory,
     the host's or its cgroup's limit, the lower). Past that the ranks share the memmap: the page
     cache holds one copy per machine, which the kernel reclaims under pressure instead of killing."""
     data = tokens.Tokens.open(data_dir, split)
     if mode == "memmap":
         return data
-    free = runtime.free_memory()
+    free = host_memory.free_memory()
     if mode == "ram" and free and data.nbytes * share > free:
         mib = lambda n: f"{n / 2**20:,.0f} MiB"
         raise UserError(

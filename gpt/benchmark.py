@@ -12,11 +12,11 @@ import numpy as np
 import torch
 
 from configurator import UserError
-from gpt import runtime, tokenizer, tokens
+from gpt import gpu_flops, runtime, tokenizer, tokens
+from gpt.auto_batch import settle_batch_size
 from gpt.batches import end_of_text, for_training, load_split
-from gpt.memory import settle_batch_size
 from gpt.step import train_step
-from gpt.wrap import build, make_model_args
+from gpt.training_setup import build, make_model_args
 from model import GPT, GPTConfig
 
 
@@ -57,9 +57,8 @@ def bench_data(cfg):
     data_dir = os.path.join("data", cfg.dataset)
     vocab_size = tokenizer.vocab_size(tokenizer.describe(data_dir)) or 50304
     if cfg.data == "real":
-        data = load_split(
-            data_dir, "train", cfg.data_mode, share=int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        )  # a copy per local rank
+        # a copy per local rank
+        data = load_split(data_dir, "train", cfg.data_mode, share=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
         data.check_vocab(vocab_size)
         return data, vocab_size
     if cfg.data != "synthetic":
@@ -110,14 +109,14 @@ def measure(cfg, rt, data, vocab_size, profiler=None):
     seconds = (time.perf_counter() - start) / cfg.bench_iters
     tokens = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
     flops = raw_model.flops_per_token() * tokens
-    peak = runtime.device_peak_flops(rt, cfg.peak_flops)
+    peak = gpu_flops.device_peak_flops(rt, cfg.peak_flops)
     return {
         "batch_size": cfg.batch_size,
         "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
         "ms_per_iter": seconds * 1000,
         "tokens_per_s": tokens / seconds,
         "tflops": flops / seconds / rt.world_size / 1e12,  # per device
-        "mfu": runtime.mfu(flops, seconds, peak, rt.world_size),
+        "mfu": gpu_flops.mfu(flops, seconds, peak, rt.world_size),
         "peak_mem_mb": peak_memory_mb(rt),
         "warmup_s": warmup_seconds,  # the untimed steps, compilation included
         "params": raw_model.num_params(),

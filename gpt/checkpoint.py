@@ -440,10 +440,11 @@ SHAPE_KEYS = (
     "tie_embeddings",
     "rope_scaling",
     "norm_eps",
+    # the speedrun levers
     "logit_softcap",
     "value_embeds",
     "unet_skips",
-)  # the last: speedrun levers
+)
 
 
 def check_resumable(saved, wanted):

@@ -321,9 +321,8 @@ def evaluate_core(model, tasks, spec, block_size, rt, batch_tokens, report=None,
     results, start = {}, time.perf_counter()
     for task in tasks:
         t0 = time.perf_counter()
-        correct = scoring.all_reduce(
-            score_task(model, task, spec, block_size, rt, batch_tokens), rt
-        )  # one read per task
+        # one read per task
+        correct = scoring.all_reduce(score_task(model, task, spec, block_size, rt, batch_tokens), rt)
         n = len(correct)
         accuracy = correct.sum().item() / n
         centered = (accuracy - task.baseline) / (1 - task.baseline)

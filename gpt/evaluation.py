@@ -192,9 +192,8 @@ def score_choices(model, encoded, block_size, rt, batch_size=16, desc=None):
     mine = encoded[rt.rank :: rt.world_size]
     # the same number of forward passes on every rank: under FSDP each one is a collective
     n_batches = math.ceil(math.ceil(len(encoded) / rt.world_size) / batch_size)
-    sums = torch.tensor([0.0, 0.0, 0.0, len(mine)], dtype=scoring.sum_dtype(rt)).to(
-        rt.device
-    )  # right by each rule, examples
+    # right by each rule, examples
+    sums = torch.tensor([0.0, 0.0, 0.0, len(mine)], dtype=scoring.sum_dtype(rt)).to(rt.device)
     for b in scoring.progress(range(n_batches), desc, rt):
         batch = mine[b * batch_size : (b + 1) * batch_size]
         # an empty batch (this rank has run out) still runs one forward, with its answer -1: never counted
@@ -269,9 +268,8 @@ def split_loss(model, data, block_size, rt, token_bytes, batch_size=16, max_toke
     # the windows are fixed, so their targets' bytes are counted once, on the host, before the
     # loop; the loss sum stays on the device: the loop queues GPU work and never waits for it
     n_bytes = target_bytes(data, mine, block_size, token_bytes)
-    sums = torch.tensor([0.0, len(mine) * block_size, n_bytes], dtype=scoring.sum_dtype(rt)).to(
-        rt.device
-    )  # nats, tokens, bytes
+    # nats, tokens, bytes
+    sums = torch.tensor([0.0, len(mine) * block_size, n_bytes], dtype=scoring.sum_dtype(rt)).to(rt.device)
     for b in scoring.progress(range(n_batches), desc, rt):
         offsets = mine[b * batch_size : (b + 1) * batch_size]
         rows = data[(offsets if len(offsets) else np.zeros(1, np.int64))[:, None] + np.arange(block_size + 1)]

@@ -50,13 +50,10 @@ WATCH_LOCK = "watch.lock"  # the watcher's (gpt/watch.py)
 STAGED = "staged"  # the new run's files until it takes the directory over
 JOURNAL = "takeover.json"
 RUN_FILES = ("config.json", "metrics.jsonl")  # what a run writes besides checkpoints; staged until the takeover
-WATCH_FILES = (
-    "watch.json",
-    "watch_released.jsonl",
-)  # a watcher's progress on the old run's checkpoints: removed with them
-CHECKPOINT_NAME = re.compile(
-    r"ckpt\.pt|ckpt_(\d+|best)(\.pt)?"
-)  # ckpt.pt, ckpt_<iter>.pt, ckpt_best.pt, ckpt_<iter>/, ckpt_best
+# a watcher's progress on the old run's checkpoints: removed with them
+WATCH_FILES = ("watch.json", "watch_released.jsonl")
+# ckpt.pt, ckpt_<iter>.pt, ckpt_best.pt, ckpt_<iter>/, ckpt_best
+CHECKPOINT_NAME = re.compile(r"ckpt\.pt|ckpt_(\d+|best)(\.pt)?")
 # filesystems where a lock taken on one machine may not be seen on another (it depends on the mount)
 NETWORK_FILESYSTEMS = (
     "nfs",

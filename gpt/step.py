@@ -28,9 +28,8 @@ def train_step(model, optimizer, scaler, next_batch, lr, accum_steps, grad_clip,
     finite is skipped: the weights and optimizer state stay as they were. Nothing here waits
     for the device (with fused AdamW): the caller reads the results when it logs."""
     for group in optimizer.param_groups:
-        group["lr"] = lr * group.get(
-            "lr_scale", 1.0
-        )  # a group with its own peak (e.g. Muon's) scales with the schedule
+        # a group with its own peak (e.g. Muon's) scales with the schedule
+        group["lr"] = lr * group.get("lr_scale", 1.0)
     total = torch.zeros((), device=rt.device)
     x, y, *more = next_batch()
     for micro in range(accum_steps):
@@ -59,12 +58,10 @@ def train_step(model, optimizer, scaler, next_batch, lr, accum_steps, grad_clip,
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     if grad_clip > 0:
-        torch.nn.utils.clip_grads_with_norm_(
-            params, grad_clip, norm
-        )  # a NaN norm makes NaN grads: the step is skipped anyway
-    if hasattr(
-        norm, "full_tensor"
-    ):  # a DTensor, from FSDP's sharded gradients: already reduced, the same on every rank
+        # a NaN norm makes NaN grads: the step is skipped anyway
+        torch.nn.utils.clip_grads_with_norm_(params, grad_clip, norm)
+    # a DTensor, from FSDP's sharded gradients: already reduced, the same on every rank
+    if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     # the gradients are already all-reduced, so every rank takes the same decision
     stepped = torch.isfinite(norm)
@@ -92,7 +89,7 @@ def train_step(model, optimizer, scaler, next_batch, lr, accum_steps, grad_clip,
         if bool(stepped):
             optimizer.step()
     scaler.update()
-    # DDP's gradients are views into its all-reduce buckets (wrap.build): zeroed in place, they stay
+    # DDP's gradients are views into its all-reduce buckets (training_setup.build): zeroed in place, they stay
     # views. Set to None, the next micro-step under no_sync would allocate a second set beside the buckets
     optimizer.zero_grad(set_to_none=not isinstance(model, DDP))
     return StepResult(total, norm, stepped)

@@ -260,9 +260,8 @@ def _token_bytes(spec_items, offline):
         elif len(token) == 6 and token.startswith("<0x") and token.endswith(">"):  # SentencePiece byte fallback
             lengths.append(1)
         else:
-            lengths.append(
-                len(token.replace("\u2581", " ").encode("utf-8"))
-            )  # SentencePiece's word-start mark is a space
+            # SentencePiece's word-start mark is a space
+            lengths.append(len(token.replace("\u2581", " ").encode("utf-8")))
     return np.array(lengths, dtype=np.int64)
 
 

@@ -142,9 +142,8 @@ class Tokens:
         self.paths, self.parts = list(paths), list(parts)
         self.max_ids = max_ids or [None] * len(self.paths)  # per file, from its header; None: unknown
         self.dtype = np.result_type(*[p.dtype for p in self.parts])
-        self.starts = np.cumsum(
-            [0] + [len(p) for p in self.parts]
-        )  # (n_parts + 1,): part i is [starts[i], starts[i+1])
+        # (n_parts + 1,): part i is [starts[i], starts[i+1])
+        self.starts = np.cumsum([0] + [len(p) for p in self.parts])
         self.file_starts = self.starts if file_starts is None else file_starts  # the same, per file
 
     @classmethod
@@ -161,9 +160,8 @@ class Tokens:
         whole = np.empty(len(self), self.dtype)
         for part, start in zip(self.parts, self.starts):
             whole[start : start + len(part)] = part
-        return Tokens(
-            self.paths, [whole], self.file_starts, self.max_ids
-        )  # errors still name the file a token came from
+        # errors still name the file a token came from
+        return Tokens(self.paths, [whole], self.file_starts, self.max_ids)
 
     @property
     def memmapped(self):

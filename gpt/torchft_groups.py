@@ -264,8 +264,9 @@ class Groups:
             lighthouse_addr=lighthouse,
             replica_id=f"group{cfg.ft_replica_group}",
             init_sync=False,
+            # DiLoCo needs the quorum at the sync
             use_async_quorum=not self.sync_every,
-        )  # DiLoCo needs the quorum at the sync
+        )
         self.manager.lighthouse = lighthouse  # named in the error when no quorum comes
         # the groups start from the same seed, so their initial weights are already equal (init_sync=False);
         # the Manager counts the steps that committed: every step, or every sync

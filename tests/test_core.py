@@ -46,9 +46,8 @@ class Bigram(torch.nn.Module):
         self.bias[[tokenizer.encoding("gpt2").encode_ordinary(" " + w)[0] for w in WORDS]] = 30.0  # greedy picks a word
 
     def forward(self, idx, logits_at=None):
-        idx = (
-            idx.flatten()[logits_at] if torch.is_tensor(logits_at) else idx
-        )  # a position's logits depend on its token only
+        # a position's logits depend on its token only
+        idx = idx.flatten()[logits_at] if torch.is_tensor(logits_at) else idx
         return self.table[idx] @ self.proj + self.bias, None
 
     def greedy_next(self, token):
@@ -84,9 +83,8 @@ def records_for(kind, n, rng, model, delimiter):
             )
         else:
             context = sentence(rng, 3, 9) + ("  " if i % 3 == 0 else "")  # trailing spaces: stripped, as nanochat does
-            if (
-                i % 2 == 0
-            ):  # a continuation greedy decoding gives: follow the model's own chain from the context's last token
+            # a continuation greedy decoding gives: follow the model's own chain from the context's last token
+            if i % 2 == 0:
                 token, words = enc.encode_ordinary(context.strip() + delimiter.rstrip())[-1], []
                 for _ in range(3):
                     token = model.greedy_next(token)
@@ -259,9 +257,8 @@ def test_batched_equals_one_example_per_forward_and_a_zip_equals_a_directory(set
         assert {k: r["correct"] for k, r in batched["tasks"].items()} == {
             k: r["correct"] for k, r in one["tasks"].items()
         }
-    zipped = core_eval.load_tasks(
-        str(write_bundle(tmp_path, model, zipped=True))
-    )  # the same bundle, zipped by nanochat's layout
+    # the same bundle, zipped by nanochat's layout
+    zipped = core_eval.load_tasks(str(write_bundle(tmp_path, model, zipped=True)))
     assert [[r for _, r in t.records] for t in zipped] == [[r for _, r in t.records] for t in tasks]
     assert zipped[0].records[0][0].startswith(f"{tmp_path / 'eval_bundle.zip'}/eval_bundle/eval_data/")
 

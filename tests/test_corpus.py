@@ -360,8 +360,9 @@ def test_unknown_dataset_without_network_is_one_line(tmp_path):
         "--dataset=nobody/no-such-dataset",
         f"--out_dir={out_dir}",
         env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
+        # datasets reads these when it is imported
         isolated=True,
-    )  # datasets reads these when it is imported
+    )
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()

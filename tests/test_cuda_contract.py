@@ -14,7 +14,7 @@ import torch
 from conftest import REPO
 
 from configurator import UserError
-from gpt import runtime
+from gpt import gpu_flops, runtime, stopping
 
 TORCHRUN_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -88,7 +88,7 @@ def test_peak_flops_are_looked_up_for_the_indexed_device(two_gpus, monkeypatch):
     names = {0: "NVIDIA A100-SXM4-80GB", 1: "NVIDIA H100 80GB HBM3"}
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: names[torch.cuda._get_device_index(device)])
     rt = runtime.setup("cuda:1", "bfloat16")
-    assert runtime.device_peak_flops(rt) == 989.4e12
+    assert gpu_flops.device_peak_flops(rt) == 989.4e12
 
 
 # ---------------------------------------------------------------------------- a step, an eval and generation on a fake GPU
@@ -193,7 +193,7 @@ def trace_on_fake_cuda():
     from gpt import inference
     from gpt.batches import ChatBatches, ChatData, TrainBatches, chat_eval_offsets, eval_offsets, get_batch
     from gpt.step import evaluate, train_step
-    from gpt.wrap import build, make_model_args
+    from gpt.training_setup import build, make_model_args
     from model import GPT, GPTConfig
 
     mode = FakeTensorMode()  # no real tensor may enter an operation uncaught
@@ -316,8 +316,8 @@ def test_auto_batch_size_budgets_the_gpus_memory(monkeypatch):
     from types import SimpleNamespace
 
     from configurator import TrainConfig
-    from gpt.memory import auto_batch_size
-    from gpt.wrap import make_model_args
+    from gpt.auto_batch import auto_batch_size
+    from gpt.training_setup import make_model_args
     from model import GPT, GPTConfig
 
     asked = []
@@ -355,7 +355,7 @@ def test_the_stop_flag_of_gpu_ranks_travels_over_gloo(monkeypatch):
     rt = runtime.Runtime(
         "cuda:1", "cuda", torch.bfloat16, rank=1, local_rank=1, world_size=2, timeout=datetime.timedelta(seconds=42)
     )
-    stop = runtime.StopRequest()
+    stop = stopping.StopRequest()
     try:
         assert stop.check(rt) is False and stop.check(rt) is False
     finally:
@@ -366,16 +366,16 @@ def test_the_stop_flag_of_gpu_ranks_travels_over_gloo(monkeypatch):
 
 def test_ddp_on_gpus_holds_the_gpu_of_the_local_rank(monkeypatch):
     from configurator import TrainConfig
-    from gpt import wrap
+    from gpt import training_setup
     from model import GPT, GPTConfig
 
     wrapped = []
     monkeypatch.setattr(
-        wrap, "DDP", lambda model, device_ids, **options: wrapped.append((device_ids, options)) or model
+        training_setup, "DDP", lambda model, device_ids, **options: wrapped.append((device_ids, options)) or model
     )
     cfg = TrainConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, dropout=0.0, compile=False, parallelism="ddp")
     rt = runtime.Runtime("cpu", "cuda", torch.float32, rank=1, local_rank=1, world_size=2)  # weights stay on the CPU
-    wrap.build(GPT(GPTConfig(**wrap.make_model_args(cfg, 65))), cfg, rt)
+    training_setup.build(GPT(GPTConfig(**training_setup.make_model_args(cfg, 65))), cfg, rt)
     assert wrapped == [([1], {"gradient_as_bucket_view": True})]
 
 

@@ -1,7 +1,7 @@
 """What the multi-GPU command runs, on CPU processes over gloo: torchrun with compile=True under
 DDP and FSDP2 (losses, graphs, an exact resume), the skip decision of a step with a non-finite
 loss on one rank only (fp16, as the GPU runs it), one eval shape on every rank, and DDP's
-gradients held once (gradient_as_bucket_view) as memory.py counts them.
+gradients held once (gradient_as_bucket_view) as auto_batch.py counts them.
 
 The runs, shared by the tests, each a torchrun launch of tests/train_rank.py (train.py's main in each
 rank, with what a rank alone knows written down: its output, its checkpoint writes, its compile counters):
@@ -22,89 +22,33 @@ instead of inductor's generated C++. On a CPU inductor compiles each fused kerne
 checkpointing) is tested in one process by tests/test_compile.py."""
 
 import gc
-import json
-import os
 import shutil
-import signal
-import subprocess
 import weakref
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import REPO, char_dataset, read_metrics, start_python
+from conftest import TORCHRUN_ARGS, char_dataset, losses, read_metrics, succeeded, torchrun, untimed
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from configurator import TrainConfig
-from gpt import memory, runtime, step
+from gpt import auto_batch, runtime, step
 from gpt.batches import TrainBatches, eval_offsets
-from gpt.wrap import build
+from gpt.training_setup import build
 from model import GPT, GPTConfig
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
 )
 
-TRAIN_ARGS = [
-    "config/train_llama_tiny.py",
-    "--block_size=32",
-    "--batch_size=4",
-    "--gradient_accumulation_steps=4",
-    "--max_iters=8",
-    "--lr_decay_iters=8",
-    "--warmup_iters=2",
-    "--eval_interval=4",
-    "--eval_iters=3",
-    "--log_interval=1",
-    # 0.48M parameters, 1.9 MB of fp32 gradients: more than DDP's first bucket (1 MB), so DDP has
-    # two buckets and dynamo splits the compiled train graph between them
-    "--n_embd=128",
-    "--mlp_hidden=512",
-]
-
-
-def torchrun(root, data_dir, name, extra, nan_at=None, timeout=300):
-    """`torchrun --nproc_per_node=2` of train.py TRAIN_ARGS EXTRA in root/name (tests/train_rank.py,
-    compiling with aot_eager, recording; nan_at: (iters, ranks) whose loss is NaN). Killed, with the
-    test failing, past `timeout` (a rank waiting for ever). Returns (torchrun's exit code, its stderr,
-    each rank's report: exit, counters, stdout, stderr)."""
-    out = root / name
-    out.mkdir(exist_ok=True)  # a resume's: a copy of another run's
-    options = {"backend": "aot_eager", "record": True}
-    if nan_at:
-        options.update(nan_at=sorted(nan_at[0]), nan_ranks=sorted(nan_at[1]))
-    args = [*TRAIN_ARGS, f"--dataset={data_dir}", f"--out_dir={out}", *extra]
-    driver = [REPO / "tests" / "train_rank.py", out / "rank", json.dumps(options)]
-    cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *driver, *args]
-    proc = start_python(cmd, env={"OMP_NUM_THREADS": "1"})
-    try:
-        _, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its ranks
-        proc.communicate()
-        pytest.fail(f"torchrun of {name} still running after {timeout} s: a rank is waiting for another")
-    ranks = []
-    for r in range(2):
-        report = json.loads((out / f"rank{r}.json").read_text())
-        report.update(stdout=(out / f"rank{r}.out").read_text(), stderr=(out / f"rank{r}.err").read_text())
-        ranks.append(report)
-    return proc.returncode, stderr, ranks
-
-
+# 0.48M parameters, 1.9 MB of fp32 gradients: more than DDP's first bucket (1 MB), so DDP has
+# two buckets and dynamo splits the compiled train graph between them
+COMPILED_ARGS = [*TORCHRUN_ARGS, "--eval_iters=3", "--n_embd=128", "--mlp_hidden=512"]
+# compiling with aot_eager, recording each rank's checkpoint writes, last weights and compile counters
+RECORD = {"backend": "aot_eager", "record": True}
 # fp16, a NaN loss on rank 1 at iters 3, 6 and 7 (test_one_rank_non_finite_loss_is_skipped_by_every_rank)
-NAN_ONE_RANK = (
-    "nan_one_rank",
-    ["--dtype=float16", "--max_iters=10", "--eval_interval=100", "--max_bad_steps=2"],
-    ({3, 6, 7}, {1}),
-)
-
-
-def losses(out_dir):
-    """Every logged loss in order: training steps, then the evals' train and val losses."""
-    with open(out_dir / "metrics.jsonl") as f:
-        records = [json.loads(line) for line in f]
-    return [r[k] for r in records for k in ("loss", "train_loss", "val_loss") if k in r]
+NAN_ONE_RANK = ["--dtype=float16", "--max_iters=10", "--eval_interval=100", "--max_bad_steps=2"]
 
 
 @pytest.fixture(scope="module")
@@ -117,18 +61,21 @@ def data_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def compiled(data_dir):
     root, chars = data_dir, data_dir / "chars"
+    launch = lambda name, *extra, options=RECORD: torchrun(
+        root, name, [*COMPILED_ARGS, f"--dataset={chars}", f"--out_dir={root / name}", *extra], options
+    )
     ddp = ["--compile=True", "--always_save_checkpoint=True", "--keep_last=2"]  # checkpoints at 4 and 8
     runs = {}
     for name, extra in (("eager", []), ("ddp", ddp), ("fsdp", ["--compile=True", "--parallelism=fsdp"])):
-        code, stderr, runs[name] = torchrun(root, chars, name, extra)
-        assert code == 0, stderr[-3000:] + "".join(r["stderr"][-3000:] for r in runs[name])
+        runs[name] = succeeded(launch(name, *extra))
     # ddp's out_dir as it stood at iter 4, resumed: compiled again from nothing
     at_4 = shutil.ignore_patterns("ckpt.pt", "ckpt_best.pt", "ckpt_0000008.pt", "rank*")
     shutil.copytree(root / "ddp", root / "resumed", ignore=at_4)
-    code, stderr, runs["resumed"] = torchrun(root, chars, "resumed", [*ddp, "--init_from=resume"])
-    assert code == 0, stderr[-3000:] + "".join(r["stderr"][-3000:] for r in runs["resumed"])
-    code, _, runs[NAN_ONE_RANK[0]] = torchrun(root, chars, *NAN_ONE_RANK)
-    return root, {**runs, "launch exit": code}
+    runs["resumed"] = succeeded(launch("resumed", *ddp, "--init_from=resume"))
+    codes, _, runs["nan_one_rank"] = launch(
+        "nan_one_rank", *NAN_ONE_RANK, options={**RECORD, "nan_at": [3, 6, 7], "nan_ranks": [1]}
+    )
+    return root, {**runs, "launch exit": codes[0]}
 
 
 @pytest.mark.process
@@ -185,12 +132,9 @@ def test_compiled_run_has_one_train_graph_and_one_eval_graph(compiled, name):
 @pytest.mark.process
 def test_compiled_ddp_resumes_exactly(compiled):
     root, runs = compiled
-    untimed = lambda name: [
-        {k: v for k, v in json.loads(line).items() if k not in ("dt_ms", "tokens_per_s", "mfu")}
-        for line in (root / name / "metrics.jsonl").read_text().splitlines()
-    ]
     assert "resuming at iter 4" in runs["resumed"][0]["stdout"]
-    assert untimed("resumed") == untimed("ddp")  # bit for bit: the same compiled kernels, the same state
+    # bit for bit: the same compiled kernels, the same state
+    assert untimed(root / "resumed") == untimed(root / "ddp")
     a, b = (torch.load(root / name / "ckpt.pt", weights_only=True) for name in ("ddp", "resumed"))
     assert a["iter_num"] == b["iter_num"] == 8
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
@@ -279,7 +223,7 @@ def test_every_rank_evaluates_one_shape_and_each_window_counts_once(monkeypatch,
 
 def ddp_gradient_bytes():
     """(bytes held by gradients and buckets at each measure, the raw model, its parameters, a weak
-    reference to the DDP model) of three steps of the DDP train_model that wrap.build makes, in the
+    reference to the DDP model) of three steps of the DDP train_model that training_setup.build makes, in the
     process group already made. Nothing else refers to the DDP model when this returns."""
     # a one-process group: DDP builds its reducer and buckets as with more ranks. The Runtime
     # says two ranks so that build wraps the model in DDP
@@ -319,9 +263,9 @@ def ddp_gradient_bytes():
 
 
 def test_ddp_holds_one_set_of_gradients_its_buckets(tmp_path):
-    """The DDP train_model that wrap.build makes keeps gradients as views into its all-reduce
+    """The DDP train_model that training_setup.build makes keeps gradients as views into its all-reduce
     buckets through every micro-step (no_sync ones too) and from step to step: the bytes held by
-    the gradients and the buckets together are memory.gradient_bytes, one float32 per parameter."""
+    the gradients and the buckets together are auto_batch.gradient_bytes, one float32 per parameter."""
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         held, raw_model, params, ddp = ddp_gradient_bytes()
@@ -331,4 +275,4 @@ def test_ddp_holds_one_set_of_gradients_its_buckets(tmp_path):
     finally:
         dist.destroy_process_group()
     assert len(held) == 3 * (2 * len(params) + 1)
-    assert max(held) == memory.gradient_bytes(raw_model) == 4 * sum(p.numel() for p in params)
+    assert max(held) == auto_batch.gradient_bytes(raw_model) == 4 * sum(p.numel() for p in params)

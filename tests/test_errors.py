@@ -3,16 +3,7 @@ and nothing already written is lost."""
 
 import pytest
 import torch
-from conftest import run_script, tiny_args
-
-
-def assert_one_line_error(result, *expected):
-    assert result.returncode != 0
-    assert "Traceback" not in result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    for text in expected:
-        assert text in lines[0], lines[0]
+from conftest import one_line_error, run_script, tiny_args, tiny_bench_args
 
 
 @pytest.fixture
@@ -48,27 +39,27 @@ def test_train_config_errors(argv, expected, monkeypatch):
     # no GPU visible, so that --device=cuda is a mistake on a GPU machine too (CUDA_VISIBLE_DEVICES
     # would not do in this process: torch reads it once, at its first look for a GPU)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert_one_line_error(run_script("train.py", *argv), *expected)
+    one_line_error(run_script("train.py", *argv), *expected)
 
 
 def test_config_file_with_an_error(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("batch_size = 8\nn_layer = = 3\n")
-    assert_one_line_error(run_script("train.py", bad), "bad.py:2")
+    one_line_error(run_script("train.py", bad), "bad.py:2")
     bad.write_text("batch_size = 8\nn_layer = undefined_name\n")
-    assert_one_line_error(run_script("train.py", bad), "bad.py:2", "NameError")
+    one_line_error(run_script("train.py", bad), "bad.py:2", "NameError")
 
 
 def test_missing_dataset_names_the_prepare_script(tmp_path):
     result = run_script(
         "train.py", "--dataset=shakespeare_nope", "--device=cpu", "--compile=False", f"--out_dir={tmp_path}"
     )
-    assert_one_line_error(result, "data/shakespeare_nope/train.bin not found", "prepare.py")
+    one_line_error(result, "data/shakespeare_nope/train.bin not found", "prepare.py")
 
 
 def test_block_size_longer_than_the_data(char_data, tmp_path):
     # 18,000 train tokens but only 2,000 val tokens: the val split is the one too short
-    assert_one_line_error(train_with(char_data, tmp_path, block_size=5000), "block_size=5000", "val.bin (2000 tokens)")
+    one_line_error(train_with(char_data, tmp_path, block_size=5000), "block_size=5000", "val.bin (2000 tokens)")
 
 
 def test_gradient_accumulation_must_divide_among_ranks(char_data, tmp_path):
@@ -77,33 +68,33 @@ def test_gradient_accumulation_must_divide_among_ranks(char_data, tmp_path):
         *tiny_args(char_data, tmp_path / "out", gradient_accumulation_steps=3),
         env={"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
     )
-    assert_one_line_error(result, "gradient_accumulation_steps=3", "multiple of 2")
+    one_line_error(result, "gradient_accumulation_steps=3", "multiple of 2")
 
 
 def test_resume_without_a_checkpoint(char_data, tmp_path):
-    assert_one_line_error(train_with(char_data, tmp_path, init_from="resume"), "no checkpoint", "ckpt.pt")
+    one_line_error(train_with(char_data, tmp_path, init_from="resume"), "no checkpoint", "ckpt.pt")
 
 
 def test_resume_with_a_different_model(trained, char_data, tmp_path):
     before = (trained / "ckpt.pt").read_bytes()
     result = run_script("train.py", *tiny_args(char_data, trained, init_from="resume", n_layer=3))
-    assert_one_line_error(result, "n_layer 2 -> 3")
+    one_line_error(result, "n_layer 2 -> 3")
     assert (trained / "ckpt.pt").read_bytes() == before
 
 
 def test_corrupt_checkpoint(trained, char_data):
     (trained / "ckpt.pt").write_bytes(b"not a checkpoint at all")
     result = run_script("train.py", *tiny_args(char_data, trained, init_from="resume"))
-    assert_one_line_error(result, "ckpt.pt", "is damaged or not a checkpoint of this trainer")
+    one_line_error(result, "ckpt.pt", "is damaged or not a checkpoint of this trainer")
     result = run_script("sample.py", f"--out_dir={trained}", "--checkpoint=latest", "--device=cpu")
-    assert_one_line_error(result, "ckpt.pt", "is damaged or not a checkpoint of this trainer")
+    one_line_error(result, "ckpt.pt", "is damaged or not a checkpoint of this trainer")
 
 
 def test_unwritable_out_dir(char_data, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     result = run_script("train.py", *tiny_args(char_data, blocker / "out"))
-    assert_one_line_error(result, "cannot write to out_dir")
+    one_line_error(result, "cannot write to out_dir")
 
 
 SAMPLE_CASES = [
@@ -116,14 +107,14 @@ SAMPLE_CASES = [
 
 @pytest.mark.parametrize("argv, expected", SAMPLE_CASES, ids=[" ".join(a) for a, _ in SAMPLE_CASES])
 def test_sample_errors(argv, expected):
-    assert_one_line_error(run_script("sample.py", "--device=cpu", *argv), *expected)
+    one_line_error(run_script("sample.py", "--device=cpu", *argv), *expected)
 
 
 def test_sample_prompt_problems(trained):
     base = [f"--out_dir={trained}", "--device=cpu", "--max_new_tokens=5", "--num_samples=1"]
-    assert_one_line_error(run_script("sample.py", *base, "--start=FILE:/no/such/prompt.txt"), "/no/such/prompt.txt")
-    assert_one_line_error(run_script("sample.py", *base, "--start="), "prompt is empty")
-    assert_one_line_error(run_script("sample.py", *base, "--start=§§"), "never saw")
+    one_line_error(run_script("sample.py", *base, "--start=FILE:/no/such/prompt.txt"), "/no/such/prompt.txt")
+    one_line_error(run_script("sample.py", *base, "--start="), "prompt is empty")
+    one_line_error(run_script("sample.py", *base, "--start=§§"), "never saw")
 
 
 BENCH_CASES = [
@@ -137,22 +128,10 @@ BENCH_CASES = [
 
 @pytest.mark.parametrize("argv, expected", BENCH_CASES, ids=[" ".join(a) for a, _ in BENCH_CASES])
 def test_bench_errors(argv, expected):
-    tiny = [
-        "--device=cpu",
-        "--compile=False",
-        "--n_layer=1",
-        "--n_head=2",
-        "--n_embd=32",
-        "--block_size=16",
-        "--batch_size=2",
-        "--gradient_accumulation_steps=1",
-        "--bench_iters=2",
-        "--bench_warmup=1",
-    ]
-    assert_one_line_error(run_script("bench.py", *tiny, *argv), *expected)
+    one_line_error(run_script("bench.py", *tiny_bench_args(), *argv), *expected)
 
 
 def test_prepare_with_a_missing_input(tmp_path):
     result = run_script("data/shakespeare_char/prepare.py", "--input", tmp_path / "nope.txt", "--out_dir", tmp_path)
-    assert_one_line_error(result, "nope.txt")
+    one_line_error(result, "nope.txt")
     assert list(tmp_path.iterdir()) == []  # nothing written

@@ -251,12 +251,12 @@ def test_eval_loops_read_the_device_once_whatever_the_number_of_batches(monkeypa
     not os.environ.get("LM_EVAL_PYTHON"), reason="set LM_EVAL_PYTHON to a Python with lm-eval installed (its own venv)"
 )
 def test_harness_style_equals_lm_evaluation_harness():
-    # scripts/harness_hellaswag.py: lm-eval's own hellaswag task and --hellaswag_style=harness on one
+    # dev/harness_hellaswag.py: lm-eval's own hellaswag task and --hellaswag_style=harness on one
     # GPT-2-shaped export and one local file; every log-likelihood, verdict and accuracy compared
     result = subprocess.run(
         [
             sys.executable,
-            str(REPO / "scripts" / "harness_hellaswag.py"),
+            str(REPO / "dev" / "harness_hellaswag.py"),
             f"--lm_eval_python={os.environ['LM_EVAL_PYTHON']}",
             "--examples=24",
         ],

@@ -4,11 +4,10 @@ equal an uninterrupted one."""
 
 import os
 import signal
-import time
 
 import pytest
 import torch
-from conftest import REPO, read_metrics, run_script, start_python, tiny_args
+from conftest import REPO, logged_steps, read_metrics, run_script, start_python, tiny_args, untimed, wait_for
 from train_rank import nan_steps
 
 from gpt import checkpoint
@@ -16,25 +15,9 @@ from gpt import checkpoint
 EXIT_STOPPED = 75
 
 
-def untimed(records):
-    return [{k: v for k, v in r.items() if k not in ("dt_ms", "tokens_per_s", "mfu")} for r in records]
-
-
 def start(args, env=None, launcher=()):
     """train.py ARGS in a process of its own (under `launcher`, torchrun's module and flags)."""
     return start_python([*launcher, REPO / "train.py", *args], env=env)
-
-
-def wait_for_steps(out_dir, n, proc, timeout=300):
-    """Block until metrics.jsonl shows n logged steps (the run is well into training)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()
-        path = out_dir / "metrics.jsonl"
-        if path.exists() and sum('"loss"' in line for line in path.read_text().splitlines()) >= n:
-            return
-        time.sleep(0.05)
-    raise AssertionError("training did not get going")
 
 
 @pytest.mark.process
@@ -45,7 +28,7 @@ def test_sigterm_checkpoints_and_resume_is_exact(char_data, tmp_path):
 
     out = tmp_path / "stopped"
     proc = start(tiny_args(char_data, out, **common))
-    wait_for_steps(out, 30, proc)
+    wait_for(logged_steps(out / "metrics.jsonl", 30), proc, timeout=300)
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == EXIT_STOPPED, stderr
@@ -54,7 +37,7 @@ def test_sigterm_checkpoints_and_resume_is_exact(char_data, tmp_path):
 
     resumed = run_script("train.py", *tiny_args(char_data, out, **common, init_from="resume"))
     assert resumed.returncode == 0, resumed.stderr
-    assert untimed(read_metrics(out)) == untimed(read_metrics(tmp_path / "straight"))
+    assert untimed(out) == untimed(tmp_path / "straight")
 
 
 def test_time_budget_stops_with_a_checkpoint(char_data, tmp_path):
@@ -111,7 +94,7 @@ def test_ddp_sigterm_to_the_launcher_stops_both_ranks_with_one_checkpoint(char_d
         env={"OMP_NUM_THREADS": "1"},
         launcher=["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"],
     )
-    wait_for_steps(out, 20, proc)
+    wait_for(logged_steps(out / "metrics.jsonl", 20), proc, timeout=300)
     proc.send_signal(signal.SIGTERM)  # to torchrun, which passes it on to both ranks
     stdout, stderr = proc.communicate(timeout=300)  # no hang: both ranks agreed to stop
     assert "stopped at iter" in stdout, stderr[-2000:]
@@ -135,9 +118,8 @@ def test_keep_last_rotates_and_resume_takes_the_newest_complete(char_data, tmp_p
     ]
     assert os.path.samefile(out / "ckpt.pt", out / "ckpt_0000040.pt")  # a link, not a second copy
     vals = {r["iter"]: r["val_loss"] for r in read_metrics(out) if "val_loss" in r and r["iter"] > 0}
-    assert checkpoint.load(str(out / "ckpt_best.pt"))["iter_num"] == min(
-        vals, key=vals.get
-    )  # kept apart from the rotation
+    best = min(vals, key=vals.get)
+    assert checkpoint.load(str(out / "ckpt_best.pt"))["iter_num"] == best  # kept apart from the rotation
 
     # the newest files are damaged (a copy cut short): resume falls back to the newest one that loads whole
     (out / "ckpt.pt").unlink()

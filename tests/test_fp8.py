@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-from conftest import REPO, bpe_eval_data, char_dataset, needs, read_metrics, run_script, tiny_args
+from conftest import REPO, bpe_eval_data, char_dataset, losses, needs, run_script, tiny_args, untimed
 
 from configurator import TrainConfig, UserError, parse
 from gpt import checkpoint, fp8
@@ -33,10 +33,6 @@ def tiny_gpt(**options):
 
 def is_float8(module):
     return type(module).__name__ == "Float8Linear"
-
-
-def untimed(records):
-    return [{k: v for k, v in r.items() if k not in ("dt_ms", "tokens_per_s")} for r in records]
 
 
 # ---------------------------------------------------------------------------- the conversion
@@ -209,7 +205,7 @@ def runs(tmp_path_factory):
 def test_an_fp8_run_resumes_exactly(runs):
     """20 steps straight == 10 steps, stop, resume to 20, in fp8 too: each step's scales come from
     the tensors of that step, so there is no float8 state a checkpoint would have to carry."""
-    assert untimed(read_metrics(runs / "split")) == untimed(read_metrics(runs / "straight"))
+    assert untimed(runs / "split") == untimed(runs / "straight")
     a, b = (checkpoint.load(str(runs / name / "ckpt.pt")) for name in ("straight", "split"))
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
 
@@ -284,9 +280,8 @@ def test_two_ranks_in_fp8_train_like_one_process(tmp_path, parallelism):
     two = subprocess.run([*launch, *args], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert two.returncode == 0, two.stderr[-3000:]
     assert two.stdout.count("fp8: 8 Linear layers in float8") == 1  # rank 0 says it; every rank converts
-    losses = lambda name: [r[k] for r in read_metrics(tmp_path / name) for k in ("loss", "val_loss") if k in r]
-    a, b = losses("one"), losses("two")
-    assert len(a) == len(b) == 8 + 3
+    a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert len(a) == len(b) == 8 + 3 * 2
     # float8 turns an ulp into a float8 step: a weight that the ranks' other order of summing moves
     # one ulp across a rounding boundary rounds to the next e4m3 value, 1/8 away. Measured over these
     # 8 steps and 3 evals: 6.4e-4 (DDP) and 3.0e-3 (FSDP2); a run without fp8 is 5.4e-2 away

@@ -16,7 +16,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import chat_demo_copy, load_script, make_text, needs, run_script, tiny_args, train_tiny_run
+from conftest import (
+    chat_demo_copy,
+    load_script,
+    make_text,
+    needs,
+    run_script,
+    save_checkpoint,
+    tiny_args,
+    train_tiny_run,
+)
 from test_chat_template import CONVERSATIONS, LLAMA3_SPECIALS, make_trained_tokenizer
 
 from data import corpus
@@ -405,26 +414,6 @@ def test_create_chat_completion_answers_what_chat_py_answers(chat_demo):
 
 
 # ---------------------------------------------------------------------------- refusals
-
-
-def save_checkpoint(out_dir, model, spec):
-    """A checkpoint as train.py writes it (model, its args, the tokenizer description)."""
-    import dataclasses
-    import math
-
-    out_dir.mkdir()
-    torch.save(
-        {
-            "model": model.state_dict(),
-            "model_args": dataclasses.asdict(model.config),
-            "config": {},
-            "iter_num": 0,
-            "best_val_loss": math.nan,
-            "tokenizer": spec,
-        },
-        out_dir / "ckpt.pt",
-    )
-    return out_dir
 
 
 def assert_refused(out_dir, named, *args):

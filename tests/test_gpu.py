@@ -15,7 +15,7 @@ from configurator import TrainConfig
 from gpt import fp8, optim, runtime
 from gpt.batches import TrainBatches, get_batch
 from gpt.step import train_step
-from gpt.wrap import attention_error
+from gpt.training_setup import attention_error
 from model import GPT, GPTConfig, RMSNorm
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

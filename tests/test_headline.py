@@ -36,16 +36,14 @@ def test_cpu_mode_runs_every_part_and_writes_its_reports(tmp_path, monkeypatch):
     assert [(s["name"], s["status"]) for s in report["steps"]] == [(n, "ok") for n in names]
     rows = {(s["name"], r["setting"]): r for s in report["steps"] for r in s.get("rows", [])}
     sweep = ["gradient_accumulation_steps=1", "gradient_accumulation_steps=2"]
-    assert sorted(rows) == sorted(
-        [("gpt2-2", ""), ("gpt2-4", ""), ("llama", "")] + [(n, k) for n in ("speedrun", "plain") for k in sweep]
-    )
+    expected = [("gpt2-2", ""), ("gpt2-4", ""), ("llama", "")] + [(n, k) for n in ("speedrun", "plain") for k in sweep]
+    assert sorted(rows) == sorted(expected)
     assert all(r["tokens_per_s"] > 0 and r["ms_per_iter"] > 0 for r in rows.values())
     assert (rows[("gpt2-4", "")]["batch_size"], rows[("gpt2-2", "")]["gradient_accumulation_steps"]) == (4, 1)
     for accum, fast, plain, ratio in report["speedrun_over_plain"]:
         key = ("speedrun", f"gradient_accumulation_steps={accum}")
-        assert fast == rows[key]["tokens_per_s"] and ratio == pytest.approx(
-            fast / rows[("plain", key[1])]["tokens_per_s"]
-        )
+        plain_tokens_per_s = rows[("plain", key[1])]["tokens_per_s"]
+        assert fast == rows[key]["tokens_per_s"] and ratio == pytest.approx(fast / plain_tokens_per_s)
     baby = report["baby"]
     assert baby["target"] == headline.NANOGPT_BEST_H200  # no nanoGPT here
     assert all(race["nanogpt_s"] is None for race in baby["races"].values())
@@ -100,29 +98,17 @@ def test_on_a_gpu_it_plans_the_issues_commands_at_full_shape(nanogpt, tmp_path, 
     ours = lambda name, cls=BenchConfig: configurator.parse(cls, by[name].argv[1:])  # as bench.py, train.py parse them
     speedrun, plain = ours("speedrun"), ours("plain")
     for c in (speedrun, plain):
-        assert (c.batch_size, c.block_size, c.sweep, c.device, c.compile) == (
-            16,
-            1024,
-            "gradient_accumulation_steps=1,8,32",
-            "cuda",
-            True,
-        )
+        shape = (c.batch_size, c.block_size, c.sweep, c.device, c.compile)
+        assert shape == (16, 1024, "gradient_accumulation_steps=1,8,32", "cuda", True)
     assert (speedrun.optimizer, speedrun.value_embeds, plain.optimizer, plain.n_head) == ("muon", True, "adamw", 12)
     for batch in (12, 32):  # the issue's command, and nanoGPT's bench.py at the same shape
         c = ours(f"gpt2-{batch}")
-        assert (c.n_layer, c.n_embd, c.batch_size, c.block_size, c.gradient_accumulation_steps) == (
-            12,
-            768,
-            batch,
-            1024,
-            1,
-        )
+        shape = (c.n_layer, c.n_embd, c.batch_size, c.block_size, c.gradient_accumulation_steps)
+        assert shape == (12, 768, batch, 1024, 1)
         assert (c.bench_iters, c.bench_warmup, c.bias, c.json) == (20, 10, False, True)
         nano = by[f"nanogpt-gpt2-{batch}"]
-        assert (nano.argv, nano.cwd) == (
-            [str(nanogpt / "bench.py"), "--real_data=False", f"--batch_size={batch}"],
-            str(nanogpt),
-        )
+        command = [str(nanogpt / "bench.py"), "--real_data=False", f"--batch_size={batch}"]
+        assert (nano.argv, nano.cwd) == (command, str(nanogpt))
     llama = ours("llama")
     assert (llama.n_layer, llama.n_embd, llama.gradient_accumulation_steps, llama.bench_iters) == (16, 2048, 2, 3)
     caches = {name: s.env["TORCHINDUCTOR_CACHE_DIR"] for name, s in by.items() if s.part == "baby"}
@@ -133,20 +119,11 @@ def test_on_a_gpu_it_plans_the_issues_commands_at_full_shape(nanogpt, tmp_path, 
     assert ours("baby-warmup-fast", TrainConfig).max_iters == 20 and "--max_iters=20" in by["baby-warmup-nanogpt"].argv
     for seed in (1, 2):
         fast = ours(f"baby-warm-fast-{seed}", TrainConfig)
-        assert (fast.seed, fast.optimizer, fast.max_iters, fast.n_embd, fast.device) == (
-            seed,
-            "muon",
-            1000,
-            384,
-            "cuda",
-        )
+        run = (fast.seed, fast.optimizer, fast.max_iters, fast.n_embd, fast.device)
+        assert run == (seed, "muon", 1000, 384, "cuda")
         nano = by[f"baby-cold-nanogpt-{seed}"]
-        assert nano.cwd == str(nanogpt) and nano.argv[:4] == [
-            "train.py",
-            "config/train_shakespeare_char.py",
-            "--max_iters=2000",
-            "--device=cuda",
-        ]
+        command = ["train.py", "config/train_shakespeare_char.py", "--max_iters=2000", "--device=cuda"]
+        assert nano.cwd == str(nanogpt) and nano.argv[:4] == command
     config = ours("baby-config-1", TrainConfig)  # nanoGPT's config, its schedule unchanged to step 2,000
     assert (config.max_iters, config.lr_decay_iters, config.optimizer, config.dropout) == (2000, 5000, "adamw", 0.2)
     assert by["tests"].argv[-1] == "tests/test_gpu.py" and by["tests"].cwd == str(REPO)

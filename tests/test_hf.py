@@ -16,9 +16,8 @@ from configurator import TrainConfig, UserError, parse
 from gpt import checkpoint, huggingface, load, tokenizer
 from model import GPT, GPTConfig
 
-SMALL = dict(
-    n_layer=2, n_head=4, n_embd=64, vocab_size=50257, n_positions=64
-)  # GPT-2's vocab: 50257 rows padded to 50304
+# GPT-2's vocab: 50257 rows padded to 50304
+SMALL = dict(n_layer=2, n_head=4, n_embd=64, vocab_size=50257, n_positions=64)
 TOL = 1e-5  # float32
 
 
@@ -199,9 +198,8 @@ def test_chat_data_takes_gpt2s_padding_rows_for_its_turn_tokens(tmp_path):
     mean = wte[:50257].mean(dim=0)
     assert all(torch.equal(wte[i], mean) for i in turn_ids) and not wte[50261:].any()
     idx = tokens()
-    assert (
-        max_diff(our_logits(model, idx)[..., :50257], their_logits(reference, idx)) <= TOL
-    )  # GPT-2's tokens unchanged
+    # GPT-2's tokens unchanged
+    assert max_diff(our_logits(model, idx)[..., :50257], their_logits(reference, idx)) <= TOL
     assert any("the chat template's turn tokens 50257, 50258, 50259, 50260 start as the mean" in n for n in notes)
     # without chat data (or past the padding) a larger tokenizer is still refused
     with pytest.raises(UserError, match="more than the vocab_size=50257"):

@@ -23,7 +23,7 @@ from configurator import TrainConfig, UserError, parse
 from data import corpus
 from gpt import checkpoint, huggingface, load, tokenizer
 from gpt.checkpoint import check_resumable
-from gpt.wrap import make_model_args
+from gpt.training_setup import make_model_args
 from model import GPT, GPTConfig, apply_rope, rope_tables
 
 TOL = 1e-4  # float32
@@ -154,12 +154,8 @@ def test_import_gives_transformers_logits(tmp_path, case):
     idx = tokens()
     assert max_diff(our_logits(model, idx), their_logits(theirs, idx)) <= TOL
     c = theirs.config
-    assert (model.config.n_kv_head, model.config.norm_eps, model.config.tie_embeddings, model.config.bias) == (
-        c.num_key_value_heads,
-        c.rms_norm_eps,
-        c.tie_word_embeddings,
-        c.attention_bias,
-    )
+    ours = (model.config.n_kv_head, model.config.norm_eps, model.config.tie_embeddings, model.config.bias)
+    assert ours == (c.num_key_value_heads, c.rms_norm_eps, c.tie_word_embeddings, c.attention_bias)
     assert (model.transformer.wte.weight is model.lm_head.weight) == c.tie_word_embeddings
 
 
@@ -185,15 +181,8 @@ def test_llama_3_2_1b_config_builds_with_its_parameter_count(tmp_path):
         model = GPT(GPTConfig(**model_args))
     assert model.num_params(non_embedding=False) == 1_235_814_400
     c = model.config
-    assert (c.n_layer, c.n_head, c.n_kv_head, c.n_embd, c.mlp_hidden, c.block_size, c.vocab_size) == (
-        16,
-        32,
-        8,
-        2048,
-        8192,
-        131072,
-        128256,
-    )
+    shape = (c.n_layer, c.n_head, c.n_kv_head, c.n_embd, c.mlp_hidden, c.block_size, c.vocab_size)
+    assert shape == (16, 32, 8, 2048, 8192, 131072, 128256)
     assert (c.rope_theta, c.norm_eps, c.tie_embeddings, c.bias) == (500000.0, 1e-5, True, False)
     assert c.rope_scaling == {
         "factor": 32.0,

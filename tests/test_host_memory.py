@@ -1,15 +1,15 @@
-"""The host memory a job may use (runtime.free_memory), and what it decides: whether load_split
+"""The host memory a job may use (host_memory.free_memory), and what it decides: whether load_split
 reads a split into RAM. A Slurm job or a Kubernetes pod is killed (exit -9, no message) past its
 cgroup's memory limit, however much the host has free, so the limit is read too: cgroup v2 and
 v1, the process's group and its ancestors. Each test builds a fake /proc and /sys/fs/cgroup
-in a temporary directory and points runtime at them."""
+in a temporary directory and points host_memory at them."""
 
 import numpy as np
 import pytest
 
 import train
 from configurator import TrainConfig, UserError
-from gpt import runtime, tokens
+from gpt import host_memory, tokens
 from gpt.batches import load_split
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -35,9 +35,9 @@ def host(tmp_path, monkeypatch):
             for name, content in files.items():
                 (d / name).write_text(str(content) + "\n")
 
-    monkeypatch.setattr(runtime, "MEMINFO", str(tmp_path / "meminfo"))
-    monkeypatch.setattr(runtime, "SELF_CGROUP", str(tmp_path / "self_cgroup"))
-    monkeypatch.setattr(runtime, "CGROUP_ROOT", str(tmp_path / "cgroup"))
+    monkeypatch.setattr(host_memory, "MEMINFO", str(tmp_path / "meminfo"))
+    monkeypatch.setattr(host_memory, "SELF_CGROUP", str(tmp_path / "self_cgroup"))
+    monkeypatch.setattr(host_memory, "CGROUP_ROOT", str(tmp_path / "cgroup"))
     return make
 
 
@@ -68,8 +68,8 @@ def test_a_v2_limit_on_an_ancestor_group_bounds_free_memory(host):
             "system.slice/slurmstepd.scope/job_42/step_0": v2("max", 2 * GiB),
         },
     )
-    assert runtime.cgroup_memory_left() == 6 * GiB  # 8 - 3 used + 1 of page cache the kernel drops first
-    assert runtime.free_memory() == 6 * GiB
+    assert host_memory.cgroup_memory_left() == 6 * GiB  # 8 - 3 used + 1 of page cache the kernel drops first
+    assert host_memory.free_memory() == 6 * GiB
 
 
 def test_a_v1_memory_limit_bounds_free_memory(host):
@@ -82,16 +82,16 @@ def test_a_v1_memory_limit_bounds_free_memory(host):
             "": v2("max", 0),
         },
     )
-    assert runtime.free_memory() == 8 * GiB
+    assert host_memory.free_memory() == 8 * GiB
 
 
 def test_a_container_sees_its_own_group_at_the_mount(host):
     # cgroup v2 namespaced (Docker, Kubernetes): /proc/self/cgroup says "/", the mount is the pod's group
     host(64 * GiB, ["0::/"], {"": v2(4 * GiB, 1 * GiB)})
-    assert runtime.free_memory() == 3 * GiB
+    assert host_memory.free_memory() == 3 * GiB
     # v1 without a namespace: /proc/self/cgroup names a path the container's mount does not have
     host(64 * GiB, ["4:memory:/kubepods/burstable/pod1/abc"], {"memory": v1(2 * GiB, 1 * GiB)})
-    assert runtime.free_memory() == 1 * GiB
+    assert host_memory.free_memory() == 1 * GiB
 
 
 def test_the_host_bounds_free_memory_when_no_cgroup_limits_it(host):
@@ -100,10 +100,10 @@ def test_the_host_bounds_free_memory_when_no_cgroup_limits_it(host):
         ["4:memory:/user.slice", "0::/user.slice"],
         {"memory/user.slice": v1(V1_NO_LIMIT, 1 * GiB), "user.slice": v2("max", 1 * GiB)},
     )
-    assert runtime.cgroup_memory_left() is None
-    assert runtime.free_memory() == 5 * GiB
+    assert host_memory.cgroup_memory_left() is None
+    assert host_memory.free_memory() == 5 * GiB
     host(1 * GiB, ["0::/"], {"": v2(8 * GiB, 1 * GiB)})  # a limit looser than what the host has free
-    assert runtime.free_memory() == 1 * GiB
+    assert host_memory.free_memory() == 1 * GiB
 
 
 @pytest.fixture

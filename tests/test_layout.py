@@ -125,13 +125,16 @@ def problems(repo=REPO):
         if t not in CORE
     ]
     found += [
-        f"{m} imports the script {t}" for m in sorted(edges) for t in sorted(edges[m]) if t.startswith("scripts.")
+        f"{m} imports the script {t}"
+        for m in sorted(edges)
+        for t in sorted(edges[m])
+        if t.startswith(("scripts.", "dev."))
     ]
     # data/ prepares datasets and imports the library; the library reads nothing from data/
     found += [
         f"{m} (the library or the root) imports the dataset preparation {t}"
         for m in sorted(edges)
-        if not m.startswith(("data.", "scripts.")) and m != "data"
+        if not m.startswith(("data.", "scripts.", "dev.")) and m != "data"
         for t in sorted(edges[m])
         if t == "data" or t.startswith("data.")
     ]
@@ -139,7 +142,7 @@ def problems(repo=REPO):
 
 
 def test_arrows_run_one_way():
-    """No circle, counting imports inside functions; nothing imports a command or a script;
+    """No circle, counting imports inside functions; nothing imports a command, a script or a dev/ harness;
     model.py and configurator.py import nothing of the repo's but each other."""
     found = problems()
     assert not found, "\n".join(found)
@@ -187,7 +190,9 @@ def test_the_readme_file_tree_names_every_module_and_no_other():
     missing = sorted((root | package) - {Path(n).name for n in named})
     assert not missing, f"README.md's file tree lacks {missing}"
     absent = sorted(
-        n for n in named if not any((REPO / d / n).exists() for d in ("", "gpt", "scripts", "data", "tests", "config"))
+        n
+        for n in named
+        if not any((REPO / d / n).exists() for d in ("", "gpt", "scripts", "dev", "data", "tests", "config"))
     )
     assert not absent, f"README.md's file tree names files that do not exist: {absent}"
 

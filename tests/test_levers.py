@@ -6,14 +6,25 @@ old checkpoints, and GGUF's export, which must refuse what llama.cpp cannot comp
 nothing: a default model is the one it was before."""
 
 import dataclasses
-import functools
 import math
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ATEN_BACKEND, char_dataset, needs, read_metrics, run_script, tiny_args
+from conftest import (
+    ATEN_BACKEND,
+    TORCHRUN_ARGS,
+    char_dataset,
+    losses,
+    needs,
+    run_script,
+    save_checkpoint,
+    succeeded,
+    tiny_args,
+    torchrun,
+    untimed,
+)
 from torch._dynamo.utils import counters
 from torch.overrides import TorchFunctionMode
 
@@ -21,7 +32,7 @@ from configurator import TrainConfig, UserError, parse
 from gpt import checkpoint, inference, load, optim, runtime, tokenizer
 from gpt.batches import TrainBatches
 from gpt.step import train_step
-from gpt.wrap import build, make_model_args
+from gpt.training_setup import build, make_model_args
 from model import GPT, MLP, CausalSelfAttention, GPTConfig, RMSNorm
 
 TINY = dict(n_layer=4, n_head=4, n_embd=32, block_size=16, vocab_size=65, dropout=0.0)
@@ -150,9 +161,8 @@ def test_value_embedding_attention_adds_the_gated_embedding_to_v():
     q, k, v = (x @ attn.c_attn.weight.T + attn.c_attn.bias).split([C, 2 * hs, 2 * hs], dim=-1)
     heads = lambda t, n: t.reshape(B, T, n, hs).transpose(1, 2)
     v = heads(v, 2) + attn.ve_gate[None, :, None, None] * heads(ve, 2)  # each k/v head its own gate
-    y = causal_attention(
-        heads(q, 4), *(t.repeat_interleave(2, dim=1) for t in (heads(k, 2), v))
-    )  # 2 q heads a k/v head
+    # 2 q heads a k/v head
+    y = causal_attention(heads(q, 4), *(t.repeat_interleave(2, dim=1) for t in (heads(k, 2), v)))
     expected = y.transpose(1, 2).reshape(B, T, C) @ attn.c_proj.weight.T + attn.c_proj.bias
     torch.testing.assert_close(attn(x, ve=ve), expected)
 
@@ -205,9 +215,8 @@ def test_zero_init_proj_starts_projections_at_zero_and_they_still_learn():
     projections = {n: p for n, p in model.named_parameters() if ".c_proj." in n}
     assert len(projections) == 4 * 2 * 2  # attention's and the MLP's, weight and bias, in every block
     assert all(torch.equal(p, torch.zeros_like(p)) for p in projections.values())
-    assert (
-        model.lm_head.weight.std() > 0.01
-    )  # the head keeps its init: a zero head would give no gradient to anything below it
+    # the head keeps its init: a zero head would give no gradient to anything below it
+    assert model.lm_head.weight.std() > 0.01
     idx = tokens()
     _, loss = model(idx, idx)
     loss.backward()
@@ -306,9 +315,8 @@ def test_optimizer_groups_param_counts_and_flops():
     groups = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu").param_groups
     decayed, plain = ({id(p) for p in g["params"]} for g in groups)
     assert all(id(named[n]) in decayed for n in extra if n.startswith("transformer.ve."))  # embeddings decay, as wte
-    assert all(
-        id(named[n]) in plain for n in extra if not n.startswith("transformer.ve.")
-    )  # gates and skip weights do not
+    # gates and skip weights do not
+    assert all(id(named[n]) in plain for n in extra if not n.startswith("transformer.ve."))
     # the value embedding tables are lookups: no matmul FLOPs; relu2 has GELU's matmuls
     tables = sum(p.numel() for n, p in named.items() if n.startswith("transformer.ve."))
     gates = sum(p.numel() for n, p in named.items() if "ve_gate" in n or "skip" in n)
@@ -391,25 +399,9 @@ def test_cached_decoding_with_every_lever_is_one_graph():
     torch._dynamo.reset()
 
 
-def test_all_levers_compile_to_one_graph_that_never_recompiles(monkeypatch):
-    torch._dynamo.reset()
-    counters.clear()
-    monkeypatch.setattr(
-        torch, "compile", functools.partial(torch.compile, backend=ATEN_BACKEND)
-    )  # wrap.build's compile
-    cfg = TrainConfig(
-        device="cpu",
-        compile=True,
-        batch_size=4,
-        block_size=16,
-        n_layer=4,
-        n_head=4,
-        n_embd=32,
-        gradient_accumulation_steps=2,
-        dropout=0.0,
-        optimizer="muon",
-        **LEVERS,
-    )
+def test_all_levers_compile_to_one_graph_that_never_recompiles(aten_compile):
+    keys = dict(device="cpu", compile=True, batch_size=4, block_size=16, n_layer=4, n_head=4, n_embd=32)
+    cfg = TrainConfig(**keys, gradient_accumulation_steps=2, dropout=0.0, optimizer="muon", **LEVERS)
     torch.manual_seed(0)
     model, train_model, optimizer, scaler = build(GPT(GPTConfig(**make_model_args(cfg, 65))), cfg, CPU)
     data = np.random.default_rng(0).integers(0, 65, size=4000).astype(np.uint16)
@@ -422,7 +414,6 @@ def test_all_levers_compile_to_one_graph_that_never_recompiles(monkeypatch):
     # the model's one graph, and Muon's compiled iteration once per matrix shape (c_attn, attn.c_proj, c_fc, mlp.c_proj)
     assert counters["stats"]["unique_graphs"] == 1 + 4, dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])
-    torch._dynamo.reset()
 
 
 # ---------------------------------------------------------------------------- train.py, torchrun, exports
@@ -452,10 +443,7 @@ def test_resume_with_every_lever_is_exact(char_data, tmp_path):
     train("straight")
     train("split", max_iters=4)
     assert "resuming at iter 4" in train("split", init_from="resume").stdout
-    untimed = lambda out: [
-        {k: v for k, v in r.items() if k not in ("dt_ms", "tokens_per_s", "mfu")} for r in read_metrics(tmp_path / out)
-    ]
-    assert untimed("split") == untimed("straight")
+    assert untimed(tmp_path / "split") == untimed(tmp_path / "straight")
     a, b = (checkpoint.load(str(tmp_path / out / "ckpt.pt")) for out in ("straight", "split"))
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert all(a["model_args"][k] == v for k, v in LEVER_FLAGS.items())
@@ -471,14 +459,10 @@ def test_resume_with_every_lever_is_exact(char_data, tmp_path):
 
 @pytest.mark.process
 def test_ddp_on_two_gloo_ranks_keeps_the_replicas_equal(tmp_path):
-    from test_dist import losses, torchrun
-
-    char_dataset(tmp_path / "chars")
+    data = char_dataset(tmp_path / "chars")
     flags = [f"--{k}={v}" for k, v in LEVER_FLAGS.items() if k != "n_layer"]
-    code, stderr, ranks = torchrun(
-        tmp_path, tmp_path / "chars", "levers", [*flags, "--max_iters=4", "--eval_interval=4"]
-    )
-    assert code == 0, stderr[-3000:] + "".join(r["stderr"][-3000:] for r in ranks)
+    args = [*TORCHRUN_ARGS, "--eval_iters=2", f"--dataset={data}", f"--out_dir={tmp_path / 'levers'}", *flags]
+    succeeded(torchrun(tmp_path, "levers", [*args, "--max_iters=4", "--eval_interval=4"], {"record": True}))
     w0, w1 = (torch.load(tmp_path / "levers" / f"rank{r}.weights.pt", weights_only=True) for r in range(2))
     assert any(k.startswith("transformer.ve.") for k in w0) and "skip_weights" in w0
     assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
@@ -489,19 +473,7 @@ def test_ddp_on_two_gloo_ranks_keeps_the_replicas_equal(tmp_path):
 def saved(out_dir, **options):
     """A checkpoint of a GPT-2-shaped model with `options`, as train.py writes one, for hf.py."""
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=50257, **options))
-    out_dir.mkdir()
-    torch.save(
-        {
-            "model": model.state_dict(),
-            "model_args": dataclasses.asdict(model.config),
-            "config": {},
-            "iter_num": 0,
-            "best_val_loss": math.nan,
-            "tokenizer": tokenizer.make_spec("gpt2"),
-        },
-        out_dir / "ckpt.pt",
-    )
-    return out_dir, model
+    return save_checkpoint(out_dir, model, tokenizer.make_spec("gpt2")), model
 
 
 @pytest.mark.parametrize(
@@ -511,10 +483,8 @@ def saved(out_dir, **options):
         (dict(logit_softcap=30.0), "logit_softcap=30.0"),
         (dict(value_embeds=True), "value_embeds=True"),
         (dict(unet_skips=True), "unet_skips=True"),
-        (
-            dict(pos_encoding="rope", norm="rmsnorm", mlp="swiglu", bias=False, unet_skips=True),
-            "unet_skips=True",
-        ),  # a Llama but for it
+        # a Llama but for it
+        (dict(pos_encoding="rope", norm="rmsnorm", mlp="swiglu", bias=False, unet_skips=True), "unet_skips=True"),
     ],
 )
 def test_gguf_refuses_each_lever_it_cannot_compute_in_one_line(tmp_path, options, named):

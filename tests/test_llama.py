@@ -14,7 +14,7 @@ from conftest import REPO, read_metrics, run_script
 from configurator import TrainConfig, UserError, parse
 from gpt.checkpoint import check_resumable
 from gpt.inference import KVCache, generate
-from gpt.wrap import make_model_args
+from gpt.training_setup import make_model_args
 from model import GPT, MLP, CausalSelfAttention, GPTConfig, apply_rope, make_norm, rope_tables
 
 LLAMA = dict(
@@ -301,9 +301,8 @@ def test_cached_step_logits_equal_a_full_forward_for_a_llama_model():
 def test_cached_generation_equals_uncached_past_block_size(window_shift):
     model = llama()
     prompt = idx(3, 5)
-    uncached = generate(
-        model, prompt, 40, temperature=0, kv_cache=False, window_shift=window_shift
-    )  # 45 tokens, block_size 16
+    # 45 tokens, block_size 16
+    uncached = generate(model, prompt, 40, temperature=0, kv_cache=False, window_shift=window_shift)
     # by hand: the last block_size tokens (or the window a larger shift keeps) through the whole model
     out, start = prompt, 0
     for _ in range(40):

@@ -47,9 +47,8 @@ def test_tensorboard_gets_the_same_scalars_as_metrics_jsonl(char_data, tmp_path)
         logged = [(r["iter"], r[key]) for r in records if r.get(key) is not None]
         scalars = [(e.step, e.value) for e in events.Scalars(key)]
         assert [s for s, _ in scalars] == [i for i, _ in logged]
-        assert all(
-            abs(a - b) <= 1e-6 * max(1.0, abs(b)) for (_, a), (_, b) in zip(scalars, logged)
-        )  # stored as float32
+        # stored as float32
+        assert all(abs(a - b) <= 1e-6 * max(1.0, abs(b)) for (_, a), (_, b) in zip(scalars, logged))
 
 
 def png_size(path):

@@ -22,7 +22,7 @@ from gpt import optim, runtime, tokenizer
 from gpt.batches import TrainBatches, load_split
 from gpt.optim import get_lr
 from gpt.step import train_step
-from gpt.wrap import make_model_args
+from gpt.training_setup import make_model_args
 from model import GPT, GPTConfig
 
 CPU = runtime.Runtime("cpu", "cpu", torch.float32)
@@ -107,9 +107,8 @@ def test_muon_on_a_cpu_orthogonalizes_in_float32_closer_to_the_exact_iteration_t
         exact = optim.orthogonalize(m[None].double(), coefficients, 5, 1e-7)[0]
         ours = optim.orthogonalize(m[None].to(optim.CPU_NS_DTYPE), coefficients, 5, 1e-7)[0]
         torchs = torch.optim._muon._zeropower_via_newtonschulz(m, coefficients, 5, 1e-7)
-        assert torch.equal(
-            optim.orthogonalize(m[None].bfloat16(), coefficients, 5, 1e-7)[0], torchs
-        )  # the same iteration
+        # the same iteration
+        assert torch.equal(optim.orthogonalize(m[None].bfloat16(), coefficients, 5, 1e-7)[0], torchs)
         assert ours.dtype == torch.float32 and (ours.double() - exact).abs().max() < 1e-5
         assert (torchs.double() - exact).abs().max() > 1e-3  # bfloat16's 8 bits of mantissa
         # and it orthogonalizes: singular values pushed into Newton-Schulz's band around 1
@@ -324,8 +323,9 @@ def muon_runs(tmp_path_factory):
         eval_interval=10,
         dropout=0.1,
         update_ratio_interval=10,
+        # some steps clipped, some not
         grad_clip=1.5,
-    )  # 1.5: some steps clipped, some not
+    )
     run_train(data, root / "straight", **common)
     run_train(data, root / "split", **{**common, "max_iters": 20})
     resumed = run_train(data, root / "split", **common, init_from="resume")

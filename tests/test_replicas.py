@@ -17,7 +17,7 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import REPO, char_dataset, needs, read_metrics, run_python, start_python, tiny_args
+from conftest import REPO, char_dataset, needs, read_metrics, run_python, start_python, tiny_args, wait_for
 
 from gpt import checkpoint
 from model import GPT, GPTConfig
@@ -65,9 +65,7 @@ class Lighthouse:
 def start(args, log):
     """A process whose output goes to the file `log` (torchft's Rust side logs every quorum: a pipe
     nobody reads while it runs would fill and stop it)."""
-    proc = start_python(args, log, env={"OMP_NUM_THREADS": "1"})
-    proc.log = log
-    return proc
+    return start_python(args, log, env={"OMP_NUM_THREADS": "1"})
 
 
 def finish(proc, timeout=120, expect=0):
@@ -110,7 +108,7 @@ def runs(data, tmp_path_factory):
                 both groups started again on them with init_from=auto, to step 24
     Returns {name: out_dir}."""
     root = tmp_path_factory.mktemp("replicas")
-    torchrun = lambda n: ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", REPO / "train.py"]
+    launch = lambda n: ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", REPO / "train.py"]
     lighthouses, procs = [], []
 
     def pair(name, launcher, **keys):
@@ -136,9 +134,9 @@ def runs(data, tmp_path_factory):
         return procs[-2:]
 
     try:
-        pair("torchrun", torchrun(2))
+        pair("torchrun", launch(2))
         groups = pair("groups", [REPO / "train.py"])
-        procs.append(start([*torchrun(2), *tiny_args(data, root / "ddp", **COMMON)], root / "ddp.log"))
+        procs.append(start([*launch(2), *tiny_args(data, root / "ddp", **COMMON)], root / "ddp.log"))
         for proc in groups:
             finish(proc, timeout=240)
         for g in range(2):
@@ -241,7 +239,7 @@ def kill_and_heal(data, tmp_path, sync_every):
     (a sync step of DiLoCo's 4): at the first both write after the heal, their weights and
     optimizer states are equal bit for bit (with DiLoCo: the weights and the outer state; each
     group's inner optimizer keeps moments of its own data). SIGTERM then stops both there
-    (scripts/ft_trials.py runs such kills to the end of the run, 10 times)."""
+    (dev/replica_trials.py --trial=groups runs such kills to the end of the run, 10 times)."""
     lighthouse = Lighthouse(tmp_path / "lighthouse.log", min_replicas=1, join_timeout_ms=1000)
     out = tmp_path / "ft"
     # dist_timeout_s: 6 times the lighthouse's 5 s to count a killed group out (the survivor's quorum waits
@@ -264,7 +262,7 @@ def kill_and_heal(data, tmp_path, sync_every):
             for g, name in ((0, "survivor"), (1, "victim"))
         ]
         survivor, victim = procs
-        until = lambda done, *alive: wait_for(done, deadline, *alive)
+        until = lambda done, *alive: wait_for(done, *alive, timeout=deadline - time.monotonic())
         # both in a step's all-reduce (with DiLoCo: past two syncs of both)
         until(
             lambda: any(
@@ -331,9 +329,8 @@ def test_a_killed_group_restarts_and_heals_to_the_survivors_weights(killed, sync
     ckpts = lambda g: {int(p.stem[5:]) for p in (out / f"group{g}").glob("ckpt_[0-9]*.pt")}
     alone = [i for i, r in steps(out / "group0").items() if i > killed_at and r["groups"] == 1]
     assert alone, "the survivor did not step on alone"
-    assert (
-        "healing is required" in open(restarted_log).read()
-    )  # torchft's log: the restarted group took the survivor's state
+    # torchft's log: the restarted group took the survivor's state
+    assert "healing is required" in open(restarted_log).read()
     its = sorted(r["iter"] for r in read_metrics(out / "group1") if "loss" in r and r["iter"] > min(alone))
     assert its and its[0] > max(alone) - 16, its[:5]  # it went on from the survivor's step, not from its own
     shared = min(n for n in (ckpts(1) - before) & ckpts(0) if n > killed_at)
@@ -366,21 +363,13 @@ def test_a_lighthouse_that_dies_stops_the_group_in_one_line(data, tmp_path):
             lr_decay_iters=100,
             dist_timeout_s=3,
         )
-        wait_for(lambda: len(steps_or_empty(tmp_path / "ft" / "group0")) > 2, time.monotonic() + 120, proc)
+        wait_for(lambda: len(steps_or_empty(tmp_path / "ft" / "group0")) > 2, proc, timeout=120)
     finally:
         lighthouse.shutdown()
     output = finish(proc, expect=2)
     last = output.strip().splitlines()[-1]
     assert "Traceback" not in output and last.startswith("error: no quorum from the torchft lighthouse at "), last
     assert "within dist_timeout_s=3: is it running" in last
-
-
-def wait_for(done, deadline, *procs):
-    """Until done(), while every process in procs runs, or fail at the deadline with their logs' tails."""
-    while not done():
-        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-            pytest.fail("\n".join(open(p.log).read()[-2000:] for p in procs))
-        time.sleep(0.05)
 
 
 def steps_or_empty(out_dir):

@@ -235,9 +235,8 @@ def test_sample_py_reads_the_checkpoint_on_the_cpu_and_moves_only_the_weights(tr
 
 def test_stream_holds_back_a_partial_character():
     written = []
-    stream = tokenizer.TextStream(
-        lambda ids: bytes(ids).decode("utf-8", errors="replace"), written.append
-    )  # a token per byte
+    # a token per byte
+    stream = tokenizer.TextStream(lambda ids: bytes(ids).decode("utf-8", errors="replace"), written.append)
     data = list("a é!".encode())  # é is two bytes
     for n in range(1, len(data) + 1):
         stream.update(data[:n])

@@ -1,8 +1,7 @@
 """sample.py's bad input: one line on stderr and a non-zero exit, or a documented behaviour."""
 
 import pytest
-from conftest import run_script, train_tiny_run
-from test_errors import assert_one_line_error
+from conftest import one_line_error, run_script, train_tiny_run
 
 CONFIG_CASES = [
     (["--top_p=0"], ["top_p=0", "(0, 1]"]),
@@ -15,7 +14,7 @@ CONFIG_CASES = [
 
 @pytest.mark.parametrize("argv, expected", CONFIG_CASES, ids=[" ".join(a) for a, _ in CONFIG_CASES])
 def test_sample_config_errors(argv, expected):
-    assert_one_line_error(run_script("sample.py", "--device=cpu", *argv), *expected)
+    one_line_error(run_script("sample.py", "--device=cpu", *argv), *expected)
 
 
 @pytest.fixture(scope="module")
@@ -30,17 +29,17 @@ def sample_with(trained, *args):
 
 
 def test_prompts_file_problems(trained, tmp_path):
-    assert_one_line_error(sample_with(trained, "--prompts_file=/no/such/prompts.txt"), "/no/such/prompts.txt")
+    one_line_error(sample_with(trained, "--prompts_file=/no/such/prompts.txt"), "/no/such/prompts.txt")
     blank = tmp_path / "blank.txt"
     blank.write_text("\n  \n\n")
-    assert_one_line_error(sample_with(trained, f"--prompts_file={blank}"), "no prompts")
+    one_line_error(sample_with(trained, f"--prompts_file={blank}"), "no prompts")
     latin1 = tmp_path / "latin1.txt"
     latin1.write_bytes("the king é\n".encode("latin-1"))
-    assert_one_line_error(sample_with(trained, f"--prompts_file={latin1}"), "not UTF-8")
+    one_line_error(sample_with(trained, f"--prompts_file={latin1}"), "not UTF-8")
 
 
 def test_window_shift_must_be_shorter_than_the_context(trained):
-    assert_one_line_error(sample_with(trained, "--window_shift=16"), "window_shift=16", "block_size=16")
+    one_line_error(sample_with(trained, "--window_shift=16"), "window_shift=16", "block_size=16")
 
 
 def test_a_prompt_longer_than_block_size_is_cropped_with_a_note(trained):

@@ -40,7 +40,7 @@ def setup_step(optimizer_kind="fused"):
     torch.manual_seed(0)
     model = GPT(GPTConfig(**MODEL))
     if optimizer_kind == "fused":
-        optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu")  # what wrap.build makes
+        optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu")  # what training_setup.build makes
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=False)  # no found_inf support
     data = np.random.default_rng(0).integers(0, 65, size=2000).astype(np.uint16)

@@ -86,12 +86,8 @@ def test_gpt2_offline_equals_tiktoken_loading_the_same_files(tmp_path, monkeypat
     assert ours is not reference
     assert ours._mergeable_ranks == reference._mergeable_ranks
     assert ours._special_tokens == reference._special_tokens
-    assert (ours.name, ours._pat_str, ours.n_vocab, ours.eot_token) == (
-        reference.name,
-        reference._pat_str,
-        50257,
-        50256,
-    )
+    described = (ours.name, ours._pat_str, ours.n_vocab, ours.eot_token)
+    assert described == (reference.name, reference._pat_str, 50257, 50256)
     for text in (SAMPLE, open(REPO / "README.md", encoding="utf-8").read()):
         assert ours.encode_ordinary(text) == reference.encode_ordinary(text)
         assert ours.encode(text, allowed_special="all") == reference.encode(text, allowed_special="all")

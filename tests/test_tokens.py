@@ -25,11 +25,11 @@ def write_shards(data_dir, split, ids, sizes):
         tokens.write(str(data_dir / f"{split}_{i:06d}.bin"), ids[bounds[i] : bounds[i + 1]])
 
 
-def one_line_error(excinfo, *fragments):
-    message = str(excinfo.value)
-    assert "\n" not in message
-    for fragment in fragments:
-        assert fragment in message, message
+def refused(call, *fragments):
+    """call() raises a UserError (what the command prints as its one line), of one line holding each fragment."""
+    with pytest.raises(UserError) as e:
+        call()
+    assert "\n" not in str(e.value) and all(fragment in str(e.value) for fragment in fragments), str(e.value)
 
 
 # ---------------------------------------------------------------------------- one file
@@ -82,9 +82,7 @@ def test_damaged_files_are_one_line_errors(tmp_path):
         (damaged(tmp_path, "f.bin", b"", bytes(7)), ("f.bin", "odd size")),  # headerless but not uint16
     ]
     for path, fragments in cases:
-        with pytest.raises(UserError) as e:
-            tokens.read(path)
-        one_line_error(e, *fragments)
+        refused(lambda: tokens.read(path), *fragments)
 
 
 # ---------------------------------------------------------------------------- splits
@@ -122,22 +120,14 @@ def test_load_split_modes_give_the_same_tokens(tmp_path):
 
 
 def test_split_errors(tmp_path):
-    with pytest.raises(UserError) as e:
-        tokens.Tokens.open(str(tmp_path), "train")
-    one_line_error(e, "train.bin not found", "prepare.py")
+    refused(lambda: tokens.Tokens.open(str(tmp_path), "train"), "train.bin not found", "prepare.py")
     write_shards(tmp_path, "train", np.arange(30, dtype=np.uint16), [10, 10, 10])
     (tmp_path / "train_000001.bin").unlink()
-    with pytest.raises(UserError) as e:
-        tokens.Tokens.open(str(tmp_path), "train")
-    one_line_error(e, "train_000001.bin", "again")
+    refused(lambda: tokens.Tokens.open(str(tmp_path), "train"), "train_000001.bin", "again")
     np.arange(5, dtype=np.uint16).tofile(tmp_path / "train.bin")
-    with pytest.raises(UserError) as e:
-        tokens.Tokens.open(str(tmp_path), "train")
-    one_line_error(e, "both train.bin and train_000000.bin")
+    refused(lambda: tokens.Tokens.open(str(tmp_path), "train"), "both train.bin and train_000000.bin")
     tokens.write(str(tmp_path / "val.bin"), np.zeros(0, np.uint16))
-    with pytest.raises(UserError) as e:
-        tokens.Tokens.open(str(tmp_path), "val")
-    one_line_error(e, "empty")
+    refused(lambda: tokens.Tokens.open(str(tmp_path), "val"), "empty")
 
 
 def test_vocab_check_names_the_file_and_the_id(tmp_path, monkeypatch):
@@ -147,9 +137,13 @@ def test_vocab_check_names_the_file_and_the_id(tmp_path, monkeypatch):
     write_shards(tmp_path, "train", ids, [300, 300, 300])
     for data in (tokens.Tokens.open(str(tmp_path), "train"), tokens.Tokens.open(str(tmp_path), "train").in_ram()):
         data.check_vocab(1001)  # 1000 is a valid id of a 1001-token vocabulary
-        with pytest.raises(UserError) as e:
-            data.check_vocab(1000)
-        one_line_error(e, "train_000002.bin", "token id 1000", "token 50 of the file", "vocab_size is 1000")
+        refused(
+            lambda: data.check_vocab(1000),
+            "train_000002.bin",
+            "token id 1000",
+            "token 50 of the file",
+            "vocab_size is 1000",
+        )
 
 
 def test_the_header_max_id_spares_reading_the_ids(tmp_path):
@@ -204,8 +198,5 @@ def test_train_reads_sharded_uint32_data_and_stops_on_a_truncated_shard(tmp_path
     assert train.main(args) == 0
     shard = data_dir / "train_000001.bin"
     shard.write_bytes(shard.read_bytes()[:-4])
-    with pytest.raises(UserError) as e:
-        train.main(
-            [*args, "--overwrite=True"]
-        )  # the same out_dir, which now holds the first run: replacing it is meant
-    one_line_error(e, "train_000001.bin", "truncated")
+    # the same out_dir, which now holds the first run: replacing it is meant
+    refused(lambda: train.main([*args, "--overwrite=True"]), "train_000001.bin", "truncated")

@@ -19,9 +19,18 @@ import time
 
 import pytest
 import torch.distributed as dist
-from conftest import REPO, bpe_eval_data, char_dataset, load_script, read_metrics, tiny_args
+from conftest import (
+    REPO,
+    bpe_eval_data,
+    char_dataset,
+    load_script,
+    one_line_error,
+    read_metrics,
+    run_script,
+    tiny_args,
+    wait_for,
+)
 
-from configurator import run_main
 from gpt import checkpoint, load, metrics, outdir, watch
 
 TRAIN, EVAL, PLOT = (load_script(name) for name in ("train.py", "eval.py", "plot.py"))
@@ -37,19 +46,13 @@ def watcher_args(out):
 
 
 def start_watcher(out, log):
-    """`python eval.py --watch=True ...`, as a user starts it by hand; its output appended to `log`."""
+    """`python eval.py --watch=True ...`, as a user starts it by hand; its output appended to `log`
+    (proc.log), in a session of its own as start_python's processes are."""
     with open(log, "ab") as f:
-        return subprocess.Popen(
-            [sys.executable, "eval.py", *watcher_args(out)], cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env=ENV
-        )
-
-
-def wait_for(condition, log=None):
-    """Until condition() holds; a watcher that never gets there fails the test (with its output, when in a log)."""
-    deadline = time.monotonic() + 180
-    while not condition():
-        assert time.monotonic() < deadline, f"the watcher got stuck: {_read(log) if log else ''}"
-        time.sleep(0.01)
+        argv = [sys.executable, "eval.py", *watcher_args(out)]
+        proc = subprocess.Popen(argv, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
+    proc.log = log
+    return proc
 
 
 def holds_lock(out, pid):
@@ -229,10 +232,10 @@ def test_a_watcher_started_by_hand_beside_a_run_and_killed_three_times_leaves_on
     def beside(it):
         if it == 10 or it in kills.values():
             lives.append(start_watcher(out, log))
-            wait_for(lambda: holds_lock(out, lives[-1].pid) and (out / "watch.json").exists(), log)
+            wait_for(lambda: holds_lock(out, lives[-1].pid) and (out / "watch.json").exists(), lives[-1])
         elif it in kills:
             before = at_kill[-1] if at_kill else 0
-            wait_for(lambda: len(watch_records(out)) > before, log)  # each life gets somewhere
+            wait_for(lambda: len(watch_records(out)) > before, lives[-1])  # each life gets somewhere
             time.sleep(rng.uniform(0, 0.3))  # then anywhere
             kill(lives[-1])
             at_kill.append(len(watch_records(out)))
@@ -407,7 +410,7 @@ def test_a_stopped_watcher_costs_at_most_keep_last_plus_keep_unscored_plus_one_c
     def then_a_watcher(self, cfg):  # train.lock is held, no checkpoint yet
         write_config(self, cfg)
         watcher.append(start_watcher(out, log))
-        wait_for(lambda: holds_lock(out, watcher[0].pid) and (out / "watch.json").exists(), log)
+        wait_for(lambda: holds_lock(out, watcher[0].pid) and (out / "watch.json").exists(), watcher[0])
         watcher[0].send_signal(signal.SIGSTOP)
 
     def counted(state, path):
@@ -560,23 +563,15 @@ def test_the_trainers_and_the_watchers_appends_never_tear_or_interleave(tmp_path
     )
 
 
-def one_line_error(capsys, main, argv):
-    """(exit code, stderr) of `python <command> ARGV` as run_main ends it."""
-    with pytest.raises(SystemExit) as end:
-        run_main(lambda: main(argv))
-    return end.value.code, capsys.readouterr().err
-
-
-def test_a_second_watcher_is_refused_naming_the_first(finished_run, tmp_path, capsys):
+def test_a_second_watcher_is_refused_naming_the_first(finished_run, tmp_path):
     out = copy_of(finished_run, tmp_path)
     fd = outdir.lock_watcher(str(out))  # a separate open file: flock refuses this process's second one too
     try:
-        code, stderr = one_line_error(capsys, EVAL.main, ["--watch=True", f"--out_dir={out}", "--device=cpu"])
+        result = run_script("eval.py", "--watch=True", f"--out_dir={out}", "--device=cpu")
     finally:
         os.close(fd)
-    lines = stderr.strip().splitlines()
-    assert code == 2 and len(lines) == 1, stderr
-    assert lines[0].startswith(f"error: out_dir={out} is already watched by another watcher (pid {os.getpid()} on ")
+    one_line_error(result, f"error: out_dir={out} is already watched by another watcher (pid {os.getpid()} on ")
+    assert result.returncode == 2
     assert not (out / "watch.json").exists()
 
 
@@ -668,18 +663,18 @@ def wandb_records(path, block=32768):
             yield pending
 
 
-def test_bad_input_is_one_line(tmp_path, capsys):
+def test_bad_input_is_one_line(tmp_path):
     cases = [
         (
-            EVAL.main,
+            "eval.py",
             ["--watch=True", f"--out_dir={tmp_path / 'missing'}"],
             "out_dir=" + str(tmp_path / "missing") + " does not exist",
         ),
-        (EVAL.main, ["--watch=True", "--init_from=gpt2"], "--watch follows a training run: give its --out_dir"),
-        (EVAL.main, [f"--out_dir={tmp_path}", "--checkpoint=ckpt_0000099.pt"], "no checkpoint at"),
-        (TRAIN.main, ["--eval_async=True", "--keep_unscored=-1"], "keep_unscored=-1 must be >= 0"),
+        ("eval.py", ["--watch=True", "--init_from=gpt2"], "--watch follows a training run: give its --out_dir"),
+        ("eval.py", [f"--out_dir={tmp_path}", "--checkpoint=ckpt_0000099.pt"], "no checkpoint at"),
+        ("train.py", ["--eval_async=True", "--keep_unscored=-1"], "keep_unscored=-1 must be >= 0"),
     ]
-    for main, args, message in cases:
-        code, stderr = one_line_error(capsys, main, ["--device=cpu", *args])
-        lines = stderr.strip().splitlines()
-        assert code == 2 and len(lines) == 1 and message in lines[0], (args, stderr)
+    for script, args, message in cases:
+        result = run_script(script, "--device=cpu", *args)
+        one_line_error(result, message)
+        assert result.returncode == 2, args

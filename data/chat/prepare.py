@@ -48,6 +48,7 @@ from gpt import (
     tokenizer,  # after the path line above
     tokens,
 )
+from gpt.argparsing import Parser
 from gpt.chat_template import ROLES, Template
 
 SPLITS = ("train", "val")
@@ -62,7 +63,7 @@ def flag(text):
 
 
 def parse_args(argv):
-    p = corpus.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = p.add_argument_group("source: local .jsonl files (--input), or a Hugging Face dataset")
     source.add_argument("--input", nargs="+", metavar="FILE", help="conversations, one JSON object per line")
     source.add_argument("--val_input", nargs="+", metavar="FILE", help="the val conversations (replaces --val_frac)")

@@ -33,7 +33,7 @@ import zlib
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root
 
 from configurator import UserError, run_main  # after the path line above
-from data.corpus import Parser
+from gpt.argparsing import Parser
 
 CONSONANTS = "bdfgklmnprstvz"
 VOWELS = "aeiou"

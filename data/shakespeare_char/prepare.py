@@ -5,7 +5,6 @@ meta.json (the vocabulary) beside this file.
     python data/shakespeare_char/prepare.py --input path/to/input.txt
 """
 
-import argparse
 import hashlib
 import json
 import os
@@ -14,14 +13,14 @@ import urllib.request
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root
+
+from configurator import run_main  # after the path line above
+from gpt.argparsing import Parser
+
 URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not argparse's usage block
-        sys.exit(f"error: {message}; see --help")
 
 
 def read_text(input_path):
@@ -81,4 +80,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -8,8 +8,8 @@ three ways:
                    forward_model and evaluate_example), on the same tokens
 They run in turn, --rounds times; the medians are printed, and the verdicts compared.
 
-    python scripts/core_bench.py                       # 5 rounds, 432 examples, batch_tokens 16 x block_size
-    python scripts/core_bench.py --rounds=7 --n_layer=4 --n_embd=128 --block_size=256
+    python dev/core_bench.py                       # 5 rounds, 432 examples, batch_tokens 16 x block_size
+    python dev/core_bench.py --rounds=7 --n_layer=4 --n_embd=128 --block_size=256
 """
 
 import argparse

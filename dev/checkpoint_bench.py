@@ -1,7 +1,7 @@
 """Training time lost per checkpoint: full against sharded, synchronous against asynchronous.
 
-    python scripts/checkpoint_bench.py                                  # GPT-2 small shape (124M), CPU
-    python scripts/checkpoint_bench.py --n_layer=12 --n_embd=768 --reps=3 --steps=6 --out_dir=/tmp/ckpt_bench
+    python dev/checkpoint_bench.py                                  # GPT-2 small shape (124M), CPU
+    python dev/checkpoint_bench.py --n_layer=12 --n_embd=768 --reps=3 --steps=6 --out_dir=/tmp/ckpt_bench
 
 A model and AdamW (state created by two steps) train `steps` steps from a checkpoint at the first
 step boundary, and the same number without one; the difference is the time the checkpoint cost

@@ -1,8 +1,8 @@
 """Training step time with a watcher beside the run (eval_async=True) against without one.
 
     python data/shakespeare_char/prepare.py
-    python scripts/watch_bench.py                                   # the CPU quick-start config, 2 reps
-    python scripts/watch_bench.py --reps=3 --max_iters=400 --eval_interval=50 --out_dir=/tmp/watch_bench
+    python dev/watch_bench.py                                   # the CPU quick-start config, 2 reps
+    python dev/watch_bench.py --reps=3 --max_iters=400 --eval_interval=50 --out_dir=/tmp/watch_bench
 
 train.py runs config/train_shakespeare_char_cpu.py (checkpoints every eval_interval steps,
 keep_last=2) twice per repetition, without and with eval_async=True (the watcher on the CPU,

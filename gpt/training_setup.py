@@ -56,7 +56,7 @@ def build(raw_model, cfg, rt, state=None):
     model = torch.compile(raw_model, dynamic=False) if cfg.compile else raw_model
     # gradient_as_bucket_view: the gradients are views into DDP's all-reduce buckets, not a second
     # gradient-sized buffer copied into the buckets and back on every synced micro-step
-    # (step.train_step zeroes them in place to keep them so; memory.py counts one set)
+    # (step.train_step zeroes them in place to keep them so; auto_batch.py counts one set)
     # (a replica group that averages every step gets torchft's DDP instead: torchft_groups.Groups.join)
     every_step_replicas = cfg.ft_replica_group >= 0 and not cfg.sync_every
     train_model = (

@@ -4,7 +4,7 @@ GPU and no import of the old build is needed. How the supported floor (scripts/s
 was checked:
 
     pip download torch==2.11.0 --no-deps --only-binary :all: -d /tmp/torch-floor
-    python scripts/torch_api_floor.py /tmp/torch-floor/torch-2.11.0-*.whl
+    python dev/torch_api_floor.py /tmp/torch-floor/torch-2.11.0-*.whl
 
 Names made by an import, and operators implemented in C++ (scaled_dot_product_attention's
 enable_gqa, SDPBackend's members, OutOfMemoryError), are found by their text (the .pyi stubs for

@@ -3,7 +3,7 @@ whole-process wall time, and the time at which each first prints a val loss at o
 target (the moment the eval line reaches stdout). BENCHMARKS.md "The CPU quick start".
 
     git clone https://github.com/karpathy/nanoGPT ../nanoGPT     # nanoGPT's own code
-    python scripts/quickstart_race.py --nanogpt=../nanoGPT --seeds=1337,1,2
+    python dev/quickstart_race.py --nanogpt=../nanoGPT --seeds=1337,1,2
 
 nanoGPT's data is prepared in its checkout by its own data/shakespeare_char/prepare.py (from
 ../shared/data/tinyshakespeare/input.txt when that exists, else its download). nanoGPT fixes its

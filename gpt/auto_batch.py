@@ -6,7 +6,7 @@ import dataclasses
 import torch
 
 from configurator import UserError
-from gpt import runtime
+from gpt import host_memory
 
 
 def with_batch_size(cfg, batch_size, tokens_per_step):
@@ -56,9 +56,8 @@ def activation_bytes(model, cfg, rt):
 
     was = model.activation_checkpointing
     try:
-        per_row, fixed = saved(
-            False
-        )  # checkpointing frees some weight copies until backward: fixed is an upper bound then
+        # checkpointing frees some weight copies until backward: fixed is an upper bound then
+        per_row, fixed = saved(False)
         if cfg.activation_checkpointing:
             kept, _ = saved(True)
             per_row = kept + (per_row - kept) // model.config.n_layer
@@ -69,7 +68,7 @@ def activation_bytes(model, cfg, rt):
 
 def gradient_bytes(model):
     """The bytes gradients hold through a step: one float32 gradient per parameter. Under DDP that
-    one set is also its all-reduce buckets: the gradients are views into them (wrap.build's
+    one set is also its all-reduce buckets: the gradients are views into them (training_setup.build's
     gradient_as_bucket_view, kept so by train_step zeroing them in place). Without that, DDP's
     buckets were a second gradient-sized buffer beside the gradients."""
     return 4 * sum(p.numel() for p in model.parameters())
@@ -83,7 +82,7 @@ def auto_batch_size(model, cfg, rt, safety=0.85):
     elif rt.device_type == "cuda":
         budget, source = torch.cuda.get_device_properties(rt.device).total_memory, "GPU memory"
     else:
-        budget, source = runtime.free_memory() / 2, "half the free RAM"
+        budget, source = host_memory.free_memory() / 2, "half the free RAM"
     if cfg.total_batch_size % (cfg.block_size * rt.world_size):
         raise UserError(
             f"total_batch_size={cfg.total_batch_size} does not split into whole sequences of block_size="
@@ -91,9 +90,8 @@ def auto_batch_size(model, cfg, rt, safety=0.85):
         )
     per_row, step_fixed = activation_bytes(model, cfg, rt)
     n_params = sum(p.numel() for p in model.parameters())
-    fixed = (
-        4 * n_params + gradient_bytes(model) + 8 * n_params + step_fixed
-    )  # fp32 weights, grads, Adam m and v; autocast copies
+    # fp32 weights, grads, Adam m and v; autocast copies
+    fixed = 4 * n_params + gradient_bytes(model) + 8 * n_params + step_fixed
     rows_per_rank = cfg.total_batch_size // cfg.block_size // rt.world_size
     fits = int((safety * budget - fixed) // per_row)
     candidates = [b for b in range(min(fits, rows_per_rank), 0, -1) if rows_per_rank % b == 0]
