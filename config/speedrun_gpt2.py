@@ -45,7 +45,9 @@ logit_softcap = 15.0  # nanochat's cap; modded-nanogpt used 30, then 15
 value_embeds = True
 unet_skips = True
 
-# Muon for the blocks' matrices, AdamW for the embeddings, head and scalars; warmup-stable-decay
+# Muon for the blocks' matrices, AdamW for the embeddings, head and scalars; warmup-stable-decay.
+# nanochat's Muon levers (muon_polar_express, muon_normuon, muon_cautious_wd) stay off: none beat
+# plain Muon at CPU scale (BENCHMARKS.md, "Muon: the fused step, ...")
 optimizer = "muon"
 muon_lr = 0.05
 muon_momentum = 0.95
