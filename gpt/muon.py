@@ -8,16 +8,16 @@ the same amount. The matrices of one shape are stacked (k, A, B) and orthogonali
 runs three per matrix.
 
 One step of one shape is three pieces, each a pure function of tensors:
-  momentum     the momenta lerped toward the gradients, Nesterov's look-ahead, the cast, the stack
-  orthogonalize  the Newton-Schulz iterations on the stack
-  apply        decay, and the update scaled by the learning rate, into the weights
+  momentum       the momenta lerped toward the gradients, Nesterov's look-ahead, the cast, the stack
+  orthogonalize  the Newton-Schulz iterations on the stack (and NorMuon's normalization, a lever)
+  apply          decay (cautious, a lever), and the update scaled by the learning rate, into the weights
 In one process they run as one function, which compile=True compiles into one graph per shape.
 The learning rate and momentum enter it as 0-D CPU tensors (filled from the schedule each step),
 so a moving learning rate never recompiles, and train_step's found_inf (a device tensor) decides
 a skipped step inside it, with no host sync: where it is 1 weights and momenta stay bit-unchanged.
 
 Under torchrun the pieces are split by collectives (docs/distributed.md says why this way):
-- DDP (shared='ddp'): the gradients arrive all-reduced, as DDP leaves them. Each shape's k matrices
+- DDP (shared=True, plain parameters): the gradients arrive all-reduced, as DDP leaves them. Each shape's k matrices
   are shared out in contiguous runs, rank r owning about k/N; a rank keeps momenta for its own
   only, runs momentum and orthogonalize on them, and all-gathers the orthogonalized updates, which
   every rank then applies to every matrix (the same numbers on every rank, so the replicas stay
