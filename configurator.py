@@ -128,6 +128,9 @@ class TrainConfig:
     muon_lr: float = 0.02  # Muon's peak learning rate; the schedule scales it as it scales learning_rate
     muon_momentum: float = 0.95  # Muon's Nesterov momentum
     muon_weight_decay: float = 0.0  # Muon's decoupled weight decay (each step multiplies the matrices by 1 - lr * this)
+    muon_polar_express: bool = False  # Muon's iterations with Polar Express's five quintics (each its own), not torch's one five times
+    muon_normuon: bool = False  # NorMuon: each neuron's update divided by its running RMS, the matrix's norm kept (not under FSDP)
+    muon_cautious_wd: bool = False  # Muon's weight decay only where the update and the weight agree in sign
     # learning-rate schedule
     decay_lr: bool = True  # a linear warmup, then lr_schedule's decay; False keeps learning_rate fixed
     warmup_iters: int = 2000  # linear warmup steps
@@ -235,10 +238,11 @@ class TrainConfig:
             self.muon_lr > 0 and 0 <= self.muon_momentum < 1 and self.muon_weight_decay >= 0,
             "muon_lr must be > 0, muon_momentum in [0, 1) and muon_weight_decay >= 0",
         )
+        levers = [k for k in ("muon_polar_express", "muon_normuon", "muon_cautious_wd") if getattr(self, k)]
         require(
-            self.optimizer != "muon" or self.parallelism != "fsdp",
-            "optimizer='muon' orthogonalizes whole matrices, which parallelism='fsdp' shards; use parallelism='ddp' "
-            "or optimizer='adamw'",
+            self.optimizer == "muon" or not levers,
+            f"{levers[0] if levers else ''}=True is a lever of Muon, which optimizer={self.optimizer!r} does not run; "
+            "set optimizer='muon' or drop it",
         )
         require(
             self.update_ratio_interval >= 0, f"update_ratio_interval={self.update_ratio_interval} must be >= 0 (0: off)"

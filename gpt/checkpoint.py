@@ -187,15 +187,22 @@ def gather_rng(rt):
 # per parameter with AdamW, ~20 GB at 1.2B parameters); the sharded format never gathers.
 def full_state(raw_model, optimizer, fsdp):
     """(model state_dict, optimizer state_dict), whole. Under FSDP a collective call, after
-    which only rank 0's are filled."""
+    which only rank 0's are filled; optim.Optimizers' (Muon beside AdamW) as its own state_dict
+    lays it out, one state_dict per optimizer."""
     if not fsdp:
         return raw_model.state_dict(), optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
-    weights, by_name = get_state_dict(
-        raw_model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
-    return weights, (_indexed(by_name) if by_name else by_name)  # ranks other than 0 get nothing
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(raw_model, options=options)
+    by_name = [get_optimizer_state_dict(raw_model, o, options=options) for o in _each(optimizer)]
+    states = [_indexed(b) if b else b for b in by_name]  # ranks other than 0 get nothing
+    return weights, ({"optimizers": states} if hasattr(optimizer, "optimizers") else states[0])
+
+
+def _each(optimizer):
+    """The torch optimizers inside: optim.Optimizers' several, or the one."""
+    return getattr(optimizer, "optimizers", [optimizer])
 
 
 def _indexed(by_name):
@@ -214,21 +221,19 @@ def load_full_state(raw_model, optimizer, weights, optimizer_state, fsdp):
         raw_model.load_state_dict(weights)
         optimizer.load_state_dict(optimizer_state)
         return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(raw_model, weights, options=options)
     names = {p: name for name, p in raw_model.named_parameters()}
-    order = [names[p] for group in optimizer.param_groups for p in group["params"]]  # index -> name
-    by_name = {
-        "state": {order[i]: s for i, s in optimizer_state["state"].items()},
-        "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in optimizer_state["param_groups"]],
-    }
-    set_state_dict(
-        raw_model,
-        optimizer,
-        model_state_dict=weights,
-        optim_state_dict=by_name,
-        options=StateDictOptions(full_state_dict=True),
-    )
+    states = optimizer_state["optimizers"] if hasattr(optimizer, "optimizers") else [optimizer_state]
+    for opt, state in zip(_each(optimizer), states, strict=True):
+        order = [names[p] for group in opt.param_groups for p in group["params"]]  # index -> name
+        by_name = {
+            "state": {order[i]: s for i, s in state["state"].items()},
+            "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]],
+        }
+        set_optimizer_state_dict(raw_model, opt, by_name, options=options)
 
 
 # How an optimizer runs is this run's choice for its device, not the checkpoint writer's, which
@@ -297,7 +302,7 @@ def sharded_state(raw_model, optimizer, rt):
     the values are this rank's DTensor shards. Only tensors go to DCP: it would pickle the rest."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    weights, optim = get_state_dict(raw_model, getattr(optimizer, "optimizers", [optimizer]))
+    weights, optim = get_state_dict(raw_model, _each(optimizer))
     rng = {f"torch_{rt.rank}": torch.get_rng_state()}  # each rank writes its own (distinct keys are not deduplicated)
     device_rng = device_rng_state(rt)
     if device_rng is not None:
@@ -376,7 +381,7 @@ def _load_sharded_into(state, raw_model, optimizer):
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     single_process_is_meant()
-    optimizers = getattr(optimizer, "optimizers", [optimizer])
+    optimizers = _each(optimizer)
     weights, optim = get_state_dict(raw_model, optimizers)  # the API takes a zero step to create empty AdamW state
     rng = _rng_placeholders(state["path"])
     dcp.load(

@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from train_rank import nan_loss
 
 from configurator import TrainConfig
-from gpt import fp8, optim, runtime
+from gpt import fp8, muon, optim, runtime
 from gpt.batches import TrainBatches, get_batch
 from gpt.step import train_step
 from gpt.training_setup import attention_error
@@ -173,7 +173,7 @@ def test_batched_compiled_muon_steps_each_matrix_as_torch_muon(rt):
     shapes = [(384, 128), (128, 128), (512, 128), (128, 512)] * 3
     ours = [torch.nn.Parameter(torch.randn(s, device=rt.device)) for s in shapes]
     theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
-    opt = optim.Muon(ours, compile=True, lr=0.02, momentum=0.95, weight_decay=0.1)
+    opt = muon.Muon(ours, compile=True, lr=0.02, momentum=0.95, weight_decay=0.1)
     ref = torch.optim.Muon(theirs, lr=0.02, momentum=0.95, weight_decay=0.1)
     for _ in range(3):
         for p, q in zip(ours, theirs):
@@ -182,5 +182,5 @@ def test_batched_compiled_muon_steps_each_matrix_as_torch_muon(rt):
         opt.step()
         ref.step()
     for p, q in zip(ours, theirs):  # both iterate in bfloat16; inductor rounds its fused ops its own way
-        ratio = optim.adjusted_lr_ratio(None, p.shape)
+        ratio = muon.adjusted_lr_ratio(None, p.shape)
         assert (p - q).abs().max() < 3 * 2 * 0.02 * ratio * 2**-7, p.shape

@@ -1,0 +1,201 @@
+"""Muon shared out across ranks (gpt/muon.py), on CPU processes over gloo under torchrun: under DDP
+each rank orthogonalizes its share of the matrices and keeps only their momenta, under FSDP2 each
+matrix's rows go to one rank and back; both train as one process does, checkpoint the whole
+state, and resume exactly, on the same world size or another.
+
+The runs, shared by the tests: config/train_llama_1b.py at tiny shapes (4 layers, 32 wide, GQA,
+SwiGLU), Muon, 20 steps, a checkpoint every 5 (the full format, one file):
+  one       one process (in this one)
+  ddp2      DDP over 2 ranks, ddp4 over 4
+  fsdp2     FSDP2 over 2 ranks
+  one_fsdp2 one's checkpoint at 10, resumed by FSDP2 over 2 ranks (1 -> 2)
+  fsdp2_one fsdp2's checkpoint at 10, resumed in one process (2 -> 1)
+Only the order of the gradient reductions' float additions differs between them. Their logged
+losses agree within tests/test_fsdp.py's tolerance (rel 1e-5, abs 1e-6; measured 1.8e-7); the
+weights and momenta after 20 steps within rel 1e-4, abs 1e-5 (measured up to 1.1e-6: the
+Newton-Schulz iterations carry a last-bit difference of a gradient into the whole update)."""
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import char_dataset, read_metrics, run_python, run_script, start_python, tiny_args
+
+pytestmark = [
+    pytest.mark.skipif(
+        not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
+    ),
+    pytest.mark.process,  # every test here reads torchrun launches
+]
+
+LLAMA = dict(
+    n_layer=4, n_head=4, n_kv_head=2, n_embd=32, mlp_hidden=64, dtype="float32", optimizer="muon", batch_size=2
+)
+RUN = dict(
+    gradient_accumulation_steps=4,  # 2 ranks x 2 micro-steps, or 4 x 1
+    eval_interval=5,
+    always_save_checkpoint=True,
+    keep_last=4,
+    checkpoint_format="full",
+    muon_weight_decay=0.01,
+)
+ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+UNTIMED = lambda records: [{k: v for k, v in r.items() if k not in ("dt_ms", "tokens_per_s")} for r in records]
+
+
+def args(data, out, **overrides):
+    return ["config/train_llama_1b.py", *tiny_args(data, out, **{**LLAMA, **RUN, **overrides})]
+
+
+def torchrun(nproc, argv, timeout=300):
+    result = run_python(
+        ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py", *argv],
+        env=ENV,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def at_10(src, dst):
+    """A copy of out_dir src as it stood at iter 10: its checkpoints up to 10, its metrics."""
+    later = shutil.ignore_patterns("ckpt.pt", "ckpt_best.pt", "ckpt_0000015.pt", "ckpt_0000020.pt")
+    shutil.copytree(src, dst, ignore=later)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("muon_dist")
+    data = char_dataset(root / "chars")
+    assert run_script("train.py", *args(data, root / "one")).returncode == 0
+    torchrun(2, args(data, root / "ddp2"))
+    torchrun(4, args(data, root / "ddp4"))
+    started = time.perf_counter()
+    torchrun(2, args(data, root / "fsdp2", parallelism="fsdp"))
+    fsdp_seconds = time.perf_counter() - started
+    at_10(root / "one", root / "one_fsdp2")
+    torchrun(2, args(data, root / "one_fsdp2", parallelism="fsdp", init_from="resume"))
+    at_10(root / "fsdp2", root / "fsdp2_one")
+    assert run_script("train.py", *args(data, root / "fsdp2_one", init_from="resume")).returncode == 0
+    return root, data, fsdp_seconds
+
+
+def final(out_dir):
+    return torch.load(out_dir / "ckpt.pt", weights_only=True)
+
+
+def assert_close_states(a, b, rtol=1e-4, atol=1e-5):
+    """Weights and both optimizers' states (every parameter's, whole) within the tolerance."""
+    assert a["iter_num"] == b["iter_num"] == 20
+    assert a["model"].keys() == b["model"].keys()
+    for k in a["model"]:
+        torch.testing.assert_close(a["model"][k], b["model"][k], rtol=rtol, atol=atol, msg=k)
+    for sa, sb in zip(a["optimizer"]["optimizers"], b["optimizer"]["optimizers"], strict=True):
+        assert sa["state"].keys() == sb["state"].keys() and sa["state"]
+        for i in sa["state"]:
+            for k in sa["state"][i]:
+                torch.testing.assert_close(sa["state"][i][k], sb["state"][i][k], rtol=rtol, atol=atol)
+
+
+def losses(out_dir):
+    return [r[k] for r in read_metrics(out_dir) for k in ("loss", "train_loss", "val_loss") if k in r]
+
+
+def assert_same_run(a, b):
+    """Runs a and b (out_dirs): the same losses and final state, within the tolerances above."""
+    assert losses(a) == pytest.approx(losses(b), rel=1e-5, abs=1e-6)
+    assert_close_states(final(a), final(b))
+
+
+def test_shared_muon_under_ddp_trains_as_one_process(runs):
+    root, _, _ = runs
+    one = final(root / "one")
+    muon_state = one["optimizer"]["optimizers"][0]["state"]
+    assert len(muon_state) == 16  # 4 layers x 4 matrices, each with its momentum
+    for run in ("ddp2", "ddp4"):
+        assert_same_run(root / run, root / "one")  # the checkpoint holds every rank's momenta
+    evals = [r["val_loss"] for r in read_metrics(root / "ddp4") if "val_loss" in r]
+    assert evals[-1] < evals[0] - 0.5  # and it learned
+
+
+def test_muon_under_fsdp_trains_as_under_ddp(runs):
+    root, _, _ = runs
+    assert_same_run(root / "fsdp2", root / "ddp2")
+
+
+def test_muon_under_fsdp_resumes_across_world_sizes(runs):
+    """1 -> 2 and 2 -> 1 ranks from iter 10: each as the run it left would have gone on."""
+    root, _, _ = runs
+    assert_same_run(root / "one_fsdp2", root / "fsdp2")
+    assert_same_run(root / "fsdp2_one", root / "one")
+
+
+def test_muon_under_fsdp_killed_at_a_random_moment_resumes_bit_for_bit(runs, tmp_path):
+    """SIGKILL to torchrun and its ranks at a random moment of the run, then --init_from=auto: the
+    same metrics and the same final checkpoint as fsdp2's, bit for bit."""
+    root, data, seconds = runs
+    argv = args(data, tmp_path / "killed", parallelism="fsdp", init_from="auto")
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *argv]
+    proc = start_python(launch, log=tmp_path / "killed.log", env=ENV)
+    moment = random.uniform(0.3, 0.9) * seconds
+    try:
+        proc.wait(timeout=moment)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its ranks
+        proc.wait()
+    torchrun(2, argv)
+    straight, resumed = read_metrics(root / "fsdp2"), read_metrics(tmp_path / "killed")
+    assert UNTIMED(resumed) == UNTIMED(straight), f"killed at {moment:.1f} s"
+    assert_close_states(final(tmp_path / "killed"), final(root / "fsdp2"), rtol=0, atol=0)
+
+
+def test_each_rank_orthogonalizes_its_share_and_keeps_its_momenta(tmp_path):
+    """scripts/muon_bench.py under torchrun: 16 matrices of 4 shapes over 4 ranks, each rank's
+    count of matrices orthogonalized a step, its Muon state bytes, and its weights against the
+    one-process step on the same gradients."""
+    result = run_python(
+        [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=4",
+            "scripts/muon_bench.py",
+            "--n_layer=4",
+            "--n_embd=16",
+            "--steps=2",
+            "--compile=0",
+            f"--json={tmp_path / 'ranks.json'}",
+        ],
+        env=ENV,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = json.loads((tmp_path / "ranks.json").read_text())
+    assert [r["orthogonalized"] for r in ranks] == [4] * 4 and ranks[0]["of"] == 16
+    assert all(4 * r["state_bytes"] == r["alone_state_bytes"] for r in ranks)
+    assert all(r["max_gap"] == 0 for r in ranks)  # the same numbers as one process computes
+
+
+def test_a_world_size_that_does_not_divide_the_rows_is_one_line(runs, tmp_path):
+    root, data, _ = runs
+    result = run_python(
+        [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=3",
+            "train.py",
+            *args(data, tmp_path / "three", parallelism="fsdp", gradient_accumulation_steps=3),
+        ],
+        env=ENV,
+    )
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    # one line from each rank (torchrun then reports the failed ranks its own way)
+    assert len(errors) == 3 and all("the 3 ranks must divide every matrix's rows" in line for line in errors)
