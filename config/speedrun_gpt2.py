@@ -45,14 +45,12 @@ logit_softcap = 15.0  # nanochat's cap; modded-nanogpt used 30, then 15
 value_embeds = True
 unet_skips = True
 
-# Muon for the blocks' matrices, AdamW for the embeddings, head and scalars; warmup-stable-decay
+# Muon for the blocks' matrices, AdamW for the embeddings, head and scalars; warmup-stable-decay.
+# nanochat's Muon levers (muon_polar_express, muon_normuon, muon_cautious_wd) stay off: none beat
+# plain Muon at CPU scale (BENCHMARKS.md, "Muon: the fused step, ...")
 optimizer = "muon"
 muon_lr = 0.05
 muon_momentum = 0.95
-# nanochat's Muon levers at CPU scale (BENCHMARKS.md, "Muon: the fused step, ..."): NorMuon ended the
-# quick start's 450 steps 0.018 lower (p = 0.038, 5 seeds a side); Polar Express and cautious weight
-# decay did no better than plain Muon, so they stay off
-muon_normuon = True
 learning_rate = 3e-3  # AdamW's part
 min_lr = 0.0
 weight_decay = 0.0

@@ -36,7 +36,6 @@ unet_skips = True
 optimizer = "muon"
 muon_lr = 0.02
 muon_momentum = 0.9
-muon_normuon = True  # as config/speedrun_gpt2.py: the one of nanochat's Muon levers that won at CPU scale
 learning_rate = 3e-3
 min_lr = 3e-4
 weight_decay = 0.0

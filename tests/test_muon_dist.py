@@ -157,7 +157,7 @@ def test_muon_under_fsdp_killed_at_a_random_moment_resumes_bit_for_bit(runs, tmp
 
 
 def test_each_rank_orthogonalizes_its_share_and_keeps_its_momenta(tmp_path):
-    """scripts/muon_bench.py under torchrun: 16 matrices of 4 shapes over 4 ranks, each rank's
+    """dev/muon_bench.py under torchrun: 16 matrices of 4 shapes over 4 ranks, each rank's
     count of matrices orthogonalized a step, its Muon state bytes, and its weights against the
     one-process step on the same gradients."""
     result = run_python(
@@ -166,7 +166,7 @@ def test_each_rank_orthogonalizes_its_share_and_keeps_its_momenta(tmp_path):
             "torch.distributed.run",
             "--standalone",
             "--nproc_per_node=4",
-            "scripts/muon_bench.py",
+            "dev/muon_bench.py",
             "--n_layer=4",
             "--n_embd=16",
             "--steps=2",

@@ -4,9 +4,9 @@ the speedrun config's matrices (config/speedrun_gpt2.py: 12 layers x 768, 48 mat
 shapes), in one process. The two step in turns, so a busy machine slows both alike; prints each
 one's median and the ratio. A developer's tool: nothing imports it.
 
-    python scripts/muon_bench.py                        # the speedrun's shapes, 20 steps each
-    python scripts/muon_bench.py --n_layer=2 --n_embd=64 --steps=3
-    torchrun --standalone --nproc_per_node=4 scripts/muon_bench.py --steps=5   # shared over 4 ranks
+    python dev/muon_bench.py                        # the speedrun's shapes, 20 steps each
+    python dev/muon_bench.py --n_layer=2 --n_embd=64 --steps=3
+    torchrun --standalone --nproc_per_node=4 dev/muon_bench.py --steps=5   # shared over 4 ranks
 
 Under torchrun each rank runs Muon shared over the ranks beside the one-process step, in turns,
 and rank 0 prints every rank's count of matrices orthogonalized, step time and Muon state bytes.
