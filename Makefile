@@ -29,7 +29,7 @@ SYSTEM_TORCH ?= auto
 $(VENV)/.installed: requirements.txt scripts/system_torch.py
 	@if [ "$(SYSTEM_TORCH)" != no ] && version=$$($(PYTHON) scripts/system_torch.py); then \
 		echo "make: installing what running needs (requirements.txt) into $(VENV) beside this machine's torch:" \
-			"about 0.9 GB, a few minutes; make test adds the test tools"; \
+			"about 1.1 GB, a few minutes; make test adds the test tools"; \
 		set -ex; \
 		$(PYTHON) -m venv --system-site-packages $(VENV); \
 		grep -v '^torch[=<>~ ]' requirements.txt > $(VENV)/requirements-without-torch.txt; \
@@ -38,7 +38,7 @@ $(VENV)/.installed: requirements.txt scripts/system_torch.py
 		$(PY) -m pip install -c $(VENV)/keep-torch.txt -r $(VENV)/requirements-without-torch.txt; \
 	else \
 		echo "make: installing what running needs (requirements.txt: torch for the CPU, numpy, ...) into" \
-			"$(VENV): about 1.7 GB, a few minutes; make test adds the test tools"; \
+			"$(VENV): about 1.9 GB, a few minutes; make test adds the test tools"; \
 		set -ex; \
 		$(PYTHON) -m venv $(VENV); \
 		$(PY) -m pip install --quiet --upgrade pip; \
@@ -48,8 +48,8 @@ $(VENV)/.installed: requirements.txt scripts/system_torch.py
 
 # What the tests need on top (requirements-dev.txt), under a constraint that keeps the venv's torch
 $(VENV)/.installed-dev: requirements-dev.txt $(VENV)/.installed
-	@echo "make: adding the test tools (requirements-dev.txt: pytest, ruff, transformers, selenium, ...) to $(VENV):" \
-		"about 0.3 GB"
+	@echo "make: adding the test tools (requirements-dev.txt: pytest, ruff, the openai client, selenium, ...) to $(VENV):" \
+		"about 0.1 GB"
 	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/keep-torch.txt
 	$(PY) -m pip install -c $(VENV)/keep-torch.txt -r requirements-dev.txt
 	touch $@

@@ -138,7 +138,8 @@ def test_make_installs_the_pinned_torch_elsewhere(tmp_path, torch, args):
 
 @needs_make
 @pytest.mark.parametrize(
-    "torch, size", [(dict(version="2.13.0+cpu"), "about 1.7 GB"), (dict(version="2.11.0+cu130", cuda="13.0"), "0.9 GB")]
+    "torch, size",
+    [(dict(version="2.13.0+cpu"), "about 1.9 GB"), (dict(version="2.11.0+cu130", cuda="13.0"), "about 1.1 GB")],
 )
 def test_running_gets_the_runtime_packages_and_testing_adds_its_own(tmp_path, torch, size):
     """make quickstart's venv (`make venv`) holds requirements.txt only, and says what and about how
