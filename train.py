@@ -122,8 +122,13 @@ def where_it_stopped(state, train_batches, rt):
     if state is None:
         return 0, float("inf"), None, None, None
     checkpoint.restore_rng(state, train_batches, rt)
-    best = state["best_val_loss"], state.get("best_val_iter")
-    return state["iter_num"], *best, state.get("wandb_run_id"), state.get("outer")
+    return (
+        state["iter_num"],
+        state["best_val_loss"],
+        state.get("best_val_iter"),
+        state.get("wandb_run_id"),
+        state.get("outer"),
+    )
 
 
 def metrics_log(cfg, rt, out, resumed_at, wandb_run_id):
