@@ -13,7 +13,6 @@ Each sample is printed as its prompt and continuation, then a line of dashes. Th
 num_samples samples of a prompt are generated together, as one batch.
 """
 
-import dataclasses
 import sys
 import time
 from dataclasses import dataclass
@@ -133,11 +132,10 @@ def main(argv=None):
     cfg = parse(SampleConfig, argv)
     if cfg.temperature == 0 and cfg.num_samples > 1:
         print(
-            f"note: temperature=0 is greedy, so the {cfg.num_samples} samples of a prompt would be one text "
-            f"{cfg.num_samples} times: drawing it once",
+            f"note: temperature=0 is greedy: the {cfg.num_samples} samples of a prompt are one text; "
+            f"--num_samples=1 draws it once",
             file=sys.stderr,
         )
-        cfg = dataclasses.replace(cfg, num_samples=1)
     rt = runtime.setup(cfg.device, cfg.dtype)
     model, tok_spec = load.for_inference(cfg.init_from, cfg.out_dir, cfg.checkpoint)
     model.eval().to(rt.device)
