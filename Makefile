@@ -66,9 +66,9 @@ quickstart: venv
 	$(PY) sample.py --out_dir=out-shakespeare-char-$$name --num_samples=1 --max_new_tokens=500; \
 	echo; \
 	echo "make quickstart is done: the run is in out-shakespeare-char-$$name. Next, in $(VENV) (. $(VENV)/bin/activate):"; \
-	echo "  python sample.py --out_dir=out-shakespeare-char-$$name --start=\"ROMEO:\"   # more samples"; \
-	echo "  python plot.py out-shakespeare-char-$$name                               # its loss curves, a PNG"; \
-	echo "  make chat-demo                                                           # a chat model, then chat.py and serve.py"; \
+	printf '  %-70s # %s\n' "python sample.py --out_dir=out-shakespeare-char-$$name --start=ROMEO:" "more samples" \
+		"python plot.py out-shakespeare-char-$$name" "its loss curves, a PNG" \
+		"make chat-demo" "a chat model, then chat.py and serve.py"; \
 	echo "  README.md's walkthrough: every step above by hand, and what else it does"
 
 # docs/chat.md's demo from nothing: synthetic conversations, a tokenizer trained on them, the token
