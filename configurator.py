@@ -34,7 +34,15 @@ def run_main(main):
     """Run an entry point and exit with its return code; a UserError becomes one line on stderr
     and a non-zero exit."""
     try:
-        code = main()
+        try:
+            code = main()
+        finally:
+            sys.stdout.flush()  # here, so that a reader gone away is caught below and not at exit
+    except BrokenPipeError:
+        # stdout's reader stopped reading (`python train.py --help | head -5`): end quietly, as a
+        # Unix tool killed by SIGPIPE does (141), with stdout on /dev/null so exit's flush cannot fail
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(141)
     except UserError as e:
         # one write, so the lines of several ranks refusing at once do not interleave
         sys.stderr.write(f"error: {e}\n")
@@ -433,6 +441,11 @@ def as_dict(cfg):
     return dataclasses.asdict(cfg)
 
 
+def changed(cfg):
+    """{key: value} of the keys whose value is not the dataclass's default."""
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != f.default}
+
+
 def usage(cls):
     help_text = _field_comments(cls)
     if any(f.name not in help_text for f in dataclasses.fields(cls)):
@@ -464,6 +477,12 @@ def _run_config_file(path):
     try:
         with open(path, encoding="utf-8") as f:
             source = f.read()
+    except FileNotFoundError:
+        folder, name = os.path.split(path)
+        names = [n for n in os.listdir(folder or ".") if n.endswith(".py")] if os.path.isdir(folder or ".") else []
+        close = difflib.get_close_matches(name, names, n=1)
+        hint = f"did you mean {os.path.join(folder, close[0])}?" if close else "check the path"
+        raise UserError(f"config file {path} not found; {hint}")
     except OSError as e:
         raise UserError(f"config file {path} cannot be read ({e.strerror}); check the path")
     except UnicodeDecodeError:

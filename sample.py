@@ -130,6 +130,12 @@ def sample_prompt(model, cfg, ids, stop, device, stream=None):
 
 def main(argv=None):
     cfg = parse(SampleConfig, argv)
+    if cfg.temperature == 0 and cfg.num_samples > 1:
+        print(
+            f"note: temperature=0 is greedy: the {cfg.num_samples} samples of a prompt are one text; "
+            f"--num_samples=1 draws it once",
+            file=sys.stderr,
+        )
     rt = runtime.setup(cfg.device, cfg.dtype)
     model, tok_spec = load.for_inference(cfg.init_from, cfg.out_dir, cfg.checkpoint)
     model.eval().to(rt.device)

@@ -18,6 +18,7 @@ a child process beside the run.
 """
 
 import os
+import time
 from typing import NamedTuple, Optional
 
 import torch
@@ -117,12 +118,19 @@ def make_model(cfg, rt, data, say):
 
 
 def where_it_stopped(state, train_batches, rt):
-    """(iter_num, best_val_loss, wandb_run_id, DiLoCo's outer state) of a resumed run's checkpoint,
-    whose data order and random generators train_batches and the RNGs take up; a new run's start."""
+    """(iter_num, best_val_loss, the iter of that best (None in checkpoints from before it was
+    kept), wandb_run_id, DiLoCo's outer state) of a resumed run's checkpoint, whose data order and
+    random generators train_batches and the RNGs take up; a new run's start."""
     if state is None:
-        return 0, float("inf"), None, None
+        return 0, float("inf"), None, None, None
     checkpoint.restore_rng(state, train_batches, rt)
-    return state["iter_num"], state["best_val_loss"], state.get("wandb_run_id"), state.get("outer")
+    return (
+        state["iter_num"],
+        state["best_val_loss"],
+        state.get("best_val_iter"),
+        state.get("wandb_run_id"),
+        state.get("outer"),
+    )
 
 
 def metrics_log(cfg, rt, out, resumed_at, wandb_run_id):
@@ -158,7 +166,9 @@ class Run:
         self.model, self.train_model, self.optimizer, self.scaler = build(raw_model, cfg, rt, state)
         self.chat = isinstance(data.train, batches.ChatData)
         self.batches = batches.for_training(data.train, cfg, groups.data_view(rt), self.accum_steps, data.eot, say)
-        self.iter_num, self.best_val_loss, wandb_run_id, outer = where_it_stopped(state, self.batches, rt)
+        self.iter_num, self.best_val_loss, self.best_val_iter, wandb_run_id, outer = where_it_stopped(
+            state, self.batches, rt
+        )
         del state  # free the host copy of the weights
         groups.join(self, outer)  # replica groups: torchft's wrappers around train_model and the optimizer
         self.resumed_at = self.iter_num if cfg.init_from == "resume" else None  # no eval or save again at this iter
@@ -180,6 +190,7 @@ class Run:
             "tokenizer": self.data.tok_spec,
             "iter_num": self.iter_num,
             "best_val_loss": self.best_val_loss,
+            "best_val_iter": self.best_val_iter,
             "wandb_run_id": self.metrics.wandb_run_id if self.rt.master else None,
             **self.groups.checkpoint(),  # replica groups' DiLoCo: its outer state
         }
@@ -194,6 +205,7 @@ class Run:
 
 def train(cfg, rt, stop, out, groups, watcher=None):
     """Build the run and loop; returns the process exit code (0, or EXIT_STOPPED). watcher: eval_async's watch.Child."""
+    started = time.perf_counter()
     torch.manual_seed(cfg.seed + rt.rank)
     say = print if rt.master else (lambda message: None)  # notes from the pieces below: rank 0 prints them
     run = Run(cfg, rt, load_data(cfg, say), groups, out, say)
@@ -202,10 +214,29 @@ def train(cfg, rt, stop, out, groups, watcher=None):
             run.cfg, rt, run.raw_model.num_params(), run.tokens_per_iter, run.accum_steps, groups.count, run.resumed_at
         )
     )
+    note = optim.past_decay_note(run.cfg, run.iter_num)
+    if note:
+        say(note)
     try:
-        return loop(run, stop, watcher)
+        code = loop(run, stop, watcher)
+        if code == 0 and not cfg.eval_only:
+            say(finished_line(run, time.perf_counter() - started))
+        return code
     finally:
         groups.shutdown()
+
+
+def finished_line(run, seconds):
+    """The run's last line: how long, its best val and where, the checkpoint sample.py reads, and
+    the command that samples from it."""
+    out_dir = run.cfg.out_dir
+    best = next((p for p in ("ckpt_best.pt", "ckpt_best") if os.path.exists(os.path.join(out_dir, p))), None)
+    path = os.path.join(out_dir, best) if best else run.saver.latest
+    where = f" at iter {run.best_val_iter}" if run.best_val_iter is not None else ""
+    return (
+        f"done: iter {run.iter_num} in {metrics.format_duration(seconds)}, best val loss {run.best_val_loss:.4f}{where}, "
+        f"in {path}; sample from it: python sample.py --out_dir={out_dir}"
+    )
 
 
 def loop(run, stop, watcher=None):
@@ -294,7 +325,8 @@ def evaluate_losses_and_save(run, last):
     if cfg.eval_only:
         return False
     improved = losses["val"] < run.best_val_loss
-    run.best_val_loss = min(run.best_val_loss, losses["val"])
+    if improved:
+        run.best_val_loss, run.best_val_iter = losses["val"], it
     if it > 0 and (improved or cfg.always_save_checkpoint):
         run.save(best=improved)
         return True

@@ -561,10 +561,22 @@ def load_model(out_dir, which="best", map_location="cpu", report=print):
         model.load_state_dict(model_state(state))
     # checkpoints from nanoGPT carry no tokenizer: look in their data directory, as it did
     tok_spec = state.get("tokenizer") or tokenizer.describe(os.path.join("data", state["config"].get("dataset", "")))
-    report(
-        f"loaded {path} (iter {state.get('iter_num', '?')}, best val loss {state.get('best_val_loss', float('nan')):.4f})"
-    )
+    report(f"loaded {path} ({describe_val(state)})")
     return model, tok_spec
+
+
+def describe_val(state):
+    """'iter 1200, val loss 0.0275, the run's best' for a checkpoint, or where its best was when
+    this is not it: a checkpoint saved between evals (a stop, the last step without an improvement)
+    carries the best of the evals before it, not its own."""
+    it, best, best_iter = state.get("iter_num", "?"), state.get("best_val_loss"), state.get("best_val_iter")
+    if not isinstance(best, float) or best == float("inf"):
+        return f"iter {it}, not evaluated"
+    if best_iter == it:
+        return f"iter {it}, val loss {best:.4f}, the run's best"
+    if best_iter is None:  # a checkpoint from before best_val_iter was kept
+        return f"iter {it}, best val loss so far {best:.4f}"
+    return f"iter {it}; the run's best val loss before it: {best:.4f} at iter {best_iter}"
 
 
 def model_state(state):

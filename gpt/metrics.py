@@ -8,7 +8,7 @@ import textwrap
 import time
 import weakref
 
-from configurator import as_dict
+from configurator import as_dict, changed
 from gpt import runtime
 
 try:
@@ -98,9 +98,13 @@ def append_record(path, record):
 
 
 def describe(cfg, rt, n_params, tokens_per_iter, accum_steps, groups=1, resumed_at=None):
-    """The lines a run starts with: its whole config, then its model, batch and device."""
+    """The lines a run starts with: the keys its config sets away from the defaults (config.json
+    has them all), then its model, batch and device."""
     config = textwrap.fill(
-        "config: " + " ".join(f"{k}={v!r}" for k, v in as_dict(cfg).items()), 120, subsequent_indent="  "
+        "config, where it differs from the defaults (python train.py --help): "
+        + " ".join(f"{k}={v!r}" for k, v in changed(cfg).items()),
+        120,
+        subsequent_indent="  ",
     )
     shape = f"{groups} replica groups x " if groups > 1 else ""
     resuming = f" | resuming at iter {resumed_at}" if resumed_at is not None else ""

@@ -111,6 +111,18 @@ def update_ratios(model, before):
     return {f"update_ratio/{n}": (d / w) ** 0.5 if w > 0 else None for n, (d, w) in zip(names, sums)}
 
 
+def past_decay_note(cfg, start):
+    """One line when steps from `start` on run past the cosine's end (lr_decay_iters) at min_lr, as a
+    run resumed with a larger max_iters does; None otherwise."""
+    if not cfg.decay_lr or cfg.lr_schedule != "cosine" or cfg.max_iters <= max(start, cfg.lr_decay_iters):
+        return None
+    first = max(start, cfg.lr_decay_iters)
+    return (
+        f"note: iters {first}-{cfg.max_iters} run at min_lr={cfg.min_lr:g}, past the cosine's end at "
+        f"lr_decay_iters={cfg.lr_decay_iters}; to decay over them instead, pass --lr_decay_iters={cfg.max_iters}"
+    )
+
+
 def get_lr(it, cfg):
     """Linear warmup to learning_rate; then cosine decay to min_lr at lr_decay_iters, then flat;
     or (lr_schedule='wsd') warmup-stable-decay: learning_rate until the last decay_frac of

@@ -297,9 +297,7 @@ def find_run(out_dir):
         state = checkpoint.load_newest(out_dir, report=lambda message: None)
     except UserError:
         return f"checkpoint(s) that do not load: {', '.join(sorted(names))}"
-    loss = state.get("best_val_loss")
-    loss = f", best val loss {loss:.4f}" if isinstance(loss, float) and loss != float("inf") else ""
-    return f"iter {state.get('iter_num', '?')}{loss}, {os.path.basename(state['path'])}"
+    return f"{checkpoint.describe_val(state)}, {os.path.basename(state['path'])}"
 
 
 def _entries(out_dir):

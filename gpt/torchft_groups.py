@@ -291,6 +291,7 @@ class Groups:
                 "optimizer": run.optimizer.optim.state_dict(),
                 "batches": batches,
                 "best_val_loss": run.best_val_loss,
+                "best_val_iter": run.best_val_iter,
                 "iter_num": run.iter_num,
             }
         )
@@ -310,7 +311,7 @@ class Groups:
         else:
             for _ in range(run.accum_steps):  # past this step's batches, which the peer drew already
                 run.batches()
-        run.best_val_loss = state["best_val_loss"]
+        run.best_val_loss, run.best_val_iter = state["best_val_loss"], state.get("best_val_iter")
         self.healed = True
 
     def step_done(self, it):

@@ -2,8 +2,11 @@
 main(argv) inside the test process (conftest.run_script); this is the check that each one also
 imports and parses in a fresh interpreter, as a user runs it."""
 
+import subprocess
+import sys
+
 import pytest
-from conftest import run_script
+from conftest import REPO, run_script
 
 pytestmark = pytest.mark.process  # every test here starts a process
 
@@ -35,3 +38,15 @@ def test_help_in_a_process_of_its_own(script):
     assert result.returncode == 0, result.stderr
     assert "usage" in result.stdout.lower() or "--" in result.stdout
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("script", ["train.py", "sample.py"])
+def test_help_into_a_reader_gone_away_ends_quietly(script):
+    """`python train.py --help | head -5`: the reader closes the pipe early; the command ends as a
+    Unix tool does (141, SIGPIPE's code), with no BrokenPipeError traceback."""
+    proc = subprocess.Popen(
+        [sys.executable, script, "--help"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    proc.stdout.close()  # gone before anything is written
+    stderr = proc.stderr.read().decode()
+    assert (proc.wait(timeout=120), stderr) == (141, "")

@@ -82,16 +82,17 @@ exec {python} "$@"
 """
 
 
-def make_venv(tmp_path, *args, **torch):
-    """`make venv` into tmp_path/.venv with python3 a recorder over this interpreter, on a
-    machine whose torch is the fake one; returns (exit code, the recorded calls, the venv)."""
+def make_venv(tmp_path, *args, target="venv", **torch):
+    """`make venv` (or `target`) into tmp_path/.venv with python3 a recorder over this interpreter,
+    on a machine whose torch is the fake one; returns (the recorded calls, the venv, make's stdout)."""
     log, venv, recorder = tmp_path / "calls.log", tmp_path / ".venv", tmp_path / "bin" / "python3"
-    recorder.parent.mkdir()
+    recorder.parent.mkdir(exist_ok=True)  # a second call makes on the first one's venv
     recorder.write_text(RECORDER.format(log=log, python=sys.executable))
     recorder.chmod(recorder.stat().st_mode | stat.S_IXUSR)
-    env = {**os.environ, "PYTHONPATH": str(fake_torch(tmp_path / "site", **torch))}
+    site = tmp_path / "site"
+    env = {**os.environ, "PYTHONPATH": str(site if site.exists() else fake_torch(site, **torch))}
     result = subprocess.run(
-        ["make", "-C", str(REPO), "venv", f"PYTHON={recorder}", f"VENV={venv}", *args],
+        ["make", "-C", str(REPO), target, f"PYTHON={recorder}", f"VENV={venv}", *args],
         env=env,
         capture_output=True,
         text=True,
@@ -99,7 +100,8 @@ def make_venv(tmp_path, *args, **torch):
     )
     assert result.returncode == 0, result.stderr
     calls = [line.replace(str(tmp_path), "TMP").replace(str(REPO), "REPO") for line in log.read_text().splitlines()]
-    return calls, venv
+    log.unlink()
+    return calls, venv, result.stdout
 
 
 needs_make = pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
@@ -107,13 +109,12 @@ needs_make = pytest.mark.skipif(shutil.which("make") is None, reason="needs make
 
 @needs_make
 def test_make_keeps_the_machines_cuda_torch(tmp_path):
-    calls, venv = make_venv(tmp_path, version="2.11.0+cu130", cuda="13.0")
+    calls, venv, _ = make_venv(tmp_path, version="2.11.0+cu130", cuda="13.0")
     assert calls == [
         "TMP/bin/python3 scripts/system_torch.py",
         "TMP/bin/python3 -m venv --system-site-packages TMP/.venv",
         "TMP/.venv/bin/python -m pip install --quiet --upgrade pip",
-        "TMP/.venv/bin/python -m pip install --quiet -c TMP/.venv/keep-torch.txt "
-        "-r TMP/.venv/requirements-without-torch.txt -r requirements-dev.txt",
+        "TMP/.venv/bin/python -m pip install -c TMP/.venv/keep-torch.txt -r TMP/.venv/requirements-without-torch.txt",
     ]
     assert (venv / "keep-torch.txt").read_text() == "torch==2.11.0+cu130\n"
     requirements = (REPO / "requirements.txt").read_text().splitlines()
@@ -127,9 +128,34 @@ def test_make_keeps_the_machines_cuda_torch(tmp_path):
     "torch, args", [(dict(version="2.13.0+cpu"), ()), (dict(version="2.11.0+cu130", cuda="13.0"), ("SYSTEM_TORCH=no",))]
 )
 def test_make_installs_the_pinned_torch_elsewhere(tmp_path, torch, args):
-    calls, _ = make_venv(tmp_path, *args, **torch)
+    calls, _, _ = make_venv(tmp_path, *args, **torch)
     assert calls == (["TMP/bin/python3 scripts/system_torch.py"] if not args else []) + [
         "TMP/bin/python3 -m venv TMP/.venv",
         "TMP/.venv/bin/python -m pip install --quiet --upgrade pip",
-        "TMP/.venv/bin/python -m pip install --quiet -r requirements.txt -r requirements-dev.txt",
+        "TMP/.venv/bin/python -m pip install -r requirements.txt",
     ]
+
+
+@needs_make
+@pytest.mark.parametrize(
+    "torch, size",
+    [(dict(version="2.13.0+cpu"), "about 1.9 GB"), (dict(version="2.11.0+cu130", cuda="13.0"), "about 1.1 GB")],
+)
+def test_running_gets_the_runtime_packages_and_testing_adds_its_own(tmp_path, torch, size):
+    """make quickstart's venv (`make venv`) holds requirements.txt only, and says what and about how
+    much it installs, with pip's progress shown (no --quiet); make test's (`make venv-dev`) adds
+    requirements-dev.txt on top, under a constraint that keeps the venv's torch."""
+    calls, venv, said = make_venv(tmp_path, **torch)
+    assert not [call for call in calls if "requirements-dev" in call]
+    assert [call for call in calls if "install" in call and "--quiet" in call] == [
+        "TMP/.venv/bin/python -m pip install --quiet --upgrade pip"
+    ]
+    assert "make: installing what running needs (requirements.txt" in said and size in said
+    calls, _, said = make_venv(tmp_path, target="venv-dev", **torch)  # on the venv just made
+    assert calls[-2:] == [
+        """TMP/.venv/bin/python -c import torch; print('torch==' + torch.__version__)""",
+        "TMP/.venv/bin/python -m pip install -c TMP/.venv/keep-torch.txt -r requirements-dev.txt",
+    ]
+    assert (venv / "keep-torch.txt").read_text() == f"torch=={torch['version']}\n"
+    assert "make: adding the test tools (requirements-dev.txt" in said
+    assert (venv / ".installed-dev").exists()

@@ -83,13 +83,16 @@ def test_a_fresh_start_in_a_used_out_dir_refuses_and_changes_nothing(base, tmp_p
     out, data = copy_of(base, fmt, tmp_path)
     before = contents(out)
     assert {"metrics.jsonl", "config.json"} <= set(before)
-    best = min(r["val_loss"] for r in read_metrics(out) if "val_loss" in r and r["iter"] > 0)
+    best, best_iter = min((r["val_loss"], r["iter"]) for r in read_metrics(out) if "val_loss" in r and r["iter"] > 0)
     # gpt2: refused before any download
     result = run_script("train.py", *tiny_args(data, out, max_iters=4, init_from=init_from))
     line = one_line_error(result)
     assert result.returncode == 2
     newest = "ckpt.pt" if fmt == "full" else "ckpt_0000010"
-    assert f"out_dir={out} already holds a run (iter 10, best val loss {best:.4f}, {newest})" in line
+    at_best = f"iter 10, val loss {best:.4f}, the run's best"
+    before_best = f"iter 10; the run's best val loss before it: {best:.4f} at iter {best_iter}"
+    val = at_best if best_iter == 10 else before_best
+    assert f"out_dir={out} already holds a run ({val}, {newest})" in line
     assert all(option in line for option in ("--init_from=resume", "--overwrite=True", "--out_dir"))
     assert contents(out) == before  # checkpoints, metrics.jsonl, config.json: byte for byte
 
@@ -179,8 +182,8 @@ def test_a_takeover_cut_short_after_the_first_checkpoint_is_finished_by_the_next
     again.release()
     assert notes[0].startswith(f"note: finished the takeover of out_dir={out}")
     assert (
-        notes[1] == f"init_from='auto': resuming the run in out_dir={out} (iter 3, best val loss "
-        f"{state['best_val_loss']:.4f}, ckpt.pt)"
+        notes[1] == f"init_from='auto': resuming the run in out_dir={out} (iter 3; the run's best val loss "
+        f"before it: {state['best_val_loss']:.4f} at iter {state['best_val_iter']}, ckpt.pt)"
     )
     assert again.cfg.init_from == "resume"
     assert sorted(p.name for p in out.iterdir()) == ["ckpt.pt", "config.json", "metrics.jsonl", outdir.LOCK]

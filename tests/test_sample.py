@@ -196,7 +196,11 @@ def test_sample_py_streaming_prints_the_same_text(trained, capsys):
 def test_sample_py_greedy_batch_rows_agree(trained, capsys):
     samples, err = run_sample(trained, capsys, "--temperature=0", "--num_samples=3", "--start=The king")
     assert len(samples) == 3 and len(set(samples)) == 1 and samples[0].startswith("The king")
-    assert err.startswith("120 tokens in ")  # 3 samples x 40 tokens
+    note, timing = err.splitlines()
+    assert (
+        note == "note: temperature=0 is greedy: the 3 samples of a prompt are one text; --num_samples=1 draws it once"
+    )
+    assert timing.startswith("120 tokens in ")  # 3 samples x 40 tokens
 
 
 def test_sample_py_prompts_file(trained, capsys, tmp_path):

@@ -1,13 +1,16 @@
 """End-to-end: train.py and sample.py as a user runs them, on data made here."""
 
+import dataclasses
 import json
 import os
+import re
 import textwrap
 
 import pytest
 import torch
 from conftest import REPO, read_metrics, run_python, run_script, tiny_args, untimed
 
+from configurator import TrainConfig
 from gpt import checkpoint
 
 
@@ -19,7 +22,7 @@ def train(data_dir, out_dir, **overrides):
 
 def test_training_run_learns_and_writes_its_outputs(char_data, tmp_path):
     out = tmp_path / "out"
-    train(char_data, out, max_iters=60, lr_decay_iters=60, eval_interval=30)
+    result = train(char_data, out, max_iters=60, lr_decay_iters=60, eval_interval=30)
     records = read_metrics(out)
     steps = [r for r in records if "loss" in r]
     evals = [r for r in records if "val_loss" in r]
@@ -38,6 +41,42 @@ def test_training_run_learns_and_writes_its_outputs(char_data, tmp_path):
     assert state["best_val_loss"] == min(e["val_loss"] for e in evals)
     assert os.path.exists(out / "ckpt_best.pt")
     assert not [p for p in os.listdir(out) if p.endswith(".tmp")]
+
+    # it opens with the keys set away from the defaults, and ends with one line: how long, the
+    # best val and where, the checkpoint, the command that samples from it
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("config, where it differs from the defaults (python train.py --help): out_dir=")
+    opening = " ".join(lines[: next(i for i, line in enumerate(lines) if "parameters |" in line)])
+    assert "max_iters=60" in opening and "n_embd=32" in opening
+    assert "beta1=" not in opening and "weight_decay=" not in opening  # defaults, left out
+    best, best_iter = min((e["val_loss"], e["iter"]) for e in evals)
+    assert re.fullmatch(
+        rf"done: iter 60 in \dm\d\ds, best val loss {best:.4f} at iter {best_iter}, in {out}/ckpt_best.pt; "
+        rf"sample from it: python sample.py --out_dir={out}",
+        lines[-1],
+    ), lines[-1]
+
+
+def test_help_lists_every_key():
+    result = run_script("train.py", "--help")
+    assert result.returncode == 0
+    listed = {line.split("=")[0].strip().removeprefix("--") for line in result.stdout.splitlines()[1:]}
+    assert listed == {f.name for f in dataclasses.fields(TrainConfig)}
+
+
+def test_a_resume_past_lr_decay_iters_says_it_runs_at_min_lr(char_data, tmp_path):
+    """The README's "train longer": the steps past lr_decay_iters run at min_lr, and the run says so."""
+    out = tmp_path / "out"
+    train(char_data, out, max_iters=4, lr_decay_iters=4, eval_interval=4)
+    longer = train(char_data, out, max_iters=6, lr_decay_iters=4, eval_interval=4, init_from="resume")
+    note = (
+        "note: iters 4-6 run at min_lr=0.001, past the cosine's end at lr_decay_iters=4; "
+        "to decay over them instead, pass --lr_decay_iters=6"
+    )
+    assert note in longer.stdout.splitlines()
+    assert [r["lr"] for r in read_metrics(out) if "lr" in r and r["iter"] >= 4] == [1e-3, 1e-3]
+    again = train(char_data, tmp_path / "fresh", max_iters=4, lr_decay_iters=4)
+    assert "note: iters" not in again.stdout  # nothing to say when the cosine ends at max_iters
 
 
 def test_resume_is_exact(char_data, tmp_path):
@@ -73,7 +112,15 @@ def test_best_val_loss_is_never_overwritten_by_a_worse_one(char_data, tmp_path):
     state = checkpoint.load(str(out / "ckpt.pt"))
     assert state["best_val_loss"] == min(evals)
     best = checkpoint.load(str(out / "ckpt_best.pt"))
-    assert best["iter_num"] == 3 * evals.index(min(evals))
+    best_iter = 3 * evals.index(min(evals))
+    assert best["iter_num"] == best_iter and best["best_val_iter"] == best_iter
+    # what sample.py (and serve.py, chat.py) say of each: the best's own val; of the last, that its
+    # figure is an earlier iter's (the last eval was worse here: the learning rate is that high)
+    assert best_iter != 30
+    loaded = lambda which: run_script("sample.py", f"--out_dir={out}", f"--checkpoint={which}", "--max_new_tokens=1")
+    assert f"(iter {best_iter}, val loss {min(evals):.4f}, the run's best)" in loaded("best").stdout
+    expected = f"(iter 30; the run's best val loss before it: {min(evals):.4f} at iter {best_iter})"
+    assert expected in loaded("latest").stdout
 
 
 KILL_DURING_SAVE = textwrap.dedent("""
@@ -127,6 +174,11 @@ def test_sample_from_a_trained_checkpoint(char_data, tmp_path):
     assert set(body) <= set(chars) | {"\n"}
     assert first.stdout == again.stdout  # the seed makes it reproducible
     assert other_seed.stdout != first.stdout
+    greedy = run_script("sample.py", *args, "--temperature=0")
+    samples = greedy.stdout.split("---------------\n")[:-1]
+    assert len(samples) == 2 and samples[1] == samples[0].split("\n", 1)[1]  # one text twice (after 'loaded ...')
+    note = "note: temperature=0 is greedy: the 2 samples of a prompt are one text; --num_samples=1 draws it once"
+    assert note in greedy.stderr.splitlines()
 
 
 @pytest.fixture(scope="module")

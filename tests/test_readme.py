@@ -1,0 +1,196 @@
+"""README.md from the top, as a user on a CPU machine follows it: its shell blocks in order, each
+line in bash, in a fresh copy of the tree (the files git tracks or would add: no out_dirs, no
+prepared data), after `. .venv/bin/activate` once the README has said to run it.
+
+What this test does not do as the user does, and why:
+- `.venv` is the venv this suite runs in (a link), not one `make quickstart` builds: that is
+  minutes and ~1.8 GB of downloads (tests/test_make_venv.py checks what make would install). It
+  holds the test tools too, so a runtime package missing from requirements.txt goes unseen here.
+- Tiny Shakespeare is put in data/shakespeare_char/input.txt, as the README tells a user without
+  network to do (from $SHAKESPEARE_TXT; else the suite's made-up text, so the test runs offline).
+- Training is shortened, to keep the test within the suite's budget: SHORTER appends flags to the
+  commands that train (a later flag wins) and TRAIN_ARGS to make's; the rest runs as written.
+- serve.py runs until it answers its page, then is stopped; it is given a free port (--port) so
+  that it cannot meet another test's server. chat.py gets one line on stdin.
+- SKIPPED names each block a CPU machine without network cannot run, and why.
+A command the README gains fails this test until it is put in one of these tables or runs as it is
+and cheaply."""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from conftest import REPO, make_text
+
+pytestmark = [pytest.mark.process, pytest.mark.slow]
+
+SHORT = "--max_iters=20 --lr_decay_iters=20 --warmup_iters=5 --eval_interval=10 --eval_iters=2 --log_interval=10"
+NANOGPT_CPU = (
+    "python train.py config/train_shakespeare_char.py --device=cpu --compile=False --eval_iters=20 --log_interval=1 "
+    "--block_size=64 --batch_size=12 --n_layer=4 --n_head=4 --n_embd=128 --max_iters=2000 --lr_decay_iters=2000 "
+    "--dropout=0.0"
+)
+SHORTER = {  # a README line -> what is appended to it here
+    "make quickstart": f'TRAIN_ARGS="{SHORT}"',
+    "make chat-demo": f'TRAIN_ARGS="{SHORT}"',
+    "python train.py config/train_shakespeare_char_cpu.py --overwrite=True": SHORT,
+    NANOGPT_CPU: SHORT,
+    "python train.py config/train_shakespeare_char_cpu.py --init_from=resume": SHORT,
+    "python train.py config/train_shakespeare_char_cpu.py --init_from=resume --max_iters=900 --lr_decay_iters=900": (
+        SHORT.replace("=20", "=30")
+    ),
+    "python train.py config/train_shakespeare_char_cpu.py --eval_async=True --keep_last=2 --out_dir=out-watched": SHORT,
+}
+SKIPPED = {  # a README line -> why it is not run here
+    "make test": "the suite this test is part of",
+    "make test-fast": "the suite this test is part of",
+    ".venv/bin/python -m pytest -q tests/test_train.py": "the suite this test is part of",
+    "SHAKESPEARE_TXT=/path/to/input.txt make test": "the suite this test is part of",
+    "python train.py config/train_shakespeare_char.py": "a GPU's: 5,000 steps of a 10M model, hours on a CPU",
+    "python train.py config/train_shakespeare_char_fast.py --overwrite=True": "a GPU's (the quick start there)",
+    "python data/fineweb_edu/prepare.py --tokens=10e9": "downloads FineWeb-Edu",
+    "torchrun --standalone --nproc_per_node=8 train.py config/train_gpt2.py": "8 GPUs",
+    "python eval.py --init_from=gpt2 --tasks=hellaswag,core": "downloads GPT-2, HellaSwag and CORE",
+    'python bench.py config/train_shakespeare_char_cpu.py --against="--mlp=gelu" --seeds=5': (
+        "ten training runs; tests/test_compare.py runs --against small"
+    ),
+    "python bench.py config/train_shakespeare_char_cpu.py --sweep=batch_size=4,8,16,32": (
+        "minutes of timed steps; tests/test_bench.py runs sweeps"
+    ),
+}
+
+
+def shell_lines(path):
+    """Each line of the file's ```sh blocks, in order, as written less its comment; a line ending
+    in a backslash joined with the next."""
+    lines, fence, pending = [], None, ""
+    for line in path.read_text(encoding="utf-8").splitlines():
+        stripped = line.strip()
+        if stripped.startswith("```"):
+            fence = None if fence is not None else stripped[3:].strip()
+            continue
+        if fence != "sh":
+            continue
+        if stripped.endswith("\\"):
+            pending += stripped[:-1] + " "
+            continue
+        code = " ".join((pending + stripped).split(" #")[0].split())  # the README quotes no " #"
+        pending = ""
+        if code and not code.startswith("#"):
+            lines.append(code)
+    return lines
+
+
+def fresh_copy(to):
+    """The tree as a fresh clone has it: tracked files and untracked ones git would add, with their
+    times (make compares the requirement files with the venv's install)."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    for name in filter(None, listed.split("\0")):
+        source = REPO / name
+        if source.is_file() and not source.is_symlink():
+            (to / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, to / name)
+    return to
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_until_it_answers(command, cwd, env):
+    """serve.py started, its page fetched once it listens, then stopped; (exit code, output)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        ["bash", "-c", f"{command} --port={port}"],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5) as page:
+                    assert page.status == 200 and b"<html" in page.read().lower()
+                    break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            pytest.fail(f"serve.py never answered on port {port}: {proc.communicate(timeout=30)[0]}")
+    finally:
+        proc.terminate()
+        output = proc.communicate(timeout=60)[0]
+    return 0, output
+
+
+def test_the_readme_runs_in_order_on_a_fresh_copy(tmp_path):
+    if shutil.which("make") is None:
+        pytest.skip("needs make")
+    root = fresh_copy(tmp_path / "gpt-trainer")
+    (root / ".venv").symlink_to(sys.prefix, target_is_directory=True)
+    text = os.environ.get("SHAKESPEARE_TXT")
+    if text:
+        shutil.copy(text, root / "data" / "shakespeare_char" / "input.txt")
+    else:
+        (root / "data" / "shakespeare_char" / "input.txt").write_text(make_text(200_000))
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "SHAKESPEARE_TXT")}
+    env.update(
+        OMP_NUM_THREADS="1", PATH=os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if sys.prefix not in p)
+    )
+    # make must take the venv as installed: its requirement files are at least as old as its install
+    installed = (root / ".venv" / ".installed").stat().st_mtime if (root / ".venv" / ".installed").exists() else None
+    assert installed, f"{sys.prefix} has no .installed: make it with make venv"
+    for name in ("requirements.txt", "requirements-dev.txt", "scripts/system_torch.py"):
+        os.utime(root / name, (installed - 1, installed - 1))
+
+    lines = shell_lines(REPO / "README.md")
+    assert lines[0] == "make quickstart" and ". .venv/bin/activate" in lines
+    activated, ran, skipped = False, [], []
+    for line in lines:
+        why = SKIPPED.get(line)
+        if why:
+            skipped.append(f"{line}: {why}")
+            continue
+        extra = SHORTER.get(line)
+        command = f"{line} {extra}" if extra else line
+        if line == ". .venv/bin/activate":
+            activated = True
+            continue
+        shell = f". .venv/bin/activate && {command}" if activated else command
+        start = time.monotonic()
+        if line.startswith("python serve.py"):
+            code, output = serve_until_it_answers(shell.replace("&& python", "&& exec python"), root, env)
+        else:
+            stdin = "My name is Dovaki.\n" if line.startswith("python chat.py") else ""
+            result = subprocess.run(
+                ["bash", "-c", shell], cwd=root, env=env, input=stdin, capture_output=True, text=True, timeout=600
+            )
+            code, output = result.returncode, result.stdout + result.stderr
+        assert code == 0, f"README: `{line}` (run as `{command}`) exited {code}:\n{output[-3000:]}"
+        assert "Traceback" not in output, f"README: `{line}`:\n{output[-3000:]}"
+        ran.append((line, time.monotonic() - start, output))
+        if line == "make quickstart":
+            assert "make quickstart is done: the run is in out-shakespeare-char-cpu" in output
+            assert ". .venv/bin/activate" in output
+        if line == "make chat-demo":
+            assert "python chat.py --out_dir=out-chat-demo" in output and "python serve.py" in output
+        if line.startswith("python train.py"):
+            assert any(out.startswith("done: iter ") for out in output.splitlines()), output[-2000:]
+    print("\n".join(f"{seconds:6.1f} s  {line}" for line, seconds, _ in ran))
+    print("skipped:\n" + "\n".join(skipped))
+    assert len(ran) >= 15 and (root / "out-shakespeare-char" / "hf").is_dir()
+    assert (root / "out-chat-demo" / "model.gguf").exists() or any((root / "out-chat-demo").glob("*.gguf"))
