@@ -391,7 +391,8 @@ def test_a_directory_of_another_architecture_is_one_line(tmp_path):
     result = run_script("sample.py", f"--init_from={tmp_path}", "--device=cpu")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [
-        f"error: {tmp_path} holds a 'mistral' model; only GPT-2 and Llama (model_type 'gpt2' or 'llama') can be loaded"
+        f"error: {tmp_path} holds a 'mistral' model; only GPT-2 and Llama (model_type 'gpt2' or 'llama') "
+        "and hf.py's own export ('gpt_trainer') can be loaded"
     ]
 
 
