@@ -26,7 +26,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import char_dataset, read_metrics, run_python, run_script, start_python, tiny_args
+from conftest import char_dataset, losses, read_metrics, run_python, run_script, start_python, tiny_args, untimed
 
 pytestmark = [
     pytest.mark.skipif(
@@ -47,14 +47,14 @@ RUN = dict(
     muon_weight_decay=0.01,
 )
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-UNTIMED = lambda records: [{k: v for k, v in r.items() if k not in ("dt_ms", "tokens_per_s")} for r in records]
 
 
 def args(data, out, **overrides):
     return ["config/train_llama_1b.py", *tiny_args(data, out, **{**LLAMA, **RUN, **overrides})]
 
 
-def torchrun(nproc, argv, timeout=300):
+def on_ranks(nproc, argv, timeout=300):
+    """train.py argv under a standalone torchrun of nproc CPU ranks; it must succeed."""
     result = run_python(
         ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py", *argv],
         env=ENV,
@@ -75,13 +75,13 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("muon_dist")
     data = char_dataset(root / "chars")
     assert run_script("train.py", *args(data, root / "one")).returncode == 0
-    torchrun(2, args(data, root / "ddp2"))
-    torchrun(4, args(data, root / "ddp4"))
+    on_ranks(2, args(data, root / "ddp2"))
+    on_ranks(4, args(data, root / "ddp4"))
     started = time.perf_counter()
-    torchrun(2, args(data, root / "fsdp2", parallelism="fsdp"))
+    on_ranks(2, args(data, root / "fsdp2", parallelism="fsdp"))
     fsdp_seconds = time.perf_counter() - started
     at_10(root / "one", root / "one_fsdp2")
-    torchrun(2, args(data, root / "one_fsdp2", parallelism="fsdp", init_from="resume"))
+    on_ranks(2, args(data, root / "one_fsdp2", parallelism="fsdp", init_from="resume"))
     at_10(root / "fsdp2", root / "fsdp2_one")
     assert run_script("train.py", *args(data, root / "fsdp2_one", init_from="resume")).returncode == 0
     return root, data, fsdp_seconds
@@ -102,10 +102,6 @@ def assert_close_states(a, b, rtol=1e-4, atol=1e-5):
         for i in sa["state"]:
             for k in sa["state"][i]:
                 torch.testing.assert_close(sa["state"][i][k], sb["state"][i][k], rtol=rtol, atol=atol)
-
-
-def losses(out_dir):
-    return [r[k] for r in read_metrics(out_dir) for k in ("loss", "train_loss", "val_loss") if k in r]
 
 
 def assert_same_run(a, b):
@@ -150,9 +146,8 @@ def test_muon_under_fsdp_killed_at_a_random_moment_resumes_bit_for_bit(runs, tmp
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its ranks
         proc.wait()
-    torchrun(2, argv)
-    straight, resumed = read_metrics(root / "fsdp2"), read_metrics(tmp_path / "killed")
-    assert UNTIMED(resumed) == UNTIMED(straight), f"killed at {moment:.1f} s"
+    on_ranks(2, argv)
+    assert untimed(tmp_path / "killed") == untimed(root / "fsdp2"), f"killed at {moment:.1f} s"
     assert_close_states(final(tmp_path / "killed"), final(root / "fsdp2"), rtol=0, atol=0)
 
 
