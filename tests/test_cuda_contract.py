@@ -162,8 +162,9 @@ def fake_cuda_shim(tmp_path_factory):
 @pytest.mark.process
 def test_a_step_an_eval_and_generation_keep_every_tensor_on_the_gpu(fake_cuda_shim):
     """train.py's step (forward and backward under bf16 autocast, clipping, fused AdamW with its
-    on-device skip), its eval and model.generate (KV cache, top-k, top-p, a stop token), on a fake
-    CUDA device set up by runtime.setup; and a CPU batch meeting the GPU model is caught."""
+    on-device skip), its eval and model.generate (KV cache, top-k, top-p, a stop token), a step with
+    Muon beside AdamW (bfloat16 iterations on a GPU), on a fake CUDA device set up by runtime.setup;
+    and a CPU batch meeting the GPU model is caught."""
     load = f"import ctypes; ctypes.CDLL({str(fake_cuda_shim)!r}, mode=ctypes.RTLD_GLOBAL); " if fake_cuda_shim else ""
     code = (
         load
@@ -177,6 +178,7 @@ def test_a_step_an_eval_and_generation_keep_every_tensor_on_the_gpu(fake_cuda_sh
         "generate: (2, 24) on cuda:0",
         "chat train_step: loss, grad_norm, stepped on cuda:0",
         "chat evaluate: val",
+        "muon train_step: stepped on cuda:0; 26 state tensors",
         "a CPU batch for the GPU model: devices cuda:0 and cpu",
     ]
 
@@ -287,6 +289,15 @@ def trace_on_fake_cuda():
         )
         print(f"chat train_step: loss, grad_norm, stepped on {', '.join(sorted({str(t.device) for t in result}))}")
         print("chat evaluate:", ", ".join(evaluate(model, {"val": (chat, chat_eval_offsets(chat, 2, 4, 0))}, 16, rt)))
+        # Muon beside AdamW: on a GPU it orthogonalizes in bfloat16, with its on-device skip
+        muon_cfg = dataclasses.replace(cfg, optimizer="muon")
+        _, muon_model, muon_optimizer, muon_scaler = build(raw, muon_cfg, rt)
+        result = train_step(
+            muon_model, muon_optimizer, muon_scaler, TrainBatches(data, 4, 16, 0, rt), 1e-3, 2, cfg.grad_clip, rt
+        )
+        states = [v for o in muon_optimizer.optimizers for s in o.state.values() for v in s.values()]
+        devices = {str(t.device) for t in (*result, *raw.parameters(), *states)}
+        print(f"muon train_step: stepped on {', '.join(sorted(devices))}; {len(states)} state tensors")
         cpu = runtime.Runtime("cpu", "cpu", rt.dtype)
         try:
             train_step(
