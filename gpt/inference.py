@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
+import torch._inductor.config  # Engine.compile patches it while compiling
 import torch.nn.functional as F
 
 # ---------------------------------------------------------------------------- one token
@@ -398,11 +399,23 @@ class Step:
 
 
 def compile_options(device_type):
-    """torch.compile's settings for the Engine's decoding step on device_type. On a GPU the step
-    replays a CUDA graph: no launch overhead per kernel. On a CPU the graph's kernels are called
-    from C++ (inductor's cpp_wrapper) instead of Python: 1.5 ms less a step of a 124M model, about
-    17 s more for the first, cold compile (BENCHMARKS.md)."""
-    return {"mode": "reduce-overhead"} if device_type == "cuda" else {"options": {"cpp_wrapper": True}}
+    """Engine.compile's settings for the decoding step on device_type. On a GPU the step replays a CUDA
+    graph: no launch overhead per kernel. On a CPU, inductor's settings for inference: the weights
+    frozen into the graph as constants and every matmul made by inductor's own C++ GEMM template
+    (max_autotune with the CPP backend), its weights packed once into the blocks its kernel reads,
+    and the graph's kernels called from C++ (cpp_wrapper) instead of Python. Where the template does
+    not apply, ATen's matmul. A step of the 124M then reads its weights at the cores' bandwidth, 2.2x
+    faster at one row than MKL's products, which take a slow path on an AMD CPU (BENCHMARKS.md). The
+    packed weights are a second copy beside the model's own (the prefill, eager, reads those)."""
+    if device_type == "cuda":
+        return {"mode": "reduce-overhead"}
+    inductor = {
+        "freezing": True,
+        "max_autotune": True,
+        "max_autotune_gemm_backends": "CPP",
+        "autotune_fallback_to_aten": True,
+    }
+    return {"options": {"cpp_wrapper": True}, "inductor": inductor}
 
 
 class Engine:
@@ -442,17 +455,18 @@ class Engine:
         self.steps = 0  # steps (forward passes) run, for tests and /health
         self.thread = threading.Thread(target=self._run, name="inference-engine", daemon=True)
 
-    def compile(self, **options):
-        """torch.compile the decoding step (options: torch.compile's mode or options) and compile its
-        graphs now: one for a single row, one for any bucket of more, each for any span of keys.
-        None when done; else the error, and the step stays eager. The cache's tensors are marked as
-        keeping their address, so CUDA graphs (mode='reduce-overhead') may write into them."""
+    def compile(self, inductor=None, **options):
+        """torch.compile the decoding step (options: torch.compile's mode or options; inductor: settings
+        of torch._inductor.config while it compiles, such as freezing, which options cannot carry) and
+        compile its graphs now: one for a single row, one for any bucket of more, each for any span of
+        keys. None when done; else the error, and the step stays eager. The cache's tensors are marked as keeping
+        their address, so CUDA graphs (mode='reduce-overhead') may write into them."""
         self.buckets = sorted({min(2**i, self.rows) for i in range(self.rows.bit_length() + 1)})
         for t in (*self.cache.k, *self.cache.v):
             torch._dynamo.mark_static_address(t)
         step = torch.compile(self._decode, dynamic=False, **options)
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), torch._inductor.config.patch(inductor or {}):
                 for rows in self.buckets:
                     step(*self._inputs([0] * rows, [0] * rows, 1))  # the decoding steps of `rows` rows
         except Exception as e:  # noqa: BLE001 (a compiler's failure of any kind: serving goes on without it)

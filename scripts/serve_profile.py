@@ -3,14 +3,15 @@
 put under one heading, and what is left of the step's wall time (Python, dispatch, waits).
 
     python scripts/serve_profile.py --out_dir=out-gpt2-124m-random --rows=1,16
-    python scripts/serve_profile.py --out_dir=out-gpt2-124m-random --rows=1,16 --compile   # serve.py --compile, kernels called from Python
+    python scripts/serve_profile.py --out_dir=out-gpt2-124m-random --rows=1,16 --compile   # serve.py --compile's step, kernels called from Python
     python scripts/serve_profile.py --out_dir=out-gpt2-124m-random --dtype=bfloat16 --compile
     python scripts/serve_profile.py --out_dir=out-gpt2-124m-random --threads=1 --trace=step.json   # for Perfetto
     python scripts/serve_profile.py --out_dir=out-gpt2-124m-random --baseline=../before            # another checkout's
 
 The rows are filled first, each with a prompt of --prompt tokens, then --steps decoding steps are
 profiled (after --warmup unprofiled ones). Headings, by op name (a compiled step's fused kernels are
-`cpp_fused_...`, Triton's `triton_...`, and an op's time is its own, not its callees'):
+`cpp_fused_...`, its matmuls inductor's C++ GEMM kernels `..._gemm_...`, Triton's `triton_...`, and an
+op's time is its own, not its callees'):
 
     matmuls          aten::mm, addmm, linear and their MKL/oneDNN forms, but the lm_head's
     lm_head          the matmul whose output has the vocabulary's width
@@ -43,9 +44,10 @@ def heading(event, vocab):
     name = event.key.lower()
     if any(word in name for word in ("attention", "sdpa", "flash")):
         return "attention"
-    if any(word in name for word in ("::mm", "addmm", "linear", "mkl", "bmm", "matmul")):
+    if any(word in name for word in ("::mm", "addmm", "linear", "mkl", "bmm", "matmul", "gemm")):
+        # an op's shapes, or a C++ GEMM kernel's name, which gives its n and k: gemm_..n50304k768_..
         shapes = [s for s in event.input_shapes if s]
-        return "lm_head" if any(vocab in s for s in shapes) else "matmuls"
+        return "lm_head" if any(vocab in s for s in shapes) or f"n{vocab}k" in name else "matmuls"
     if "index_put" in name:
         return "cache writes"
     return "other ops"
@@ -106,9 +108,12 @@ def main(argv=None):
     vocab = model.config.padded_vocab_size
     engine = inference.Engine(model, rows=max(levels), room=min(model.config.block_size, 1024))
     if args.compile:
-        # inductor's Python wrapper: serve.py's C++ one (inference.compile_options, cpp_wrapper) calls the
-        # kernels where the profiler sees none of them, only the step's wall
-        error = engine.compile()
+        # serve.py's settings (inference.compile_options) but inductor's Python wrapper, each C++ kernel
+        # recorded (serve.py's cpp_wrapper calls them where the profiler sees only the step's wall); a
+        # --baseline from before compile_options had inductor settings compiles as it did
+        inductor = inference.compile_options("cpu").get("inductor")
+        options = {"inductor": {**inductor, "cpp.enable_kernel_profile": True}} if inductor else {}
+        error = engine.compile(**options)
         if error:
             print(f"torch.compile failed: {error}", file=sys.stderr)
             return 1

@@ -43,11 +43,11 @@ KEY = "test-key-123"
 SHAPES = [{}, dict(n_kv_head=1, pos_encoding="rope", norm="rmsnorm", mlp="swiglu", bias=False)]
 
 
-def peaked_model(block_size=64, **shape):
+def peaked_model(block_size=64, n_layer=2, **shape):
     """A small GPT (vocab 50, 2 layers, context 64) with weights spread far from the init: peaked
     next-token distributions, so greedy tokens have no near-ties."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=50, n_layer=2, n_head=2, n_embd=32, block_size=block_size, **shape)).eval()
+    model = GPT(GPTConfig(vocab_size=50, n_layer=n_layer, n_head=2, n_embd=32, block_size=block_size, **shape)).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.3)
@@ -190,6 +190,35 @@ def test_a_compiled_engine_gives_solo_greedy_tokens_and_never_recompiles(shape):
     decoding = [step for step in steps if not step.packed]
     assert {step.keys for step in decoding} == {64, 128}  # rows up to position 63, then past it
     assert {step.rows for step in decoding} <= set(engine.buckets)
+
+
+@pytest.mark.slow
+def test_on_a_cpu_the_compiled_step_is_inductors_with_the_weights_frozen_and_its_own_matmuls():
+    """serve.py --compile on a CPU compiles as inference.compile_options('cpu') says, with inductor
+    itself: the weights frozen into the graphs and each matmul inductor's C++ GEMM kernel, its
+    weights packed (a graph of one row and one of two: each the layer's 4 matmuls and the lm_head).
+    Four requests, two decoded together at a time: each gets generate()'s greedy tokens of the model
+    alone. One layer: each kernel inductor compiles costs seconds on two cores."""
+    from torch._dynamo.utils import counters
+
+    model = peaked_model(n_layer=1)
+    prompts, budgets = token_lists(5, 11, 2, 17), [12, 9, 20, 6]
+    solo = solo_greedy(model, prompts, budgets)
+    torch._dynamo.reset()
+    counters.clear()
+    engine = inference.Engine(model, rows=2)
+    assert engine.compile(**inference.compile_options("cpu")) is None and engine.buckets == [1, 2]
+    assert counters["inductor"]["cpp_templated_kernel_counter"] == 2 * (4 + 1)
+    outs, done = [[] for _ in prompts], threading.Semaphore(0)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        engine.start()
+        for i, (p, n) in enumerate(zip(prompts, budgets)):
+            assert engine.submit(inference.Request(p, n, outs[i].append, lambda *end: done.release(), temperature=0))
+        for _ in prompts:
+            assert done.acquire(timeout=300)
+        engine.close()
+    torch._dynamo.reset()
+    assert outs == solo
 
 
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
