@@ -170,6 +170,7 @@ def load(cfg, rt, say):
         raise UserError(f"context={cfg.context} is longer than the model's block_size={model.config.block_size}")
     for line in loaded:
         say(line)
+    inference.onednn_matmuls(model)  # as serve.py's: the same greedy replies
     return model.eval().to(rt.device), template
 
 

@@ -97,6 +97,7 @@ class Worker:
         # the weights in the dtype the model computes in (not autocast, which would cast them at every
         # step): --dtype=bfloat16 reads half the bytes per token
         model.eval().to(rt.device, rt.dtype)
+        inference.onednn_matmuls(model)  # prompts, and every step when not compiled, on a CPU not Intel's
         self.send, self.items, self.requests = send, [], {}
         self.engine = inference.Engine(
             model, rows=cfg.batch_size, waiting=cfg.max_waiting, room=context, device=rt.device, after_step=self.flush

@@ -196,12 +196,14 @@ def test_a_compiled_engine_gives_solo_greedy_tokens_and_never_recompiles(shape):
 def test_on_a_cpu_the_compiled_step_is_inductors_with_the_weights_frozen_and_its_own_matmuls():
     """serve.py --compile on a CPU compiles as inference.compile_options('cpu') says, with inductor
     itself: the weights frozen into the graphs and each matmul inductor's C++ GEMM kernel, its
-    weights packed (a graph of one row and one of two: each the layer's 4 matmuls and the lm_head).
-    Four requests, two decoded together at a time: each gets generate()'s greedy tokens of the model
-    alone. One layer: each kernel inductor compiles costs seconds on two cores."""
+    weights packed (a graph of one row and one of two: each the layer's 4 matmuls and the lm_head),
+    where the eager passes (prompts) are oneDNN's. Four requests, two decoded together at a time:
+    each gets generate()'s greedy tokens of the model alone. One layer: each kernel inductor
+    compiles costs seconds on two cores."""
     from torch._dynamo.utils import counters
 
     model = peaked_model(n_layer=1)
+    assert inference.onednn_matmuls(model, vendor="AuthenticAMD")  # as serve.py on an AMD CPU: its prompts' passes
     prompts, budgets = token_lists(5, 11, 2, 17), [12, 9, 20, 6]
     solo = solo_greedy(model, prompts, budgets)
     torch._dynamo.reset()
@@ -382,6 +384,28 @@ def test_on_a_gpu_the_decoding_step_replays_cuda_graphs(base, monkeypatch):
         worker = serving.Worker(cfg, rt, lambda items, stats: None)
         assert calls[-1] == expected and worker.engine.buckets == [1, 2]
     torch.compiler.reset()
+
+
+@pytest.mark.parametrize("vendor", ["AuthenticAMD", "GenuineIntel", ""], ids=["amd", "intel", "unknown"])
+def test_eager_matmuls_are_onednns_on_a_cpu_not_intels_with_torchs_logits(vendor):
+    """inference.onednn_matmuls, as serve.py, chat.py and sample.py call it: on a CPU whose vendor is not
+    Intel every nn.Linear computes with oneDNN (its parameters and state_dict unchanged), on Intel's (or
+    an unknown one) nothing changes. Either way the logits are torch's own F.linear model's to float32
+    rounding, and greedy generation is the same, token for token."""
+    reference = peaked_model(**SHAPES[1])
+    model = peaked_model(**SHAPES[1])
+    keys = list(model.state_dict())
+    swapped = inference.onednn_matmuls(model, vendor=vendor)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert swapped == (vendor == "AuthenticAMD") and len(linears) == 2 * 4 + 1
+    assert all(type(m) is (inference.OneDNNLinear if swapped else torch.nn.Linear) for m in linears)
+    assert list(model.state_dict()) == keys
+    idx = torch.tensor(token_lists(20))
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx)[0], reference(idx)[0], rtol=1e-5, atol=1e-5)
+    prompt = torch.tensor(token_lists(7))
+    expected = inference.generate(reference, prompt, 30, temperature=0)
+    assert torch.equal(inference.generate(model, prompt, 30, temperature=0), expected)
 
 
 def test_a_failing_request_ends_alone():
