@@ -162,7 +162,8 @@ def fake_cuda_shim(tmp_path_factory):
 @pytest.mark.process
 def test_a_step_an_eval_and_generation_keep_every_tensor_on_the_gpu(fake_cuda_shim):
     """train.py's step (forward and backward under bf16 autocast, clipping, fused AdamW with its
-    on-device skip), its eval and model.generate (KV cache, top-k, top-p, a stop token), a step with
+    on-device skip), its eval and model.generate (KV cache, top-k, top-p, a stop token; its linears
+    inference.OneDNNLinear, as on an AMD host, which on the GPU are nn.Linear's), a step with
     Muon beside AdamW (bfloat16 iterations on a GPU), on a fake CUDA device set up by runtime.setup;
     and a CPU batch meeting the GPU model is caught."""
     load = f"import ctypes; ctypes.CDLL({str(fake_cuda_shim)!r}, mode=ctypes.RTLD_GLOBAL); " if fake_cuda_shim else ""
@@ -175,7 +176,7 @@ def test_a_step_an_eval_and_generation_keep_every_tensor_on_the_gpu(fake_cuda_sh
     assert result.stdout.splitlines() == [
         "train_step: loss, grad_norm, stepped on cuda:0; weights and AdamW state on cuda:0",
         "evaluate: val",
-        "generate: (2, 24) on cuda:0",
+        "generate: (2, 24) on cuda:0, through 9 OneDNNLinear",
         "chat train_step: loss, grad_norm, stepped on cuda:0",
         "chat evaluate: val",
         "muon train_step: stepped on cuda:0; 26 state tensors",
@@ -270,6 +271,8 @@ def trace_on_fake_cuda():
         )
         print("evaluate:", ", ".join(evaluate(model, {"val": (data, eval_offsets(data, 2, 4, 16, 0))}, 16, rt)))
         raw.eval()
+        # as chat.py on a GPU machine with an AMD host: the eager matmuls stay nn.Linear's on the GPU
+        swapped = inference.onednn_matmuls(raw, vendor="AuthenticAMD")
         with rt.autocast():
             out = inference.generate(
                 raw,
@@ -280,7 +283,11 @@ def trace_on_fake_cuda():
                 top_p=0.9,
                 stop_token=3,
             )
-        print(f"generate: {tuple(out.shape)} on {out.device}")
+        linears = sum(type(m) is inference.OneDNNLinear for m in raw.modules()) if swapped else 0
+        print(f"generate: {tuple(out.shape)} on {out.device}, through {linears} OneDNNLinear")
+        for m in raw.modules():
+            if type(m) is inference.OneDNNLinear:
+                m.__class__ = torch.nn.Linear
         raw.train()
         # chat rows (batches.chat_batch): the summed loss weighted by the step's trained tokens
         chat = ChatData(data[:400], (np.arange(400) % 3 == 0).astype(np.uint8), np.arange(0, 400, 25))
