@@ -29,7 +29,7 @@ from typing import Literal, Optional
 import torch
 
 from configurator import UserError, parse, require, require_choices, require_init_from, require_sampling, run_main
-from gpt import inference, runtime, tokenizer
+from gpt import cpu_matmuls, inference, runtime, tokenizer
 from gpt.inference import KVCache
 from gpt.load import chat_template, for_inference
 
@@ -170,7 +170,7 @@ def load(cfg, rt, say):
         raise UserError(f"context={cfg.context} is longer than the model's block_size={model.config.block_size}")
     for line in loaded:
         say(line)
-    inference.onednn_matmuls(model)  # as serve.py's: the same greedy replies
+    cpu_matmuls.onednn_matmuls(model)  # as serve.py's: the same greedy replies
     return model.eval().to(rt.device), template
 
 

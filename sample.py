@@ -21,7 +21,7 @@ from typing import Literal, Optional
 import torch
 
 from configurator import UserError, parse, require, require_choices, require_init_from, require_sampling, run_main
-from gpt import inference, load, runtime, tokenizer
+from gpt import cpu_matmuls, inference, load, runtime, tokenizer
 
 
 @dataclass
@@ -139,7 +139,7 @@ def main(argv=None):
     rt = runtime.setup(cfg.device, cfg.dtype)
     model, tok_spec = load.for_inference(cfg.init_from, cfg.out_dir, cfg.checkpoint)
     model.eval().to(rt.device)
-    inference.onednn_matmuls(model)  # on a CPU not Intel's, faster eager matmuls
+    cpu_matmuls.onednn_matmuls(model)  # on a CPU not Intel's, faster eager matmuls
     block_size = model.config.block_size
     if cfg.window_shift is not None and cfg.window_shift >= block_size:
         raise UserError(f"window_shift={cfg.window_shift} must be less than this model's block_size={block_size}")

@@ -24,46 +24,7 @@ from typing import Callable, Optional
 
 import torch
 import torch._inductor.config  # Engine.compile patches it while compiling
-import torch.nn as nn
 import torch.nn.functional as F
-
-# ---------------------------------------------------------------------------- a CPU's matmuls
-
-
-class OneDNNLinear(nn.Linear):
-    """nn.Linear whose float32 product on a CPU, run eagerly, is oneDNN's (the kernel inductor's CPU
-    graphs call) instead of MKL's. Traced by torch.compile, on another device or in another dtype,
-    it is nn.Linear. The same parameters and state_dict."""
-
-    def forward(self, x):
-        if torch.compiler.is_compiling() or x.device.type != "cpu" or self.weight.dtype != torch.float32:
-            return super().forward(x)
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-
-
-def cpu_vendor():
-    """This Linux CPU's vendor_id in /proc/cpuinfo ('GenuineIntel', 'AuthenticAMD', ...); '' elsewhere."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
-    except OSError:
-        return ""
-
-
-def onednn_matmuls(model, vendor=None):
-    """On a CPU that is not Intel's, where MKL's float32 matmuls take a slow path, make every
-    nn.Linear of model a OneDNNLinear: a 124M's forward over 1 to 40 tokens 1.6-2x faster on an AMD
-    EPYC (BENCHMARKS.md). Eager steps gain (serve.py's prompts, chat.py, sample.py); a compiled
-    step is inductor's either way. On Intel's CPUs, or without oneDNN, nothing changes. vendor:
-    cpu_vendor()'s answer (the default). Whether the matmuls are now oneDNN's."""
-    vendor = cpu_vendor() if vendor is None else vendor
-    if vendor in ("GenuineIntel", "") or not torch.backends.mkldnn.is_available():
-        return False
-    for module in model.modules():
-        if type(module) is nn.Linear:
-            module.__class__ = OneDNNLinear
-    return True
-
 
 # ---------------------------------------------------------------------------- one token
 
@@ -439,13 +400,10 @@ class Step:
 
 def compile_options(device_type):
     """Engine.compile's settings for the decoding step on device_type. On a GPU the step replays a CUDA
-    graph: no launch overhead per kernel. On a CPU, inductor's settings for inference: the weights
-    frozen into the graph as constants and every matmul made by inductor's own C++ GEMM template
-    (max_autotune with the CPP backend), its weights packed once into the blocks its kernel reads,
-    and the graph's kernels called from C++ (cpp_wrapper) instead of Python. Where the template does
-    not apply, ATen's matmul. A step of the 124M then reads its weights at the cores' bandwidth, 2.2x
-    faster at one row than MKL's products, which take a slow path on an AMD CPU (BENCHMARKS.md). The
-    packed weights are a second copy beside the model's own (the prefill, eager, reads those)."""
+    graph. On a CPU the weights are frozen into the graph and packed once for inductor's own C++ GEMM
+    kernels (max_autotune's CPP backend; ATen's matmul where it does not apply), the kernels called
+    from C++ (cpp_wrapper): one row of the 124M reads its weights at the cores' bandwidth, 2.1x faster
+    than MKL's products on an AMD EPYC (BENCHMARKS.md), for a second, packed copy of them."""
     if device_type == "cuda":
         return {"mode": "reduce-overhead"}
     inductor = {
@@ -495,11 +453,10 @@ class Engine:
         self.thread = threading.Thread(target=self._run, name="inference-engine", daemon=True)
 
     def compile(self, inductor=None, **options):
-        """torch.compile the decoding step (options: torch.compile's mode or options; inductor: settings
-        of torch._inductor.config while it compiles, such as freezing, which options cannot carry) and
-        compile its graphs now: one for a single row, one for any bucket of more, each for any span of
-        keys. None when done; else the error, and the step stays eager. The cache's tensors are marked as keeping
-        their address, so CUDA graphs (mode='reduce-overhead') may write into them."""
+        """torch.compile the decoding step (options: torch.compile's; inductor: torch._inductor.config's
+        while it compiles, such as freezing, which options cannot carry) and compile its graphs now: one
+        for a single row, one for any bucket of more, each for any span of keys. None when done; else
+        the error, and the step stays eager. The cache's tensors keep their address (CUDA graphs)."""
         self.buckets = sorted({min(2**i, self.rows) for i in range(self.rows.bit_length() + 1)})
         for t in (*self.cache.k, *self.cache.v):
             torch._dynamo.mark_static_address(t)

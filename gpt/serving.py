@@ -23,7 +23,7 @@ import traceback
 import uuid
 
 from configurator import UserError
-from gpt import inference, load, runtime, tokenizer
+from gpt import cpu_matmuls, inference, load, runtime, tokenizer
 
 MAX_CONTEXT = 8192  # context=0 takes the model's block_size up to this, as chat.py does
 
@@ -97,7 +97,7 @@ class Worker:
         # the weights in the dtype the model computes in (not autocast, which would cast them at every
         # step): --dtype=bfloat16 reads half the bytes per token
         model.eval().to(rt.device, rt.dtype)
-        inference.onednn_matmuls(model)  # prompts, and every step when not compiled, on a CPU not Intel's
+        cpu_matmuls.onednn_matmuls(model)  # prompts, and every step when not compiled, on a CPU not Intel's
         self.send, self.items, self.requests = send, [], {}
         self.engine = inference.Engine(
             model, rows=cfg.batch_size, waiting=cfg.max_waiting, room=context, device=rt.device, after_step=self.flush

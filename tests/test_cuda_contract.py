@@ -163,7 +163,7 @@ def fake_cuda_shim(tmp_path_factory):
 def test_a_step_an_eval_and_generation_keep_every_tensor_on_the_gpu(fake_cuda_shim):
     """train.py's step (forward and backward under bf16 autocast, clipping, fused AdamW with its
     on-device skip), its eval and model.generate (KV cache, top-k, top-p, a stop token; its linears
-    inference.OneDNNLinear, as on an AMD host, which on the GPU are nn.Linear's), a step with
+    cpu_matmuls.OneDNNLinear, as on an AMD host, which on the GPU are nn.Linear's), a step with
     Muon beside AdamW (bfloat16 iterations on a GPU), on a fake CUDA device set up by runtime.setup;
     and a CPU batch meeting the GPU model is caught."""
     load = f"import ctypes; ctypes.CDLL({str(fake_cuda_shim)!r}, mode=ctypes.RTLD_GLOBAL); " if fake_cuda_shim else ""
@@ -193,7 +193,7 @@ def trace_on_fake_cuda():
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
     from configurator import TrainConfig
-    from gpt import inference
+    from gpt import cpu_matmuls, inference
     from gpt.batches import ChatBatches, ChatData, TrainBatches, chat_eval_offsets, eval_offsets, get_batch
     from gpt.step import evaluate, train_step
     from gpt.training_setup import build, make_model_args
@@ -272,7 +272,7 @@ def trace_on_fake_cuda():
         print("evaluate:", ", ".join(evaluate(model, {"val": (data, eval_offsets(data, 2, 4, 16, 0))}, 16, rt)))
         raw.eval()
         # as chat.py on a GPU machine with an AMD host: the eager matmuls stay nn.Linear's on the GPU
-        swapped = inference.onednn_matmuls(raw, vendor="AuthenticAMD")
+        swapped = cpu_matmuls.onednn_matmuls(raw, vendor="AuthenticAMD")
         with rt.autocast():
             out = inference.generate(
                 raw,
@@ -283,10 +283,10 @@ def trace_on_fake_cuda():
                 top_p=0.9,
                 stop_token=3,
             )
-        linears = sum(type(m) is inference.OneDNNLinear for m in raw.modules()) if swapped else 0
+        linears = sum(type(m) is cpu_matmuls.OneDNNLinear for m in raw.modules()) if swapped else 0
         print(f"generate: {tuple(out.shape)} on {out.device}, through {linears} OneDNNLinear")
         for m in raw.modules():
-            if type(m) is inference.OneDNNLinear:
+            if type(m) is cpu_matmuls.OneDNNLinear:
                 m.__class__ = torch.nn.Linear
         raw.train()
         # chat rows (batches.chat_batch): the summed loss weighted by the step's trained tokens

@@ -31,7 +31,7 @@ from conftest import ATEN_BACKEND, REPO, chat_demo_copy, load_script, run_script
 
 import serve
 from configurator import UserError, parse
-from gpt import api, inference, runtime, serving, tokenizer
+from gpt import api, cpu_matmuls, inference, runtime, serving, tokenizer
 from model import GPT, GPTConfig
 from serve import ServeConfig
 
@@ -203,7 +203,7 @@ def test_on_a_cpu_the_compiled_step_is_inductors_with_the_weights_frozen_and_its
     from torch._dynamo.utils import counters
 
     model = peaked_model(n_layer=1)
-    assert inference.onednn_matmuls(model, vendor="AuthenticAMD")  # as serve.py on an AMD CPU: its prompts' passes
+    assert cpu_matmuls.onednn_matmuls(model, vendor="AuthenticAMD")  # as serve.py on an AMD CPU: its prompts' passes
     prompts, budgets = token_lists(5, 11, 2, 17), [12, 9, 20, 6]
     solo = solo_greedy(model, prompts, budgets)
     torch._dynamo.reset()
@@ -388,17 +388,17 @@ def test_on_a_gpu_the_decoding_step_replays_cuda_graphs(base, monkeypatch):
 
 @pytest.mark.parametrize("vendor", ["AuthenticAMD", "GenuineIntel", ""], ids=["amd", "intel", "unknown"])
 def test_eager_matmuls_are_onednns_on_a_cpu_not_intels_with_torchs_logits(vendor):
-    """inference.onednn_matmuls, as serve.py, chat.py and sample.py call it: on a CPU whose vendor is not
+    """cpu_matmuls.onednn_matmuls, as serve.py, chat.py and sample.py call it: on a CPU whose vendor is not
     Intel every nn.Linear computes with oneDNN (its parameters and state_dict unchanged), on Intel's (or
     an unknown one) nothing changes. Either way the logits are torch's own F.linear model's to float32
     rounding, and greedy generation is the same, token for token."""
     reference = peaked_model(**SHAPES[1])
     model = peaked_model(**SHAPES[1])
     keys = list(model.state_dict())
-    swapped = inference.onednn_matmuls(model, vendor=vendor)
+    swapped = cpu_matmuls.onednn_matmuls(model, vendor=vendor)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert swapped == (vendor == "AuthenticAMD") and len(linears) == 2 * 4 + 1
-    assert all(type(m) is (inference.OneDNNLinear if swapped else torch.nn.Linear) for m in linears)
+    assert all(type(m) is (cpu_matmuls.OneDNNLinear if swapped else torch.nn.Linear) for m in linears)
     assert list(model.state_dict()) == keys
     idx = torch.tensor(token_lists(20))
     with torch.no_grad():
