@@ -150,6 +150,7 @@ def shared(args, weights, grads):
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(everyone, f)
+    dist.barrier()  # no rank tears gloo down while rank 0 still writes: a peer gone mid-teardown aborted it once
     dist.destroy_process_group()
 
 
