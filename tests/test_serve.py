@@ -54,6 +54,19 @@ def peaked_model(block_size=64, n_layer=2, **shape):
     return model
 
 
+def greedy_replies(engine, prompts, budgets, timeout=300):
+    """Start engine, submit every prompt at once (temperature 0, its budget of tokens), wait for
+    them all and close it: each reply's tokens."""
+    outs, done = [[] for _ in prompts], threading.Semaphore(0)
+    engine.start()
+    for i, (p, n) in enumerate(zip(prompts, budgets)):
+        assert engine.submit(inference.Request(p, n, outs[i].append, lambda *end: done.release(), temperature=0))
+    for _ in prompts:
+        assert done.acquire(timeout=timeout)
+    engine.close()
+    return outs
+
+
 def token_lists(*lengths):
     """A fixed list of token ids (under 50) of each length."""
     return [torch.randint(0, 50, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in lengths]
@@ -177,14 +190,8 @@ def test_a_compiled_engine_gives_solo_greedy_tokens_and_never_recompiles(shape):
     engine = inference.Engine(model, rows=3, waiting=10, on_step=steps.append)
     assert engine.compile(backend=ATEN_BACKEND) is None
     assert engine.buckets == [1, 2, 3] and counters["stats"]["unique_graphs"] == 2  # one row; two or three
-    outs, done = [[] for _ in prompts], threading.Semaphore(0)
     with torch.compiler.set_stance("fail_on_recompile"):
-        engine.start()
-        for i, (p, n) in enumerate(zip(prompts, budgets)):
-            assert engine.submit(inference.Request(p, n, outs[i].append, lambda *end: done.release(), temperature=0))
-        for _ in prompts:
-            assert done.acquire(timeout=300)
-        engine.close()
+        outs = greedy_replies(engine, prompts, budgets)
     torch._dynamo.reset()
     assert outs == solo and counters["stats"]["unique_graphs"] == 2
     decoding = [step for step in steps if not step.packed]
@@ -211,14 +218,8 @@ def test_on_a_cpu_the_compiled_step_is_inductors_with_the_weights_frozen_and_its
     engine = inference.Engine(model, rows=2)
     assert engine.compile(**inference.compile_options("cpu")) is None and engine.buckets == [1, 2]
     assert counters["inductor"]["cpp_templated_kernel_counter"] == 2 * (4 + 1)
-    outs, done = [[] for _ in prompts], threading.Semaphore(0)
     with torch.compiler.set_stance("fail_on_recompile"):
-        engine.start()
-        for i, (p, n) in enumerate(zip(prompts, budgets)):
-            assert engine.submit(inference.Request(p, n, outs[i].append, lambda *end: done.release(), temperature=0))
-        for _ in prompts:
-            assert done.acquire(timeout=300)
-        engine.close()
+        outs = greedy_replies(engine, prompts, budgets)
     torch._dynamo.reset()
     assert outs == solo
 
