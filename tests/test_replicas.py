@@ -282,7 +282,11 @@ def kill_and_heal(data, tmp_path, sync_every):
         before = ckpts(1)  # the victim's own
         restarted = group(data, out, 1, lighthouse.address(), tmp_path / "restarted.log", **extra)
         procs.append(restarted)
-        until(lambda: any(n > killed_at for n in (ckpts(1) - before) & ckpts(0)), survivor, restarted)
+        # their first shared checkpoint after the kill, and the restarted group's step at it logged
+        # (a checkpoint is written before its step: a SIGTERM between the two left no row to read)
+        shared = lambda: [n for n in (ckpts(1) - before) & ckpts(0) if n > killed_at]
+        logged = lambda: shared() and any(i >= min(shared()) for i in steps_or_empty(out / "group1"))
+        until(logged, survivor, restarted)
         for proc in (survivor, restarted):
             os.killpg(proc.pid, signal.SIGTERM)
         for proc in (survivor, restarted):
