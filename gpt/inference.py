@@ -135,27 +135,22 @@ def generate_tokens(
     stop_token=None,
     cache=None,
 ):
-    """Yield the next token of every row of idx (B, T), as a (B, 1) tensor, max_new_tokens
-    times. temperature 0 is greedy; otherwise sample from the softmax of logits/temperature
-    restricted to the top_k tokens and then to the top_p nucleus. A row that has produced
-    stop_token goes on producing it, and the generator ends once every row has.
+    """Yield the next token of every row of idx (B, T), as a (B, 1) tensor, max_new_tokens times.
+    temperature 0 is greedy; otherwise sample from the softmax of logits/temperature restricted to
+    the top_k tokens and then to the top_p nucleus. A row that has produced stop_token goes on
+    producing it, and the generator ends once every row has.
 
-    The model sees a window of at most block_size tokens. With the cache (kv_cache=True)
-    only each new token is run, attending to the cached keys/values of the others; without
-    it the whole window is run for every token. Positions count from the window's start
-    (the learned embedding is absolute, and a RoPE key is rotated by its position when
-    cached), so once the window is full every cached key is stale: the window then slides
-    window_shift tokens at once and its last block_size - window_shift + 1 tokens are run
-    again to refill the cache. Each token so sees between block_size - window_shift + 1 and
-    block_size tokens, with or without the cache (the two give the same tokens).
-    window_shift=1 is nanoGPT's context (always the last block_size tokens) but costs a
-    full recompute per token past block_size; the default, block_size // 8, recomputes
-    once every block_size // 8 tokens.
+    The model sees a window of at most block_size tokens. With the cache (kv_cache=True) only each
+    new token is run, attending to the cached keys/values of the others; without it the whole
+    window is run for every token. Positions count from the window's start, so once the window is
+    full every cached key is stale: the window then slides window_shift tokens at once and its last
+    block_size - window_shift + 1 tokens are run again to refill the cache (the same tokens with or
+    without the cache). window_shift=1 is nanoGPT's context (always the last block_size tokens), a
+    full recompute per token past block_size; the default, block_size // 8, one every block_size // 8.
 
     cache, to go on from an earlier call (chat.py keeps a conversation's): a KVCache that holds
-    idx[:, :cache.length] already, so only the rest of idx is run. It keeps every token given
-    to the model, i.e. all the new ones but the last. It never slides: idx and the new tokens
-    must fit in its room."""
+    idx[:, :cache.length] already, so only the rest of idx is run. It keeps every token given to the
+    model (all the new ones but the last). It never slides: idx and the new tokens must fit its room."""
     block_size = model.config.block_size
     window_shift = window_shift or max(1, block_size // 8)
     assert 1 <= window_shift < block_size, "window_shift must be in [1, block_size)"
@@ -380,13 +375,11 @@ class Request:
 
 @dataclass
 class Step:
-    """What one step of the Engine is about to run, as its on_step hook gets it (for metrics, tracing,
-    a debugger): rows 0..n-1 decode, each its last token at its position, and the requests that join
-    take rows n, n+1, ..., each running its prompt from its start, the positions its row holds already
-    (a conversation's earlier turns, a prompt asked again: BatchCache.reuse). packed: the prompts run
-    packed after the rows' tokens in one sequence; else it is the decoding step, and each joining
-    prompt runs only its last token. rows and keys: the rows the pass computes and the span of keys
-    it reads; the decoding step's, compiled, are padded to a bucket of rows and a rounded span of keys."""
+    """What one step of the Engine is about to run, as on_step gets it: rows 0..n-1 decode, each its
+    last token at its position, and the requests that join take rows n, n+1, ..., each running its
+    prompt from its start, the positions its row holds already (BatchCache.reuse). packed: the prompts
+    run packed after the rows' tokens; else it is the decoding step, each joining prompt running its
+    last token. rows and keys: the rows computed and the span of keys read (padded, when compiled)."""
 
     decoding: list  # the requests of rows 0..n-1
     positions: list  # where each of them writes its token (the positions its row holds)
@@ -400,19 +393,20 @@ class Step:
 
 def compile_options(device_type):
     """Engine.compile's settings for the decoding step on device_type. On a GPU the step replays a CUDA
-    graph. On a CPU the weights are frozen into the graph and packed once for inductor's own C++ GEMM
-    kernels (max_autotune's CPP backend; ATen's matmul where it does not apply), the kernels called
-    from C++ (cpp_wrapper): one row of the 124M reads its weights at the cores' bandwidth, 2.1x faster
-    than MKL's products on an AMD EPYC (BENCHMARKS.md), for a second, packed copy of them."""
+    graph. On a CPU the weights are frozen into the graphs, the kernels called from C++ (cpp_wrapper),
+    and each matmul's weights packed once (a second copy of them): for one row, for inductor's own C++
+    GEMM kernels (max_autotune's CPP backend), which read the 124M's weights at the cores' bandwidth;
+    for more rows, for oneDNN's (freezing's own packing at a symbolic row count), 1.9x faster than
+    those kernels at 16 rows on an AMD EPYC (BENCHMARKS.md)."""
     if device_type == "cuda":
         return {"mode": "reduce-overhead"}
-    inductor = {
+    one_row = {
         "freezing": True,
         "max_autotune": True,
         "max_autotune_gemm_backends": "CPP",
         "autotune_fallback_to_aten": True,
     }
-    return {"options": {"cpp_wrapper": True}, "inductor": inductor}
+    return {"options": {"cpp_wrapper": True}, "inductor": one_row, "inductor_rows": {"freezing": True}}
 
 
 class Engine:
@@ -427,13 +421,10 @@ class Engine:
     makes it torch.compile'd graphs made at start-up, over rows padded to a bucket (1, 2, 4, ...,
     rows) and any span of keys, so requests that come and go never compile another.
 
-    To watch it (metrics, tracing): on_step(step) is called on the engine's thread just before each
-    forward pass with what the pass runs (a Step), and after_step() after each step, once the rows of
-    the requests that ended are free; while either runs, no step does. `lock`, a threading.Condition,
-    guards the queue and `held` (the requests submitted and not yet done), and every submit() and
-    close() notifies all its waiters: wait_for on it to see requests arrive. on_step may be set at
-    any time; None, the default, costs nothing. Should it raise, the step's requests end with the
-    error, as with any failure of a step."""
+    To watch it: on_step(step) is called on the engine's thread before each forward pass with what it
+    runs (a Step; settable at any time; if it raises, the step's requests end with the error), and
+    after_step() after each step, once the ended requests' rows are free. `lock`, a Condition, guards
+    the queue and `held` (the requests submitted and not yet done); submit() and close() notify it."""
 
     def __init__(self, model, rows=16, waiting=64, room=None, device="cpu", after_step=None, on_step=None):
         self.model, self.device = model, device
@@ -452,19 +443,20 @@ class Engine:
         self.steps = 0  # steps (forward passes) run, for tests and /health
         self.thread = threading.Thread(target=self._run, name="inference-engine", daemon=True)
 
-    def compile(self, inductor=None, **options):
-        """torch.compile the decoding step (options: torch.compile's; inductor: torch._inductor.config's
-        while it compiles, such as freezing, which options cannot carry) and compile its graphs now: one
-        for a single row, one for any bucket of more, each for any span of keys. None when done; else
-        the error, and the step stays eager. The cache's tensors keep their address (CUDA graphs)."""
+    def compile(self, inductor=None, inductor_rows=None, **options):
+        """torch.compile the decoding step (options: torch.compile's) and compile its graphs now: one
+        for a single row, one for any bucket of more, each for any span of keys. inductor: settings of
+        torch._inductor.config while it compiles them (freezing: options cannot carry it); inductor_rows:
+        the graph of more rows', if given. None when done; else the error, and the step stays eager."""
         self.buckets = sorted({min(2**i, self.rows) for i in range(self.rows.bit_length() + 1)})
-        for t in (*self.cache.k, *self.cache.v):
+        for t in (*self.cache.k, *self.cache.v):  # the cache keeps its address (CUDA graphs)
             torch._dynamo.mark_static_address(t)
         step = torch.compile(self._decode, dynamic=False, **options)
         try:
-            with torch.inference_mode(), torch._inductor.config.patch(inductor or {}):
-                for rows in self.buckets:
-                    step(*self._inputs([0] * rows, [0] * rows, 1))  # the decoding steps of `rows` rows
+            for rows in self.buckets:  # the decoding steps of `rows` rows
+                settings = inductor_rows if rows > 1 and inductor_rows is not None else inductor
+                with torch.inference_mode(), torch._inductor.config.patch(settings or {}):
+                    step(*self._inputs([0] * rows, [0] * rows, 1))
         except Exception as e:  # noqa: BLE001 (a compiler's failure of any kind: serving goes on without it)
             self.buckets = None
             torch.compiler.reset()
@@ -501,14 +493,22 @@ class Engine:
         return logits, logits.argmax(dim=-1)
 
     def start(self):
+        """Run the engine on a thread of its own."""
         self.thread.start()
         return self
+
+    def run(self):
+        """Run the engine on this thread until close(). On a CPU, the thread that loaded and compiled
+        the model: on a second one, with OpenMP workers of its own, libgomp manages more threads than
+        cores, its workers sleep between kernels, and the 124M's step took 1.3-1.5x as long."""
+        self._run()
 
     def close(self):
         with self.lock:
             self.closed = True
             self.lock.notify_all()
-        self.thread.join()
+        if self.thread.ident is not None and self.thread is not threading.current_thread():
+            self.thread.join()
 
     def submit(self, request):
         """Queue a request; False when the engine is full (every row busy and the queue long)."""

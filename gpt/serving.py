@@ -19,6 +19,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 import traceback
 import uuid
 
@@ -129,8 +130,9 @@ class Worker:
 
 
 def engine_process(cfg, inbox, outbox):
-    """The model's process (--engine=process): a Worker, its engine on a thread, and this thread
-    reading serve.py's requests and cancellations. It ends when serve.py says so or is gone."""
+    """The model's process (--engine=process): a Worker, its engine on this thread, the one that loaded
+    and compiled the model (Engine.run says why), and a thread reading serve.py's requests and
+    cancellations. It ends when serve.py says so or is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is serve.py's to handle: it then closes this process
     try:
         worker = Worker(cfg, runtime.setup(cfg.device, cfg.dtype), lambda items, stats: outbox.send((items, stats)))
@@ -142,7 +144,12 @@ def engine_process(cfg, inbox, outbox):
         outbox.send(("bug", f"{type(e).__name__}: {e}"))
         return
     outbox.send(("ready", worker.info))
-    worker.engine.start()
+    threading.Thread(target=read_requests, args=(worker, inbox), name="requests", daemon=True).start()
+    worker.engine.run()
+
+
+def read_requests(worker, inbox):
+    """serve.py's requests and cancellations, handed to the worker, until serve.py says close or is gone."""
     try:
         while (message := inbox.recv())[0] != "close":
             getattr(worker, message[0])(*message[1:])  # submit or cancel

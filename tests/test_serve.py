@@ -200,13 +200,38 @@ def test_a_compiled_engine_gives_solo_greedy_tokens_and_never_recompiles(shape):
 
 
 @pytest.mark.slow
+def test_run_decodes_on_the_calling_thread_until_another_thread_closes_it():
+    """Engine.run, as serve.py's model process runs it: every step on the thread that called it
+    (the one that loaded the model), requests submitted from another thread get generate()'s greedy
+    tokens, and that thread's close() ends run(), with no thread of the engine's own started."""
+    model = peaked_model()
+    prompts, budgets = token_lists(4, 9, 6), [8, 5, 12]
+    solo = solo_greedy(model, prompts, budgets)
+    stepped_on, outs, done = set(), [[] for _ in prompts], threading.Semaphore(0)
+    engine = inference.Engine(model, rows=2, on_step=lambda step: stepped_on.add(threading.current_thread()))
+
+    def client():
+        for i, (p, n) in enumerate(zip(prompts, budgets)):
+            assert engine.submit(inference.Request(p, n, outs[i].append, lambda *end: done.release(), temperature=0))
+        for _ in prompts:
+            done.acquire(timeout=300)
+        engine.close()
+
+    other = threading.Thread(target=client)
+    other.start()
+    engine.run()
+    other.join()
+    assert stepped_on == {threading.current_thread()} and engine.thread.ident is None
+    assert outs == solo
+
+
 def test_on_a_cpu_the_compiled_step_is_inductors_with_the_weights_frozen_and_its_own_matmuls():
     """serve.py --compile on a CPU compiles as inference.compile_options('cpu') says, with inductor
-    itself: the weights frozen into the graphs and each matmul inductor's C++ GEMM kernel, its
-    weights packed (a graph of one row and one of two: each the layer's 4 matmuls and the lm_head),
-    where the eager passes (prompts) are oneDNN's. Four requests, two decoded together at a time:
-    each gets generate()'s greedy tokens of the model alone. One layer: each kernel inductor
-    compiles costs seconds on two cores."""
+    itself: the weights frozen into the graphs, each matmul's packed (the layer's 4 and the lm_head):
+    in the graph of one row for inductor's C++ GEMM kernels, in the graph of more for oneDNN's,
+    as the eager passes (prompts) are. Four requests, two decoded together at a time: each gets
+    generate()'s greedy tokens of the model alone. One layer: each kernel inductor compiles costs
+    seconds on two cores."""
     from torch._dynamo.utils import counters
 
     model = peaked_model(n_layer=1)
@@ -217,7 +242,8 @@ def test_on_a_cpu_the_compiled_step_is_inductors_with_the_weights_frozen_and_its
     counters.clear()
     engine = inference.Engine(model, rows=2)
     assert engine.compile(**inference.compile_options("cpu")) is None and engine.buckets == [1, 2]
-    assert counters["inductor"]["cpp_templated_kernel_counter"] == 2 * (4 + 1)
+    assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] == 2 * (4 + 1)  # both graphs
+    assert counters["inductor"]["cpp_templated_kernel_counter"] == 4 + 1  # only the one row's
     with torch.compiler.set_stance("fail_on_recompile"):
         outs = greedy_replies(engine, prompts, budgets)
     torch._dynamo.reset()
