@@ -396,8 +396,8 @@ def compile_options(device_type):
     graph. On a CPU the weights are frozen into the graphs, the kernels called from C++ (cpp_wrapper),
     and each matmul's weights packed once (a second copy of them): for one row, for inductor's own C++
     GEMM kernels (max_autotune's CPP backend), which read the 124M's weights at the cores' bandwidth;
-    for more rows, for oneDNN's (freezing's own packing at a symbolic row count), 1.9x faster than
-    those kernels at 16 rows on an AMD EPYC (BENCHMARKS.md)."""
+    for more rows, for oneDNN's (freezing's own packing at a symbolic row count): on an AMD EPYC, 1.8x
+    faster than those kernels at 16 rows, 1.4x slower at 4 (BENCHMARKS.md)."""
     if device_type == "cuda":
         return {"mode": "reduce-overhead"}
     one_row = {

@@ -25,6 +25,7 @@ op's time is its own, not its callees'):
 
 import argparse
 import collections
+import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -105,14 +106,17 @@ def main(argv=None):
     levels = [int(r) for r in args.rows.split(",")]
     model, _ = load.for_inference("resume", args.out_dir, report=lambda line: None)
     model.eval().to(dtype=runtime.DTYPES[args.dtype])
+    if importlib.util.find_spec("gpt.cpu_matmuls"):  # serve.py's eager matmuls (a --baseline may predate them)
+        importlib.import_module("gpt.cpu_matmuls").onednn_matmuls(model)
     vocab = model.config.padded_vocab_size
     engine = inference.Engine(model, rows=max(levels), room=min(model.config.block_size, 1024))
     if args.compile:
         # serve.py's settings (inference.compile_options) but inductor's Python wrapper, each C++ kernel
         # recorded (serve.py's cpp_wrapper calls them where the profiler sees only the step's wall); a
         # --baseline from before compile_options had inductor settings compiles as it did
-        inductor = inference.compile_options("cpu").get("inductor")
-        options = {"inductor": {**inductor, "cpp.enable_kernel_profile": True}} if inductor else {}
+        settings = inference.compile_options("cpu")
+        kernels = {"cpp.enable_kernel_profile": True}
+        options = {key: {**value, **kernels} for key, value in settings.items() if key.startswith("inductor")}
         error = engine.compile(**options)
         if error:
             print(f"torch.compile failed: {error}", file=sys.stderr)
