@@ -441,7 +441,7 @@ class Engine:
         self.closed = False
         self.held = 0  # requests submitted and not yet done: decoding, prefilling or waiting
         self.steps = 0  # steps (forward passes) run, for tests and /health
-        self.thread = threading.Thread(target=self._run, name="inference-engine", daemon=True)
+        self.thread = threading.Thread(target=self.run, name="inference-engine", daemon=True)
 
     def compile(self, inductor=None, inductor_rows=None, **options):
         """torch.compile the decoding step (options: torch.compile's) and compile its graphs now: one
@@ -497,17 +497,11 @@ class Engine:
         self.thread.start()
         return self
 
-    def run(self):
-        """Run the engine on this thread until close(). On a CPU, the thread that loaded and compiled
-        the model: on a second one, with OpenMP workers of its own, libgomp manages more threads than
-        cores, its workers sleep between kernels, and the 124M's step took 1.3-1.5x as long."""
-        self._run()
-
     def close(self):
         with self.lock:
             self.closed = True
             self.lock.notify_all()
-        if self.thread.ident is not None and self.thread is not threading.current_thread():
+        if self.thread.ident is not None:  # started: run() on a thread of its own
             self.thread.join()
 
     def submit(self, request):
@@ -529,7 +523,10 @@ class Engine:
             "steps": self.steps,
         }
 
-    def _run(self):
+    def run(self):
+        """Run the engine on this thread until close(). On a CPU, the thread that loaded and compiled
+        the model: on a second one, with OpenMP workers of its own, libgomp manages more threads than
+        cores, its workers sleep between kernels, and the 124M's step took 1.3-1.5x as long."""
         with torch.inference_mode():  # per thread: set here, not by the caller
             while True:
                 with self.lock:
