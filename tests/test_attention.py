@@ -3,7 +3,8 @@ one that runs, and an unknown or unavailable kernel is a one-line error."""
 
 import pytest
 import torch
-from conftest import run_script, tiny_args
+from conftest import tiny_args
+from processes import run_script
 
 from gpt.training_setup import attention_error
 from model import GPT, GPTConfig

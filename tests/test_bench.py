@@ -8,7 +8,8 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, TINY_BENCH, load_script, read_metrics, run_script, tiny_args, tiny_bench_args
+from conftest import TINY_BENCH, read_metrics, tiny_args, tiny_bench_args
+from processes import REPO, load_script, run_script
 
 import bench
 from configurator import BenchConfig, TrainConfig

@@ -11,7 +11,8 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, chat_demo_copy, load_script, run_script, save_checkpoint, train_tiny_run
+from conftest import chat_demo_copy, save_checkpoint, train_tiny_run
+from processes import REPO, load_script, run_script
 from test_chat_template import make_llama3_tokenizer
 
 from configurator import TrainConfig, parse

@@ -7,7 +7,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from conftest import load_script, run_script
+from processes import load_script, run_script
 
 from configurator import UserError
 from gpt import tokenizer, tokens

@@ -6,7 +6,8 @@ exported tokenizer giving exactly our ids."""
 import json
 
 import pytest
-from conftest import load_script, make_text
+from conftest import make_text
+from processes import load_script
 
 from configurator import UserError
 from gpt import tokenizer

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_text, read_metrics, run_python, run_script, tiny_args
+from conftest import make_text, read_metrics, tiny_args
+from processes import run_python, run_script
 
 from data import corpus
 from gpt import tokens

@@ -13,7 +13,8 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import char_dataset, run_script, tiny_args, untimed
+from conftest import char_dataset, tiny_args, untimed
+from processes import run_script
 
 from configurator import TrainConfig
 from gpt import checkpoint, optim, runtime

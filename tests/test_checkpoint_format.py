@@ -17,18 +17,8 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import (
-    REPO,
-    char_dataset,
-    read_metrics,
-    run_script,
-    start_python,
-    succeeded,
-    tiny_args,
-    torchrun,
-    untimed,
-    wait_for,
-)
+from conftest import char_dataset, read_metrics, tiny_args, untimed
+from processes import REPO, run_script, start_python, succeeded, torchrun, wait_for
 
 from configurator import UserError
 from gpt import checkpoint

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, run_script
+from processes import REPO, run_script
 
 pytestmark = pytest.mark.process  # every test here starts a process
 

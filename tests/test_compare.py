@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_metrics, run_script
+from conftest import read_metrics
+from processes import run_script
 
 import bench
 from configurator import UserError

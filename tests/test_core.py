@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, bpe_eval_data, read_metrics, run_python, run_script, tiny_args
+from conftest import bpe_eval_data, read_metrics, tiny_args
+from processes import REPO, run_python, run_script
 
 from configurator import UserError
 from gpt import core_eval, runtime, tokenizer

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
+from processes import REPO
 
 from configurator import UserError
 from gpt import gpu_flops, runtime, stopping

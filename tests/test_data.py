@@ -6,7 +6,8 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from conftest import load_script, make_text, run_script
+from conftest import make_text
+from processes import load_script, run_script
 
 from gpt import runtime, tokenizer
 from gpt.batches import TrainBatches, eval_offsets, get_batch, load_split

@@ -8,7 +8,8 @@ import shutil
 
 import pytest
 import torch
-from conftest import char_dataset, needs, read_metrics
+from conftest import char_dataset, needs, read_metrics, tiny_args
+from processes import run_script
 from test_replicas import Lighthouse, finish, group, steps
 
 from gpt import checkpoint
@@ -134,8 +135,6 @@ def test_diloco_with_outer_lr_1_and_no_momentum_averages_the_weights(diloco):
 
 
 def test_sync_mistakes_are_one_line(data, tmp_path):
-    from conftest import run_script, tiny_args
-
     cases = {
         "set --ft_replica_group too": dict(sync_every=4),
         "outer_method='adam' is not one of 'diloco', 'localsgd'": dict(

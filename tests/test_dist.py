@@ -29,7 +29,8 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import TORCHRUN_ARGS, char_dataset, losses, read_metrics, succeeded, torchrun, untimed
+from conftest import char_dataset, losses, read_metrics, untimed
+from processes import TORCHRUN_ARGS, succeeded, torchrun
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from configurator import TrainConfig

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import GPT2, run_script, tiny_args, untimed
+from conftest import GPT2, tiny_args, untimed
+from processes import run_script
 from torch.nn.attention.flex_attention import BlockMask
 
 import model as model_module

@@ -3,7 +3,8 @@ and nothing already written is lost."""
 
 import pytest
 import torch
-from conftest import one_line_error, run_script, tiny_args, tiny_bench_args
+from conftest import one_line_error, tiny_args, tiny_bench_args
+from processes import run_script
 
 
 @pytest.fixture

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import GPT2, REPO, bpe_eval_data, read_metrics, run_script, tiny_args, train_tiny_run, write_hellaswag
+from conftest import GPT2, bpe_eval_data, read_metrics, tiny_args, train_tiny_run, write_hellaswag
+from processes import REPO, run_script
 
 from gpt import evaluation, runtime, scoring, tokenizer, tokens
 from model import GPT, GPTConfig

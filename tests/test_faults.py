@@ -7,7 +7,8 @@ import signal
 
 import pytest
 import torch
-from conftest import REPO, logged_steps, read_metrics, run_script, start_python, tiny_args, untimed, wait_for
+from conftest import read_metrics, tiny_args, untimed
+from processes import REPO, logged_steps, run_script, start_python, wait_for
 from train_rank import nan_steps
 
 from gpt import checkpoint

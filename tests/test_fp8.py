@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-from conftest import REPO, bpe_eval_data, char_dataset, losses, needs, run_script, tiny_args, untimed
+from conftest import bpe_eval_data, char_dataset, losses, needs, tiny_args, untimed
+from processes import REPO, run_script
 
 from configurator import TrainConfig, UserError, parse
 from gpt import checkpoint, fp8

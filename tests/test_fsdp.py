@@ -17,7 +17,8 @@ import shutil
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import TORCHRUN_ARGS, char_dataset, losses, read_metrics, succeeded, torchrun, untimed
+from conftest import char_dataset, losses, read_metrics, untimed
+from processes import TORCHRUN_ARGS, succeeded, torchrun
 
 from model import GPT, GPTConfig
 

@@ -7,7 +7,7 @@ compiled. Skipped without CUDA; the FP8 test without FP8 units too."""
 import numpy as np
 import pytest
 import torch
-from conftest import load_script
+from processes import load_script
 from torch.utils._python_dispatch import TorchDispatchMode
 from train_rank import nan_loss
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import char_dataset, load_script
+from conftest import char_dataset
+from processes import load_script
 
 import configurator
 from configurator import BenchConfig, TrainConfig, UserError

@@ -5,7 +5,8 @@ from a local GPT-2 directory end to end, and the one-line errors."""
 import numpy as np
 import pytest
 import torch
-from conftest import make_text, needs, run_python, run_script
+from conftest import make_text, needs
+from processes import run_python, run_script
 
 needs("transformers")
 import transformers

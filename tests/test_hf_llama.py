@@ -10,7 +10,8 @@ import json
 
 import pytest
 import torch
-from conftest import make_text, needs, run_script
+from conftest import make_text, needs
+from processes import run_script
 
 needs("transformers")
 import transformers

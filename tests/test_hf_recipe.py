@@ -10,7 +10,8 @@ import math
 
 import pytest
 import torch
-from conftest import REPO, char_dataset, needs, tiny_args
+from conftest import char_dataset, needs, tiny_args
+from processes import REPO
 
 needs("transformers")
 from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -12,19 +12,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import (
-    ATEN_BACKEND,
-    TORCHRUN_ARGS,
-    char_dataset,
-    losses,
-    needs,
-    run_script,
-    save_checkpoint,
-    succeeded,
-    tiny_args,
-    torchrun,
-    untimed,
-)
+from conftest import ATEN_BACKEND, char_dataset, losses, needs, save_checkpoint, tiny_args, untimed
+from processes import TORCHRUN_ARGS, run_script, succeeded, torchrun
 from torch._dynamo.utils import counters
 from torch.overrides import TorchFunctionMode
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import REPO, read_metrics, run_script
+from conftest import read_metrics
+from processes import REPO, run_script
 
 from configurator import TrainConfig, UserError, parse
 from gpt.checkpoint import check_resumable

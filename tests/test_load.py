@@ -4,7 +4,8 @@ reads a model; the chat template's refusal names the run; and what is not a sour
 
 import pytest
 import torch
-from conftest import run_script, train_tiny_run
+from conftest import train_tiny_run
+from processes import run_script
 
 from configurator import UserError
 from gpt import load

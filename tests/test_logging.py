@@ -4,7 +4,8 @@ plot.py turning metrics.jsonl files into a PNG."""
 import struct
 
 import pytest
-from conftest import needs, read_metrics, run_script, tiny_args
+from conftest import needs, read_metrics, tiny_args
+from processes import run_script
 
 from gpt import checkpoint
 

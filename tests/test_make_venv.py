@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from processes import REPO
 
 pytestmark = pytest.mark.process  # every test here starts a process
 

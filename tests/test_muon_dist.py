@@ -26,7 +26,8 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import char_dataset, losses, read_metrics, run_python, run_script, start_python, tiny_args, untimed
+from conftest import char_dataset, losses, read_metrics, tiny_args, untimed
+from processes import run_python, run_script, start_python
 
 pytestmark = [
     pytest.mark.skipif(

@@ -9,7 +9,8 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import ATEN_BACKEND, char_dataset, read_metrics, run_script, tiny_args
+from conftest import ATEN_BACKEND, char_dataset, read_metrics, tiny_args
+from processes import run_script
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 from train_rank import nan_loss

@@ -13,19 +13,8 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import (
-    REPO,
-    char_dataset,
-    logged_steps,
-    one_line_error,
-    read_metrics,
-    run_python,
-    run_script,
-    start_python,
-    tiny_args,
-    untimed,
-    wait_for,
-)
+from conftest import char_dataset, one_line_error, read_metrics, tiny_args, untimed
+from processes import REPO, logged_steps, run_python, run_script, start_python, wait_for
 
 from configurator import TrainConfig, UserError, parse
 from gpt import checkpoint, outdir, runtime

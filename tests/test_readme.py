@@ -25,7 +25,8 @@ import time
 import urllib.request
 
 import pytest
-from conftest import REPO, make_text
+from conftest import make_text
+from processes import REPO
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 

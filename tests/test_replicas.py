@@ -17,7 +17,8 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import REPO, char_dataset, needs, read_metrics, run_python, start_python, tiny_args, wait_for
+from conftest import char_dataset, needs, read_metrics, tiny_args
+from processes import REPO, run_python, run_script, start_python, wait_for
 
 from gpt import checkpoint
 from model import GPT, GPTConfig
@@ -397,8 +398,6 @@ def test_the_process_group_is_nccl_in_a_child_on_cuda_and_gloo_on_the_cpu():
 
 
 def test_replica_group_mistakes_are_one_line(char_data, tmp_path, monkeypatch):
-    from conftest import run_script
-
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
     cases = {
         "no lighthouse is named": dict(gradient_accumulation_steps=2),

@@ -1,7 +1,8 @@
 """sample.py's bad input: one line on stderr and a non-zero exit, or a documented behaviour."""
 
 import pytest
-from conftest import one_line_error, run_script, train_tiny_run
+from conftest import one_line_error, train_tiny_run
+from processes import run_script
 
 CONFIG_CASES = [
     (["--top_p=0"], ["top_p=0", "(0, 1]"]),

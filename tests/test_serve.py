@@ -27,7 +27,8 @@ import openai
 import pytest
 import torch
 import uvicorn
-from conftest import ATEN_BACKEND, REPO, chat_demo_copy, load_script, run_script, train_tiny_run
+from conftest import ATEN_BACKEND, chat_demo_copy, train_tiny_run
+from processes import REPO, load_script, run_script
 
 import serve
 from configurator import UserError, parse

@@ -19,7 +19,7 @@ import threading
 
 import httpx
 import pytest
-from conftest import load_script
+from processes import load_script
 from test_serve import demo, running, watching  # noqa: F401 (demo is a fixture: the same model serve's tests train)
 
 pytestmark = pytest.mark.slow  # a browser, and the chat demo model trained once per run

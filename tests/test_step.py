@@ -7,7 +7,8 @@ from contextlib import nullcontext
 import numpy as np
 import pytest
 import torch
-from conftest import read_metrics, run_script, tiny_args
+from conftest import read_metrics, tiny_args
+from processes import run_script
 from train_rank import nan_loss, nan_steps
 
 from gpt import checkpoint, runtime

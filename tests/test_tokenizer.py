@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import tiktoken
 import tiktoken.registry
-from conftest import REPO, run_script
+from processes import REPO, run_script
 
 from configurator import UserError
 from gpt import tokenizer

@@ -6,7 +6,8 @@ import struct
 import numpy as np
 import pytest
 import torch
-from conftest import run_script, tiny_args
+from conftest import tiny_args
+from processes import run_script
 
 import train
 from configurator import UserError

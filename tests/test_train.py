@@ -8,7 +8,8 @@ import textwrap
 
 import pytest
 import torch
-from conftest import REPO, read_metrics, run_python, run_script, tiny_args, untimed
+from conftest import read_metrics, tiny_args, untimed
+from processes import REPO, run_python, run_script
 
 from configurator import TrainConfig
 from gpt import checkpoint

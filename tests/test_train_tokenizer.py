@@ -6,7 +6,8 @@ import re
 
 import numpy as np
 import pytest
-from conftest import load_script, make_text, run_script
+from conftest import make_text
+from processes import load_script, run_script
 
 from configurator import UserError
 from data import corpus

@@ -19,17 +19,8 @@ import time
 
 import pytest
 import torch.distributed as dist
-from conftest import (
-    REPO,
-    bpe_eval_data,
-    char_dataset,
-    load_script,
-    one_line_error,
-    read_metrics,
-    run_script,
-    tiny_args,
-    wait_for,
-)
+from conftest import bpe_eval_data, char_dataset, one_line_error, read_metrics, tiny_args
+from processes import REPO, load_script, run_script, wait_for
 
 from gpt import checkpoint, load, metrics, outdir, watch
 
