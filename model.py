@@ -13,7 +13,8 @@ embeddings, U-net skips) by config key; attention through scaled_dot_product_att
 Reads top to bottom: the config, the small pieces the options choose between (norms,
 rotary position embedding), attention, MLP, block, then the GPT with its init, optimizer
 groups, FLOPs count and nanoGPT's sampler. The key/value caches, and generation that uses
-them, are gpt/inference.py's: the model asks a cache for positions and attention, nothing more.
+them, are gpt/inference.py's and gpt/engine.py's: the model asks a cache for positions and
+attention, nothing more.
 """
 
 import math
@@ -229,7 +230,7 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x, rope=None, cache=None, mask=None, ve=None):
         """x (B, T, C). rope: the (cos, sin) tables of these T positions, (1, T, hs/2) or per row
         (B, 1, T, hs/2), when the model uses RoPE. mask: document_mask's, for packed documents
-        (None: causal over the whole row). cache, when generating (inference.py): this
+        (None: causal over the whole row). cache, when generating (inference.py, engine.py): this
         layer's view of a key/value cache, which stores the new keys and values beside the ones it
         holds and runs attention over them, masked as its rows need. ve (B, T, n_kv*hs): the value
         embedding of these tokens (value_embeds), added to v before v is used or cached."""
@@ -398,7 +399,7 @@ class GPT(nn.Module):
         the last position's only (all that sampling needs); logits_at='all' asks for every
         position's, and a tensor (N,) of positions in the flattened (B*T) batch for those alone,
         (N, vocab) (eval scores a few tokens per row: un-embedding the others would be most of its
-        work). cache, when generating (inference.py's caches): idx continues the tokens the cache
+        work). cache, when generating (inference.py's, engine.py's caches): idx continues the tokens the cache
         holds; cache.positions gives the new tokens' positions, and cache.layer(i) stores layer i's
         keys and values and runs its attention over them (CausalSelfAttention.forward). docs (B, T),
         for rows packed from documents (gpt/batches.py): each token's document number in its row;

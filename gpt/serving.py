@@ -24,7 +24,8 @@ import traceback
 import uuid
 
 from configurator import UserError
-from gpt import cpu_matmuls, inference, load, runtime, tokenizer
+from gpt import cpu_matmuls, load, runtime, tokenizer
+from gpt.engine import Engine, Request, compile_options
 
 MAX_CONTEXT = 8192  # context=0 takes the model's block_size up to this, as chat.py does
 
@@ -100,11 +101,11 @@ class Worker:
         model.eval().to(rt.device, rt.dtype)
         cpu_matmuls.onednn_matmuls(model)  # prompts, and every step when not compiled, on a CPU not Intel's
         self.send, self.items, self.requests = send, [], {}
-        self.engine = inference.Engine(
+        self.engine = Engine(
             model, rows=cfg.batch_size, waiting=cfg.max_waiting, room=context, device=rt.device, after_step=self.flush
         )
         if cfg.compile:
-            error = self.engine.compile(**inference.compile_options(rt.device_type))
+            error = self.engine.compile(**compile_options(rt.device_type))
             if error is not None:
                 print(
                     f"warning: torch.compile of the decoding step failed ({error}); serving without it", file=sys.stderr
@@ -112,7 +113,7 @@ class Worker:
 
     def submit(self, rid, ids, max_tokens, sampling, chat, stop_ids, stops):
         reply = Reply(self, rid, self.decoders[chat], stops)
-        request = inference.Request(ids, max_tokens, reply.on_token, reply.on_done, stop_ids=stop_ids, **sampling)
+        request = Request(ids, max_tokens, reply.on_token, reply.on_done, stop_ids=stop_ids, **sampling)
         self.requests[rid] = request
         if not self.engine.submit(request):  # closed: the server is going down
             reply.on_done("cancelled", 0, None)
@@ -313,7 +314,7 @@ class Server:
 
     def start_request(self, ids, max_tokens, sampling, chat=False, stop_ids=(), stops=()):
         """Hand a request to the model's side: its prompt's token ids, the most new tokens, the
-        sampling settings (inference.Request's temperature, top_p, top_k, seed), whether its text
+        sampling settings (Request's temperature, top_p, top_k, seed), whether its text
         is decoded as a chat reply, the token ids and strings that end it. Returns (its id, the
         queue its reply items come to: ("text", piece)..., then ("done", finish_reason, tokens, error))."""
         if self.loop is None:

@@ -6,7 +6,7 @@ check that every reply under load is the one its prompt gets alone.
     python scripts/serve_load.py --out_dir=out-gpt2-124m-random --random_gpt2=124m --max_tokens=32 --repeats=1
     python scripts/serve_load.py --url=http://127.0.0.1:8000 --api_key=KEY  # a server already running
     python scripts/serve_load.py --url=http://127.0.0.1:8001,http://127.0.0.1:8002 --clients=1,16   # two, interleaved
-    python scripts/serve_load.py --out_dir=out-chat-demo --engine_only      # no HTTP: inference.Engine alone
+    python scripts/serve_load.py --out_dir=out-chat-demo --engine_only      # no HTTP: gpt/engine.py's Engine alone
     python scripts/serve_load.py --out_dir=out-gpt2-124m-random --random_gpt2=124m --llama_server=PATH/llama-server \\
         --baseline=../before --serve_args="--device=cpu --compile=True" --clients=1,16 --max_tokens=32   # three servers
     python scripts/serve_load.py --help
@@ -27,7 +27,7 @@ that keeps it open. With several --url servers, the repeats interleave them (all
 first, then the second, ..., then the next repeat), so a drift in the machine's speed falls on each
 alike, and each server gets its own table.
 
---engine_only puts the same load on inference.Engine in this process (each client submits its
+--engine_only puts the same load on gpt/engine.py's Engine in this process (each client submits its
 next request when its last one ends; replies checked token for token against one-at-a-time runs):
 what batching alone gives, without HTTP, JSON and the client.
 
@@ -232,11 +232,12 @@ async def measure(urls, api_key, levels, args):
 
 
 def engine_runs(args, levels):
-    """The same prompts and levels through inference.Engine in this process, with no HTTP: what
+    """The same prompts and levels through engine.Engine in this process, with no HTTP: what
     batching alone gives. Each of C clients submits its next request when its last one ends."""
     import threading
 
-    from gpt import inference, load
+    from gpt import load
+    from gpt.engine import Engine, Request
 
     model, tok_spec = load.for_inference("resume", args.out_dir, report=lambda line: None)
     model.eval()
@@ -245,7 +246,7 @@ def engine_runs(args, levels):
     room = model.config.block_size
 
     def run(clients, n_requests, rows):
-        engine = inference.Engine(model, rows=rows, waiting=max(levels), room=room).start()
+        engine = Engine(model, rows=rows, waiting=max(levels), room=room).start()
         todo, results, lock, done = list(range(n_requests)), [], threading.Lock(), threading.Event()
 
         def submit():
@@ -267,9 +268,7 @@ def engine_runs(args, levels):
                 submit()
 
             budget = args.max_tokens or room - len(prompts[i])
-            engine.submit(
-                inference.Request(prompts[i], budget, on_token, on_done, temperature=0, stop_ids=(template.end_id,))
-            )
+            engine.submit(Request(prompts[i], budget, on_token, on_done, temperature=0, stop_ids=(template.end_id,)))
 
         start = time.perf_counter()
         for _ in range(clients):
@@ -519,9 +518,7 @@ def main(argv=None):
     p.add_argument("--min_requests", type=int, default=64, help="requests per level at least (default: %(default)s)")
     p.add_argument("--max_tokens", type=int, default=0, help="max_tokens per request; 0: the server's default")
     p.add_argument("--repeats", type=int, default=3, help="run the levels this many times, report medians")
-    p.add_argument(
-        "--engine_only", action="store_true", help="no server: the same load on inference.Engine in this process"
-    )
+    p.add_argument("--engine_only", action="store_true", help="no server: the same load on Engine in this process")
     p.add_argument(
         "--rows", type=int, default=16, help="--engine_only's rows, --llama_server's slots (serve.py's --batch_size)"
     )

@@ -1,5 +1,5 @@
 """Where a step of serve.py's engine spends its time: torch.profiler over the engine's own step
-(inference.Engine._step), a prompt's prefill and then decoding steps of --rows rows, each op's time
+(engine.Engine._step), a prompt's prefill and then decoding steps of --rows rows, each op's time
 put under one heading, and what is left of the step's wall time (Python, dispatch, waits).
 
     python scripts/serve_profile.py --out_dir=out-gpt2-124m-random --rows=1,16
@@ -15,7 +15,8 @@ op's time is its own, not its callees'):
 
     matmuls          aten::mm, addmm, linear and their MKL/oneDNN forms, but the lm_head's
     lm_head          the matmul whose output has the vocabulary's width
-    attention        scaled_dot_product_attention's kernels (and the fused kernels that hold them)
+    attention        scaled_dot_product_attention's kernels, and the fused kernels that hold them or a softmax
+                     (a compiled CPU step's attention, with the cache write and the bias before it)
     cache writes     index_put_ into the key/value cache
     other ops        norms, GELU, additions, embedding lookups, argmax, copies, fused elementwise kernels
     Python/dispatch  the step's wall time less all of the above: Python, the dispatcher, host waits
@@ -43,7 +44,7 @@ HEADINGS = ["matmuls", "lm_head", "attention", "cache writes", "other ops", "Pyt
 
 def heading(event, vocab):
     name = event.key.lower()
-    if any(word in name for word in ("attention", "sdpa", "flash")):
+    if any(word in name for word in ("attention", "sdpa", "flash", "softmax")):  # a compiled CPU step's: fused loops
         return "attention"
     if any(word in name for word in ("::mm", "addmm", "linear", "mkl", "bmm", "matmul", "gemm")):
         # an op's shapes, or a C++ GEMM kernel's name, which gives its n and k: gemm_..n50304k768_..
@@ -54,12 +55,11 @@ def heading(event, vocab):
     return "other ops"
 
 
-def fill(engine, rows, prompt, inference):
-    """rows requests of `prompt` ids each, prefilled into rows 0..rows-1 (one packed step), which then
-    are the engine's active requests."""
+def fill(engine, rows, prompt, request_class):
+    """rows requests (of request_class, the engine's own) of `prompt` ids each, prefilled into rows
+    0..rows-1 (one packed step), which then are the engine's active requests."""
     requests = [
-        inference.Request(list(prompt), 10**9, lambda token: False, lambda *end: None, temperature=0)
-        for _ in range(rows)
+        request_class(list(prompt), 10**9, lambda token: False, lambda *end: None, temperature=0) for _ in range(rows)
     ]
     engine._step(requests)
     return requests
@@ -99,7 +99,12 @@ def main(argv=None):
     p.add_argument("--baseline", help="profile the engine of this checkout instead (eager: a commit before a change)")
     args = p.parse_args(argv)
     sys.path.insert(0, args.baseline or str(REPO))
-    from gpt import inference, load, runtime  # this checkout's, or --baseline's
+    from gpt import load, runtime  # this checkout's, or --baseline's
+
+    try:
+        from gpt.engine import Engine, Request, compile_options
+    except ImportError:  # a --baseline from before engine.py: the engine was inference.py's
+        from gpt.inference import Engine, Request, compile_options
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -109,12 +114,12 @@ def main(argv=None):
     if importlib.util.find_spec("gpt.cpu_matmuls"):  # serve.py's eager matmuls (a --baseline may predate them)
         importlib.import_module("gpt.cpu_matmuls").onednn_matmuls(model)
     vocab = model.config.padded_vocab_size
-    engine = inference.Engine(model, rows=max(levels), room=min(model.config.block_size, 1024))
+    engine = Engine(model, rows=max(levels), room=min(model.config.block_size, 1024))
     if args.compile:
-        # serve.py's settings (inference.compile_options) but inductor's Python wrapper, each C++ kernel
+        # serve.py's settings (compile_options) but inductor's Python wrapper, each C++ kernel
         # recorded (serve.py's cpp_wrapper calls them where the profiler sees only the step's wall); a
         # --baseline from before compile_options had inductor settings compiles as it did
-        settings = inference.compile_options("cpu")
+        settings = compile_options("cpu")
         kernels = {"cpp.enable_kernel_profile": True}
         options = {key: {**value, **kernels} for key, value in settings.items() if key.startswith("inductor")}
         error = engine.compile(**options)
@@ -125,11 +130,11 @@ def main(argv=None):
     rows = {}
     with torch.inference_mode():
         engine.cache.lengths = [0] * engine.rows
-        times, wall, _ = profiled(lambda: (engine.active.clear(), fill(engine, 1, prompt, inference)), 3, vocab)
+        times, wall, _ = profiled(lambda: (engine.active.clear(), fill(engine, 1, prompt, Request)), 3, vocab)
         rows["prefill"] = (times, wall)
         for n in levels:
             engine.active.clear()
-            fill(engine, n, prompt, inference)
+            fill(engine, n, prompt, Request)
             for _ in range(args.warmup):
                 engine._step([])
             times, wall, prof = profiled(lambda: engine._step([]), args.steps, vocab)

@@ -20,6 +20,7 @@ from torch.overrides import TorchFunctionMode
 from configurator import TrainConfig, UserError, parse
 from gpt import checkpoint, inference, load, optim, runtime, tokenizer
 from gpt.batches import TrainBatches
+from gpt.engine import Engine, Request
 from gpt.step import train_step
 from gpt.training_setup import build, make_model_args
 from model import GPT, MLP, CausalSelfAttention, GPTConfig, RMSNorm
@@ -368,10 +369,10 @@ def test_the_serving_engine_gives_each_request_the_uncached_greedy_tokens():
             for _ in range(n):
                 seq = torch.cat([seq, model(seq)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
             solo.append(seq[0, len(p) :].tolist())
-    engine = inference.Engine(model, rows=2, waiting=5).start()  # rows=2: the third joins as another leaves
+    engine = Engine(model, rows=2, waiting=5).start()  # rows=2: the third joins as another leaves
     outs, done = [[] for _ in prompts], threading.Semaphore(0)
     for i, (p, n) in enumerate(zip(prompts, budgets)):
-        assert engine.submit(inference.Request(p, n, outs[i].append, lambda *_: done.release(), temperature=0))
+        assert engine.submit(Request(p, n, outs[i].append, lambda *_: done.release(), temperature=0))
     for _ in prompts:
         assert done.acquire(timeout=60)
     engine.close()

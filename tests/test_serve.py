@@ -1,7 +1,7 @@
 """serve.py on a loopback port, against real clients: the openai package gets chat.py's and
 sample.py's greedy replies; concurrent requests decoded together each get their solo reply, also
 one that joins mid-generation; every entry of the error catalogue; a full server's 429; a client
-that hangs up; schemathesis from the server's own OpenAPI schema. And inference.Engine's batch
+that hangs up; schemathesis from the server's own OpenAPI schema. And gpt/engine.py's batch
 against solo generation on the model, GPT-2 and Llama shaped.
 
 The chat model is the chat demo's path (data/chat/synthetic.py, a 512-token tokenizer trained
@@ -33,6 +33,7 @@ from processes import REPO, load_script, run_script
 import serve
 from configurator import UserError, parse
 from gpt import api, cpu_matmuls, inference, runtime, serving, tokenizer
+from gpt.engine import BatchCache, Engine, Request, compile_options
 from model import GPT, GPTConfig
 from serve import ServeConfig
 
@@ -61,11 +62,20 @@ def greedy_replies(engine, prompts, budgets, timeout=300):
     outs, done = [[] for _ in prompts], threading.Semaphore(0)
     engine.start()
     for i, (p, n) in enumerate(zip(prompts, budgets)):
-        assert engine.submit(inference.Request(p, n, outs[i].append, lambda *end: done.release(), temperature=0))
+        assert engine.submit(Request(p, n, outs[i].append, lambda *end: done.release(), temperature=0))
     for _ in prompts:
         assert done.acquire(timeout=timeout)
     engine.close()
     return outs
+
+
+def count_eager_passes(model):
+    """A list that gets an item for each forward pass of model run eagerly from now on. A compiled
+    engine's step runs its graph, made before the hook was there (the engine checks only the guards
+    that tell its graphs apart), and never calls it; a step that no graph fits runs eagerly and does."""
+    passes = []
+    model.register_forward_pre_hook(lambda module, args: passes.append(len(passes)))
+    return passes
 
 
 def token_lists(*lengths):
@@ -96,7 +106,7 @@ def test_a_packed_step_gives_each_sequence_its_own_logits(shape):
     def alone(seq):  # the last position's logits of the plain forward, no cache
         return model(torch.tensor([seq]))[0][0, -1]
 
-    cache = inference.BatchCache(model.config, rows=5, room=32, dtype=torch.float32, device="cpu")
+    cache = BatchCache(model.config, rows=5, room=32, dtype=torch.float32, device="cpu")
     with torch.inference_mode():
         # the first two come in as prompts, less their last token
         step = cache.packed(0, [s[:-1] for s in seqs[:2]], [0, 0], "cpu")
@@ -136,10 +146,10 @@ def test_engine_rows_of_any_length_give_solo_greedy_tokens(shape):
     prompts, budgets = token_lists(3, 9, 1, 20, 5, 2, 14), [20, 7, 25, 12, 3, 30, 16]
     solo = solo_greedy(model, prompts, budgets)
     steps = []
-    engine = inference.Engine(model, rows=3, waiting=10, on_step=steps.append).start()
+    engine = Engine(model, rows=3, waiting=10, on_step=steps.append).start()
     outs, ends, done = [[] for _ in prompts], [None] * len(prompts), threading.Semaphore(0)
     for i, (p, n) in enumerate(zip(prompts, budgets)):
-        request = inference.Request(p, n, outs[i].append, lambda *end, i=i: (ends.__setitem__(i, end), done.release()))
+        request = Request(p, n, outs[i].append, lambda *end, i=i: (ends.__setitem__(i, end), done.release()))
         request.temperature = 0
         assert engine.submit(request)
     for _ in prompts:
@@ -158,10 +168,10 @@ def test_requests_prefilled_together_give_solo_greedy_tokens(shape):
     prompts, budgets = token_lists(12, 1, 19, 7, 3), [9, 15, 6, 20, 11]
     solo = solo_greedy(model, prompts, budgets)
     steps = []
-    engine = inference.Engine(model, rows=8, on_step=steps.append)
+    engine = Engine(model, rows=8, on_step=steps.append)
     outs, done = [[] for _ in prompts], threading.Semaphore(0)
     for i, (p, n) in enumerate(zip(prompts, budgets)):
-        assert engine.submit(inference.Request(p, n, outs[i].append, lambda *end: done.release(), temperature=0))
+        assert engine.submit(Request(p, n, outs[i].append, lambda *end: done.release(), temperature=0))
     engine.start()
     for _ in prompts:
         assert done.acquire(timeout=60)
@@ -175,10 +185,11 @@ def test_requests_prefilled_together_give_solo_greedy_tokens(shape):
 @pytest.mark.parametrize("shape", SHAPES, ids=["gpt2", "llama"])
 def test_a_compiled_engine_gives_solo_greedy_tokens_and_never_recompiles(shape):
     """serve.py --compile: the decoding step compiled at start-up, rows padded to a bucket (1, 2, 3 for
-    three rows): a graph for one row, one for more. Then, with torch.compile's stance set to fail on a recompile, seven
-    requests come and go (prompts of 1 to 20 tokens, replies past 64 positions, so the span of keys
-    grows from one bucket to the next, rows moving as others leave) and each gets, token for token,
-    generate()'s greedy tokens of the model alone. dynamo's graphs on ATen's kernels (conftest):
+    three rows): a graph for one row, one for more. Then seven requests come and go (prompts of 1 to
+    20 tokens, replies past 64 positions, so the span of keys grows from one bucket to the next, rows
+    moving as others leave) and each gets, token for token,
+    generate()'s greedy tokens of the model alone, every decoding step through one of those two
+    graphs (no other compiled, none run eagerly). dynamo's graphs on ATen's kernels (conftest):
     inductor's are test_compile.py's and test_gpu.py's."""
     from torch._dynamo.utils import counters
 
@@ -188,14 +199,15 @@ def test_a_compiled_engine_gives_solo_greedy_tokens_and_never_recompiles(shape):
     torch._dynamo.reset()
     counters.clear()
     steps = []
-    engine = inference.Engine(model, rows=3, waiting=10, on_step=steps.append)
+    engine = Engine(model, rows=3, waiting=10, on_step=steps.append)
     assert engine.compile(backend=ATEN_BACKEND) is None
     assert engine.buckets == [1, 2, 3] and counters["stats"]["unique_graphs"] == 2  # one row; two or three
-    with torch.compiler.set_stance("fail_on_recompile"):
-        outs = greedy_replies(engine, prompts, budgets)
+    eager = count_eager_passes(model)
+    outs = greedy_replies(engine, prompts, budgets)
     torch._dynamo.reset()
     assert outs == solo and counters["stats"]["unique_graphs"] == 2
     decoding = [step for step in steps if not step.packed]
+    assert len(eager) == len(steps) - len(decoding) > 0  # the prompts' passes: every decoding step ran a graph
     assert {step.keys for step in decoding} == {64, 128}  # rows up to position 63, then past it
     assert {step.rows for step in decoding} <= set(engine.buckets)
 
@@ -209,11 +221,11 @@ def test_run_decodes_on_the_calling_thread_until_another_thread_closes_it():
     prompts, budgets = token_lists(4, 9, 6), [8, 5, 12]
     solo = solo_greedy(model, prompts, budgets)
     stepped_on, outs, done = set(), [[] for _ in prompts], threading.Semaphore(0)
-    engine = inference.Engine(model, rows=2, on_step=lambda step: stepped_on.add(threading.current_thread()))
+    engine = Engine(model, rows=2, on_step=lambda step: stepped_on.add(threading.current_thread()))
 
     def client():
         for i, (p, n) in enumerate(zip(prompts, budgets)):
-            assert engine.submit(inference.Request(p, n, outs[i].append, lambda *end: done.release(), temperature=0))
+            assert engine.submit(Request(p, n, outs[i].append, lambda *end: done.release(), temperature=0))
         for _ in prompts:
             done.acquire(timeout=300)
         engine.close()
@@ -227,7 +239,7 @@ def test_run_decodes_on_the_calling_thread_until_another_thread_closes_it():
 
 
 def test_on_a_cpu_the_compiled_step_is_inductors_with_the_weights_frozen_and_its_own_matmuls():
-    """serve.py --compile on a CPU compiles as inference.compile_options('cpu') says, with inductor
+    """serve.py --compile on a CPU compiles as compile_options('cpu') says, with inductor
     itself: the weights frozen into the graphs, each matmul's packed (the layer's 4 and the lm_head):
     in the graph of one row for inductor's C++ GEMM kernels, in the graph of more for oneDNN's,
     as the eager passes (prompts) are. Four requests, two decoded together at a time: each gets
@@ -241,14 +253,16 @@ def test_on_a_cpu_the_compiled_step_is_inductors_with_the_weights_frozen_and_its
     solo = solo_greedy(model, prompts, budgets)
     torch._dynamo.reset()
     counters.clear()
-    engine = inference.Engine(model, rows=2)
-    assert engine.compile(**inference.compile_options("cpu")) is None and engine.buckets == [1, 2]
+    engine = Engine(model, rows=2)
+    assert engine.compile(**compile_options("cpu")) is None and engine.buckets == [1, 2]
     assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] == 2 * (4 + 1)  # both graphs
     assert counters["inductor"]["cpp_templated_kernel_counter"] == 4 + 1  # only the one row's
-    with torch.compiler.set_stance("fail_on_recompile"):
-        outs = greedy_replies(engine, prompts, budgets)
+    steps, eager = [], count_eager_passes(model)
+    engine.on_step = steps.append
+    outs = greedy_replies(engine, prompts, budgets)
     torch._dynamo.reset()
-    assert outs == solo
+    assert outs == solo and counters["stats"]["unique_graphs"] == 2
+    assert len(eager) == sum(step.packed for step in steps) > 0  # the prompts' passes: the decoding steps ran graphs
 
 
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
@@ -267,7 +281,7 @@ def test_a_prompt_that_starts_as_an_ended_sequence_runs_only_the_rest(compiled):
     budgets = [10, 20, 20, 20, 9, 8, 5, 6]
     solo = solo_greedy(model, prompts, budgets)
     steps = []
-    engine = inference.Engine(model, rows=4, on_step=steps.append)
+    engine = Engine(model, rows=4, on_step=steps.append)
     if compiled:
         assert engine.compile(backend=ATEN_BACKEND) is None and engine.buckets == [1, 2, 4]
     engine.start()
@@ -276,7 +290,7 @@ def test_a_prompt_that_starts_as_an_ended_sequence_runs_only_the_rest(compiled):
         done = threading.Semaphore(0)
         with engine.lock:  # the group's requests join in one step
             for i in group:
-                request = inference.Request(prompts[i], budgets[i], outs[i].append, lambda *end: done.release())
+                request = Request(prompts[i], budgets[i], outs[i].append, lambda *end: done.release())
                 request.temperature = 0
                 assert engine.submit(request)
         for _ in group:
@@ -323,7 +337,7 @@ def test_concurrent_conversations_with_repeats_each_get_their_solo_replies(compi
     model = peaked_model(block_size=128)
     firsts, extra = token_lists(*[3 + 4 * i for i in range(8)]), token_lists(*[1 + i % 5 for i in range(8)])
     budgets = [(5 + 3 * i % 11, 4 + 5 * i % 9) for i in range(8)]
-    engine = inference.Engine(model, rows=rows)
+    engine = Engine(model, rows=rows)
     if compiled:
         assert engine.compile(backend=ATEN_BACKEND) is None
     engine.start()
@@ -335,7 +349,7 @@ def test_concurrent_conversations_with_repeats_each_get_their_solo_replies(compi
         outs, done = [[] for _ in prompts], threading.Semaphore(0)
         with engine.lock:
             for i, prompt, out in zip(conversations, prompts, outs):
-                request = inference.Request(prompt, budgets[i][turn], out.append, lambda *end: done.release())
+                request = Request(prompt, budgets[i][turn], out.append, lambda *end: done.release())
                 request.temperature = 0
                 assert engine.submit(request)
         for _ in outs:
@@ -443,7 +457,7 @@ def test_a_failing_request_ends_alone():
     model = GPT(GPTConfig(vocab_size=50, n_layer=2, n_head=2, n_embd=32, block_size=64)).eval()
     prompt = [3, 1, 4, 1, 5]
     expected = inference.generate(model, torch.tensor([prompt]), 12, temperature=0)[0, len(prompt) :].tolist()
-    engine = inference.Engine(model, rows=2).start()
+    engine = Engine(model, rows=2).start()
     got, ends, done = [], {}, threading.Semaphore(0)
 
     def broken(token):
@@ -452,7 +466,7 @@ def test_a_failing_request_ends_alone():
 
     for name, on_token in (("broken", broken), ("fine", got.append)):
         assert engine.submit(
-            inference.Request(
+            Request(
                 list(prompt),
                 12,
                 on_token,
