@@ -258,7 +258,9 @@ def compile_options(device_type):
     and each matmul's weights packed once (a second copy of them): for one row, for inductor's own C++
     GEMM kernels (max_autotune's CPP backend), which read the 124M's weights at the cores' bandwidth;
     for more rows, for oneDNN's (freezing's own packing at a symbolic row count): on an AMD EPYC, 1.8x
-    faster than those kernels at 16 rows, 1.4x slower at 4 (BENCHMARKS.md)."""
+    faster than those kernels at 16 rows, 1.4x slower at 4 (BENCHMARKS.md). Attention there is
+    one_query_attention's, over keys padded to a multiple of 16 (a GPU's CUDA graphs record one
+    graph per span of keys: there, of 64 or more)."""
     if device_type == "cuda":
         return {"mode": "reduce-overhead"}
     one_row = {
@@ -267,7 +269,13 @@ def compile_options(device_type):
         "max_autotune_gemm_backends": "CPP",
         "autotune_fallback_to_aten": True,
     }
-    return {"options": {"cpp_wrapper": True}, "inductor": one_row, "inductor_rows": {"freezing": True}}
+    return {
+        "options": {"cpp_wrapper": True},
+        "inductor": one_row,
+        "inductor_rows": {"freezing": True},
+        "fused_attention": True,
+        "key_grain": 16,
+    }
 
 
 class Engine:
@@ -296,6 +304,7 @@ class Engine:
         self.cache = BatchCache(model.config, rows, room or model.config.block_size, dtype, device)
         self.keys = torch.arange(self.cache.room, device=device)  # Decoding's keys are a slice of it
         self.decode, self.buckets = self._decode, None  # compile() sets them
+        self.fused_attention, self.key_grain = False, None  # and these
         self.queue = collections.deque()
         self.active = []  # active[j] is in the cache's row j
         self.lock = threading.Condition()
@@ -304,11 +313,14 @@ class Engine:
         self.steps = 0  # steps (forward passes) run, for tests and /health
         self.thread = threading.Thread(target=self.run, name="inference-engine", daemon=True)
 
-    def compile(self, inductor=None, inductor_rows=None, **options):
+    def compile(self, inductor=None, inductor_rows=None, fused_attention=False, key_grain=None, **options):
         """torch.compile the decoding step (options: torch.compile's) and compile its graphs now: one
         for a single row, one for any bucket of more, each for any span of keys. inductor: settings of
         torch._inductor.config while it compiles them (freezing: options cannot carry it); inductor_rows:
-        the graph of more rows', if given. None when done; else the error, and the step stays eager."""
+        the graph of more rows', if given. fused_attention: one_query_attention rather than the model's
+        SDPA; key_grain: the span of keys a multiple of it (None: _inputs' rule for CUDA graphs). None
+        when done; else the error, and the step stays eager."""
+        self.fused_attention, self.key_grain = fused_attention, key_grain
         self.buckets = sorted({min(2**i, self.rows) for i in range(self.rows.bit_length() + 1)})
         for t in (*self.cache.k, *self.cache.v):  # the cache keeps its address (CUDA graphs)
             torch._dynamo.mark_static_address(t)
@@ -339,13 +351,14 @@ class Engine:
     def _inputs(self, tokens, positions, end):
         """The decoding step's inputs for rows 0..n-1 whose longest ends at `end`: tokens, rows and
         positions (B,), keys (S,). Compiled: B the next bucket of rows (rows of padding write into the
-        spare row) and S rounded up to a multiple of 64 (past 512 keys, of an eighth of the next power
-        of two: at most a quarter more keys than needed), both sizes symbolic (but B=1, which
-        torch.compile specializes): two graphs serve every step, and CUDA graphs record one per (B, S)
-        seen. Eager: B = n and S = end."""
+        spare row) and S rounded up (keys past a row's end are read, and masked), both sizes symbolic
+        (but B=1, which torch.compile specializes): two graphs serve every step. S is a multiple of
+        compile()'s key_grain, or by default, for CUDA graphs, which record one per (B, S) seen, of 64
+        (past 512 keys, of an eighth of the next power of two: at most a quarter more keys than
+        needed). Eager: B = n and S = end."""
         n, compiled = len(tokens), self.buckets is not None
         B = next(b for b in self.buckets if b >= n) if compiled else n
-        grain = max(64, (1 << (end - 1).bit_length()) // 8)  # an eighth of the next power of two, or 64
+        grain = self.key_grain or max(64, (1 << (end - 1).bit_length()) // 8)
         S = min(self.cache.room, -(-end // grain) * grain) if compiled else end
         rows = list(range(n)) + [self.cache.rows] * (B - n)
         inputs = [torch.tensor(x + [0] * (B - len(x)), device=self.device) for x in (tokens, rows, positions)]
@@ -357,7 +370,7 @@ class Engine:
 
     def _decode(self, tokens, rows, positions, keys):
         """The decoding step: tokens, rows and positions (B,) -> (logits (B, V), their argmax (B,))."""
-        fused = self.buckets is not None and torch.device(self.device).type == "cpu"  # compiled for a CPU
+        fused = self.buckets is not None and self.fused_attention
         logits, _ = self.model(tokens[:, None], cache=Decoding(self.cache, rows, positions, keys, fused))
         logits = logits[:, -1]
         return logits, logits.argmax(dim=-1)

@@ -119,10 +119,10 @@ def main(argv=None):
         # serve.py's settings (compile_options) but inductor's Python wrapper, each C++ kernel
         # recorded (serve.py's cpp_wrapper calls them where the profiler sees only the step's wall); a
         # --baseline from before compile_options had inductor settings compiles as it did
-        settings = compile_options("cpu")
+        settings = {key: value for key, value in compile_options("cpu").items() if key != "options"}
         kernels = {"cpp.enable_kernel_profile": True}
-        options = {key: {**value, **kernels} for key, value in settings.items() if key.startswith("inductor")}
-        error = engine.compile(**options)
+        settings.update({key: {**value, **kernels} for key, value in settings.items() if key.startswith("inductor")})
+        error = engine.compile(**settings)
         if error:
             print(f"torch.compile failed: {error}", file=sys.stderr)
             return 1

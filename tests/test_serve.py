@@ -182,15 +182,17 @@ def test_requests_prefilled_together_give_solo_greedy_tokens(shape):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("attention", ["sdpa", "fused"], ids=["gpu-attention", "cpu-attention"])
 @pytest.mark.parametrize("shape", SHAPES, ids=["gpt2", "llama"])
-def test_a_compiled_engine_gives_solo_greedy_tokens_and_never_recompiles(shape):
+def test_a_compiled_engine_gives_solo_greedy_tokens_and_never_recompiles(shape, attention):
     """serve.py --compile: the decoding step compiled at start-up, rows padded to a bucket (1, 2, 3 for
     three rows): a graph for one row, one for more. Then seven requests come and go (prompts of 1 to
     20 tokens, replies past 64 positions, so the span of keys grows from one bucket to the next, rows
-    moving as others leave) and each gets, token for token,
-    generate()'s greedy tokens of the model alone, every decoding step through one of those two
-    graphs (no other compiled, none run eagerly). dynamo's graphs on ATen's kernels (conftest):
-    inductor's are test_compile.py's and test_gpu.py's."""
+    moving as others leave) and each gets, token for token, generate()'s greedy tokens of the model
+    alone, every decoding step through one of those two graphs (no other compiled, none run
+    eagerly). Attention as on a GPU (the model's SDPA, keys padded to 64) and as on a CPU
+    (compile_options('cpu'): one_query_attention, keys padded to 16). dynamo's graphs on ATen's
+    kernels (conftest): inductor's are test_compile.py's and test_gpu.py's."""
     from torch._dynamo.utils import counters
 
     model = peaked_model(block_size=128, **shape)
@@ -200,7 +202,8 @@ def test_a_compiled_engine_gives_solo_greedy_tokens_and_never_recompiles(shape):
     counters.clear()
     steps = []
     engine = Engine(model, rows=3, waiting=10, on_step=steps.append)
-    assert engine.compile(backend=ATEN_BACKEND) is None
+    cpu = {key: value for key, value in compile_options("cpu").items() if key in ("fused_attention", "key_grain")}
+    assert engine.compile(backend=ATEN_BACKEND, **(cpu if attention == "fused" else {})) is None
     assert engine.buckets == [1, 2, 3] and counters["stats"]["unique_graphs"] == 2  # one row; two or three
     eager = count_eager_passes(model)
     outs = greedy_replies(engine, prompts, budgets)
@@ -208,7 +211,11 @@ def test_a_compiled_engine_gives_solo_greedy_tokens_and_never_recompiles(shape):
     assert outs == solo and counters["stats"]["unique_graphs"] == 2
     decoding = [step for step in steps if not step.packed]
     assert len(eager) == len(steps) - len(decoding) > 0  # the prompts' passes: every decoding step ran a graph
-    assert {step.keys for step in decoding} == {64, 128}  # rows up to position 63, then past it
+    spans = {step.keys for step in decoding}
+    if attention == "sdpa":
+        assert spans == {64, 128}  # rows up to position 63, then past it
+    else:
+        assert spans == {16, 32, 48, 64, 80}  # 16 keys at a time, to the longest row's 72 (2 + 70 tokens)
     assert {step.rows for step in decoding} <= set(engine.buckets)
 
 
