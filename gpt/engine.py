@@ -318,9 +318,12 @@ class Engine:
         for a single row, one for any bucket of more, each for any span of keys. inductor: settings of
         torch._inductor.config while it compiles them (freezing: options cannot carry it); inductor_rows:
         the graph of more rows', if given. fused_attention: one_query_attention rather than the model's
-        SDPA; key_grain: the span of keys a multiple of it (None: _inputs' rule for CUDA graphs). None
-        when done; else the error, and the step stays eager."""
-        self.fused_attention, self.key_grain = fused_attention, key_grain
+        SDPA, in a float32 model (in half precision its result, rounded apart from the SDPA of the
+        eager passes that run prompts, parted more replies from their solo ones where two tokens
+        were nearly tied); key_grain: the span of keys a multiple of it (None: _inputs' rule for
+        CUDA graphs). None when done; else the error, and the step stays eager."""
+        float32 = self.cache.k[0].dtype == torch.float32
+        self.fused_attention, self.key_grain = fused_attention and float32, key_grain
         self.buckets = sorted({min(2**i, self.rows) for i in range(self.rows.bit_length() + 1)})
         for t in (*self.cache.k, *self.cache.v):  # the cache keeps its address (CUDA graphs)
             torch._dynamo.mark_static_address(t)
