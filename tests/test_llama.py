@@ -69,7 +69,7 @@ def test_rope_is_a_rotation_of_pairs_i_and_i_plus_half():
 def test_rope_scores_depend_only_on_relative_position():
     hs, theta = 16, 10000.0
     cos, sin = rope_tables(hs, 64, theta)
-    q, k = torch.randn(hs), torch.randn(hs)
+    q, k = torch.randn(2, hs, generator=torch.Generator().manual_seed(0))
 
     def score(m, n):  # q at position m against k at position n
         rq = apply_rope(q.view(1, 1, 1, hs), cos[m : m + 1], sin[m : m + 1])
@@ -79,7 +79,8 @@ def test_rope_scores_depend_only_on_relative_position():
     for m, n in [(5, 2), (9, 9), (3, 7)]:
         for shift in (1, 17, 50):
             assert score(m + shift, n + shift) == pytest.approx(score(m, n), abs=1e-4)
-    assert score(5, 2) != pytest.approx(score(5, 3), abs=1e-3)  # yet the offset itself matters
+    offsets = [score(5, n) for n in range(6)]  # yet the offset itself matters
+    assert max(offsets) - min(offsets) > 0.1, offsets
 
 
 def test_rope_attention_is_the_same_at_any_offset():
