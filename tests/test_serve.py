@@ -416,9 +416,10 @@ def test_a_compile_failure_at_start_up_serves_eagerly_and_says_so(base, base_ser
 @pytest.mark.slow
 def test_on_a_gpu_the_decoding_step_replays_cuda_graphs(base, monkeypatch):
     """The model's side on a CUDA runtime (its weights left on the CPU) compiles the decoding step with
-    mode='reduce-overhead' (CUDA graphs); on the CPU, inductor's C++ wrapper. Both compile one graph per
-    bucket of rows at start-up. Recorded at the public torch.compile,
-    which then compiles on ATen's kernels."""
+    mode='reduce-overhead' (CUDA graphs), its attention SDPA's and its span of keys padded to 64 for
+    them; on the CPU, inductor's C++ wrapper, one_query_attention over keys padded to 16. Both compile
+    one graph per bucket of rows at start-up. Recorded at the public torch.compile, which then
+    compiles on ATen's kernels."""
     calls, compile = [], torch.compile
     monkeypatch.setattr(
         torch,
@@ -426,12 +427,17 @@ def test_on_a_gpu_the_decoding_step_replays_cuda_graphs(base, monkeypatch):
         lambda fn, **options: calls.append(options) or compile(fn, dynamic=False, backend=ATEN_BACKEND),
     )
     cfg = parse(ServeConfig, [f"--out_dir={base}", "--compile=True", "--batch_size=2"])
-    for rt, expected in [
-        (runtime.Runtime("cpu", "cuda", torch.float32), {"dynamic": False, "mode": "reduce-overhead"}),
-        (runtime.Runtime("cpu", "cpu", torch.float32), {"dynamic": False, "options": {"cpp_wrapper": True}}),
+    for rt, expected, attention in [
+        (runtime.Runtime("cpu", "cuda", torch.float32), {"dynamic": False, "mode": "reduce-overhead"}, (False, None)),
+        (
+            runtime.Runtime("cpu", "cpu", torch.float32),
+            {"dynamic": False, "options": {"cpp_wrapper": True}},
+            (True, 16),
+        ),
     ]:
         worker = serving.Worker(cfg, rt, lambda items, stats: None)
         assert calls[-1] == expected and worker.engine.buckets == [1, 2]
+        assert (worker.engine.fused_attention, worker.engine.key_grain) == attention
     torch.compiler.reset()
 
 
