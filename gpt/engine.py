@@ -255,10 +255,11 @@ class Step:
 def compile_options(device_type):
     """Engine.compile's settings for the decoding step on device_type. On a GPU the step replays a CUDA
     graph. On a CPU the weights are frozen into the graphs, the kernels called from C++ (cpp_wrapper),
-    and each matmul's weights packed once (a second copy of them): for one row, for inductor's own C++
-    GEMM kernels (max_autotune's CPP backend), which read the 124M's weights at the cores' bandwidth;
-    for more rows, for oneDNN's (freezing's own packing at a symbolic row count): on an AMD EPYC, 1.8x
-    faster than those kernels at 16 rows, 1.4x slower at 4 (BENCHMARKS.md). Attention there is
+    and each matmul's weights packed once (a second copy of them): up to 4 rows, for inductor's own
+    C++ GEMM kernels (max_autotune's CPP backend), which read the 124M's weights at the cores'
+    bandwidth (on an AMD EPYC a step of 2 or 4 rows took as long as one); for 5 or more, for oneDNN's
+    (freezing's own packing at a symbolic row count): 1.8x faster than those kernels at 16 rows, 1.2x
+    at 8, 1.3-1.6x slower at 2-4 (BENCHMARKS.md). Attention there is
     one_query_attention's, over keys padded to a multiple of 16 (a GPU's CUDA graphs record one
     graph per span of keys: there, of 64 or more)."""
     if device_type == "cuda":
@@ -271,8 +272,7 @@ def compile_options(device_type):
     }
     return {
         "options": {"cpp_wrapper": True},
-        "inductor": one_row,
-        "inductor_rows": {"freezing": True},
+        "graphs": [(1, one_row), (4, one_row), (None, {"freezing": True})],
         "fused_attention": True,
         "key_grain": 16,
     }
@@ -304,7 +304,7 @@ class Engine:
         self.cache = BatchCache(model.config, rows, room or model.config.block_size, dtype, device)
         self.keys = torch.arange(self.cache.room, device=device)  # Decoding's keys are a slice of it
         self.decode, self.buckets = self._decode, None  # compile() sets them
-        self.fused_attention, self.key_grain = False, None  # and these
+        self.fused_attention, self.key_grain, self.graphs = False, None, []  # and these
         self.queue = collections.deque()
         self.active = []  # active[j] is in the cache's row j
         self.lock = threading.Condition()
@@ -313,25 +313,33 @@ class Engine:
         self.steps = 0  # steps (forward passes) run, for tests and /health
         self.thread = threading.Thread(target=self.run, name="inference-engine", daemon=True)
 
-    def compile(self, inductor=None, inductor_rows=None, fused_attention=False, key_grain=None, **options):
-        """torch.compile the decoding step (options: torch.compile's) and compile its graphs now: one
-        for a single row, one for any bucket of more, each for any span of keys. inductor: settings of
-        torch._inductor.config while it compiles them (freezing: options cannot carry it); inductor_rows:
-        the graph of more rows', if given. fused_attention: one_query_attention rather than the model's
+    def compile(self, graphs=((1, None), (None, None)), fused_attention=False, key_grain=None, **options):
+        """torch.compile the decoding step (options: torch.compile's) and compile its graphs now, each
+        for any span of keys. graphs: (the most rows, settings of torch._inductor.config while it
+        compiles; freezing, say, which options cannot carry) of each graph, from one row's up (None:
+        every bucket left): a graph takes the buckets of rows past the last one's most, up to its own,
+        for any count of rows among them (one row's: only one). fused_attention: one_query_attention rather than the model's
         SDPA, in a float32 model (in half precision its result, rounded apart from the SDPA of the
         eager passes that run prompts, parted more replies from their solo ones where two tokens
         were nearly tied); key_grain: the span of keys a multiple of it (None: _inputs' rule for
         CUDA graphs). None when done; else the error, and the step stays eager."""
+        assert graphs[0][0] == 1, "the first graph is one row's"
         float32 = self.cache.k[0].dtype == torch.float32
         self.fused_attention, self.key_grain = fused_attention and float32, key_grain
         self.buckets = sorted({min(2**i, self.rows) for i in range(self.rows.bit_length() + 1)})
+        self.graphs, least = [], 1  # (fewest rows, most rows, inductor settings) of each graph
+        for most, settings in graphs:
+            most = self.rows if most is None else min(most, self.rows)
+            if any(least <= b <= most for b in self.buckets):
+                self.graphs.append((least, most, settings or {}))
+            least = most + 1
         for t in (*self.cache.k, *self.cache.v):  # the cache keeps its address (CUDA graphs)
             torch._dynamo.mark_static_address(t)
         step = torch.compile(self._decode, dynamic=False, **options)
         try:
             for rows in self.buckets:  # the decoding steps of `rows` rows
-                settings = inductor_rows if rows > 1 and inductor_rows is not None else inductor
-                with torch.inference_mode(), torch._inductor.config.patch(settings or {}):
+                settings = next(s for least, most, s in self.graphs if least <= rows <= most)
+                with torch.inference_mode(), torch._inductor.config.patch(settings):
                     step(*self._inputs([0] * rows, [0] * rows, 1))
         except Exception as e:  # noqa: BLE001 (a compiler's failure of any kind: serving goes on without it)
             self.buckets = None
@@ -355,7 +363,7 @@ class Engine:
         """The decoding step's inputs for rows 0..n-1 whose longest ends at `end`: tokens, rows and
         positions (B,), keys (S,). Compiled: B the next bucket of rows (rows of padding write into the
         spare row) and S rounded up (keys past a row's end are read, and masked), both sizes symbolic
-        (but B=1, which torch.compile specializes): two graphs serve every step. S is a multiple of
+        (B within its graph's range of rows; one row's graph specialized): those graphs serve every step. S is a multiple of
         compile()'s key_grain, or by default, for CUDA graphs, which record one per (B, S) seen, of 64
         (past 512 keys, of an eighth of the next power of two: at most a quarter more keys than
         needed). Eager: B = n and S = end."""
@@ -367,8 +375,10 @@ class Engine:
         inputs = [torch.tensor(x + [0] * (B - len(x)), device=self.device) for x in (tokens, rows, positions)]
         inputs.append(self.keys[:S])
         if compiled:
-            for t in inputs[0 if B > 1 else 3 :]:
-                torch._dynamo.mark_dynamic(t, 0)
+            torch._dynamo.mark_dynamic(inputs[3], 0)
+            least, most = next((least, most) for least, most, _ in self.graphs if least <= B <= most)
+            for t in inputs[:3] if least < most else []:  # a graph for a range of rows: dynamo's guards tell them apart
+                torch._dynamo.mark_dynamic(t, 0, min=least, max=most)
         return inputs
 
     def _decode(self, tokens, rows, positions, keys):

@@ -121,7 +121,12 @@ def main(argv=None):
         # --baseline from before compile_options had inductor settings compiles as it did
         settings = {key: value for key, value in compile_options("cpu").items() if key != "options"}
         kernels = {"cpp.enable_kernel_profile": True}
-        settings.update({key: {**value, **kernels} for key, value in settings.items() if key.startswith("inductor")})
+        if "graphs" in settings:
+            settings["graphs"] = [(most, {**(graph or {}), **kernels}) for most, graph in settings["graphs"]]
+        else:  # a --baseline's: inductor= and inductor_rows=
+            settings.update(
+                {key: {**value, **kernels} for key, value in settings.items() if key.startswith("inductor")}
+            )
         error = engine.compile(**settings)
         if error:
             print(f"torch.compile failed: {error}", file=sys.stderr)

@@ -246,30 +246,33 @@ def test_run_decodes_on_the_calling_thread_until_another_thread_closes_it():
 
 
 def test_on_a_cpu_the_compiled_step_is_inductors_with_the_weights_frozen_and_its_own_matmuls():
-    """serve.py --compile on a CPU compiles as compile_options('cpu') says, with inductor
+    """serve.py --compile on a CPU compiles as engine.compile_options('cpu') says, with inductor
     itself: the weights frozen into the graphs, each matmul's packed (the layer's 4 and the lm_head):
-    in the graph of one row for inductor's C++ GEMM kernels, in the graph of more for oneDNN's,
-    as the eager passes (prompts) are. Four requests, two decoded together at a time: each gets
-    generate()'s greedy tokens of the model alone. One layer: each kernel inductor compiles costs
-    seconds on two cores."""
+    in the graphs of one row and of 2-4 for inductor's C++ GEMM kernels, in the graph of more for
+    oneDNN's, as the eager passes (prompts) are. Eight requests, at most eight decoded together, so
+    that steps run in each graph as they end one by one: each gets generate()'s greedy tokens of the
+    model alone, no step compiling another graph or running eagerly. One layer: each kernel
+    inductor compiles costs seconds on two cores."""
     from torch._dynamo.utils import counters
 
     model = peaked_model(n_layer=1)
     assert cpu_matmuls.onednn_matmuls(model, vendor="AuthenticAMD")  # as serve.py on an AMD CPU: its prompts' passes
-    prompts, budgets = token_lists(5, 11, 2, 17), [12, 9, 20, 6]
+    prompts, budgets = token_lists(5, 11, 2, 17, 3, 8, 6, 9), [12, 9, 20, 6, 3, 15, 5, 10]
     solo = solo_greedy(model, prompts, budgets)
     torch._dynamo.reset()
     counters.clear()
-    engine = Engine(model, rows=2)
-    assert engine.compile(**compile_options("cpu")) is None and engine.buckets == [1, 2]
-    assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] == 2 * (4 + 1)  # both graphs
-    assert counters["inductor"]["cpp_templated_kernel_counter"] == 4 + 1  # only the one row's
+    engine = Engine(model, rows=8)
+    assert engine.compile(**compile_options("cpu")) is None and engine.buckets == [1, 2, 4, 8]
+    assert [(least, most) for least, most, _ in engine.graphs] == [(1, 1), (2, 4), (5, 8)]
+    assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] == 3 * (4 + 1)  # every graph
+    assert counters["inductor"]["cpp_templated_kernel_counter"] == 2 * (4 + 1)  # one row's and 2-4's
     steps, eager = [], count_eager_passes(model)
     engine.on_step = steps.append
     outs = greedy_replies(engine, prompts, budgets)
     torch._dynamo.reset()
-    assert outs == solo and counters["stats"]["unique_graphs"] == 2
+    assert outs == solo and counters["stats"]["unique_graphs"] == 3
     assert len(eager) == sum(step.packed for step in steps) > 0  # the prompts' passes: the decoding steps ran graphs
+    assert {step.rows for step in steps if not step.packed} == {1, 2, 4, 8}
 
 
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
