@@ -106,12 +106,8 @@ class Decoding:
     so that a free row keeps what it holds."""
 
     def __init__(self, cache, rows, positions, keys, fused=False):
-        self.cache, self.rows, self.pos, self.fused = (
-            cache,
-            rows,
-            positions,
-            fused,
-        )  # (B,) each; fused: one_query_attention
+        # rows and positions (B,) each; fused: one_query_attention rather than the model's SDPA
+        self.cache, self.rows, self.pos, self.fused = cache, rows, positions, fused
         self.mask = (keys[None, :] <= positions[:, None])[:, None, None, :]  # (B, 1, 1, S): its cached keys and its own
 
     def positions(self, T, device):
@@ -133,7 +129,7 @@ def one_query_attention(q, k, v, mask):
     """Attention of one query per row, q (B, nh, 1, hs), over k, v (B, n_kv, S, hs), the keys mask
     (B, 1, 1, S) lets it see: SDPA's result in products, sums and a softmax (in float32), which a
     compiled CPU step fuses into a few loops of its own: with SDPA's kernel, the 124M's attention at 16
-    rows took twice as long (10-11 ms a step against 5.4)."""
+    rows took twice as long (8-11 ms a step against 5.4-5.8)."""
     B, nh, _, hs = q.shape
     n_kv = k.size(1)
     q = q.float().view(B, n_kv, nh // n_kv, 1, hs)  # each k/v head's group of query heads
@@ -259,9 +255,9 @@ def compile_options(device_type):
     C++ GEMM kernels (max_autotune's CPP backend), which read the 124M's weights at the cores'
     bandwidth (on an AMD EPYC a step of 2 or 4 rows took as long as one); for 5 or more, for oneDNN's
     (freezing's own packing at a symbolic row count): 1.8x faster than those kernels at 16 rows, 1.2x
-    at 8, 1.3-1.6x slower at 2-4 (BENCHMARKS.md). Attention there is
-    one_query_attention's, over keys padded to a multiple of 16 (a GPU's CUDA graphs record one
-    graph per span of keys: there, of 64 or more)."""
+    at 8, 1.3-1.6x slower at 2-4 (BENCHMARKS.md). Attention there is one_query_attention's, over keys
+    padded to a multiple of 16 (a GPU's CUDA graphs record one graph per span of keys: there, of 64
+    or more)."""
     if device_type == "cuda":
         return {"mode": "reduce-overhead"}
     one_row = {
@@ -318,11 +314,11 @@ class Engine:
         for any span of keys. graphs: (the most rows, settings of torch._inductor.config while it
         compiles; freezing, say, which options cannot carry) of each graph, from one row's up (None:
         every bucket left): a graph takes the buckets of rows past the last one's most, up to its own,
-        for any count of rows among them (one row's: only one). fused_attention: one_query_attention rather than the model's
-        SDPA, in a float32 model (in half precision its result, rounded apart from the SDPA of the
-        eager passes that run prompts, parted more replies from their solo ones where two tokens
-        were nearly tied); key_grain: the span of keys a multiple of it (None: _inputs' rule for
-        CUDA graphs). None when done; else the error, and the step stays eager."""
+        for any count of rows among them (one row's: only one). fused_attention: one_query_attention
+        rather than the model's SDPA, in a float32 model (in half precision its result, rounded apart
+        from the SDPA of the eager passes that run prompts, parted more replies from their solo ones
+        where two tokens were nearly tied); key_grain: the span of keys a multiple of it (None:
+        _inputs' rule for CUDA graphs). None when done; else the error, and the step stays eager."""
         assert graphs[0][0] == 1, "the first graph is one row's"
         float32 = self.cache.k[0].dtype == torch.float32
         self.fused_attention, self.key_grain = fused_attention and float32, key_grain
@@ -342,7 +338,7 @@ class Engine:
                 with torch.inference_mode(), torch._inductor.config.patch(settings):
                     step(*self._inputs([0] * rows, [0] * rows, 1))
         except Exception as e:  # noqa: BLE001 (a compiler's failure of any kind: serving goes on without it)
-            self.buckets = None
+            self.buckets, self.fused_attention = None, False
             torch.compiler.reset()
             while (e.__cause__ or e.__context__) is not None:  # dynamo says "backend raised": what did it raise?
                 e = e.__cause__ or e.__context__
@@ -363,10 +359,10 @@ class Engine:
         """The decoding step's inputs for rows 0..n-1 whose longest ends at `end`: tokens, rows and
         positions (B,), keys (S,). Compiled: B the next bucket of rows (rows of padding write into the
         spare row) and S rounded up (keys past a row's end are read, and masked), both sizes symbolic
-        (B within its graph's range of rows; one row's graph specialized): those graphs serve every step. S is a multiple of
-        compile()'s key_grain, or by default, for CUDA graphs, which record one per (B, S) seen, of 64
-        (past 512 keys, of an eighth of the next power of two: at most a quarter more keys than
-        needed). Eager: B = n and S = end."""
+        (B within its graph's range of rows; one row's graph specialized): those graphs serve every
+        step. S is a multiple of compile()'s key_grain, or by default, for CUDA graphs, which record
+        one per (B, S) seen, of 64 (past 512 keys, of an eighth of the next power of two: at most a
+        quarter more keys than needed). Eager: B = n and S = end."""
         n, compiled = len(tokens), self.buckets is not None
         B = next(b for b in self.buckets if b >= n) if compiled else n
         grain = self.key_grain or max(64, (1 << (end - 1).bit_length()) // 8)
@@ -383,8 +379,8 @@ class Engine:
 
     def _decode(self, tokens, rows, positions, keys):
         """The decoding step: tokens, rows and positions (B,) -> (logits (B, V), their argmax (B,))."""
-        fused = self.buckets is not None and self.fused_attention
-        logits, _ = self.model(tokens[:, None], cache=Decoding(self.cache, rows, positions, keys, fused))
+        cache = Decoding(self.cache, rows, positions, keys, self.fused_attention)
+        logits, _ = self.model(tokens[:, None], cache=cache)
         logits = logits[:, -1]
         return logits, logits.argmax(dim=-1)
 
