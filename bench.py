@@ -16,7 +16,7 @@ train_step on the model train.py builds; data is random tokens unless --data=rea
 battery for a GPU (attention kernels, GPT-2 sweep, the 1B Llama, the baby GPT, correctness) is a
 developer tool on the same measurement: scripts/gpu_battery.py.
 
---against=... compares two configurations instead (gpt/compare.py): train.py runs each side (A:
+--against=... compares two configurations instead (gpt/evaluation/compare.py): train.py runs each side (A:
 this command's config plus --compare, B: plus --against) once per seed, interleaved, scores every
 final checkpoint on the same val tokens, and reports means with 95% intervals, B - A with Welch's
 p-value, the step-time ratio and, with --target, the iterations and time to that val loss;
@@ -30,9 +30,11 @@ import sys
 import torch
 
 from configurator import BenchConfig, UserError, override, parse, run_main
-from gpt import benchmark, compare, runtime
-from gpt.auto_batch import with_batch_size
-from gpt.metrics import format_duration
+from gpt.device import runtime
+from gpt.evaluation import compare
+from gpt.outdir.metrics import format_duration
+from gpt.train import benchmark
+from gpt.train.auto_batch import with_batch_size
 
 
 def sweep_configs(cfg, spec, world_size):

@@ -13,7 +13,7 @@ system message stays), /exit or Ctrl-D ends the chat, Ctrl-C stops a reply; a bl
 nothing. With stdin not a terminal each line is a message and only the replies are printed, one
 after the other. --prompt=TEXT prints the one reply to TEXT on stdout, nothing else, and exits.
 
-The conversation is rendered by the chat template the model was trained with (gpt/chat_template.py),
+The conversation is rendered by the chat template the model was trained with (gpt/data/chat_template.py),
 and a reply ends at the end-of-turn token. The model reads each token once: the key/value cache is
 kept across turns, so a turn runs only its own tokens (the user's message and the reply), never
 the history again. When the conversation reaches the context (--context, default the model's
@@ -29,9 +29,11 @@ from typing import Literal, Optional
 import torch
 
 from configurator import UserError, parse, require, require_choices, require_init_from, require_sampling, run_main
-from gpt import cpu_matmuls, inference, runtime, tokenizer
-from gpt.inference import KVCache
-from gpt.load import chat_template, for_inference
+from gpt.data import tokenizer
+from gpt.device import cpu_matmuls, runtime
+from gpt.inference import sampling
+from gpt.inference.sampling import KVCache
+from gpt.weights.load import chat_template, for_inference
 
 
 @dataclass
@@ -142,7 +144,7 @@ class Conversation:
                     continue
                 idx = torch.tensor([self.ids + new + reply], device=self.device)
                 room = self.context - idx.size(1) + 1  # the last new token is not run, so it needs no room
-                for token in inference.generate_tokens(
+                for token in sampling.generate_tokens(
                     self.model,
                     idx,
                     min(cfg.max_new_tokens - len(reply), room),

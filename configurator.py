@@ -10,6 +10,7 @@ its own. Values on the command line parse as Python literals, so `--dropout=0`,
 program with one line naming the key or file and exit code 2, never a traceback.
 """
 
+import argparse
 import ast
 import dataclasses
 import difflib
@@ -52,6 +53,15 @@ def run_main(main):
         print("interrupted", file=sys.stderr)
         sys.exit(130)
     sys.exit(code or 0)
+
+
+class Parser(argparse.ArgumentParser):
+    """The argparse parser of the commands and scripts that take their flags with argparse (plot.py,
+    data/'s preparation, scripts/): a bad flag is one line, as the config's keys are, not argparse's
+    usage block. Run their main under run_main, which prints it and exits 2."""
+
+    def error(self, message):
+        raise UserError(f"{message}; see --help")
 
 
 AT_LEAST_ONE = (
@@ -305,7 +315,7 @@ class BenchConfig(TrainConfig):
     json: bool = False  # print the results as one JSON object on the last line
     estimate_params: float = 0.0  # time-to-train: parameters of the model to train (0: this config's model)
     estimate_tokens: float = 0.0  # time-to-train: its training tokens (0: 20 per parameter)
-    # comparison: setting `against` trains two configurations with several seeds each and tests the difference (gpt/compare.py)
+    # comparison: setting `against` trains two configurations with several seeds each and tests the difference (gpt/evaluation/compare.py)
     compare: str = ""  # side A: train.py arguments (config files, --key=value) after this command's own, e.g. '--optimizer=adamw'; '': this command's config as it is
     against: str = ""  # side B, the same way, e.g. '--mlp=swiglu'; set, bench.py compares A with B instead of timing a step
     seeds: Union[int, list, tuple] = 5  # the seeds each side trains with: N means 1..N, or the seeds themselves (--seeds=1,2,3): side A's; side B's are as many after A's largest (independent samples)
@@ -345,7 +355,7 @@ GPT2_MODELS = (
     "gpt2-medium",
     "gpt2-large",
     "gpt2-xl",
-)  # released weights init_from can name (gpt/huggingface.py)
+)  # released weights init_from can name (gpt/weights/huggingface.py)
 
 
 def require(ok, message):
@@ -372,7 +382,7 @@ def require_sampling(cfg):
 
 
 def require_init_from(value, own):
-    # a directory is checked for a GPT-2 or Llama inside when it is loaded (gpt/load.py)
+    # a directory is checked for a GPT-2 or Llama inside when it is loaded (gpt/weights/load.py)
     require(
         value in own + GPT2_MODELS or os.path.isdir(value),
         f"init_from={value!r} is not one of {', '.join(map(repr, own + GPT2_MODELS))}, "

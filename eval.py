@@ -15,9 +15,9 @@ the val and test splits in nats per token and bits per byte.
     python eval.py --out_dir=out --checkpoint=ckpt_0002000.pt --tasks=val   # one checkpoint by name
     python eval.py --help                                    # every key
 
-The scoring is gpt/evaluation.py's (how a choice is scored, the two acc_norms, bits per byte).
+The scoring is gpt/evaluation/tasks.py's (how a choice is scored, the two acc_norms, bits per byte).
 Under torchrun the examples (or windows) are shared out between the ranks and the sums all-reduced.
---watch=True is gpt/watch.py's loop around the same tasks: one record per checkpoint in the run's
+--watch=True is gpt/evaluation/watch.py's loop around the same tasks: one record per checkpoint in the run's
 metrics.jsonl, named watch/<train.py's name> (watch/val_loss, watch/hellaswag_acc_norm, watch/core)."""
 
 import dataclasses
@@ -29,7 +29,11 @@ from typing import Literal
 import torch
 
 from configurator import UserError, parse, require, require_choice, require_choices, require_init_from, run_main
-from gpt import core_eval, evaluation, load, metrics, runtime, tokenizer, tokens, watch
+from gpt.data import token_files, tokenizer
+from gpt.device import runtime
+from gpt.evaluation import core, tasks, watch
+from gpt.outdir import metrics
+from gpt.weights import load
 
 EVAL_TASKS = ("hellaswag", "mc", "val", "test", "core")
 HELLASWAG_STYLES = ("nanogpt", "harness")
@@ -107,7 +111,7 @@ def _plan(cfg, tok_spec, data_dir):
     for split in ("val", "test"):
         if data_dir is not None and os.path.isdir(data_dir):
             try:
-                tokens.split_paths(data_dir, split)
+                token_files.split_paths(data_dir, split)
                 plan.append(split)
             except UserError:
                 pass
@@ -147,7 +151,7 @@ def main(argv=None):
 
 def watch_run(cfg):
     """--watch=True: every checkpoint of out_dir's run scored once as it lands, as --checkpoint=<it>
-    would score it, until the run is over (gpt/watch.py)."""
+    would score it, until the run is over (gpt/evaluation/watch.py)."""
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
         raise UserError("--watch=True runs in one process: start it with python, not torchrun")
     if not os.path.isdir(cfg.out_dir):
@@ -169,12 +173,10 @@ def evaluate_all(cfg, rt):
     say = print if rt.master else (lambda message: None)
     examples = {}  # the files of the tasks asked for are read first: a bad file should not wait for a model load
     if "hellaswag" in cfg.task_list():
-        examples["hellaswag"] = evaluation.load_hellaswag(
-            cfg.hellaswag_path, cfg.hellaswag_examples, cfg.hellaswag_style
-        )
+        examples["hellaswag"] = tasks.load_hellaswag(cfg.hellaswag_path, cfg.hellaswag_examples, cfg.hellaswag_style)
     if cfg.mc_path:
-        examples["mc"] = evaluation.load_mc(cfg.mc_path)
-    core_tasks = core_eval.load_tasks(cfg.core_bundle, cfg.core_max_per_task) if "core" in cfg.task_list() else None
+        examples["mc"] = tasks.load_mc(cfg.mc_path)
+    core_tasks = core.load_tasks(cfg.core_bundle, cfg.core_max_per_task) if "core" in cfg.task_list() else None
     model, tok_spec = load.for_inference(cfg.init_from, cfg.out_dir, cfg.checkpoint, report=say)
     model.eval().to(rt.device)
     block_size = model.config.block_size
@@ -185,12 +187,10 @@ def evaluate_all(cfg, rt):
     for task in plan:
         if task in ("hellaswag", "mc"):
             if task not in examples:  # hellaswag by default
-                examples[task] = evaluation.load_hellaswag(
-                    cfg.hellaswag_path, cfg.hellaswag_examples, cfg.hellaswag_style
-                )
+                examples[task] = tasks.load_hellaswag(cfg.hellaswag_path, cfg.hellaswag_examples, cfg.hellaswag_style)
             joint = task == "hellaswag" and cfg.hellaswag_style == "harness"
-            encoded = evaluation.encode_examples(examples[task], tok_spec, task, joint=joint)
-            r = results[task] = evaluation.score_choices(forward, encoded, block_size, rt, cfg.batch_size, desc=task)
+            encoded = tasks.encode_examples(examples[task], tok_spec, task, joint=joint)
+            r = results[task] = tasks.score_choices(forward, encoded, block_size, rt, cfg.batch_size, desc=task)
             if task == "hellaswag":
                 r["style"] = cfg.hellaswag_style
             say(
@@ -200,7 +200,7 @@ def evaluate_all(cfg, rt):
             )
         elif task == "core":
             say(f"CORE: {len(core_tasks)} tasks, {sum(len(t.records) for t in core_tasks):,} examples")
-            r = results[task] = core_eval.evaluate_core(
+            r = results[task] = core.evaluate_core(
                 forward, core_tasks, tok_spec, block_size, rt, cfg.batch_size * block_size, report=say
             )
             say(
@@ -217,9 +217,9 @@ def _split(cfg, task, forward, model, tok_spec, data_dir, block_size, rt):
     if data_dir is None:
         raise UserError(f"--tasks has {task} but no data is known: name it with --dataset=NAME (data/NAME/{task}.bin)")
     _check_same_tokenizer(data_dir, tok_spec)
-    data = tokens.Tokens.open(data_dir, task)
+    data = token_files.Tokens.open(data_dir, task)
     data.check_vocab(model.config.vocab_size)
-    return evaluation.split_loss(
+    return tasks.split_loss(
         forward, data, block_size, rt, tokenizer.token_bytes(tok_spec), cfg.batch_size, cfg.split_tokens, desc=task
     )
 

@@ -7,8 +7,8 @@ trust_remote_code=True; with its tokenizer's files) or one GGUF file for llama.c
     python hf.py --out_dir=out-shakespeare --format=gguf --gguf_dtype=q8_0   # out-shakespeare/model.gguf
     python hf.py --help
 
-The conversion is library code: gpt/huggingface.py (both ways: released GPT-2 weights and
-Hugging Face directories come in through gpt/load.py) and gpt/gguf_export.py. See docs/weights.md
+The conversion is library code: gpt/weights/huggingface.py (both ways: released GPT-2 weights and
+Hugging Face directories come in through gpt/weights/load.py) and gpt/weights/gguf_export.py. See docs/weights.md
 and docs/gguf.md.
 """
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from configurator import UserError, parse, require_choices, run_main
-from gpt import gguf_export, huggingface, load
+from gpt.weights import gguf_export, huggingface, load
 
 
 @dataclass

@@ -13,7 +13,7 @@ embeddings, U-net skips) by config key; attention through scaled_dot_product_att
 Reads top to bottom: the config, the small pieces the options choose between (norms,
 rotary position embedding), attention, MLP, block, then the GPT with its init, optimizer
 groups, FLOPs count and nanoGPT's sampler. The key/value caches, and generation that uses
-them, are gpt/inference.py's and gpt/engine.py's: the model asks a cache for positions and
+them, are gpt/inference/sampling.py's and gpt/inference/engine.py's: the model asks a cache for positions and
 attention, nothing more.
 """
 
@@ -230,7 +230,7 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x, rope=None, cache=None, mask=None, ve=None):
         """x (B, T, C). rope: the (cos, sin) tables of these T positions, (1, T, hs/2) or per row
         (B, 1, T, hs/2), when the model uses RoPE. mask: document_mask's, for packed documents
-        (None: causal over the whole row). cache, when generating (inference.py, engine.py): this
+        (None: causal over the whole row). cache, when generating (sampling.py, engine.py): this
         layer's view of a key/value cache, which stores the new keys and values beside the ones it
         holds and runs attention over them, masked as its rows need. ve (B, T, n_kv*hs): the value
         embedding of these tokens (value_embeds), added to v before v is used or cached."""
@@ -356,14 +356,14 @@ class GPT(nn.Module):
                     # (modded-nanogpt, nanochat); c_proj's gradient, h^T dy, is not zero, so it learns
                     nn.init.zeros_(p)
         # recompute each block's activations in backward instead of keeping them: less memory for
-        # long contexts, about a third more compute (gpt/training_setup.py's build() sets it from
+        # long contexts, about a third more compute (gpt/train/build.py's build() sets it from
         # activation_checkpointing)
         self.activation_checkpointing = False
 
     def set_attention(self, name):
         """Run every layer's attention with one SDPA kernel ('flash', 'cudnn', 'efficient', 'math'),
         or let PyTorch choose ('auto'). A kernel that cannot take the inputs fails in forward
-        (gpt/training_setup.py's attention_error() checks first)."""
+        (gpt/train/build.py's attention_error() checks first)."""
         assert name == "auto" or name in SDPA_BACKENDS, name
         for block in self.transformer.h:
             block.attn.attention = name
@@ -399,10 +399,10 @@ class GPT(nn.Module):
         the last position's only (all that sampling needs); logits_at='all' asks for every
         position's, and a tensor (N,) of positions in the flattened (B*T) batch for those alone,
         (N, vocab) (eval scores a few tokens per row: un-embedding the others would be most of its
-        work). cache, when generating (inference.py's, engine.py's caches): idx continues the tokens the cache
+        work). cache, when generating (sampling.py's, engine.py's caches): idx continues the tokens the cache
         holds; cache.positions gives the new tokens' positions, and cache.layer(i) stores layer i's
         keys and values and runs its attention over them (CausalSelfAttention.forward). docs (B, T),
-        for rows packed from documents (gpt/batches.py): each token's document number in its row;
+        for rows packed from documents (gpt/data/batches.py): each token's document number in its row;
         a token then sees only its own document, whose positions start at 0, as if it ran alone.
         With logit_softcap the logits are capped (and float32) on every path, the loss's included.
         loss_only, with targets: (None, loss), for a step that never reads the logits. They then stay
@@ -488,7 +488,7 @@ class GPT(nn.Module):
     def from_pretrained(cls, model_type, override_args=None):
         """nanoGPT's: a GPT with GPT-2's released weights, model_type 'gpt2', 'gpt2-medium',
         'gpt2-large' or 'gpt2-xl' (or a local Hugging Face GPT-2 directory), read by transformers
-        from its cache or the hub. override_args may set dropout, as in nanoGPT. (gpt/load.py reads
+        from its cache or the hub. override_args may set dropout, as in nanoGPT. (gpt/weights/load.py reads
         the same weights with one-line errors, and Llama's too.)"""
         override_args = override_args or {}
         assert set(override_args) <= {"dropout"}, "only dropout can be overridden"
@@ -543,7 +543,7 @@ class GPT(nn.Module):
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
         """nanoGPT's sampler: idx (B, T) extended by max_new_tokens tokens, each drawn from the
         softmax of the last position's logits / temperature (restricted to the top_k most likely).
-        The whole context (its last block_size tokens) runs for every token; gpt/inference.py's
+        The whole context (its last block_size tokens) runs for every token; gpt/inference/sampling.py's
         generate is the fast one (a key/value cache), with greedy decoding, top_p and stop tokens."""
         for _ in range(max_new_tokens):
             idx_cond = idx if idx.size(1) <= self.config.block_size else idx[:, -self.config.block_size :]

@@ -11,8 +11,7 @@ import json
 import os
 import sys
 
-from configurator import run_main
-from gpt.argparsing import Parser
+from configurator import Parser, run_main
 
 
 def metrics_file(path):

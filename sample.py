@@ -21,7 +21,10 @@ from typing import Literal, Optional
 import torch
 
 from configurator import UserError, parse, require, require_choices, require_init_from, require_sampling, run_main
-from gpt import cpu_matmuls, inference, load, runtime, tokenizer
+from gpt.data import tokenizer
+from gpt.device import cpu_matmuls, runtime
+from gpt.inference import sampling
+from gpt.weights import load
 
 
 @dataclass
@@ -109,7 +112,7 @@ def sample_prompt(model, cfg, ids, stop, device, stream=None):
     cut before stop, tokens generated). stream, if given, is fed the first one as it grows."""
     x = torch.tensor([ids] * cfg.num_samples, dtype=torch.long, device=device)  # (num_samples, T)
     rows = [[] for _ in range(cfg.num_samples)]
-    steps = inference.generate_tokens(
+    steps = sampling.generate_tokens(
         model,
         x,
         cfg.max_new_tokens,

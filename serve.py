@@ -21,8 +21,8 @@ loopback address (the default) a request is answered only when its Host header n
 --allowed_hosts. Others get a 421: a web page cannot point a name it owns at this server (DNS
 rebinding) and read its replies.
 
-The model runs in gpt/serving.py (a process of its own by default, --engine=process) and the API
-in gpt/api.py; this command listens, loads the model, and runs the app under uvicorn.
+The model runs in gpt/inference/serving.py (a process of its own by default, --engine=process) and the API
+in gpt/inference/api.py; this command listens, loads the model, and runs the app under uvicorn.
 """
 
 import re
@@ -34,7 +34,7 @@ from typing import Literal
 import uvicorn
 
 from configurator import UserError, parse, require, require_choices, require_init_from, run_main
-from gpt import api, serving
+from gpt.inference import api, serving
 
 
 @dataclass

@@ -12,8 +12,8 @@ The story of a run: main() reads the config, sets up the device and claims the o
 loads the data (load_data), builds the Run (the model, what trains it, the batches, where it is,
 the writers) and runs the loop, which evaluates and saves (evaluate_and_save), steps, and logs
 (log_step). The pieces live in the library: batches, step, optim, training_setup, memory, checkpoint,
-saver, metrics, runtime. Replica groups (torchft) are one object, gpt/replicas.py's, that does
-nothing in a run without them; eval_async starts the watcher (gpt/watch.py, eval.py --watch) as
+saver, metrics, runtime. Replica groups (torchft) are one object, gpt/train/replicas.py's, that does
+nothing in a run without them; eval_async starts the watcher (gpt/evaluation/watch.py, eval.py --watch) as
 a child process beside the run.
 """
 
@@ -25,14 +25,19 @@ import torch
 import torch.distributed as dist
 
 from configurator import TrainConfig, UserError, as_dict, parse, run_main
-from gpt import batches, checkpoint, evaluation, load, metrics, optim, outdir, replicas, runtime, tokenizer, watch
-from gpt.auto_batch import settle_batch_size
-from gpt.core_eval import evaluate_core, load_tasks
-from gpt.gpu_flops import device_peak_flops, mfu
-from gpt.saver import Checkpointer
-from gpt.step import BadSteps, eval_group, evaluate, train_step
-from gpt.stopping import StopRequest
-from gpt.training_setup import build, make_model_args, uses_fsdp
+from gpt.data import batches, tokenizer
+from gpt.device import runtime
+from gpt.device.gpu_flops import device_peak_flops, mfu
+from gpt.evaluation import tasks, watch
+from gpt.evaluation.core import evaluate_core, load_tasks
+from gpt.outdir import checkpoint, metrics, ownership
+from gpt.outdir.saver import Checkpointer
+from gpt.train import optim, replicas
+from gpt.train.auto_batch import settle_batch_size
+from gpt.train.build import build, make_model_args, uses_fsdp
+from gpt.train.step import BadSteps, eval_group, evaluate, train_step
+from gpt.train.stopping import StopRequest
+from gpt.weights import load
 from model import GPT, GPTConfig
 
 EXIT_STOPPED = 75  # stopped early (SIGTERM, SIGINT, max_minutes) with a checkpoint: resume to go on
@@ -52,7 +57,7 @@ def main(argv=None):
     stop = StopRequest(cfg.max_minutes)
     finished, out, watcher = False, None, None
     try:
-        out = outdir.claim(cfg, rt)  # the out_dir lock; a used out_dir refused; init_from='auto' resolved
+        out = ownership.claim(cfg, rt)  # the out_dir lock; a used out_dir refused; init_from='auto' resolved
         if cfg.eval_async and rt.master and not cfg.eval_only:
             watcher = watch.Child(watch.command(out.cfg), out.cfg.out_dir)
         code = train(out.cfg, rt, stop, out, groups, watcher)
@@ -71,7 +76,7 @@ def main(argv=None):
 
 
 class Data(NamedTuple):
-    train: object  # gpt.tokens.Tokens of each split, or batches.ChatData; test is None when there is none
+    train: object  # gpt.data.token_files.Tokens of each split, or batches.ChatData; test is None when there is none
     val: object
     test: object
     tok_spec: dict  # the tokenizer (tokenizer.py), saved in every checkpoint
@@ -90,8 +95,8 @@ def load_data(cfg, say):
     splits = batches.open_splits(data_dir, tok_spec, vocab_size, cfg.block_size, cfg.data_mode, say)
     hellaswag = core = eot = None  # eval_async: HellaSwag and CORE are the watcher's
     if cfg.hellaswag_interval and not cfg.eval_async:
-        examples = evaluation.load_hellaswag(cfg.hellaswag_path, cfg.hellaswag_examples)
-        hellaswag = evaluation.encode_examples(examples, tok_spec)
+        examples = tasks.load_hellaswag(cfg.hellaswag_path, cfg.hellaswag_examples)
+        hellaswag = tasks.encode_examples(examples, tok_spec)
     if cfg.core_interval and tok_spec["kind"] == "char":
         raise UserError(
             "core_interval needs a tokenizer that encodes any text; this data is character-level: set core_interval=0"
@@ -174,7 +179,7 @@ class Run:
         self.resumed_at = self.iter_num if cfg.init_from == "resume" else None  # no eval or save again at this iter
         splits = {"train": data.train, "val": data.val, "test": data.test}
         self.eval_splits = batches.eval_windows(splits, cfg.eval_iters, cfg.batch_size, cfg.block_size, cfg.seed)
-        self.eval_bytes = evaluation.eval_bytes(self.eval_splits, data.tok_spec, cfg.block_size, say)
+        self.eval_bytes = tasks.eval_bytes(self.eval_splits, data.tok_spec, cfg.block_size, say)
         self.metrics = metrics_log(cfg, rt, out, self.resumed_at, wandb_run_id)  # rank 0's; None elsewhere
         self.saver = checkpointer(cfg, rt, out)
         self.bad = BadSteps(rt.device)
@@ -311,7 +316,7 @@ def evaluate_losses_and_save(run, last):
     losses = evaluate(run.model, splits, cfg.block_size, rt, group)
     eval_tokens = cfg.eval_iters * cfg.batch_size * cfg.block_size
     bpb = (
-        {k: evaluation.bits_per_byte(losses[k], eval_tokens, run.eval_bytes[k]) for k in losses if k != "train"}
+        {k: tasks.bits_per_byte(losses[k], eval_tokens, run.eval_bytes[k]) for k in losses if k != "train"}
         if run.eval_bytes is not None
         else {}
     )
@@ -361,7 +366,7 @@ def downstream(run, name, score):
 def score_hellaswag(run):
     """HellaSwag on the plain model: the padded lengths vary, which a compiled one would recompile for."""
     cfg, rt, it = run.cfg, run.rt, run.iter_num
-    scores = evaluation.score_choices(run.raw_model, run.data.hellaswag, cfg.block_size, rt, cfg.batch_size)
+    scores = tasks.score_choices(run.raw_model, run.data.hellaswag, cfg.block_size, rt, cfg.batch_size)
     if rt.master:
         print(
             f"step {it}: hellaswag acc {scores['acc']:.4f}, acc_norm_tokens {scores['acc_norm_tokens']:.4f}, "

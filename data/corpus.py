@@ -7,7 +7,7 @@ or local files -> token shards for the val, test and train splits. The scripts o
     python data/fineweb_edu/prepare.py --input docs/ --benchmark=20000   # tokens/s for 1..--workers processes
 
 Written to out_dir:
-    val_000000.bin, test_000000.bin, train_000000.bin, train_000001.bin, ...  (gpt/tokens.py format)
+    val_000000.bin, test_000000.bin, train_000000.bin, train_000001.bin, ...  (gpt/data/token_files.py format)
     meta.json      the tokenizer: train.py reads vocab_size from it, sample.py how to decode
     prepare.json   the settings and how far the run got; run the same command again after an
                    interruption and it resumes after the last complete shard, writing the same bytes
@@ -39,9 +39,8 @@ from collections import deque
 
 import numpy as np
 
-from configurator import UserError
-from gpt import tokenizer, tokens
-from gpt.argparsing import Parser
+from configurator import Parser, UserError
+from gpt.data import token_files, tokenizer
 
 SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz", ".parquet")
 SPLITS = ("val", "test", "train")  # in stream order: the held-out splits come first, so --tokens never moves them
@@ -349,7 +348,7 @@ class Encoder:
     def __init__(self, spec):
         self.encode = tokenizer.batch_encoder(spec)
         self.eot = tokenizer.eot(spec)
-        self.dtype = tokens.dtype_for(tokenizer.vocab_size(spec))
+        self.dtype = token_files.dtype_for(tokenizer.vocab_size(spec))
 
     def __call__(self, docs):
         lists = self.encode(docs)
@@ -448,7 +447,7 @@ class Progress:
         for split in SPLITS:  # a listed shard must still be whole: it will not be written again
             for i, n in enumerate(self.state["shards"][split]):
                 path = shard_path(out_dir, split, i)
-                if not os.path.exists(path) or tokens.read_header(path)[1] != n:
+                if not os.path.exists(path) or token_files.read_header(path)[1] != n:
                     raise UserError(
                         f"{path} is missing or changed since it was written; delete {out_dir} to start over"
                     )
@@ -468,7 +467,7 @@ class Progress:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
-        tokens.fsync_dir(os.path.dirname(self.path))
+        token_files.fsync_dir(os.path.dirname(self.path))
 
 
 def shard_path(out_dir, split, index):
@@ -507,7 +506,7 @@ def prepare(args, spec):
     if args.tokens is not None:
         quotas["train"] = args.tokens - args.val_tokens - args.test_tokens
     plan = [s for s in SPLITS if quotas[s] > 0 and progress.written(s) < quotas[s]]  # the splits still to fill
-    buf = np.empty(min(args.shard_tokens, sum(quotas.values())), tokens.dtype_for(tokenizer.vocab_size(spec)))
+    buf = np.empty(min(args.shard_tokens, sum(quotas.values())), token_files.dtype_for(tokenizer.vocab_size(spec)))
     fill = 0  # ids in buf: the shard being filled
     done_before = sum(progress.written(s) for s in SPLITS)
     start, doc_index = time.perf_counter(), state["next_doc"]  # doc_index: the stream position of the batch in hand
@@ -544,7 +543,7 @@ def prepare(args, spec):
                     pos = int(ends[np.searchsorted(ends, pos - 1, side="right")])
                 j = int(np.searchsorted(ends, pos, side="right"))  # the document pos is in (len(ends): none left)
                 next_skip = pos - (int(ends[j - 1]) if j else 0) if j < len(ends) else 0
-                tokens.write(shard_path(out_dir, split, len(state["shards"][split])), buf[:fill])
+                token_files.write(shard_path(out_dir, split, len(state["shards"][split])), buf[:fill])
                 if split_full:
                     plan.pop(0)
                 progress.save(split, fill, doc_index + j, next_skip, done=not plan)
@@ -554,7 +553,7 @@ def prepare(args, spec):
                 break
         else:  # the input ran out before the budget
             if fill:
-                tokens.write(shard_path(out_dir, plan[0], len(state["shards"][plan[0]])), buf[:fill])
+                token_files.write(shard_path(out_dir, plan[0], len(state["shards"][plan[0]])), buf[:fill])
                 progress.save(plan[0], fill, doc_index, 0)
             if progress.written("train") == 0:
                 raise UserError(

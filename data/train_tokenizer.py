@@ -12,7 +12,7 @@ are: text is split by GPT-4's pattern (words with their leading space or punctua
 of up to 3 digits, runs of whitespace), each piece is read as UTF-8 bytes, and merges are
 learned inside pieces only. Every byte is in the vocabulary, so any text encodes and decodes
 back to itself. The vocabulary starts with the special tokens: <|endoftext|> (between
-documents, found by tokenizer.py) and the chat template's turn tokens (gpt/chat_template.py).
+documents, found by tokenizer.py) and the chat template's turn tokens (gpt/data/chat_template.py).
 
 The input is read as data/corpus.py reads it (the same files, --text_field, --txt_separator,
 or a Hub dataset streamed with a seeded shuffle). The first --val_chars characters are held
@@ -29,11 +29,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
-from configurator import UserError, run_main
+from configurator import Parser, UserError, run_main
 from data import corpus
-from gpt import tokenizer  # after the path line above
-from gpt.argparsing import Parser
-from gpt.chat_template import RESERVED_TOKENS
+from gpt.data import tokenizer  # after the path line above
+from gpt.data.chat_template import RESERVED_TOKENS
 
 # GPT-4's (cl100k) split pattern, as Llama 3 also uses: a piece is a word with an optional leading
 # non-letter, up to 3 digits, punctuation with trailing newlines, or whitespace

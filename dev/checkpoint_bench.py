@@ -23,7 +23,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configurator import TrainConfig, as_dict, parse, run_main
-from gpt import runtime, saver
+from gpt.device import runtime
+from gpt.outdir import saver
 from model import GPT, GPTConfig
 
 MODES = [("full", False), ("full", True), ("sharded", False), ("sharded", True)]

@@ -1,4 +1,4 @@
-"""Examples per second of the CORE scorer (core_eval.py) on synthetic tasks made here (every task
+"""Examples per second of the CORE scorer (gpt/evaluation/core.py) on synthetic tasks made here (every task
 type, few-shot 0 to 3, a multi-character delimiter) and a small random GPT-2-vocabulary model,
 three ways:
   batched          core_eval: the choices of many examples in one forward, logits only where scored
@@ -24,7 +24,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpt import core_eval, runtime, tokenizer
+from gpt.data import tokenizer
+from gpt.device import runtime
+from gpt.evaluation import core
 from model import GPT, GPTConfig
 
 GPT2 = {"kind": "tiktoken", "name": "gpt2", "vocab_size": 50257}
@@ -57,9 +59,7 @@ def synthetic_tasks(scale, seed=0):
         "language_modeling": lambda: {"context": sentence(3, 9), "continuation": sentence(1, 4)},
     }
     return [
-        core_eval.Task(
-            label, kind, shots, delimiter, baseline, [(f"{label}:{i}", make[kind]()) for i in range(n * scale)]
-        )
+        core.Task(label, kind, shots, delimiter, baseline, [(f"{label}:{i}", make[kind]()) for i in range(n * scale)])
         for label, (kind, shots, delimiter, n, baseline) in TASKS.items()
     ]
 
@@ -72,7 +72,7 @@ def nanochat_way(model, tasks, spec, block_size):
     for task in tasks:
         verdicts[task.label] = []
         for i in range(len(task.records)):
-            rows, answer = core_eval.encode(task, i, encode_batch, bos, block_size)
+            rows, answer = core.encode(task, i, encode_batch, bos, block_size)
             x = torch.full(
                 (len(rows), max(len(ids) for ids, _ in rows)), bos, dtype=torch.long
             )  # right-padded with BOS
@@ -124,9 +124,7 @@ def main():
             if batch_tokens is None:
                 verdicts[name] = nanochat_way(model, tasks, GPT2, args.block_size)
             else:
-                result = core_eval.evaluate_core(
-                    model, tasks, GPT2, args.block_size, rt, batch_tokens, per_example=True
-                )
+                result = core.evaluate_core(model, tasks, GPT2, args.block_size, rt, batch_tokens, per_example=True)
                 verdicts[name] = {k: v["correct"] for k, v in result["tasks"].items()}
             speeds[name].append(n / (time.perf_counter() - t0))
             accuracy = {k: round(sum(v) / len(v), 4) for k, v in verdicts[name].items()}

@@ -66,7 +66,7 @@ def make_model(export_dir, n_positions=64):
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from gpt import huggingface
+    from gpt.weights import huggingface
 
     torch.manual_seed(0)
     hf_model = GPT2LMHeadModel(
@@ -103,16 +103,18 @@ def ours(model_dir, data):
     """Per example the log-likelihood of each choice and the verdicts, by eval.py's own code."""
     import numpy as np
 
-    from gpt import evaluation, load, runtime, scoring
+    from gpt.device import runtime
+    from gpt.evaluation import scoring, tasks
+    from gpt.weights import load
 
     rt = runtime.setup("cpu", "float32")
     model, tok_spec = load.pretrained(model_dir)
     model.eval()
-    examples = evaluation.load_hellaswag(data, style="harness")
-    encoded = evaluation.encode_examples(examples, tok_spec, joint=True)
+    examples = tasks.load_hellaswag(data, style="harness")
+    encoded = tasks.encode_examples(examples, tok_spec, joint=True)
     per_example = []
     for e, (context, choices, answer, chars) in zip(examples, encoded):
-        rows = [evaluation._cropped(context, c, model.config.block_size + 1) for c in choices]
+        rows = [tasks._cropped(context, c, model.config.block_size + 1) for c in choices]
         lls = (-scoring.row_losses(model, rows, rt)[0]).tolist()
         per_example.append(
             {
@@ -123,7 +125,7 @@ def ours(model_dir, data):
                 "choices": e.choices,
             }
         )
-    scores = evaluation.score_choices(model, encoded, model.config.block_size, rt, batch_size=8)
+    scores = tasks.score_choices(model, encoded, model.config.block_size, rt, batch_size=8)
     return scores, per_example
 
 

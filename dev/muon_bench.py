@@ -1,4 +1,4 @@
-"""Muon's step, fused (gpt/muon.py: one compiled graph per shape) against the step before it (only the
+"""Muon's step, fused (gpt/train/muon.py: one compiled graph per shape) against the step before it (only the
 Newton-Schulz iterations compiled; momentum, stack, cast, decay and update as foreach kernels), on
 the speedrun config's matrices (config/speedrun_gpt2.py: 12 layers x 768, 48 matrices of 4
 shapes), in one process. The two step in turns, so a busy machine slows both alike; prints each
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from gpt import muon  # after the path line above
+from gpt.train import muon  # after the path line above
 
 
 class Before(muon.Muon):

@@ -55,7 +55,7 @@ sys.path.insert(0, REPO)
 import torch
 
 from configurator import UserError, parse, run_main
-from gpt import checkpoint
+from gpt.outdir import checkpoint
 
 # per trial: runs (seeds for diloco), max_iters, sync_every, timeout
 DEFAULTS = {"restart": (10, 300, 0, 300.0), "groups": (10, 4000, 0, 300.0), "diloco": (3, 320, 8, 900.0)}

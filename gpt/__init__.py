@@ -1,3 +1,3 @@
-"""The trainer's library: one module per job. The commands at the repository's root (train.py,
-sample.py, chat.py, serve.py, eval.py, hf.py, bench.py, plot.py) call it; it calls model.py and
-configurator.py, and never a command."""
+"""The trainer's library, a folder per job: device < data < outdir < train, weights < inference,
+evaluation, each importing only the folders before it (tests/test_layout.py). The commands at the
+repository's root call it; it calls model.py and configurator.py, and never a command."""

@@ -27,8 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from configurator import UserError, run_main  # after the path line above
-from gpt.argparsing import Parser
+from configurator import Parser, UserError, run_main  # after the path line above
 
 
 def turns(conversation):

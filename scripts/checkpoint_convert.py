@@ -9,7 +9,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
 from configurator import UserError, run_main  # after the path line above
-from gpt.checkpoint import read_sharded, save
+from gpt.outdir.checkpoint import read_sharded, save
 
 USAGE = (
     "python scripts/checkpoint_convert.py out/ckpt_<iter> out/ckpt_<iter>.pt "

@@ -29,12 +29,12 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 sys.path.insert(0, REPO)
 from configurator import BenchConfig, parse, require, run_main
-from gpt import runtime  # after the path line above
-from gpt.batches import TrainBatches
-from gpt.benchmark import device_name, format_mfu, learnable, measure_or_oom, synthetic
-from gpt.optim import get_lr
-from gpt.step import train_step
-from gpt.training_setup import build, make_model_args
+from gpt.data.batches import TrainBatches
+from gpt.device import runtime  # after the path line above
+from gpt.train.benchmark import device_name, format_mfu, learnable, measure_or_oom, synthetic
+from gpt.train.build import build, make_model_args
+from gpt.train.optim import get_lr
+from gpt.train.step import train_step
 from model import GPT, GPTConfig
 
 PARTS = ("speed", "loss")

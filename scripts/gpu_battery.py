@@ -1,4 +1,4 @@
-"""The standard battery for a GPU, on bench.py's measurement (gpt/benchmark.py): the environment,
+"""The standard battery for a GPU, on bench.py's measurement (gpt/train/benchmark.py): the environment,
 the SDPA kernel that runs and each kernel's speed, GPT-2 124M at four micro-batches, the 1B Llama
 config with and without activation checkpointing, the baby GPT trained by train.py, and a
 correctness smoke (bf16 against fp32, the KV cache against none, resume). report.md (the tables)
@@ -36,12 +36,14 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 sys.path.insert(0, REPO)
 from configurator import BenchConfig, UserError, parse, require, run_main
-from gpt import gpu_flops, inference, runtime, tokens  # after the path line above
-from gpt.auto_batch import with_batch_size
-from gpt.batches import TrainBatches
-from gpt.benchmark import device_name, format_mfu, learnable, measure_or_oom, profiler_activities, synthetic
-from gpt.step import train_step
-from gpt.training_setup import build, make_model_args
+from gpt.data import token_files  # after the path line above
+from gpt.data.batches import TrainBatches
+from gpt.device import gpu_flops, runtime
+from gpt.inference import sampling
+from gpt.train.auto_batch import with_batch_size
+from gpt.train.benchmark import device_name, format_mfu, learnable, measure_or_oom, profiler_activities, synthetic
+from gpt.train.build import build, make_model_args
+from gpt.train.step import train_step
 from model import GPT, GPTConfig
 
 
@@ -407,8 +409,8 @@ def part_smoke(cfg, rt, scale, report):
     prompt = torch.as_tensor(data[: base.block_size // 4].astype(np.int64), device=rt.device)[None]
     new = min(2 * base.block_size, 200)  # past block_size: the window slides too
     with torch.no_grad(), exact_float32():
-        cached = inference.generate(model, prompt, new, temperature=0, kv_cache=True)
-        uncached = inference.generate(model, prompt, new, temperature=0, kv_cache=False)
+        cached = sampling.generate(model, prompt, new, temperature=0, kv_cache=True)
+        uncached = sampling.generate(model, prompt, new, temperature=0, kv_cache=False)
     same = int((cached == uncached).all(dim=0).long().cumprod(0).sum()) - prompt.size(1)
     checks["kv_cache_greedy_equals_uncached"] = {"tokens": new, "identical_prefix": same, "ok": same == new}
 
@@ -429,7 +431,7 @@ def resume_check(cfg, rt, base, vocab):
     os.makedirs(data_dir, exist_ok=True)
     ids = learnable(vocab)
     for split, part in (("train", ids[: len(ids) * 9 // 10]), ("val", ids[len(ids) * 9 // 10 :])):
-        tokens.write(os.path.join(data_dir, f"{split}.bin"), part)
+        token_files.write(os.path.join(data_dir, f"{split}.bin"), part)
     with open(os.path.join(data_dir, "meta.json"), "w") as f:
         json.dump({"chars": "".join(chr(48 + i) for i in range(vocab))}, f)  # a character vocabulary of that size
     k = RESUME_AT

@@ -36,7 +36,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 sys.path.insert(0, REPO)
 from configurator import parse, require, run_main
-from gpt import runtime  # after the path line above
+from gpt.device import runtime  # after the path line above
 
 # the parts, in the order they run: what the issue asks first goes first, so a budget that runs out
 # cuts the re-measurements of known numbers

@@ -6,7 +6,7 @@ check that every reply under load is the one its prompt gets alone.
     python scripts/serve_load.py --out_dir=out-gpt2-124m-random --random_gpt2=124m --max_tokens=32 --repeats=1
     python scripts/serve_load.py --url=http://127.0.0.1:8000 --api_key=KEY  # a server already running
     python scripts/serve_load.py --url=http://127.0.0.1:8001,http://127.0.0.1:8002 --clients=1,16   # two, interleaved
-    python scripts/serve_load.py --out_dir=out-chat-demo --engine_only      # no HTTP: gpt/engine.py's Engine alone
+    python scripts/serve_load.py --out_dir=out-chat-demo --engine_only      # no HTTP: gpt/inference/engine.py's Engine alone
     python scripts/serve_load.py --out_dir=out-gpt2-124m-random --random_gpt2=124m --llama_server=PATH/llama-server \\
         --baseline=../before --serve_args="--device=cpu --compile=True" --clients=1,16 --max_tokens=32   # three servers
     python scripts/serve_load.py --help
@@ -27,7 +27,7 @@ that keeps it open. With several --url servers, the repeats interleave them (all
 first, then the second, ..., then the next repeat), so a drift in the machine's speed falls on each
 alike, and each server gets its own table.
 
---engine_only puts the same load on gpt/engine.py's Engine in this process (each client submits its
+--engine_only puts the same load on gpt/inference/engine.py's Engine in this process (each client submits its
 next request when its last one ends; replies checked token for token against one-at-a-time runs):
 what batching alone gives, without HTTP, JSON and the client.
 
@@ -236,8 +236,8 @@ def engine_runs(args, levels):
     batching alone gives. Each of C clients submits its next request when its last one ends."""
     import threading
 
-    from gpt import load
-    from gpt.engine import Engine, Request
+    from gpt.inference.engine import Engine, Request
+    from gpt.weights import load
 
     model, tok_spec = load.for_inference("resume", args.out_dir, report=lambda line: None)
     model.eval()
@@ -392,8 +392,8 @@ def write_random_gpt2(out_dir, shape):
 
     import torch
 
-    from gpt import tokenizer
-    from gpt.chat_template import Template
+    from gpt.data import tokenizer
+    from gpt.data.chat_template import Template
     from model import GPT, GPTConfig
 
     spec = tokenizer.make_spec("gpt2")

@@ -99,20 +99,21 @@ def main(argv=None):
     p.add_argument("--baseline", help="profile the engine of this checkout instead (eager: a commit before a change)")
     args = p.parse_args(argv)
     sys.path.insert(0, args.baseline or str(REPO))
-    from gpt import load, runtime  # this checkout's, or --baseline's
+    from gpt.device import runtime  # this checkout's, or --baseline's
+    from gpt.weights import load
 
     try:
-        from gpt.engine import Engine, Request, compile_options
+        from gpt.inference.engine import Engine, Request, compile_options
     except ImportError:  # a --baseline from before engine.py: the engine was inference.py's
-        from gpt.inference import Engine, Request, compile_options
+        from gpt.inference.sampling import Engine, Request, compile_options
 
     if args.threads:
         torch.set_num_threads(args.threads)
     levels = [int(r) for r in args.rows.split(",")]
     model, _ = load.for_inference("resume", args.out_dir, report=lambda line: None)
     model.eval().to(dtype=runtime.DTYPES[args.dtype])
-    if importlib.util.find_spec("gpt.cpu_matmuls"):  # serve.py's eager matmuls (a --baseline may predate them)
-        importlib.import_module("gpt.cpu_matmuls").onednn_matmuls(model)
+    if importlib.util.find_spec("gpt.device.cpu_matmuls"):  # serve.py's eager matmuls (a --baseline may predate them)
+        importlib.import_module("gpt.device.cpu_matmuls").onednn_matmuls(model)
     vocab = model.config.padded_vocab_size
     engine = Engine(model, rows=max(levels), room=min(model.config.block_size, 1024))
     if args.compile:

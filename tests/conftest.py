@@ -104,7 +104,7 @@ def write_hellaswag(path, n, seed=0):
 def bpe_eval_data(root):
     """(root/data, root/hs.jsonl): a GPT-2 BPE dataset (train, val, test) and a HellaSwag-format file
     of 30 records, for eval.py's tasks."""
-    from gpt import tokenizer, tokens
+    from gpt.data import token_files, tokenizer
 
     enc = tokenizer.encoding("gpt2")
     rng = np.random.default_rng(1)
@@ -113,7 +113,7 @@ def bpe_eval_data(root):
     for split, n_docs in (("train", 400), ("val", 40), ("test", 40)):
         docs = [" ".join(rng.choice(EVAL_WORDS, size=rng.integers(5, 30))).capitalize() + "." for _ in range(n_docs)]
         ids = [t for d in docs for t in [enc.eot_token] + enc.encode_ordinary(d)]
-        tokens.write(str(data_dir / f"{split}.bin"), np.array(ids, dtype=np.uint16))
+        token_files.write(str(data_dir / f"{split}.bin"), np.array(ids, dtype=np.uint16))
     (data_dir / "meta.json").write_text(json.dumps(GPT2))
     return data_dir, write_hellaswag(root / "hs.jsonl", 30, seed=2)
 

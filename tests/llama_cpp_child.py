@@ -22,7 +22,7 @@ F32 = 0  # GGML_TYPE_F32: llama.cpp's key/value cache in float32 (its default is
 
 
 def cpu_has_amx():
-    """gpt/gguf_export.cpu_has_amx's test, here so that a child imports no torch."""
+    """gpt/weights/gguf_export.cpu_has_amx's test, here so that a child imports no torch."""
     try:
         with open("/proc/cpuinfo") as f:
             return any(line.startswith("flags") and "amx_int8" in line.split(":", 1)[-1].split() for line in f)

@@ -6,7 +6,7 @@ import torch
 from conftest import tiny_args
 from processes import run_script
 
-from gpt.training_setup import attention_error
+from gpt.train.build import attention_error
 from model import GPT, GPTConfig
 
 MODEL = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, block_size=16, vocab_size=65, dropout=0.0)

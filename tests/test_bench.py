@@ -13,9 +13,11 @@ from processes import REPO, load_script, run_script
 
 import bench
 from configurator import BenchConfig, TrainConfig
-from gpt import auto_batch, benchmark, gpu_flops, inference, runtime
-from gpt.auto_batch import auto_batch_size, saved_activation_bytes, with_batch_size
-from gpt.batches import row_starts
+from gpt.data.batches import row_starts
+from gpt.device import gpu_flops, runtime
+from gpt.inference import sampling
+from gpt.train import auto_batch, benchmark
+from gpt.train.auto_batch import auto_batch_size, saved_activation_bytes, with_batch_size
 from model import GPT, GPTConfig
 
 battery = load_script("scripts/gpu_battery.py")
@@ -466,13 +468,13 @@ def test_the_smoke_compares_cache_and_no_cache_with_tf32_off(monkeypatch, tmp_pa
     """On CUDA, runtime.setup turns TF32 on; the float32 exactness check must run without it, and
     leave it as it found it."""
     seen = []
-    generate = inference.generate
+    generate = sampling.generate
 
     def recording_generate(model, *args, **kwargs):
         seen.append((torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32))
         return generate(model, *args, **kwargs)
 
-    monkeypatch.setattr(inference, "generate", recording_generate)
+    monkeypatch.setattr(sampling, "generate", recording_generate)
     monkeypatch.setattr(battery, "resume_check", lambda *args: {"ok": True})  # train.py subprocesses: tested above
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # as setup() leaves a GPU

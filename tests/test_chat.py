@@ -16,9 +16,9 @@ from processes import REPO, load_script, run_script
 from test_chat_template import make_llama3_tokenizer
 
 from configurator import TrainConfig, parse
-from gpt import tokenizer
-from gpt.chat_template import Template
-from gpt.inference import KVCache, generate, generate_tokens
+from gpt.data import tokenizer
+from gpt.data.chat_template import Template
+from gpt.inference.sampling import KVCache, generate, generate_tokens
 from model import GPT, GPTConfig
 
 SMALL = dict(n_layer=2, n_head=2, n_embd=32, block_size=128, dropout=0.0)
@@ -148,7 +148,7 @@ def test_repl_clear_blank_lines_and_exit(demo):
 def test_the_checkpoint_is_read_on_the_cpu_and_only_the_model_moved(demo, monkeypatch):
     """As sample.py: the checkpoint (its optimizer state too) is read into host memory, and only
     the model goes to the device ('meta' stands in for a GPU here)."""
-    from gpt import checkpoint
+    from gpt.outdir import checkpoint
 
     chat_py = load_script("chat.py")
     out_dir, _ = demo

@@ -10,8 +10,8 @@ import pytest
 from processes import load_script, run_script
 
 from configurator import UserError
-from gpt import tokenizer, tokens
-from gpt.chat_template import Template
+from gpt.data import token_files, tokenizer
+from gpt.data.chat_template import Template
 
 prepare = load_script("data/chat/prepare.py")
 WORDS = ["apple", "river", "seven", "blue", "quiet", "東京", "🙂", "naïve", "stone", "light"]
@@ -72,7 +72,7 @@ def write_jsonl(path, lines):
 
 def read_split(data_dir, split):
     """[(ids, mask)] per conversation, cut at the starts."""
-    ids = tokens.read(str(data_dir / f"{split}.bin"))
+    ids = token_files.read(str(data_dir / f"{split}.bin"))
     mask = np.load(data_dir / f"{split}_mask.npy")
     starts = np.load(data_dir / f"{split}_starts.npy")
     assert mask.dtype == np.uint8 and starts.dtype == np.int64 and len(mask) == len(ids)
@@ -120,7 +120,7 @@ def test_files_read_back_to_the_conversations(prepared):
             "long": 0,
             "long_untrained_tokens": 0,
         }
-        data = tokens.Tokens.open(str(prepared), name)  # what train.py opens
+        data = token_files.Tokens.open(str(prepared), name)  # what train.py opens
         assert data.dtype == np.uint16 and data.max_ids[0] <= 50260
         data.check_vocab(spec["vocab_size"])
     assert len(tokenizer.token_bytes(spec, offline=True)) == 50257  # bits per byte reads the description as it is

@@ -1,4 +1,4 @@
-"""gpt/chat_template.py for its three kinds of tokenizer (GPT-2 BPE with new turn tokens, a
+"""gpt/data/chat_template.py for its three kinds of tokenizer (GPT-2 BPE with new turn tokens, a
 tokenizer from data/train_tokenizer.py, a Llama-3-like tokenizer.json): the rendered text, the
 mask, the prompt as a prefix of the conversation, and transformers' apply_chat_template on the
 exported tokenizer giving exactly our ids."""
@@ -10,8 +10,8 @@ from conftest import make_text
 from processes import load_script
 
 from configurator import UserError
-from gpt import tokenizer
-from gpt.chat_template import Template, write_hf_tokenizer
+from gpt.data import tokenizer
+from gpt.data.chat_template import Template, write_hf_tokenizer
 
 KINDS = ("gpt2", "trained", "llama3")
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]

@@ -15,10 +15,10 @@ from conftest import make_text, read_metrics, tiny_args
 from processes import run_python, run_script
 
 from data import corpus
-from gpt import tokens
-from gpt.batches import IGNORE, ChatBatches, ChatData, chat_eval_offsets, eval_batch, packing
-from gpt.runtime import Runtime
-from gpt.step import evaluate, train_step
+from gpt.data import token_files
+from gpt.data.batches import IGNORE, ChatBatches, ChatData, chat_eval_offsets, eval_batch, packing
+from gpt.device.runtime import Runtime
+from gpt.train.step import evaluate, train_step
 from model import GPT, GPTConfig
 
 CPU = Runtime("cpu", "cpu", torch.float32)
@@ -55,7 +55,7 @@ def write_chat_dir(path, convs_train, convs_val):
     path.mkdir()
     for split, convs in (("train", convs_train), ("val", convs_val)):
         ids, mask, starts = chat_arrays(convs)
-        tokens.write(str(path / f"{split}.bin"), ids)
+        token_files.write(str(path / f"{split}.bin"), ids)
         np.save(path / f"{split}_mask.npy", mask)
         np.save(path / f"{split}_starts.npy", starts)
     chars = "".join(chr(0x100 + i) for i in range(VOCAB))  # a character vocabulary of VOCAB symbols

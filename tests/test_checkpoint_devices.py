@@ -17,9 +17,11 @@ from conftest import char_dataset, tiny_args, untimed
 from processes import run_script
 
 from configurator import TrainConfig
-from gpt import checkpoint, optim, runtime
-from gpt.batches import TrainBatches, load_split
-from gpt.step import train_step
+from gpt.data.batches import TrainBatches, load_split
+from gpt.device import runtime
+from gpt.outdir import checkpoint
+from gpt.train import optim
+from gpt.train.step import train_step
 from model import GPT, GPTConfig
 
 COMMON = dict(max_iters=12, lr_decay_iters=12, eval_interval=6, dropout=0.1)

@@ -21,7 +21,7 @@ from conftest import char_dataset, read_metrics, tiny_args, untimed
 from processes import REPO, run_script, start_python, succeeded, torchrun, wait_for
 
 from configurator import UserError
-from gpt import checkpoint
+from gpt.outdir import checkpoint
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"

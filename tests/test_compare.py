@@ -14,7 +14,8 @@ from processes import run_script
 
 import bench
 from configurator import UserError
-from gpt import compare, runtime
+from gpt.device import runtime
+from gpt.evaluation import compare
 
 LR = 1e-2
 

@@ -20,10 +20,11 @@ from conftest import ATEN_BACKEND
 from torch._dynamo.utils import counters
 
 from configurator import TrainConfig
-from gpt import inference, runtime
-from gpt.batches import TrainBatches, eval_offsets
-from gpt.step import eval_group, evaluate, train_step
-from gpt.training_setup import build
+from gpt.data.batches import TrainBatches, eval_offsets
+from gpt.device import runtime
+from gpt.inference import sampling
+from gpt.train.build import build
+from gpt.train.step import eval_group, evaluate, train_step
 from model import GPT, GPTConfig
 
 CPU = runtime.Runtime("cpu", "cpu", torch.float32)
@@ -106,6 +107,6 @@ def test_cached_decoding_is_one_graph(options):
     torch.manual_seed(0)
     model = GPT(GPTConfig(**options)).eval()
     prompt = torch.randint(0, 65, (1, 4))
-    expected = inference.generate(model, prompt, 3, temperature=0)
+    expected = sampling.generate(model, prompt, 3, temperature=0)
     model.compile(fullgraph=True, backend=ATEN_BACKEND)
-    assert torch.equal(inference.generate(model, prompt, 3, temperature=0), expected)
+    assert torch.equal(sampling.generate(model, prompt, 3, temperature=0), expected)

@@ -1,4 +1,4 @@
-"""core_eval.py, CORE as nanochat scores it: a bundle built here with every task type, few-shot
+"""gpt/evaluation/core.py, CORE as nanochat scores it: a bundle built here with every task type, few-shot
 counts of 0 and more and a multi-character continuation delimiter. Each example's verdict against
 a direct computation (nanochat's Jinja templates rendered by jinja2, its few-shot draw over an
 explicit list, the model's own logits per row); CORE against the meta CSV; batched against one
@@ -19,7 +19,9 @@ from conftest import bpe_eval_data, read_metrics, tiny_args
 from processes import REPO, run_python, run_script
 
 from configurator import UserError
-from gpt import core_eval, runtime, tokenizer
+from gpt.data import tokenizer
+from gpt.device import runtime
+from gpt.evaluation import core
 
 GPT2 = {"kind": "tiktoken", "name": "gpt2", "vocab_size": 50257}
 WORDS = "the man picks up a ball and throws it to his dog who runs across green field".split()
@@ -231,9 +233,9 @@ def reference_verdicts(bundle, label, model, max_per_task=0):
 
 def test_each_verdict_equals_a_direct_computation_and_core_is_the_mean_centered_accuracy(setup):
     root, model, bundle, rt = setup
-    tasks = core_eval.load_tasks(str(bundle))
+    tasks = core.load_tasks(str(bundle))
     assert [t.label for t in tasks] == list(TASKS)
-    result = core_eval.evaluate_core(model, tasks, GPT2, BLOCK, rt, batch_tokens=8 * BLOCK, per_example=True)
+    result = core.evaluate_core(model, tasks, GPT2, BLOCK, rt, batch_tokens=8 * BLOCK, per_example=True)
     for label, r in result["tasks"].items():
         assert r["correct"] == reference_verdicts(bundle, label, model), label
     # the language_modeling tasks hold right and wrong records: greedy decoding is checked both ways
@@ -251,23 +253,23 @@ def test_each_verdict_equals_a_direct_computation_and_core_is_the_mean_centered_
 
 def test_batched_equals_one_example_per_forward_and_a_zip_equals_a_directory(setup, tmp_path):
     root, model, bundle, rt = setup
-    tasks = core_eval.load_tasks(str(bundle))
-    one = core_eval.evaluate_core(model, tasks, GPT2, BLOCK, rt, batch_tokens=0, per_example=True)
+    tasks = core.load_tasks(str(bundle))
+    one = core.evaluate_core(model, tasks, GPT2, BLOCK, rt, batch_tokens=0, per_example=True)
     for batch_tokens in (4 * BLOCK, 64 * BLOCK):
-        batched = core_eval.evaluate_core(model, tasks, GPT2, BLOCK, rt, batch_tokens=batch_tokens, per_example=True)
+        batched = core.evaluate_core(model, tasks, GPT2, BLOCK, rt, batch_tokens=batch_tokens, per_example=True)
         assert {k: r["correct"] for k, r in batched["tasks"].items()} == {
             k: r["correct"] for k, r in one["tasks"].items()
         }
     # the same bundle, zipped by nanochat's layout
-    zipped = core_eval.load_tasks(str(write_bundle(tmp_path, model, zipped=True)))
+    zipped = core.load_tasks(str(write_bundle(tmp_path, model, zipped=True)))
     assert [[r for _, r in t.records] for t in zipped] == [[r for _, r in t.records] for t in tasks]
     assert zipped[0].records[0][0].startswith(f"{tmp_path / 'eval_bundle.zip'}/eval_bundle/eval_data/")
 
 
 def test_max_per_task_keeps_the_same_examples_on_every_run(setup):
     root, model, bundle, rt = setup
-    first = core_eval.load_tasks(str(bundle), max_per_task=7)
-    again = core_eval.load_tasks(str(bundle), max_per_task=7)
+    first = core.load_tasks(str(bundle), max_per_task=7)
+    again = core.load_tasks(str(bundle), max_per_task=7)
     assert all(len(t.records) == 7 for t in first)
     assert [[r for _, r in t.records] for t in first] == [[r for _, r in t.records] for t in again]
     # nanochat's subset: random.Random(1337) shuffles the whole file, then the first ones are kept
@@ -275,7 +277,7 @@ def test_max_per_task_keeps_the_same_examples_on_every_run(setup):
         data = [json.loads(line) for line in f]
     random.Random(1337).shuffle(data)
     assert [r for _, r in first[1].records] == data[:7]
-    result = core_eval.evaluate_core(model, first, GPT2, BLOCK, rt, batch_tokens=8 * BLOCK, per_example=True)
+    result = core.evaluate_core(model, first, GPT2, BLOCK, rt, batch_tokens=8 * BLOCK, per_example=True)
     assert result["tasks"]["lm_fewshot"]["correct"] == reference_verdicts(bundle, "lm_fewshot", model, max_per_task=7)
 
 
@@ -326,7 +328,7 @@ def test_bad_bundles_are_one_line_naming_the_file_and_record(setup, tmp_path):
     ]
     for path, message in cases:
         with pytest.raises(UserError) as e:
-            core_eval.load_tasks(str(path))
+            core.load_tasks(str(path))
         assert message in str(e.value) and "\n" not in str(e.value), (path, str(e.value))
     # a continuation that tokenizes to nothing is found when the example is encoded: here choice 1's
     # tokens are all shared with choice 0 (nanochat would average an empty slice, nan)
@@ -334,7 +336,7 @@ def test_bad_bundles_are_one_line_naming_the_file_and_record(setup, tmp_path):
         "empty", lambda b: rewrite(b / mc, lambda ls: [record(query="q", choices=["the man", "the"], gold=0)] + ls[1:])
     )
     with pytest.raises(UserError, match=r"mc_zero.jsonl:1: the continuation of option 1 tokenizes to nothing"):
-        core_eval.evaluate_core(model, core_eval.load_tasks(str(empty)), GPT2, BLOCK, rt, 8 * BLOCK)
+        core.evaluate_core(model, core.load_tasks(str(empty)), GPT2, BLOCK, rt, 8 * BLOCK)
     # from the command: one line, no traceback, nothing written
     before = sorted(os.listdir(tmp_path))
     result = run_script("eval.py", "--init_from=gpt2", "--tasks=core", f"--core_bundle={cases[0][0]}", "--device=cpu")
@@ -354,8 +356,8 @@ def test_an_unreachable_download_is_one_line(monkeypatch, tmp_path):
     with pytest.raises(
         UserError, match=r"cannot download https://karpathy-public.*eval_bundle.zip .*--core_bundle=PATH"
     ):
-        core_eval.load_tasks()
-    assert not os.path.exists(core_eval.BUNDLE_PATH)
+        core.load_tasks()
+    assert not os.path.exists(core.BUNDLE_PATH)
 
 
 # ---------------------------------------------------------------------------- the commands
@@ -418,11 +420,11 @@ def test_training_logs_core_in_rhythm_and_plots_it(setup, tmp_path):
     rng = np.random.default_rng(0)
     data_dir = tmp_path / "data"
     data_dir.mkdir()
-    from gpt import tokens
+    from gpt.data import token_files
 
     for split, n_docs in (("train", 200), ("val", 30)):
         docs = [sentence(rng, 5, 20) for _ in range(n_docs)]
-        tokens.write(
+        token_files.write(
             str(data_dir / f"{split}.bin"),
             np.array([t for d in docs for t in [enc.eot_token] + enc.encode_ordinary(d)], dtype=np.uint16),
         )
@@ -460,7 +462,7 @@ def test_an_in_loop_eval_that_runs_out_of_memory_costs_the_run_nothing(setup, tm
     root, model, bundle, rt = setup
     data_dir, _ = bpe_eval_data(tmp_path)
     out = tmp_path / "out"
-    scored, found = core_eval.evaluate_core, []
+    scored, found = core.evaluate_core, []
 
     def failing(*args, **kwargs):
         iters = [r["iter"] for r in read_metrics(out) if "train_loss" in r]
@@ -469,7 +471,7 @@ def test_an_in_loop_eval_that_runs_out_of_memory_costs_the_run_nothing(setup, tm
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return scored(*args, **kwargs)
 
-    monkeypatch.setattr(core_eval, "evaluate_core", failing)
+    monkeypatch.setattr(core, "evaluate_core", failing)
     result = run_script(
         "train.py",
         *tiny_args(
@@ -504,22 +506,20 @@ def test_an_in_loop_eval_that_runs_out_of_memory_costs_the_run_nothing(setup, tm
 def test_a_device_without_float64_sums_in_float32_with_the_same_results(setup, monkeypatch):
     # MPS has no float64: scoring.sum_dtype's branch, run on the CPU with the runtime saying 'mps'
     root, model, bundle, rt = setup
-    from gpt import evaluation, scoring
+    from gpt.evaluation import scoring, tasks
 
     mps = runtime.Runtime("cpu", "mps", torch.float32)
     assert scoring.sum_dtype(mps) == torch.float32 and scoring.sum_dtype(rt) == torch.float64
     reads = []
     real = scoring.all_reduce
     monkeypatch.setattr(scoring, "all_reduce", lambda sums, r: reads.append(sums.dtype) or real(sums, r))
-    tasks = core_eval.load_tasks(str(bundle), max_per_task=8)
-    a = core_eval.evaluate_core(model, tasks, GPT2, BLOCK, mps, 8 * BLOCK, per_example=True)
-    b = core_eval.evaluate_core(model, tasks, GPT2, BLOCK, rt, 8 * BLOCK, per_example=True)
+    core_tasks = core.load_tasks(str(bundle), max_per_task=8)
+    a = core.evaluate_core(model, core_tasks, GPT2, BLOCK, mps, 8 * BLOCK, per_example=True)
+    b = core.evaluate_core(model, core_tasks, GPT2, BLOCK, rt, 8 * BLOCK, per_example=True)
     assert {k: r["correct"] for k, r in a["tasks"].items()} == {k: r["correct"] for k, r in b["tasks"].items()}
-    examples = [evaluation.Example("the man picks up", ["a ball.", "his dog who runs.", "the green field."], 1)] * 5
-    encoded = evaluation.encode_examples(examples, GPT2)
-    assert evaluation.score_choices(model, encoded, BLOCK, mps, 2) == evaluation.score_choices(
-        model, encoded, BLOCK, rt, 2
-    )
+    examples = [tasks.Example("the man picks up", ["a ball.", "his dog who runs.", "the green field."], 1)] * 5
+    encoded = tasks.encode_examples(examples, GPT2)
+    assert tasks.score_choices(model, encoded, BLOCK, mps, 2) == tasks.score_choices(model, encoded, BLOCK, rt, 2)
     assert set(reads) == {torch.float32, torch.float64}
 
 
@@ -527,11 +527,11 @@ def test_core_reads_the_device_once_per_task_whatever_the_number_of_batches(setu
     from test_eval import count_host_reads
 
     root, model, bundle, rt = setup
-    tasks = core_eval.load_tasks(str(bundle))
+    tasks = core.load_tasks(str(bundle))
     calls = count_host_reads(monkeypatch)
     reads = {}
     for batch_tokens in (0, 10_000 * BLOCK):  # one example per forward (108 forwards), or one forward per task
         del calls[:]
-        core_eval.evaluate_core(model, tasks, GPT2, BLOCK, rt, batch_tokens)
+        core.evaluate_core(model, tasks, GPT2, BLOCK, rt, batch_tokens)
         reads[batch_tokens] = sorted(calls)
     assert reads[0] == reads[10_000 * BLOCK] and len(reads[0]) == 2 * len(tasks), reads  # .cpu() and .item() per task

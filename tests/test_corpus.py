@@ -19,8 +19,8 @@ import sample
 import train
 from configurator import UserError
 from data import corpus
-from gpt import tokenizer, tokens
-from gpt.batches import load_split
+from gpt.data import token_files, tokenizer
+from gpt.data.batches import load_split
 
 EOT = 50256
 
@@ -77,7 +77,7 @@ def reference_splits(docs, val, test, train_tokens=None):
 
 
 def read_split(out_dir, split):
-    return np.asarray(tokens.Tokens.open(str(out_dir), split))
+    return np.asarray(token_files.Tokens.open(str(out_dir), split))
 
 
 def file_hashes(out_dir):
@@ -106,11 +106,11 @@ def test_splits_equal_a_plain_tokenization(corpus_files, tmp_path):
     n_train = len(expected["train"])
     shards = sorted(p.name for p in tmp_path.glob("train_*.bin"))
     assert shards == [f"train_{i:06d}.bin" for i in range(-(-n_train // 20_000))]
-    assert [tokens.read_header(str(tmp_path / s))[1] for s in shards] == [20_000] * (len(shards) - 1) + [
+    assert [token_files.read_header(str(tmp_path / s))[1] for s in shards] == [20_000] * (len(shards) - 1) + [
         n_train % 20_000
     ]
     assert sorted(p.name for p in tmp_path.glob("va*")) == ["val_000000.bin"]
-    assert tokens.read_header(str(tmp_path / shards[0]))[0] == np.uint16
+    assert token_files.read_header(str(tmp_path / shards[0]))[0] == np.uint16
     # the data directory says what it is, and train.py reads it
     assert tokenizer.describe(str(tmp_path)) == {"kind": "tiktoken", "name": "gpt2", "vocab_size": 50257}
     assert len(load_split(str(tmp_path), "train", "memmap")) == n_train
@@ -123,7 +123,7 @@ def test_token_budget_and_a_second_run(corpus_files, tmp_path, capsys):
     expected, _ = reference_splits(docs, 3000, 2000, 45_000)
     for split in ("val", "test", "train"):
         np.testing.assert_array_equal(read_split(tmp_path, split), expected[split])
-    assert sum(tokens.read_header(str(p))[1] for p in tmp_path.glob("*.bin")) == 50_000
+    assert sum(token_files.read_header(str(p))[1] for p in tmp_path.glob("*.bin")) == 50_000
     before = file_hashes(tmp_path)
     prepare(tmp_path, files, shuffle_buffer=0, tokens=50_000)  # done: nothing to do
     assert "already prepared" in capsys.readouterr().out
@@ -162,7 +162,7 @@ def test_restart_after_an_interruption_writes_the_same_bytes(corpus_files, tmp_p
     whole = file_hashes(tmp_path / "whole")
     assert len([f for f in whole if f.startswith("train_")]) > 10
     out = tmp_path / "cut"
-    real_write = tokens.write
+    real_write = token_files.write
 
     # 1. killed while writing the 6th shard: half of it is on disk under its temporary name
     def write_then_crash(path, ids):
@@ -172,17 +172,17 @@ def test_restart_after_an_interruption_writes_the_same_bytes(corpus_files, tmp_p
             raise Crash
         real_write(path, ids)
 
-    monkeypatch.setattr(tokens, "write", write_then_crash)
+    monkeypatch.setattr(token_files, "write", write_then_crash)
     with pytest.raises(Crash):
         prepare(out, files, **flags)
     progress = json.loads((out / "prepare.json").read_text())
     assert sum(len(v) for v in progress["shards"].values()) == 5 and not progress["done"]
     assert (out / "train_000003.bin.tmp").exists()  # val, test, train 0-2 complete; train 3 half-written
     assert not (out / "train_000003.bin").exists()
-    assert len(tokens.Tokens.open(str(out), "train")) == 3 * 7_000  # the loader sees only complete shards
+    assert len(token_files.Tokens.open(str(out), "train")) == 3 * 7_000  # the loader sees only complete shards
 
     # 2. killed after the 9th shard was renamed into place but before prepare.json recorded it
-    monkeypatch.setattr(tokens, "write", real_write)
+    monkeypatch.setattr(token_files, "write", real_write)
     real_save = corpus.Progress.save
 
     def save_or_crash(self, *args, **kwargs):
@@ -251,7 +251,7 @@ def test_128k_vocabulary_gives_uint32_files_that_train(tmp_path, capsys):
             "--workers=2",
         ]
     )
-    assert tokens.read_header(str(data_dir / "train_000000.bin"))[0] == np.uint32
+    assert token_files.read_header(str(data_dir / "train_000000.bin"))[0] == np.uint32
     stream = np.concatenate([np.append(d, 128255) for d in ids])  # the word numbers are the ids
     ends = np.cumsum([len(d) + 1 for d in ids])
     train_start = ends[np.searchsorted(ends, 499, side="right")]  # after the document val's last token is in

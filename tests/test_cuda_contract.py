@@ -14,7 +14,8 @@ import torch
 from processes import REPO
 
 from configurator import UserError
-from gpt import gpu_flops, runtime, stopping
+from gpt.device import gpu_flops, runtime
+from gpt.train import stopping
 
 TORCHRUN_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -134,8 +135,8 @@ def fake_cuda_shim(tmp_path_factory):
     if compiler is None:
         pytest.skip("no C++ compiler to build the fake CUDA device with")
     root = Path(torch.__file__).parent
-    build = tmp_path_factory.mktemp("fake_cuda")
-    (build / "shim.cpp").write_text(FAKE_CUDA_SHIM)
+    shim_dir = tmp_path_factory.mktemp("fake_cuda")
+    (shim_dir / "shim.cpp").write_text(FAKE_CUDA_SHIM)
     subprocess.run(
         [
             compiler,
@@ -145,18 +146,18 @@ def fake_cuda_shim(tmp_path_factory):
             "-shared",
             "-fPIC",
             f"-I{root / 'include'}",
-            str(build / "shim.cpp"),
+            str(shim_dir / "shim.cpp"),
             f"-L{root / 'lib'}",
             f"-Wl,-rpath,{root / 'lib'}",
             "-lc10",
             "-ltorch_cpu",
             "-o",
-            str(build / "shim.so"),
+            str(shim_dir / "shim.so"),
         ],
         check=True,
         capture_output=True,
     )
-    return build / "shim.so"
+    return shim_dir / "shim.so"
 
 
 @pytest.mark.process
@@ -193,10 +194,11 @@ def trace_on_fake_cuda():
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
     from configurator import TrainConfig
-    from gpt import cpu_matmuls, inference
-    from gpt.batches import ChatBatches, ChatData, TrainBatches, chat_eval_offsets, eval_offsets, get_batch
-    from gpt.step import evaluate, train_step
-    from gpt.training_setup import build, make_model_args
+    from gpt.data.batches import ChatBatches, ChatData, TrainBatches, chat_eval_offsets, eval_offsets, get_batch
+    from gpt.device import cpu_matmuls
+    from gpt.inference import sampling
+    from gpt.train.build import build, make_model_args
+    from gpt.train.step import evaluate, train_step
     from model import GPT, GPTConfig
 
     mode = FakeTensorMode()  # no real tensor may enter an operation uncaught
@@ -274,7 +276,7 @@ def trace_on_fake_cuda():
         # as chat.py on a GPU machine with an AMD host: the eager matmuls stay nn.Linear's on the GPU
         swapped = cpu_matmuls.onednn_matmuls(raw, vendor="AuthenticAMD")
         with rt.autocast():
-            out = inference.generate(
+            out = sampling.generate(
                 raw,
                 torch.zeros(2, 4, dtype=torch.long, device=rt.device),
                 20,
@@ -334,8 +336,8 @@ def test_auto_batch_size_budgets_the_gpus_memory(monkeypatch):
     from types import SimpleNamespace
 
     from configurator import TrainConfig
-    from gpt.auto_batch import auto_batch_size
-    from gpt.training_setup import make_model_args
+    from gpt.train.auto_batch import auto_batch_size
+    from gpt.train.build import make_model_args
     from model import GPT, GPTConfig
 
     asked = []
@@ -384,16 +386,16 @@ def test_the_stop_flag_of_gpu_ranks_travels_over_gloo(monkeypatch):
 
 def test_ddp_on_gpus_holds_the_gpu_of_the_local_rank(monkeypatch):
     from configurator import TrainConfig
-    from gpt import training_setup
+    from gpt.train import build
     from model import GPT, GPTConfig
 
     wrapped = []
     monkeypatch.setattr(
-        training_setup, "DDP", lambda model, device_ids, **options: wrapped.append((device_ids, options)) or model
+        build, "DDP", lambda model, device_ids, **options: wrapped.append((device_ids, options)) or model
     )
     cfg = TrainConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, dropout=0.0, compile=False, parallelism="ddp")
     rt = runtime.Runtime("cpu", "cuda", torch.float32, rank=1, local_rank=1, world_size=2)  # weights stay on the CPU
-    training_setup.build(GPT(GPTConfig(**training_setup.make_model_args(cfg, 65))), cfg, rt)
+    build.build(GPT(GPTConfig(**build.make_model_args(cfg, 65))), cfg, rt)
     assert wrapped == [([1], {"gradient_as_bucket_view": True})]
 
 

@@ -9,8 +9,9 @@ import torch
 from conftest import make_text
 from processes import load_script, run_script
 
-from gpt import runtime, tokenizer
-from gpt.batches import TrainBatches, eval_offsets, get_batch, load_split
+from gpt.data import tokenizer
+from gpt.data.batches import TrainBatches, eval_offsets, get_batch, load_split
+from gpt.device import runtime
 
 CPU = runtime.Runtime("cpu", "cpu", torch.float32)
 

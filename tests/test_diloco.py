@@ -1,4 +1,4 @@
-"""DiLoCo and LocalSGD on the replica groups (gpt/torchft_groups.py, sync_every): two groups of one
+"""DiLoCo and LocalSGD on the replica groups (gpt/train/torchft_groups.py, sync_every): two groups of one
 process each step alone and sync every H steps through torchft's DiLoCo or LocalSGD. Checked
 against the groups' own weights: equal after every sync, apart between; with outer_lr=1 and no
 momentum DiLoCo is the average of the weights the groups reached alone; the bytes sent are the
@@ -12,7 +12,7 @@ from conftest import char_dataset, needs, read_metrics, tiny_args
 from processes import run_script
 from test_replicas import Lighthouse, finish, group, steps
 
-from gpt import checkpoint
+from gpt.outdir import checkpoint
 from model import GPT, GPTConfig
 
 needs("torchft")
@@ -150,7 +150,7 @@ def test_sync_mistakes_are_one_line(data, tmp_path):
 def test_a_skipped_step_still_counts_toward_the_sync():
     """The loop skips optimizer.step() on a non-finite gradient norm: DiLoCo's hooks must count the
     step all the same (without an update), or that group would sync a step after the others."""
-    from gpt.torchft_groups import _Local
+    from gpt.train.torchft_groups import _Local
 
     p = torch.nn.Parameter(torch.ones(3))
     local, counted = _Local(torch.optim.SGD([p], lr=0.5)), []

@@ -34,9 +34,10 @@ from processes import TORCHRUN_ARGS, succeeded, torchrun
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from configurator import TrainConfig
-from gpt import auto_batch, runtime, step
-from gpt.batches import TrainBatches, eval_offsets
-from gpt.training_setup import build
+from gpt.data.batches import TrainBatches, eval_offsets
+from gpt.device import runtime
+from gpt.train import auto_batch, step
+from gpt.train.build import build
 from model import GPT, GPTConfig
 
 pytestmark = pytest.mark.skipif(

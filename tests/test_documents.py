@@ -14,9 +14,11 @@ from torch.nn.attention.flex_attention import BlockMask
 
 import model as model_module
 from configurator import UserError
-from gpt import checkpoint, runtime, tokens
-from gpt.batches import DocumentBatches, TrainBatches, row_starts
-from gpt.step import train_step
+from gpt.data import token_files
+from gpt.data.batches import DocumentBatches, TrainBatches, row_starts
+from gpt.device import runtime
+from gpt.outdir import checkpoint
+from gpt.train.step import train_step
 from model import GPT, GPTConfig, document_mask
 
 CPU = runtime.Runtime("cpu", "cpu", torch.float32)
@@ -228,7 +230,7 @@ def document_data(tmp_path):
     for split, n_docs in (("train", 40), ("val", 20)):
         lengths = np.random.default_rng(len(split)).integers(3, 30, size=n_docs)
         ids = [t for n in lengths for t in [*np.random.default_rng(n).integers(0, 300, n), eot]]
-        tokens.write(str(data_dir / f"{split}.bin"), np.array(ids, dtype=np.uint16))
+        token_files.write(str(data_dir / f"{split}.bin"), np.array(ids, dtype=np.uint16))
     (data_dir / "meta.json").write_text(json.dumps(GPT2))
     return data_dir
 

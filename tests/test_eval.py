@@ -16,7 +16,9 @@ import torch.nn.functional as F
 from conftest import GPT2, bpe_eval_data, read_metrics, tiny_args, train_tiny_run, write_hellaswag
 from processes import REPO, run_script
 
-from gpt import evaluation, runtime, scoring, tokenizer, tokens
+from gpt.data import token_files, tokenizer
+from gpt.device import runtime
+from gpt.evaluation import scoring, tasks
 from model import GPT, GPTConfig
 
 
@@ -34,14 +36,14 @@ def cpu():
 
 
 def test_choice_losses_equal_transformers_gpt2(tmp_path, cpu):
-    from gpt import huggingface
+    from gpt.weights import huggingface
 
     hf_model = tiny_hf_gpt2(n_positions=64)
     model = huggingface.gpt_from_hf(hf_model)[0].eval()
-    examples = evaluation.load_hellaswag(str(write_hellaswag(tmp_path / "hs.jsonl", 12)))
-    encoded = evaluation.encode_examples(examples, GPT2)
+    examples = tasks.load_hellaswag(str(write_hellaswag(tmp_path / "hs.jsonl", 12)))
+    encoded = tasks.encode_examples(examples, GPT2)
     assert any(len(c) + max(map(len, ch)) > 65 for c, ch, *_ in encoded)  # some contexts are cut to their end
-    rows = [evaluation._cropped(context, choice, 65) for context, choices, *_ in encoded for choice in choices]
+    rows = [tasks._cropped(context, choice, 65) for context, choices, *_ in encoded for choice in choices]
     totals, _ = scoring.row_losses(model, rows, cpu)
     i = 0
     for context, choices, *_ in encoded:
@@ -79,7 +81,7 @@ def test_acc_and_both_acc_norms_on_a_hand_built_case(cpu):
         ([0, 0], [long, short], 0, [5, 10]),  # answer the long one: right by mean only
         ([0], [short, long, [1, 1]], 0, [10, 5, 5]),
     ]  # short beats [1, 1] (4.61, mean 2.30) and long by total
-    result = evaluation.score_choices(model, encoded, block_size=8, rt=cpu, batch_size=2)
+    result = tasks.score_choices(model, encoded, block_size=8, rt=cpu, batch_size=2)
     assert result == {"acc": 2 / 3, "acc_norm_tokens": 1 / 3, "acc_norm_chars": 2 / 3, "n": 3}
 
 
@@ -111,9 +113,9 @@ def bpe_model_and_data(tmp_path):
 def test_bits_per_byte_equals_a_hand_count(make, tmp_path, cpu):
     model, spec, ids, text_bytes = make(tmp_path)
     path = str(tmp_path / "val.bin")
-    tokens.write(path, ids)
-    data = tokens.Tokens.open(str(tmp_path), "val")
-    result = evaluation.split_loss(model, data, 16, cpu, tokenizer.token_bytes(spec), batch_size=3)
+    token_files.write(path, ids)
+    data = token_files.Tokens.open(str(tmp_path), "val")
+    result = tasks.split_loss(model, data, 16, cpu, tokenizer.token_bytes(spec), batch_size=3)
     n = (len(ids) - 1) // 16
     x = torch.from_numpy(ids[: n * 16].astype(np.int64)).view(n, 16)
     y = torch.from_numpy(ids[1 : n * 16 + 1].astype(np.int64)).view(n, 16)
@@ -155,10 +157,10 @@ def test_training_logs_bpb_test_loss_and_hellaswag_in_rhythm_across_resume(bpe_s
     assert [r["iter"] for r in evals_] == [0, 5, 6, 10]
     assert [r["iter"] for r in evals_ if "test_loss" in r] == [6, 10]  # once at the end of each run
     # val bpb by hand: the fixed eval windows' targets decoded to text (train.py's own offsets)
-    from gpt.batches import eval_offsets
+    from gpt.data.batches import eval_offsets
 
     enc = tokenizer.encoding("gpt2")
-    val = tokens.Tokens.open(str(data_dir), "val")
+    val = token_files.Tokens.open(str(data_dir), "val")
     offsets = eval_offsets(val, 2, 4, 32, 1337 + 2)
     n_bytes = sum(
         len(enc.decode_bytes([t for t in val[o + 1 : o + 33].tolist() if t != enc.eot_token]))
@@ -227,20 +229,18 @@ def test_eval_loops_read_the_device_once_whatever_the_number_of_batches(monkeypa
     # them once at the end. With 1 batch or 8, the same reads: none of them is per batch.
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, vocab_size=50257)).eval()
-    tokens.write(str(tmp_path / "val.bin"), np.random.default_rng(0).integers(0, 50257, 3000).astype(np.uint16))
-    data = tokens.Tokens.open(str(tmp_path), "val")
+    token_files.write(str(tmp_path / "val.bin"), np.random.default_rng(0).integers(0, 50257, 3000).astype(np.uint16))
+    data = token_files.Tokens.open(str(tmp_path), "val")
     token_bytes = tokenizer.token_bytes(GPT2)
-    encoded = evaluation.encode_examples(
-        evaluation.load_hellaswag(str(write_hellaswag(tmp_path / "hs.jsonl", 16))), GPT2
-    )
+    encoded = tasks.encode_examples(tasks.load_hellaswag(str(write_hellaswag(tmp_path / "hs.jsonl", 16))), GPT2)
     calls = count_host_reads(monkeypatch)
     reads = {}
     for batches in (1, 8):
         del calls[:]
-        evaluation.split_loss(model, data, 16, cpu, token_bytes, batch_size=8 // batches, max_tokens=8 * 16)
+        tasks.split_loss(model, data, 16, cpu, token_bytes, batch_size=8 // batches, max_tokens=8 * 16)
         reads["split_loss", batches] = sorted(calls)
         del calls[:]
-        evaluation.score_choices(model, encoded, 16, cpu, batch_size=16 // batches)
+        tasks.score_choices(model, encoded, 16, cpu, batch_size=16 // batches)
         reads["score_choices", batches] = sorted(calls)
     assert reads["split_loss", 1] == reads["split_loss", 8], reads
     assert reads["score_choices", 1] == reads["score_choices", 8], reads

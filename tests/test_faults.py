@@ -11,7 +11,7 @@ from conftest import read_metrics, tiny_args, untimed
 from processes import REPO, logged_steps, run_script, start_python, wait_for
 from train_rank import nan_steps
 
-from gpt import checkpoint
+from gpt.outdir import checkpoint
 
 EXIT_STOPPED = 75
 
@@ -187,7 +187,7 @@ def test_a_rank_whose_peer_never_comes_gives_up_after_dist_timeout_s(char_data, 
 def test_restarts_with_torchruns_shared_store_get_a_note(monkeypatch, capsys, shared):
     """torchrun --max-restarts keeps one store for every attempt unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
     (then it tells the ranks TORCHELASTIC_USE_AGENT_STORE=False): rank 0 says how to launch instead."""
-    from gpt import runtime
+    from gpt.device import runtime
 
     env = {
         "RANK": "0",

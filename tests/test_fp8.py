@@ -1,4 +1,4 @@
-"""FP8 training (fp8=True, gpt/fp8.py) checked on a CPU through torchao's emulation (fp8='emulate':
+"""FP8 training (fp8=True, gpt/train/fp8.py) checked on a CPU through torchao's emulation (fp8='emulate':
 float8's casts, high-precision matmuls): which layers convert and what they compute, a run that
 resumes exactly, a checkpoint of plain weights that samples where torchao cannot be imported, the
 Hugging Face and GGUF exports, DDP and FSDP2 under torchrun; and the one-line refusals where
@@ -17,7 +17,8 @@ from conftest import bpe_eval_data, char_dataset, losses, needs, tiny_args, unti
 from processes import REPO, run_script
 
 from configurator import TrainConfig, UserError, parse
-from gpt import checkpoint, fp8
+from gpt.outdir import checkpoint
+from gpt.train import fp8
 from model import GPT, GPTConfig
 
 needs("torchao")

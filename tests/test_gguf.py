@@ -21,8 +21,9 @@ from processes import load_script, run_script
 from test_chat_template import CONVERSATIONS, LLAMA3_SPECIALS, make_trained_tokenizer
 
 from data import corpus
-from gpt import gguf_export, tokenizer
-from gpt.chat_template import Template
+from gpt.data import tokenizer
+from gpt.data.chat_template import Template
+from gpt.weights import gguf_export
 from model import GPT, GPTConfig
 
 needs("gguf")
@@ -263,7 +264,7 @@ EXACT_GELU = torch.nn.functional.gelu
 
 
 def ours(out_dir):
-    from gpt import checkpoint
+    from gpt.outdir import checkpoint
 
     model, spec = checkpoint.load_model(str(out_dir), report=lambda _: None)
     return model.eval(), spec

@@ -12,10 +12,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from train_rank import nan_loss
 
 from configurator import TrainConfig
-from gpt import fp8, muon, optim, runtime
-from gpt.batches import TrainBatches, get_batch
-from gpt.step import train_step
-from gpt.training_setup import attention_error
+from gpt.data.batches import TrainBatches, get_batch
+from gpt.device import runtime
+from gpt.train import fp8, muon, optim
+from gpt.train.build import attention_error
+from gpt.train.step import train_step
 from model import GPT, GPTConfig, RMSNorm
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -14,7 +14,9 @@ import transformers
 import hf
 import sample
 from configurator import TrainConfig, UserError, parse
-from gpt import checkpoint, huggingface, load, tokenizer
+from gpt.data import tokenizer
+from gpt.outdir import checkpoint
+from gpt.weights import huggingface, load
 from model import GPT, GPTConfig
 
 # GPT-2's vocab: 50257 rows padded to 50304
@@ -181,7 +183,7 @@ def test_chat_data_takes_gpt2s_padding_rows_for_its_turn_tokens(tmp_path):
     reference.save_pretrained(tmp_path / "gpt2")
     cfg = parse(TrainConfig, [f"--init_from={tmp_path / 'gpt2'}", "--block_size=64", "--dropout=0.0"])
     notes = []
-    turn_ids = [50257, 50258, 50259, 50260]  # what gpt/chat_template.py gives GPT-2
+    turn_ids = [50257, 50258, 50259, 50260]  # what gpt/data/chat_template.py gives GPT-2
     chat_spec = {
         **huggingface.GPT2_TOKENIZER,
         "vocab_size": 50261,

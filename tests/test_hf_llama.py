@@ -22,9 +22,11 @@ import sample
 import train
 from configurator import TrainConfig, UserError, parse
 from data import corpus
-from gpt import checkpoint, huggingface, load, tokenizer
-from gpt.checkpoint import check_resumable
-from gpt.training_setup import make_model_args
+from gpt.data import tokenizer
+from gpt.outdir import checkpoint
+from gpt.outdir.checkpoint import check_resumable
+from gpt.train.build import make_model_args
+from gpt.weights import huggingface, load
 from model import GPT, GPTConfig, apply_rope, rope_tables
 
 TOL = 1e-4  # float32

@@ -1,6 +1,6 @@
 """hf.py's export of what neither a Hugging Face GPT-2 nor a Llama computes (the speedrun recipe's
 architecture, as config/train_shakespeare_char_cpu.py trains it, and other mixes of model.py's
-options): GPTTrainerForCausalLM, gpt/modeling_gpt_trainer.py copied beside the weights, read by
+options): GPTTrainerForCausalLM, gpt/weights/modeling_gpt_trainer.py copied beside the weights, read by
 transformers itself with trust_remote_code=True. Its logits equal ours, greedy generate() gives
 sample.py --temperature=0's tokens, a chat model carries its template, and GGUF refuses in one line."""
 
@@ -20,8 +20,10 @@ import hf
 import sample
 import train
 from configurator import TrainConfig, UserError, parse
-from gpt import checkpoint, huggingface, load, tokenizer
-from gpt.chat_template import Template
+from gpt.data import tokenizer
+from gpt.data.chat_template import Template
+from gpt.outdir import checkpoint
+from gpt.weights import huggingface, load
 from model import GPT, GPTConfig
 
 # config/train_shakespeare_char_cpu.py's architecture keys
@@ -66,7 +68,9 @@ def test_the_export_is_our_model_class_with_our_logits(recipe_run):
     config = json.loads((export_dir / "config.json").read_text())
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_gpt_trainer.GPTTrainerForCausalLM"
     # the file transformers runs is the library's own, copied as it is
-    assert (export_dir / "modeling_gpt_trainer.py").read_text() == (REPO / "gpt/modeling_gpt_trainer.py").read_text()
+    assert (export_dir / "modeling_gpt_trainer.py").read_text() == (
+        REPO / "gpt/weights/modeling_gpt_trainer.py"
+    ).read_text()
     model, _ = checkpoint.load_model(str(recipe_run), "best")
     assert type(transformers_model(export_dir)).__name__ == "GPTTrainerForCausalLM"
     idx = torch.randint(0, model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))

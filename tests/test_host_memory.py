@@ -9,8 +9,9 @@ import pytest
 
 import train
 from configurator import TrainConfig, UserError
-from gpt import host_memory, tokens
-from gpt.batches import load_split
+from gpt.data import token_files
+from gpt.data.batches import load_split
+from gpt.device import host_memory
 
 GiB, MiB = 1 << 30, 1 << 20
 V1_NO_LIMIT = 9223372036854771712  # what v1's memory.limit_in_bytes reads when nothing is set
@@ -110,7 +111,7 @@ def test_the_host_bounds_free_memory_when_no_cgroup_limits_it(host):
 def split_1mib(tmp_path):
     data_dir = tmp_path / "data"
     data_dir.mkdir()
-    tokens.write(str(data_dir / "train.bin"), IDS)
+    token_files.write(str(data_dir / "train.bin"), IDS)
     (data_dir / "val.bin").write_bytes((data_dir / "train.bin").read_bytes())
     return data_dir
 

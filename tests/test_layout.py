@@ -1,6 +1,7 @@
-"""The house: commands at the root, the library in gpt/, arrows one way (commands -> library ->
-model.py and configurator.py), no circles, no command imported by anything, files and functions of
-a readable size, and a README file tree that names what is there.
+"""The house: commands at the root, the library in gpt/'s folders, arrows one way (commands ->
+library -> model.py and configurator.py), and inside gpt/ each folder importing only the folders
+below it (FLOORS); no circles, no command imported by anything, files and functions of a readable
+size, and a README file tree that names what is there.
 
 Every import is read with ast, those inside functions too, from every Python file outside tests/."""
 
@@ -13,6 +14,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 CORE = {"model", "configurator"}  # the root's two modules that are not commands
 MAX_FILE_LINES, MAX_FUNCTION_LINES, MAX_ROOT_FILES = 650, 80, 10
+# gpt/'s folders, each on a floor: a module may import its own folder's and those of lower floors
+FLOORS = {"device": 0, "data": 1, "outdir": 2, "train": 3, "weights": 3, "inference": 4, "evaluation": 4}
 
 
 def sources(repo=REPO):
@@ -97,6 +100,12 @@ def circles(edges):
     return [f"{cycle_through(c, edges)} (the circle's modules: {', '.join(sorted(c))})" for c in found]
 
 
+def folder(module):
+    """gpt/'s folder a module lives in ('train' for gpt.train.muon), or None outside gpt/."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "gpt" and len(parts) > 1 else None
+
+
 def cycle_through(component, edges):
     """'a -> b -> ... -> a' for one shortest circle from the component's first module."""
     start = min(component)
@@ -130,6 +139,19 @@ def problems(repo=REPO):
         for t in sorted(edges[m])
         if t.startswith(("scripts.", "dev."))
     ]
+    found += [
+        f"{m} imports {t}: gpt/{folder(m)}/ may import only its own folder and those below it "
+        f"({', '.join(f for f, n in FLOORS.items() if n < FLOORS.get(folder(m), -1)) or 'none'})"
+        for m in sorted(edges)
+        if folder(m)
+        for t in sorted(edges[m])
+        if folder(t) and folder(t) != folder(m) and FLOORS.get(folder(t), 9) >= FLOORS.get(folder(m), -1)
+    ]
+    found += [
+        f"{m} is outside gpt/'s folders ({', '.join(FLOORS)})"
+        for m in sorted(modules)
+        if m.startswith("gpt.") and m.split(".")[1] not in FLOORS
+    ]
     # data/ prepares datasets and imports the library; the library reads nothing from data/
     found += [
         f"{m} (the library or the root) imports the dataset preparation {t}"
@@ -148,27 +170,41 @@ def test_arrows_run_one_way():
     assert not found, "\n".join(found)
 
 
-def test_the_check_finds_a_circle_and_a_command_import(tmp_path):
+def test_the_check_finds_a_circle_a_command_import_and_an_import_up_the_floors(tmp_path):
     """The check itself, on a small tree: a circle made by an import inside a function, a
-    command that imports another, and the library importing from data/."""
-    (tmp_path / "gpt").mkdir()
-    (tmp_path / "gpt" / "__init__.py").write_text("")
-    (tmp_path / "model.py").write_text("def generate():\n    from gpt import inference\n")
-    (tmp_path / "gpt" / "inference.py").write_text("from gpt import checkpoint\n")
-    (tmp_path / "gpt" / "checkpoint.py").write_text("from model import GPT\n")
-    (tmp_path / "train.py").write_text("import eval as evals\nfrom gpt import checkpoint\n")
+    command that imports another, the library importing from data/, a folder importing one above
+    it (inside a function: it counts), and a module outside the folders."""
+    for name in ("gpt", "gpt/device", "gpt/outdir", "gpt/inference", "data"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text("")
+    (tmp_path / "model.py").write_text("def generate():\n    from gpt.inference import sampling\n")
+    (tmp_path / "gpt" / "inference" / "sampling.py").write_text("from gpt.outdir import checkpoint\n")
+    (tmp_path / "gpt" / "outdir" / "checkpoint.py").write_text("from model import GPT\n")
+    (tmp_path / "gpt" / "device" / "runtime.py").write_text("def f():\n    from gpt.outdir import checkpoint\n")
+    (tmp_path / "gpt" / "helpers.py").write_text("")
+    (tmp_path / "train.py").write_text("import eval as evals\nfrom gpt.outdir import checkpoint\n")
     (tmp_path / "eval.py").write_text("import model\n\nif __name__ == '__main__':\n    pass\n")
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "__init__.py").write_text("")
-    (tmp_path / "data" / "tokens.py").write_text("from gpt import checkpoint\n")  # data -> gpt: the right way
-    (tmp_path / "gpt" / "batches.py").write_text("from data import tokens\n")  # gpt -> data: refused
+    (tmp_path / "data" / "tokens.py").write_text("from gpt.outdir import checkpoint\n")  # data -> gpt: the right way
+    (tmp_path / "gpt" / "outdir" / "batches.py").write_text("from data import tokens\n")  # gpt -> data: refused
     assert problems(tmp_path) == [
-        "import circle: gpt.checkpoint -> model -> gpt.inference -> gpt.checkpoint "
-        "(the circle's modules: gpt.checkpoint, gpt.inference, model)",
+        "import circle: gpt.inference.sampling -> gpt.outdir.checkpoint -> model -> gpt.inference.sampling "
+        "(the circle's modules: gpt.inference.sampling, gpt.outdir.checkpoint, model)",
         "train imports the command eval",
-        "model (the network or the config) imports gpt.inference",
-        "gpt.batches (the library or the root) imports the dataset preparation data.tokens",
+        "model (the network or the config) imports gpt.inference.sampling",
+        "gpt.device.runtime imports gpt.outdir.checkpoint: gpt/device/ may import only its own folder and those "
+        "below it (none)",
+        "gpt.helpers is outside gpt/'s folders (device, data, outdir, train, weights, inference, evaluation)",
+        "gpt.outdir.batches (the library or the root) imports the dataset preparation data.tokens",
     ]
+
+
+def test_the_floors_name_gpts_folders_and_nothing_else():
+    """FLOORS and `ls gpt/` agree: the seven folders, each with its one-line __init__.py."""
+    folders = sorted(p.name for p in (REPO / "gpt").iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert folders == sorted(FLOORS)
+    for name in folders:
+        text = (REPO / "gpt" / name / "__init__.py").read_text()
+        assert len(ast.parse(text).body) == 1 and len(text.strip().splitlines()) == 1, name  # a docstring, no exports
 
 
 def test_the_root_holds_the_commands_and_the_library_is_one_package():
@@ -186,13 +222,14 @@ def test_the_readme_file_tree_names_every_module_and_no_other():
     assert tree, "README.md has no '## Files' section with a code block"
     named = set(re.findall(r"(?<![\w/<>.-])(\w[\w/]*\.py)\b", tree.group(1)))  # not data/<name>/prepare.py
     root = {p.name for p in REPO.glob("*.py")}
-    package = {p.name for p in (REPO / "gpt").glob("*.py") if p.name != "__init__.py"}
+    package = {p.name for p in (REPO / "gpt").rglob("*.py") if p.name != "__init__.py"}
     missing = sorted((root | package) - {Path(n).name for n in named})
     assert not missing, f"README.md's file tree lacks {missing}"
     absent = sorted(
         n
         for n in named
-        if not any((REPO / d / n).exists() for d in ("", "gpt", "scripts", "dev", "data", "tests", "config"))
+        if not any((REPO / d / n).exists() for d in ("", "scripts", "dev", "data", "tests", "config"))
+        and not any((REPO / "gpt").rglob(n))
     )
     assert not absent, f"README.md's file tree names files that do not exist: {absent}"
 

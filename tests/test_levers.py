@@ -18,11 +18,16 @@ from torch._dynamo.utils import counters
 from torch.overrides import TorchFunctionMode
 
 from configurator import TrainConfig, UserError, parse
-from gpt import checkpoint, inference, load, optim, runtime, tokenizer
-from gpt.batches import TrainBatches
-from gpt.engine import Engine, Request
-from gpt.step import train_step
-from gpt.training_setup import build, make_model_args
+from gpt.data import tokenizer
+from gpt.data.batches import TrainBatches
+from gpt.device import runtime
+from gpt.inference import sampling
+from gpt.inference.engine import Engine, Request
+from gpt.outdir import checkpoint
+from gpt.train import optim
+from gpt.train.build import build, make_model_args
+from gpt.train.step import train_step
+from gpt.weights import load
 from model import GPT, MLP, CausalSelfAttention, GPTConfig, RMSNorm
 
 TINY = dict(n_layer=4, n_head=4, n_embd=32, block_size=16, vocab_size=65, dropout=0.0)
@@ -349,7 +354,7 @@ def test_llama_and_speedrun_options_train_on_gpt2s_shape(options):
 def test_cached_greedy_generation_is_the_argmax_of_the_uncached_forward(options):
     model = randomized(GPT(GPTConfig(**{**TINY, **options})), std=0.2).eval()
     idx = tokens(2, 3)
-    got = inference.generate(model, idx, 10, temperature=0)  # a KV cache, prefill then one token a step
+    got = sampling.generate(model, idx, 10, temperature=0)  # a KV cache, prefill then one token a step
     expected = idx
     with torch.no_grad():
         for _ in range(10):
@@ -383,9 +388,9 @@ def test_cached_decoding_with_every_lever_is_one_graph():
     torch._dynamo.reset()
     model = randomized(GPT(GPTConfig(**TINY, **LEVERS)), std=0.2).eval()
     prompt = tokens(1, 4)
-    expected = inference.generate(model, prompt, 3, temperature=0)
+    expected = sampling.generate(model, prompt, 3, temperature=0)
     model.compile(fullgraph=True, backend=ATEN_BACKEND)  # as sample.py compiles it; a graph break is an error
-    assert torch.equal(inference.generate(model, prompt, 3, temperature=0), expected)
+    assert torch.equal(sampling.generate(model, prompt, 3, temperature=0), expected)
     torch._dynamo.reset()
 
 
@@ -490,7 +495,7 @@ def test_gguf_refuses_each_lever_it_cannot_compute_in_one_line(tmp_path, options
 
 def test_the_gguf_writer_itself_refuses_the_levers(tmp_path):
     needs("gguf")
-    from gpt import gguf_export
+    from gpt.weights import gguf_export
 
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=50257, value_embeds=True))
     with pytest.raises(UserError, match="neither GGUF's gpt2 nor its llama computes its value_embeds=True") as e:

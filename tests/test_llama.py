@@ -13,9 +13,9 @@ from conftest import read_metrics
 from processes import REPO, run_script
 
 from configurator import TrainConfig, UserError, parse
-from gpt.checkpoint import check_resumable
-from gpt.inference import KVCache, generate
-from gpt.training_setup import make_model_args
+from gpt.inference.sampling import KVCache, generate
+from gpt.outdir.checkpoint import check_resumable
+from gpt.train.build import make_model_args
 from model import GPT, MLP, CausalSelfAttention, GPTConfig, apply_rope, make_norm, rope_tables
 
 LLAMA = dict(

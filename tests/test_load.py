@@ -1,4 +1,4 @@
-"""gpt/load.py, the one place that knows where weights come from: a run named by --out_dir with
+"""gpt/weights/load.py, the one place that knows where weights come from: a run named by --out_dir with
 init_from=resume and the same run named by init_from read the same weights, in every command that
 reads a model; the chat template's refusal names the run; and what is not a source gets one line."""
 
@@ -8,7 +8,7 @@ from conftest import train_tiny_run
 from processes import run_script
 
 from configurator import UserError
-from gpt import load
+from gpt.weights import load
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import pytest
 from conftest import needs, read_metrics, tiny_args
 from processes import run_script
 
-from gpt import checkpoint
+from gpt.outdir import checkpoint
 
 
 @pytest.mark.process

@@ -10,7 +10,10 @@ import pytest
 import torch
 
 from configurator import TrainConfig, UserError
-from gpt import batches, checkpoint, runtime, training_setup
+from gpt.data import batches
+from gpt.device import runtime
+from gpt.outdir import checkpoint
+from gpt.train import build
 from model import GPT, GPTConfig
 
 TORCHRUN_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -77,7 +80,7 @@ def tiny_build(rt, **overrides):
     """training_setup.build as train.py calls it on `rt`, for a tiny model left on the CPU."""
     cfg = TrainConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, dropout=0.0, **overrides)
     raw = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=64, dropout=0.0))
-    return training_setup.build(raw, cfg, rt)
+    return build.build(raw, cfg, rt)
 
 
 @pytest.mark.parametrize("dtype, scaled", [("float32", False), ("bfloat16", False), ("float16", True)])

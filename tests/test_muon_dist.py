@@ -1,4 +1,4 @@
-"""Muon shared out across ranks (gpt/muon.py), on CPU processes over gloo under torchrun: under DDP
+"""Muon shared out across ranks (gpt/train/muon.py), on CPU processes over gloo under torchrun: under DDP
 each rank orthogonalizes its share of the matrices and keeps only their momenta, under FSDP2 each
 matrix's rows go to one rank and back; both train as one process does, checkpoint the whole
 state, and resume exactly, on the same world size or another.

@@ -17,11 +17,13 @@ from train_rank import nan_loss
 
 import configurator
 from configurator import TrainConfig, UserError
-from gpt import muon, optim, runtime, tokenizer
-from gpt.batches import TrainBatches, load_split
-from gpt.optim import get_lr
-from gpt.step import train_step
-from gpt.training_setup import make_model_args
+from gpt.data import tokenizer
+from gpt.data.batches import TrainBatches, load_split
+from gpt.device import runtime
+from gpt.train import muon, optim
+from gpt.train.build import make_model_args
+from gpt.train.optim import get_lr
+from gpt.train.step import train_step
 from model import GPT, GPTConfig
 
 CPU = runtime.Runtime("cpu", "cpu", torch.float32)

@@ -17,7 +17,8 @@ from conftest import char_dataset, one_line_error, read_metrics, tiny_args, unti
 from processes import REPO, logged_steps, run_python, run_script, start_python, wait_for
 
 from configurator import TrainConfig, UserError, parse
-from gpt import checkpoint, outdir, runtime
+from gpt.device import runtime
+from gpt.outdir import checkpoint, ownership
 
 # 10 steps of a 20-step schedule (so a resume to 20 equals a straight 20-step run); keep_last=2
 # leaves numbered checkpoints too, which a takeover must remove
@@ -32,7 +33,7 @@ def contents(out_dir):
         for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
             path = os.path.join(root, name)
             rel = os.path.relpath(path, out_dir)
-            if rel == outdir.LOCK:
+            if rel == ownership.LOCK:
                 continue
             found[rel] = (
                 "-> " + os.readlink(path)
@@ -126,12 +127,12 @@ def test_overwrite_replaces_the_old_run_at_the_new_ones_first_checkpoint(base, t
             "ckpt_best.pt",
             "config.json",
             "metrics.jsonl",
-            outdir.LOCK,
+            ownership.LOCK,
         ]
         assert checkpoint.load(str(out / "ckpt.pt"))["iter_num"] == 6
         assert checkpoint.load(str(out / "ckpt_best.pt"))["config"]["max_iters"] == 6
     else:
-        assert names == ["ckpt_0000003", "ckpt_0000006", "ckpt_best", "config.json", "metrics.jsonl", outdir.LOCK]
+        assert names == ["ckpt_0000003", "ckpt_0000006", "ckpt_best", "config.json", "metrics.jsonl", ownership.LOCK]
         assert checkpoint.read_sharded(str(out / "ckpt_best"))["config"]["max_iters"] == 6
 
 
@@ -140,15 +141,15 @@ def test_a_kill_before_the_first_checkpoint_leaves_the_old_run_intact_and_resuma
     out, data = copy_of(base, "full", tmp_path)
     before = contents(out)
     proc = start(tiny_args(data, out, max_iters=100_000, lr_decay_iters=100_000, eval_interval=100_000, overwrite=True))
-    wait_for(logged_steps(out / outdir.STAGED / "metrics.jsonl"), proc)  # training, its log still staged
+    wait_for(logged_steps(out / ownership.STAGED / "metrics.jsonl"), proc)  # training, its log still staged
     proc.kill()
     proc.communicate()
-    assert {k: v for k, v in contents(out).items() if not k.startswith(outdir.STAGED)} == before
+    assert {k: v for k, v in contents(out).items() if not k.startswith(ownership.STAGED)} == before
 
     resumed = run_script("train.py", *tiny_args(data, out, **{**BASE, "max_iters": 12}, init_from="resume"))
     assert resumed.returncode == 0, resumed.stderr
-    assert f"removed {out / outdir.STAGED}, left by a run that stopped before its first checkpoint" in resumed.stdout
-    assert "resuming at iter 10" in resumed.stdout and not (out / outdir.STAGED).exists()
+    assert f"removed {out / ownership.STAGED}, left by a run that stopped before its first checkpoint" in resumed.stdout
+    assert "resuming at iter 10" in resumed.stdout and not (out / ownership.STAGED).exists()
     assert [r["iter"] for r in read_metrics(out) if "loss" in r] == list(range(12))  # the old log, continued
 
 
@@ -157,8 +158,8 @@ def test_a_takeover_cut_short_after_the_first_checkpoint_is_finished_by_the_next
     out_dir, whatever it is, finishes the takeover before it looks for a run to resume."""
     out, _ = copy_of(base, "full", tmp_path)
     cfg = parse(TrainConfig, [f"--out_dir={out}", "--overwrite=True"])
-    claimed = outdir.claim(cfg, CPU, say=lambda m: None)
-    assert claimed.staging and claimed.path("metrics.jsonl") == str(out / outdir.STAGED / "metrics.jsonl")
+    claimed = ownership.claim(cfg, CPU, say=lambda m: None)
+    assert claimed.staging and claimed.path("metrics.jsonl") == str(out / ownership.STAGED / "metrics.jsonl")
     claimed.write_config(cfg)
     with open(claimed.path("metrics.jsonl"), "a") as f:
         f.write(json.dumps({"iter": 0, "loss": 4.0}) + "\n")
@@ -167,7 +168,7 @@ def test_a_takeover_cut_short_after_the_first_checkpoint_is_finished_by_the_next
     claimed.release()
 
     notes = []
-    again = outdir.claim(parse(TrainConfig, [f"--out_dir={out}", "--init_from=auto"]), CPU, say=notes.append)
+    again = ownership.claim(parse(TrainConfig, [f"--out_dir={out}", "--init_from=auto"]), CPU, say=notes.append)
     again.release()
     assert notes[0].startswith(f"note: finished the takeover of out_dir={out}")
     assert (
@@ -175,7 +176,7 @@ def test_a_takeover_cut_short_after_the_first_checkpoint_is_finished_by_the_next
         f"before it: {state['best_val_loss']:.4f} at iter {state['best_val_iter']}, ckpt.pt)"
     )
     assert again.cfg.init_from == "resume"
-    assert sorted(p.name for p in out.iterdir()) == ["ckpt.pt", "config.json", "metrics.jsonl", outdir.LOCK]
+    assert sorted(p.name for p in out.iterdir()) == ["ckpt.pt", "config.json", "metrics.jsonl", ownership.LOCK]
     assert read_metrics(out) == [{"iter": 0, "loss": 4.0}]
 
 
@@ -187,7 +188,7 @@ def test_a_live_run_refuses_a_second_one_by_name_lets_readers_in_and_kill_9_leav
     out, data = copy_of(base, "full", tmp_path)
     live = tiny_args(data, out, **{**BASE, "max_iters": 100_000}, init_from="resume")
     proc = start(live)
-    lock = out / outdir.LOCK
+    lock = out / ownership.LOCK
     wait_for(lambda: f'"pid": {proc.pid}' in lock.read_text(), proc)
     wait_for(logged_steps(out / "metrics.jsonl"), proc)
     try:
@@ -223,9 +224,9 @@ def test_a_filesystem_that_cannot_lock_is_said_not_hidden(tmp_path, monkeypatch)
     def no_locks(fd, operation):
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
 
-    monkeypatch.setattr(outdir.fcntl, "flock", no_locks)
+    monkeypatch.setattr(ownership.fcntl, "flock", no_locks)
     notes = []
-    claimed = outdir.claim(parse(TrainConfig, [f"--out_dir={tmp_path / 'out'}"]), CPU, say=notes.append)
+    claimed = ownership.claim(parse(TrainConfig, [f"--out_dir={tmp_path / 'out'}"]), CPU, say=notes.append)
     assert claimed.fd is None and claimed.cfg.init_from == "scratch"
     assert notes == [
         f"warning: cannot lock out_dir={tmp_path / 'out'} ({os.strerror(errno.ENOLCK)}): nothing keeps a "
@@ -240,10 +241,10 @@ def test_network_filesystems_are_recognized_from_the_mount_table(tmp_path):
         "server:/export /mnt/shared nfs4 rw,relatime 0 0\n"
         "lustre@tcp:/fs /mnt/shared/scratch\\040space lustre rw 0 0\n"
     )
-    assert outdir.network_filesystem("/mnt/shared/runs/out", str(mounts)) == "nfs4"
-    assert outdir.network_filesystem("/mnt/shared/scratch space/out", str(mounts)) == "lustre"
-    assert outdir.network_filesystem("/mnt/sharedother/out", str(mounts)) is None  # a prefix, not the mount point
-    assert outdir.network_filesystem("/home/me/out", str(mounts)) is None
+    assert ownership.network_filesystem("/mnt/shared/runs/out", str(mounts)) == "nfs4"
+    assert ownership.network_filesystem("/mnt/shared/scratch space/out", str(mounts)) == "lustre"
+    assert ownership.network_filesystem("/mnt/sharedother/out", str(mounts)) is None  # a prefix, not the mount point
+    assert ownership.network_filesystem("/home/me/out", str(mounts)) is None
 
 
 # ---------------------------------------------------------------------------- init_from='auto'

@@ -1,4 +1,4 @@
-"""Fault-tolerant replica groups (gpt/torchft_groups.py, torchft): two groups of one process each,
+"""Fault-tolerant replica groups (gpt/train/torchft_groups.py, torchft): two groups of one process each,
 meeting at a torchft lighthouse, train as plain 2-rank DDP does, and so do two groups that are
 torchrun jobs of 2 ranks; started again with init_from=auto after a full stop they go on exactly;
 they start no quorum after the last step. One group SIGKILLed mid-run leaves the other stepping
@@ -20,7 +20,7 @@ import torch
 from conftest import char_dataset, needs, read_metrics, tiny_args
 from processes import REPO, run_python, run_script, start_python, wait_for
 
-from gpt import checkpoint
+from gpt.outdir import checkpoint
 from model import GPT, GPTConfig
 
 needs("torchft")
@@ -103,7 +103,7 @@ def runs(data, tmp_path_factory):
       groups    two groups of one rank each, at a lighthouse that waits for both (min_replicas=2)
       torchrun  two groups, each a torchrun job of 2 ranks (DDP inside)
       ddp       plain 2-rank DDP under torchrun: the reference of both. Each rank draws the whole
-                global batch and keeps its slice (gpt/batches.py), so 2 ranks of 2 micro-batches
+                global batch and keeps its slice (gpt/data/batches.py), so 2 ranks of 2 micro-batches
                 average the same 16 rows as 4 ranks (the torchrun groups) of 1
       resumed   every group gone after step 12: copies of the groups' ckpt_0000012.pt alone, and
                 both groups started again on them with init_from=auto, to step 24
@@ -389,7 +389,7 @@ def test_the_process_group_is_nccl_in_a_child_on_cuda_and_gloo_on_the_cpu():
 
     from torchft.process_group import ProcessGroupBabyNCCL, ProcessGroupGloo
 
-    from gpt import torchft_groups
+    from gpt.train import torchft_groups
 
     with mock.patch.object(torch.cuda, "is_available", return_value=True):
         pg = torchft_groups.process_group("cuda", timedelta(seconds=5))
@@ -433,7 +433,7 @@ def test_without_torchft_training_runs_and_replica_groups_are_one_line(tmp_path)
 
 
 def test_a_run_without_replica_groups_never_imports_torchft(data, tmp_path):
-    # torchft takes about a second to import and only replica groups need it (gpt/replicas.py's
+    # torchft takes about a second to import and only replica groups need it (gpt/train/replicas.py's
     # Alone stands in for them): a fresh interpreter, since this one may have imported it already
     check = "import sys, train; train.main(sys.argv[1:]); assert 'torchft' not in sys.modules, 'torchft imported'"
     args = tiny_args(data, tmp_path / "out", max_iters=2)

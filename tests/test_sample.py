@@ -8,8 +8,8 @@ from conftest import train_tiny_run
 from test_model import TINY  # block_size 16
 
 import sample
-from gpt import tokenizer
-from gpt.inference import KVCache, generate, sample_next
+from gpt.data import tokenizer
+from gpt.inference.sampling import KVCache, generate, sample_next
 from model import GPT, GPTConfig
 
 
@@ -215,7 +215,8 @@ def test_sample_py_prompts_file(trained, capsys, tmp_path):
 def test_sample_py_reads_the_checkpoint_on_the_cpu_and_moves_only_the_weights(trained, monkeypatch):
     """The checkpoint also holds the optimizer state (twice the weights for AdamW): it is read into
     host memory, and only the model goes to the device ('meta' stands in for a GPU here)."""
-    from gpt import checkpoint, runtime
+    from gpt.device import runtime
+    from gpt.outdir import checkpoint
 
     map_locations, models = [], []
     real_load, real_load_model = torch.load, checkpoint.load_model

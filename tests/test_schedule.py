@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from configurator import TrainConfig
-from gpt import runtime
-from gpt.optim import get_lr
-from gpt.step import train_step
+from gpt.device import runtime
+from gpt.train.optim import get_lr
+from gpt.train.step import train_step
 from model import GPT, GPTConfig
 
 # ---------------------------------------------------------------------------- get_lr

@@ -1,7 +1,7 @@
 """serve.py on a loopback port, against real clients: the openai package gets chat.py's and
 sample.py's greedy replies; concurrent requests decoded together each get their solo reply, also
 one that joins mid-generation; every entry of the error catalogue; a full server's 429; a client
-that hangs up; schemathesis from the server's own OpenAPI schema. And gpt/engine.py's batch
+that hangs up; schemathesis from the server's own OpenAPI schema. And gpt/inference/engine.py's batch
 against solo generation on the model, GPT-2 and Llama shaped.
 
 The chat model is the chat demo's path (data/chat/synthetic.py, a 512-token tokenizer trained
@@ -32,8 +32,10 @@ from processes import REPO, load_script, run_script
 
 import serve
 from configurator import UserError, parse
-from gpt import api, cpu_matmuls, inference, runtime, serving, tokenizer
-from gpt.engine import BatchCache, Engine, Request, compile_options
+from gpt.data import tokenizer
+from gpt.device import cpu_matmuls, runtime
+from gpt.inference import api, sampling, serving
+from gpt.inference.engine import BatchCache, Engine, Request, compile_options
 from model import GPT, GPTConfig
 from serve import ServeConfig
 
@@ -86,7 +88,7 @@ def token_lists(*lengths):
 def solo_greedy(model, prompts, budgets):
     """generate()'s greedy new tokens for each prompt alone."""
     return [
-        inference.generate(model, torch.tensor([p]), n, temperature=0)[0, len(p) :].tolist()
+        sampling.generate(model, torch.tensor([p]), n, temperature=0)[0, len(p) :].tolist()
         for p, n in zip(prompts, budgets)
     ]
 
@@ -462,8 +464,8 @@ def test_eager_matmuls_are_onednns_on_a_cpu_not_intels_with_torchs_logits(vendor
     with torch.no_grad():
         torch.testing.assert_close(model(idx)[0], reference(idx)[0], rtol=1e-5, atol=1e-5)
     prompt = torch.tensor(token_lists(7))
-    expected = inference.generate(reference, prompt, 30, temperature=0)
-    assert torch.equal(inference.generate(model, prompt, 30, temperature=0), expected)
+    expected = sampling.generate(reference, prompt, 30, temperature=0)
+    assert torch.equal(sampling.generate(model, prompt, 30, temperature=0), expected)
 
 
 def test_a_failing_request_ends_alone():
@@ -472,7 +474,7 @@ def test_a_failing_request_ends_alone():
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=50, n_layer=2, n_head=2, n_embd=32, block_size=64)).eval()
     prompt = [3, 1, 4, 1, 5]
-    expected = inference.generate(model, torch.tensor([prompt]), 12, temperature=0)[0, len(prompt) :].tolist()
+    expected = sampling.generate(model, torch.tensor([prompt]), 12, temperature=0)[0, len(prompt) :].tolist()
     engine = Engine(model, rows=2).start()
     got, ends, done = [], {}, threading.Semaphore(0)
 

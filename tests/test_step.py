@@ -11,9 +11,10 @@ from conftest import read_metrics, tiny_args
 from processes import run_script
 from train_rank import nan_loss, nan_steps
 
-from gpt import checkpoint, runtime
-from gpt.batches import TrainBatches
-from gpt.step import train_step
+from gpt.data.batches import TrainBatches
+from gpt.device import runtime
+from gpt.outdir import checkpoint
+from gpt.train.step import train_step
 from model import GPT, GPTConfig
 
 CPU = runtime.Runtime("cpu", "cpu", torch.float32)

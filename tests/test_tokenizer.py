@@ -13,7 +13,7 @@ import tiktoken.registry
 from processes import REPO, run_script
 
 from configurator import UserError
-from gpt import tokenizer
+from gpt.data import tokenizer
 
 EOT_128K = "<|end_of_text|>"
 SAMPLE = (

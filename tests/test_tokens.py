@@ -1,4 +1,4 @@
-"""The token-file format (gpt/tokens.py): header, uint16/uint32, nanoGPT files, splits over
+"""The token-file format (gpt/data/token_files.py): header, uint16/uint32, nanoGPT files, splits over
 shards, windows across shard boundaries, the vocabulary check, and the errors."""
 
 import struct
@@ -11,8 +11,9 @@ from processes import run_script
 
 import train
 from configurator import UserError
-from gpt import runtime, tokens
-from gpt.batches import get_batch, load_split
+from gpt.data import token_files
+from gpt.data.batches import get_batch, load_split
+from gpt.device import runtime
 
 CPU = runtime.Runtime("cpu", "cpu", torch.float32)
 
@@ -23,7 +24,7 @@ def write_shards(data_dir, split, ids, sizes):
     bounds = np.cumsum([0] + sizes)
     assert bounds[-1] == len(ids)
     for i in range(len(sizes)):
-        tokens.write(str(data_dir / f"{split}_{i:06d}.bin"), ids[bounds[i] : bounds[i + 1]])
+        token_files.write(str(data_dir / f"{split}_{i:06d}.bin"), ids[bounds[i] : bounds[i + 1]])
 
 
 def refused(call, *fragments):
@@ -40,27 +41,27 @@ def refused(call, *fragments):
 def test_write_then_read(tmp_path, dtype):
     ids = np.random.default_rng(0).integers(0, np.iinfo(dtype).max, size=1000, dtype=np.int64).astype(dtype)
     path = str(tmp_path / "x.bin")
-    tokens.write(path, ids)
+    token_files.write(path, ids)
     raw = open(path, "rb").read()
     # the header, byte by byte: magic, version 1, bytes per token, count; then the ids, little-endian
     assert raw[:8] == b"GPTTOKEN"
     assert struct.unpack("<IIQQ", raw[8:32]) == (1, np.dtype(dtype).itemsize, 1000, ids.max())
     assert raw[32:] == ids.astype(np.dtype(dtype).newbyteorder("<")).tobytes()
-    read = tokens.read(path)
+    read = token_files.read(path)
     assert read.dtype == dtype and isinstance(read, np.memmap)
     np.testing.assert_array_equal(read, ids)
     assert not (tmp_path / "x.bin.tmp").exists()
 
 
 def test_dtype_for_vocab_size():
-    assert tokens.dtype_for(65) == tokens.dtype_for(50257) == tokens.dtype_for(65536) == np.uint16
-    assert tokens.dtype_for(65537) == tokens.dtype_for(128256) == np.uint32
+    assert token_files.dtype_for(65) == token_files.dtype_for(50257) == token_files.dtype_for(65536) == np.uint16
+    assert token_files.dtype_for(65537) == token_files.dtype_for(128256) == np.uint32
 
 
 def test_headerless_nanogpt_file_reads_as_uint16(tmp_path):
     ids = np.arange(500, dtype=np.uint16)
     ids.tofile(tmp_path / "train.bin")
-    np.testing.assert_array_equal(tokens.read(str(tmp_path / "train.bin")), ids)
+    np.testing.assert_array_equal(token_files.read(str(tmp_path / "train.bin")), ids)
 
 
 def damaged(tmp_path, name, header=None, body=b""):
@@ -83,7 +84,7 @@ def test_damaged_files_are_one_line_errors(tmp_path):
         (damaged(tmp_path, "f.bin", b"", bytes(7)), ("f.bin", "odd size")),  # headerless but not uint16
     ]
     for path, fragments in cases:
-        refused(lambda: tokens.read(path), *fragments)
+        refused(lambda: token_files.read(path), *fragments)
 
 
 # ---------------------------------------------------------------------------- splits
@@ -92,7 +93,7 @@ def test_damaged_files_are_one_line_errors(tmp_path):
 def test_split_over_shards_reads_as_one_sequence(tmp_path):
     ids = np.arange(1000, dtype=np.uint16) * 7 % 65521
     write_shards(tmp_path, "train", ids, [300, 1, 299, 400])
-    data = tokens.Tokens.open(str(tmp_path), "train")
+    data = token_files.Tokens.open(str(tmp_path), "train")
     assert len(data) == 1000 and data.memmapped and data.dtype == np.uint16
     for a, b in [(0, 1000), (250, 350), (299, 302), (300, 301), (10, 10), (990, 2000), (-5, None)]:
         np.testing.assert_array_equal(data[a:b], ids[a:b])
@@ -121,22 +122,25 @@ def test_load_split_modes_give_the_same_tokens(tmp_path):
 
 
 def test_split_errors(tmp_path):
-    refused(lambda: tokens.Tokens.open(str(tmp_path), "train"), "train.bin not found", "prepare.py")
+    refused(lambda: token_files.Tokens.open(str(tmp_path), "train"), "train.bin not found", "prepare.py")
     write_shards(tmp_path, "train", np.arange(30, dtype=np.uint16), [10, 10, 10])
     (tmp_path / "train_000001.bin").unlink()
-    refused(lambda: tokens.Tokens.open(str(tmp_path), "train"), "train_000001.bin", "again")
+    refused(lambda: token_files.Tokens.open(str(tmp_path), "train"), "train_000001.bin", "again")
     np.arange(5, dtype=np.uint16).tofile(tmp_path / "train.bin")
-    refused(lambda: tokens.Tokens.open(str(tmp_path), "train"), "both train.bin and train_000000.bin")
-    tokens.write(str(tmp_path / "val.bin"), np.zeros(0, np.uint16))
-    refused(lambda: tokens.Tokens.open(str(tmp_path), "val"), "empty")
+    refused(lambda: token_files.Tokens.open(str(tmp_path), "train"), "both train.bin and train_000000.bin")
+    token_files.write(str(tmp_path / "val.bin"), np.zeros(0, np.uint16))
+    refused(lambda: token_files.Tokens.open(str(tmp_path), "val"), "empty")
 
 
 def test_vocab_check_names_the_file_and_the_id(tmp_path, monkeypatch):
-    monkeypatch.setattr(tokens, "CHECK_CHUNK", 64)  # several chunks per shard
+    monkeypatch.setattr(token_files, "CHECK_CHUNK", 64)  # several chunks per shard
     ids = np.random.default_rng(2).integers(0, 1000, size=900).astype(np.uint32)
     ids[650] = 1000
     write_shards(tmp_path, "train", ids, [300, 300, 300])
-    for data in (tokens.Tokens.open(str(tmp_path), "train"), tokens.Tokens.open(str(tmp_path), "train").in_ram()):
+    for data in (
+        token_files.Tokens.open(str(tmp_path), "train"),
+        token_files.Tokens.open(str(tmp_path), "train").in_ram(),
+    ):
         data.check_vocab(1001)  # 1000 is a valid id of a 1001-token vocabulary
         refused(
             lambda: data.check_vocab(1000),
@@ -150,7 +154,7 @@ def test_vocab_check_names_the_file_and_the_id(tmp_path, monkeypatch):
 def test_the_header_max_id_spares_reading_the_ids(tmp_path):
     ids = np.arange(500, dtype=np.uint32)
     write_shards(tmp_path, "train", ids, [250, 250])
-    data = tokens.Tokens.open(str(tmp_path), "train")
+    data = token_files.Tokens.open(str(tmp_path), "train")
     assert data.max_ids == [249, 499]
 
     class Unreadable(np.ndarray):
@@ -164,7 +168,7 @@ def test_the_header_max_id_spares_reading_the_ids(tmp_path):
 
 
 def test_uint16_data_passes_any_vocab_above_its_range():
-    data = tokens.Tokens(["x.bin"], [np.full(10, 65535, np.uint16)])
+    data = token_files.Tokens(["x.bin"], [np.full(10, 65535, np.uint16)])
     data.check_vocab(65536)
     with pytest.raises(UserError):
         data.check_vocab(65535)

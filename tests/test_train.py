@@ -12,7 +12,7 @@ from conftest import read_metrics, tiny_args, untimed
 from processes import REPO, run_python, run_script
 
 from configurator import TrainConfig
-from gpt import checkpoint
+from gpt.outdir import checkpoint
 
 
 def train(data_dir, out_dir, **overrides):

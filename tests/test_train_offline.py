@@ -13,7 +13,7 @@ from conftest import tiny_args
 
 import train
 from configurator import UserError
-from gpt import tokenizer, tokens
+from gpt.data import token_files, tokenizer
 
 
 @pytest.fixture
@@ -52,7 +52,7 @@ def test_gpt2_bpe_data_trains_without_the_vocabulary_or_a_network(tmp_path, caps
     data_dir.mkdir()
     rng = np.random.default_rng(0)
     for split, n in (("train", 4000), ("val", 1000)):
-        tokens.write(str(data_dir / f"{split}.bin"), rng.integers(0, 50257, size=n).astype(np.uint16))
+        token_files.write(str(data_dir / f"{split}.bin"), rng.integers(0, 50257, size=n).astype(np.uint16))
     if meta:
         (data_dir / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(UserError):

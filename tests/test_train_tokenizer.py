@@ -11,8 +11,8 @@ from processes import load_script, run_script
 
 from configurator import UserError
 from data import corpus
-from gpt import tokenizer, tokens
-from gpt.chat_template import RESERVED_TOKENS
+from gpt.data import token_files, tokenizer
+from gpt.data.chat_template import RESERVED_TOKENS
 
 train_tokenizer = load_script("data/train_tokenizer.py")
 
@@ -161,7 +161,7 @@ def test_corpus_routine_takes_it(trained, tmp_path):
             "--workers=1",
         ]
     )
-    ids = np.concatenate([tokens.read(p) for p in tokens.split_paths(str(tmp_path / "data"), "train")])
+    ids = np.concatenate([token_files.read(p) for p in token_files.split_paths(str(tmp_path / "data"), "train")])
     _, decode = tokenizer.load(spec)
     pieces = [decode(list(d)) for d in np.split(ids, np.flatnonzero(ids == 0) + 1) if len(d)]
     assert pieces[-1] == docs[-1] and ids[-1] == 0

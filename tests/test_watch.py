@@ -1,4 +1,4 @@
-"""Evaluating while it trains (gpt/watch.py, eval.py --watch=True, train.py's eval_async=True): each
+"""Evaluating while it trains (gpt/evaluation/watch.py, eval.py --watch=True, train.py's eval_async=True): each
 checkpoint scored once, as eval.py scores it afterwards, in both formats; a watcher started by hand
 beside a run and SIGKILLed three times; eval_async's watcher killed, restarted, then given up; a
 watcher stopped (SIGSTOP) for a whole run, and the disk it costs; one checkpoint removed while read;
@@ -22,7 +22,9 @@ import torch.distributed as dist
 from conftest import bpe_eval_data, char_dataset, one_line_error, read_metrics, tiny_args
 from processes import REPO, load_script, run_script, wait_for
 
-from gpt import checkpoint, load, metrics, outdir, watch
+from gpt.evaluation import watch
+from gpt.outdir import checkpoint, metrics, ownership
+from gpt.weights import load
 
 TRAIN, EVAL, PLOT = (load_script(name) for name in ("train.py", "eval.py", "plot.py"))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -64,7 +66,7 @@ def iter_of(path):
 def keep_copies(monkeypatch, kept, then=None):
     """A copy of each checkpoint in `kept` as it becomes complete (keep_last removes them), then
     then(iter) at that point of the run."""
-    committed = outdir.OutDir.committed
+    committed = ownership.OutDir.committed
 
     def keeping(self, path):
         it = iter_of(path)
@@ -76,7 +78,7 @@ def keep_copies(monkeypatch, kept, then=None):
             then(it)
 
     kept.mkdir()
-    monkeypatch.setattr(outdir.OutDir, "committed", keeping)
+    monkeypatch.setattr(ownership.OutDir, "committed", keeping)
 
 
 def eval_json(capfd, *args):
@@ -274,9 +276,9 @@ def eval_async_run(chars, out, monkeypatch, capfd, kill_at, max_iters):
             kill(process)
             at_kill.append(len(watch_records(out)))
 
-    committed = outdir.OutDir.committed
+    committed = ownership.OutDir.committed
     monkeypatch.setattr(watch, "Child", Child)
-    monkeypatch.setattr(outdir.OutDir, "committed", beside)
+    monkeypatch.setattr(ownership.OutDir, "committed", beside)
     code = TRAIN.main(
         tiny_args(
             chars,
@@ -396,7 +398,7 @@ def test_a_stopped_watcher_costs_at_most_keep_last_plus_keep_unscored_plus_one_c
     each is renamed into place, before rotation: the most there ever are); the older unscored ones
     released and, once it is continued, logged as skipped with one line each; the rest scored."""
     out, log, saved, on_disk, watcher = tmp_path / "out", tmp_path / "watch.log", list(range(10, 101, 10)), [], []
-    write_config, save = outdir.OutDir.write_config, checkpoint.save
+    write_config, save = ownership.OutDir.write_config, checkpoint.save
 
     def then_a_watcher(self, cfg):  # train.lock is held, no checkpoint yet
         write_config(self, cfg)
@@ -408,7 +410,7 @@ def test_a_stopped_watcher_costs_at_most_keep_last_plus_keep_unscored_plus_one_c
         save(state, path)
         on_disk.append(len(watch.complete_checkpoints(str(out))))
 
-    monkeypatch.setattr(outdir.OutDir, "write_config", then_a_watcher)
+    monkeypatch.setattr(ownership.OutDir, "write_config", then_a_watcher)
     monkeypatch.setattr(checkpoint, "save", counted)
     try:
         code = TRAIN.main(
@@ -440,7 +442,7 @@ def test_retention_keeps_the_one_being_scored_then_the_newest_and_lists_the_othe
     retention = watch.Retention(out, hold=3)
     assert not retention.follows()  # no watcher: keep_last alone
     assert watch.Retention(out, hold=3, child=True).follows()  # eval_async's own, before it has started
-    fd = outdir.lock_watcher(out)  # a watcher holds watch.lock (before its first progress)
+    fd = ownership.lock_watcher(out)  # a watcher holds watch.lock (before its first progress)
     assert retention.follows()
     os.close(fd)
     finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
@@ -526,7 +528,7 @@ for i in range(1000):
 def test_the_trainers_and_the_watchers_appends_never_tear_or_interleave(tmp_path):
     from types import SimpleNamespace
 
-    from gpt.metrics import MetricsLog
+    from gpt.outdir.metrics import MetricsLog
 
     log = MetricsLog(str(tmp_path), None, SimpleNamespace(wandb_log=False, tensorboard_log=False))
     other = subprocess.Popen(
@@ -556,7 +558,7 @@ def test_the_trainers_and_the_watchers_appends_never_tear_or_interleave(tmp_path
 
 def test_a_second_watcher_is_refused_naming_the_first(finished_run, tmp_path):
     out = copy_of(finished_run, tmp_path)
-    fd = outdir.lock_watcher(str(out))  # a separate open file: flock refuses this process's second one too
+    fd = ownership.lock_watcher(str(out))  # a separate open file: flock refuses this process's second one too
     try:
         result = run_script("eval.py", "--watch=True", f"--out_dir={out}", "--device=cpu")
     finally:

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 @contextmanager
 def nan_loss(model):
     """Every forward of `model` returns a NaN loss while inside: a step that diverged, as
-    gpt.step.train_step meets one (its gradients are NaN too)."""
+    gpt.train.step.train_step meets one (its gradients are NaN too)."""
     handle = model.register_forward_hook(lambda module, args, out: (out[0], out[1] * float("nan")))
     try:
         yield
@@ -33,10 +33,10 @@ def nan_loss(model):
 
 def nan_steps(setattr, iters, ranks=None):
     """train.py's steps at `iters` (on `ranks`; None: every rank) get a NaN loss (nan_loss).
-    gpt.step.train_step learns the iteration from the schedule, which train.py asks for each step's
-    learning rate just before the step (gpt.optim.get_lr(iter_num, cfg)). `setattr` is
+    gpt.train.step.train_step learns the iteration from the schedule, which train.py asks for each step's
+    learning rate just before the step (gpt.train.optim.get_lr(iter_num, cfg)). `setattr` is
     monkeypatch.setattr in a test's process, or the builtin in a rank."""
-    from gpt import optim, step
+    from gpt.train import optim, step
 
     get_lr, train_step, now = optim.get_lr, step.train_step, {}
 
@@ -59,7 +59,7 @@ def record(report):
     import torch
     from torch._dynamo.utils import counters
 
-    from gpt import checkpoint
+    from gpt.outdir import checkpoint
 
     save, make = checkpoint.save, checkpoint.make_checkpoint
 

@@ -15,8 +15,8 @@ one; no turn is empty. A record that breaks a rule stops the run with one line n
 file, the line and the problem; --skip_bad=True skips such records instead and counts them by
 reason. Blank lines are not records.
 
-Written to out_dir (the template is in gpt/chat_template.py):
-    train.bin, val.bin              the conversations' token ids, one after another (gpt/tokens.py format)
+Written to out_dir (the template is in gpt/data/chat_template.py):
+    train.bin, val.bin              the conversations' token ids, one after another (gpt/data/token_files.py format)
     train_mask.npy, val_mask.npy    uint8, one per token: 1 where the token is a trained target (the
                                     assistant's content and its end-of-turn token), else 0
     train_starts.npy, val_starts.npy   int64: where each conversation starts (the first is 0)
@@ -42,14 +42,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import numpy as np
 
-from configurator import UserError, run_main
+from configurator import Parser, UserError, run_main
 from data import corpus
-from gpt import (
-    tokenizer,  # after the path line above
-    tokens,
-)
-from gpt.argparsing import Parser
-from gpt.chat_template import ROLES, Template
+from gpt.data import token_files, tokenizer
+from gpt.data.chat_template import ROLES, Template
 
 SPLITS = ("train", "val")
 
@@ -230,7 +226,7 @@ def save_npy(path, array):
 def write_split(out_dir, split, convs, dtype):
     lengths = np.array([len(ids) for ids, _ in convs], np.int64)
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    tokens.write(os.path.join(out_dir, f"{split}.bin"), np.concatenate([ids for ids, _ in convs]).astype(dtype))
+    token_files.write(os.path.join(out_dir, f"{split}.bin"), np.concatenate([ids for ids, _ in convs]).astype(dtype))
     save_npy(os.path.join(out_dir, f"{split}_mask.npy"), np.concatenate([mask for _, mask in convs]))
     save_npy(os.path.join(out_dir, f"{split}_starts.npy"), starts)
 
@@ -316,7 +312,7 @@ def main(argv=None):
             "skipped": dict(skipped),
         },
     }
-    dtype = tokens.dtype_for(template.vocab_size)
+    dtype = token_files.dtype_for(template.vocab_size)
     try:
         os.makedirs(args.out_dir, exist_ok=True)
         path = os.path.join(args.out_dir, "meta.json")

@@ -32,8 +32,7 @@ import zlib
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root
 
-from configurator import UserError, run_main  # after the path line above
-from gpt.argparsing import Parser
+from configurator import Parser, UserError, run_main  # after the path line above
 
 CONSONANTS = "bdfgklmnprstvz"
 VOWELS = "aeiou"

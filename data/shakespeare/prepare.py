@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from configurator import run_main  # after the path line above
 from data import corpus
 from data.shakespeare_char.prepare import SHA256, URL  # the same text as the character-level set
-from gpt import download
+from gpt.data import download
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -1,0 +1,1 @@
+"""Generation: sampling and its KV cache, the batched engine, serve.py's model process and its HTTP API."""
