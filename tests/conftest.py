@@ -1,6 +1,7 @@
-"""Shared test helpers: tiny datasets made on the spot, train.py's flags for a tiny model, what
-tests read of a run (untimed, losses, one_line_error), a checkpoint as train.py writes one, and the
-chat demo that several test files read. Running the commands themselves: processes.py."""
+"""Shared test helpers: the CPU runtime and the tiny model shapes, tiny datasets made on the spot,
+train.py's flags for a tiny model, what tests read of a run (untimed, losses, one_line_error), a
+checkpoint as train.py writes one, the tokenizers several files make, and the chat demo that several
+test files read. Running the commands themselves: processes.py."""
 
 import dataclasses
 import fcntl
@@ -16,13 +17,23 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from processes import REPO, STARTED, load_script, run_script
+
+from gpt.data.chat_template import Template
+from gpt.device.runtime import Runtime
 
 # torch.compile's backend for tests about graphs rather than kernels: dynamo's graphs, AOTAutograd's
 # forward and backward (the partitioner's split) and inductor's decompositions, run by ATen's kernels.
 # Inductor on a CPU builds each fused kernel with g++, about 1 s apiece with a cold cache (as in CI).
 ATEN_BACKEND = "aot_eager_decomp_partition"
 GPT2 = {"kind": "tiktoken", "name": "gpt2", "vocab_size": 50257}  # tokenizer.describe of GPT-2's BPE
+# the tiny shapes tests build a model.GPT of: GPT-2's block, and Llama's (RoPE, RMSNorm, SwiGLU, GQA, untied)
+TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=65, dropout=0.0)
+TINY_LLAMA = dict(
+    TINY, n_kv_head=1, pos_encoding="rope", norm="rmsnorm", mlp="swiglu", bias=False, tie_embeddings=False
+)
+CPU = Runtime("cpu", "cpu", torch.float32)  # float32 on this process's CPU, whatever the machine has
 
 
 def needs(*packages):
@@ -232,3 +243,95 @@ def chat_demo_copy(shared, to):
     """(a copy of shared_chat_demo's out_dir at `to`, to export into or train on; its held-out conversations)."""
     shutil.copytree(shared[0], to)
     return to, shared[1]
+
+
+# ---------------------------------------------------------------------------- made tokenizers and checkpoints
+
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"}],
+    [
+        {"role": "system", "content": "You answer in one word."},
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "Four."},
+        {"role": "user", "content": "And 東京 🙂 naïve?"},
+        {"role": "assistant", "content": "Tokyo, e\u0301, 👩‍👩‍👧 ok"},
+    ],
+    # whitespace at the edges and inside, newlines, tabs, digits, code
+    [
+        {"role": "user", "content": "  leading spaces\n\nand a blank line\t"},
+        {"role": "assistant", "content": "\n def f(x):\n    return x * 12345\n\n"},
+        {"role": "user", "content": "'ll 've 're?"},
+        {"role": "assistant", "content": " ...  !"},
+    ],
+]
+
+
+def make_llama3_tokenizer(path):
+    """A small Llama-3-like tokenizer.json: byte-level BPE with GPT-4's split pattern, Llama 3's
+    special tokens added after the merges, and its post-processor that puts <|begin_of_text|>
+    first (which apply_chat_template must not add a second time)."""
+    from tokenizers import AddedToken, pre_tokenizers, processors, trainers
+
+    tok = load_script("data/train_tokenizer.py").new_tokenizer()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tok.train_from_iterator([make_text(20000, seed=3)], trainer)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in LLAMA3_SPECIALS])
+    bos = tok.token_to_id("<|begin_of_text|>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)]
+    )
+    tok.save(str(path))
+    return path
+
+
+def make_trained_tokenizer(out_dir):
+    """A tokenizer.json made by data/train_tokenizer.py itself."""
+    text = out_dir / "text.txt"
+    text.write_text(make_text(30000, seed=5) + "\n東京 🙂 naïve café\n")
+    load_script("data/train_tokenizer.py").main(
+        ["--input", str(text), "--vocab_size=400", f"--out_dir={out_dir}", "--val_chars=2000"]
+    )
+    return out_dir / "tokenizer.json"
+
+
+EOT_128K = "<|end_of_text|>"
+
+
+def make_128k_tokenizer(path):
+    """A word-level tokenizer.json with Llama 3's vocabulary size (128,256): word "w<i>" is id i,
+    so the ids of a text are known without the tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, **{f"w{i}": i for i in range(1, 128255)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([EOT_128K])  # an added token, id 128255, as Llama 3's specials are
+    tok.save(str(path))
+    return path
+
+
+def save_chat_checkpoint(out_dir, model, spec):
+    """A checkpoint as train.py writes it for chat data (its tokenizer description records the template)."""
+    template = Template(spec)
+    return save_checkpoint(out_dir, model, {**spec, "vocab_size": template.vocab_size, "chat": template.meta()})
+
+
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__")
+
+
+def count_host_reads(monkeypatch):
+    """Counts the calls that read a tensor's values back to the host (on a GPU each one waits for
+    all the work queued before it): patched onto torch.Tensor, each still does its real work."""
+    calls = []
+    for name in HOST_READS:
+        real = getattr(torch.Tensor, name)
+
+        def read(self, *args, _real=real, _name=name, **kwargs):
+            calls.append(_name)
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, read)
+    return calls

@@ -11,9 +11,8 @@ import sys
 
 import pytest
 import torch
-from conftest import chat_demo_copy, save_checkpoint, train_tiny_run
+from conftest import chat_demo_copy, make_llama3_tokenizer, save_chat_checkpoint, train_tiny_run
 from processes import REPO, load_script, run_script
-from test_chat_template import make_llama3_tokenizer
 
 from configurator import TrainConfig, parse
 from gpt.data import tokenizer
@@ -232,12 +231,6 @@ def test_configs_parse():
 
 
 # ---------------------------------------------------------------------------- export
-
-
-def save_chat_checkpoint(out_dir, model, spec):
-    """A checkpoint as train.py writes it for chat data (its tokenizer description records the template)."""
-    template = Template(spec)
-    return save_checkpoint(out_dir, model, {**spec, "vocab_size": template.vocab_size, "chat": template.meta()})
 
 
 CONVERSATIONS = [

@@ -6,33 +6,13 @@ exported tokenizer giving exactly our ids."""
 import json
 
 import pytest
-from conftest import make_text
-from processes import load_script
+from conftest import CONVERSATIONS, make_llama3_tokenizer, make_text, make_trained_tokenizer
 
 from configurator import UserError
 from gpt.data import tokenizer
 from gpt.data.chat_template import Template, write_hf_tokenizer
 
 KINDS = ("gpt2", "trained", "llama3")
-LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
-
-CONVERSATIONS = [
-    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"}],
-    [
-        {"role": "system", "content": "You answer in one word."},
-        {"role": "user", "content": "What is 2+2?"},
-        {"role": "assistant", "content": "Four."},
-        {"role": "user", "content": "And 東京 🙂 naïve?"},
-        {"role": "assistant", "content": "Tokyo, e\u0301, 👩‍👩‍👧 ok"},
-    ],
-    # whitespace at the edges and inside, newlines, tabs, digits, code
-    [
-        {"role": "user", "content": "  leading spaces\n\nand a blank line\t"},
-        {"role": "assistant", "content": "\n def f(x):\n    return x * 12345\n\n"},
-        {"role": "user", "content": "'ll 've 're?"},
-        {"role": "assistant", "content": " ...  !"},
-    ],
-]
 
 
 def expected_text(kind, messages, add_generation_prompt=False):
@@ -44,36 +24,6 @@ def expected_text(kind, messages, add_generation_prompt=False):
         return text + ("<|start_header_id|>assistant<|end_header_id|>\n\n" if add_generation_prompt else "")
     text = "<|endoftext|>" + "".join(f"<|{m['role']}|>{m['content']}<|end|>" for m in messages)
     return text + ("<|assistant|>" if add_generation_prompt else "")
-
-
-def make_llama3_tokenizer(path):
-    """A small Llama-3-like tokenizer.json: byte-level BPE with GPT-4's split pattern, Llama 3's
-    special tokens added after the merges, and its post-processor that puts <|begin_of_text|>
-    first (which apply_chat_template must not add a second time)."""
-    from tokenizers import AddedToken, pre_tokenizers, processors, trainers
-
-    tok = load_script("data/train_tokenizer.py").new_tokenizer()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-    )
-    tok.train_from_iterator([make_text(20000, seed=3)], trainer)
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in LLAMA3_SPECIALS])
-    bos = tok.token_to_id("<|begin_of_text|>")
-    tok.post_processor = processors.TemplateProcessing(
-        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)]
-    )
-    tok.save(str(path))
-    return path
-
-
-def make_trained_tokenizer(out_dir):
-    """A tokenizer.json made by data/train_tokenizer.py itself."""
-    text = out_dir / "text.txt"
-    text.write_text(make_text(30000, seed=5) + "\n東京 🙂 naïve café\n")
-    load_script("data/train_tokenizer.py").main(
-        ["--input", str(text), "--vocab_size=400", f"--out_dir={out_dir}", "--val_chars=2000"]
-    )
-    return out_dir / "tokenizer.json"
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import bpe_eval_data, read_metrics, tiny_args
+from conftest import bpe_eval_data, count_host_reads, read_metrics, tiny_args
 from processes import REPO, run_python, run_script
 
 from configurator import UserError
@@ -524,8 +524,6 @@ def test_a_device_without_float64_sums_in_float32_with_the_same_results(setup, m
 
 
 def test_core_reads_the_device_once_per_task_whatever_the_number_of_batches(setup, monkeypatch):
-    from test_eval import count_host_reads
-
     root, model, bundle, rt = setup
     tasks = core.load_tasks(str(bundle))
     calls = count_host_reads(monkeypatch)

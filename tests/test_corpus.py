@@ -11,9 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import make_text, needs, tiny_args
+from conftest import make_128k_tokenizer, make_text, needs, tiny_args
 from processes import run_script
-from test_tokenizer import make_128k_tokenizer
 
 import sample
 import train

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import GPT2, bpe_eval_data, read_metrics, tiny_args, train_tiny_run, write_hellaswag
+from conftest import GPT2, bpe_eval_data, count_host_reads, read_metrics, tiny_args, train_tiny_run, write_hellaswag
 from processes import REPO, run_script
 
 from gpt.data import token_files, tokenizer
@@ -204,24 +204,6 @@ def test_bad_input_is_one_line_and_a_nonzero_exit(char_run, bpe_setup, tmp_path)
         assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and message in lines[0], (args, result.stderr)
-
-
-HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__")
-
-
-def count_host_reads(monkeypatch):
-    """Counts the calls that read a tensor's values back to the host (on a GPU each one waits for
-    all the work queued before it): patched onto torch.Tensor, each still does its real work."""
-    calls = []
-    for name in HOST_READS:
-        real = getattr(torch.Tensor, name)
-
-        def read(self, *args, _real=real, _name=name, **kwargs):
-            calls.append(_name)
-            return _real(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, read)
-    return calls
 
 
 def test_eval_loops_read_the_device_once_whatever_the_number_of_batches(monkeypatch, cpu, tmp_path):

@@ -16,9 +16,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import chat_demo_copy, make_text, needs, save_checkpoint, tiny_args, train_tiny_run
+from conftest import (
+    CONVERSATIONS,
+    LLAMA3_SPECIALS,
+    chat_demo_copy,
+    make_text,
+    make_trained_tokenizer,
+    needs,
+    save_checkpoint,
+    tiny_args,
+    train_tiny_run,
+)
 from processes import load_script, run_script
-from test_chat_template import CONVERSATIONS, LLAMA3_SPECIALS, make_trained_tokenizer
 
 from data import corpus
 from gpt.data import tokenizer

@@ -5,10 +5,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import TINY
 
 from model import GPT, CausalSelfAttention, GPTConfig
-
-TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=65, dropout=0.0)
 
 
 def tiny_model(seed=0, **overrides):

@@ -4,8 +4,7 @@ sample.py's batches, prompts file and streaming."""
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import train_tiny_run
-from test_model import TINY  # block_size 16
+from conftest import TINY, train_tiny_run
 
 import sample
 from gpt.data import tokenizer

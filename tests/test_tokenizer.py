@@ -10,12 +10,12 @@ import textwrap
 import pytest
 import tiktoken
 import tiktoken.registry
+from conftest import EOT_128K, make_128k_tokenizer
 from processes import REPO, run_script
 
 from configurator import UserError
 from gpt.data import tokenizer
 
-EOT_128K = "<|end_of_text|>"
 SAMPLE = (
     "Hello world! It's 2024: naïve café, 東京, emoji 🙂, tabs\tand   spaces,\n\nnumbers 1234567 "
     "and <|endoftext|> as text, 'll 've 're, ¿qué?"
@@ -142,19 +142,6 @@ def test_unknown_tiktoken_name_is_one_line():
 
 
 # ---------------------------------------------------------------------------- Hugging Face tokenizer.json
-
-
-def make_128k_tokenizer(path):
-    """A word-level tokenizer.json with Llama 3's vocabulary size (128,256): word "w<i>" is id i,
-    so the ids of a text are known without the tokenizer."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {"[UNK]": 0, **{f"w{i}": i for i in range(1, 128255)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens([EOT_128K])  # an added token, id 128255, as Llama 3's specials are
-    tok.save(str(path))
-    return path
 
 
 @pytest.fixture(scope="session")
