@@ -11,8 +11,9 @@
 The story of a run: main() reads the config, sets up the device and claims the out_dir; train()
 loads the data (load_data), builds the Run (the model, what trains it, the batches, where it is,
 the writers) and runs the loop, which evaluates and saves (evaluate_and_save), steps, and logs
-(log_step). The pieces live in the library: batches, step, optim, training_setup, memory, checkpoint,
-saver, metrics, runtime. Replica groups (torchft) are one object, gpt/train/replicas.py's, that does
+(log_step). The pieces live in the library's folders: gpt/data (the batches), gpt/train (the
+model as it trains, the step, the optimizers), gpt/outdir (checkpoints, saves, metrics), gpt/evaluation
+(the evals), gpt/device (the runtime). Replica groups (torchft) are one object, gpt/train/replicas.py's, that does
 nothing in a run without them; eval_async starts the watcher (gpt/evaluation/watch.py, eval.py --watch) as
 a child process beside the run.
 """
@@ -29,7 +30,7 @@ from gpt.data import batches, tokenizer
 from gpt.device import runtime
 from gpt.device.gpu_flops import device_peak_flops, mfu
 from gpt.evaluation import tasks, watch
-from gpt.evaluation.core import evaluate_core, load_tasks
+from gpt.evaluation.core import core_scores, load_tasks
 from gpt.outdir import checkpoint, metrics, ownership
 from gpt.outdir.saver import Checkpointer
 from gpt.train import optim, replicas
@@ -225,23 +226,13 @@ def train(cfg, rt, stop, out, groups, watcher=None):
     try:
         code = loop(run, stop, watcher)
         if code == 0 and not cfg.eval_only:
-            say(finished_line(run, time.perf_counter() - started))
+            best = run.best_val_loss, run.best_val_iter
+            say(
+                metrics.finished_line(cfg.out_dir, run.iter_num, time.perf_counter() - started, *best, run.saver.latest)
+            )
         return code
     finally:
         groups.shutdown()
-
-
-def finished_line(run, seconds):
-    """The run's last line: how long, its best val and where, the checkpoint sample.py reads, and
-    the command that samples from it."""
-    out_dir = run.cfg.out_dir
-    best = next((p for p in ("ckpt_best.pt", "ckpt_best") if os.path.exists(os.path.join(out_dir, p))), None)
-    path = os.path.join(out_dir, best) if best else run.saver.latest
-    where = f" at iter {run.best_val_iter}" if run.best_val_iter is not None else ""
-    return (
-        f"done: iter {run.iter_num} in {metrics.format_duration(seconds)}, best val loss {run.best_val_loss:.4f}{where}, "
-        f"in {path}; sample from it: python sample.py --out_dir={out_dir}"
-    )
 
 
 def loop(run, stop, watcher=None):
@@ -301,10 +292,16 @@ def evaluate_and_save(run, last):
     if last and not saved and not cfg.eval_only and it != run.resumed_at:
         run.save()  # the run's end is saved before its last downstream evals
         saved = True
+    # on the plain model: HellaSwag's padded lengths vary, which a compiled one would recompile for
+    model, rows, spec = run.raw_model, cfg.batch_size, run.data.tok_spec
     if run.data.hellaswag is not None and due(cfg.hellaswag_interval):
-        downstream(run, "hellaswag", score_hellaswag)
+        downstream(
+            run, "hellaswag", lambda: tasks.hellaswag_scores(model, run.data.hellaswag, cfg.block_size, run.rt, rows)
+        )
     if run.data.core is not None and due(cfg.core_interval):
-        downstream(run, "core", score_core)
+        downstream(
+            run, "core", lambda: core_scores(model, run.data.core, spec, cfg.block_size, run.rt, rows * cfg.block_size)
+        )
     return saved
 
 
@@ -345,7 +342,7 @@ def downstream(run, name, score):
     others waiting in the eval's all-reduce; there `python eval.py` on the checkpoint is the safe way."""
     cfg, rt, it = run.cfg, run.rt, run.iter_num
     try:
-        record = score(run)
+        results, line = score()  # (the scores, their log line)
     except Exception as e:  # noqa: BLE001 (any eval failure: the run matters more than one score)
         run.raw_model.train()
         if rt.device_type == "cuda":
@@ -359,30 +356,9 @@ def downstream(run, name, score):
             run.metrics.write({"iter": it, f"{name}_failed": message})
     else:
         if rt.master:
-            run.metrics.write({"iter": it, **record})
+            print(f"step {it}: {line}")
+            run.metrics.write({"iter": it, **metrics.eval_record({name: results})})
     run.throughput.restart()
-
-
-def score_hellaswag(run):
-    """HellaSwag on the plain model: the padded lengths vary, which a compiled one would recompile for."""
-    cfg, rt, it = run.cfg, run.rt, run.iter_num
-    scores = tasks.score_choices(run.raw_model, run.data.hellaswag, cfg.block_size, rt, cfg.batch_size)
-    if rt.master:
-        print(
-            f"step {it}: hellaswag acc {scores['acc']:.4f}, acc_norm_tokens {scores['acc_norm_tokens']:.4f}, "
-            f"acc_norm_chars {scores['acc_norm_chars']:.4f} ({scores['n']} examples)"
-        )
-    return metrics.eval_record({"hellaswag": scores})
-
-
-def score_core(run):
-    cfg, rt, it = run.cfg, run.rt, run.iter_num
-    core = evaluate_core(
-        run.raw_model, run.data.core, run.data.tok_spec, cfg.block_size, rt, cfg.batch_size * cfg.block_size
-    )
-    if rt.master:
-        print(f"step {it}: CORE {core['core']:.4f} ({core['examples']} examples, {core['examples_per_s']:.0f}/s)")
-    return metrics.eval_record({"core": core})
 
 
 def log_step(run, result, lr):

@@ -419,7 +419,7 @@ def test_an_in_loop_eval_out_of_memory_on_a_gpu_empties_the_cache_and_training_g
         throughput=types.SimpleNamespace(restart=lambda: None),
     )
 
-    def out_of_memory(run):
+    def out_of_memory():
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
 
     train.downstream(run, "hellaswag", out_of_memory)

@@ -348,3 +348,9 @@ def evaluate_core(model, tasks, spec, block_size, rt, batch_tokens, report=None,
         "examples": examples,
         "examples_per_s": examples / seconds,
     }
+
+
+def core_scores(model, core_tasks, spec, block_size, rt, batch_tokens):
+    """(evaluate_core's result, the line train.py's log prints of it)."""
+    r = evaluate_core(model, core_tasks, spec, block_size, rt, batch_tokens)
+    return r, f"CORE {r['core']:.4f} ({r['examples']} examples, {r['examples_per_s']:.0f}/s)"

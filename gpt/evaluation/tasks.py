@@ -217,6 +217,13 @@ def score_choices(model, encoded, block_size, rt, batch_size=16, desc=None):
 # ---------------------------------------------------------------------------- splits and bits per byte
 
 
+def hellaswag_scores(model, examples, block_size, rt, batch_size):
+    """(score_choices' scores, the line train.py's log prints of them)."""
+    s = score_choices(model, examples, block_size, rt, batch_size)
+    line = f"hellaswag acc {s['acc']:.4f}, acc_norm_tokens {s['acc_norm_tokens']:.4f}, acc_norm_chars {s['acc_norm_chars']:.4f}"
+    return s, f"{line} ({s['n']} examples)"
+
+
 def target_bytes(data, offsets, block_size, token_bytes):
     """UTF-8 bytes of the text of the targets of the windows starting at `offsets` (any shape):
     the ids at offset+1 ... offset+block_size. Host work only, no model."""

@@ -188,3 +188,15 @@ class Throughput:
         dt, warm = (now - self.start) / self.iters, self.warm
         self.start, self.iters, self.warm = now, 0, True
         return dt, warm
+
+
+def finished_line(out_dir, iter_num, seconds, best_val_loss, best_val_iter, latest):
+    """A run's last line: how long, its best val and where, the checkpoint sample.py reads (ckpt_best
+    when there is one, else `latest`), and the command that samples from it."""
+    best = next((p for p in ("ckpt_best.pt", "ckpt_best") if os.path.exists(os.path.join(out_dir, p))), None)
+    path = os.path.join(out_dir, best) if best else latest
+    where = f" at iter {best_val_iter}" if best_val_iter is not None else ""
+    return (
+        f"done: iter {iter_num} in {format_duration(seconds)}, best val loss {best_val_loss:.4f}{where}, "
+        f"in {path}; sample from it: python sample.py --out_dir={out_dir}"
+    )
