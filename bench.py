@@ -1,4 +1,4 @@
-"""Measure the training step train.py runs (step.train_step on training_setup.build's model): ms/iter,
+"""Measure the training step train.py runs (step.train_step on build.build's model): ms/iter,
 tokens/s, TFLOPS, MFU and peak memory.
 
     python bench.py config/train_shakespeare_char_cpu.py                       # a CPU-sized model

@@ -83,7 +83,7 @@ class Data(NamedTuple):
     tok_spec: dict  # the tokenizer (tokenizer.py), saved in every checkpoint
     vocab_size: int
     hellaswag: Optional[list]  # encoded examples, when hellaswag_interval asks for them
-    core: Optional[list]  # CORE's tasks (core_eval.Task), when core_interval asks for them
+    core: Optional[list]  # CORE's tasks (core.Task), when core_interval asks for them
     eot: Optional[int] = None  # the end-of-text id that ends each document, when batch_order or doc_mask needs it
 
 

@@ -1,8 +1,8 @@
 """Examples per second of the CORE scorer (gpt/evaluation/core.py) on synthetic tasks made here (every task
 type, few-shot 0 to 3, a multi-character delimiter) and a small random GPT-2-vocabulary model,
 three ways:
-  batched          core_eval: the choices of many examples in one forward, logits only where scored
-  one per forward  core_eval with batch_tokens=0: the same scorer, one example per forward
+  batched          core.py: the choices of many examples in one forward, logits only where scored
+  one per forward  core.py with batch_tokens=0: the same scorer, one example per forward
   nanochat's way   one example per forward, the logits, cross-entropy and argmax of every
                    position, then the mean over the continuation (nanochat/core_eval.py's
                    forward_model and evaluate_example), on the same tokens
@@ -42,7 +42,7 @@ TASKS = {
 
 
 def synthetic_tasks(scale, seed=0):
-    """[core_eval.Task]: TASKS with `scale` times their records, sentences of WORDS drawn at random."""
+    """[core.Task]: TASKS with `scale` times their records, sentences of WORDS drawn at random."""
     rng = np.random.default_rng(seed)
     sentence = lambda lo, hi: " ".join(rng.choice(WORDS, size=rng.integers(lo, hi)))
     make = {

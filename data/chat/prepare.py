@@ -214,7 +214,7 @@ def draw_val(convs, val_frac, seed):
 
 
 def save_npy(path, array):
-    """np.save, atomically as tokens.write: a file under its final name is complete."""
+    """np.save, atomically as token_files.write: a file under its final name is complete."""
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
         np.save(f, array)

@@ -1,6 +1,6 @@
 """Scoring text with a model, batched and without host waits: the losses of the last tokens of
 many token rows in one forward pass, whether greedy decoding reproduces them, and per example
-the choice with the lowest score. eval.py (HellaSwag, multiple choice) and core_eval.py (CORE)
+the choice with the lowest score. eval.py (HellaSwag, multiple choice) and core.py (CORE)
 share it; the sums they keep stay on the device until one read at the end."""
 
 import math

@@ -2,10 +2,10 @@
 the loss of a data split in nats per token and bits per byte. eval.py runs them on a finished
 model; train.py runs HellaSwag and bits per byte during training.
 
-    from gpt import evaluation
-    encoded = evaluation.encode_examples(evaluation.load_hellaswag(examples=1000), tok_spec)
-    evaluation.score_choices(model, encoded, block_size, rt)     # {'acc': ..., 'acc_norm_tokens': ..., ...}
-    evaluation.split_loss(model, tokens.Tokens.open("data/openwebtext", "val"), block_size, rt, token_bytes)
+    from gpt.evaluation import tasks
+    encoded = tasks.encode_examples(tasks.load_hellaswag(examples=1000), tok_spec)
+    tasks.score_choices(model, encoded, block_size, rt)     # {'acc': ..., 'acc_norm_tokens': ..., ...}
+    tasks.split_loss(model, token_files.Tokens.open("data/openwebtext", "val"), block_size, rt, token_bytes)
 
 Multiple choice (HellaSwag, --mc_path) is scored as the GPT-2 reproductions (build-nanogpt,
 llm.c) score it: each choice is the context's tokens followed by the tokens of " " + choice,

@@ -82,7 +82,7 @@ def run_is_live(out_dir):
 
 
 def holder_is_alive(path):
-    """True while the lock file at `path` (outdir.py's train.lock or watch.lock) names a process,
+    """True while the lock file at `path` (ownership.py's train.lock or watch.lock) names a process,
     and on this host one that is alive: one killed leaves its pid, one that ends empties the file."""
     try:
         with open(path) as f:
@@ -153,7 +153,7 @@ def without_record(out_dir):
 
 
 def staging(out_dir):
-    """True while a new run over an old one has not taken out_dir over (outdir.py): until then the
+    """True while a new run over an old one has not taken out_dir over (ownership.py): until then the
     checkpoints and the watcher's files there are the old run's."""
     return os.path.isdir(os.path.join(out_dir, ownership.STAGED))
 

@@ -4,7 +4,7 @@ error, replies as one JSON object or as server-sent events, and the FastAPI app 
 middleware (a limit on the body, a check of the Host header). serve.py listens and runs it under
 uvicorn.
 
-    from gpt import api, serving
+    from gpt.inference import api, serving
     app = api.make_app(serving.Server(cfg).start())
 
 Reads top to bottom: errors, request shapes, what a request asks of the model, replies, the app.

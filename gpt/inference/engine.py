@@ -1,7 +1,8 @@
 """serve.py's engine: many requests decoded together as they come and go, one forward pass per
 step over every row (each at its own length) and the prompts that join them.
 
-    from gpt import engine, load
+    from gpt.inference import engine
+    from gpt.weights import load
     model, tok_spec = load.for_inference("resume", "out-chat-demo")
     e = engine.Engine(model, rows=16); e.start(); e.submit(engine.Request(ids, 50, on_token, on_done))
     e.on_step = lambda step: print(len(step.decoding), "rows decode,", len(step.joining), "join")

@@ -2,10 +2,11 @@
 the key/value cache that makes each new token one position's work. serve.py's engine, which
 decodes many requests of any length together, is engine.py's.
 
-    from gpt import inference, load
+    from gpt.inference import sampling
+    from gpt.weights import load
     model, tok_spec = load.for_inference("resume", "out-chat-demo")
-    out = inference.generate(model.eval(), idx, max_new_tokens=100, temperature=0.8, top_k=200)
-    for next_id in inference.generate_tokens(model, idx, 100, temperature=0, stop_token=eot): ...
+    out = sampling.generate(model.eval(), idx, max_new_tokens=100, temperature=0.8, top_k=200)
+    for next_id in sampling.generate_tokens(model, idx, 100, temperature=0, stop_token=eot): ...
 
 Reads top to bottom: sampling one token, then the cache with generate and generate_tokens (the
 window that slides past block_size).

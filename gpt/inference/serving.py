@@ -4,7 +4,7 @@ the engine makes it, and the Server the event loop holds: the tokenizer and chat
 request's queue of reply items, and the way to the Worker. It knows nothing of HTTP: a request
 comes as token ids, a token limit and sampling settings.
 
-    from gpt import serving
+    from gpt.inference import serving
     server = serving.Server(parse(ServeConfig, ["--out_dir=out-chat-demo"])).start()
     rid, queue = server.start_request(ids, 50, {"temperature": 0})  # on the event loop
     server.close()

@@ -95,7 +95,7 @@ def save_rotating(state, out_dir, keep_last=1, spare=None):
     save(state, numbered)
     link_or_copy(numbered, latest)
     history = _numbered(out_dir)
-    # an earlier run's newer files wait for outdir.py's takeover
+    # an earlier run's newer files wait for ownership.py's takeover
     doomed = [i for i in sorted(history, reverse=True)[keep_last:] if i != state["iter_num"]]
     for iter_num in set(doomed) - (spare(doomed) if spare else set()):
         os.remove(history[iter_num])

@@ -21,13 +21,13 @@ class MetricsLog:
     """out_dir/metrics.jsonl, one JSON object per line, appended to and never truncated; wandb
     and TensorBoard, when asked for, are fed the same records. On resume, records past the
     checkpoint are dropped from all three, since the resumed run logs those steps again.
-    `path`: where the file is written, when not in out_dir (a new run's staged/, outdir.py)."""
+    `path`: where the file is written, when not in out_dir (a new run's staged/, ownership.py)."""
 
     def __init__(self, out_dir, resume_iter, cfg, wandb_run_id=None, path=None):
         self.path = path or os.path.join(out_dir, "metrics.jsonl")
         if resume_iter is not None:
             self._truncate(resume_iter)
-        # one handle for the whole run: it follows the file when outdir.py moves it into place.
+        # one handle for the whole run: it follows the file when ownership.py moves it into place.
         # Unbuffered, in append mode: each record is one write() at the file's end, never torn or
         # interleaved with a watcher's (gpt/evaluation/watch.py appends the same way), and a killed run keeps it
         self.file = open(self.path, "ab", buffering=0)

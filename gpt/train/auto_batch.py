@@ -68,7 +68,7 @@ def activation_bytes(model, cfg, rt):
 
 def gradient_bytes(model):
     """The bytes gradients hold through a step: one float32 gradient per parameter. Under DDP that
-    one set is also its all-reduce buckets: the gradients are views into them (training_setup.build's
+    one set is also its all-reduce buckets: the gradients are views into them (build.build's
     gradient_as_bucket_view, kept so by train_step zeroing them in place). Without that, DDP's
     buckets were a second gradient-sized buffer beside the gradients."""
     return 4 * sum(p.numel() for p in model.parameters())

@@ -1,7 +1,7 @@
 """FP8 training through torchao: fp8=True turns the blocks' Linear layers into torchao's
 Float8Linear, whose three matmuls (the forward, and backward's two) run on the GPU's FP8 units;
 fp8='emulate' rounds to float8 the same way and multiplies in high precision, on any device.
-training_setup.build converts the model before it shards, compiles or wraps it.
+build.build converts the model before it shards, compiles or wraps it.
 
     python train.py config/train_llama_1b.py --fp8=True                     # H100, H200, L4, RTX 4090 ...
     python bench.py config/train_llama_1b.py --fp8=True --bench_iters=3     # its tokens/s

@@ -89,7 +89,7 @@ def train_step(model, optimizer, scaler, next_batch, lr, accum_steps, grad_clip,
         if bool(stepped):
             optimizer.step()
     scaler.update()
-    # DDP's gradients are views into its all-reduce buckets (training_setup.build): zeroed in place, they stay
+    # DDP's gradients are views into its all-reduce buckets (build.build): zeroed in place, they stay
     # views. Set to None, the next micro-step under no_sync would allocate a second set beside the buckets
     optimizer.zero_grad(set_to_none=not isinstance(model, DDP))
     return StepResult(total, norm, stepped)

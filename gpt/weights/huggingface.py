@@ -2,7 +2,7 @@
 and out as GPTTrainerForCausalLM (gpt/weights/modeling_gpt_trainer.py) what neither of them computes.
 gpt/weights/load.py reads them for every command (init_from=gpt2 or a directory); hf.py's command writes them.
 
-    from gpt import huggingface, load
+    from gpt.weights import huggingface, load
     model, tok_spec = load.pretrained("gpt2")                # or a GPT-2 or Llama directory: gpt/weights/load.py
     arch = huggingface.export(model, tok_spec, "out/hf")     # 'gpt2', 'llama' or 'gpt_trainer'
 

@@ -2,7 +2,7 @@
 reads a model calls it: sample.py, chat.py, serve.py, eval.py and hf.py for inference, train.py
 to start from weights trained elsewhere.
 
-    from gpt import load
+    from gpt.weights import load
     model, tok_spec = load.for_inference("resume", "out-shakespeare")     # the run's best checkpoint
     model, tok_spec = load.for_inference("resume", "out", which="latest") # its newest one
     model, tok_spec = load.for_inference("gpt2", None)                    # released GPT-2 124M
