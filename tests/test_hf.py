@@ -64,39 +64,16 @@ LLAMA_CASES = {
 }
 
 # meta-llama/Llama-3.2-1B's config.json as published
-LLAMA_3_2_1B = {
-    "architectures": ["LlamaForCausalLM"],
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "bos_token_id": 128000,
-    "eos_token_id": 128001,
-    "head_dim": 64,
-    "hidden_act": "silu",
-    "hidden_size": 2048,
-    "initializer_range": 0.02,
-    "intermediate_size": 8192,
-    "max_position_embeddings": 131072,
-    "mlp_bias": False,
-    "model_type": "llama",
-    "num_attention_heads": 32,
-    "num_hidden_layers": 16,
-    "num_key_value_heads": 8,
-    "pretraining_tp": 1,
-    "rms_norm_eps": 1e-05,
-    "rope_scaling": {
-        "factor": 32.0,
-        "high_freq_factor": 4.0,
-        "low_freq_factor": 1.0,
-        "original_max_position_embeddings": 8192,
-        "rope_type": "llama3",
-    },
-    "rope_theta": 500000.0,
-    "tie_word_embeddings": True,
-    "torch_dtype": "bfloat16",
-    "transformers_version": "4.45.0.dev0",
-    "use_cache": True,
-    "vocab_size": 128256,
-}
+LLAMA_3_2_1B = json.loads("""{
+  "architectures": ["LlamaForCausalLM"], "attention_bias": false, "attention_dropout": 0.0, "bos_token_id": 128000,
+  "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+  "intermediate_size": 8192, "max_position_embeddings": 131072, "mlp_bias": false, "model_type": "llama",
+  "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8, "pretraining_tp": 1,
+  "rms_norm_eps": 1e-05, "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+  "original_max_position_embeddings": 8192, "rope_type": "llama3"}, "rope_theta": 500000.0,
+  "tie_word_embeddings": true, "torch_dtype": "bfloat16", "transformers_version": "4.45.0.dev0", "use_cache": true,
+  "vocab_size": 128256
+}""")
 
 
 # what each architecture's test models are, and which of our GPTConfig keys its config holds (and how)
@@ -215,24 +192,20 @@ def with_tokenizer(directory):
     ],
 )
 def test_import_logits_match_transformers(tmp_path, arch, options):
-    if arch == "gpt2":
-        theirs, expected_tokenizer = gpt2_reference(**options), huggingface.GPT2_TOKENIZER
-    else:
-        theirs = llama_reference(options)
-        expected_tokenizer = {"kind": "tokenizers", "path": str(tmp_path / "hf" / "tokenizer.json")}
+    theirs = gpt2_reference(**options) if arch == "gpt2" else llama_reference(options)
     theirs.save_pretrained(tmp_path / "hf")
-    if arch == "llama":
-        with_tokenizer(tmp_path / "hf")
+    if arch == "gpt2":
+        expected = huggingface.GPT2_TOKENIZER
+    else:  # the directory's own tokenizer.json
+        expected = {"kind": "tokenizers", "path": str(with_tokenizer(tmp_path / "hf") / "tokenizer.json")}
     model, tok_spec = load.pretrained(str(tmp_path / "hf"))
-    assert isinstance(model, GPT) and {k: tok_spec[k] for k in expected_tokenizer} == expected_tokenizer
+    assert isinstance(model, GPT) and {k: tok_spec[k] for k in expected} == expected
     idx = tokens(arch)
     assert max_diff(our_logits(model, idx), their_logits(theirs, idx)) <= ARCH[arch].tol
     assert ARCH[arch].ours(model.config) == ARCH[arch].theirs(theirs.config)
     assert (model.transformer.wte.weight is model.lm_head.weight) == theirs.config.tie_word_embeddings
-    # model_args rebuild the same model, as sample.py and resume do from a checkpoint
-    _, model_args, kind = huggingface.load(str(tmp_path / "hf"))
-    assert kind == arch
-    rebuilt = GPT(GPTConfig(**model_args))
+    # its model_args rebuild the same model, as sample.py and resume do from a checkpoint
+    rebuilt = GPT(GPTConfig(**dataclasses.asdict(model.config)))
     rebuilt.load_state_dict(model.state_dict())
     assert torch.equal(our_logits(rebuilt, idx), our_logits(model, idx))
 
@@ -546,17 +519,9 @@ def gpt2_finetuned(tmp_path_factory):
     (root / "data").mkdir()
     ids[: len(ids) * 9 // 10].tofile(root / "data" / "train.bin")
     ids[len(ids) * 9 // 10 :].tofile(root / "data" / "val.bin")
-    run = [
-        "config/finetune_shakespeare.py",
-        f"--dataset={root / 'data'}",
-        f"--out_dir={root / 'out'}",
-        "--device=cpu",
-        "--compile=False",
-        "--block_size=32",
-        "--gradient_accumulation_steps=2",
-        "--eval_iters=2",
-        "--eval_interval=2",
-    ]
+    run = ["config/finetune_shakespeare.py", f"--dataset={root / 'data'}", f"--out_dir={root / 'out'}"]
+    run += "--device=cpu --compile=False --block_size=32 --gradient_accumulation_steps=2 --eval_iters=2".split()
+    run += ["--eval_interval=2"]
     finetune(root, "gpt2", run, positions=64)
     return SimpleNamespace(
         arch="gpt2",
@@ -589,33 +554,12 @@ def llama_finetuned(tmp_path_factory):
     reference = llama_reference("gqa-llama3-tied-eps1e-5", std=0.05, vocab_size=vocab)
     reference.save_pretrained(root / "llama")
     (root / "text.txt").write_text(make_text(30000))
-    corpus.main(
-        [
-            "--input",
-            str(root / "text.txt"),
-            f"--out_dir={root / 'data'}",
-            f"--tokenizer={root / 'llama' / 'tokenizer.json'}",
-            "--txt_separator=\\n",
-            "--val_tokens=1000",
-            "--test_tokens=0",
-            "--workers=1",
-        ]
-    )
-    run = [
-        f"--dataset={root / 'data'}",
-        f"--out_dir={root / 'out'}",
-        "--device=cpu",
-        "--compile=False",
-        "--block_size=40",
-        "--batch_size=4",
-        "--gradient_accumulation_steps=1",
-        "--eval_iters=2",
-        "--eval_interval=4",
-        "--learning_rate=1e-4",
-        "--warmup_iters=1",
-        "--lr_decay_iters=4",
-        "--min_lr=1e-5",
-    ]
+    prepare = ["--input", str(root / "text.txt"), f"--out_dir={root / 'data'}"]
+    prepare += [f"--tokenizer={root / 'llama' / 'tokenizer.json'}", "--txt_separator=\\n"]
+    corpus.main([*prepare, "--val_tokens=1000", "--test_tokens=0", "--workers=1"])
+    run = [f"--dataset={root / 'data'}", f"--out_dir={root / 'out'}", "--device=cpu", "--compile=False"]
+    run += "--block_size=40 --batch_size=4 --gradient_accumulation_steps=1 --eval_iters=2 --eval_interval=4".split()
+    run += "--learning_rate=1e-4 --warmup_iters=1 --lr_decay_iters=4 --min_lr=1e-5".split()
     finetune(root, "llama", run, positions=128)
     return SimpleNamespace(
         arch="llama",
@@ -659,18 +603,9 @@ def test_finetuning_starts_from_the_weights(finetuned):
 
 def test_sample_py_from_the_directory_is_transformers_greedy(finetuned, capsys):
     f = finetuned
-    sample.main(
-        [
-            f"--init_from={f.source}",
-            "--device=cpu",
-            "--temperature=0",
-            "--num_samples=1",
-            "--max_new_tokens=8",
-            f"--start={PROMPT}",
-            "--stream=False",
-            "--stop_at_eot=False",
-        ]
-    )
+    common = ["--device=cpu", f"--start={PROMPT}", "--stream=False"]
+    greedy_flags = "--temperature=0 --num_samples=1 --max_new_tokens=8 --stop_at_eot=False".split()
+    sample.main([f"--init_from={f.source}", *common, *greedy_flags])
     out = capsys.readouterr().out
     encode, decode = tokenizer.load(f.tok_spec)
     prompt = torch.tensor([encode(PROMPT)])
@@ -679,16 +614,7 @@ def test_sample_py_from_the_directory_is_transformers_greedy(finetuned, capsys):
         out.split("\n", 1)[1] == PROMPT + decode(greedy[0, prompt.size(1) :].tolist()) + "\n" + sample.SEPARATOR + "\n"
     )
     # and from the finetuned run's checkpoint, decoded with the same tokenizer
-    sample.main(
-        [
-            f"--out_dir={f.root / 'out'}",
-            "--device=cpu",
-            "--num_samples=2",
-            "--max_new_tokens=5",
-            f"--start={PROMPT}",
-            "--stream=False",
-        ]
-    )
+    sample.main([f"--out_dir={f.root / 'out'}", *common, "--num_samples=2", "--max_new_tokens=5"])
     assert capsys.readouterr().out.count(PROMPT) == 2
 
 
@@ -706,10 +632,8 @@ def test_export_of_the_finetuned_run_loads_in_transformers(finetuned, capsys):
     # its tokenizer: the same ids as the run's, and end-of-text known, as lm-evaluation-harness needs
     encode, _ = tokenizer.load(tok_spec)
     theirs = transformers.AutoTokenizer.from_pretrained(export)
-    for text in ["The king shall not", *f.known_ids]:
-        assert (
-            theirs(text, add_special_tokens=False)["input_ids"] == encode(text) == f.known_ids.get(text, encode(text))
-        )
+    for text, ids in {"The king shall not": encode("The king shall not"), **f.known_ids}.items():
+        assert theirs(text, add_special_tokens=False)["input_ids"] == encode(text) == ids
     assert theirs.eos_token == f.eos == tok_spec.get("eot", f.eos)
     assert exported.config.eos_token_id == tokenizer.eot(tok_spec) == theirs.convert_tokens_to_ids(f.eos)
     assert exported.config.bos_token_id == theirs.convert_tokens_to_ids(f.bos)
