@@ -389,9 +389,7 @@ def test_llama_3_2_1b_config_builds_with_its_parameter_count(tmp_path):
                 pos_encoding="rope",
                 mlp="swiglu",
                 n_kv_head=1,
-                rope_scaling=dict(
-                    factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16
-                ),
+                rope_scaling=dict(SCALING, factor=4.0, original_max_position_embeddings=16),
             ),
             id="gpt_trainer-layernorm-llama",
         ),
@@ -400,31 +398,18 @@ def test_llama_3_2_1b_config_builds_with_its_parameter_count(tmp_path):
             dict(pos_encoding="rope", norm="rmsnorm", mlp="swiglu", bias=False, qk_norm=True, tie_embeddings=False),
             id="gpt_trainer-qk_norm-llama",
         ),
-        pytest.param(  # config/train_shakespeare_char_cpu.py's, tied, 4 layers, no softcap
+        pytest.param(  # config/train_shakespeare_char_cpu.py's levers, tied, 4 layers, no softcap
             "gpt_trainer",
-            dict(
-                bias=False,
-                pos_encoding="rope",
-                norm="rmsnorm",
-                qk_norm=True,
-                mlp="relu2",
-                tie_embeddings=True,
-                zero_init_proj=True,
-                logit_softcap=0.0,
-                value_embeds=True,
-                unet_skips=True,
-                n_layer=4,
-            ),
+            dict(bias=False, pos_encoding="rope", norm="rmsnorm", qk_norm=True, mlp="relu2", tie_embeddings=True)
+            | dict(zero_init_proj=True, logit_softcap=0.0, value_embeds=True, unet_skips=True, n_layer=4),
             id="gpt_trainer-recipe",
         ),
     ],
 )
 def test_export_logits_match_transformers(tmp_path, arch, options):
     if arch == "gpt2":
-        shape, tok_spec = (
-            dict(n_layer=2, n_head=4, n_embd=64, block_size=64, vocab_size=50257),
-            huggingface.GPT2_TOKENIZER,
-        )
+        shape = dict(n_layer=2, n_head=4, n_embd=64, block_size=64, vocab_size=50257)
+        tok_spec = huggingface.GPT2_TOKENIZER
     elif arch == "llama":
         shape, options = huggingface.llama_model_args(llama_config(options).to_dict()), {}
         tok_spec = {"kind": "char", "chars": "x" * V}
@@ -497,14 +482,11 @@ def make_bpe_tokenizer(path):
     return tok.get_vocab_size()
 
 
-def finetune(root, source, run, positions):
-    """4 steps of train.py from the Hugging Face directory root/source."""
-    result = run_script("train.py", *run, f"--init_from={root / source}", "--max_iters=4")
+def finetune(source, run, cropped):
+    """4 steps of train.py from the Hugging Face directory source."""
+    result = run_script("train.py", *run, f"--init_from={source}", "--max_iters=4")
     assert result.returncode == 0, result.stderr
-    block_size = next(a for a in run if a.startswith("--block_size=")).split("=")[1]
-    assert (
-        "come from the weights" in result.stdout and f"block_size {positions} cropped to {block_size}" in result.stdout
-    )
+    assert "come from the weights" in result.stdout and f"block_size {cropped}" in result.stdout
 
 
 @pytest.fixture(scope="module")
@@ -522,7 +504,7 @@ def gpt2_finetuned(tmp_path_factory):
     run = ["config/finetune_shakespeare.py", f"--dataset={root / 'data'}", f"--out_dir={root / 'out'}"]
     run += "--device=cpu --compile=False --block_size=32 --gradient_accumulation_steps=2 --eval_iters=2".split()
     run += ["--eval_interval=2"]
-    finetune(root, "gpt2", run, positions=64)
+    finetune(root / "gpt2", run, cropped="64 cropped to 32")
     return SimpleNamespace(
         arch="gpt2",
         root=root,
@@ -560,7 +542,7 @@ def llama_finetuned(tmp_path_factory):
     run = [f"--dataset={root / 'data'}", f"--out_dir={root / 'out'}", "--device=cpu", "--compile=False"]
     run += "--block_size=40 --batch_size=4 --gradient_accumulation_steps=1 --eval_iters=2 --eval_interval=4".split()
     run += "--learning_rate=1e-4 --warmup_iters=1 --lr_decay_iters=4 --min_lr=1e-5".split()
-    finetune(root, "llama", run, positions=128)
+    finetune(root / "llama", run, cropped="128 cropped to 40")
     return SimpleNamespace(
         arch="llama",
         root=root,
