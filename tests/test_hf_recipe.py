@@ -2,7 +2,9 @@
 architecture, as config/train_shakespeare_char_cpu.py trains it, and other mixes of model.py's
 options): GPTTrainerForCausalLM, gpt/weights/modeling_gpt_trainer.py copied beside the weights, read by
 transformers itself with trust_remote_code=True. Its logits equal ours, greedy generate() gives
-sample.py --temperature=0's tokens, a chat model carries its template, and GGUF refuses in one line."""
+sample.py --temperature=0's tokens, a chat model carries its template, and GGUF refuses in one line.
+The logits of other mixes of the options, random weights exported and read back:
+test_hf.py's test_export_logits_match_transformers[gpt_trainer-*]."""
 
 import dataclasses
 import json
@@ -94,34 +96,6 @@ def test_greedy_generate_gives_sample_pys_tokens(recipe_run, capsys):
     assert tok.decode(cached[0].tolist()) == ours and len(set(ours[len(prompt) :])) > 1
     with pytest.raises(ValueError, match="past this model's block_size=64"):
         model.generate(ids, max_new_tokens=64, do_sample=False)
-
-
-@pytest.mark.parametrize(
-    "options",
-    [
-        dict(norm="rmsnorm", mlp="gelu_tanh"),  # learned positions with RMSNorm: neither GPT-2 nor Llama
-        dict(
-            pos_encoding="rope",
-            mlp="swiglu",
-            n_kv_head=1,
-            rope_scaling=dict(
-                factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16
-            ),
-        ),  # LayerNorm and biases in a Llama
-        dict(pos_encoding="rope", norm="rmsnorm", mlp="swiglu", bias=False, qk_norm=True, tie_embeddings=False),
-        dict(RECIPE, tie_embeddings=True, n_layer=4, logit_softcap=0.0),
-    ],
-)
-def test_every_mix_of_the_options_exports_with_our_logits(tmp_path, options):
-    config = GPTConfig(**{**dict(n_layer=2, n_head=4, n_embd=32, block_size=32, vocab_size=65), **options})
-    model = GPT(config)
-    with torch.no_grad():  # every weight random: one copied to the wrong place changes the logits
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.3)
-    chars = {"kind": "char", "chars": "".join(chr(32 + i) for i in range(65))}
-    assert huggingface.export(model, chars, str(tmp_path)) == "gpt_trainer"
-    idx = torch.randint(0, 65, (2, 32), generator=torch.Generator().manual_seed(1))
-    assert max_diff(model, tmp_path, idx) <= TOL
 
 
 def test_a_chat_model_carries_its_template(tmp_path):
