@@ -207,9 +207,6 @@ class Muon(torch.optim.Muon):
                         )
         self.sharded = shared and self.world_size > 1 and not self.fsdp  # DDP: momenta of own matrices only
         self.compile = compile
-        # whether momenta exist: the same on every rank (they step and load together), unlike
-        # self.state, empty on a DDP rank that owns no matrix
-        self.started = False
         # dynamic=False: one graph per shape (four for a GPT's blocks), each its own static kernels
         wrap = (lambda f: torch.compile(f, dynamic=False, fullgraph=True)) if compile else (lambda f: f)
         self.fused_step, self.direction, self.momentum, self.orthogonalize, self.apply = map(
@@ -276,7 +273,6 @@ class Muon(torch.optim.Muon):
             with torch.enable_grad():
                 loss = closure()
         scaling = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
-        self.started = True
         for group in self.param_groups:
             by_shape = self.shapes(group)
             if not self.sharded and not self.fsdp:
@@ -298,6 +294,12 @@ class Muon(torch.optim.Muon):
         pending = []
         for shape, params in by_shape.items():
             _check_grads(params)
+            # an entry for every matrix, empty for another rank's: self.state is then empty on every
+            # rank or on none, whatever a rank owns. DCP's get_state_dict and set_state_dict (the
+            # sharded checkpoint format) take a zero step on an optimizer whose state is empty, and
+            # this step is a collective, which a rank owning no matrix would otherwise enter alone
+            for p in params:
+                self.state.setdefault(p, {})
             it, h = self.iteration(group, params[0].device), self.hyper(group, shape)
             mine, counts = self.owned(params)
             chunk = max(counts)
@@ -346,9 +348,10 @@ class Muon(torch.optim.Muon):
         """torch's state_dict, whole: under DDP sharing, the other ranks' momenta are gathered in
         (a collective call, made by every rank as checkpoint.make_checkpoint is)."""
         state = super().state_dict()
-        if not self.sharded or not self.started:
+        if not self.sharded or not self.state:
             return state
         index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        state["state"] = {i: dict(s) for i, s in state["state"].items()}  # filled below: self.state's left as it is
         for group in self.param_groups:
             for params in self.shapes(group).values():
                 mine, counts = self.owned(params)
@@ -366,16 +369,16 @@ class Muon(torch.optim.Muon):
         return state
 
     def load_state_dict(self, state_dict):
-        """torch's; under DDP sharing this rank then keeps only its own matrices' momenta."""
+        """torch's; under DDP sharing this rank then keeps only its own matrices' momenta, and an
+        empty entry for each other matrix (as _step_ddp leaves them)."""
         super().load_state_dict(state_dict)
-        self.started = bool(state_dict["state"])
-        if self.sharded:
+        if self.sharded and self.state:
             for group in self.param_groups:
                 for params in self.shapes(group).values():
                     mine = set(self.owned(params)[0])
                     for p in params:
                         if p not in mine:
-                            self.state.pop(p, None)
+                            self.state[p] = {}
 
 
 def state_shape(key, p):
