@@ -13,7 +13,10 @@ SwiGLU), Muon, 20 steps, a checkpoint every 5 (the full format, one file):
 Only the order of the gradient reductions' float additions differs between them. Their logged
 losses agree within tests/test_fsdp.py's tolerance (rel 1e-5, abs 1e-6; measured 1.8e-7); the
 weights and momenta after 20 steps within rel 1e-4, abs 1e-5 (measured up to 1.1e-6: the
-Newton-Schulz iterations carry a last-bit difference of a gradient into the whole update)."""
+Newton-Schulz iterations carry a last-bit difference of a gradient into the whole update).
+
+muon_ranks: tests/muon_rank.py over 4 ranks, Muon itself on 14 bare matrices of 5 shapes, compiled,
+beside the one-process Muon on the same gradients (bit for bit), then resumed through DCP."""
 
 import json
 import os
@@ -28,6 +31,8 @@ import torch
 import torch.distributed as dist
 from conftest import char_dataset, losses, read_metrics, tiny_args, untimed
 from processes import run_python, run_script, start_python
+
+from gpt.train.muon import assign
 
 pytestmark = [
     pytest.mark.skipif(
@@ -152,30 +157,42 @@ def test_muon_under_fsdp_killed_at_a_random_moment_resumes_bit_for_bit(runs, tmp
     assert_close_states(final(tmp_path / "killed"), final(root / "fsdp2"), rtol=0, atol=0)
 
 
-def test_each_rank_orthogonalizes_its_share_and_keeps_its_momenta(tmp_path):
-    """dev/muon_bench.py under torchrun: 16 matrices of 4 shapes over 4 ranks, each rank's
-    count of matrices orthogonalized a step, its Muon state bytes, and its weights against the
-    one-process step on the same gradients."""
-    result = run_python(
-        [
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=4",
-            "dev/muon_bench.py",
-            "--n_layer=4",
-            "--n_embd=16",
-            "--steps=2",
-            "--compile=0",
-            f"--json={tmp_path / 'ranks.json'}",
-        ],
-        env=ENV,
-    )
+# tests/muon_rank.py's model: 14 bare matrices of 5 shapes, some with fewer matrices than ranks
+SHAPES = [[16, 8, 3], [8, 16, 3], [24, 8, 2], [8, 8, 5], [32, 8, 1]]
+OWNERS = assign({(a, b): count for a, b, count in SHAPES}, 4)  # each matrix's rank
+
+
+@pytest.fixture(scope="module")
+def muon_ranks(tmp_path_factory):
+    """Each rank's report of tests/muon_rank.py on 4 ranks: 2 steps of Muon shared over them,
+    compiled (dynamo's graphs, on the eager backend), then a resume through DCP and a step more."""
+    root = tmp_path_factory.mktemp("muon_ranks")
+    options = json.dumps({"shapes": SHAPES, "steps": 2, "backend": "eager"})
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "tests/muon_rank.py"]
+    result = run_python([*launch, root / "rank", options], env=ENV, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
-    ranks = json.loads((tmp_path / "ranks.json").read_text())
-    assert [r["orthogonalized"] for r in ranks] == [4] * 4 and ranks[0]["of"] == 16
-    assert all(4 * r["state_bytes"] == r["alone_state_bytes"] for r in ranks)
-    assert all(r["max_gap"] == 0 for r in ranks)  # the same numbers as one process computes
+    return [json.loads((root / f"rank{r}.json").read_text()) for r in range(4)]
+
+
+def test_each_rank_orthogonalizes_its_share_and_keeps_its_momenta(muon_ranks):
+    """Each rank runs the iterations on its own matrices only, every step, and holds only their
+    momenta (together the one-process Muon's bytes); the weights are the one-process step's, bit for bit."""
+    owned = [sum(ranks.count(r) for ranks in OWNERS.values()) for r in range(4)]
+    assert sum(owned) == 14 and 0 < min(owned)
+    assert [r["orthogonalized"] for r in muon_ranks] == [[n] * 3 for n in owned]  # 2 steps, 1 after the resume
+    assert [r["momenta"] for r in muon_ranks] == owned
+    assert sum(r["state_bytes"] for r in muon_ranks) == muon_ranks[0]["alone_state_bytes"]
+    assert all(r["gap"] == r["alone_gap"] == 0 for r in muon_ranks)
+
+
+def test_a_resume_through_dcp_continues_exactly_on_the_graphs_it_had(muon_ranks):
+    """DCP's zero steps (the sharded format's resume) compile no graph: one per shape and function,
+    apply's for every shape and direction's for those the rank owns a matrix of, beside the
+    one-process Muon's fused step, one per shape."""
+    for r, report in enumerate(muon_ranks):
+        mine = sum(r in ranks for ranks in OWNERS.values())
+        assert report["graphs"] == report["graphs_resumed"] == 5 + 5 + mine
+        assert report["resumed_gap"] == 0
 
 
 def test_a_world_size_that_does_not_divide_the_rows_is_one_line(runs, tmp_path):

@@ -17,9 +17,10 @@ so a moving learning rate never recompiles, and train_step's found_inf (a device
 a skipped step inside it, with no host sync: where it is 1 weights and momenta stay bit-unchanged.
 
 Under torchrun the pieces are split by collectives (docs/distributed.md says why this way):
-- DDP (shared=True, plain parameters): the gradients arrive all-reduced, as DDP leaves them. Each shape's k matrices
-  are shared out in contiguous runs, rank r owning about k/N; a rank keeps momenta for its own
-  only, runs momentum and orthogonalize on them, and all-gathers the orthogonalized updates, which
+- DDP (shared=True, plain parameters): the gradients arrive all-reduced, as DDP leaves them. The
+  matrices of every shape are shared out by assign(), so each rank's Newton-Schulz FLOPs are about
+  1/N of them all (not just k/N of each shape's k, which gives the same ranks every shape's larger
+  share); a rank keeps momenta for its own only, runs momentum and orthogonalize on them, and all-gathers the orthogonalized updates, which
   every rank then applies to every matrix (the same numbers on every rank, so the replicas stay
   equal bit for bit). state_dict gathers the momenta, so a checkpoint holds the whole state;
   load_state_dict keeps this rank's, so a resume on another world size shares them out anew.
@@ -164,11 +165,41 @@ def adjusted_lr_ratio(adjust_lr_fn, shape):
     return 1.0
 
 
-def shares(k, world_size):
-    """How many of k same-shape matrices each of N ranks owns: rank r the contiguous run
-    [r k // N, (r + 1) k // N), so the counts differ by at most one (12 over 8: 1, 2, 1, 2, ...)."""
-    bounds = [r * k // world_size for r in range(world_size + 1)]
-    return [b - a for a, b in zip(bounds, bounds[1:])]
+def ns_flops(shape, steps=5):
+    """The Newton-Schulz iterations' FLOPs on one (A, B) matrix, s and l its short and long sides: per
+    iteration the Gram matrix (s, s), its square, and that times x (s, l): 4 s^2 l + 2 s^3."""
+    short, long = sorted(shape[:2])
+    return steps * (4 * short * short * long + 2 * short**3)
+
+
+def assign(counts, world_size):
+    """{shape: [the rank that orthogonalizes each of its matrices, in order]} for counts {shape: how
+    many matrices}: the matrices taken largest first (ns_flops), each to the rank with the fewest
+    FLOPs so far; a tie to the rank holding fewest of that shape (less padding in the collectives),
+    then the lowest. The busiest rank's FLOPs are within 1.1x of 1/N of them all for GPT-2 124M and
+    the 1B at 2 to 16 ranks (tests/test_muon_balance.py). A pure function of the shapes, their counts
+    and the world size: every rank, and every resume on any world size, computes the same."""
+    load, owners = [0] * world_size, {}
+    for shape in sorted(counts, key=ns_flops, reverse=True):  # stable: equal shapes in counts' order
+        held, owners[shape] = [0] * world_size, []
+        for _ in range(counts[shape]):
+            r = min(range(world_size), key=lambda r: (load[r], held[r], r))
+            owners[shape].append(r)
+            load[r] += ns_flops(shape)
+            held[r] += 1
+    return {shape: owners[shape] for shape in counts}
+
+
+def by_rank(owners, world_size):
+    """[the indices of the matrices rank r owns, in order, for each rank r] from assign()'s owners of one shape."""
+    return [[i for i, o in enumerate(owners) if o == r] for r in range(world_size)]
+
+
+def in_order(pieces, mine):
+    """Each rank's rows (pieces[r][:len(mine[r])], mine as by_rank's) in the matrices' order: (k, ...)."""
+    stacked = torch.cat([piece[: len(m)] for piece, m in zip(pieces, mine)])
+    order = [i for m in mine for i in m]
+    return stacked[sorted(range(len(order)), key=order.__getitem__)]
 
 
 class Muon(torch.optim.Muon):
@@ -207,9 +238,6 @@ class Muon(torch.optim.Muon):
                         )
         self.sharded = shared and self.world_size > 1 and not self.fsdp  # DDP: momenta of own matrices only
         self.compile = compile
-        # whether momenta exist: the same on every rank (they step and load together), unlike
-        # self.state, empty on a DDP rank that owns no matrix
-        self.started = False
         # dynamic=False: one graph per shape (four for a GPT's blocks), each its own static kernels
         wrap = (lambda f: torch.compile(f, dynamic=False, fullgraph=True)) if compile else (lambda f: f)
         self.fused_step, self.direction, self.momentum, self.orthogonalize, self.apply = map(
@@ -223,11 +251,11 @@ class Muon(torch.optim.Muon):
             by_shape.setdefault(tuple(p.shape), []).append(p)
         return by_shape
 
-    def owned(self, params):
-        """This rank's run of `params` (one shape's), and every rank's count."""
-        counts = shares(len(params), self.world_size)
-        start = sum(counts[: self.rank])
-        return params[start : start + counts[self.rank]], counts
+    def shared_out(self, group):
+        """{shape: (the group's matrices of that shape, by_rank's indices of those each rank owns)}."""
+        by_shape = self.shapes(group)
+        owners = assign({shape: len(params) for shape, params in by_shape.items()}, self.world_size)
+        return {shape: (params, by_rank(owners[shape], self.world_size)) for shape, params in by_shape.items()}
 
     def hyper(self, group, shape):
         """The step's numbers: Python floats in eager (torch's own arithmetic, bit for bit), 0-D
@@ -275,8 +303,13 @@ class Muon(torch.optim.Muon):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        scaling = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
-        self.started = True
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is None and self.compile:
+            # a step without train_step's found_inf (DCP's zero step, which a sharded checkpoint's save
+            # and load take on an empty state) gets a 0 in its place: the graph of every training step,
+            # not a second one per shape (a fifth shape would pass dynamo's limit of 8 under fullgraph)
+            found_inf = torch.zeros((), device=self.param_groups[0]["params"][0].device)
+        scaling = found_inf, getattr(self, "grad_scale", None)
         for group in self.param_groups:
             by_shape = self.shapes(group)
             if not self.sharded and not self.fsdp:
@@ -287,95 +320,98 @@ class Muon(torch.optim.Muon):
                         grads, bufs = [p.grad for p in params], self.buffers(params)
                         self.fused_step(params, grads, bufs, self.seconds(params), h, *scaling, it)
             elif self.sharded:
-                self._step_ddp(group, by_shape, scaling)
+                self._step_ddp(group, scaling)
             else:
-                self._step_fsdp(group, by_shape, scaling)
+                self._step_fsdp(group, scaling)
         return loss
 
-    def _step_ddp(self, group, by_shape, scaling):
+    def _step_ddp(self, group, scaling):
         """Each rank its own run of each shape's matrices; the orthogonalized updates all-gathered
         (asynchronously: the next shape's work overlaps this one's gather), then applied everywhere."""
         pending = []
-        for shape, params in by_shape.items():
+        for shape, (params, mine) in self.shared_out(group).items():
             _check_grads(params)
+            # an entry for every matrix, empty for another rank's: self.state is then empty on every
+            # rank or on none, whatever a rank owns. DCP's get_state_dict and set_state_dict (the
+            # sharded checkpoint format) take a zero step on an optimizer whose state is empty, and
+            # this step is a collective, which a rank owning no matrix would otherwise enter alone
+            for p in params:
+                self.state.setdefault(p, {})
             it, h = self.iteration(group, params[0].device), self.hyper(group, shape)
-            mine, counts = self.owned(params)
-            chunk = max(counts)
-            update = torch.zeros((chunk, *shape), dtype=it.dtype, device=params[0].device)
-            if mine:
-                grads, bufs = [p.grad for p in mine], self.buffers(mine)
-                update[: len(mine)] = self.direction(grads, bufs, self.seconds(mine), h, *scaling, it)
+            own = [params[i] for i in mine[self.rank]]
+            update = torch.zeros((max(map(len, mine)), *shape), dtype=it.dtype, device=params[0].device)
+            if own:
+                grads, bufs = [p.grad for p in own], self.buffers(own)
+                update[: len(own)] = self.direction(grads, bufs, self.seconds(own), h, *scaling, it)
             gathered = [torch.empty_like(update) for _ in range(self.world_size)]
-            pending.append((params, counts, gathered, h, it, dist.all_gather(gathered, update, async_op=True)))
-        for params, counts, gathered, h, it, work in pending:
+            pending.append((params, mine, gathered, h, it, dist.all_gather(gathered, update, async_op=True)))
+        for params, mine, gathered, h, it, work in pending:
             work.wait()
-            update = torch.cat([g[:n] for g, n in zip(gathered, counts)])  # (k, A, B) in the matrices' order
-            self.apply(params, update, h, scaling[0], it)
+            self.apply(params, in_order(gathered, mine), h, scaling[0], it)  # (k, A, B)
 
-    def _step_fsdp(self, group, by_shape, scaling):
+    def _step_fsdp(self, group, scaling):
         """Momentum on this rank's rows; each matrix's rows all-to-all to its owner, who
         orthogonalizes it whole; the result's rows all-to-all back; applied to the rows here."""
         sent = []
-        for shape, params in by_shape.items():
+        for shape, (params, mine) in self.shared_out(group).items():
             _check_grads(params)
             local = [p.to_local() for p in params]
             it, h = self.iteration(group, local[0].device), self.hyper(group, shape)
             bufs = [b.to_local() for b in self.buffers(params)]
             rows = self.momentum([p.grad.to_local() for p in params], bufs, h, *scaling, it)  # (k, A/N, B)
-            counts = shares(len(params), self.world_size)
-            send = _by_owner(rows, counts)  # (N * chunk, A/N, B): owner j's matrices in the j-th run
+            send = _by_owner(rows, mine)  # (N * chunk, A/N, B): owner j's matrices in the j-th run
             recv = torch.empty_like(send)
-            sent.append((local, counts, h, it, recv, dist.all_to_all_single(recv, send, async_op=True)))
+            sent.append((local, mine, h, it, recv, dist.all_to_all_single(recv, send, async_op=True)))
         back = []
-        for local, counts, h, it, recv, work in sent:
+        for local, mine, h, it, recv, work in sent:
             work.wait()
-            n, chunk = self.world_size, max(counts)
+            n, chunk, k = self.world_size, max(map(len, mine)), len(mine[self.rank])
             a, B = recv.shape[1:]
-            whole = recv.view(n, chunk, a, B).transpose(0, 1).reshape(chunk, n * a, B)  # my matrices, every row
-            done = self.orthogonalize(whole, it.schedule, it.eps, it.safety)
+            whole = recv.view(n, chunk, a, B).transpose(0, 1)[:k].reshape(k, n * a, B)  # my matrices, every row
+            done = torch.zeros((chunk, n * a, B), dtype=recv.dtype, device=recv.device)
+            if k:  # not the padding
+                done[:k] = self.orthogonalize(whole, it.schedule, it.eps, it.safety)
             send = done.view(chunk, n, a, B).transpose(0, 1).contiguous()  # to rank i: its rows of each
             recv = torch.empty_like(send)
-            back.append((local, counts, h, it, recv, dist.all_to_all_single(recv, send, async_op=True)))
-        for local, counts, h, it, recv, work in back:
+            back.append((local, mine, h, it, recv, dist.all_to_all_single(recv, send, async_op=True)))
+        for local, mine, h, it, recv, work in back:
             work.wait()
-            chunk = max(counts)
-            rows = torch.cat([recv[j, :c] for j, c in enumerate(counts)])  # (k, A/N, B) in the matrices' order
-            self.apply(local, rows, h, scaling[0], it)
+            self.apply(local, in_order(recv, mine), h, scaling[0], it)  # (k, A/N, B)
 
     def state_dict(self):
         """torch's state_dict, whole: under DDP sharing, the other ranks' momenta are gathered in
         (a collective call, made by every rank as checkpoint.make_checkpoint is)."""
         state = super().state_dict()
-        if not self.sharded or not self.started:
+        if not self.sharded or not self.state:
             return state
         index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        state["state"] = {i: dict(s) for i, s in state["state"].items()}  # filled below: self.state's left as it is
         for group in self.param_groups:
-            for params in self.shapes(group).values():
-                mine, counts = self.owned(params)
-                kept = {"momentum_buffer": self.buffers(mine)}
+            for params, mine in self.shared_out(group).values():
+                own = [params[i] for i in mine[self.rank]]
+                kept = {"momentum_buffer": self.buffers(own)}
                 if self.normuon:
-                    kept["second_moment"] = self.seconds(mine)
+                    kept["second_moment"] = self.seconds(own)
                 for key, tensors in kept.items():
-                    stack = torch.zeros((max(counts), *state_shape(key, params[0])), device=params[0].device)
+                    stack = torch.zeros((max(map(len, mine)), *state_shape(key, params[0])), device=params[0].device)
                     for i, t in enumerate(tensors):
                         stack[i] = t
                     gathered = [torch.empty_like(stack) for _ in range(self.world_size)]
                     dist.all_gather(gathered, stack)
-                    for p, t in zip(params, (t for g, n in zip(gathered, counts) for t in g[:n])):
+                    for p, t in zip(params, in_order(gathered, mine)):
                         state["state"].setdefault(index[p], {})[key] = t.clone()
         return state
 
     def load_state_dict(self, state_dict):
-        """torch's; under DDP sharing this rank then keeps only its own matrices' momenta."""
+        """torch's; under DDP sharing this rank then keeps only its own matrices' momenta, and an
+        empty entry for each other matrix (as _step_ddp leaves them)."""
         super().load_state_dict(state_dict)
-        self.started = bool(state_dict["state"])
-        if self.sharded:
+        if self.sharded and self.state:
             for group in self.param_groups:
-                for params in self.shapes(group).values():
-                    mine = set(self.owned(params)[0])
-                    for p in params:
-                        if p not in mine:
-                            self.state.pop(p, None)
+                for params, mine in self.shared_out(group).values():
+                    for i, p in enumerate(params):
+                        if i not in mine[self.rank]:
+                            self.state[p] = {}
 
 
 def state_shape(key, p):
@@ -397,12 +433,11 @@ def _check_grads(params):
         raise RuntimeError("Muon shared over ranks needs a gradient for every matrix (a collective step)")
 
 
-def _by_owner(rows, counts):
-    """rows (k, a, B) -> (N * chunk, a, B): owner j's matrices at [j chunk, j chunk + counts[j]), zeros after."""
-    chunk = max(counts)
-    out = rows.new_zeros((len(counts) * chunk, *rows.shape[1:]))
-    start = 0
-    for j, c in enumerate(counts):
-        out[j * chunk : j * chunk + c] = rows[start : start + c]
-        start += c
+def _by_owner(rows, mine):
+    """rows (k, a, B) -> (N * chunk, a, B): owner j's matrices (mine[j], by_rank's) at [j chunk, j chunk +
+    len(mine[j])), zeros after."""
+    chunk = max(map(len, mine))
+    out = rows.new_zeros((len(mine) * chunk, *rows.shape[1:]))
+    for j, m in enumerate(mine):
+        out[j * chunk : j * chunk + len(m)] = rows[m]
     return out
