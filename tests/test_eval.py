@@ -6,15 +6,13 @@ batch in the eval loops."""
 import json
 import math
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import GPT2, bpe_eval_data, count_host_reads, read_metrics, tiny_args, train_tiny_run, write_hellaswag
-from processes import REPO, run_script
+from processes import REPO, run_python, run_script
 
 from gpt.data import token_files, tokenizer
 from gpt.device import runtime
@@ -234,20 +232,11 @@ def test_eval_loops_read_the_device_once_whatever_the_number_of_batches(monkeypa
     not os.environ.get("LM_EVAL_PYTHON"), reason="set LM_EVAL_PYTHON to a Python with lm-eval installed (its own venv)"
 )
 def test_harness_style_equals_lm_evaluation_harness():
-    # dev/harness_hellaswag.py: lm-eval's own hellaswag task and --hellaswag_style=harness on one
-    # GPT-2-shaped export and one local file; every log-likelihood, verdict and accuracy compared
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "dev" / "harness_hellaswag.py"),
-            f"--lm_eval_python={os.environ['LM_EVAL_PYTHON']}",
-            "--examples=24",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    # the harness script in the repo's dev folder: lm-eval's own hellaswag task and
+    # --hellaswag_style=harness on one GPT-2-shaped export and one local file; every
+    # log-likelihood, verdict and accuracy compared
+    harness = REPO / "dev" / "harness_hellaswag.py"
+    result = run_python([harness, f"--lm_eval_python={os.environ['LM_EVAL_PYTHON']}", "--examples=24"], timeout=600)
     assert result.returncode == 0 and result.stdout.strip().endswith("equal"), (
         result.stdout[-3000:] + result.stderr[-3000:]
     )

@@ -10,7 +10,6 @@ import pickle
 import random
 import signal
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from conftest import (
     tiny_args,
     train_tiny_run,
 )
-from processes import load_script, run_script
+from processes import load_script, run_python, run_script
 
 from data import corpus
 from gpt.data import tokenizer
@@ -43,16 +42,18 @@ def llama_cpp(function, *args, timeout=240):
     that can die of a signal, which then fails this test in one line instead of the pytest worker."""
     needs("llama-cpp-python")
     with tempfile.TemporaryDirectory() as tmp:
-        result = Path(tmp) / "result.pickle"
-        child = [sys.executable, Path(__file__).with_name("llama_cpp_child.py"), function, result]
+        arguments, result = Path(tmp) / "args.pickle", Path(tmp) / "result.pickle"
+        arguments.write_bytes(pickle.dumps(args))
         try:
-            done = subprocess.run(child, input=pickle.dumps(args), capture_output=True, timeout=timeout)
+            done = run_python(
+                [Path(__file__).with_name("llama_cpp_child.py"), function, arguments, result], timeout=timeout
+            )
         except subprocess.TimeoutExpired:
             pytest.fail(f"llama.cpp's {function} gave no result in {timeout} s: killed", pytrace=False)
         if done.returncode:
             code = done.returncode
             cause = f"died of {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-            pytest.fail(f"llama.cpp's {function} {cause}:\n{done.stderr.decode()[-3000:]}", pytrace=False)
+            pytest.fail(f"llama.cpp's {function} {cause}:\n{done.stderr[-3000:]}", pytrace=False)
         return pickle.loads(result.read_bytes())
 
 
