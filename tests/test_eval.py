@@ -11,7 +11,16 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import GPT2, bpe_eval_data, count_host_reads, read_metrics, tiny_args, train_tiny_run, write_hellaswag
+from conftest import (
+    GPT2,
+    TINY,
+    bpe_eval_data,
+    count_host_reads,
+    read_metrics,
+    tiny_args,
+    train_tiny_run,
+    write_hellaswag,
+)
 from processes import REPO, run_python, run_script
 
 from gpt.data import token_files, tokenizer
@@ -90,7 +99,7 @@ def char_model_and_data(tmp_path):
     ids = np.array([chars.index(c) for c in text], dtype=np.uint16)
     torch.manual_seed(0)
     return (
-        GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=len(chars))).eval(),
+        GPT(GPTConfig(**dict(TINY, vocab_size=len(chars)))).eval(),
         spec,
         ids,
         lambda targets: len("".join(chars[i] for i in targets).encode("utf-8")),
@@ -102,7 +111,7 @@ def bpe_model_and_data(tmp_path):
     docs = ["Un café crème, s'il vous plaît. 東京 is Tokyo 🚀.", "Naïve façades: the ångström and the € sign."] * 10
     ids = np.array([t for d in docs for t in [enc.eot_token] + enc.encode_ordinary(d)], dtype=np.uint16)
     torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=50257)).eval()
+    model = GPT(GPTConfig(**dict(TINY, vocab_size=50257))).eval()
     # the text of the targets, decoded as one byte string (BPE tokens can split a character); <|endoftext|> is no text
     return model, GPT2, ids, lambda targets: len(enc.decode_bytes([t for t in targets if t != enc.eot_token]))
 

@@ -18,6 +18,7 @@ import torch
 from conftest import (
     CONVERSATIONS,
     LLAMA3_SPECIALS,
+    TINY,
     chat_demo_copy,
     make_text,
     make_trained_tokenizer,
@@ -176,7 +177,7 @@ def tokenizers(tmp_path_factory):
 def test_llama_cpp_tokenizes_random_text_to_our_ids(tokenizers, tmp_path, kind, pre):
     """300 random strings: llama.cpp's ids (special tokens parsed, no BOS) are tokenizer.py's."""
     spec = tokenizers[kind]
-    model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=32, block_size=32, vocab_size=spec["vocab_size"]))
+    model = GPT(GPTConfig(**dict(TINY, n_layer=1, n_head=1, block_size=32, vocab_size=spec["vocab_size"])))
     gguf_export.write(model, spec, str(tmp_path / "model.gguf"), "gpt2")
     encode, _ = tokenizer.load(spec)
     specials = {
@@ -371,7 +372,7 @@ def test_llama_cpp_renders_the_chat_template_to_our_ids(tokenizers, tmp_path, ki
     ids chat.py feeds the model; BOS, EOS and EOT are the template's."""
     template = Template(tokenizers[kind])
     spec = {**tokenizers[kind], "vocab_size": template.vocab_size, "chat": template.meta()}
-    model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=32, block_size=32, vocab_size=template.vocab_size))
+    model = GPT(GPTConfig(**dict(TINY, n_layer=1, n_head=1, block_size=32, vocab_size=template.vocab_size)))
     gguf_export.write(model, spec, str(tmp_path / "model.gguf"), "gpt2")
     vocab = llama_cpp("tokenize", tmp_path / "model.gguf", [])
     assert (vocab["bos"], vocab["eos"]) == (template.id["bos"], template.end_id)
@@ -442,7 +443,7 @@ def test_a_character_vocabulary_is_refused(tmp_path):
     ],
 )
 def test_models_gguf_cannot_hold_are_refused(tmp_path, options, named):
-    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=50257, **options))
+    model = GPT(GPTConfig(**dict(TINY, n_layer=1, vocab_size=50257, **options)))
     assert_refused(save_checkpoint(tmp_path / "out", model, tokenizer.make_spec("gpt2")), named)
 
 
@@ -483,7 +484,7 @@ def test_tokenizers_llama_cpp_splits_otherwise_are_refused(tmp_path, change, nam
         "normalizer": dict(normalizer=True),
     }[change]
     spec = tokenizer_json(tmp_path / "tokenizer.json", **changes)
-    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=spec["vocab_size"]))
+    model = GPT(GPTConfig(**dict(TINY, n_layer=1, vocab_size=spec["vocab_size"])))
     assert_refused(save_checkpoint(tmp_path / "out", model, spec), named)
 
 
@@ -503,7 +504,7 @@ def test_a_failed_write_leaves_the_old_file_whole(tmp_path, monkeypatch, failure
     import gguf
 
     spec = tokenizer.make_spec("gpt2")
-    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=50257))
+    model = GPT(GPTConfig(**dict(TINY, n_layer=1, vocab_size=50257)))
     out_dir = save_checkpoint(tmp_path / "out", model, spec)
     export(out_dir)
     old = (out_dir / "model.gguf").read_bytes()
@@ -529,7 +530,7 @@ def test_a_q8_0_export_on_an_amx_cpu_says_how_to_load_it(tmp_path, monkeypatch, 
     on it); not for f16, which that path never takes, and not on other CPUs."""
     import hf
 
-    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=50257))
+    model = GPT(GPTConfig(**dict(TINY, n_layer=1, vocab_size=50257)))
     out_dir = save_checkpoint(tmp_path / "out", model, {"kind": "tiktoken", "name": "gpt2", "vocab_size": 50257})
     monkeypatch.setattr(gguf_export, "cpu_has_amx", lambda: amx)
     for dtype in ("q8_0", "f16"):

@@ -182,7 +182,7 @@ def kill_and_heal(data, tmp_path, sync_every):
     (a sync step of DiLoCo's 4): at the first both write after the heal, their weights and
     optimizer states are equal bit for bit (with DiLoCo: the weights and the outer state; each
     group's inner optimizer keeps moments of its own data). SIGTERM then stops both there
-    (dev/replica_trials.py --trial=groups runs such kills to the end of the run, 10 times)."""
+    (replica_trials.py --trial=groups, in the repo's dev folder, runs such kills to the end of the run, 10 times)."""
     lighthouse = Lighthouse(tmp_path / "lighthouse.log", min_replicas=1, join_timeout_ms=1000)
     out = tmp_path / "ft"
     # dist_timeout_s: 6 times the lighthouse's 5 s to count a killed group out (the survivor's quorum waits
