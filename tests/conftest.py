@@ -1,7 +1,8 @@
 """Shared test helpers: the CPU runtime and the tiny model shapes, tiny datasets made on the spot,
 train.py's flags for a tiny model, what tests read of a run (untimed, losses, one_line_error), a
-checkpoint as train.py writes one, the tokenizers several files make, and the chat demo that several
-test files read. Running the commands themselves: processes.py."""
+checkpoint as train.py writes one, the tokenizers several files make, the tree's files as a clone has
+them, and the runs trained once for every test that reads them: a tiny character run, the chat demo.
+Running the commands themselves: processes.py."""
 
 import dataclasses
 import fcntl
@@ -312,21 +313,44 @@ def _build_chat_demo(root):
     assert result.returncode == 0, result.stderr
 
 
-@pytest.fixture(scope="session")
-def shared_chat_demo(tmp_path_factory):
-    """The chat demo's path at 15% of its steps (Muon's learning rate 0.03 instead of 0.02: as many
-    held-out answers right as 250 steps at 0.02), trained once per test run: the first pytest-xdist
-    worker to ask builds it under a lock while the others wait. (out_dir, held-out conversations).
-    Read it only; copy out_dir with chat_demo_copy to write there."""
+def built_once(tmp_path_factory, name, build):
+    """The folder `name` for the whole test run, build(folder) the first time a test asks: under
+    pytest's base temp (above pytest-xdist's workers'), built by the first worker to ask under a lock
+    while the others wait."""
     root = tmp_path_factory.getbasetemp()
-    root = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "shared_chat_demo"  # above the workers'
+    root = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / name  # above the workers'
     with open(f"{root}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if not (root / "built").exists():
             shutil.rmtree(root, ignore_errors=True)  # a build cut short
             root.mkdir()
-            _build_chat_demo(root)
+            build(root)
             (root / "built").touch()
+    return root
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    """The out_dir of one finished tiny character-level run (train_tiny_run's model, 30 steps, one
+    eval at the end; ckpt.pt and ckpt_best.pt), trained once per test run for every test that reads
+    a trained run; its dataset is out_dir.parent / "chars". Read it only; a test that writes there
+    takes tiny_run_copy."""
+    build = lambda root: train_tiny_run(root, max_iters=30, lr_decay_iters=30, eval_interval=30)
+    return built_once(tmp_path_factory, "tiny_run", build) / "out"
+
+
+@pytest.fixture
+def tiny_run_copy(tiny_run, tmp_path):
+    """A copy of tiny_run's out_dir, tmp_path / "run", to write in."""
+    return Path(shutil.copytree(tiny_run, tmp_path / "run"))
+
+
+@pytest.fixture(scope="session")
+def shared_chat_demo(tmp_path_factory):
+    """The chat demo's path at 15% of its steps (Muon's learning rate 0.03 instead of 0.02: as many
+    held-out answers right as 250 steps at 0.02), trained once per test run (built_once).
+    (out_dir, held-out conversations). Read it only; copy out_dir with chat_demo_copy to write there."""
+    root = built_once(tmp_path_factory, "shared_chat_demo", _build_chat_demo)
     return root / "out", [json.loads(line) for line in (root / "data" / "heldout.jsonl").read_text().splitlines()]
 
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import TINY, TINY_LLAMA, chat_demo_copy, make_llama3_tokenizer, save_chat_checkpoint, train_tiny_run
+from conftest import TINY, TINY_LLAMA, chat_demo_copy, make_llama3_tokenizer, save_chat_checkpoint
 from processes import REPO, load_script, run_script
 
 from configurator import TrainConfig, parse
@@ -200,9 +200,9 @@ def test_the_conversation_past_its_context(demo, capsys):
 
 
 @pytest.mark.slow
-def test_errors_are_one_line(demo, tmp_path):
+def test_errors_are_one_line(demo, tiny_run, tmp_path):
     out_dir, _ = demo
-    plain = train_tiny_run(tmp_path)  # a character model trained on plain text
+    plain = tiny_run  # a character model trained on plain text
     cases = [
         ([f"--out_dir={plain}"], "fine-tune it on chat data first"),
         ([f"--out_dir={out_dir}", "--temperature=-1"], "temperature=-1"),

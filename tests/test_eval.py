@@ -11,16 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import (
-    GPT2,
-    TINY,
-    bpe_eval_data,
-    count_host_reads,
-    read_metrics,
-    tiny_args,
-    train_tiny_run,
-    write_hellaswag,
-)
+from conftest import GPT2, TINY, bpe_eval_data, count_host_reads, read_metrics, tiny_args, write_hellaswag
 from processes import REPO, run_python, run_script
 
 from gpt.data import token_files, tokenizer
@@ -182,19 +173,14 @@ def test_training_logs_bpb_test_loss_and_hellaswag_in_rhythm_across_resume(bpe_s
     assert width > 2000
 
 
-@pytest.fixture(scope="module")
-def char_run(tmp_path_factory):
-    return train_tiny_run(tmp_path_factory.mktemp("char"), max_iters=4)
-
-
-def test_eval_of_a_char_run_defaults_to_its_splits(char_run):
-    result = run_script("eval.py", f"--out_dir={char_run}", "--device=cpu", "--json=True")
+def test_eval_of_a_char_run_defaults_to_its_splits(tiny_run):
+    result = run_script("eval.py", f"--out_dir={tiny_run}", "--device=cpu", "--json=True")
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert list(out) == ["val"] and out["val"]["tokens"] > 0 and out["val"]["bpb"] > 0  # no hellaswag, no test split
 
 
-def test_bad_input_is_one_line_and_a_nonzero_exit(char_run, bpe_setup, tmp_path):
+def test_bad_input_is_one_line_and_a_nonzero_exit(tiny_run, bpe_setup, tmp_path):
     root, data_dir, hs = bpe_setup
     (tmp_path / "bad.jsonl").write_text('{"ctx": "a", "endings": ["b", "c"], "label": 0}\nnot json\n')
     (tmp_path / "short.jsonl").write_text('{"context": "a", "choices": ["b", "c"]}\n')
@@ -203,7 +189,7 @@ def test_bad_input_is_one_line_and_a_nonzero_exit(char_run, bpe_setup, tmp_path)
         ([gpt2, "--tasks=hellaswag", f"--hellaswag_path={tmp_path / 'missing.jsonl'}"], "does not exist"),
         ([gpt2, "--tasks=hellaswag", f"--hellaswag_path={tmp_path / 'bad.jsonl'}"], "bad.jsonl:2 is not a JSON object"),
         ([gpt2, "--tasks=mc", f"--mc_path={tmp_path / 'short.jsonl'}"], "short.jsonl:1 lacks 'answer'"),
-        ([f"--out_dir={char_run}", "--tasks=hellaswag", f"--hellaswag_path={hs}"], "character-level"),
+        ([f"--out_dir={tiny_run}", "--tasks=hellaswag", f"--hellaswag_path={hs}"], "character-level"),
         ([gpt2, "--tasks=hellaswag,mmlu"], "unknown task 'mmlu'"),
     ]
     for args, message in cases:

@@ -25,7 +25,6 @@ from conftest import (
     needs,
     save_checkpoint,
     tiny_args,
-    train_tiny_run,
 )
 from processes import load_script, run_python, run_script
 
@@ -221,7 +220,8 @@ BLOCK = 96
 def trained(tmp_path_factory):
     """{shape: out_dir}: a GPT-2-shaped model on GPT-2 BPE data and a Llama-shaped one on a
     Llama-3-like tokenizer's data, each trained here for 40 steps, exported at f32, f16 and q8_0
-    (out_dir/<dtype>/model.gguf)."""
+    (out_dir/<dtype>/model.gguf). Not conftest's tiny_run: GGUF holds no character vocabulary, and
+    llama.cpp is compared on BPE tokenizers, a Llama's shape and 96-token contexts."""
     root = tmp_path_factory.mktemp("trained")
     (root / "text.txt").write_text(make_text(40000, seed=4) + "\nZürich 東京 🙂 1234567 naïve\n")
     tokenizers = {"gpt2": "gpt2", "llama": str(llama3_like(root / "llama3.json"))}
@@ -430,8 +430,8 @@ def assert_refused(out_dir, named, *args):
     assert sorted(p.name for p in out_dir.iterdir()) == before
 
 
-def test_a_character_vocabulary_is_refused(tmp_path):
-    assert_refused(train_tiny_run(tmp_path, max_iters=2), "character-level vocabulary")
+def test_a_character_vocabulary_is_refused(tiny_run):
+    assert_refused(tiny_run, "character-level vocabulary")
 
 
 @pytest.mark.parametrize(
@@ -488,11 +488,10 @@ def test_tokenizers_llama_cpp_splits_otherwise_are_refused(tmp_path, change, nam
     assert_refused(save_checkpoint(tmp_path / "out", model, spec), named)
 
 
-def test_bad_options_are_one_line(tmp_path):
-    out_dir = train_tiny_run(tmp_path, max_iters=2)
-    assert_refused(out_dir, "gguf_dtype='q4_0' is not one of", "--gguf_dtype=q4_0")
-    assert_refused(out_dir, "format='onnx' is not one of", "--format=onnx")
-    assert_refused(out_dir, "cannot create export_dir", f"--export_dir={out_dir / 'ckpt.pt' / 'gguf'}")
+def test_bad_options_are_one_line(tiny_run):
+    assert_refused(tiny_run, "gguf_dtype='q4_0' is not one of", "--gguf_dtype=q4_0")
+    assert_refused(tiny_run, "format='onnx' is not one of", "--format=onnx")
+    assert_refused(tiny_run, "cannot create export_dir", f"--export_dir={tiny_run / 'ckpt.pt' / 'gguf'}")
 
 
 @pytest.mark.parametrize(
