@@ -46,7 +46,8 @@ def start(args):
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    """A finished 10-step run in each checkpoint format: root/full and root/sharded; root/chars is the data."""
+    """A finished 10-step run in each checkpoint format: root/full and root/sharded; root/chars is the
+    data (conftest's tiny_run is one format, without dropout, evaluated at steps 0 and 30 only)."""
     root = tmp_path_factory.mktemp("outdir")
     data = char_dataset(root / "chars")
     for fmt in ("full", "sharded"):

@@ -114,7 +114,8 @@ def chars(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def finished_run(chars, tmp_path_factory):
-    """A finished character-level run with 10 checkpoints (iters 2, 4, ..., 20), all kept. Copy it to write there."""
+    """A finished character-level run with 10 checkpoints (iters 2, 4, ..., 20), all kept (conftest's
+    tiny_run keeps one). Copy it to write there."""
     out = tmp_path_factory.mktemp("finished") / "out"
     assert TRAIN.main(tiny_args(chars, out, max_iters=20, eval_interval=2, keep_last=100, log_interval=10)) == 0
     return out
@@ -510,7 +511,7 @@ def test_a_resumed_run_keeps_the_watchers_records_and_a_second_watch_fills_in_th
 
 APPENDER = """
 import sys
-from gpt import metrics
+from gpt.outdir import metrics
 print("ready", flush=True)
 sys.stdin.readline()  # go: both write at once
 for i in range(1000):
