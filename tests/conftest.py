@@ -1,7 +1,8 @@
 """Shared test helpers: the CPU runtime and the tiny model shapes, tiny datasets made on the spot,
 train.py's flags for a tiny model, what tests read of a run (untimed, losses, one_line_error), a
-checkpoint as train.py writes one, the tokenizers several files make, and the chat demo that several
-test files read. Running the commands themselves: processes.py."""
+checkpoint as train.py writes one, the tokenizers several files make, the tree's files as a clone has
+them, and the runs trained once for every test that reads them: a tiny character run, the chat demo.
+Running the commands themselves: processes.py."""
 
 import dataclasses
 import fcntl
@@ -11,6 +12,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shutil
 import signal
 from pathlib import Path
@@ -18,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from processes import REPO, STARTED, load_script, run_script
+from processes import REPO, STARTED, load_script, run, run_script, start_python
 
 from gpt.data.chat_template import Template
 from gpt.device.runtime import Runtime
@@ -197,12 +199,102 @@ def one_line_error(result, *fragments):
     return lines[0]
 
 
+def tree_files(root=REPO):
+    """The files (relative paths, sorted) of the tree as a fresh clone has it: in a git checkout, those
+    git tracks or would add (git ls-files); in a copy that is not one (a downloaded archive), those no
+    .gitignore ignores, read as git reads them. Files, not links (the venv, linked into a copy)."""
+    if (root / ".git").exists():
+        listed = run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root)
+        assert listed.returncode == 0, listed.stderr
+        names = filter(None, listed.stdout.split("\0"))
+    else:
+        names = _unignored(root, "", [])
+    return sorted(n for n in names if (root / n).is_file() and not (root / n).is_symlink())
+
+
+def _unignored(root, folder, rules):
+    """The paths under root/folder that no rule ignores, rules (gitignore_rule's) growing by each
+    folder's .gitignore; git's precedence: the last rule that matches decides, a deeper file's after
+    its parents', and nothing in an ignored folder comes back."""
+    here = root / folder
+    if (here / ".gitignore").is_file():
+        lines = (here / ".gitignore").read_text().splitlines()
+        rules = [*rules, *filter(None, (gitignore_rule(line, folder) for line in lines))]
+    for entry in sorted(here.iterdir()):
+        path = f"{folder}/{entry.name}" if folder else entry.name
+        is_dir = entry.is_dir() and not entry.is_symlink()  # git takes a link for a file
+        ignored = False
+        for pattern, negated, dirs_only in rules:
+            if (is_dir or not dirs_only) and pattern.match(path):
+                ignored = not negated
+        if entry.name == ".git" or ignored:
+            continue
+        yield from _unignored(root, path, rules) if is_dir else [path]
+
+
+def gitignore_rule(line, folder):
+    """(a regex of the tree-relative paths it matches, negated, directories only) for one line of
+    folder/.gitignore (folder "" at the root), or None for a blank line or a comment."""
+    line = line.rstrip()
+    if not line or line.startswith("#"):
+        return None
+    negated, line = line.startswith("!"), line.removeprefix("!")
+    dirs_only, line = line.endswith("/"), line.rstrip("/")
+    anchored = "/" in line  # at the .gitignore's folder; else a name at any depth below it
+    pieces = re.split(r"(\*\*/|/\*\*$|\*|\?|\[[^]]*\]|\\.)", line.lstrip("/"))
+    regex = "".join(
+        {"**/": "(?:.*/)?", "/**": "/.*", "*": "[^/]*", "?": "[^/]"}.get(p)
+        or (p.replace("[!", "[^") if p.startswith("[") else re.escape(p[-1:] if p.startswith("\\") else p))
+        for p in pieces
+    )
+    prefix = re.escape(f"{folder}/") if folder else ""
+    return re.compile(prefix + ("" if anchored else "(?:.*/)?") + regex + r"\Z"), negated, dirs_only
+
+
 def pytest_sessionfinish():
     """Kill what start_python started and a failed test left running (a run of 100,000 steps), children too."""
     for proc in STARTED:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def steps_by_iter(out_dir):
+    """{iter: record} of out_dir's training steps (the records with a loss)."""
+    return {r["iter"]: r for r in read_metrics(out_dir) if "loss" in r}
+
+
+# ---------------------------------------------------------------------------- torchft replica groups
+
+# one global batch of 4 micro-batches (a group of 1 rank takes 2 of them, a rank of a 2-rank group 1);
+# a checkpoint every 12 steps, the one at step 12 kept for the resume. dist_timeout_s only bounds a
+# failure: two groups started at once on the 2-core machine may wait long for each other's first quorum
+FT_COMMON = dict(
+    max_iters=24,
+    lr_decay_iters=24,
+    eval_interval=12,
+    gradient_accumulation_steps=4,
+    always_save_checkpoint=True,
+    keep_last=2,
+    dist_timeout_s=120,
+)
+
+
+def ft_group(char_data, out, g, lighthouse, log, **extra):
+    """train.py as replica group g of 2 at `lighthouse`'s address (FT_COMMON's run, with `extra`), its
+    output in the file `log` (torchft's Rust side logs every quorum: a pipe nobody reads while it runs
+    would fill and stop it)."""
+    keys = {**FT_COMMON, "ft_replica_group": g, "ft_groups": 2, "ft_lighthouse": lighthouse, **extra}
+    return start_python([REPO / "train.py", *tiny_args(char_data, out, **keys)], log, env={"OMP_NUM_THREADS": "1"})
+
+
+def ft_parameter_bytes(out):
+    """The bytes of the parameters of the model in out/group0/ckpt.pt: what one sync sends."""
+    from gpt.outdir import checkpoint
+    from model import GPT, GPTConfig
+
+    model_args = checkpoint.load(str(out / "group0" / "ckpt.pt"))["model_args"]
+    return sum(p.nbytes for p in GPT(GPTConfig(**model_args)).parameters())
 
 
 def _build_chat_demo(root):
@@ -221,21 +313,44 @@ def _build_chat_demo(root):
     assert result.returncode == 0, result.stderr
 
 
-@pytest.fixture(scope="session")
-def shared_chat_demo(tmp_path_factory):
-    """The chat demo's path at 15% of its steps (Muon's learning rate 0.03 instead of 0.02: as many
-    held-out answers right as 250 steps at 0.02), trained once per test run: the first pytest-xdist
-    worker to ask builds it under a lock while the others wait. (out_dir, held-out conversations).
-    Read it only; copy out_dir with chat_demo_copy to write there."""
+def built_once(tmp_path_factory, name, build):
+    """The folder `name` for the whole test run, build(folder) the first time a test asks: under
+    pytest's base temp (above pytest-xdist's workers'), built by the first worker to ask under a lock
+    while the others wait."""
     root = tmp_path_factory.getbasetemp()
-    root = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "shared_chat_demo"  # above the workers'
+    root = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / name  # above the workers'
     with open(f"{root}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if not (root / "built").exists():
             shutil.rmtree(root, ignore_errors=True)  # a build cut short
             root.mkdir()
-            _build_chat_demo(root)
+            build(root)
             (root / "built").touch()
+    return root
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    """The out_dir of one finished tiny character-level run (train_tiny_run's model, 30 steps, one
+    eval at the end; ckpt.pt and ckpt_best.pt), trained once per test run for every test that reads
+    a trained run; its dataset is out_dir.parent / "chars". Read it only; a test that writes there
+    takes tiny_run_copy."""
+    build = lambda root: train_tiny_run(root, max_iters=30, lr_decay_iters=30, eval_interval=30)
+    return built_once(tmp_path_factory, "tiny_run", build) / "out"
+
+
+@pytest.fixture
+def tiny_run_copy(tiny_run, tmp_path):
+    """A copy of tiny_run's out_dir, tmp_path / "run", to write in."""
+    return Path(shutil.copytree(tiny_run, tmp_path / "run"))
+
+
+@pytest.fixture(scope="session")
+def shared_chat_demo(tmp_path_factory):
+    """The chat demo's path at 15% of its steps (Muon's learning rate 0.03 instead of 0.02: as many
+    held-out answers right as 250 steps at 0.02), trained once per test run (built_once).
+    (out_dir, held-out conversations). Read it only; copy out_dir with chat_demo_copy to write there."""
+    root = built_once(tmp_path_factory, "shared_chat_demo", _build_chat_demo)
     return root / "out", [json.loads(line) for line in (root / "data" / "heldout.jsonl").read_text().splitlines()]
 
 

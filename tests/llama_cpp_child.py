@@ -4,7 +4,7 @@ death inside a pytest-xdist worker takes the worker down and can leave the whole
 child it is one failed test that names the signal. This script imports only llama_cpp and numpy, so
 it starts in a fraction of a second.
 
-    python tests/llama_cpp_child.py FUNCTION RESULT < args.pickle   # FUNCTION(*args), pickled to RESULT
+    python tests/llama_cpp_child.py FUNCTION ARGS RESULT   # FUNCTION(*args), args and result pickled files
 
 On CPUs with AMX (Intel Xeon from Sapphire Rapids on, `amx_int8` in /proc/cpuinfo), llama.cpp's CPU
 backend moves q8_0 (and q4_0, q4_1, q4_K, q5_K, q6_K, iq4_xs) matrix weights into its AMX buffer
@@ -110,7 +110,8 @@ def chat_replies(path, conversations, n_ctx=128):
 
 
 if __name__ == "__main__":
-    function, result = sys.argv[1:]
-    value = globals()[function](*pickle.load(sys.stdin.buffer))
+    function, args, result = sys.argv[1:]
+    with open(args, "rb") as f:
+        value = globals()[function](*pickle.load(f))
     with open(result, "wb") as f:
         pickle.dump(value, f)

@@ -1,13 +1,15 @@
 """Running the repo's commands as a user runs them: run_script (main(argv) in this process, or a
-process of its own), start_python and run_python (a real interpreter), torchrun (two ranks), and
-what tests read of a running process (wait_for, logged_steps, output_of). conftest.py kills what
-start_python started and a test left running, at the session's end."""
+process of its own), start and run (any program), start_python and run_python (a real interpreter),
+torchrun (two ranks), Lighthouse (torchft's), and what tests read of a running process (wait_for,
+finish, logged_steps, output_of). conftest.py kills what start started and a test left running, at
+the session's end."""
 
 import functools
 import importlib.util
 import io
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -91,16 +93,19 @@ def run_script(script, *args, cwd=REPO, env=None, isolated=False):
 STARTED = []
 
 
-def start_python(args, log=None, env=None):
-    """subprocess.Popen([sys.executable, *args]) in the repo root, as text, in a session of its own so
-    that os.killpg(proc.pid, ...) reaches what it starts (torchrun's ranks). Its stdout and stderr go to
-    pipes, or both to the file `log` (proc.log) for a process nobody reads while it runs (a full pipe
-    stops it)."""
-    with open(log, "w") if log else nullcontext() as f:
+def start(argv, log=None, env=None, cwd=REPO, stdin=False, append=False):
+    """subprocess.Popen(argv) in cwd (the repo root), as text, in a session of its own so that
+    os.killpg(proc.pid, ...) reaches what it starts (torchrun's ranks). env: variables set on top of
+    this process's (None removes one). Its stdout and stderr go to pipes, or both to the file `log`
+    (proc.log; append=True adds to what is there) for a process nobody reads while it runs (a full
+    pipe stops it); stdin=True gives it a pipe to read, else it reads this process's stdin."""
+    environ = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
+    with open(log, "a" if append else "w") if log else nullcontext() as f:
         proc = subprocess.Popen(
-            [sys.executable, *map(str, args)],
-            cwd=REPO,
-            env={**os.environ, **(env or {})},
+            [*map(str, argv)],
+            cwd=cwd,
+            env=environ,
+            stdin=subprocess.PIPE if stdin else None,
             stdout=f or subprocess.PIPE,
             stderr=subprocess.STDOUT if f else subprocess.PIPE,
             text=True,
@@ -111,17 +116,28 @@ def start_python(args, log=None, env=None):
     return proc
 
 
-def run_python(args, env=None, timeout=300):
-    """subprocess.run([sys.executable, *args], capture_output=True, text=True) in the repo root; past
-    `timeout` it is killed with all it started (subprocess.run's kill would leave torchrun's ranks)."""
-    proc = start_python(args, env=env)
+def start_python(args, log=None, env=None, **options):
+    """start([sys.executable, *args], ...): a Python process of this interpreter."""
+    return start([sys.executable, *args], log, env, **options)
+
+
+def run(argv, env=None, cwd=REPO, input=None, timeout=300):
+    """subprocess.run(argv, capture_output=True, text=True, input=input) in cwd (the repo root) as a
+    CompletedProcess; past `timeout` it is killed with all it started (subprocess.run's kill would
+    leave torchrun's ranks), and TimeoutExpired raised."""
+    proc = start(argv, env=env, cwd=cwd, stdin=input is not None)
     try:
-        stdout, stderr = proc.communicate(timeout=timeout)
+        stdout, stderr = proc.communicate(input, timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
         raise
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def run_python(args, env=None, timeout=300, **options):
+    """run([sys.executable, *args], ...): a Python process of this interpreter, waited for."""
+    return run([sys.executable, *args], env, timeout=timeout, **options)
 
 
 def wait_for(condition, *procs, timeout=180):
@@ -132,6 +148,19 @@ def wait_for(condition, *procs, timeout=180):
         if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
             pytest.fail(f"not within {timeout} s, or a process ended:\n" + "\n".join(map(output_of, procs)))
         time.sleep(0.05)
+
+
+def finish(proc, timeout=120, expect=0):
+    """The output of a process started with a log, once it exited with `expect` within `timeout` seconds."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        pytest.fail(f"still running after {timeout} s: a group is waiting for ever")
+    output = open(proc.log).read()
+    assert proc.returncode == expect, output[-3000:]
+    return output
 
 
 def logged_steps(metrics, n=1):
@@ -203,6 +232,27 @@ def succeeded(launch):
     codes, stderr, ranks = launch
     assert codes == [0] * len(codes), stderr + "".join(r["stderr"][-3000:] for r in ranks)
     return ranks
+
+
+class Lighthouse:
+    """torchft_lighthouse in a process of its own, as a user starts it; address() as torchft's
+    in-process LighthouseServer has it."""
+
+    def __init__(self, log, **flags):
+        binary = os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")
+        self.proc = start([binary, "--bind=[::]:0", *(f"--{k}={v}" for k, v in flags.items())], log)
+        deadline = time.monotonic() + 60
+        while not (found := re.search(r"listening on: (\S+)", open(log).read())):
+            assert time.monotonic() < deadline and self.proc.poll() is None, open(log).read()
+            time.sleep(0.05)
+        self.url = found.group(1)
+
+    def address(self):
+        return self.url
+
+    def shutdown(self):
+        self.proc.kill()
+        self.proc.wait()
 
 
 def free_port():

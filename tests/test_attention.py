@@ -3,13 +3,13 @@ one that runs, and an unknown or unavailable kernel is a one-line error."""
 
 import pytest
 import torch
-from conftest import tiny_args
+from conftest import TINY, tiny_args
 from processes import run_script
 
 from gpt.train.build import attention_error
 from model import GPT, GPTConfig
 
-MODEL = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, block_size=16, vocab_size=65, dropout=0.0)
+MODEL = dict(TINY, n_head=4, n_kv_head=2)
 
 
 def loss_and_grads(attention):

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_BENCH, read_metrics, tiny_args, tiny_bench_args
+from conftest import CPU, TINY_BENCH, read_metrics, tiny_args, tiny_bench_args
 from processes import REPO, load_script, run_script
 
 import bench
@@ -76,7 +76,7 @@ def test_unknown_devices_have_no_peak(name):
 
 
 def test_peak_override_and_cpu():
-    cpu = runtime.Runtime("cpu", "cpu", torch.float32)
+    cpu = CPU
     assert gpu_flops.device_peak_flops(cpu) is None
     assert gpu_flops.device_peak_flops(cpu, override=123e12) == 123e12
 
@@ -220,7 +220,7 @@ def test_auto_batch_size_is_the_largest_that_fits_and_keeps_tokens_per_step(dtyp
 def test_autocast_weight_copies_are_counted_once_per_step():
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=65, bias=False))
     cfg = auto_cfg()
-    per_row32, fixed32 = auto_batch.activation_bytes(model, cfg, runtime.Runtime("cpu", "cpu", torch.float32))
+    per_row32, fixed32 = auto_batch.activation_bytes(model, cfg, CPU)
     per_row16, fixed16 = auto_batch.activation_bytes(model, cfg, runtime.Runtime("cpu", "cpu", torch.bfloat16))
     linear_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     assert fixed16 - fixed32 == 2 * linear_weights  # a bf16 copy of every matmul's weight (lm_head's too), once
@@ -256,7 +256,7 @@ def test_activation_checkpointing_is_measured_as_training_runs_it():
 
 
 def test_saved_activations_grow_linearly_with_context():
-    rt = runtime.Runtime("cpu", "cpu", torch.float32)
+    rt = CPU
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=64, vocab_size=65))
     short, long = saved_activation_bytes(model, 16, rt), saved_activation_bytes(model, 64, rt)
     assert 3.5 < long / short < 4.5
@@ -416,7 +416,7 @@ def test_other_runtime_errors_still_stop_the_run(monkeypatch):
         lambda *args: (_ for _ in ()).throw(RuntimeError("mat1 and mat2 shapes cannot be multiplied")),
     )
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
-        benchmark.measure_or_oom(BenchConfig(), runtime.Runtime("cpu", "cpu", torch.float32), None, 65)
+        benchmark.measure_or_oom(BenchConfig(), CPU, None, 65)
 
 
 def test_a_sweep_row_that_runs_out_of_cublas_memory_is_reported_not_raised(monkeypatch, capsys):
@@ -438,7 +438,7 @@ def test_a_sweep_row_that_runs_out_of_cublas_memory_is_reported_not_raised(monke
 
     monkeypatch.setattr(benchmark, "measure", measure)
     cfg = BenchConfig(**{**TINY_BENCH, "batch_size": 8, "sweep": "batch_size=2,4"})
-    bench.run(cfg, runtime.Runtime("cpu", "cpu", torch.float32))
+    bench.run(cfg, CPU)
     out = capsys.readouterr().out
     assert "batch_size=4         out of memory" in out and "batch_size=2" in out and "<- best" in out
 
@@ -479,7 +479,7 @@ def test_the_smoke_compares_cache_and_no_cache_with_tf32_off(monkeypatch, tmp_pa
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # as setup() leaves a GPU
     try:
-        cpu = runtime.Runtime("cpu", "cpu", torch.float32)
+        cpu = CPU
         report = {}
         battery.part_smoke(battery.BatteryConfig(out_dir=str(tmp_path)), cpu, battery.suite_scale(cpu), report)
         after = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
@@ -550,7 +550,7 @@ def test_the_timed_steps_draw_batches_as_training_does(keys, monkeypatch):
     data, vocab = benchmark.bench_data(cfg)
     eot = vocab - 1
     assert benchmark.document_eot(cfg, vocab) == (eot if keys else None)
-    benchmark.measure(cfg, runtime.Runtime("cpu", "cpu", torch.float32), data, vocab)
+    benchmark.measure(cfg, CPU, data, vocab)
     assert len(seen) == 3
     starts = set(row_starts(data, eot, 64)[0].tolist())
     for idx, docs in seen:

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import chat_demo_copy, make_llama3_tokenizer, save_chat_checkpoint, train_tiny_run
+from conftest import TINY, TINY_LLAMA, chat_demo_copy, make_llama3_tokenizer, save_chat_checkpoint
 from processes import REPO, load_script, run_script
 
 from configurator import TrainConfig, parse
@@ -20,8 +20,7 @@ from gpt.data.chat_template import Template
 from gpt.inference.sampling import KVCache, generate, generate_tokens
 from model import GPT, GPTConfig
 
-SMALL = dict(n_layer=2, n_head=2, n_embd=32, block_size=128, dropout=0.0)
-LLAMA = dict(SMALL, n_kv_head=1, pos_encoding="rope", norm="rmsnorm", mlp="swiglu", bias=False, tie_embeddings=False)
+SMALL, LLAMA = dict(TINY, block_size=128), dict(TINY_LLAMA, block_size=128)
 
 
 # ---------------------------------------------------------------------------- the cache across turns
@@ -33,7 +32,7 @@ def test_a_carried_cache_generates_what_the_whole_history_does(shape):
     of a model that reads the whole history every time without a cache; and a chunk of new tokens
     after cached ones gets the logits of the full forward pass."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=50, **shape)).eval()
+    model = GPT(GPTConfig(**dict(shape, vocab_size=50))).eval()
     history = torch.randint(0, 50, (1, 7))
     cache = KVCache(model.config, 1, 64)
     for turn in range(4):
@@ -201,9 +200,9 @@ def test_the_conversation_past_its_context(demo, capsys):
 
 
 @pytest.mark.slow
-def test_errors_are_one_line(demo, tmp_path):
+def test_errors_are_one_line(demo, tiny_run, tmp_path):
     out_dir, _ = demo
-    plain = train_tiny_run(tmp_path)  # a character model trained on plain text
+    plain = tiny_run  # a character model trained on plain text
     cases = [
         ([f"--out_dir={plain}"], "fine-tune it on chat data first"),
         ([f"--out_dir={out_dir}", "--temperature=-1"], "temperature=-1"),
@@ -297,7 +296,7 @@ def test_export_gpt2_bpe(tmp_path):
     """GPT-2's BPE with the four turn tokens after its 50,257 (random weights): all 50,261 tokens
     are exported, the turn tokens special; chat.py --init_from=the export chats the same."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=50261, **SMALL))
+    model = GPT(GPTConfig(**dict(SMALL, vocab_size=50261)))
     out_dir = save_chat_checkpoint(tmp_path / "out", model, tokenizer.make_spec("gpt2"))
     check_export(out_dir, 12)
     assert json.loads((out_dir / "hf" / "config.json").read_text())["vocab_size"] == 50261
@@ -310,7 +309,7 @@ def test_export_llama_with_llama3_template(tmp_path):
     chat.py from its checkpoint and from the exported directory (--init_from)."""
     spec = tokenizer.make_spec(str(make_llama3_tokenizer(tmp_path / "tokenizer.json")))
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=spec["vocab_size"], **LLAMA))
+    model = GPT(GPTConfig(**dict(LLAMA, vocab_size=spec["vocab_size"])))
     out_dir = save_chat_checkpoint(tmp_path / "out", model, spec)
     export_dir = check_export(out_dir, 12)
     assert json.loads((export_dir / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]

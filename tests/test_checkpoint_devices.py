@@ -13,7 +13,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import char_dataset, tiny_args, untimed
+from conftest import CPU, char_dataset, tiny_args, untimed
 from processes import run_script
 
 from configurator import TrainConfig
@@ -159,7 +159,7 @@ def as_if_written_on_a_mac(path):
 
 @pytest.mark.parametrize("fmt, name", [("sharded", "ckpt_0000006"), ("full", "ckpt.pt")])
 def test_the_optimizer_keeps_this_devices_implementation_across_a_resume(runs, fmt, name, tmp_path):
-    cpu = runtime.Runtime("cpu", "cpu", torch.float32)
+    cpu = CPU
     out = tmp_path / "mac"
     shutil.copytree(runs / f"cpu_{fmt}", out, symlinks=True)
     as_if_written_on_a_mac(out / name)

@@ -2,11 +2,8 @@
 main(argv) inside the test process (conftest.run_script); this is the check that each one also
 imports and parses in a fresh interpreter, as a user runs it."""
 
-import subprocess
-import sys
-
 import pytest
-from processes import REPO, run_script
+from processes import run_script, start_python
 
 pytestmark = pytest.mark.process  # every test here starts a process
 
@@ -44,9 +41,7 @@ def test_help_in_a_process_of_its_own(script):
 def test_help_into_a_reader_gone_away_ends_quietly(script):
     """`python train.py --help | head -5`: the reader closes the pipe early; the command ends as a
     Unix tool does (141, SIGPIPE's code), with no BrokenPipeError traceback."""
-    proc = subprocess.Popen(
-        [sys.executable, script, "--help"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
+    proc = start_python([script, "--help"])
     proc.stdout.close()  # gone before anything is written
-    stderr = proc.stderr.read().decode()
+    stderr = proc.stderr.read()
     assert (proc.wait(timeout=120), stderr) == (141, "")

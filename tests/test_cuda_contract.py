@@ -5,13 +5,11 @@ torchrun. No GPU runs here; tests/test_gpu.py is for that."""
 import dataclasses
 import datetime
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from processes import REPO
+from processes import REPO, run, run_python
 
 from configurator import UserError
 from gpt.device import gpu_flops, runtime
@@ -137,7 +135,7 @@ def fake_cuda_shim(tmp_path_factory):
     root = Path(torch.__file__).parent
     shim_dir = tmp_path_factory.mktemp("fake_cuda")
     (shim_dir / "shim.cpp").write_text(FAKE_CUDA_SHIM)
-    subprocess.run(
+    result = run(
         [
             compiler,
             "-std=c++17",
@@ -153,10 +151,9 @@ def fake_cuda_shim(tmp_path_factory):
             "-ltorch_cpu",
             "-o",
             str(shim_dir / "shim.so"),
-        ],
-        check=True,
-        capture_output=True,
+        ]
     )
+    assert result.returncode == 0, result.stderr
     return shim_dir / "shim.so"
 
 
@@ -172,7 +169,7 @@ def test_a_step_an_eval_and_generation_keep_every_tensor_on_the_gpu(fake_cuda_sh
         load
         + f"import sys; sys.path[:0] = [{str(REPO)!r}, {str(REPO / 'tests')!r}]; import test_cuda_contract as t; t.trace_on_fake_cuda()"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    result = run_python(["-c", code])
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.splitlines() == [
         "train_step: loss, grad_norm, stepped on cuda:0; weights and AdamW state on cuda:0",

@@ -6,14 +6,12 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from conftest import make_text
+from conftest import CPU, make_text
 from processes import load_script, run_script
 
 from gpt.data import tokenizer
 from gpt.data.batches import TrainBatches, eval_offsets, get_batch, load_split
 from gpt.device import runtime
-
-CPU = runtime.Runtime("cpu", "cpu", torch.float32)
 
 
 def read_bin(path):

@@ -8,12 +8,10 @@ import shutil
 
 import pytest
 import torch
-from conftest import char_dataset, needs, read_metrics, tiny_args
-from processes import run_script
-from test_replicas import Lighthouse, finish, group, steps
+from conftest import char_dataset, ft_group, ft_parameter_bytes, needs, read_metrics, steps_by_iter, tiny_args
+from processes import Lighthouse, finish, run_script
 
 from gpt.outdir import checkpoint
-from model import GPT, GPTConfig
 
 needs("torchft")
 pytestmark = pytest.mark.process  # every test here starts the groups' processes
@@ -34,7 +32,8 @@ def pairs(data, root, runs):
     for name, keys in runs.items():
         lighthouse = Lighthouse(root / f"{name}-lighthouse.log", min_replicas=2)
         procs = [
-            group(data, root / name, g, lighthouse.address(), root / f"{name}-group{g}.log", **keys) for g in range(2)
+            ft_group(data, root / name, g, lighthouse.address(), root / f"{name}-group{g}.log", **keys)
+            for g in range(2)
         ]
         started.append((lighthouse, procs))
     try:
@@ -84,11 +83,6 @@ def diloco(data, tmp_path_factory):
     return {**out, **pairs(data, root, {"resumed": {**RUN, "init_from": "resume"}})}
 
 
-def parameter_bytes(out):
-    model_args = checkpoint.load(str(out / "group0" / "ckpt.pt"))["model_args"]
-    return sum(p.nbytes for p in GPT(GPTConfig(**model_args)).parameters())
-
-
 def test_the_groups_are_equal_after_each_sync_and_apart_between(diloco):
     out = diloco["whole"]
     for it in range(2, 13, 2):
@@ -96,8 +90,8 @@ def test_the_groups_are_equal_after_each_sync_and_apart_between(diloco):
 
 
 def test_a_sync_sends_the_parameters_once_every_h_steps(diloco):
-    records = [steps(diloco["whole"] / f"group{g}") for g in range(2)]
-    size = parameter_bytes(diloco["whole"])
+    records = [steps_by_iter(diloco["whole"] / f"group{g}") for g in range(2)]
+    size = ft_parameter_bytes(diloco["whole"])
     for r in records:
         assert [r[i]["sync_bytes"] for i in range(12)] == [size if (i + 1) % H == 0 else 0 for i in range(12)]
         # every-step averaging (test_replicas) sends `size` each step: H times as many bytes
@@ -106,7 +100,7 @@ def test_a_sync_sends_the_parameters_once_every_h_steps(diloco):
 
 def test_a_resume_between_syncs_goes_on_bit_for_bit(diloco):
     for g in range(2):
-        whole, resumed = (steps(diloco[name] / f"group{g}") for name in ("whole", "resumed"))
+        whole, resumed = (steps_by_iter(diloco[name] / f"group{g}") for name in ("whole", "resumed"))
         assert sorted(whole) == list(range(12)) and sorted(resumed) == list(range(6, 12))
         assert [resumed[i]["loss"] for i in range(6, 12)] == [whole[i]["loss"] for i in range(6, 12)]
         assert equal(weights(diloco["whole"], g, 12), weights(diloco["resumed"], g, 12))

@@ -7,15 +7,6 @@ from conftest import one_line_error, tiny_args, tiny_bench_args
 from processes import run_script
 
 
-@pytest.fixture
-def trained(char_data, tmp_path):
-    """An out_dir holding a finished tiny run."""
-    out = tmp_path / "out"
-    result = run_script("train.py", *tiny_args(char_data, out, max_iters=4, lr_decay_iters=4, eval_interval=2))
-    assert result.returncode == 0, result.stderr
-    return out
-
-
 def train_with(char_data, tmp_path, *extra, **overrides):
     return run_script("train.py", *tiny_args(char_data, tmp_path / "out", **overrides), *extra)
 
@@ -77,18 +68,18 @@ def test_resume_without_a_checkpoint(char_data, tmp_path):
     one_line_error(train_with(char_data, tmp_path, init_from="resume"), "no checkpoint", "ckpt.pt")
 
 
-def test_resume_with_a_different_model(trained, char_data, tmp_path):
-    before = (trained / "ckpt.pt").read_bytes()
-    result = run_script("train.py", *tiny_args(char_data, trained, init_from="resume", n_layer=3))
+def test_resume_with_a_different_model(tiny_run_copy, char_data):
+    before = (tiny_run_copy / "ckpt.pt").read_bytes()
+    result = run_script("train.py", *tiny_args(char_data, tiny_run_copy, init_from="resume", n_layer=3))
     one_line_error(result, "n_layer 2 -> 3")
-    assert (trained / "ckpt.pt").read_bytes() == before
+    assert (tiny_run_copy / "ckpt.pt").read_bytes() == before
 
 
-def test_corrupt_checkpoint(trained, char_data):
-    (trained / "ckpt.pt").write_bytes(b"not a checkpoint at all")
-    result = run_script("train.py", *tiny_args(char_data, trained, init_from="resume"))
+def test_corrupt_checkpoint(tiny_run_copy, char_data):
+    (tiny_run_copy / "ckpt.pt").write_bytes(b"not a checkpoint at all")
+    result = run_script("train.py", *tiny_args(char_data, tiny_run_copy, init_from="resume"))
     one_line_error(result, "ckpt.pt", "is damaged or not a checkpoint of this trainer")
-    result = run_script("sample.py", f"--out_dir={trained}", "--checkpoint=latest", "--device=cpu")
+    result = run_script("sample.py", f"--out_dir={tiny_run_copy}", "--checkpoint=latest", "--device=cpu")
     one_line_error(result, "ckpt.pt", "is damaged or not a checkpoint of this trainer")
 
 
@@ -112,8 +103,8 @@ def test_sample_errors(argv, expected):
     one_line_error(run_script("sample.py", "--device=cpu", *argv), *expected)
 
 
-def test_sample_prompt_problems(trained):
-    base = [f"--out_dir={trained}", "--device=cpu", "--max_new_tokens=5", "--num_samples=1"]
+def test_sample_prompt_problems(tiny_run):
+    base = [f"--out_dir={tiny_run}", "--device=cpu", "--max_new_tokens=5", "--num_samples=1"]
     one_line_error(run_script("sample.py", *base, "--start=FILE:/no/such/prompt.txt"), "/no/such/prompt.txt")
     one_line_error(run_script("sample.py", *base, "--start="), "prompt is empty")
     one_line_error(run_script("sample.py", *base, "--start=§§"), "never saw")

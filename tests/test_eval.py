@@ -6,15 +6,13 @@ batch in the eval loops."""
 import json
 import math
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import GPT2, bpe_eval_data, count_host_reads, read_metrics, tiny_args, train_tiny_run, write_hellaswag
-from processes import REPO, run_script
+from conftest import GPT2, TINY, bpe_eval_data, count_host_reads, read_metrics, tiny_args, write_hellaswag
+from processes import REPO, run_python, run_script
 
 from gpt.data import token_files, tokenizer
 from gpt.device import runtime
@@ -92,7 +90,7 @@ def char_model_and_data(tmp_path):
     ids = np.array([chars.index(c) for c in text], dtype=np.uint16)
     torch.manual_seed(0)
     return (
-        GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=len(chars))).eval(),
+        GPT(GPTConfig(**dict(TINY, vocab_size=len(chars)))).eval(),
         spec,
         ids,
         lambda targets: len("".join(chars[i] for i in targets).encode("utf-8")),
@@ -104,7 +102,7 @@ def bpe_model_and_data(tmp_path):
     docs = ["Un café crème, s'il vous plaît. 東京 is Tokyo 🚀.", "Naïve façades: the ångström and the € sign."] * 10
     ids = np.array([t for d in docs for t in [enc.eot_token] + enc.encode_ordinary(d)], dtype=np.uint16)
     torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=50257)).eval()
+    model = GPT(GPTConfig(**dict(TINY, vocab_size=50257))).eval()
     # the text of the targets, decoded as one byte string (BPE tokens can split a character); <|endoftext|> is no text
     return model, GPT2, ids, lambda targets: len(enc.decode_bytes([t for t in targets if t != enc.eot_token]))
 
@@ -175,19 +173,14 @@ def test_training_logs_bpb_test_loss_and_hellaswag_in_rhythm_across_resume(bpe_s
     assert width > 2000
 
 
-@pytest.fixture(scope="module")
-def char_run(tmp_path_factory):
-    return train_tiny_run(tmp_path_factory.mktemp("char"), max_iters=4)
-
-
-def test_eval_of_a_char_run_defaults_to_its_splits(char_run):
-    result = run_script("eval.py", f"--out_dir={char_run}", "--device=cpu", "--json=True")
+def test_eval_of_a_char_run_defaults_to_its_splits(tiny_run):
+    result = run_script("eval.py", f"--out_dir={tiny_run}", "--device=cpu", "--json=True")
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert list(out) == ["val"] and out["val"]["tokens"] > 0 and out["val"]["bpb"] > 0  # no hellaswag, no test split
 
 
-def test_bad_input_is_one_line_and_a_nonzero_exit(char_run, bpe_setup, tmp_path):
+def test_bad_input_is_one_line_and_a_nonzero_exit(tiny_run, bpe_setup, tmp_path):
     root, data_dir, hs = bpe_setup
     (tmp_path / "bad.jsonl").write_text('{"ctx": "a", "endings": ["b", "c"], "label": 0}\nnot json\n')
     (tmp_path / "short.jsonl").write_text('{"context": "a", "choices": ["b", "c"]}\n')
@@ -196,7 +189,7 @@ def test_bad_input_is_one_line_and_a_nonzero_exit(char_run, bpe_setup, tmp_path)
         ([gpt2, "--tasks=hellaswag", f"--hellaswag_path={tmp_path / 'missing.jsonl'}"], "does not exist"),
         ([gpt2, "--tasks=hellaswag", f"--hellaswag_path={tmp_path / 'bad.jsonl'}"], "bad.jsonl:2 is not a JSON object"),
         ([gpt2, "--tasks=mc", f"--mc_path={tmp_path / 'short.jsonl'}"], "short.jsonl:1 lacks 'answer'"),
-        ([f"--out_dir={char_run}", "--tasks=hellaswag", f"--hellaswag_path={hs}"], "character-level"),
+        ([f"--out_dir={tiny_run}", "--tasks=hellaswag", f"--hellaswag_path={hs}"], "character-level"),
         ([gpt2, "--tasks=hellaswag,mmlu"], "unknown task 'mmlu'"),
     ]
     for args, message in cases:
@@ -234,20 +227,11 @@ def test_eval_loops_read_the_device_once_whatever_the_number_of_batches(monkeypa
     not os.environ.get("LM_EVAL_PYTHON"), reason="set LM_EVAL_PYTHON to a Python with lm-eval installed (its own venv)"
 )
 def test_harness_style_equals_lm_evaluation_harness():
-    # dev/harness_hellaswag.py: lm-eval's own hellaswag task and --hellaswag_style=harness on one
-    # GPT-2-shaped export and one local file; every log-likelihood, verdict and accuracy compared
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "dev" / "harness_hellaswag.py"),
-            f"--lm_eval_python={os.environ['LM_EVAL_PYTHON']}",
-            "--examples=24",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    # the harness script in the repo's dev folder: lm-eval's own hellaswag task and
+    # --hellaswag_style=harness on one GPT-2-shaped export and one local file; every
+    # log-likelihood, verdict and accuracy compared
+    harness = REPO / "dev" / "harness_hellaswag.py"
+    result = run_python([harness, f"--lm_eval_python={os.environ['LM_EVAL_PYTHON']}", "--examples=24"], timeout=600)
     assert result.returncode == 0 and result.stdout.strip().endswith("equal"), (
         result.stdout[-3000:] + result.stderr[-3000:]
     )

@@ -10,7 +10,6 @@ import pickle
 import random
 import signal
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -19,15 +18,15 @@ import torch
 from conftest import (
     CONVERSATIONS,
     LLAMA3_SPECIALS,
+    TINY,
     chat_demo_copy,
     make_text,
     make_trained_tokenizer,
     needs,
     save_checkpoint,
     tiny_args,
-    train_tiny_run,
 )
-from processes import load_script, run_script
+from processes import load_script, run_python, run_script
 
 from data import corpus
 from gpt.data import tokenizer
@@ -43,16 +42,18 @@ def llama_cpp(function, *args, timeout=240):
     that can die of a signal, which then fails this test in one line instead of the pytest worker."""
     needs("llama-cpp-python")
     with tempfile.TemporaryDirectory() as tmp:
-        result = Path(tmp) / "result.pickle"
-        child = [sys.executable, Path(__file__).with_name("llama_cpp_child.py"), function, result]
+        arguments, result = Path(tmp) / "args.pickle", Path(tmp) / "result.pickle"
+        arguments.write_bytes(pickle.dumps(args))
         try:
-            done = subprocess.run(child, input=pickle.dumps(args), capture_output=True, timeout=timeout)
+            done = run_python(
+                [Path(__file__).with_name("llama_cpp_child.py"), function, arguments, result], timeout=timeout
+            )
         except subprocess.TimeoutExpired:
             pytest.fail(f"llama.cpp's {function} gave no result in {timeout} s: killed", pytrace=False)
         if done.returncode:
             code = done.returncode
             cause = f"died of {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-            pytest.fail(f"llama.cpp's {function} {cause}:\n{done.stderr.decode()[-3000:]}", pytrace=False)
+            pytest.fail(f"llama.cpp's {function} {cause}:\n{done.stderr[-3000:]}", pytrace=False)
         return pickle.loads(result.read_bytes())
 
 
@@ -175,7 +176,7 @@ def tokenizers(tmp_path_factory):
 def test_llama_cpp_tokenizes_random_text_to_our_ids(tokenizers, tmp_path, kind, pre):
     """300 random strings: llama.cpp's ids (special tokens parsed, no BOS) are tokenizer.py's."""
     spec = tokenizers[kind]
-    model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=32, block_size=32, vocab_size=spec["vocab_size"]))
+    model = GPT(GPTConfig(**dict(TINY, n_layer=1, n_head=1, block_size=32, vocab_size=spec["vocab_size"])))
     gguf_export.write(model, spec, str(tmp_path / "model.gguf"), "gpt2")
     encode, _ = tokenizer.load(spec)
     specials = {
@@ -219,7 +220,8 @@ BLOCK = 96
 def trained(tmp_path_factory):
     """{shape: out_dir}: a GPT-2-shaped model on GPT-2 BPE data and a Llama-shaped one on a
     Llama-3-like tokenizer's data, each trained here for 40 steps, exported at f32, f16 and q8_0
-    (out_dir/<dtype>/model.gguf)."""
+    (out_dir/<dtype>/model.gguf). Not conftest's tiny_run: GGUF holds no character vocabulary, and
+    llama.cpp is compared on BPE tokenizers, a Llama's shape and 96-token contexts."""
     root = tmp_path_factory.mktemp("trained")
     (root / "text.txt").write_text(make_text(40000, seed=4) + "\nZürich 東京 🙂 1234567 naïve\n")
     tokenizers = {"gpt2": "gpt2", "llama": str(llama3_like(root / "llama3.json"))}
@@ -370,7 +372,7 @@ def test_llama_cpp_renders_the_chat_template_to_our_ids(tokenizers, tmp_path, ki
     ids chat.py feeds the model; BOS, EOS and EOT are the template's."""
     template = Template(tokenizers[kind])
     spec = {**tokenizers[kind], "vocab_size": template.vocab_size, "chat": template.meta()}
-    model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=32, block_size=32, vocab_size=template.vocab_size))
+    model = GPT(GPTConfig(**dict(TINY, n_layer=1, n_head=1, block_size=32, vocab_size=template.vocab_size)))
     gguf_export.write(model, spec, str(tmp_path / "model.gguf"), "gpt2")
     vocab = llama_cpp("tokenize", tmp_path / "model.gguf", [])
     assert (vocab["bos"], vocab["eos"]) == (template.id["bos"], template.end_id)
@@ -428,8 +430,8 @@ def assert_refused(out_dir, named, *args):
     assert sorted(p.name for p in out_dir.iterdir()) == before
 
 
-def test_a_character_vocabulary_is_refused(tmp_path):
-    assert_refused(train_tiny_run(tmp_path, max_iters=2), "character-level vocabulary")
+def test_a_character_vocabulary_is_refused(tiny_run):
+    assert_refused(tiny_run, "character-level vocabulary")
 
 
 @pytest.mark.parametrize(
@@ -441,7 +443,7 @@ def test_a_character_vocabulary_is_refused(tmp_path):
     ],
 )
 def test_models_gguf_cannot_hold_are_refused(tmp_path, options, named):
-    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=50257, **options))
+    model = GPT(GPTConfig(**dict(TINY, n_layer=1, vocab_size=50257, **options)))
     assert_refused(save_checkpoint(tmp_path / "out", model, tokenizer.make_spec("gpt2")), named)
 
 
@@ -482,15 +484,14 @@ def test_tokenizers_llama_cpp_splits_otherwise_are_refused(tmp_path, change, nam
         "normalizer": dict(normalizer=True),
     }[change]
     spec = tokenizer_json(tmp_path / "tokenizer.json", **changes)
-    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=spec["vocab_size"]))
+    model = GPT(GPTConfig(**dict(TINY, n_layer=1, vocab_size=spec["vocab_size"])))
     assert_refused(save_checkpoint(tmp_path / "out", model, spec), named)
 
 
-def test_bad_options_are_one_line(tmp_path):
-    out_dir = train_tiny_run(tmp_path, max_iters=2)
-    assert_refused(out_dir, "gguf_dtype='q4_0' is not one of", "--gguf_dtype=q4_0")
-    assert_refused(out_dir, "format='onnx' is not one of", "--format=onnx")
-    assert_refused(out_dir, "cannot create export_dir", f"--export_dir={out_dir / 'ckpt.pt' / 'gguf'}")
+def test_bad_options_are_one_line(tiny_run):
+    assert_refused(tiny_run, "gguf_dtype='q4_0' is not one of", "--gguf_dtype=q4_0")
+    assert_refused(tiny_run, "format='onnx' is not one of", "--format=onnx")
+    assert_refused(tiny_run, "cannot create export_dir", f"--export_dir={tiny_run / 'ckpt.pt' / 'gguf'}")
 
 
 @pytest.mark.parametrize(
@@ -502,7 +503,7 @@ def test_a_failed_write_leaves_the_old_file_whole(tmp_path, monkeypatch, failure
     import gguf
 
     spec = tokenizer.make_spec("gpt2")
-    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=50257))
+    model = GPT(GPTConfig(**dict(TINY, n_layer=1, vocab_size=50257)))
     out_dir = save_checkpoint(tmp_path / "out", model, spec)
     export(out_dir)
     old = (out_dir / "model.gguf").read_bytes()
@@ -528,7 +529,7 @@ def test_a_q8_0_export_on_an_amx_cpu_says_how_to_load_it(tmp_path, monkeypatch, 
     on it); not for f16, which that path never takes, and not on other CPUs."""
     import hf
 
-    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=50257))
+    model = GPT(GPTConfig(**dict(TINY, n_layer=1, vocab_size=50257)))
     out_dir = save_checkpoint(tmp_path / "out", model, {"kind": "tiktoken", "name": "gpt2", "vocab_size": 50257})
     monkeypatch.setattr(gguf_export, "cpu_has_amx", lambda: amx)
     for dtype in ("q8_0", "f16"):

@@ -6,16 +6,13 @@ pytest print, read as they print it."""
 
 import json
 import math
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import char_dataset
-from processes import load_script
+from processes import load_script, run_python
 
 import configurator
 from configurator import BenchConfig, TrainConfig, UserError
@@ -139,7 +136,8 @@ def python_step(name, code, limit_s, tmp_path):
 
 @pytest.mark.process
 def test_a_step_past_its_limit_is_killed_with_its_children_and_a_spent_budget_runs_nothing_more(tmp_path, monkeypatch):
-    hang = "import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); print(c.pid, flush=True); time.sleep(600)"
+    # the step forks a child that sleeps as it does, and prints the child's pid
+    hang = "import os, time; child = os.fork(); child and print(child, flush=True); time.sleep(600)"
     quick = "print('=== 3 passed, 1 skipped in 0.12s ===')"
     cfg = headline.HeadlineConfig(out_dir=str(tmp_path / "h"), budget_s=0)
     steps = [python_step("hang", hang, 3, tmp_path), python_step("quick", quick, 60, tmp_path)]
@@ -268,11 +266,8 @@ def test_bad_input_is_one_line(args, expected):
 @pytest.mark.process
 def test_an_unprepared_nanogpt_is_one_line_from_the_command(nanogpt, tmp_path):
     (nanogpt / "data" / "shakespeare_char" / "meta.pkl").unlink()
-    result = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "headline.py"), f"--nanogpt={nanogpt}", f"--out_dir={tmp_path / 'h'}"],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    result = run_python(
+        ["scripts/headline.py", f"--nanogpt={nanogpt}", f"--out_dir={tmp_path / 'h'}"], env={"OMP_NUM_THREADS": "1"}
     )
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
     assert "is not prepared: run python data/shakespeare_char/prepare.py in" in result.stderr

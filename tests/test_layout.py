@@ -164,8 +164,8 @@ def problems(repo=REPO):
 
 
 def test_arrows_run_one_way():
-    """No circle, counting imports inside functions; nothing imports a command, a script or a dev/ harness;
-    model.py and configurator.py import nothing of the repo's but each other."""
+    """No circle, counting imports inside functions; nothing imports a command, a script or a harness
+    of the dev folder; model.py and configurator.py import nothing of the repo's but each other."""
     found = problems()
     assert not found, "\n".join(found)
 

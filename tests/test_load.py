@@ -4,31 +4,25 @@ reads a model; the chat template's refusal names the run; and what is not a sour
 
 import pytest
 import torch
-from conftest import train_tiny_run
 from processes import run_script
 
 from configurator import UserError
 from gpt.weights import load
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    return train_tiny_run(tmp_path_factory.mktemp("load"))
-
-
-def test_a_run_named_by_init_from_is_the_run_resume_reads(run):
+def test_a_run_named_by_init_from_is_the_run_resume_reads(tiny_run):
     for which in ("best", "latest"):
-        model, spec = load.for_inference("resume", str(run), which, report=lambda line: None)
-        again, spec_again = load.for_inference(str(run), None, which, report=lambda line: None)
+        model, spec = load.for_inference("resume", str(tiny_run), which, report=lambda line: None)
+        again, spec_again = load.for_inference(str(tiny_run), None, which, report=lambda line: None)
         assert spec == spec_again and spec["kind"] == "char"
         theirs = again.state_dict()
         assert all(torch.equal(value, theirs[name]) for name, value in model.state_dict().items())
 
 
-def test_sample_and_eval_read_a_run_named_by_init_from(run):
+def test_sample_and_eval_read_a_run_named_by_init_from(tiny_run):
     by_out_dir = run_script(
         "sample.py",
-        f"--out_dir={run}",
+        f"--out_dir={tiny_run}",
         "--device=cpu",
         "--num_samples=1",
         "--max_new_tokens=20",
@@ -37,7 +31,7 @@ def test_sample_and_eval_read_a_run_named_by_init_from(run):
     )
     by_init_from = run_script(
         "sample.py",
-        f"--init_from={run}",
+        f"--init_from={tiny_run}",
         "--device=cpu",
         "--num_samples=1",
         "--max_new_tokens=20",
@@ -46,18 +40,23 @@ def test_sample_and_eval_read_a_run_named_by_init_from(run):
     )
     assert by_out_dir.returncode == 0 and by_init_from.returncode == 0, by_init_from.stderr
     assert by_init_from.stdout == by_out_dir.stdout and "\nTh" in by_out_dir.stdout
-    data = run / ".." / "chars"
+    data = tiny_run / ".." / "chars"
     evaluated = run_script(
-        "eval.py", f"--init_from={run}", "--device=cpu", f"--dataset={data.resolve()}", "--tasks=val", "--json=True"
+        "eval.py",
+        f"--init_from={tiny_run}",
+        "--device=cpu",
+        f"--dataset={data.resolve()}",
+        "--tasks=val",
+        "--json=True",
     )
     assert evaluated.returncode == 0, evaluated.stderr
     assert '"val"' in evaluated.stdout.splitlines()[-1]
 
 
-def test_a_run_without_a_chat_template_is_refused_by_name(run):
-    model, spec = load.for_inference(str(run), None, report=lambda line: None)
-    for init_from, out_dir in (("resume", str(run)), (str(run), None)):
-        with pytest.raises(UserError, match=f"the model in {run} was not trained on conversations"):
+def test_a_run_without_a_chat_template_is_refused_by_name(tiny_run):
+    model, spec = load.for_inference(str(tiny_run), None, report=lambda line: None)
+    for init_from, out_dir in (("resume", str(tiny_run)), (str(tiny_run), None)):
+        with pytest.raises(UserError, match=f"the model in {tiny_run} was not trained on conversations"):
             load.chat_template(model.config.vocab_size, spec, init_from, out_dir)
 
 

@@ -3,14 +3,12 @@
 ROCm build) and what the Makefile then runs (with a stand-in python that records its calls
 instead of creating a venv and downloading packages)."""
 
-import os
 import shutil
 import stat
-import subprocess
 import sys
 
 import pytest
-from processes import REPO
+from processes import REPO, run, run_python
 
 pytestmark = pytest.mark.process  # every test here starts a process
 
@@ -28,9 +26,8 @@ def fake_torch(root, version, cuda=None, hip=None, broken=False):
 
 
 def decide(tmp_path, **torch):
-    env = {**os.environ, "PYTHONPATH": str(fake_torch(tmp_path / "site", **torch))}
-    return subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "system_torch.py")], env=env, capture_output=True, text=True, timeout=60
+    return run_python(
+        ["scripts/system_torch.py"], env={"PYTHONPATH": str(fake_torch(tmp_path / "site", **torch))}, timeout=60
     )
 
 
@@ -90,14 +87,8 @@ def make_venv(tmp_path, *args, target="venv", **torch):
     recorder.write_text(RECORDER.format(log=log, python=sys.executable))
     recorder.chmod(recorder.stat().st_mode | stat.S_IXUSR)
     site = tmp_path / "site"
-    env = {**os.environ, "PYTHONPATH": str(site if site.exists() else fake_torch(site, **torch))}
-    result = subprocess.run(
-        ["make", "-C", str(REPO), target, f"PYTHON={recorder}", f"VENV={venv}", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    env = {"PYTHONPATH": str(site if site.exists() else fake_torch(site, **torch))}
+    result = run(["make", "-C", REPO, target, f"PYTHON={recorder}", f"VENV={venv}", *args], env=env, timeout=120)
     assert result.returncode == 0, result.stderr
     calls = [line.replace(str(tmp_path), "TMP").replace(str(REPO), "REPO") for line in log.read_text().splitlines()]
     log.unlink()

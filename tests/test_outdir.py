@@ -11,19 +11,16 @@ import shutil
 import socket
 
 import pytest
-import torch
 import torch.distributed as dist
-from conftest import char_dataset, one_line_error, read_metrics, tiny_args, untimed
+from conftest import CPU, char_dataset, one_line_error, read_metrics, tiny_args, untimed
 from processes import REPO, logged_steps, run_python, run_script, start_python, wait_for
 
 from configurator import TrainConfig, UserError, parse
-from gpt.device import runtime
 from gpt.outdir import checkpoint, ownership
 
 # 10 steps of a 20-step schedule (so a resume to 20 equals a straight 20-step run); keep_last=2
 # leaves numbered checkpoints too, which a takeover must remove
 BASE = dict(max_iters=10, lr_decay_iters=20, eval_interval=5, dropout=0.1, keep_last=2)
-CPU = runtime.Runtime("cpu", "cpu", torch.float32)
 
 
 def contents(out_dir):
@@ -49,7 +46,8 @@ def start(args):
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    """A finished 10-step run in each checkpoint format: root/full and root/sharded; root/chars is the data."""
+    """A finished 10-step run in each checkpoint format: root/full and root/sharded; root/chars is the
+    data (conftest's tiny_run is one format, without dropout, evaluated at steps 0 and 30 only)."""
     root = tmp_path_factory.mktemp("outdir")
     data = char_dataset(root / "chars")
     for fmt in ("full", "sharded"):
@@ -235,9 +233,9 @@ def test_a_filesystem_that_cannot_lock_is_said_not_hidden(tmp_path, monkeypatch)
 
 
 def test_network_filesystems_are_recognized_from_the_mount_table(tmp_path):
-    mounts = tmp_path / "mounts"
+    mounts, disk = tmp_path / "mounts", os.path.join("/dev", "sda1")  # the root filesystem on a local disk
     mounts.write_text(
-        "/dev/sda1 / ext4 rw 0 0\n"
+        f"{disk} / ext4 rw 0 0\n"
         "server:/export /mnt/shared nfs4 rw,relatime 0 0\n"
         "lustre@tcp:/fs /mnt/shared/scratch\\040space lustre rw 0 0\n"
     )

@@ -18,15 +18,13 @@ and cheaply."""
 
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import time
 import urllib.request
 
 import pytest
-from conftest import make_text
-from processes import REPO
+from conftest import make_text, tree_files
+from processes import REPO, free_port, output_of, run, start
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 
@@ -88,39 +86,40 @@ def shell_lines(path):
 
 
 def fresh_copy(to):
-    """The tree as a fresh clone has it: tracked files and untracked ones git would add, with their
-    times (make compares the requirement files with the venv's install)."""
-    listed = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=REPO,
-        capture_output=True,
-        check=True,
-    ).stdout.decode()
-    for name in filter(None, listed.split("\0")):
-        source = REPO / name
-        if source.is_file() and not source.is_symlink():
-            (to / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, to / name)
+    """The tree as a fresh clone has it (conftest.tree_files: in a copy that is no git checkout too),
+    with the files' times (make compares the requirement files with the venv's install)."""
+    for name in tree_files():
+        (to / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, to / name)
     return to
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def test_a_copy_that_is_no_checkout_lists_the_files_a_checkout_lists(tmp_path):
+    """tree_files in a downloaded archive (no .git) reads the .gitignore files to the list git gives
+    in a checkout: the tree, with what a user's runs leave in it, listed by git, then without git."""
+    if shutil.which("git") is None:
+        pytest.skip("needs git")
+    root = fresh_copy(tmp_path / "tree")
+    made = ["out-run/ckpt.pt", "out/hf/modeling_gpt_trainer.py", "gpt/outdir/__pycache__/lock.cpython-311.pyc"]
+    made += ["data/shakespeare_char/input.txt", "data/shakespeare_char/train.bin", "data/chat/meta.json"]
+    made += ["data/hellaswag/val.jsonl", "wandb/run/a.txt", "runs/tb/events", ".ruff_cache/0.1/cache", "notes.txt"]
+    for name in made:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text("made by a run\n")
+    (root / ".ruff_cache" / ".gitignore").write_text("*\n")  # as ruff writes it
+    (root / ".venv").symlink_to(sys.prefix, target_is_directory=True)
+    assert run(["git", "init", "-q"], cwd=root).returncode == 0
+    by_git = tree_files(root)
+    shutil.rmtree(root / ".git")
+    assert tree_files(root) == by_git
+    assert set(by_git) == set(tree_files()) | {"notes.txt"}  # of what runs made, only what git would add
 
 
 def serve_until_it_answers(command, cwd, env):
     """serve.py started, its page fetched once it listens, then stopped; (exit code, output)."""
     port = free_port()
-    proc = subprocess.Popen(
-        ["bash", "-c", f"{command} --port={port}"],
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    log = cwd.parent / f"serve-{port}.log"  # beside the copy, not in it
+    proc = start(["bash", "-c", f"{command} --port={port}"], log, env, cwd)
     try:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and proc.poll() is None:
@@ -131,11 +130,11 @@ def serve_until_it_answers(command, cwd, env):
             except OSError:
                 time.sleep(0.5)
         else:
-            pytest.fail(f"serve.py never answered on port {port}: {proc.communicate(timeout=30)[0]}")
+            pytest.fail(f"serve.py never answered on port {port}: {output_of(proc)}")
     finally:
         proc.terminate()
-        output = proc.communicate(timeout=60)[0]
-    return 0, output
+        proc.wait(timeout=60)
+    return 0, log.read_text()
 
 
 def test_the_readme_runs_in_order_on_a_fresh_copy(tmp_path):
@@ -152,10 +151,8 @@ def test_the_readme_runs_in_order_on_a_fresh_copy(tmp_path):
             f"{name}:\n{line}" for name, line in zip(["ROMEO", "JULIET"] * 50, make_text(4000).split("\n"))
         )
         (root / "data" / "shakespeare_char" / "input.txt").write_text(make_text(200_000) + "\n" + speakers)
-    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "SHAKESPEARE_TXT")}
-    env.update(
-        OMP_NUM_THREADS="1", PATH=os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if sys.prefix not in p)
-    )
+    path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if sys.prefix not in p)
+    env = dict(VIRTUAL_ENV=None, SHAKESPEARE_TXT=None, OMP_NUM_THREADS="1", PATH=path)
     # make must take the venv as installed: its requirement files are at least as old as its install
     installed = (root / ".venv" / ".installed").stat().st_mtime if (root / ".venv" / ".installed").exists() else None
     assert installed, f"{sys.prefix} has no .installed: make it with make venv"
@@ -181,9 +178,7 @@ def test_the_readme_runs_in_order_on_a_fresh_copy(tmp_path):
             code, output = serve_until_it_answers(shell.replace("&& python", "&& exec python"), root, env)
         else:
             stdin = "My name is Dovaki.\n" if line.startswith("python chat.py") else ""
-            result = subprocess.run(
-                ["bash", "-c", shell], cwd=root, env=env, input=stdin, capture_output=True, text=True, timeout=600
-            )
+            result = run(["bash", "-c", shell], env=env, cwd=root, input=stdin, timeout=600)
             code, output = result.returncode, result.stdout + result.stderr
         assert code == 0, f"README: `{line}` (run as `{command}`) exited {code}:\n{output[-3000:]}"
         assert "Traceback" not in output, f"README: `{line}`:\n{output[-3000:]}"

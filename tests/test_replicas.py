@@ -9,86 +9,33 @@ import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 from unittest import mock
 
 import pytest
 import torch
-from conftest import char_dataset, needs, read_metrics, tiny_args
-from processes import REPO, run_python, run_script, start_python, wait_for
+from conftest import (
+    FT_COMMON,
+    char_dataset,
+    ft_group,
+    ft_parameter_bytes,
+    needs,
+    read_metrics,
+    steps_by_iter,
+    tiny_args,
+)
+from processes import REPO, Lighthouse, finish, run_python, run_script, start_python, wait_for
 
 from gpt.outdir import checkpoint
-from model import GPT, GPTConfig
 
 needs("torchft")
-
-# one global batch of 4 micro-batches (a group of 1 rank takes 2 of them, a rank of a 2-rank group 1);
-# a checkpoint every 12 steps, the one at step 12 kept for the resume. dist_timeout_s only bounds a
-# failure: two groups started at once on the 2-core machine may wait long for each other's first quorum
-COMMON = dict(
-    max_iters=24,
-    lr_decay_iters=24,
-    eval_interval=12,
-    gradient_accumulation_steps=4,
-    always_save_checkpoint=True,
-    keep_last=2,
-    dist_timeout_s=120,
-)
-
-
-class Lighthouse:
-    """torchft_lighthouse in a process of its own, as a user starts it; address() as torchft's
-    in-process LighthouseServer has it."""
-
-    def __init__(self, log, **flags):
-        binary = os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")
-        with open(log, "w") as f:
-            self.proc = subprocess.Popen(
-                [binary, "--bind=[::]:0", *(f"--{k}={v}" for k, v in flags.items())], stdout=f, stderr=subprocess.STDOUT
-            )
-        deadline = time.monotonic() + 60
-        while not (found := re.search(r"listening on: (\S+)", open(log).read())):
-            assert time.monotonic() < deadline and self.proc.poll() is None, open(log).read()
-            time.sleep(0.05)
-        self.url = found.group(1)
-
-    def address(self):
-        return self.url
-
-    def shutdown(self):
-        self.proc.kill()
-        self.proc.wait()
 
 
 def start(args, log):
     """A process whose output goes to the file `log` (torchft's Rust side logs every quorum: a pipe
     nobody reads while it runs would fill and stop it)."""
     return start_python(args, log, env={"OMP_NUM_THREADS": "1"})
-
-
-def finish(proc, timeout=120, expect=0):
-    """The process's output, once it exited with `expect` within `timeout` seconds."""
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        pytest.fail(f"still running after {timeout} s: a group is waiting for ever")
-    output = open(proc.log).read()
-    assert proc.returncode == expect, output[-3000:]
-    return output
-
-
-def group(char_data, out, g, lighthouse, log, **extra):
-    keys = {**COMMON, "ft_replica_group": g, "ft_groups": 2, "ft_lighthouse": lighthouse, **extra}
-    return start([REPO / "train.py", *tiny_args(char_data, out, **keys)], log)
-
-
-def steps(out_dir):
-    return {r["iter"]: r for r in read_metrics(out_dir) if "loss" in r}
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +71,7 @@ def runs(data, tmp_path_factory):
                         ft_replica_group=g,
                         ft_groups=2,
                         ft_lighthouse=lighthouses[-1].address(),
-                        **COMMON,
+                        **FT_COMMON,
                         **keys,
                     ),
                 ],
@@ -137,7 +84,7 @@ def runs(data, tmp_path_factory):
     try:
         pair("torchrun", launch(2))
         groups = pair("groups", [REPO / "train.py"])
-        procs.append(start([*launch(2), *tiny_args(data, root / "ddp", **COMMON)], root / "ddp.log"))
+        procs.append(start([*launch(2), *tiny_args(data, root / "ddp", **FT_COMMON)], root / "ddp.log"))
         for proc in groups:
             finish(proc, timeout=240)
         for g in range(2):
@@ -156,11 +103,6 @@ def runs(data, tmp_path_factory):
     return {name: root / name for name in ("groups", "torchrun", "ddp", "resumed")}
 
 
-def parameter_bytes(out):
-    model_args = checkpoint.load(str(out / "group0" / "ckpt.pt"))["model_args"]
-    return sum(p.nbytes for p in GPT(GPTConfig(**model_args)).parameters())
-
-
 def equal_groups(out, name="ckpt.pt"):
     """Whether the two groups' checkpoints `name` hold the same weights, bit for bit."""
     a, b = (checkpoint.load(str(out / f"group{g}" / name))["model"] for g in range(2))
@@ -171,10 +113,10 @@ def like_ddp(runs, name, ranks):
     """The two groups of runs[name] stepped together at every one of DDP's steps, sending their
     gradients (one float32 a parameter, from each of a group's `ranks`), and the mean of their
     losses is DDP's; their weights are equal at the end."""
-    ref = steps(runs["ddp"])
-    mine = [steps(runs[name] / f"group{g}") for g in range(2)]
+    ref = steps_by_iter(runs["ddp"])
+    mine = [steps_by_iter(runs[name] / f"group{g}") for g in range(2)]
     assert sorted(ref) == sorted(mine[0]) == sorted(mine[1]) == list(range(24))
-    size = parameter_bytes(runs[name])
+    size = ft_parameter_bytes(runs[name])
     assert all(m[i]["groups"] == 2 and m[i]["sync_bytes"] == ranks * size for m in mine for i in ref)
     # float32; the groups average their gradients over gloo as DDP does, in another reduction order at most
     assert max(abs((mine[0][i]["loss"] + mine[1][i]["loss"]) / 2 - ref[i]["loss"]) for i in ref) < 1e-5
@@ -203,7 +145,7 @@ def test_init_from_auto_after_a_full_stop_resumes_exactly(runs):
     """Both groups started again with init_from=auto on their step-12 checkpoints (no group
     alive to heal from) take steps 12-23 exactly as the run that never stopped."""
     for g in range(2):
-        straight, resumed = (steps(runs[name] / f"group{g}") for name in ("groups", "resumed"))
+        straight, resumed = (steps_by_iter(runs[name] / f"group{g}") for name in ("groups", "resumed"))
         assert sorted(resumed) == list(range(12, 24)) and all(
             resumed[i]["loss"] == straight[i]["loss"] for i in resumed
         )
@@ -240,7 +182,7 @@ def kill_and_heal(data, tmp_path, sync_every):
     (a sync step of DiLoCo's 4): at the first both write after the heal, their weights and
     optimizer states are equal bit for bit (with DiLoCo: the weights and the outer state; each
     group's inner optimizer keeps moments of its own data). SIGTERM then stops both there
-    (dev/replica_trials.py --trial=groups runs such kills to the end of the run, 10 times)."""
+    (replica_trials.py --trial=groups, in the repo's dev folder, runs such kills to the end of the run, 10 times)."""
     lighthouse = Lighthouse(tmp_path / "lighthouse.log", min_replicas=1, join_timeout_ms=1000)
     out = tmp_path / "ft"
     # dist_timeout_s: 6 times the lighthouse's 5 s to count a killed group out (the survivor's quorum waits
@@ -259,7 +201,7 @@ def kill_and_heal(data, tmp_path, sync_every):
     procs = []
     try:
         procs += [
-            group(data, out, g, lighthouse.address(), tmp_path / f"{name}.log", **extra)
+            ft_group(data, out, g, lighthouse.address(), tmp_path / f"{name}.log", **extra)
             for g, name in ((0, "survivor"), (1, "victim"))
         ]
         survivor, victim = procs
@@ -281,7 +223,7 @@ def kill_and_heal(data, tmp_path, sync_every):
             lambda: any(i > killed_at and r["groups"] == 1 for i, r in steps_or_empty(out / "group0").items()), survivor
         )
         before = ckpts(1)  # the victim's own
-        restarted = group(data, out, 1, lighthouse.address(), tmp_path / "restarted.log", **extra)
+        restarted = ft_group(data, out, 1, lighthouse.address(), tmp_path / "restarted.log", **extra)
         procs.append(restarted)
         # their first shared checkpoint after the kill, and the restarted group's step at it logged
         # (a checkpoint is written before its step: a SIGTERM between the two left no row to read)
@@ -332,7 +274,7 @@ def test_a_killed_group_restarts_and_heals_to_the_survivors_weights(killed, sync
         raise killed[sync_every]
     out, killed_at, before, restarted_log = killed[sync_every]
     ckpts = lambda g: {int(p.stem[5:]) for p in (out / f"group{g}").glob("ckpt_[0-9]*.pt")}
-    alone = [i for i, r in steps(out / "group0").items() if i > killed_at and r["groups"] == 1]
+    alone = [i for i, r in steps_by_iter(out / "group0").items() if i > killed_at and r["groups"] == 1]
     assert alone, "the survivor did not step on alone"
     # torchft's log: the restarted group took the survivor's state
     assert "healing is required" in open(restarted_log).read()
@@ -358,7 +300,7 @@ def test_a_lighthouse_that_dies_stops_the_group_in_one_line(data, tmp_path):
     dist_timeout_s, and train.py ends with one line that says what to do, not a traceback."""
     lighthouse = Lighthouse(tmp_path / "lighthouse.log", min_replicas=1)
     try:
-        proc = group(
+        proc = ft_group(
             data,
             tmp_path / "ft",
             0,
@@ -379,7 +321,7 @@ def test_a_lighthouse_that_dies_stops_the_group_in_one_line(data, tmp_path):
 
 def steps_or_empty(out_dir):
     try:
-        return steps(out_dir)
+        return steps_by_iter(out_dir)
     except (OSError, ValueError):
         return {}
 
@@ -437,5 +379,5 @@ def test_a_run_without_replica_groups_never_imports_torchft(data, tmp_path):
     # Alone stands in for them): a fresh interpreter, since this one may have imported it already
     check = "import sys, train; train.main(sys.argv[1:]); assert 'torchft' not in sys.modules, 'torchft imported'"
     args = tiny_args(data, tmp_path / "out", max_iters=2)
-    result = subprocess.run([sys.executable, "-c", check, *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = run_python(["-c", check, *args])
     assert result.returncode == 0, result.stderr

@@ -4,7 +4,7 @@ sample.py's batches, prompts file and streaming."""
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY, train_tiny_run
+from conftest import TINY
 
 import sample
 from gpt.data import tokenizer
@@ -164,13 +164,8 @@ def test_stop_token_ends_each_row_and_then_the_batch():
 # ---------------------------------------------------------------------------- sample.py
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    return train_tiny_run(tmp_path_factory.mktemp("sample"), max_iters=30, lr_decay_iters=30, eval_interval=30)
-
-
-def run_sample(trained, capsys, *args):
-    sample.main([f"--out_dir={trained}", "--device=cpu", "--max_new_tokens=40", *args])
+def run_sample(tiny_run, capsys, *args):
+    sample.main([f"--out_dir={tiny_run}", "--device=cpu", "--max_new_tokens=40", *args])
     out, err = capsys.readouterr()
     samples = out.split(sample.SEPARATOR + "\n")
     assert samples[0].startswith("loaded ") and samples[-1] == ""
@@ -178,22 +173,22 @@ def run_sample(trained, capsys, *args):
     return samples[:-1], err
 
 
-def test_sample_py_cached_and_uncached_print_the_same(trained, capsys):
+def test_sample_py_cached_and_uncached_print_the_same(tiny_run, capsys):
     for args in (["--temperature=0", "--num_samples=1", "--max_new_tokens=60"], ["--num_samples=3", "--top_p=0.9"]):
-        cached, err = run_sample(trained, capsys, *args)
-        uncached, _ = run_sample(trained, capsys, *args, "--kv_cache=False")
+        cached, err = run_sample(tiny_run, capsys, *args)
+        uncached, _ = run_sample(tiny_run, capsys, *args, "--kv_cache=False")
         assert cached == uncached
         assert "tokens/s" in err and "kv_cache=True" in err
 
 
-def test_sample_py_streaming_prints_the_same_text(trained, capsys):
-    plain, _ = run_sample(trained, capsys, "--num_samples=2", "--stream=False")
-    streamed, _ = run_sample(trained, capsys, "--num_samples=2", "--stream=True")
+def test_sample_py_streaming_prints_the_same_text(tiny_run, capsys):
+    plain, _ = run_sample(tiny_run, capsys, "--num_samples=2", "--stream=False")
+    streamed, _ = run_sample(tiny_run, capsys, "--num_samples=2", "--stream=True")
     assert streamed == plain
 
 
-def test_sample_py_greedy_batch_rows_agree(trained, capsys):
-    samples, err = run_sample(trained, capsys, "--temperature=0", "--num_samples=3", "--start=The king")
+def test_sample_py_greedy_batch_rows_agree(tiny_run, capsys):
+    samples, err = run_sample(tiny_run, capsys, "--temperature=0", "--num_samples=3", "--start=The king")
     assert len(samples) == 3 and len(set(samples)) == 1 and samples[0].startswith("The king")
     note, timing = err.splitlines()
     assert (
@@ -202,16 +197,16 @@ def test_sample_py_greedy_batch_rows_agree(trained, capsys):
     assert timing.startswith("120 tokens in ")  # 3 samples x 40 tokens
 
 
-def test_sample_py_prompts_file(trained, capsys, tmp_path):
+def test_sample_py_prompts_file(tiny_run, capsys, tmp_path):
     path = tmp_path / "prompts.txt"
     path.write_text("The king\n\nMy lord\n")
-    samples, err = run_sample(trained, capsys, f"--prompts_file={path}", "--num_samples=2")
+    samples, err = run_sample(tiny_run, capsys, f"--prompts_file={path}", "--num_samples=2")
     assert [s.split(" ")[0] for s in samples] == ["The", "The", "My", "My"]
     assert samples[0] != samples[1]  # two samples of one prompt, not copies
     assert "2 prompt(s) x 2 samples" in err
 
 
-def test_sample_py_reads_the_checkpoint_on_the_cpu_and_moves_only_the_weights(trained, monkeypatch):
+def test_sample_py_reads_the_checkpoint_on_the_cpu_and_moves_only_the_weights(tiny_run, monkeypatch):
     """The checkpoint also holds the optimizer state (twice the weights for AdamW): it is read into
     host memory, and only the model goes to the device ('meta' stands in for a GPU here)."""
     from gpt.device import runtime
@@ -232,7 +227,7 @@ def test_sample_py_reads_the_checkpoint_on_the_cpu_and_moves_only_the_weights(tr
 
     monkeypatch.setattr(tokenizer, "load", stop)
     with pytest.raises(InterruptedError):
-        sample.main([f"--out_dir={trained}"])
+        sample.main([f"--out_dir={tiny_run}"])
     assert map_locations == ["cpu"]
     assert {p.device.type for p in models[0].parameters()} == {"meta"}
 

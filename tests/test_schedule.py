@@ -6,9 +6,9 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import CPU, TINY
 
 from configurator import TrainConfig
-from gpt.device import runtime
 from gpt.train.optim import get_lr
 from gpt.train.step import train_step
 from model import GPT, GPTConfig
@@ -59,8 +59,7 @@ def test_constant_without_decay():
 # ---------------------------------------------------------------------------- gradient accumulation
 
 
-CPU = runtime.Runtime("cpu", "cpu", torch.float32)
-MODEL = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=65, dropout=0.0, bias=True)
+MODEL = dict(TINY, bias=True)
 
 
 def make_optimizer(model, kind):

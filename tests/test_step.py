@@ -7,18 +7,16 @@ from contextlib import nullcontext
 import numpy as np
 import pytest
 import torch
-from conftest import read_metrics, tiny_args
+from conftest import CPU, TINY, read_metrics, tiny_args
 from processes import run_script
 from train_rank import nan_loss, nan_steps
 
 from gpt.data.batches import TrainBatches
-from gpt.device import runtime
 from gpt.outdir import checkpoint
 from gpt.train.step import train_step
 from model import GPT, GPTConfig
 
-CPU = runtime.Runtime("cpu", "cpu", torch.float32)
-MODEL = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=65, dropout=0.0, bias=True)
+MODEL = dict(TINY, bias=True)
 # every way Python code reads a tensor's value into the host: on a GPU each waits for the queue to drain
 READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__")
 

@@ -50,7 +50,7 @@ def test_gpt2_offline_in_a_fresh_process(tmp_path):
         socket.socket.connect = refuse
         socket.getaddrinfo = refuse
         sys.path.insert(0, {str(REPO)!r})
-        from gpt import tokenizer
+        from gpt.data import tokenizer
         encode, decode = tokenizer.load({{"kind": "tiktoken", "name": "gpt2"}})
         enc = tokenizer.encoding("gpt2")
         print(encode("Hello world"), enc.encode_ordinary("Hello world"), encode("<|endoftext|>"), enc.eot_token,

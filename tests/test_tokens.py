@@ -6,16 +6,13 @@ import struct
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_args
+from conftest import CPU, tiny_args
 from processes import run_script
 
 import train
 from configurator import UserError
 from gpt.data import token_files
 from gpt.data.batches import get_batch, load_split
-from gpt.device import runtime
-
-CPU = runtime.Runtime("cpu", "cpu", torch.float32)
 
 
 def write_shards(data_dir, split, ids, sizes):

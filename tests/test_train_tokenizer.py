@@ -51,7 +51,8 @@ def random_unicode(rng, n):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """(spec, the input text, the printed output): a 400-token tokenizer trained by the command."""
+    """(spec, the input text, the printed output): a 400-token tokenizer trained by the command (a
+    tokenizer, not a model: conftest's tiny_run has none)."""
     root = tmp_path_factory.mktemp("train_tokenizer")
     text = make_text(40000, seed=2) + "\n" + UNICODE + "\n" + make_text(20000, seed=4)
     (root / "input.txt").write_text(text, encoding="utf-8")

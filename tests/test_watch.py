@@ -13,21 +13,20 @@ import random
 import shlex
 import shutil
 import signal
-import subprocess
 import sys
 import time
 
 import pytest
 import torch.distributed as dist
 from conftest import bpe_eval_data, char_dataset, one_line_error, read_metrics, tiny_args
-from processes import REPO, load_script, run_script, wait_for
+from processes import REPO, load_script, run_python, run_script, start_python, wait_for
 
 from gpt.evaluation import watch
 from gpt.outdir import checkpoint, metrics, ownership
 from gpt.weights import load
 
 TRAIN, EVAL, PLOT = (load_script(name) for name in ("train.py", "eval.py", "plot.py"))
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+ENV = {"OMP_NUM_THREADS": "1"}
 
 
 def watch_records(out):
@@ -39,13 +38,8 @@ def watcher_args(out):
 
 
 def start_watcher(out, log):
-    """`python eval.py --watch=True ...`, as a user starts it by hand; its output appended to `log`
-    (proc.log), in a session of its own as start_python's processes are."""
-    with open(log, "ab") as f:
-        argv = [sys.executable, "eval.py", *watcher_args(out)]
-        proc = subprocess.Popen(argv, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
-    proc.log = log
-    return proc
+    """`python eval.py --watch=True ...`, as a user starts it by hand; its output appended to `log` (proc.log)."""
+    return start_python(["eval.py", *watcher_args(out)], log, env=ENV, append=True)
 
 
 def holds_lock(out, pid):
@@ -120,7 +114,8 @@ def chars(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def finished_run(chars, tmp_path_factory):
-    """A finished character-level run with 10 checkpoints (iters 2, 4, ..., 20), all kept. Copy it to write there."""
+    """A finished character-level run with 10 checkpoints (iters 2, 4, ..., 20), all kept (conftest's
+    tiny_run keeps one). Copy it to write there."""
     out = tmp_path_factory.mktemp("finished") / "out"
     assert TRAIN.main(tiny_args(chars, out, max_iters=20, eval_interval=2, keep_last=100, log_interval=10)) == 0
     return out
@@ -445,7 +440,7 @@ def test_retention_keeps_the_one_being_scored_then_the_newest_and_lists_the_othe
     fd = ownership.lock_watcher(out)  # a watcher holds watch.lock (before its first progress)
     assert retention.follows()
     os.close(fd)
-    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    finished = run_python(["-c", "import os; print(os.getpid())"])
     holder = json.loads((tmp_path / "watch.lock").read_text())
     (tmp_path / "watch.lock").write_text(json.dumps({**holder, "pid": int(finished.stdout)}))
     assert not retention.follows()  # the process that held it is gone
@@ -516,7 +511,7 @@ def test_a_resumed_run_keeps_the_watchers_records_and_a_second_watch_fills_in_th
 
 APPENDER = """
 import sys
-from gpt import metrics
+from gpt.outdir import metrics
 print("ready", flush=True)
 sys.stdin.readline()  # go: both write at once
 for i in range(1000):
@@ -531,13 +526,7 @@ def test_the_trainers_and_the_watchers_appends_never_tear_or_interleave(tmp_path
     from gpt.outdir.metrics import MetricsLog
 
     log = MetricsLog(str(tmp_path), None, SimpleNamespace(wandb_log=False, tensorboard_log=False))
-    other = subprocess.Popen(
-        [sys.executable, "-c", APPENDER, str(tmp_path / "metrics.jsonl")],
-        cwd=REPO,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    other = start_python(["-c", APPENDER, tmp_path / "metrics.jsonl"], stdin=True)
     assert other.stdout.readline() == "ready\n"
     other.stdin.write("go\n")
     other.stdin.flush()
@@ -546,6 +535,7 @@ def test_the_trainers_and_the_watchers_appends_never_tear_or_interleave(tmp_path
     other.stdin.close()
     assert other.wait(timeout=60) == 0
     other.stdout.close()
+    other.stderr.close()
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]  # each line whole
     assert sorted(r["iter"] for r in records if "text" in r) == list(range(1000))
@@ -579,7 +569,6 @@ def test_under_torchrun_rank_0_alone_starts_the_watcher_and_its_records_join_the
         wandb_internal_pb2 = None
     out = tmp_path / "out"
     cmd = [
-        sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
@@ -599,7 +588,7 @@ def test_under_torchrun_rank_0_alone_starts_the_watcher_and_its_records_join_the
         ),
     ]
     env = {**ENV, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    result = run_python(cmd, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("eval_async: the watcher (pid") == 1 and "already watched" not in result.stderr
     records = watch_records(out)
