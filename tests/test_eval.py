@@ -227,10 +227,10 @@ def test_eval_loops_read_the_device_once_whatever_the_number_of_batches(monkeypa
     not os.environ.get("LM_EVAL_PYTHON"), reason="set LM_EVAL_PYTHON to a Python with lm-eval installed (its own venv)"
 )
 def test_harness_style_equals_lm_evaluation_harness():
-    # the harness script in the repo's dev folder: lm-eval's own hellaswag task and
+    # scripts/harness_hellaswag.py: lm-eval's own hellaswag task and
     # --hellaswag_style=harness on one GPT-2-shaped export and one local file; every
     # log-likelihood, verdict and accuracy compared
-    harness = REPO / "dev" / "harness_hellaswag.py"
+    harness = REPO / "scripts" / "harness_hellaswag.py"
     result = run_python([harness, f"--lm_eval_python={os.environ['LM_EVAL_PYTHON']}", "--examples=24"], timeout=600)
     assert result.returncode == 0 and result.stdout.strip().endswith("equal"), (
         result.stdout[-3000:] + result.stderr[-3000:]

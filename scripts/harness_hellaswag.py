@@ -4,7 +4,7 @@ file of HellaSwag-format records (the hub's Rowan/hellaswag fields, with WikiHow
 [step] artifacts, double spaces, empty ctx_b, long contexts cut at the model's window).
 
     python3 -m venv /tmp/lmeval && /tmp/lmeval/bin/pip install torch==2.13.0 lm-eval transformers
-    python dev/harness_hellaswag.py --lm_eval_python=/tmp/lmeval/bin/python --examples=48
+    python scripts/harness_hellaswag.py --lm_eval_python=/tmp/lmeval/bin/python --examples=48
 
 lm-eval runs in its own interpreter (its dependencies stay out of this project's venv), on its
 registered hellaswag task with the dataset pointed at the local file (dataset_path json). The
