@@ -28,12 +28,6 @@ from model import GPT, GPTConfig
 MODEL = dict(TINY, bias=True)
 
 
-def run_train(data_dir, out_dir, **overrides):
-    result = run_script("train.py", *tiny_args(data_dir, out_dir, **overrides))
-    assert result.returncode == 0, result.stderr
-    return result
-
-
 # ---------------------------------------------------------------------------- the optimizer
 
 
@@ -368,7 +362,8 @@ def muon_runs(tmp_path_factory):
         # some steps clipped, some not
         grad_clip=1.5,
     )
-    run_train(data, root / "straight", **common)
+    result = run_script("train.py", *tiny_args(data, root / "straight", **common))
+    assert result.returncode == 0, result.stderr
     return root, data, common
 
 

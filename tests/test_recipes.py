@@ -69,8 +69,9 @@ RECIPES = {
 # the largest gap a 2-rank run's losses and gradient norms may have to one process's: float order
 # in the reductions (all-reduce, reduce-scatter) moves a loss of 2-11 by a few ulp. In FP8 an ulp can
 # move a weight across a rounding boundary to the next e4m3 value, 1/8 away: measured 6.4e-4 (DDP)
-# and 3.0e-3 (FSDP2) over 8 steps; a run without fp8 is 5.4e-2 away
-TOLERANCE = {"fp8": dict(abs=1e-2)}
+# and 3.0e-3 (FSDP2) over 8 steps; a run without fp8 is 5.4e-2 away. FSDP2 sums the squares of a
+# gradient norm shard by shard: over GPT-2's 50,257-row embedding that moved the norm by 3.2e-4
+TOLERANCE = {"fp8": dict(abs=1e-2), "documents": dict(rel=1e-3)}
 
 
 def documents(data_dir):
