@@ -450,3 +450,75 @@ def count_host_reads(monkeypatch):
 
         monkeypatch.setattr(torch.Tensor, name, read)
     return calls
+
+
+# ---- recipes (test_recipes.py)
+
+CHAT_VOCAB, USER, ASSISTANT, END = 40, 1, 2, 3  # a made-up chat template's size, role and end-of-turn tokens
+
+
+def conversations(n=60, seed=0):
+    """Token lists and masks: [USER, question..., END, ASSISTANT, answer..., END] repeated 1-3
+    turns; the answer is the question reversed, so there is something to learn. mask marks the
+    answer and its END, the tokens the model is trained to produce."""
+    rng = np.random.default_rng(seed)
+    convs = []
+    for _ in range(n):
+        ids, mask = [], []
+        for _ in range(rng.integers(1, 4)):
+            q = list(rng.integers(4, CHAT_VOCAB, size=rng.integers(2, 9)))
+            ids += [USER, *q, END, ASSISTANT, *q[::-1], END]
+            mask += [0] * (len(q) + 3) + [1] * (len(q) + 1)
+        convs.append((np.array(ids), np.array(mask, dtype=np.uint8)))
+    return convs
+
+
+def chat_arrays(convs):
+    """(ids, mask, starts) of conversations, as data/chat/prepare.py writes a split."""
+    ids = np.concatenate([c[0] for c in convs]).astype(np.uint16)
+    mask = np.concatenate([c[1] for c in convs])
+    starts = np.cumsum([0] + [len(c[0]) for c in convs[:-1]]).astype(np.int64)
+    return ids, mask, starts
+
+
+def write_chat_dir(path, convs_train=None, convs_val=None):
+    """path, made: a chat dataset of conversations (200 to train on, 40 held out by default)."""
+    from gpt.data import token_files
+
+    path.mkdir()
+    for split, convs in (("train", convs_train or conversations(200)), ("val", convs_val or conversations(40, 1))):
+        ids, mask, starts = chat_arrays(convs)
+        token_files.write(str(path / f"{split}.bin"), ids)
+        np.save(path / f"{split}_mask.npy", mask)
+        np.save(path / f"{split}_starts.npy", starts)
+    chars = "".join(chr(0x100 + i) for i in range(CHAT_VOCAB))  # a character vocabulary of CHAT_VOCAB symbols
+    (path / "meta.json").write_text(json.dumps({"chars": chars, "chat": {"format": "test"}}))
+    return path
+
+
+def assert_equal_states(a, b, path="state"):
+    """Two checkpoint states (nested dicts and lists of tensors and numbers) equal, bit for bit."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            assert_equal_states(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_equal_states(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, (path, a, b)
+
+
+def assert_same_run(run, reference, checkpoint="ckpt.pt"):
+    """run computed what reference did, bit for bit: every logged record (untimed: no step missing or
+    repeated, no extra eval), and the checkpoint's iter, weights and optimizer state (each optimizer's,
+    Muon's and AdamW's)."""
+    assert untimed(run) == untimed(reference)
+    a, b = (torch.load(Path(d) / checkpoint, weights_only=True) for d in (run, reference))
+    assert a["iter_num"] == b["iter_num"]
+    assert_equal_states(a["model"], b["model"], "model")
+    states = lambda opt: [opt["state"]] if "state" in opt else [o["state"] for o in opt["optimizers"]]
+    assert_equal_states(states(a["optimizer"]), states(b["optimizer"]), "optimizer")

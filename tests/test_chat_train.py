@@ -2,65 +2,23 @@
 rows start at a conversation's start, only the assistant's tokens are targets, and a step's
 loss is the mean over all of its trained tokens, whatever the micro-batch split. Checked
 against a hand computation from per-token cross entropies; end to end through train.py with
-exact resume. The chat data is made here with numpy: token ids, mask, conversation starts."""
+its own checks (the shared properties, exact resume and 2 ranks as 1: tests/test_recipes.py). The chat
+data is made with numpy (conftest.conversations): token ids, mask, conversation starts."""
 
 import json
-import os
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_text, read_metrics, tiny_args
-from processes import run_python, run_script
+from conftest import CHAT_VOCAB as VOCAB
+from conftest import CPU, chat_arrays, conversations, make_text, tiny_args
+from processes import run_script
 
 from data import corpus
-from gpt.data import token_files
 from gpt.data.batches import IGNORE, ChatBatches, ChatData, chat_eval_offsets, eval_batch, packing
-from gpt.device.runtime import Runtime
 from gpt.train.step import evaluate, train_step
 from model import GPT, GPTConfig
-
-CPU = Runtime("cpu", "cpu", torch.float32)
-VOCAB = 40
-USER, ASSISTANT, END = 1, 2, 3  # the role and end-of-turn tokens of this made-up template
-
-
-def conversations(n=60, seed=0):
-    """Token lists and masks: [USER, question..., END, ASSISTANT, answer..., END] repeated 1-3
-    turns; the answer is the question reversed, so there is something to learn. mask marks the
-    answer and its END, the tokens the model is trained to produce."""
-    rng = np.random.default_rng(seed)
-    convs = []
-    for _ in range(n):
-        ids, mask = [], []
-        for _ in range(rng.integers(1, 4)):
-            q = list(rng.integers(4, VOCAB, size=rng.integers(2, 9)))
-            ids += [USER, *q, END, ASSISTANT]
-            mask += [0] * (len(q) + 3)
-            ids += [*q[::-1], END]
-            mask += [1] * (len(q) + 1)
-        convs.append((np.array(ids), np.array(mask, dtype=np.uint8)))
-    return convs
-
-
-def chat_arrays(convs):
-    ids = np.concatenate([c[0] for c in convs]).astype(np.uint16)
-    mask = np.concatenate([c[1] for c in convs])
-    starts = np.cumsum([0] + [len(c[0]) for c in convs[:-1]]).astype(np.int64)
-    return ids, mask, starts
-
-
-def write_chat_dir(path, convs_train, convs_val):
-    path.mkdir()
-    for split, convs in (("train", convs_train), ("val", convs_val)):
-        ids, mask, starts = chat_arrays(convs)
-        token_files.write(str(path / f"{split}.bin"), ids)
-        np.save(path / f"{split}_mask.npy", mask)
-        np.save(path / f"{split}_starts.npy", starts)
-    chars = "".join(chr(0x100 + i) for i in range(VOCAB))  # a character vocabulary of VOCAB symbols
-    (path / "meta.json").write_text(json.dumps({"chars": chars, "chat": {"format": "test"}}))
-    return path
 
 
 def reference_rows(convs, first, T):
@@ -191,64 +149,6 @@ def test_packing_reports_padding_and_trained_share():
     used = [reference_rows(conversations(), c, 32)[2] - 1 for c in first]
     assert padding == pytest.approx(1 - np.mean(used) / 32)
     assert 0 < trained < 1 - padding
-
-
-def test_train_py_trains_on_chat_data_and_resumes_exactly(tmp_path):
-    data_dir = write_chat_dir(tmp_path / "chat", conversations(200), conversations(40, seed=1))
-    common = dict(
-        block_size=32,
-        batch_size=4,
-        gradient_accumulation_steps=2,
-        eval_interval=10,
-        max_iters=20,
-        lr_decay_iters=20,
-        dropout=0.1,
-    )
-    straight = run_script("train.py", *tiny_args(data_dir, tmp_path / "straight", **common))
-    assert straight.returncode == 0, straight.stderr
-    assert "chat data: 200 conversations" in straight.stdout and "of positions are padding" in straight.stdout
-    first = run_script("train.py", *tiny_args(data_dir, tmp_path / "split", **{**common, "max_iters": 10}))
-    assert first.returncode == 0, first.stderr
-    resumed = run_script("train.py", *tiny_args(data_dir, tmp_path / "split", **common), "--init_from=resume")
-    assert resumed.returncode == 0, resumed.stderr
-
-    logged = lambda name: {
-        r["iter"]: (r["loss"], r["trained_tokens"]) for r in read_metrics(tmp_path / name) if "loss" in r
-    }
-    assert logged("split") == logged("straight")  # bit-exact: losses and the trained tokens of each step
-    steps = logged("straight")
-    assert all(0 < n < 2 * 4 * 32 for _, n in steps.values())
-    assert steps[19][0] < steps[0][0]
-    evals = [r for r in read_metrics(tmp_path / "straight") if "val_loss" in r]
-    assert "val_bpb" not in evals[-1]  # no bits per byte over masked targets
-
-
-@pytest.mark.process
-@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
-def test_two_ranks_train_as_one(tmp_path, parallelism):
-    """2 ranks x 1 micro-step against 1 rank x 2 micro-steps: the same 8 rows per step (every rank
-    draws the global step), and the weight world_size / trained-tokens-of-the-step undoes the
-    ranks' gradient averaging; only the float order of the all-reduce differs."""
-    data_dir = write_chat_dir(tmp_path / "chat", conversations(200), conversations(40, seed=1))
-    common = dict(
-        block_size=32,
-        batch_size=4,
-        gradient_accumulation_steps=2,
-        eval_interval=5,
-        eval_iters=2,
-        max_iters=6,
-        lr_decay_iters=6,
-    )
-    one = run_script("train.py", *tiny_args(data_dir, tmp_path / "one", **common))
-    assert one.returncode == 0, one.stderr
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    args = tiny_args(data_dir, tmp_path / "two", **common, parallelism=parallelism)
-    two = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *args], env=env)
-    assert two.returncode == 0, two.stderr[-3000:]
-    logged = lambda d: np.array(
-        [[r["loss"], r["grad_norm"], r["trained_tokens"]] for r in read_metrics(d) if "loss" in r]
-    )
-    np.testing.assert_allclose(logged(tmp_path / "two"), logged(tmp_path / "one"), rtol=1e-5)
 
 
 def test_fine_tuning_starts_from_a_run_pretrained_here(tmp_path):

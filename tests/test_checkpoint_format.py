@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import char_dataset, read_metrics, tiny_args, untimed
+from conftest import assert_same_run, char_dataset, read_metrics, tiny_args, untimed
 from processes import REPO, run_script, start_python, succeeded, torchrun, wait_for
 
 from configurator import UserError
@@ -231,10 +231,8 @@ def test_async_full_format_equals_the_synchronous_one(char_data, tmp_path):
         )
         assert result.returncode == 0, result.stderr
         runs[asynchronous] = out
-    assert untimed(runs[True]) == untimed(runs[False])
     for name in ("ckpt_0000010.pt", "ckpt.pt"):  # iter 10 was written while training went on
-        a, b = (checkpoint.load(str(runs[x] / name)) for x in (False, True))
-        assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+        assert_same_run(runs[True], runs[False], name)
 
 
 @pytest.mark.parametrize("content", [b"junk", os.urandom(4096), "truncated"], ids=["junk", "random", "truncated"])

@@ -29,7 +29,8 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import char_dataset, losses, read_metrics, untimed
+from conftest import TINY as TINY_GPT
+from conftest import assert_same_run, char_dataset, losses, read_metrics
 from processes import TORCHRUN_ARGS, succeeded, torchrun
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
@@ -135,16 +136,8 @@ def test_compiled_run_has_one_train_graph_and_one_eval_graph(compiled, name):
 def test_compiled_ddp_resumes_exactly(compiled):
     root, runs = compiled
     assert "resuming at iter 4" in runs["resumed"][0]["stdout"]
-    # bit for bit: the same compiled kernels, the same state
-    assert untimed(root / "resumed") == untimed(root / "ddp")
-    a, b = (torch.load(root / name / "ckpt.pt", weights_only=True) for name in ("ddp", "resumed"))
-    assert a["iter_num"] == b["iter_num"] == 8
-    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
-    assert all(
-        torch.equal(a["optimizer"]["state"][i][k], b["optimizer"]["state"][i][k])
-        for i in a["optimizer"]["state"]
-        for k in a["optimizer"]["state"][i]
-    )
+    assert_same_run(root / "resumed", root / "ddp")  # bit for bit: the same compiled kernels, the same state
+    assert torch.load(root / "ddp" / "ckpt.pt", weights_only=True)["iter_num"] == 8
 
 
 @pytest.mark.process
@@ -167,7 +160,7 @@ def test_one_rank_non_finite_loss_is_skipped_by_every_rank(compiled):
 # ---------------------------------------------------------------------------- in one process
 
 
-TINY = dict(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=65, dropout=0.0, bias=False)
+TINY = dict(TINY_GPT, n_head=4, bias=False)
 
 
 # (eval_iters, ranks, eval_group's budget in eval batches): shakespeare_char on 8 ranks

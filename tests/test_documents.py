@@ -1,6 +1,7 @@
 """Document-aligned batches (batch_order='documents') and the document mask (doc_mask): rows
-that start at a document, each once per epoch and on one rank only, an exact resume, and a
-masked row that computes what its documents compute alone."""
+that start at a document, each once per epoch and on one rank only, a sampler state that resumes
+mid-epoch, and a masked row that computes what its documents compute alone. (train.py's exact resume
+across an epoch, 2 ranks as 1 and a kill -9 on documents: tests/test_recipes.py, recipe documents.)"""
 
 import json
 
@@ -8,20 +9,17 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import GPT2, tiny_args, untimed
+from conftest import CPU, tiny_args
 from processes import run_script
 from torch.nn.attention.flex_attention import BlockMask
 
 import model as model_module
 from configurator import UserError
-from gpt.data import token_files
 from gpt.data.batches import DocumentBatches, TrainBatches, row_starts
 from gpt.device import runtime
-from gpt.outdir import checkpoint
 from gpt.train.step import train_step
 from model import GPT, GPTConfig, document_mask
 
-CPU = runtime.Runtime("cpu", "cpu", torch.float32)
 EOT = 0  # the separator of the counting data below
 
 
@@ -220,45 +218,8 @@ def test_accumulated_masked_steps_equal_one_big_batch():
 # ---------------------------------------------------------------------------- through train.py
 
 
-@pytest.fixture
-def document_data(tmp_path):
-    """A GPT-2 BPE-style dataset (meta.json: tiktoken gpt2) of short documents, each followed by
-    end-of-text as data/corpus.py writes them: a few dozen rows of 16 tokens an epoch."""
-    data_dir = tmp_path / "docs"
-    data_dir.mkdir()
-    eot = 50256
-    for split, n_docs in (("train", 40), ("val", 20)):
-        lengths = np.random.default_rng(len(split)).integers(3, 30, size=n_docs)
-        ids = [t for n in lengths for t in [*np.random.default_rng(n).integers(0, 300, n), eot]]
-        token_files.write(str(data_dir / f"{split}.bin"), np.array(ids, dtype=np.uint16))
-    (data_dir / "meta.json").write_text(json.dumps(GPT2))
-    return data_dir
-
-
 def train(data_dir, out_dir, **overrides):
     return run_script("train.py", *tiny_args(data_dir, out_dir, **overrides))
-
-
-def test_resume_mid_epoch_is_exact(document_data, tmp_path):
-    """16 steps straight == 8, stop, resume to 16, with epochs of ~11 steps: the same losses and
-    weights to the last bit."""
-    common = dict(max_iters=16, lr_decay_iters=16, eval_interval=4, dropout=0.1, batch_order="documents", doc_mask=True)
-    runs = [
-        train(document_data, tmp_path / "straight", **common),
-        train(document_data, tmp_path / "split", **{**common, "max_iters": 8}),
-        train(document_data, tmp_path / "split", **common, init_from="resume"),
-    ]
-    assert all(r.returncode == 0 for r in runs), [r.stderr for r in runs]
-    assert "documents: 40 in train" in runs[0].stdout and "resuming at iter 8" in runs[2].stdout
-    assert untimed(tmp_path / "split") == untimed(tmp_path / "straight")
-    a = checkpoint.load(str(tmp_path / "straight" / "ckpt.pt"))
-    b = checkpoint.load(str(tmp_path / "split" / "ckpt.pt"))
-    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
-    assert b["rng"]["batches"]["epoch"] == 1  # the run crossed into its second epoch
-    other = train(
-        document_data, tmp_path / "split", **{**common, "max_iters": 20, "batch_order": "random"}, init_from="resume"
-    )
-    assert other.returncode != 0 and "batch_order='documents'" in other.stderr and "Traceback" not in other.stderr
 
 
 @pytest.mark.parametrize("keys", [dict(batch_order="documents"), dict(doc_mask=True)])

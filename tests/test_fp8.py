@@ -1,23 +1,19 @@
 """FP8 training (fp8=True, gpt/train/fp8.py) checked on a CPU through torchao's emulation (fp8='emulate':
-float8's casts, high-precision matmuls): which layers convert and what they compute, a run that
-resumes exactly, a checkpoint of plain weights that samples where torchao cannot be imported, the
-Hugging Face and GGUF exports, DDP and FSDP2 under torchrun; and the one-line refusals where
-fp8=True cannot run, on a simulated CUDA device. Its speed needs a GPU: docs/fp8.md."""
+float8's casts, high-precision matmuls): which layers convert and what they compute, and the one-line refusals where fp8=True cannot run, on a
+simulated CUDA device. A run in fp8 (exact resume, DDP and FSDP2 under torchrun, a checkpoint of plain
+weights that samples where torchao cannot be imported, the Hugging Face and GGUF exports):
+tests/test_recipes.py, recipe fp8. Its speed needs a GPU: docs/fp8.md."""
 
 import json
-import os
-import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-from conftest import bpe_eval_data, char_dataset, losses, needs, tiny_args, untimed
-from processes import REPO, run_script
+from conftest import TINY, needs, tiny_args
+from processes import run_script
 
 from configurator import TrainConfig, UserError, parse
-from gpt.outdir import checkpoint
 from gpt.train import fp8
 from model import GPT, GPTConfig
 
@@ -30,7 +26,7 @@ BLOCK_LINEARS = [
 
 def tiny_gpt(**options):
     torch.manual_seed(0)
-    return GPT(GPTConfig(**{**dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=65), **options}))
+    return GPT(GPTConfig(**{**TINY, **options}))
 
 
 def is_float8(module):
@@ -184,110 +180,6 @@ def test_without_torchao_fp8_says_how_to_install_it(monkeypatch):
         monkeypatch.setitem(sys.modules, name, None)  # as if it were not installed: import raises ImportError
     with pytest.raises(UserError, match=r"^fp8 needs torchao \(.*\): pip install torchao==0.17.0, or drop --fp8$"):
         fp8.convert(tiny_gpt(), "emulate", "lm_head", "cpu")
-
-
-# ---------------------------------------------------------------------------- a run in fp8
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """root with straight/ (20 steps with fp8='emulate', dropout on), split/ (10 of them, then
-    resumed to 20) and data/, GPT-2 BPE tokens, train and val (the GGUF export needs a BPE vocabulary)."""
-    root = tmp_path_factory.mktemp("fp8")
-    data, _ = bpe_eval_data(root)
-    (data / "test.bin").unlink()  # a run's last eval scores test too: the split run's first half would have one more
-    common = dict(fp8="emulate", max_iters=20, lr_decay_iters=20, eval_interval=5, dropout=0.1)
-    for name, overrides in (("straight", {}), ("split", dict(max_iters=10)), ("split", dict(init_from="resume"))):
-        result = run_script("train.py", *tiny_args(data, root / name, **{**common, **overrides}))
-        assert result.returncode == 0, result.stderr
-        assert "fp8: 8 Linear layers in float8 (emulated" in result.stdout
-    return root
-
-
-def test_an_fp8_run_resumes_exactly(runs):
-    """20 steps straight == 10 steps, stop, resume to 20, in fp8 too: each step's scales come from
-    the tensors of that step, so there is no float8 state a checkpoint would have to carry."""
-    assert untimed(runs / "split") == untimed(runs / "straight")
-    a, b = (checkpoint.load(str(runs / name / "ckpt.pt")) for name in ("straight", "split"))
-    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
-
-
-def test_the_checkpoint_holds_plain_float32_weights_under_plain_names(runs):
-    state = checkpoint.load(str(runs / "straight" / "ckpt.pt"))  # torch.load(weights_only=True): no torchao class
-    assert state["config"]["fp8"] == "emulate"
-    plain = GPT(GPTConfig(**state["model_args"])).state_dict()
-    assert state["model"].keys() == plain.keys()
-    assert all(type(v) is torch.Tensor and v.dtype == torch.float32 for v in state["model"].values())
-
-
-@pytest.mark.process
-def test_the_checkpoint_samples_where_torchao_cannot_be_imported(runs):
-    """sample.py in a fresh interpreter whose `import torchao` fails, as on a machine without it."""
-    blocked = "import runpy, sys; sys.modules['torchao'] = None; sys.argv[0] = 'sample.py'; runpy.run_path('sample.py', run_name='__main__')"
-    args = [
-        f"--out_dir={runs / 'straight'}",
-        "--device=cpu",
-        "--num_samples=1",
-        "--max_new_tokens=8",
-        "--stop_at_eot=False",
-        "--start=The",
-    ]
-    result = subprocess.run(
-        [sys.executable, "-c", blocked, *args], cwd=REPO, capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0, result.stderr
-    loaded, sample, _ = result.stdout.split("\n", 2)
-    assert loaded.startswith(f"loaded {runs / 'straight' / 'ckpt_best.pt'} (iter 20")
-    assert sample.startswith("The") and len(sample) > len("The")  # the prompt and 8 tokens on one line
-    assert result.stderr.startswith("8 tokens in")
-
-
-def test_an_fp8_run_exports_to_hugging_face_and_gguf(runs, tmp_path):
-    needs("transformers", "gguf")
-    import gguf
-    import transformers
-
-    out = runs / "straight"
-    assert run_script("hf.py", f"--out_dir={out}", f"--export_dir={tmp_path / 'hf'}").returncode == 0
-    model, _ = checkpoint.load_model(str(out), report=lambda _: None)
-    idx = torch.randint(0, 50257, (2, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        ours = model.eval()(idx, logits_at="all")[0]
-        theirs = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()(idx).logits
-    assert (ours - theirs).abs().max() < 1e-5
-
-    assert run_script("hf.py", f"--out_dir={out}", "--format=gguf", f"--export_dir={tmp_path}").returncode == 0
-    tensors = {t.name: t for t in gguf.GGUFReader(tmp_path / "model.gguf").tensors}
-    assert np.array_equal(tensors["token_embd.weight"].data, model.transformer.wte.weight[:50257].detach().numpy())
-    c_fc = model.transformer.h[1].mlp.c_fc.weight.detach().numpy()  # a layer that trained in float8
-    assert np.array_equal(tensors["blk.1.ffn_up.weight"].data, c_fc)
-
-
-# ---------------------------------------------------------------------------- DDP and FSDP2
-
-
-@pytest.mark.process
-@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
-def test_two_ranks_in_fp8_train_like_one_process(tmp_path, parallelism):
-    """torchrun with 2 CPU ranks (gloo) against one process with the same global batch, both in
-    emulated fp8: the same micro-batches, so the same float8 scales. FSDP2 gathers each block's
-    float32 weights and Float8Linear casts them in forward (torchao's float8 all-gather is off)."""
-    data = char_dataset(tmp_path / "chars")
-    common = dict(fp8="emulate", gradient_accumulation_steps=2, max_iters=8, lr_decay_iters=8, eval_interval=4)
-    one = run_script("train.py", *tiny_args(data, tmp_path / "one", **common))
-    assert one.returncode == 0, one.stderr
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py"]
-    args = tiny_args(data, tmp_path / "two", **common, parallelism=parallelism)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    two = subprocess.run([*launch, *args], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
-    assert two.returncode == 0, two.stderr[-3000:]
-    assert two.stdout.count("fp8: 8 Linear layers in float8") == 1  # rank 0 says it; every rank converts
-    a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
-    assert len(a) == len(b) == 8 + 3 * 2
-    # float8 turns an ulp into a float8 step: a weight that the ranks' other order of summing moves
-    # one ulp across a rounding boundary rounds to the next e4m3 value, 1/8 away. Measured over these
-    # 8 steps and 3 evals: 6.4e-4 (DDP) and 3.0e-3 (FSDP2); a run without fp8 is 5.4e-2 away
-    assert max(abs(x - y) for x, y in zip(a, b)) < 1e-2, json.dumps([a, b])
 
 
 # ---------------------------------------------------------------------------- the GPU measurement, on a CPU

@@ -1,9 +1,9 @@
 """The speedrun levers (GPTConfig's zero_init_proj, logit_softcap, value_embeds, unet_skips and
 mlp='relu2'): each against its formula computed here by hand, in backward (gradcheck in float64),
-and together through what a run does with a model: torch.compile without recompiles, train.py's
-exact resume, DDP on two gloo ranks, the key/value caches of generation and of the serving engine,
+and together through what a run does with a model: torch.compile without recompiles, the key/value caches of generation and of the serving engine,
 old checkpoints, and GGUF's export, which must refuse what llama.cpp cannot compute. Off, they change
-nothing: a default model is the one it was before."""
+nothing: a default model is the one it was before. (train.py's exact resume, DDP and FSDP2 on two gloo
+ranks, a kill -9, with every lever and Muon: tests/test_recipes.py, recipe levers-muon.)"""
 
 import dataclasses
 import math
@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ATEN_BACKEND, char_dataset, losses, needs, save_checkpoint, tiny_args, untimed
-from processes import TORCHRUN_ARGS, run_script, succeeded, torchrun
+from conftest import ATEN_BACKEND, CPU, needs, save_checkpoint
+from conftest import TINY as TINY_GPT
+from processes import run_script
 from torch._dynamo.utils import counters
 from torch.overrides import TorchFunctionMode
 
 from configurator import TrainConfig, UserError, parse
 from gpt.data import tokenizer
 from gpt.data.batches import TrainBatches
-from gpt.device import runtime
 from gpt.inference import sampling
 from gpt.inference.engine import Engine, Request
 from gpt.outdir import checkpoint
@@ -30,10 +30,9 @@ from gpt.train.step import train_step
 from gpt.weights import load
 from model import GPT, MLP, CausalSelfAttention, GPTConfig, RMSNorm
 
-TINY = dict(n_layer=4, n_head=4, n_embd=32, block_size=16, vocab_size=65, dropout=0.0)
+TINY = dict(TINY_GPT, n_layer=4, n_head=4)
 LEVERS = dict(mlp="relu2", zero_init_proj=True, logit_softcap=15.0, value_embeds=True, unet_skips=True)
 OFF = dict(zero_init_proj=False, logit_softcap=0.0, value_embeds=False, unet_skips=False)
-CPU = runtime.Runtime("cpu", "cpu", torch.float32)
 
 
 def randomized(model, std=0.3, seed=0):
@@ -423,46 +422,6 @@ def test_a_config_file_sets_the_levers_for_the_model(tmp_path):
     assert all(getattr(GPT(GPTConfig(**args)).config, k) == v for k, v in LEVER_FLAGS.items())
     with pytest.raises(UserError, match="logit_softcap=-1.0 must be >= 0"):
         parse(TrainConfig, ["--logit_softcap=-1"])
-
-
-def test_resume_with_every_lever_is_exact(char_data, tmp_path):
-    """8 steps straight == 4 steps, stop, resume to 8, with Muon (the levers' tables and gates in
-    its AdamW): the same losses and weights to the last bit; the checkpoint holds the levers."""
-    common = dict(LEVER_FLAGS, max_iters=8, lr_decay_iters=8, eval_interval=4, optimizer="muon")
-
-    def train(out, **overrides):
-        result = run_script("train.py", *tiny_args(char_data, tmp_path / out, **{**common, **overrides}))
-        assert result.returncode == 0, result.stderr
-        return result
-
-    train("straight")
-    train("split", max_iters=4)
-    assert "resuming at iter 4" in train("split", init_from="resume").stdout
-    assert untimed(tmp_path / "split") == untimed(tmp_path / "straight")
-    a, b = (checkpoint.load(str(tmp_path / out / "ckpt.pt")) for out in ("straight", "split"))
-    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
-    assert all(a["model_args"][k] == v for k, v in LEVER_FLAGS.items())
-    # sample.py rebuilds the same model from it
-    model, _ = load.for_inference("resume", str(tmp_path / "straight"), report=lambda *_: None)
-    assert all(getattr(model.config, k) == v for k, v in LEVER_FLAGS.items())
-    # a resume that drops a lever is refused, naming it
-    result = run_script(
-        "train.py", *tiny_args(char_data, tmp_path / "split", **{**common, "unet_skips": False, "init_from": "resume"})
-    )
-    assert result.returncode != 0 and "unet_skips True -> False" in result.stderr
-
-
-@pytest.mark.process
-def test_ddp_on_two_gloo_ranks_keeps_the_replicas_equal(tmp_path):
-    data = char_dataset(tmp_path / "chars")
-    flags = [f"--{k}={v}" for k, v in LEVER_FLAGS.items() if k != "n_layer"]
-    args = [*TORCHRUN_ARGS, "--eval_iters=2", f"--dataset={data}", f"--out_dir={tmp_path / 'levers'}", *flags]
-    succeeded(torchrun(tmp_path, "levers", [*args, "--max_iters=4", "--eval_interval=4"], {"record": True}))
-    w0, w1 = (torch.load(tmp_path / "levers" / f"rank{r}.weights.pt", weights_only=True) for r in range(2))
-    assert any(k.startswith("transformer.ve.") for k in w0) and "skip_weights" in w0
-    assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
-    trained = losses(tmp_path / "levers")
-    assert all(math.isfinite(x) for x in trained) and trained[3] < trained[0]
 
 
 def saved(out_dir, **options):

@@ -1,7 +1,8 @@
 """The Llama-style options of model.GPT against explicit formulas and properties (RoPE, GQA,
 RMSNorm, SwiGLU, QK-norm, untied embeddings, activation checkpointing), the 1B recipe's
 parameter count, FLOPs by hand, cached generation, a CPU training run, resume checks, and the
-GPT-2 default pinned to a reference written out here."""
+GPT-2 default pinned to a reference written out here. (Exact resume, 2 ranks as 1 and a kill -9 of a
+Llama-shaped run: tests/test_recipes.py, recipe llama.)"""
 
 import math
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import read_metrics
+from conftest import TINY_LLAMA, read_metrics
 from processes import REPO, run_script
 
 from configurator import TrainConfig, UserError, parse
@@ -18,21 +19,7 @@ from gpt.outdir.checkpoint import check_resumable
 from gpt.train.build import make_model_args
 from model import GPT, MLP, CausalSelfAttention, GPTConfig, apply_rope, make_norm, rope_tables
 
-LLAMA = dict(
-    n_layer=2,
-    n_head=4,
-    n_kv_head=2,
-    n_embd=32,
-    block_size=16,
-    vocab_size=65,
-    dropout=0.0,
-    bias=False,
-    pos_encoding="rope",
-    norm="rmsnorm",
-    mlp="swiglu",
-    qk_norm=True,
-    tie_embeddings=False,
-)
+LLAMA = dict(TINY_LLAMA, n_head=4, n_kv_head=2, qk_norm=True)
 
 
 def random_weights(module, std=0.3, seed=0):
