@@ -1,9 +1,11 @@
 """Shared test helpers: the CPU runtime and the tiny model shapes, tiny datasets made on the spot,
 train.py's flags for a tiny model, what tests read of a run (untimed, losses, one_line_error), a
 checkpoint as train.py writes one, the tokenizers several files make, the tree's files as a clone has
-them, and the runs trained once for every test that reads them: a tiny character run, the chat demo.
-Running the commands themselves: processes.py."""
+them, the runs trained once for every test that reads them (a tiny character run, the chat demo),
+the recipes' checks, and serve.py's app on a loopback port for the serving tests. Running the
+commands themselves: processes.py."""
 
+import contextlib
 import dataclasses
 import fcntl
 import functools
@@ -15,6 +17,9 @@ import os
 import re
 import shutil
 import signal
+import threading
+import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -522,3 +527,64 @@ def assert_same_run(run, reference, checkpoint="ckpt.pt"):
     assert_equal_states(a["model"], b["model"], "model")
     states = lambda opt: [opt["state"]] if "state" in opt else [o["state"] for o in opt["optimizers"]]
     assert_equal_states(states(a["optimizer"]), states(b["optimizer"]), "optimizer")
+
+
+# ---- serving (test_serve.py, test_engine.py, test_serve_browser.py)
+
+
+@pytest.fixture(scope="module")
+def serve_demo(tmp_path_factory, shared_chat_demo):
+    """(out_dir, held-out conversations) of the shortened chat demo run (shared_chat_demo, copied
+    for a module's servers)."""
+    return chat_demo_copy(shared_chat_demo, tmp_path_factory.mktemp("serve_demo") / "out")
+
+
+@contextlib.contextmanager
+def running(*args):
+    """serve.py's app under uvicorn in a thread, on a free loopback port (the command's own socket):
+    a namespace of its url, its serving.Server, that server's engine (None: --engine=process) and uvicorn's
+    Server."""
+    import uvicorn
+
+    import serve
+    from configurator import parse
+    from gpt.inference import api, serving
+
+    server = serving.Server(parse(serve.ServeConfig, ["--device=cpu", "--engine=thread", *args])).start()
+    sock = serve.listen("127.0.0.1", 0)
+    web = uvicorn.Server(uvicorn.Config(api.make_app(server), log_level="warning"))
+    thread = threading.Thread(target=web.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not web.started:
+        assert thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield types.SimpleNamespace(
+            url=f"http://127.0.0.1:{sock.getsockname()[1]}", server=server, engine=server.engine, web=web
+        )
+    finally:
+        web.should_exit = True
+        thread.join(10)
+        server.close()
+        sock.close()
+
+
+@contextlib.contextmanager
+def watching(engine, on_step):
+    """The engine's on_step hook is on_step until the block ends."""
+    engine.on_step = on_step
+    try:
+        yield
+    finally:
+        engine.on_step = None
+
+
+def concurrently(fns):
+    """Call each function on a thread of its own, all at once: their results, in order."""
+    results = [None] * len(fns)
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, fns[i]())) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return results

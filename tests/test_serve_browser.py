@@ -1,10 +1,11 @@
 """The chat page (static/chat.html) in a real browser: Debian's Chromium, headless, driven by
-Selenium, against serve.py on a loopback port with the shortened chat demo model of
-tests/test_serve.py. A message typed into the page streams back: part of the reply is on the
-page while the server's engine is held mid-generation, and the whole reply equals the API's for
-the same conversation at temperature 0. A second turn that needs the first equals the API's
-reply to both; after "New chat" the same question gets the reply to it alone. A refused request
-shows the server's error message; a server with an API key is reached once the key is typed in.
+Selenium, against serve.py on a loopback port with the shortened chat demo model that
+tests/test_serve.py serves too (conftest's serve_demo). A message typed into the page streams back:
+part of the reply is on the page while the server's engine is held mid-generation, and the whole
+reply equals the API's for the same conversation at temperature 0. A second turn that needs the
+first equals the API's reply to both; after "New chat" the same question gets the reply to it
+alone. A refused request shows the server's error message; a server with an API key is reached once
+the key is typed in.
 
 Needs chromium and chromium-driver (apt-get install chromium chromium-driver) and selenium;
 without them the tests skip with a line saying so. GPT_TESTS_BROWSER=required (.ci/run sets
@@ -19,8 +20,8 @@ import threading
 
 import httpx
 import pytest
+from conftest import running, watching
 from processes import load_script
-from test_serve import demo, running, watching  # noqa: F401 (demo is a fixture: the same model serve's tests train)
 
 pytestmark = pytest.mark.slow  # a browser, and the chat demo model trained once per run
 page_tools = load_script("scripts/chat_screenshot.py")  # open_browser, set_field, type_message
@@ -47,8 +48,8 @@ def browser():
 
 
 @pytest.fixture(scope="module")
-def served(demo):  # noqa: F811 (the imported fixture)
-    with running(f"--out_dir={demo[0]}", "--batch_size=4") as s:
+def served(serve_demo):
+    with running(f"--out_dir={serve_demo[0]}", "--batch_size=4") as s:
         yield s
 
 
@@ -177,7 +178,7 @@ def test_a_refused_request_shows_the_servers_error(browser, served):
     assert log(browser) == [] and browser.find_element(By.ID, "input").get_attribute("value") == message
 
 
-def test_the_api_key_field(browser, demo):  # noqa: F811 (the imported fixture)
+def test_the_api_key_field(browser, serve_demo):
     """Against a server started with --api_key, the page says a key is needed (the server's 401);
     once the key is typed in, it gets the model's name and replies. Markup in messages and replies
     is shown as text, never made into elements (an <img onerror> would raise an alert here)."""
@@ -185,7 +186,7 @@ def test_the_api_key_field(browser, demo):  # noqa: F811 (the imported fixture)
     from selenium.webdriver.support.ui import WebDriverWait
 
     first, second = "My name is <b>Zuvaki</b>.", "<img src=x onerror=alert(1)>"
-    with running(f"--out_dir={demo[0]}", f"--api_key={KEY}", "--batch_size=2") as keyed:
+    with running(f"--out_dir={serve_demo[0]}", f"--api_key={KEY}", "--batch_size=2") as keyed:
         status, body = api(keyed, [{"role": "user", "content": first}])
         assert status == 401
         open_page(browser, keyed)

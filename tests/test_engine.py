@@ -1,0 +1,384 @@
+"""gpt/inference/engine.py, the batched engine serve.py decodes with, on small models GPT-2 and
+Llama shaped: a packed step gives each sequence the logits of the plain forward alone, and
+requests decoded together (rows of any length, joining and leaving, prefilled together, reusing
+an ended sequence's keys, compiled or eager, on the calling thread) each get generate()'s greedy
+tokens for their prompt alone. serve.py's HTTP side: test_serve.py."""
+
+import functools
+import threading
+
+import pytest
+import torch
+from conftest import ATEN_BACKEND, concurrently
+
+from gpt.device import cpu_matmuls
+from gpt.inference import sampling
+from gpt.inference.engine import BatchCache, Engine, Request, compile_options
+from model import GPT, GPTConfig
+
+# GPT-2's block, Llama's
+SHAPES = [{}, dict(n_kv_head=1, pos_encoding="rope", norm="rmsnorm", mlp="swiglu", bias=False)]
+
+
+def peaked_model(block_size=64, n_layer=2, **shape):
+    """A small GPT (vocab 50, 2 layers, context 64) with weights spread far from the init: peaked
+    next-token distributions, so greedy tokens have no near-ties."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50, n_layer=n_layer, n_head=2, n_embd=32, block_size=block_size, **shape)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    return model
+
+
+def replies(engine, prompts, budgets, on_tokens=None, start=False, timeout=300):
+    """Submit a greedy request (temperature 0) for each prompt with its budget of tokens, all at once
+    so that they join at one step (start=True: then start the engine, which has queued them all),
+    and wait for every one to end: (each reply's tokens, each end (finish_reason, tokens, error)).
+    on_tokens: a request's own token callback in place of the list of its tokens, where not None."""
+    outs, ends, done = [[] for _ in prompts], [None] * len(prompts), threading.Semaphore(0)
+    with engine.lock:
+        for i, (prompt, n) in enumerate(zip(prompts, budgets)):
+            on_token = (on_tokens or [None] * len(prompts))[i] or outs[i].append
+            on_done = functools.partial(lambda i, *end: (ends.__setitem__(i, end), done.release()), i)
+            assert engine.submit(Request(list(prompt), n, on_token, on_done, temperature=0))
+    if start:
+        engine.start()
+    for _ in prompts:
+        assert done.acquire(timeout=timeout)
+    return outs, ends
+
+
+def count_eager_passes(model):
+    """A list that gets an item for each forward pass of model run eagerly from now on. A compiled
+    engine's step runs its graph, made before the hook was there (the engine checks only the guards
+    that tell its graphs apart), and never calls it; a step that no graph fits runs eagerly and does."""
+    passes = []
+    model.register_forward_pre_hook(lambda module, args: passes.append(len(passes)))
+    return passes
+
+
+def token_lists(*lengths):
+    """A fixed list of token ids (under 50) of each length."""
+    return [torch.randint(0, 50, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in lengths]
+
+
+def solo_greedy(model, prompts, budgets):
+    """generate()'s greedy new tokens for each prompt alone."""
+    return [
+        sampling.generate(model, torch.tensor([p]), n, temperature=0)[0, len(p) :].tolist()
+        for p, n in zip(prompts, budgets)
+    ]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=["gpt2", "llama"])
+def test_a_packed_step_gives_each_sequence_its_own_logits(shape):
+    """One packed pass that decodes two rows (at positions 6 and 11) and takes in two new prompts
+    (4 and 9 tokens) gives each of the four the logits the plain forward gives its own sequence
+    alone, and leaves in the cache the keys a later step needs: a second packed pass matches too,
+    where three rows decode, row 3 has ended and a prompt that starts with its first 5 tokens takes
+    its place running only its own 2 more (reuse), and another prompt joins from position 0.
+    Learned positions and RoPE alike."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50, n_layer=2, n_head=4, n_embd=32, block_size=32, **shape)).eval()
+    seqs = token_lists(6, 11, 4, 9, 3)
+
+    def alone(seq):  # the last position's logits of the plain forward, no cache
+        return model(torch.tensor([seq]))[0][0, -1]
+
+    cache = BatchCache(model.config, rows=5, room=32, dtype=torch.float32, device="cpu")
+    with torch.inference_mode():
+        # the first two come in as prompts, less their last token
+        step = cache.packed(0, [s[:-1] for s in seqs[:2]], [0, 0], "cpu")
+        model(torch.tensor([seqs[0][:-1] + seqs[1][:-1]]), cache=step, logits_at=step.last)
+        cache.lengths[:2] = [len(s) - 1 for s in seqs[:2]]
+        # rows 0 and 1 decode their last token; rows 2 and 3 take in whole prompts
+        step = cache.packed(2, seqs[2:4], [0, 0], "cpu")
+        logits, _ = model(
+            torch.tensor([[seqs[0][-1], seqs[1][-1], *seqs[2], *seqs[3]]]), cache=step, logits_at=step.last
+        )
+        assert logits.shape == (4, 50)
+        for got, seq in zip(logits, seqs[:4]):
+            torch.testing.assert_close(got, alone(seq), rtol=1e-5, atol=1e-5)
+        cache.lengths[:4] = [len(s) for s in seqs[:4]]
+        cache.kept[3] = seqs[3]  # row 3 has ended: what it holds stays there
+        again = seqs[3][:5] + [1, 2]
+        assert cache.reuse(4, seqs[4]) == 0 and cache.reuse(3, again) == 5  # a prompt that shares nothing: row 4
+        nexts = [7, 8, 9]  # rows 0, 1 and 2 decode one more token each
+        step = cache.packed(3, [again[5:], seqs[4]], [5, 0], "cpu")
+        logits, _ = model(torch.tensor([[*nexts, *again[5:], *seqs[4]]]), cache=step, logits_at=step.last)
+        for got, seq in zip(logits, [seqs[0] + [7], seqs[1] + [8], seqs[2] + [9], again, seqs[4]]):
+            torch.testing.assert_close(got, alone(seq), rtol=1e-5, atol=1e-5)
+        cache.lengths[:5] = [len(seqs[0]) + 1, len(seqs[1]) + 1, len(seqs[2]) + 1, len(again), len(seqs[4])]
+        cache.swap(3, 1)  # rows change places, keys and all: row 1 now holds `again`
+        step = cache.packed(2, [], [], "cpu")
+        logits, _ = model(torch.tensor([[3, 4]]), cache=step, logits_at=step.last)
+        for got, seq in zip(logits, [seqs[0] + [7, 3], again + [4]]):
+            torch.testing.assert_close(got, alone(seq), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=["gpt2", "llama"])
+def test_engine_rows_of_any_length_give_solo_greedy_tokens(shape):
+    """Seven requests of different prompt lengths and budgets through an engine of three rows
+    (four wait, join as rows free up, rows move when others leave) give, token for token,
+    generate()'s greedy tokens for each prompt alone."""
+    model = peaked_model(**shape)
+    prompts, budgets = token_lists(3, 9, 1, 20, 5, 2, 14), [20, 7, 25, 12, 3, 30, 16]
+    solo = solo_greedy(model, prompts, budgets)
+    steps = []
+    engine = Engine(model, rows=3, waiting=10, on_step=steps.append).start()
+    outs, ends = replies(engine, prompts, budgets)
+    engine.close()
+    assert outs == solo and ends == [("length", n, None) for n in budgets]
+    assert max(len(step.decoding) + len(step.joining) for step in steps) == 3 and engine.held == 0
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=["gpt2", "llama"])
+def test_requests_prefilled_together_give_solo_greedy_tokens(shape):
+    """Five requests queued before the engine starts are prefilled in one pass, their prompts (1 to
+    19 tokens) packed into one sequence, then decoded together: each gets, token for token,
+    generate()'s greedy tokens for its prompt alone; every later step is the decoding step."""
+    model = peaked_model(**shape)
+    prompts, budgets = token_lists(12, 1, 19, 7, 3), [9, 15, 6, 20, 11]
+    solo = solo_greedy(model, prompts, budgets)
+    steps = []
+    engine = Engine(model, rows=8, on_step=steps.append)
+    outs, _ = replies(engine, prompts, budgets, start=True)
+    engine.close()
+    first, later = steps[0], steps[1:]
+    assert first.packed and len(first.joining) == 5 and first.tokens == sum(map(len, prompts))
+    assert not any(step.packed or step.joining for step in later) and outs == solo
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attention", ["sdpa", "fused"], ids=["gpu-attention", "cpu-attention"])
+@pytest.mark.parametrize("shape", SHAPES, ids=["gpt2", "llama"])
+def test_a_compiled_engine_gives_solo_greedy_tokens_and_never_recompiles(shape, attention):
+    """serve.py --compile: the decoding step compiled at start-up, rows padded to a bucket (1, 2, 3 for
+    three rows): a graph for one row, one for more. Then seven requests come and go (prompts of 1 to
+    20 tokens, replies past 64 positions, so the span of keys grows from one bucket to the next, rows
+    moving as others leave) and each gets, token for token, generate()'s greedy tokens of the model
+    alone, every decoding step through one of those two graphs (no other compiled, none run
+    eagerly). Attention as on a GPU (the model's SDPA, keys padded to 64) and as on a CPU
+    (compile_options('cpu'): one_query_attention, keys padded to 16). dynamo's graphs on ATen's
+    kernels (conftest): inductor's are test_compile.py's and test_gpu.py's."""
+    from torch._dynamo.utils import counters
+
+    model = peaked_model(block_size=128, **shape)
+    prompts, budgets = token_lists(3, 9, 1, 20, 5, 2, 14), [20, 7, 25, 12, 3, 70, 16]
+    solo = solo_greedy(model, prompts, budgets)
+    torch._dynamo.reset()
+    counters.clear()
+    steps = []
+    engine = Engine(model, rows=3, waiting=10, on_step=steps.append)
+    cpu = {key: value for key, value in compile_options("cpu").items() if key in ("fused_attention", "key_grain")}
+    assert engine.compile(backend=ATEN_BACKEND, **(cpu if attention == "fused" else {})) is None
+    assert engine.buckets == [1, 2, 3] and counters["stats"]["unique_graphs"] == 2  # one row; two or three
+    eager = count_eager_passes(model)
+    outs, _ = replies(engine, prompts, budgets, start=True)
+    engine.close()
+    torch._dynamo.reset()
+    assert outs == solo and counters["stats"]["unique_graphs"] == 2
+    decoding = [step for step in steps if not step.packed]
+    assert len(eager) == len(steps) - len(decoding) > 0  # the prompts' passes: every decoding step ran a graph
+    spans = {step.keys for step in decoding}
+    if attention == "sdpa":
+        assert spans == {64, 128}  # rows up to position 63, then past it
+    else:
+        assert spans == {16, 32, 48, 64, 80}  # 16 keys at a time, to the longest row's 72 (2 + 70 tokens)
+    assert {step.rows for step in decoding} <= set(engine.buckets)
+
+
+@pytest.mark.slow
+def test_run_decodes_on_the_calling_thread_until_another_thread_closes_it():
+    """Engine.run, as serve.py's model process runs it: every step on the thread that called it
+    (the one that loaded the model), requests submitted from another thread get generate()'s greedy
+    tokens, and that thread's close() ends run(), with no thread of the engine's own started."""
+    model = peaked_model()
+    prompts, budgets = token_lists(4, 9, 6), [8, 5, 12]
+    solo = solo_greedy(model, prompts, budgets)
+    stepped_on, outs = set(), []
+    engine = Engine(model, rows=2, on_step=lambda step: stepped_on.add(threading.current_thread()))
+
+    def client():
+        try:
+            outs.extend(replies(engine, prompts, budgets)[0])
+        finally:
+            engine.close()
+
+    other = threading.Thread(target=client)
+    other.start()
+    engine.run()
+    other.join()
+    assert stepped_on == {threading.current_thread()} and engine.thread.ident is None
+    assert outs == solo
+
+
+def test_on_a_cpu_the_compiled_step_is_inductors_with_the_weights_frozen_and_its_own_matmuls():
+    """serve.py --compile on a CPU compiles as engine.compile_options('cpu') says, with inductor
+    itself: the weights frozen into the graphs, each matmul's packed (the layer's 4 and the lm_head):
+    in the graphs of one row and of 2-4 for inductor's C++ GEMM kernels, in the graph of more for
+    oneDNN's, as the eager passes (prompts) are. Eight requests, at most eight decoded together, so
+    that steps run in each graph as they end one by one: each gets generate()'s greedy tokens of the
+    model alone, no step compiling another graph or running eagerly. One layer: each kernel
+    inductor compiles costs seconds on two cores."""
+    from torch._dynamo.utils import counters
+
+    model = peaked_model(n_layer=1)
+    assert cpu_matmuls.onednn_matmuls(model, vendor="AuthenticAMD")  # as serve.py on an AMD CPU: its prompts' passes
+    prompts, budgets = token_lists(5, 11, 2, 17, 3, 8, 6, 9), [12, 9, 20, 6, 3, 15, 5, 10]
+    solo = solo_greedy(model, prompts, budgets)
+    torch._dynamo.reset()
+    counters.clear()
+    engine = Engine(model, rows=8)
+    assert engine.compile(**compile_options("cpu")) is None and engine.buckets == [1, 2, 4, 8]
+    assert [(least, most) for least, most, _ in engine.graphs] == [(1, 1), (2, 4), (5, 8)]
+    assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] == 3 * (4 + 1)  # every graph
+    assert counters["inductor"]["cpp_templated_kernel_counter"] == 2 * (4 + 1)  # one row's and 2-4's
+    steps, eager = [], count_eager_passes(model)
+    engine.on_step = steps.append
+    outs, _ = replies(engine, prompts, budgets, start=True)
+    engine.close()
+    torch._dynamo.reset()
+    assert outs == solo and counters["stats"]["unique_graphs"] == 3
+    assert len(eager) == sum(step.packed for step in steps) > 0  # the prompts' passes: the decoding steps ran graphs
+    assert {step.rows for step in steps if not step.packed} == {1, 2, 4, 8}
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
+def test_a_prompt_that_starts_as_an_ended_sequence_runs_only_the_rest(compiled):
+    """After the first request has ended, while three others decode together in a bucket of four rows
+    (compiled: one of padding, and the row the first left is kept as it was), then one at a time: a
+    conversation's next turn (the first turn's prompt and 6 tokens of its reply, then more) runs
+    only what follows them; a prompt that shares only the first 3 tokens runs the rest, in a copy
+    of them, and the first turn is still kept whole; the first prompt asked again runs only its last
+    token (a decoding step); a prompt that shares nothing runs whole. Each gets generate()'s greedy
+    tokens alone."""
+    model = peaked_model(block_size=128)
+    first, others = token_lists(12)[0], token_lists(5, 8, 3)
+    reply = solo_greedy(model, [first], [10])[0]
+    prompts = [first, *others, first + reply[:6] + [4, 5, 6], first[:3] + [7, 7, 7], list(first), token_lists(7)[0]]
+    budgets = [10, 20, 20, 20, 9, 8, 5, 6]
+    solo = solo_greedy(model, prompts, budgets)
+    steps = []
+    engine = Engine(model, rows=4, on_step=steps.append)
+    if compiled:
+        assert engine.compile(backend=ATEN_BACKEND) is None and engine.buckets == [1, 2, 4]
+    engine.start()
+    outs = []
+    for group in ([0], [1, 2, 3], [4], [5], [6], [7]):  # a group at a time: each finds the rows the last ones left
+        outs += replies(engine, [prompts[i] for i in group], [budgets[i] for i in group])[0]
+    engine.close()
+    torch.compiler.reset()
+    assert outs == solo
+    # the next turn holds the first prompt and 6 of its reply
+    assert [step.starts for step in steps if step.packed] == [[0], [0, 0, 0], [12 + 6], [3], [0]]
+    # the repeat's last token, alone in a decoding step
+    assert ([], [11]) in [(step.positions, step.starts) for step in steps if not step.packed]
+
+
+FORWARD, ALTERNATE, BACKWARD = list(range(8)), [0, 7, 1, 6, 2, 5, 3, 4], list(range(7, -1, -1))
+
+
+@pytest.mark.parametrize(
+    "compiled, rows, orders",
+    [
+        (False, 8, [FORWARD, ALTERNATE, FORWARD, ALTERNATE]),
+        (False, 5, [BACKWARD] * 4),
+        (False, 8, None),
+        pytest.param(True, 8, [FORWARD, ALTERNATE, FORWARD, ALTERNATE], marks=pytest.mark.slow),
+        pytest.param(True, 3, None, marks=pytest.mark.slow),
+    ],
+    ids=[
+        "eager-8rows-rounds",
+        "eager-5rows-rounds",
+        "eager-8rows-clients",
+        "compiled-8rows-rounds",
+        "compiled-3rows-clients",
+    ],
+)
+def test_concurrent_conversations_with_repeats_each_get_their_solo_replies(compiled, rows, orders):
+    """Eight two-turn conversations at once, as chat clients hold them: the first turn, the same turn
+    asked again, the second turn (the first prompt, the engine's own reply to it, and more user
+    tokens), asked again. Rows end, are kept, and are taken again all the time: a repeat finds its
+    prompt, less its last token, at the start of a row that holds its reply too, and gets a copy of
+    that start in the row free longest. In rounds (orders: each round's requests join in one step in
+    that order of the conversations, `rows` at once, the rest as rows free up) or as clients (None:
+    a thread per conversation, each asking again as soon as its reply is done); through an engine
+    with a row per conversation and with fewer. Every reply is generate()'s greedy reply to its
+    prompt alone."""
+    model = peaked_model(block_size=128)
+    firsts, extra = token_lists(*[3 + 4 * i for i in range(8)]), token_lists(*[1 + i % 5 for i in range(8)])
+    budgets = [(5 + 3 * i % 11, 4 + 5 * i % 9) for i in range(8)]
+    engine = Engine(model, rows=rows)
+    if compiled:
+        assert engine.compile(backend=ATEN_BACKEND) is None
+    engine.start()
+    asked, lock = [], threading.Lock()
+
+    def ask(conversations, turn, earlier=None):
+        """The turn's request of each conversation, joining in one step in that order: their replies."""
+        prompts = [firsts[i] if turn == 0 else firsts[i] + earlier[i] + extra[i] for i in conversations]
+        outs, _ = replies(engine, prompts, [budgets[i][turn] for i in conversations])
+        with lock:
+            asked.extend((prompt, budgets[i][turn], out) for i, prompt, out in zip(conversations, prompts, outs))
+        return dict(zip(conversations, outs))
+
+    def conversations(orders):
+        first_replies = ask(orders[0], 0)
+        ask(orders[1], 0)
+        ask(orders[2], 1, first_replies)
+        ask(orders[3], 1, first_replies)
+
+    if orders is None:
+        concurrently([functools.partial(conversations, [[i]] * 4) for i in range(8)])
+    else:
+        conversations(orders)
+    engine.close()
+    torch.compiler.reset()
+    assert len(asked) == 32
+    wrong = [(prompt, out) for prompt, budget, out in asked if out != solo_greedy(model, [prompt], [budget])[0]]
+    assert not wrong, f"{len(wrong)} of 32 replies are not the prompt's own"
+
+
+@pytest.mark.parametrize("vendor", ["AuthenticAMD", "GenuineIntel", ""], ids=["amd", "intel", "unknown"])
+def test_eager_matmuls_are_onednns_on_a_cpu_not_intels_with_torchs_logits(vendor):
+    """cpu_matmuls.onednn_matmuls, as serve.py, chat.py and sample.py call it: on a CPU whose vendor is not
+    Intel every nn.Linear computes with oneDNN (its parameters and state_dict unchanged), on Intel's (or
+    an unknown one) nothing changes. Either way the logits are torch's own F.linear model's to float32
+    rounding, and greedy generation is the same, token for token."""
+    reference = peaked_model(**SHAPES[1])
+    model = peaked_model(**SHAPES[1])
+    keys = list(model.state_dict())
+    swapped = cpu_matmuls.onednn_matmuls(model, vendor=vendor)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert swapped == (vendor == "AuthenticAMD") and len(linears) == 2 * 4 + 1
+    assert all(type(m) is (cpu_matmuls.OneDNNLinear if swapped else torch.nn.Linear) for m in linears)
+    assert list(model.state_dict()) == keys
+    idx = torch.tensor(token_lists(20))
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx)[0], reference(idx)[0], rtol=1e-5, atol=1e-5)
+    prompt = torch.tensor(token_lists(7))
+    expected = sampling.generate(reference, prompt, 30, temperature=0)
+    assert torch.equal(sampling.generate(model, prompt, 30, temperature=0), expected)
+
+
+def test_a_failing_request_ends_alone():
+    """A request whose token callback raises ends with finish_reason 'error' and the message; the
+    request decoded beside it in the same steps still gets its solo tokens."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50, n_layer=2, n_head=2, n_embd=32, block_size=64)).eval()
+    prompt = [3, 1, 4, 1, 5]
+    expected = sampling.generate(model, torch.tensor([prompt]), 12, temperature=0)[0, len(prompt) :].tolist()
+    engine = Engine(model, rows=2).start()
+    calls = []
+
+    def broken(token):  # breaks at its fourth token
+        calls.append(token)
+        if len(calls) > 3:
+            raise RuntimeError("the client's callback broke")
+
+    (_, got), (broken_end, fine_end) = replies(engine, [prompt, prompt], [12, 12], on_tokens=[broken, None])
+    engine.close()
+    assert broken_end[0] == "error" and "the client's callback broke" in broken_end[2] and len(calls) == 4
+    assert fine_end == ("length", 12, None) and got == expected
