@@ -41,6 +41,7 @@ TINY_LLAMA = dict(
     TINY, n_kv_head=1, pos_encoding="rope", norm="rmsnorm", mlp="swiglu", bias=False, tie_embeddings=False
 )
 CPU = Runtime("cpu", "cpu", torch.float32)  # float32 on this process's CPU, whatever the machine has
+FULL_DISK = Path("/dev") / "full"  # Linux's device whose every write fails with ENOSPC (a full disk)
 
 
 def needs(*packages):

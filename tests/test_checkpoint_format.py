@@ -5,7 +5,7 @@ one-line messages for damaged checkpoints.
 The multi-process runs are shared by the tests, each a torchrun launch (conftest.torchrun):
   sharded_straight   FSDP on 2 ranks, sharded + async, 20 steps (keep_last=4: iters 5, 10, 15 and 20 stay)
   sharded_split      the straight run's out_dir as it stood at iter 10, resumed to 20 by a new launch
-  sharded_full_disk  the straight run's checkpoint resumed on 2 ranks, its next write hitting /dev/full
+  sharded_full_disk  the straight run's checkpoint resumed on 2 ranks, its next write hitting a full disk (FULL_DISK)
 """
 
 import os
@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import assert_same_run, char_dataset, read_metrics, tiny_args, untimed
+from conftest import FULL_DISK, assert_same_run, char_dataset, read_metrics, tiny_args, untimed
 from processes import REPO, run_script, start_python, succeeded, torchrun, wait_for
 
 from configurator import UserError
@@ -62,7 +62,7 @@ def runs(tmp_path_factory):
     )
     (root / "sharded_full_disk" / "ckpt_0000025").mkdir()
     for rank in range(2):
-        os.symlink("/dev/full", root / "sharded_full_disk" / "ckpt_0000025" / f"__{rank}_0.distcp")
+        os.symlink(FULL_DISK, root / "sharded_full_disk" / "ckpt_0000025" / f"__{rank}_0.distcp")
     full_disk = sharded("sharded_full_disk", init_from="resume", max_iters=30, lr_decay_iters=30)
     reports = {"sharded_straight": straight[2], "sharded_split": split[2], "sharded_full_disk": full_disk[2]}
     return root, data, reports, full_disk[0]

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 import torch
-from conftest import read_metrics, tiny_args
+from conftest import FULL_DISK, read_metrics, tiny_args
 from processes import REPO, logged_steps, run_script, start_python, wait_for
 from train_rank import nan_steps
 
@@ -118,13 +118,13 @@ def test_keep_last_rotates_and_resume_takes_the_newest_complete(char_data, tmp_p
 
 
 def test_a_full_disk_stops_with_one_line_and_the_old_checkpoint(char_data, tmp_path):
-    if not os.path.exists("/dev/full"):
-        pytest.skip("no /dev/full here to make writes fail with ENOSPC")
+    if not FULL_DISK.exists():
+        pytest.skip(f"no {FULL_DISK} here to make writes fail with ENOSPC")
     out = tmp_path / "out"
     first = run_script("train.py", *tiny_args(char_data, out, max_iters=10))
     assert first.returncode == 0, first.stderr
     before = (out / "ckpt.pt").read_bytes()
-    os.symlink("/dev/full", out / "ckpt.pt.tmp")  # the next checkpoint write hits a full disk
+    os.symlink(FULL_DISK, out / "ckpt.pt.tmp")  # the next checkpoint write hits a full disk
     result = run_script("train.py", *tiny_args(char_data, out, max_iters=20, init_from="resume"))
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "No space left on device" in result.stderr
