@@ -20,9 +20,9 @@ Under torchrun the pieces are split by collectives (docs/distributed.md says why
 - DDP (shared=True, plain parameters): the gradients arrive all-reduced, as DDP leaves them. The
   matrices of every shape are shared out by assign(), so each rank's Newton-Schulz FLOPs are about
   1/N of them all (not just k/N of each shape's k, which gives the same ranks every shape's larger
-  share); a rank keeps momenta for its own only, runs momentum and orthogonalize on them, and all-gathers the orthogonalized updates, which
-  every rank then applies to every matrix (the same numbers on every rank, so the replicas stay
-  equal bit for bit). state_dict gathers the momenta, so a checkpoint holds the whole state;
+  share); a rank keeps momenta for its own only, runs momentum and orthogonalize on them, and
+  all-gathers the orthogonalized updates, which every rank then applies to every matrix (the same
+  numbers on every rank, so the replicas stay equal bit for bit). state_dict gathers the momenta, so a checkpoint holds the whole state;
   load_state_dict keeps this rank's, so a resume on another world size shares them out anew.
 - FSDP2 (the parameters are DTensors, Shard(0)): momentum is elementwise, so it runs on each
   rank's rows, with the momenta sharded as the weights are (as AdamW's state is: DCP checkpoints
