@@ -136,8 +136,8 @@ def python_step(name, code, limit_s, tmp_path):
 
 @pytest.mark.process
 def test_a_step_past_its_limit_is_killed_with_its_children_and_a_spent_budget_runs_nothing_more(tmp_path, monkeypatch):
-    # the step forks a child that sleeps as it does, and prints the child's pid
-    hang = "import os, time; child = os.fork(); child and print(child, flush=True); time.sleep(600)"
+    # the step starts a child that sleeps as it does, and prints the child's pid
+    hang = "import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); print(c.pid, flush=True); time.sleep(600)"
     quick = "print('=== 3 passed, 1 skipped in 0.12s ===')"
     cfg = headline.HeadlineConfig(out_dir=str(tmp_path / "h"), budget_s=0)
     steps = [python_step("hang", hang, 3, tmp_path), python_step("quick", quick, 60, tmp_path)]
