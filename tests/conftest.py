@@ -14,9 +14,9 @@ import importlib.util
 import json
 import math
 import os
-import re
 import shutil
 import signal
+import tempfile
 import threading
 import time
 import types
@@ -206,55 +206,18 @@ def one_line_error(result, *fragments):
 
 
 def tree_files(root=REPO):
-    """The files (relative paths, sorted) of the tree as a fresh clone has it: in a git checkout, those
-    git tracks or would add (git ls-files); in a copy that is not one (a downloaded archive), those no
-    .gitignore ignores, read as git reads them. Files, not links (the venv, linked into a copy)."""
-    if (root / ".git").exists():
-        listed = run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root)
-        assert listed.returncode == 0, listed.stderr
-        names = filter(None, listed.stdout.split("\0"))
-    else:
-        names = _unignored(root, "", [])
+    """The files (relative paths, sorted) of the tree as a fresh clone has it: those git tracks or
+    would add (git ls-files). In a copy that is not a checkout (a downloaded archive), git itself reads
+    its .gitignore files, through an empty repository made for the purpose. Files, not links (the venv,
+    linked into a copy)."""
+    with tempfile.TemporaryDirectory() as empty:
+        git = ["git"] if (root / ".git").exists() else ["git", f"--git-dir={empty}", f"--work-tree={root}"]
+        if len(git) > 1:
+            run(["git", "init", "-q", "--bare", empty], cwd=root)
+        listed = run([*git, "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root)
+    assert listed.returncode == 0, listed.stderr
+    names = filter(None, listed.stdout.split("\0"))
     return sorted(n for n in names if (root / n).is_file() and not (root / n).is_symlink())
-
-
-def _unignored(root, folder, rules):
-    """The paths under root/folder that no rule ignores, rules (gitignore_rule's) growing by each
-    folder's .gitignore; git's precedence: the last rule that matches decides, a deeper file's after
-    its parents', and nothing in an ignored folder comes back."""
-    here = root / folder
-    if (here / ".gitignore").is_file():
-        lines = (here / ".gitignore").read_text().splitlines()
-        rules = [*rules, *filter(None, (gitignore_rule(line, folder) for line in lines))]
-    for entry in sorted(here.iterdir()):
-        path = f"{folder}/{entry.name}" if folder else entry.name
-        is_dir = entry.is_dir() and not entry.is_symlink()  # git takes a link for a file
-        ignored = False
-        for pattern, negated, dirs_only in rules:
-            if (is_dir or not dirs_only) and pattern.match(path):
-                ignored = not negated
-        if entry.name == ".git" or ignored:
-            continue
-        yield from _unignored(root, path, rules) if is_dir else [path]
-
-
-def gitignore_rule(line, folder):
-    """(a regex of the tree-relative paths it matches, negated, directories only) for one line of
-    folder/.gitignore (folder "" at the root), or None for a blank line or a comment."""
-    line = line.rstrip()
-    if not line or line.startswith("#"):
-        return None
-    negated, line = line.startswith("!"), line.removeprefix("!")
-    dirs_only, line = line.endswith("/"), line.rstrip("/")
-    anchored = "/" in line  # at the .gitignore's folder; else a name at any depth below it
-    pieces = re.split(r"(\*\*/|/\*\*$|\*|\?|\[[^]]*\]|\\.)", line.lstrip("/"))
-    regex = "".join(
-        {"**/": "(?:.*/)?", "/**": "/.*", "*": "[^/]*", "?": "[^/]"}.get(p)
-        or (p.replace("[!", "[^") if p.startswith("[") else re.escape(p[-1:] if p.startswith("\\") else p))
-        for p in pieces
-    )
-    prefix = re.escape(f"{folder}/") if folder else ""
-    return re.compile(prefix + ("" if anchored else "(?:.*/)?") + regex + r"\Z"), negated, dirs_only
 
 
 def pytest_sessionfinish():
