@@ -68,36 +68,22 @@ def graph(repo=REPO):
     return modules, {m: imports_of(path, modules) - {m} for m, path in modules.items()}
 
 
+def reachable(edges, v):
+    """Every module v imports, directly or through others."""
+    seen, todo = set(), [v]
+    while todo:
+        new = set(edges.get(todo.pop(), ())) - seen
+        seen |= new
+        todo += new
+    return seen
+
+
 def circles(edges):
-    """Each strongly connected component of more than one module, as one circle through it (Tarjan)."""
-    index, low, stack, on_stack, found, counter = {}, {}, [], set(), [], [0]
-
-    def visit(v):
-        index[v] = low[v] = counter[0]
-        counter[0] += 1
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(edges.get(v, ())):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = set()
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                component.add(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                found.append(component)
-
-    for v in sorted(edges):
-        if v not in index:
-            visit(v)
-    return [f"{cycle_through(c, edges)} (the circle's modules: {', '.join(sorted(c))})" for c in found]
+    """Each strongly connected component of more than one module (modules that reach each other), as
+    one circle through it."""
+    reach = {v: reachable(edges, v) for v in edges}
+    found = {frozenset({v} | {w for w in reach[v] if v in reach[w]}) for v in edges if v in reach[v]}
+    return [f"{cycle_through(c, edges)} (the circle's modules: {', '.join(sorted(c))})" for c in sorted(found, key=min)]
 
 
 def folder(module):
