@@ -8,11 +8,10 @@ test_hf.py's test_export_logits_match_transformers[gpt_trainer-*]."""
 
 import dataclasses
 import json
-import math
 
 import pytest
 import torch
-from conftest import char_dataset, needs, tiny_args
+from conftest import char_dataset, needs, save_chat_checkpoint, tiny_args
 from processes import REPO
 
 needs("transformers")
@@ -29,18 +28,8 @@ from gpt.weights import huggingface, load
 from model import GPT, GPTConfig
 
 # config/train_shakespeare_char_cpu.py's architecture keys
-RECIPE = dict(
-    bias=False,
-    pos_encoding="rope",
-    norm="rmsnorm",
-    qk_norm=True,
-    mlp="relu2",
-    tie_embeddings=False,
-    zero_init_proj=True,
-    logit_softcap=15.0,
-    value_embeds=True,
-    unet_skips=True,
-)
+RECIPE = dict(bias=False, pos_encoding="rope", norm="rmsnorm", qk_norm=True, mlp="relu2", tie_embeddings=False)
+RECIPE.update(zero_init_proj=True, logit_softcap=15.0, value_embeds=True, unet_skips=True)
 TOL = 1e-5  # float32
 
 
@@ -102,11 +91,7 @@ def test_a_chat_model_carries_its_template(tmp_path):
     spec = tokenizer.make_spec("gpt2")
     template = Template(spec)
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=template.vocab_size, **RECIPE))
-    out_dir = tmp_path / "out"
-    out_dir.mkdir()
-    state = dict(model=model.state_dict(), model_args=dataclasses.asdict(model.config), config={}, iter_num=0)
-    state.update(best_val_loss=math.nan, tokenizer={**spec, "vocab_size": template.vocab_size, "chat": template.meta()})
-    torch.save(state, out_dir / "ckpt.pt")  # as train.py writes a chat run's checkpoint
+    out_dir = save_chat_checkpoint(tmp_path / "out", model, spec)
     hf.main([f"--out_dir={out_dir}"])
     tok = AutoTokenizer.from_pretrained(str(out_dir / "hf"), trust_remote_code=True)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi, I'm Zuvaki."}]
@@ -122,9 +107,8 @@ def test_gguf_refuses_the_recipe_in_one_line_naming_a_config_it_takes(recipe_run
         hf.main([f"--out_dir={recipe_run}", "--format=gguf"])
     message = str(e.value)
     assert "\n" not in message and "cannot be exported to GGUF" in message and "mlp='relu2'" in message
-    assert (
-        "export it to Hugging Face instead" in message and "config/train_llama_tiny.py --dataset=shakespeare" in message
-    )
+    assert "export it to Hugging Face instead" in message
+    assert "config/train_llama_tiny.py --dataset=shakespeare" in message
     assert not (recipe_run / "model.gguf").exists()
 
 
