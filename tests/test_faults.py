@@ -1,6 +1,7 @@
 """Runs that survive: preemption signals, time budgets, non-finite steps, checkpoint rotation
 and a full disk. Real processes, real signals. (That a run stopped by SIGTERM or kill -9 resumes
-exactly: tests/test_recipes.py.)"""
+exactly: tests/test_recipes.py; that too many bad steps in a row stop the run with the last good
+checkpoint: tests/test_step.py.)"""
 
 import os
 import signal
@@ -41,21 +42,6 @@ def test_a_non_finite_step_leaves_the_weights_alone(char_data, tmp_path, monkeyp
     assert all(
         torch.equal(x, y) for x, y in zip(a["optimizer"]["state"][0].values(), b["optimizer"]["state"][0].values())
     )
-
-
-def test_too_many_bad_steps_stop_the_run_with_the_last_good_checkpoint(char_data, tmp_path, monkeypatch):
-    out = tmp_path / "out"
-    nan_steps(monkeypatch.setattr, {9, 10, 11, 12})
-    result = run_script(
-        "train.py",
-        *tiny_args(char_data, out, max_iters=50, eval_interval=4, max_bad_steps=3, always_save_checkpoint=True),
-    )
-    assert result.returncode == 3
-    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
-    assert "3 steps in a row" in result.stderr
-    state = checkpoint.load(str(out / "ckpt.pt"))
-    assert state["iter_num"] == 8  # the eval at 8 wrote it; nothing after the bad steps began
-    assert all(torch.isfinite(v).all() for v in state["model"].values())
 
 
 @pytest.mark.process
