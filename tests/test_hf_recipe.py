@@ -1,10 +1,7 @@
-"""hf.py's export of what neither a Hugging Face GPT-2 nor a Llama computes (the speedrun recipe's
-architecture, as config/train_shakespeare_char_cpu.py trains it, and other mixes of model.py's
-options): GPTTrainerForCausalLM, gpt/weights/modeling_gpt_trainer.py copied beside the weights, read by
-transformers itself with trust_remote_code=True. Its logits equal ours, greedy generate() gives
-sample.py --temperature=0's tokens, a chat model carries its template, and GGUF refuses in one line.
-The logits of other mixes of the options, random weights exported and read back:
-test_hf.py's test_export_logits_match_transformers[gpt_trainer-*]."""
+"""hf.py's export of what neither Hugging Face's GPT-2 nor its Llama computes (the speedrun recipe's
+architecture): GPTTrainerForCausalLM, gpt/weights/modeling_gpt_trainer.py copied beside the weights
+for trust_remote_code=True. Our logits, sample.py's greedy tokens, a chat template, GGUF refused in one
+line. Other mixes of the options: test_hf.py's test_export_logits_match_transformers[gpt_trainer-*]."""
 
 import dataclasses
 import json
@@ -44,9 +41,8 @@ def max_diff(ours, export_dir, idx):
 
 @pytest.fixture(scope="module")
 def recipe_run(tmp_path_factory):
-    """A character-level run of the recipe's architecture, trained 6 Muon steps by train.py, then
-    exported by hf.py. 3 layers: a U-net skip (0 -> 2) around a block without one, value
-    embeddings in layers 0 and 2; 2 key/value heads for 4 query heads."""
+    """The recipe's architecture trained 6 Muon steps, then exported. 3 layers: a U-net skip (0 -> 2)
+    around a block without one, value embeddings in layers 0 and 2; 2 key/value heads for 4 queries."""
     root = tmp_path_factory.mktemp("recipe")
     args = tiny_args(char_dataset(root / "chars"), root / "out", n_layer=3, n_head=4, n_kv_head=2, block_size=64)
     assert train.main([*args, *(f"--{k}={v}" for k, v in RECIPE.items()), "--optimizer=muon", "--max_iters=6"]) == 0

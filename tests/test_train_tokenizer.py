@@ -29,8 +29,7 @@ RANGES += [(0x10000, 0x10FFFF)]
 
 
 def random_unicode(rng, n):
-    """n characters drawn from scripts, marks, controls, emoji and astral planes; never a
-    surrogate (no UTF-8 exists for one)."""
+    """n characters from RANGES, never a surrogate (no UTF-8 exists for one)."""
     chars = []
     while len(chars) < n:
         lo, hi = RANGES[rng.integers(len(RANGES))]
@@ -42,8 +41,7 @@ def random_unicode(rng, n):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """(spec, the input text, the printed output): a 400-token tokenizer trained by the command (a
-    tokenizer, not a model: conftest's tiny_run has none)."""
+    """(spec, the input text, the printed output) of a 400-token tokenizer trained by the command."""
     root = tmp_path_factory.mktemp("train_tokenizer")
     text = make_text(40000, seed=2) + "\n" + UNICODE + "\n" + make_text(20000, seed=4)
     (root / "input.txt").write_text(text, encoding="utf-8")
