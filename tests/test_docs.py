@@ -6,6 +6,7 @@ parser caught before anything is printed."""
 import argparse
 import dataclasses
 import functools
+import itertools
 import os
 import re
 import runpy
@@ -65,15 +66,8 @@ def commands_in(path):
             yield Command(where, None, [], error=f"cannot split the shell line ({e}): {line}")
             continue
         # one pipeline or list at a time: `a && b` is two commands
-        segments, segment = [], []
-        for token in tokens:
-            if token in SHELL_OPERATORS:
-                segments.append(segment)
-                segment = []
-            else:
-                segment.append(token)
-        segments.append(segment)
-        for tokens in segments:
+        split = itertools.groupby(tokens, lambda token: token in SHELL_OPERATORS)
+        for tokens in (list(segment) for operator, segment in split if not operator):
             script, args = script_and_args(tokens)
             if script:
                 yield Command(where, script, args)
