@@ -81,16 +81,12 @@ def tiny_build(rt, **overrides):
 
 
 @pytest.mark.parametrize("dtype, scaled", [("float32", False), ("bfloat16", False), ("float16", True)])
-def test_the_grad_scaler_is_torch_amps_for_mps_and_only_for_float16(mps, dtype, scaled):
+def test_the_grad_scaler_is_torch_amps_for_mps_and_only_for_float16_and_adamw_is_not_fused(mps, dtype, scaled):
     _, _, optimizer, scaler = tiny_build(runtime.setup("mps", dtype), compile=False)
     # torch.amp's scaler on device 'mps' (nanoGPT made torch.cuda.amp's, which turns itself off without CUDA)
     assert scaler._device == "mps" and scaler.is_enabled() == scaled
-
-
-def test_adamw_on_mps_is_not_fused(mps):
     # MPS's fused AdamW kernel ignored found_inf (pytorch#186360): step.py hands a non-finite
     # step to it as found_inf=1, and the weights would have taken the NaN update anyway
-    _, _, optimizer, _ = tiny_build(runtime.setup("mps", "float32"), compile=False)
     assert not optimizer.defaults["fused"] and not getattr(optimizer, "_step_supports_amp_scaling", False)
 
 
