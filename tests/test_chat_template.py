@@ -58,9 +58,10 @@ def runs(ids, mask):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_render_text_and_mask(kind, specs):
+def test_render_text_mask_and_prompts(kind, specs):
     """The ids spell the documented format; the mask covers exactly each assistant turn's content and
-    end token."""
+    end token; what the model reads before a reply when chatting is what it read before it in
+    training, and the reply's ids are the masked ones that follow."""
     t = Template(specs[kind])
     end = "<|eot_id|>" if kind == "llama3" else "<|end|>"
     for messages in CONVERSATIONS:
@@ -72,18 +73,7 @@ def test_render_text_and_mask(kind, specs):
         ]
         assert [t.decode(run) for run in runs(ids, mask)] == [r + end for r in replies]
         assert [run[-1] for run in runs(ids, mask)] == [t.end_id] * len(replies)
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_prompt_is_a_prefix_of_the_conversation(kind, specs):
-    """What the model reads before a reply when chatting is what it read before it in training; the
-    reply's ids are the masked ones that follow."""
-    t = Template(specs[kind])
-    for messages in CONVERSATIONS:
-        ids, mask = t.render(messages)
-        for k, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
+        for k in [k for k, m in enumerate(messages) if m["role"] == "assistant"]:
             prompt, prompt_mask = t.render(messages[:k], add_generation_prompt=True)
             assert t.decode(prompt) == expected_text(kind, messages[:k], add_generation_prompt=True)
             assert ids[: len(prompt)] == prompt and prompt_mask == mask[: len(prompt)] and prompt_mask[-1] == 0
