@@ -256,21 +256,17 @@ def test_a_prompt_that_starts_as_an_ended_sequence_runs_only_the_rest(compiled):
 FORWARD, ALTERNATE, BACKWARD = list(range(8)), [0, 7, 1, 6, 2, 5, 3, 4], list(range(7, -1, -1))
 
 
+ROUNDS, SLOW = [FORWARD, ALTERNATE, FORWARD, ALTERNATE], pytest.mark.slow
+
+
 @pytest.mark.parametrize(
     "compiled, rows, orders",
     [
-        (False, 8, [FORWARD, ALTERNATE, FORWARD, ALTERNATE]),
-        (False, 5, [BACKWARD] * 4),
-        (False, 8, None),
-        pytest.param(True, 8, [FORWARD, ALTERNATE, FORWARD, ALTERNATE], marks=pytest.mark.slow),
-        pytest.param(True, 3, None, marks=pytest.mark.slow),
-    ],
-    ids=[
-        "eager-8rows-rounds",
-        "eager-5rows-rounds",
-        "eager-8rows-clients",
-        "compiled-8rows-rounds",
-        "compiled-3rows-clients",
+        pytest.param(False, 8, ROUNDS, id="eager-8rows-rounds"),
+        pytest.param(False, 5, [BACKWARD] * 4, id="eager-5rows-rounds"),
+        pytest.param(False, 8, None, id="eager-8rows-clients"),
+        pytest.param(True, 8, ROUNDS, marks=SLOW, id="compiled-8rows-rounds"),
+        pytest.param(True, 3, None, marks=SLOW, id="compiled-3rows-clients"),
     ],
 )
 def test_concurrent_conversations_with_repeats_each_get_their_solo_replies(compiled, rows, orders):
