@@ -3,6 +3,7 @@ tokenizer from data/train_tokenizer.py, a Llama-3-like tokenizer.json): the rend
 mask, the prompt as a prefix of the conversation, and transformers' apply_chat_template on the
 exported tokenizer giving exactly our ids."""
 
+import itertools
 import json
 
 import pytest
@@ -52,20 +53,15 @@ def hf_tokenizers(specs, tmp_path_factory):
 
 def runs(ids, mask):
     """The maximal runs of ids where mask is 1, as lists."""
-    out, current = [], []
-    for i, m in zip(ids, mask):
-        if m:
-            current.append(i)
-        elif current:
-            out.append(current)
-            current = []
-    return out + ([current] if current else [])
+    pairs = itertools.groupby(zip(ids, mask), key=lambda pair: pair[1])
+    return [[i for i, _ in run] for masked, run in pairs if masked]
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_render_text_and_mask(kind, specs):
-    """The ids spell the documented format; the mask covers exactly each assistant turn's content
-    and its end token, nothing of the system/user turns or the headers."""
+def test_render_text_mask_and_prompts(kind, specs):
+    """The ids spell the documented format; the mask covers exactly each assistant turn's content and
+    end token; what the model reads before a reply when chatting is what it read before it in
+    training, and the reply's ids are the masked ones that follow."""
     t = Template(specs[kind])
     end = "<|eot_id|>" if kind == "llama3" else "<|end|>"
     for messages in CONVERSATIONS:
@@ -77,18 +73,7 @@ def test_render_text_and_mask(kind, specs):
         ]
         assert [t.decode(run) for run in runs(ids, mask)] == [r + end for r in replies]
         assert [run[-1] for run in runs(ids, mask)] == [t.end_id] * len(replies)
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_prompt_is_a_prefix_of_the_conversation(kind, specs):
-    """What the model reads before each reply when chatting is exactly what it read before that
-    reply in training, and the reply's ids are the masked ones that follow."""
-    t = Template(specs[kind])
-    for messages in CONVERSATIONS:
-        ids, mask = t.render(messages)
-        for k, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
+        for k in [k for k, m in enumerate(messages) if m["role"] == "assistant"]:
             prompt, prompt_mask = t.render(messages[:k], add_generation_prompt=True)
             assert t.decode(prompt) == expected_text(kind, messages[:k], add_generation_prompt=True)
             assert ids[: len(prompt)] == prompt and prompt_mask == mask[: len(prompt)] and prompt_mask[-1] == 0
@@ -98,8 +83,7 @@ def test_prompt_is_a_prefix_of_the_conversation(kind, specs):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_hf_apply_chat_template_gives_our_ids(kind, specs, hf_tokenizers):
-    """The exported tokenizer_config.json's chat_template, through transformers, gives the ids
-    our render gives: every prompt (add_generation_prompt=True) and every whole conversation."""
+    """The exported chat_template, through transformers, gives our ids: every prompt and conversation."""
     t, hf = Template(specs[kind]), hf_tokenizers[kind]
     for messages in CONVERSATIONS:
         for k in range(1, len(messages) + 1):
@@ -113,8 +97,8 @@ def test_hf_apply_chat_template_gives_our_ids(kind, specs, hf_tokenizers):
 
 
 def test_gpt2_turn_tokens(specs, hf_tokenizers):
-    """GPT-2: the turn tokens take the first free ids after its 50,257, which the exported
-    tokenizer knows as special tokens; its ordinary text encoding is tiktoken's."""
+    """GPT-2's turn tokens take the free ids after its 50,257, special in the exported tokenizer, whose
+    ordinary encoding is tiktoken's."""
     t, hf = Template(specs["gpt2"]), hf_tokenizers["gpt2"]
     assert t.format == "role_tokens" and t.new_token_ids == [50257, 50258, 50259, 50260] and t.vocab_size == 50261
     assert t.id == {"bos": 50256, "system": 50257, "user": 50258, "assistant": 50259, "end": 50260}
@@ -145,16 +129,12 @@ def test_trained_and_llama3_use_their_own_tokens(specs):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_content_is_plain_text(kind, specs):
-    """A user who types a turn token's text gets text, not the token: a conversation cannot be
-    forged from inside a message."""
+    """A turn token's text typed in a message is text, not the token: no forged turns."""
     t = Template(specs[kind])
     typed = "<|end|><|assistant|><|eot_id|><|start_header_id|>"
     ids, _ = t.render([{"role": "user", "content": typed}, {"role": "assistant", "content": "no"}])
     plain, _ = t.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": "no"}])
-
-    def n_special(ids):
-        return sum(i in t.id.values() for i in ids)
-
+    n_special = lambda ids: sum(i in t.id.values() for i in ids)
     assert n_special(ids) == n_special(plain) and typed in t.decode(ids)
 
 

@@ -1,13 +1,12 @@
-"""The docs' commands run: every `python <script>.py ...` and `torchrun ... <script>.py ...` line in a
-code block of README.md, BENCHMARKS.md and docs/*.md names a script that exists, config files that
-exist, and only --keys that script accepts.
-
-A script's keys are read from the script itself, in this process: it is run with --help, and the
-config dataclass configurator.parse is given (its fields), or the argparse parser that would print
-the help (its option strings), is caught before anything is printed."""
+"""Every `python <script>.py ...` and `torchrun ... <script>.py ...` line in a code block of README.md,
+BENCHMARKS.md and docs/*.md names a script and config files that exist, and only --keys the script
+accepts: read from the script run with --help in this process, its config dataclass or argparse
+parser caught before anything is printed."""
 
 import argparse
 import dataclasses
+import functools
+import itertools
 import os
 import re
 import runpy
@@ -67,15 +66,8 @@ def commands_in(path):
             yield Command(where, None, [], error=f"cannot split the shell line ({e}): {line}")
             continue
         # one pipeline or list at a time: `a && b` is two commands
-        segments, segment = [], []
-        for token in tokens:
-            if token in SHELL_OPERATORS:
-                segments.append(segment)
-                segment = []
-            else:
-                segment.append(token)
-        segments.append(segment)
-        for tokens in segments:
+        split = itertools.groupby(tokens, lambda token: token in SHELL_OPERATORS)
+        for tokens in (list(segment) for operator, segment in split if not operator):
             script, args = script_and_args(tokens)
             if script:
                 yield Command(where, script, args)
@@ -105,6 +97,7 @@ class Caught(BaseException):
     `except Exception` in the script swallows it."""
 
 
+@functools.cache
 def accepted(script):
     """('config', dataclass) or ('argparse', option strings) for a script, from running it with
     --help in this process with the two ways of printing help intercepted."""
@@ -134,15 +127,6 @@ def accepted(script):
     return None, set()
 
 
-_KEYS = {}
-
-
-def keys_of(script):
-    if script not in _KEYS:
-        _KEYS[script] = accepted(script)
-    return _KEYS[script]
-
-
 def test_the_docs_have_commands_to_check():
     scripts = {c.script for c in ALL if not c.error}
     assert {"train.py", "sample.py", "chat.py", "serve.py", "eval.py", "hf.py", "bench.py"} <= scripts, scripts
@@ -154,7 +138,7 @@ def test_every_documented_command_names_real_files_and_known_keys(command):
     assert not command.error, f"{where}: {command.error}"
     assert (REPO / script).is_file(), f"{where}: {script} does not exist"
     flags = [a for a in command.args if a.startswith("--") and a != "--help"]
-    kind, keys = keys_of(script) if command.args else (None, set())
+    kind, keys = accepted(script) if command.args else (None, set())
     if kind == "config":
         # configurator.parse reads every positional argument as a config file
         for arg in command.args:

@@ -1,8 +1,6 @@
-"""gpt/inference/engine.py, the batched engine serve.py decodes with, on small models GPT-2 and
-Llama shaped: a packed step gives each sequence the logits of the plain forward alone, and
-requests decoded together (rows of any length, joining and leaving, prefilled together, reusing
-an ended sequence's keys, compiled or eager, on the calling thread) each get generate()'s greedy
-tokens for their prompt alone. serve.py's HTTP side: test_serve.py."""
+"""gpt/inference/engine.py, serve.py's batched engine, on small GPT-2 and Llama shapes: a packed step
+gives each sequence the plain forward's logits, and requests decoded together, however they come and
+go, each get generate()'s greedy tokens for their prompt alone. serve.py's HTTP side: test_serve.py."""
 
 import functools
 import threading
@@ -32,10 +30,9 @@ def peaked_model(block_size=64, n_layer=2, **shape):
 
 
 def replies(engine, prompts, budgets, on_tokens=None, start=False, timeout=300):
-    """Submit a greedy request (temperature 0) for each prompt with its budget of tokens, all at once
-    so that they join at one step (start=True: then start the engine, which has queued them all),
-    and wait for every one to end: (each reply's tokens, each end (finish_reason, tokens, error)).
-    on_tokens: a request's own token callback in place of the list of its tokens, where not None."""
+    """A greedy request for each prompt with its budget, submitted at once so that they join at one step
+    (start=True: then the engine starts), waited for: (each reply's tokens, each (finish_reason, tokens,
+    error)). on_tokens: a request's own token callback in place of its list, where not None."""
     outs, ends, done = [[] for _ in prompts], [None] * len(prompts), threading.Semaphore(0)
     with engine.lock:
         for i, (prompt, n) in enumerate(zip(prompts, budgets)):
@@ -50,9 +47,8 @@ def replies(engine, prompts, budgets, on_tokens=None, start=False, timeout=300):
 
 
 def count_eager_passes(model):
-    """A list that gets an item for each forward pass of model run eagerly from now on. A compiled
-    engine's step runs its graph, made before the hook was there (the engine checks only the guards
-    that tell its graphs apart), and never calls it; a step that no graph fits runs eagerly and does."""
+    """A list that gets an item for each eager forward pass of model from now on: a compiled step runs
+    its graph, made before this hook, and never calls it."""
     passes = []
     model.register_forward_pre_hook(lambda module, args: passes.append(len(passes)))
     return passes
@@ -73,12 +69,9 @@ def solo_greedy(model, prompts, budgets):
 
 @pytest.mark.parametrize("shape", SHAPES, ids=["gpt2", "llama"])
 def test_a_packed_step_gives_each_sequence_its_own_logits(shape):
-    """One packed pass that decodes two rows (at positions 6 and 11) and takes in two new prompts
-    (4 and 9 tokens) gives each of the four the logits the plain forward gives its own sequence
-    alone, and leaves in the cache the keys a later step needs: a second packed pass matches too,
-    where three rows decode, row 3 has ended and a prompt that starts with its first 5 tokens takes
-    its place running only its own 2 more (reuse), and another prompt joins from position 0.
-    Learned positions and RoPE alike."""
+    """A packed pass that decodes two rows and takes in two prompts gives each the plain forward's logits
+    of its sequence alone, and leaves the keys later steps need: a second pass where an ended row is
+    reused by a prompt that shares its first 5 tokens, and a third after two rows swap, match too."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=50, n_layer=2, n_head=4, n_embd=32, block_size=32, **shape)).eval()
     seqs = token_lists(6, 11, 4, 9, 3)
@@ -117,51 +110,41 @@ def test_a_packed_step_gives_each_sequence_its_own_logits(shape):
             torch.testing.assert_close(got, alone(seq), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=["gpt2", "llama"])
-def test_engine_rows_of_any_length_give_solo_greedy_tokens(shape):
-    """Seven requests of different prompt lengths and budgets through an engine of three rows
-    (four wait, join as rows free up, rows move when others leave) give, token for token,
-    generate()'s greedy tokens for each prompt alone."""
-    model = peaked_model(**shape)
-    prompts, budgets = token_lists(3, 9, 1, 20, 5, 2, 14), [20, 7, 25, 12, 3, 30, 16]
-    solo = solo_greedy(model, prompts, budgets)
-    steps = []
-    engine = Engine(model, rows=3, waiting=10, on_step=steps.append).start()
-    outs, ends = replies(engine, prompts, budgets)
-    engine.close()
-    assert outs == solo and ends == [("length", n, None) for n in budgets]
-    assert max(len(step.decoding) + len(step.joining) for step in steps) == 3 and engine.held == 0
+ARRIVALS = {  # id: (prompt lengths, budgets, rows, whether the engine starts before the requests come)
+    "joining": ((3, 9, 1, 20, 5, 2, 14), [20, 7, 25, 12, 3, 30, 16], 3, True),
+    "prefilled-together": ((12, 1, 19, 7, 3), [9, 15, 6, 20, 11], 8, False),
+}
 
 
+@pytest.mark.parametrize("arrival", ARRIVALS)
 @pytest.mark.parametrize("shape", SHAPES, ids=["gpt2", "llama"])
-def test_requests_prefilled_together_give_solo_greedy_tokens(shape):
-    """Five requests queued before the engine starts are prefilled in one pass, their prompts (1 to
-    19 tokens) packed into one sequence, then decoded together: each gets, token for token,
-    generate()'s greedy tokens for its prompt alone; every later step is the decoding step."""
-    model = peaked_model(**shape)
-    prompts, budgets = token_lists(12, 1, 19, 7, 3), [9, 15, 6, 20, 11]
+def test_requests_decoded_together_give_solo_greedy_tokens(shape, arrival):
+    """Requests of different prompt lengths and budgets each get generate()'s greedy tokens alone:
+    seven through three rows (four wait, join as rows free up, rows move as others leave), or five
+    queued before the engine starts, prefilled in one packed pass, then only decoding steps."""
+    lengths, budgets, rows, started = ARRIVALS[arrival]
+    model, prompts = peaked_model(**shape), token_lists(*lengths)
     solo = solo_greedy(model, prompts, budgets)
     steps = []
-    engine = Engine(model, rows=8, on_step=steps.append)
-    outs, _ = replies(engine, prompts, budgets, start=True)
+    engine = Engine(model, rows=rows, waiting=10, on_step=steps.append)
+    outs, ends = replies(engine.start() if started else engine, prompts, budgets, start=not started)
     engine.close()
-    first, later = steps[0], steps[1:]
-    assert first.packed and len(first.joining) == 5 and first.tokens == sum(map(len, prompts))
-    assert not any(step.packed or step.joining for step in later) and outs == solo
+    assert outs == solo and ends == [("length", n, None) for n in budgets] and engine.held == 0
+    assert max(len(step.decoding) + len(step.joining) for step in steps) == min(rows, len(prompts))
+    if not started:
+        first, later = steps[0], steps[1:]
+        assert first.packed and len(first.joining) == 5 and first.tokens == sum(lengths)
+        assert not any(step.packed or step.joining for step in later)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("attention", ["sdpa", "fused"], ids=["gpu-attention", "cpu-attention"])
 @pytest.mark.parametrize("shape", SHAPES, ids=["gpt2", "llama"])
 def test_a_compiled_engine_gives_solo_greedy_tokens_and_never_recompiles(shape, attention):
-    """serve.py --compile: the decoding step compiled at start-up, rows padded to a bucket (1, 2, 3 for
-    three rows): a graph for one row, one for more. Then seven requests come and go (prompts of 1 to
-    20 tokens, replies past 64 positions, so the span of keys grows from one bucket to the next, rows
-    moving as others leave) and each gets, token for token, generate()'s greedy tokens of the model
-    alone, every decoding step through one of those two graphs (no other compiled, none run
-    eagerly). Attention as on a GPU (the model's SDPA, keys padded to 64) and as on a CPU
-    (compile_options('cpu'): one_query_attention, keys padded to 16). dynamo's graphs on ATen's
-    kernels (conftest): inductor's are test_compile.py's and test_gpu.py's."""
+    """serve.py --compile: two graphs compiled at start-up (one row; two or three), then seven requests
+    whose span of keys grows past 64 each get generate()'s greedy tokens alone, every decoding step
+    through those graphs. Attention as on a GPU (SDPA, keys padded to 64) and as on a CPU
+    (one_query_attention, keys padded to 16); on ATen's kernels (inductor's: test_compile.py)."""
     from torch._dynamo.utils import counters
 
     model = peaked_model(block_size=128, **shape)
@@ -191,9 +174,8 @@ def test_a_compiled_engine_gives_solo_greedy_tokens_and_never_recompiles(shape, 
 
 @pytest.mark.slow
 def test_run_decodes_on_the_calling_thread_until_another_thread_closes_it():
-    """Engine.run, as serve.py's model process runs it: every step on the thread that called it
-    (the one that loaded the model), requests submitted from another thread get generate()'s greedy
-    tokens, and that thread's close() ends run(), with no thread of the engine's own started."""
+    """Engine.run, as serve.py's model process runs it: every step on the calling thread, requests from
+    another thread get generate()'s greedy tokens, and that thread's close() ends run()."""
     model = peaked_model()
     prompts, budgets = token_lists(4, 9, 6), [8, 5, 12]
     solo = solo_greedy(model, prompts, budgets)
@@ -215,13 +197,10 @@ def test_run_decodes_on_the_calling_thread_until_another_thread_closes_it():
 
 
 def test_on_a_cpu_the_compiled_step_is_inductors_with_the_weights_frozen_and_its_own_matmuls():
-    """serve.py --compile on a CPU compiles as engine.compile_options('cpu') says, with inductor
-    itself: the weights frozen into the graphs, each matmul's packed (the layer's 4 and the lm_head):
-    in the graphs of one row and of 2-4 for inductor's C++ GEMM kernels, in the graph of more for
-    oneDNN's, as the eager passes (prompts) are. Eight requests, at most eight decoded together, so
-    that steps run in each graph as they end one by one: each gets generate()'s greedy tokens of the
-    model alone, no step compiling another graph or running eagerly. One layer: each kernel
-    inductor compiles costs seconds on two cores."""
+    """serve.py --compile on a CPU, with inductor itself: weights frozen into the graphs and every matmul
+    packed (C++ GEMM kernels for 1-4 rows, oneDNN's past them, as in the eager prompt passes). Eight
+    requests ending one by one run steps in every graph, each getting generate()'s greedy tokens
+    alone. One layer: each kernel inductor compiles costs seconds on two cores."""
     from torch._dynamo.utils import counters
 
     model = peaked_model(n_layer=1)
@@ -247,13 +226,10 @@ def test_on_a_cpu_the_compiled_step_is_inductors_with_the_weights_frozen_and_its
 
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
 def test_a_prompt_that_starts_as_an_ended_sequence_runs_only_the_rest(compiled):
-    """After the first request has ended, while three others decode together in a bucket of four rows
-    (compiled: one of padding, and the row the first left is kept as it was), then one at a time: a
-    conversation's next turn (the first turn's prompt and 6 tokens of its reply, then more) runs
-    only what follows them; a prompt that shares only the first 3 tokens runs the rest, in a copy
-    of them, and the first turn is still kept whole; the first prompt asked again runs only its last
-    token (a decoding step); a prompt that shares nothing runs whole. Each gets generate()'s greedy
-    tokens alone."""
+    """After a request has ended (its row kept), a prompt runs only what it does not share with it: the
+    next turn (its prompt and 6 tokens of its reply) the rest; one sharing 3 tokens the rest, in a
+    copy; the same prompt again its last token alone; one sharing nothing, all of it. Each gets
+    generate()'s greedy tokens alone."""
     model = peaked_model(block_size=128)
     first, others = token_lists(12)[0], token_lists(5, 8, 3)
     reply = solo_greedy(model, [first], [10])[0]
@@ -280,33 +256,24 @@ def test_a_prompt_that_starts_as_an_ended_sequence_runs_only_the_rest(compiled):
 FORWARD, ALTERNATE, BACKWARD = list(range(8)), [0, 7, 1, 6, 2, 5, 3, 4], list(range(7, -1, -1))
 
 
+ROUNDS, SLOW = [FORWARD, ALTERNATE, FORWARD, ALTERNATE], pytest.mark.slow
+
+
 @pytest.mark.parametrize(
     "compiled, rows, orders",
     [
-        (False, 8, [FORWARD, ALTERNATE, FORWARD, ALTERNATE]),
-        (False, 5, [BACKWARD] * 4),
-        (False, 8, None),
-        pytest.param(True, 8, [FORWARD, ALTERNATE, FORWARD, ALTERNATE], marks=pytest.mark.slow),
-        pytest.param(True, 3, None, marks=pytest.mark.slow),
-    ],
-    ids=[
-        "eager-8rows-rounds",
-        "eager-5rows-rounds",
-        "eager-8rows-clients",
-        "compiled-8rows-rounds",
-        "compiled-3rows-clients",
+        pytest.param(False, 8, ROUNDS, id="eager-8rows-rounds"),
+        pytest.param(False, 5, [BACKWARD] * 4, id="eager-5rows-rounds"),
+        pytest.param(False, 8, None, id="eager-8rows-clients"),
+        pytest.param(True, 8, ROUNDS, marks=SLOW, id="compiled-8rows-rounds"),
+        pytest.param(True, 3, None, marks=SLOW, id="compiled-3rows-clients"),
     ],
 )
 def test_concurrent_conversations_with_repeats_each_get_their_solo_replies(compiled, rows, orders):
-    """Eight two-turn conversations at once, as chat clients hold them: the first turn, the same turn
-    asked again, the second turn (the first prompt, the engine's own reply to it, and more user
-    tokens), asked again. Rows end, are kept, and are taken again all the time: a repeat finds its
-    prompt, less its last token, at the start of a row that holds its reply too, and gets a copy of
-    that start in the row free longest. In rounds (orders: each round's requests join in one step in
-    that order of the conversations, `rows` at once, the rest as rows free up) or as clients (None:
-    a thread per conversation, each asking again as soon as its reply is done); through an engine
-    with a row per conversation and with fewer. Every reply is generate()'s greedy reply to its
-    prompt alone."""
+    """Eight two-turn conversations, each turn asked twice, the second holding the engine's own first
+    reply: rows end, are kept and reused all the time. In rounds (orders: each round joining in one
+    step in that order) or as clients (None: a thread per conversation), through a row per
+    conversation and fewer. Every reply is generate()'s greedy reply to its prompt alone."""
     model = peaked_model(block_size=128)
     firsts, extra = token_lists(*[3 + 4 * i for i in range(8)]), token_lists(*[1 + i % 5 for i in range(8)])
     budgets = [(5 + 3 * i % 11, 4 + 5 * i % 9) for i in range(8)]
@@ -343,10 +310,9 @@ def test_concurrent_conversations_with_repeats_each_get_their_solo_replies(compi
 
 @pytest.mark.parametrize("vendor", ["AuthenticAMD", "GenuineIntel", ""], ids=["amd", "intel", "unknown"])
 def test_eager_matmuls_are_onednns_on_a_cpu_not_intels_with_torchs_logits(vendor):
-    """cpu_matmuls.onednn_matmuls, as serve.py, chat.py and sample.py call it: on a CPU whose vendor is not
-    Intel every nn.Linear computes with oneDNN (its parameters and state_dict unchanged), on Intel's (or
-    an unknown one) nothing changes. Either way the logits are torch's own F.linear model's to float32
-    rounding, and greedy generation is the same, token for token."""
+    """cpu_matmuls.onednn_matmuls: on a CPU not Intel's every nn.Linear computes with oneDNN (state_dict
+    unchanged), on Intel's or an unknown one nothing changes; either way torch's logits to float32
+    rounding and the same greedy tokens."""
     reference = peaked_model(**SHAPES[1])
     model = peaked_model(**SHAPES[1])
     keys = list(model.state_dict())
@@ -366,10 +332,8 @@ def test_eager_matmuls_are_onednns_on_a_cpu_not_intels_with_torchs_logits(vendor
 def test_a_failing_request_ends_alone():
     """A request whose token callback raises ends with finish_reason 'error' and the message; the
     request decoded beside it in the same steps still gets its solo tokens."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=50, n_layer=2, n_head=2, n_embd=32, block_size=64)).eval()
-    prompt = [3, 1, 4, 1, 5]
-    expected = sampling.generate(model, torch.tensor([prompt]), 12, temperature=0)[0, len(prompt) :].tolist()
+    model, prompt = peaked_model(), [3, 1, 4, 1, 5]
+    expected = solo_greedy(model, [prompt], [12])[0]
     engine = Engine(model, rows=2).start()
     calls = []
 

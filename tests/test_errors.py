@@ -6,11 +6,6 @@ import torch
 from conftest import one_line_error, tiny_args, tiny_bench_args
 from processes import run_script
 
-
-def train_with(char_data, tmp_path, *extra, **overrides):
-    return run_script("train.py", *tiny_args(char_data, tmp_path / "out", **overrides), *extra)
-
-
 CONFIG_CASES = [
     (["--learnig_rate=1e-3"], ["learnig_rate", "did you mean learning_rate"]),
     (["--batch_size=abc"], ["batch_size=abc", "int"]),
@@ -43,29 +38,29 @@ def test_config_file_with_an_error(tmp_path):
     one_line_error(run_script("train.py", bad), "bad.py:2", "NameError")
 
 
-def test_missing_dataset_names_the_prepare_script(tmp_path):
-    result = run_script(
-        "train.py", "--dataset=shakespeare_nope", "--device=cpu", "--compile=False", f"--out_dir={tmp_path}"
-    )
-    one_line_error(result, "data/shakespeare_nope/train.bin not found", "prepare.py")
-
-
-def test_block_size_longer_than_the_data(char_data, tmp_path):
+RANKS = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+RUN_CASES = {  # id: (train.py's keys over tiny_args', the environment, what the line holds)
+    "missing-dataset": (
+        dict(dataset="shakespeare_nope"),
+        None,
+        ["data/shakespeare_nope/train.bin not found", "prepare.py"],
+    ),
     # 18,000 train tokens but only 2,000 val tokens: the val split is the one too short
-    one_line_error(train_with(char_data, tmp_path, block_size=5000), "block_size=5000", "val.bin (2000 tokens)")
+    "block-size-past-the-data": (dict(block_size=5000), None, ["block_size=5000", "val.bin (2000 tokens)"]),
+    "accumulation-among-ranks": (
+        dict(gradient_accumulation_steps=3),
+        RANKS,
+        ["gradient_accumulation_steps=3", "multiple of 2"],
+    ),
+    "resume-without-a-checkpoint": (dict(init_from="resume"), None, ["no checkpoint", "ckpt.pt"]),
+    "unwritable-out-dir": (dict(out_dir="/dev/null/out"), None, ["cannot write to out_dir"]),  # a folder in a file
+}
 
 
-def test_gradient_accumulation_must_divide_among_ranks(char_data, tmp_path):
-    result = run_script(
-        "train.py",
-        *tiny_args(char_data, tmp_path / "out", gradient_accumulation_steps=3),
-        env={"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
-    )
-    one_line_error(result, "gradient_accumulation_steps=3", "multiple of 2")
-
-
-def test_resume_without_a_checkpoint(char_data, tmp_path):
-    one_line_error(train_with(char_data, tmp_path, init_from="resume"), "no checkpoint", "ckpt.pt")
+@pytest.mark.parametrize("overrides, env, expected", RUN_CASES.values(), ids=RUN_CASES)
+def test_train_run_errors(char_data, tmp_path, overrides, env, expected):
+    args = tiny_args(char_data, **{"out_dir": tmp_path / "out", **overrides})
+    one_line_error(run_script("train.py", *args, env=env), *expected)
 
 
 def test_resume_with_a_different_model(tiny_run_copy, char_data):
@@ -81,13 +76,6 @@ def test_corrupt_checkpoint(tiny_run_copy, char_data):
     one_line_error(result, "ckpt.pt", "is damaged or not a checkpoint of this trainer")
     result = run_script("sample.py", f"--out_dir={tiny_run_copy}", "--checkpoint=latest", "--device=cpu")
     one_line_error(result, "ckpt.pt", "is damaged or not a checkpoint of this trainer")
-
-
-def test_unwritable_out_dir(char_data, tmp_path):
-    blocker = tmp_path / "a_file"
-    blocker.write_text("")
-    result = run_script("train.py", *tiny_args(char_data, blocker / "out"))
-    one_line_error(result, "cannot write to out_dir")
 
 
 SAMPLE_CASES = [

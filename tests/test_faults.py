@@ -1,6 +1,7 @@
 """Runs that survive: preemption signals, time budgets, non-finite steps, checkpoint rotation
 and a full disk. Real processes, real signals. (That a run stopped by SIGTERM or kill -9 resumes
-exactly: tests/test_recipes.py.)"""
+exactly: tests/test_recipes.py; that too many bad steps in a row stop the run with the last good
+checkpoint: tests/test_step.py.)"""
 
 import os
 import signal
@@ -8,25 +9,19 @@ import signal
 import pytest
 import torch
 from conftest import FULL_DISK, read_metrics, tiny_args
-from processes import REPO, logged_steps, run_script, start_python, wait_for
+from processes import REPO, free_port, logged_steps, run_script, start_python, wait_for
 from train_rank import nan_steps
 
 from gpt.outdir import checkpoint
 
 EXIT_STOPPED = 75
-
-
-def start(args, env=None, launcher=()):
-    """train.py ARGS in a process of its own (under `launcher`, torchrun's module and flags)."""
-    return start_python([*launcher, REPO / "train.py", *args], env=env)
+RANK_0_OF_2 = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}  # torchrun's variables
+ENDLESS = dict(max_iters=100_000, lr_decay_iters=100_000, eval_interval=100_000)  # a run that stops only when told
 
 
 def test_time_budget_stops_with_a_checkpoint(char_data, tmp_path):
     out = tmp_path / "out"
-    result = run_script(
-        "train.py",
-        *tiny_args(char_data, out, max_iters=100_000, lr_decay_iters=100_000, eval_interval=100_000, max_minutes=0.05),
-    )
+    result = run_script("train.py", *tiny_args(char_data, out, **ENDLESS, max_minutes=0.05))
     assert result.returncode == EXIT_STOPPED, result.stderr
     assert "(max_minutes)" in result.stdout
     assert checkpoint.load(str(out / "ckpt.pt"))["iter_num"] > 0
@@ -49,32 +44,12 @@ def test_a_non_finite_step_leaves_the_weights_alone(char_data, tmp_path, monkeyp
     )
 
 
-def test_too_many_bad_steps_stop_the_run_with_the_last_good_checkpoint(char_data, tmp_path, monkeypatch):
-    out = tmp_path / "out"
-    nan_steps(monkeypatch.setattr, {9, 10, 11, 12})
-    result = run_script(
-        "train.py",
-        *tiny_args(char_data, out, max_iters=50, eval_interval=4, max_bad_steps=3, always_save_checkpoint=True),
-    )
-    assert result.returncode == 3
-    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
-    assert "3 steps in a row" in result.stderr
-    state = checkpoint.load(str(out / "ckpt.pt"))
-    assert state["iter_num"] == 8  # the eval at 8 wrote it; nothing after the bad steps began
-    assert all(torch.isfinite(v).all() for v in state["model"].values())
-
-
 @pytest.mark.process
 def test_ddp_sigterm_to_the_launcher_stops_both_ranks_with_one_checkpoint(char_data, tmp_path):
     out = tmp_path / "out"
-    args = tiny_args(
-        char_data, out, gradient_accumulation_steps=2, max_iters=100_000, lr_decay_iters=100_000, eval_interval=100_000
-    )
-    proc = start(
-        args,
-        env={"OMP_NUM_THREADS": "1"},
-        launcher=["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"],
-    )
+    args = tiny_args(char_data, out, gradient_accumulation_steps=2, **ENDLESS)
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = start_python([*torchrun, REPO / "train.py", *args], env={"OMP_NUM_THREADS": "1"})
     wait_for(logged_steps(out / "metrics.jsonl", 20), proc, timeout=300)
     proc.send_signal(signal.SIGTERM)  # to torchrun, which passes it on to both ranks
     stdout, stderr = proc.communicate(timeout=300)  # no hang: both ranks agreed to stop
@@ -87,9 +62,8 @@ def test_ddp_sigterm_to_the_launcher_stops_both_ranks_with_one_checkpoint(char_d
 
 def test_keep_last_rotates_and_resume_takes_the_newest_complete(char_data, tmp_path):
     out = tmp_path / "out"
-    result = run_script(
-        "train.py", *tiny_args(char_data, out, max_iters=40, lr_decay_iters=40, eval_interval=10, keep_last=2)
-    )
+    keys = dict(max_iters=40, lr_decay_iters=40, eval_interval=10, keep_last=2)
+    result = run_script("train.py", *tiny_args(char_data, out, **keys))
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in out.glob("ckpt*.pt")) == [
         "ckpt.pt",
@@ -107,25 +81,20 @@ def test_keep_last_rotates_and_resume_takes_the_newest_complete(char_data, tmp_p
     (out / "ckpt.pt").write_bytes(b"half a checkpoint")
     whole = (out / "ckpt_0000040.pt").read_bytes()
     (out / "ckpt_0000040.pt").write_bytes(whole[: len(whole) // 2])
-    resumed = run_script(
-        "train.py",
-        *tiny_args(char_data, out, max_iters=40, lr_decay_iters=40, eval_interval=10, keep_last=2, init_from="resume"),
-    )
+    resumed = run_script("train.py", *tiny_args(char_data, out, **keys, init_from="resume"))
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming from" in resumed.stdout and "ckpt_0000030.pt (iter 30)" in resumed.stdout
     assert checkpoint.load(str(out / "ckpt.pt"))["iter_num"] == 40
     assert os.path.samefile(out / "ckpt.pt", out / "ckpt_0000040.pt")
 
 
-def test_a_full_disk_stops_with_one_line_and_the_old_checkpoint(char_data, tmp_path):
+def test_a_full_disk_stops_with_one_line_and_the_old_checkpoint(char_data, tiny_run_copy):
     if not FULL_DISK.exists():
         pytest.skip(f"no {FULL_DISK} here to make writes fail with ENOSPC")
-    out = tmp_path / "out"
-    first = run_script("train.py", *tiny_args(char_data, out, max_iters=10))
-    assert first.returncode == 0, first.stderr
+    out = tiny_run_copy  # 30 steps; the resume's last step, 40, writes a checkpoint
     before = (out / "ckpt.pt").read_bytes()
     os.symlink(FULL_DISK, out / "ckpt.pt.tmp")  # the next checkpoint write hits a full disk
-    result = run_script("train.py", *tiny_args(char_data, out, max_iters=20, init_from="resume"))
+    result = run_script("train.py", *tiny_args(char_data, out, max_iters=40, lr_decay_iters=40, init_from="resume"))
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "No space left on device" in result.stderr
     assert (out / "ckpt.pt").read_bytes() == before and not os.path.lexists(out / "ckpt.pt.tmp")
@@ -135,20 +104,8 @@ def test_a_full_disk_stops_with_one_line_and_the_old_checkpoint(char_data, tmp_p
 def test_a_rank_whose_peer_never_comes_gives_up_after_dist_timeout_s(char_data, tmp_path):
     """Rank 0 of 2 alone (rank 1 never starts): it stops waiting at dist_timeout_s with one line,
     instead of hanging (torch's default wait is 30 minutes for gloo)."""
-    import socket
-
-    with socket.socket() as s:  # a free port for rank 0's store
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {
-        "RANK": "0",
-        "LOCAL_RANK": "0",
-        "WORLD_SIZE": "2",
-        "LOCAL_WORLD_SIZE": "2",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "OMP_NUM_THREADS": "1",
-    }
+    port = free_port()  # for rank 0's store
+    env = {**RANK_0_OF_2, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
     result = run_script(
         "train.py",
         *tiny_args(char_data, tmp_path / "out", gradient_accumulation_steps=2, dist_timeout_s=2),
@@ -169,14 +126,7 @@ def test_restarts_with_torchruns_shared_store_get_a_note(monkeypatch, capsys, sh
     (then it tells the ranks TORCHELASTIC_USE_AGENT_STORE=False): rank 0 says how to launch instead."""
     from gpt.device import runtime
 
-    env = {
-        "RANK": "0",
-        "LOCAL_RANK": "0",
-        "WORLD_SIZE": "2",
-        "LOCAL_WORLD_SIZE": "2",
-        "TORCHELASTIC_MAX_RESTARTS": "3",
-        "TORCHELASTIC_USE_AGENT_STORE": str(shared),
-    }
+    env = {**RANK_0_OF_2, "TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_USE_AGENT_STORE": str(shared)}
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setattr(runtime.dist, "init_process_group", lambda **kwargs: None)  # no peers here

@@ -1,8 +1,6 @@
-"""What only a CUDA GPU can show: a bf16 autocast step, fused AdamW's skip on the device with no
-host sync (CUDA's sync debug mode raises on one), and Muon's beside it, compiled; the SDPA kernel
-each `attention` value selects, pinned non-blocking batches, every available kernel giving the same
-loss, RMSNorm's fused kernel under autocast, and FP8's matmuls (fp8=True) against their emulation,
-compiled. Skipped without CUDA; the FP8 test without FP8 units too."""
+"""What only a CUDA GPU can show: a bf16 step, fused AdamW's and compiled Muon's skip of a poisoned
+step with no host sync, each `attention` value's SDPA kernel and loss, pinned batches, RMSNorm's fused
+kernel, FP8's matmuls against their emulation. Skipped without CUDA (FP8's test without FP8 units)."""
 
 import numpy as np
 import pytest

@@ -1,18 +1,14 @@
-"""hf.py's export of what neither a Hugging Face GPT-2 nor a Llama computes (the speedrun recipe's
-architecture, as config/train_shakespeare_char_cpu.py trains it, and other mixes of model.py's
-options): GPTTrainerForCausalLM, gpt/weights/modeling_gpt_trainer.py copied beside the weights, read by
-transformers itself with trust_remote_code=True. Its logits equal ours, greedy generate() gives
-sample.py --temperature=0's tokens, a chat model carries its template, and GGUF refuses in one line.
-The logits of other mixes of the options, random weights exported and read back:
-test_hf.py's test_export_logits_match_transformers[gpt_trainer-*]."""
+"""hf.py's export of what neither Hugging Face's GPT-2 nor its Llama computes (the speedrun recipe's
+architecture): GPTTrainerForCausalLM, gpt/weights/modeling_gpt_trainer.py copied beside the weights
+for trust_remote_code=True. Our logits, sample.py's greedy tokens, a chat template, GGUF refused in one
+line. Other mixes of the options: test_hf.py's test_export_logits_match_transformers[gpt_trainer-*]."""
 
 import dataclasses
 import json
-import math
 
 import pytest
 import torch
-from conftest import char_dataset, needs, tiny_args
+from conftest import char_dataset, needs, save_chat_checkpoint, tiny_args
 from processes import REPO
 
 needs("transformers")
@@ -29,18 +25,8 @@ from gpt.weights import huggingface, load
 from model import GPT, GPTConfig
 
 # config/train_shakespeare_char_cpu.py's architecture keys
-RECIPE = dict(
-    bias=False,
-    pos_encoding="rope",
-    norm="rmsnorm",
-    qk_norm=True,
-    mlp="relu2",
-    tie_embeddings=False,
-    zero_init_proj=True,
-    logit_softcap=15.0,
-    value_embeds=True,
-    unet_skips=True,
-)
+RECIPE = dict(bias=False, pos_encoding="rope", norm="rmsnorm", qk_norm=True, mlp="relu2", tie_embeddings=False)
+RECIPE.update(zero_init_proj=True, logit_softcap=15.0, value_embeds=True, unet_skips=True)
 TOL = 1e-5  # float32
 
 
@@ -55,9 +41,8 @@ def max_diff(ours, export_dir, idx):
 
 @pytest.fixture(scope="module")
 def recipe_run(tmp_path_factory):
-    """A character-level run of the recipe's architecture, trained 6 Muon steps by train.py, then
-    exported by hf.py. 3 layers: a U-net skip (0 -> 2) around a block without one, value
-    embeddings in layers 0 and 2; 2 key/value heads for 4 query heads."""
+    """The recipe's architecture trained 6 Muon steps, then exported. 3 layers: a U-net skip (0 -> 2)
+    around a block without one, value embeddings in layers 0 and 2; 2 key/value heads for 4 queries."""
     root = tmp_path_factory.mktemp("recipe")
     args = tiny_args(char_dataset(root / "chars"), root / "out", n_layer=3, n_head=4, n_kv_head=2, block_size=64)
     assert train.main([*args, *(f"--{k}={v}" for k, v in RECIPE.items()), "--optimizer=muon", "--max_iters=6"]) == 0
@@ -102,11 +87,7 @@ def test_a_chat_model_carries_its_template(tmp_path):
     spec = tokenizer.make_spec("gpt2")
     template = Template(spec)
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=template.vocab_size, **RECIPE))
-    out_dir = tmp_path / "out"
-    out_dir.mkdir()
-    state = dict(model=model.state_dict(), model_args=dataclasses.asdict(model.config), config={}, iter_num=0)
-    state.update(best_val_loss=math.nan, tokenizer={**spec, "vocab_size": template.vocab_size, "chat": template.meta()})
-    torch.save(state, out_dir / "ckpt.pt")  # as train.py writes a chat run's checkpoint
+    out_dir = save_chat_checkpoint(tmp_path / "out", model, spec)
     hf.main([f"--out_dir={out_dir}"])
     tok = AutoTokenizer.from_pretrained(str(out_dir / "hf"), trust_remote_code=True)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi, I'm Zuvaki."}]
@@ -122,9 +103,8 @@ def test_gguf_refuses_the_recipe_in_one_line_naming_a_config_it_takes(recipe_run
         hf.main([f"--out_dir={recipe_run}", "--format=gguf"])
     message = str(e.value)
     assert "\n" not in message and "cannot be exported to GGUF" in message and "mlp='relu2'" in message
-    assert (
-        "export it to Hugging Face instead" in message and "config/train_llama_tiny.py --dataset=shakespeare" in message
-    )
+    assert "export it to Hugging Face instead" in message
+    assert "config/train_llama_tiny.py --dataset=shakespeare" in message
     assert not (recipe_run / "model.gguf").exists()
 
 

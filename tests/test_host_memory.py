@@ -1,8 +1,7 @@
-"""The host memory a job may use (host_memory.free_memory), and what it decides: whether load_split
-reads a split into RAM. A Slurm job or a Kubernetes pod is killed (exit -9, no message) past its
-cgroup's memory limit, however much the host has free, so the limit is read too: cgroup v2 and
-v1, the process's group and its ancestors. Each test builds a fake /proc and /sys/fs/cgroup
-in a temporary directory and points host_memory at them."""
+"""The host memory a job may use (host_memory.free_memory), and whether load_split reads a split into
+RAM by it. A Slurm job or a Kubernetes pod is killed (exit -9, no message) past its cgroup's limit,
+however much the host has free: cgroup v2 and v1, the process's group and its ancestors, read from a
+fake /proc and /sys/fs/cgroup in a temporary directory."""
 
 import numpy as np
 import pytest
@@ -24,11 +23,8 @@ def host(tmp_path, monkeypatch):
     /proc/self/cgroup's lines, and {relative dir under the cgroup root: {file: content}}."""
 
     def make(available, cgroup_lines, groups=None):
-        (tmp_path / "meminfo").write_text(
-            f"MemTotal:       {2 * available // 1024} kB\n"
-            f"MemFree:        {available // 2048} kB\n"
-            f"MemAvailable:   {available // 1024} kB\n"
-        )
+        kb = dict(MemTotal=2 * available // 1024, MemFree=available // 2048, MemAvailable=available // 1024)
+        (tmp_path / "meminfo").write_text("".join(f"{key}:{n:>15} kB\n" for key, n in kb.items()))
         (tmp_path / "self_cgroup").write_text("".join(line + "\n" for line in cgroup_lines))
         for group, files in (groups or {}).items():
             d = tmp_path / "cgroup" / group
@@ -43,46 +39,28 @@ def host(tmp_path, monkeypatch):
 
 
 def v2(limit, usage, inactive=0):
-    return {
-        "memory.max": limit,
-        "memory.current": usage,
-        "memory.stat": f"anon {usage - inactive}\ninactive_file {inactive}",
-    }
+    stat = f"anon {usage - inactive}\ninactive_file {inactive}"
+    return {"memory.max": limit, "memory.current": usage, "memory.stat": stat}
 
 
 def v1(limit, usage, inactive=0):
-    return {
-        "memory.limit_in_bytes": limit,
-        "memory.usage_in_bytes": usage,
-        "memory.stat": f"inactive_file 0\ntotal_rss {usage - inactive}\ntotal_inactive_file {inactive}",
-    }
+    stat = f"inactive_file 0\ntotal_rss {usage - inactive}\ntotal_inactive_file {inactive}"
+    return {"memory.limit_in_bytes": limit, "memory.usage_in_bytes": usage, "memory.stat": stat}
 
 
 def test_a_v2_limit_on_an_ancestor_group_bounds_free_memory(host):
     # Slurm: the limit is on the job, the process runs in a step below it (no limit of its own)
-    host(
-        64 * GiB,
-        ["0::/system.slice/slurmstepd.scope/job_42/step_0"],
-        {
-            "": v2("max", 20 * GiB),
-            "system.slice/slurmstepd.scope/job_42": v2(8 * GiB, 3 * GiB, inactive=1 * GiB),
-            "system.slice/slurmstepd.scope/job_42/step_0": v2("max", 2 * GiB),
-        },
-    )
+    job = "system.slice/slurmstepd.scope/job_42"
+    groups = {"": v2("max", 20 * GiB), job: v2(8 * GiB, 3 * GiB, inactive=1 * GiB), f"{job}/step_0": v2("max", 2 * GiB)}
+    host(64 * GiB, [f"0::/{job}/step_0"], groups)
     assert host_memory.cgroup_memory_left() == 6 * GiB  # 8 - 3 used + 1 of page cache the kernel drops first
     assert host_memory.free_memory() == 6 * GiB
 
 
 def test_a_v1_memory_limit_bounds_free_memory(host):
-    host(
-        64 * GiB,
-        ["5:cpu,cpuacct:/slurm/uid_0/job_7", "4:memory:/slurm/uid_0/job_7", "0::/"],
-        {
-            "memory": v1(V1_NO_LIMIT, 30 * GiB),
-            "memory/slurm/uid_0/job_7": v1(16 * GiB, 10 * GiB, inactive=2 * GiB),
-            "": v2("max", 0),
-        },
-    )
+    job = v1(16 * GiB, 10 * GiB, inactive=2 * GiB)
+    groups = {"memory": v1(V1_NO_LIMIT, 30 * GiB), "memory/slurm/uid_0/job_7": job, "": v2("max", 0)}
+    host(64 * GiB, ["5:cpu,cpuacct:/slurm/uid_0/job_7", "4:memory:/slurm/uid_0/job_7", "0::/"], groups)
     assert host_memory.free_memory() == 8 * GiB
 
 
@@ -96,11 +74,8 @@ def test_a_container_sees_its_own_group_at_the_mount(host):
 
 
 def test_the_host_bounds_free_memory_when_no_cgroup_limits_it(host):
-    host(
-        5 * GiB,
-        ["4:memory:/user.slice", "0::/user.slice"],
-        {"memory/user.slice": v1(V1_NO_LIMIT, 1 * GiB), "user.slice": v2("max", 1 * GiB)},
-    )
+    groups = {"memory/user.slice": v1(V1_NO_LIMIT, 1 * GiB), "user.slice": v2("max", 1 * GiB)}
+    host(5 * GiB, ["4:memory:/user.slice", "0::/user.slice"], groups)
     assert host_memory.cgroup_memory_left() is None
     assert host_memory.free_memory() == 5 * GiB
     host(1 * GiB, ["0::/"], {"": v2(8 * GiB, 1 * GiB)})  # a limit looser than what the host has free

@@ -1,9 +1,7 @@
-"""The house: commands at the root, the library in gpt/'s folders, arrows one way (commands ->
-library -> model.py and configurator.py), and inside gpt/ each folder importing only the folders
-below it (FLOORS); no circles, no command imported by anything, files and functions of a readable
-size, and a README file tree that names what is there.
-
-Every import is read with ast, those inside functions too, from every Python file outside tests/."""
+"""The house: commands at the root, the library in gpt/'s folders, arrows one way (commands -> library
+-> model.py and configurator.py), each gpt/ folder importing only those below it (FLOORS), no circles,
+no command imported, files and functions of a readable size, a README file tree that names what is
+there. Every import (inside functions too) of every Python file outside tests/, read with ast."""
 
 import ast
 import re
@@ -68,36 +66,22 @@ def graph(repo=REPO):
     return modules, {m: imports_of(path, modules) - {m} for m, path in modules.items()}
 
 
+def reachable(edges, v):
+    """Every module v imports, directly or through others."""
+    seen, todo = set(), [v]
+    while todo:
+        new = set(edges.get(todo.pop(), ())) - seen
+        seen |= new
+        todo += new
+    return seen
+
+
 def circles(edges):
-    """Each strongly connected component of more than one module, as one circle through it (Tarjan)."""
-    index, low, stack, on_stack, found, counter = {}, {}, [], set(), [], [0]
-
-    def visit(v):
-        index[v] = low[v] = counter[0]
-        counter[0] += 1
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(edges.get(v, ())):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = set()
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                component.add(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                found.append(component)
-
-    for v in sorted(edges):
-        if v not in index:
-            visit(v)
-    return [f"{cycle_through(c, edges)} (the circle's modules: {', '.join(sorted(c))})" for c in found]
+    """Each strongly connected component of more than one module (modules that reach each other), as
+    one circle through it."""
+    reach = {v: reachable(edges, v) for v in edges}
+    found = {frozenset({v} | {w for w in reach[v] if v in reach[w]}) for v in edges if v in reach[v]}
+    return [f"{cycle_through(c, edges)} (the circle's modules: {', '.join(sorted(c))})" for c in sorted(found, key=min)]
 
 
 def folder(module):
@@ -125,40 +109,26 @@ def problems(repo=REPO):
     """Every broken rule of the arrows, one line each."""
     modules, edges = graph(repo)
     cmds = commands(modules)
+    arrows = [(m, t) for m in sorted(edges) for t in sorted(edges[m])]
     found = [f"import circle: {c}" for c in circles(edges)]
-    found += [f"{m} imports the command {t}" for m in sorted(edges) for t in sorted(edges[m] & cmds)]
+    found += [f"{m} imports the command {t}" for m, t in arrows if t in cmds]
+    found += [f"{m} (the network or the config) imports {t}" for m, t in arrows if m in CORE and t not in CORE]
+    found += [f"{m} imports the script {t}" for m, t in arrows if t.startswith(("scripts.", "dev."))]
+    floor = lambda m: FLOORS.get(folder(m), -1)
+    below = lambda m: ", ".join(f for f, n in FLOORS.items() if n < floor(m)) or "none"
     found += [
-        f"{m} (the network or the config) imports {t}"
-        for m in sorted(CORE & set(edges))
-        for t in sorted(edges[m])
-        if t not in CORE
+        f"{m} imports {t}: gpt/{folder(m)}/ may import only its own folder and those below it ({below(m)})"
+        for m, t in arrows
+        if folder(m) and folder(t) and folder(t) != folder(m) and FLOORS.get(folder(t), 9) >= floor(m)
     ]
-    found += [
-        f"{m} imports the script {t}"
-        for m in sorted(edges)
-        for t in sorted(edges[m])
-        if t.startswith(("scripts.", "dev."))
-    ]
-    found += [
-        f"{m} imports {t}: gpt/{folder(m)}/ may import only its own folder and those below it "
-        f"({', '.join(f for f, n in FLOORS.items() if n < FLOORS.get(folder(m), -1)) or 'none'})"
-        for m in sorted(edges)
-        if folder(m)
-        for t in sorted(edges[m])
-        if folder(t) and folder(t) != folder(m) and FLOORS.get(folder(t), 9) >= FLOORS.get(folder(m), -1)
-    ]
-    found += [
-        f"{m} is outside gpt/'s folders ({', '.join(FLOORS)})"
-        for m in sorted(modules)
-        if m.startswith("gpt.") and m.split(".")[1] not in FLOORS
-    ]
+    outside = [m for m in sorted(modules) if m.startswith("gpt.") and m.split(".")[1] not in FLOORS]
+    found += [f"{m} is outside gpt/'s folders ({', '.join(FLOORS)})" for m in outside]
     # data/ prepares datasets and imports the library; the library reads nothing from data/
+    library = lambda m: not m.startswith(("data.", "scripts.", "dev.")) and m != "data"
     found += [
         f"{m} (the library or the root) imports the dataset preparation {t}"
-        for m in sorted(edges)
-        if not m.startswith(("data.", "scripts.", "dev.")) and m != "data"
-        for t in sorted(edges[m])
-        if t == "data" or t.startswith("data.")
+        for m, t in arrows
+        if library(m) and (t == "data" or t.startswith("data."))
     ]
     return found
 

@@ -1,9 +1,8 @@
-"""The Apple GPU paths (device=mps, which device=auto picks on a Mac), checked on a CPU as
-tests/test_cuda_contract.py checks CUDA's: torch.backends.mps says MPS is there, torch.cuda says
-no GPU, and the torch.mps calls the trainer makes are recorded. What is decided for MPS: the
-autocast dtype, the GradScaler, the optimizer, pinned memory, compile, synchronization, the
-RNG state in checkpoints, and what MPS cannot do (torchrun; bfloat16 before macOS 14). No MPS
-kernel runs here: tensors stay on the CPU, the decisions are what is checked."""
+"""The Apple GPU paths (device=mps, device=auto's pick on a Mac) checked on a CPU, as
+test_cuda_contract.py checks CUDA's: torch.backends.mps says MPS is there, torch.cuda says no GPU,
+torch.mps's calls are recorded. The decisions are checked (autocast, GradScaler, optimizer, pinned
+memory, compile, synchronization, the RNG in checkpoints, torchrun and old macOS refused); no MPS
+kernel runs."""
 
 import numpy as np
 import pytest
@@ -19,6 +18,7 @@ from model import GPT, GPTConfig
 TORCHRUN_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # torch.mps.get_rng_state() of a Mac: a uint8 tensor (the Philox state and the seed); its content is opaque here
 MPS_RNG = torch.arange(44, dtype=torch.uint8)
+SHAPE = dict(n_layer=1, n_head=2, n_embd=16, block_size=8, dropout=0.0)
 
 
 @pytest.fixture
@@ -32,13 +32,11 @@ def mps(monkeypatch):
     monkeypatch.setattr(torch.backends.mps, "is_macos_or_newer", lambda major, minor: (15, 0) >= (major, minor))
     for name in ("synchronize", "empty_cache", "manual_seed", "set_rng_state"):
         monkeypatch.setattr(torch.mps, name, lambda *args, _name=name, **kwargs: calls.append((_name, *args)))
-    monkeypatch.setattr(
-        torch.mps, "get_rng_state", lambda device="mps": calls.append(("get_rng_state",)) or MPS_RNG.clone()
-    )
+    get_rng_state = lambda device="mps": calls.append(("get_rng_state",)) or MPS_RNG.clone()
+    monkeypatch.setattr(torch.mps, "get_rng_state", get_rng_state)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: calls.append(("cuda.synchronize",)))
-    monkeypatch.setattr(
-        torch.distributed, "init_process_group", lambda **kwargs: calls.append(("init_process_group", kwargs))
-    )
+    init_process_group = lambda **kwargs: calls.append(("init_process_group", kwargs))
+    monkeypatch.setattr(torch.distributed, "init_process_group", init_process_group)
     for key in TORCHRUN_KEYS:
         monkeypatch.delenv(key, raising=False)
     return calls
@@ -78,22 +76,17 @@ def test_torchrun_on_mps_is_one_line(mps, monkeypatch):
 
 def tiny_build(rt, **overrides):
     """training_setup.build as train.py calls it on `rt`, for a tiny model left on the CPU."""
-    cfg = TrainConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, dropout=0.0, **overrides)
-    raw = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=64, dropout=0.0))
-    return build.build(raw, cfg, rt)
+    cfg = TrainConfig(**SHAPE, **overrides)
+    return build.build(GPT(GPTConfig(**SHAPE, vocab_size=64)), cfg, rt)
 
 
 @pytest.mark.parametrize("dtype, scaled", [("float32", False), ("bfloat16", False), ("float16", True)])
-def test_the_grad_scaler_is_torch_amps_for_mps_and_only_for_float16(mps, dtype, scaled):
+def test_the_grad_scaler_is_torch_amps_for_mps_and_only_for_float16_and_adamw_is_not_fused(mps, dtype, scaled):
     _, _, optimizer, scaler = tiny_build(runtime.setup("mps", dtype), compile=False)
     # torch.amp's scaler on device 'mps' (nanoGPT made torch.cuda.amp's, which turns itself off without CUDA)
     assert scaler._device == "mps" and scaler.is_enabled() == scaled
-
-
-def test_adamw_on_mps_is_not_fused(mps):
     # MPS's fused AdamW kernel ignored found_inf (pytorch#186360): step.py hands a non-finite
     # step to it as found_inf=1, and the weights would have taken the NaN update anyway
-    _, _, optimizer, _ = tiny_build(runtime.setup("mps", "float32"), compile=False)
     assert not optimizer.defaults["fused"] and not getattr(optimizer, "_step_supports_amp_scaling", False)
 
 
@@ -134,15 +127,13 @@ def test_a_checkpoint_carries_the_mps_rng_and_restores_it_on_mps(mps, capsys):
     checkpoint.restore_rng(
         state, batches.TrainBatches(np.zeros(32, np.uint16), 1, 8, 0, rt), runtime.setup("cpu", "float32")
     )
-    assert (
-        "note: checkpoint was written on mps, this run is on cpu: its mps RNG state is unused"
-        in capsys.readouterr().out
-    )
+    note = "note: checkpoint was written on mps, this run is on cpu: its mps RNG state is unused"
+    assert note in capsys.readouterr().out
     torch.set_rng_state(cpu_rng)
 
 
 def test_a_sharded_checkpoint_writes_the_mps_rng(mps):
     rt = runtime.setup("mps", "float32")
-    raw = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=64, dropout=0.0))
+    raw = GPT(GPTConfig(**SHAPE, vocab_size=64))
     tensors, _ = checkpoint.sharded_state(raw, torch.optim.AdamW(raw.parameters()), rt)
     assert set(tensors["rng"]) == {"torch_0", "mps_0"} and torch.equal(tensors["rng"]["mps_0"], MPS_RNG)

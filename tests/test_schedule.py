@@ -45,13 +45,10 @@ def test_cosine_decay():
     assert all(cfg.min_lr <= lr <= cfg.learning_rate for lr in after)
 
 
-def test_no_warmup():
+def test_no_warmup_and_no_decay():
     cfg = schedule_cfg(warmup_iters=0)
     assert get_lr(0, cfg) == pytest.approx(cfg.learning_rate)
     assert get_lr(cfg.lr_decay_iters, cfg) == pytest.approx(cfg.min_lr)
-
-
-def test_constant_without_decay():
     cfg = schedule_cfg(decay_lr=False)
     assert {get_lr(it, cfg) for it in (0, 5, 10, 60, 110, 10**6)} == {cfg.learning_rate}
 

@@ -1,11 +1,7 @@
-"""serve.py on a loopback port, against real clients: the openai package gets chat.py's and
-sample.py's greedy replies; concurrent requests decoded together each get their solo reply, also
-one that joins mid-generation; every entry of the error catalogue; a full server's 429; a client
-that hangs up; schemathesis from the server's own OpenAPI schema. The engine itself, on a model
-alone: test_engine.py.
-
-The chat model is the chat demo's path shortened (conftest's shared_chat_demo), trained once for
-the whole test run; the base model, a character model trained here."""
+"""serve.py on a loopback port against real clients: the openai package gets chat.py's and sample.py's
+replies, concurrent requests each get their solo reply, every error of the catalogue, a full server's
+429, a client that hangs up, schemathesis. The chat model: conftest's shared_chat_demo; the base model,
+a character model trained here. The engine alone: test_engine.py."""
 
 import contextlib
 import functools
@@ -77,6 +73,7 @@ def client(s, key="unused"):
     return openai.OpenAI(base_url=s.url + "/v1", api_key=key, max_retries=0)
 
 
+@functools.cache  # a command's reply, for every test that compares with it
 def chat_py(out_dir, message, max_new_tokens, system=None, sampling=("--temperature=0",)):
     """`chat.py --prompt=message --temperature=0`'s reply (its stdout, without the newline)."""
     args = [f"--out_dir={out_dir}", "--device=cpu", f"--prompt={message}", f"--max_new_tokens={max_new_tokens}"]
@@ -85,6 +82,7 @@ def chat_py(out_dir, message, max_new_tokens, system=None, sampling=("--temperat
     return result.stdout[:-1]
 
 
+@functools.cache
 def sample_py(out_dir, start, max_new_tokens):
     """sample.py's greedy continuation of start."""
     args = [f"--out_dir={out_dir}", "--device=cpu", f"--start={start}", f"--max_new_tokens={max_new_tokens}"]
@@ -170,10 +168,9 @@ def streamed(chunks):
 
 @pytest.mark.process
 def test_openai_client_gets_chat_py_replies(serve_demo, chat_server, chat_process):
-    """chat.completions.create, streamed and not, returns exactly `chat.py --prompt --temperature=0`'s
-    reply, with the system message too; usage counts the template's prompt ids, finish_reason says
-    whether the reply ended at <|end|> or at max_tokens. Both servers: the model on a thread of the
-    server's process, and in a process of its own."""
+    """chat.completions.create, streamed and not, gives `chat.py --temperature=0`'s reply, a system
+    message too, with usage and finish_reason (<|end|> or max_tokens); the model on a thread and in a
+    process of its own."""
     out_dir, heldout = serve_demo
     template = chat_server.server.template
     cases = [(m, None, 40) for m in user_messages(heldout, 4)] + [
@@ -230,10 +227,11 @@ def test_a_sample_with_a_seed_is_chat_pys_with_that_seed(serve_demo, chat_server
         assert reply.choices[0].message.content == expected
 
 
+CONTINUATIONS = {"words": ("The king", 30), "lines": ("What is love?\nNow", 45), "newline": ("\n", 20)}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "prompt, n", [("The king", 30), ("What is love?\nNow", 45), ("\n", 20)], ids=["words", "lines", "newline"]
-)
+@pytest.mark.parametrize("prompt, n", CONTINUATIONS.values(), ids=CONTINUATIONS)
 def test_openai_client_gets_sample_py_continuation(base, base_server, prompt, n):
     """A base model (characters, no chat template): completions.create, streamed and not, gives
     sample.py's greedy continuation."""
@@ -245,20 +243,13 @@ def test_openai_client_gets_sample_py_continuation(base, base_server, prompt, n)
     assert "".join(ch.choices[0].text for ch in streamed) == expected
 
 
-@pytest.mark.slow
-def test_the_openai_client_needs_the_api_key(base_server):
-    with pytest.raises(openai.AuthenticationError):
-        client(base_server, "wrong").completions.create(model=NAME, prompt="The", max_tokens=2)
-
-
 # ---------------------------------------------------------------------------- compiled
 
 
 @pytest.mark.slow
 def test_a_compile_failure_at_start_up_serves_eagerly_and_says_so(base, base_server, monkeypatch, capsys):
-    """serve.py --compile where torch.compile cannot compile (its backend fails, as inductor does
-    without a working C++ compiler): one line on stderr says so and what failed, and the server
-    answers as the one that never compiled."""
+    """serve.py --compile where torch.compile fails (as inductor does without a C++ compiler): one line
+    on stderr says so, and the server answers as one that never compiled."""
 
     def broken(graph, example_inputs, **options):
         raise RuntimeError("no working C++ compiler found")
@@ -292,11 +283,9 @@ COMPILED_STEPS = {  # id: (the device, torch.compile's options, (fused_attention
 @pytest.mark.slow
 @pytest.mark.parametrize("device, expected, attention", COMPILED_STEPS.values(), ids=COMPILED_STEPS)
 def test_on_a_gpu_the_decoding_step_replays_cuda_graphs(base, monkeypatch, device, expected, attention):
-    """The model's side on a CUDA runtime (its weights left on the CPU) compiles the decoding step with
-    mode='reduce-overhead' (CUDA graphs), its attention SDPA's and its span of keys padded to 64 for
-    them; on the CPU, inductor's C++ wrapper, one_query_attention over keys padded to 16. Both compile
-    one graph per bucket of rows at start-up. Recorded at the public torch.compile, which then
-    compiles on ATen's kernels."""
+    """On a CUDA runtime (weights left on the CPU) the decoding step compiles with CUDA graphs
+    (mode='reduce-overhead'), SDPA and keys padded to 64; on the CPU, inductor's C++ wrapper,
+    one_query_attention and keys padded to 16; a graph per bucket of rows. Recorded at torch.compile."""
     calls, compile = [], torch.compile
 
     def recorded(fn, **options):
@@ -322,9 +311,8 @@ def held_requests(engine, n):
 
 @contextlib.contextmanager
 def held(engine, n, opened=None):
-    """Keep the engine from taking in prompts until it holds n requests (and the event `opened` is
-    set, when given): the requests sent meanwhile are all queued when it goes on. Yields the rows
-    (decoding and joining) of each step that ran."""
+    """The engine takes in no prompt until it holds n requests (and `opened` is set, when given), so
+    that they join together; yields the rows (decoding and joining) of each step."""
     rows, released = [], threading.Event()
 
     def gate(step):
@@ -339,9 +327,8 @@ def held(engine, n, opened=None):
 
 
 class Watch:
-    """What the server's event loop has got from the model's side and told it, as it comes: the
-    active rows each step's output reports, the requests' ends as (finish_reason, tokens), and the
-    ids of the requests submitted and of the cancellations sent."""
+    """What the server's event loop got from the model's side and told it, as it comes: each step's
+    active rows, the ends as (finish_reason, tokens), the ids submitted and cancelled."""
 
     def __init__(self):
         self.active, self.ends, self.submits, self.cancels = [], [], [], []
@@ -355,8 +342,7 @@ class Watch:
 
 @contextlib.contextmanager
 def watched(server):
-    """Yields a Watch of what the server's event loop gets from the model's side (in a process of
-    its own or on a thread) and tells it, until the block ends."""
+    """A Watch of the server's event loop and the model's side (a process or a thread), while inside."""
     deliver, tell, seen = server.deliver, server.tell, Watch()
 
     def watch_deliver(items, stats):
@@ -386,9 +372,8 @@ def watched(server):
 
 @pytest.mark.slow
 def test_sixteen_concurrent_clients_get_their_solo_replies(chat_server, sixteen):
-    """16 clients at once, different prompts and budgets, at temperature 0 (and three sampled with
-    a seed): all 16 are decoded in one batch, rows leave as their replies end, and each reply is
-    the one the request gets when served alone."""
+    """16 clients at once (three sampled with a seed): one batch of 16 that shrinks as replies end, and
+    each reply the one served alone."""
     bodies, alone = sixteen
     with held(chat_server.engine, 16) as rows:
         replies = together(client(chat_server), bodies)
@@ -398,8 +383,8 @@ def test_sixteen_concurrent_clients_get_their_solo_replies(chat_server, sixteen)
 
 @pytest.mark.slow
 def test_a_request_joining_mid_generation_gets_its_solo_reply(serve_demo, chat_server):
-    """A long completion is 8 tokens in when a chat request arrives: it is prefilled while the
-    first decodes, joins the batch at the next step, and both replies are their solo replies."""
+    """A chat request that arrives 8 tokens into a long completion joins its batch at the next step;
+    both get their solo replies."""
     long = {**completion("Hi, I'm Zuvaki.", 80), "temperature": 0}  # no stop at <|end|>: a long reply
     late = greedy_chat(user_messages(serve_demo[1], 1)[0], 30)
     alone = [solo(chat_server, long, "/v1/completions"), solo(chat_server, late)]
@@ -430,9 +415,8 @@ def test_a_request_joining_mid_generation_gets_its_solo_reply(serve_demo, chat_s
 
 @pytest.mark.slow
 def test_llama3_chat_decoded_together_gets_chat_py_replies(tmp_path):
-    """A Llama (RoPE, so every row's keys are rotated at its own positions; grouped-query attention)
-    with Llama 3's chat format, weights spread far from the init: four chat requests of different
-    lengths decoded in one batch each get `chat.py --temperature=0`'s reply."""
+    """A Llama (RoPE at each row's own positions, grouped-query attention) in Llama 3's chat format:
+    four requests decoded in one batch each get `chat.py --temperature=0`'s reply."""
     spec = tokenizer.make_spec(str(make_llama3_tokenizer(tmp_path / "tokenizer.json")))
     torch.manual_seed(0)
     model = GPT(GPTConfig(**dict(TINY_LLAMA, block_size=128, vocab_size=spec["vocab_size"])))
@@ -454,10 +438,8 @@ def test_llama3_chat_decoded_together_gets_chat_py_replies(tmp_path):
 
 @pytest.mark.process
 def test_the_model_in_its_own_process_decodes_together_and_frees_rows(chat_process, sixteen):
-    """`serve.py` runs the model in a process of its own (--engine=process, the default): 16
-    concurrent clients each get the reply the thread server gives them alone, in steps shared
-    by many rows; a client that hangs up has its row cancelled in that process, long before its
-    max_tokens; and the server answers alone as before."""
+    """--engine=process (the default): 16 concurrent clients each get their solo reply, in shared steps;
+    a client that hangs up is cancelled in that process long before max_tokens; the server goes on."""
     s, name = chat_process, chat_process.server.name
     assert s.engine is None and s.server.process.process.is_alive()
     (bodies, alone), c = sixteen, client(s)
@@ -486,9 +468,8 @@ def test_the_model_in_its_own_process_decodes_together_and_frees_rows(chat_proce
 
 @pytest.mark.process
 def test_a_model_process_that_dies_fails_its_requests_and_says_so(base):
-    """The model's process killed (out of memory, say) with requests in flight: they, and every
-    request after them, /health included, get a 503 saying to restart serve.py; a stream gets it
-    as its last event before [DONE]. A loading error in that process is the command's one line."""
+    """The model's process killed with requests in flight: they and every later request, /health too,
+    get a 503 saying to restart serve.py (a stream, as its last event). A loading error is one line."""
     with running(f"--out_dir={base}", "--engine=process") as s:
         child = s.server.process.process.pid
         body = {"model": s.server.name, "prompt": "The", "max_tokens": 20, "temperature": 0}
@@ -603,10 +584,8 @@ NOT_UNICODE = {  # id: (a chat request's fields or a completion's, raw JSON; the
 @pytest.mark.slow
 @pytest.mark.parametrize("fields, param, words", NOT_UNICODE.values(), ids=NOT_UNICODE)
 def test_text_that_is_not_unicode_gets_400(request, fields, param, words):
-    """JSON's \\u escapes can spell half a surrogate pair alone (and Python's json takes UTF-8 bytes
-    for one): wherever such text is, the request gets a 400 that says so, as do bytes that are not
-    UTF-8 at all, and the next request is answered as usual. Chat requests to chat_server,
-    completions to base_server."""
+    """Half a surrogate pair (a \\u escape, or its UTF-8 bytes) anywhere, or bytes that are not UTF-8:
+    a 400 that says so, and the next request is answered as usual."""
     auth, chatting = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}, b'"messages"' in fields
     s = request.getfixturevalue("chat_server" if chatting else "base_server")
     path, after = (
@@ -628,10 +607,8 @@ ENDPOINTS = {  # id: (method, path, body)
 @pytest.mark.slow
 @pytest.mark.parametrize("method, path, body", ENDPOINTS.values(), ids=ENDPOINTS)
 def test_a_host_header_naming_another_host_gets_421(chat_server, method, path, body):
-    """DNS rebinding: a page on attacker.example that points its name at 127.0.0.1 reaches the
-    server, but its requests say Host: attacker.example, and get OpenAI's error JSON with a 421
-    on every endpoint; 127.0.0.1, localhost and [::1] are answered, and no CORS header lets a
-    page elsewhere read a reply; nor is another IP address."""
+    """DNS rebinding: requests that say Host: attacker.example (or another IP address) get a 421 on every
+    endpoint; loopback names are answered, with no CORS header for a page elsewhere."""
     s = chat_server
     port = s.url.rsplit(":", 1)[1]
     r = httpx.request(method, s.url + path, json=body, headers={"Host": f"attacker.example:{port}"}, timeout=30)
@@ -692,9 +669,10 @@ def test_connections_send_without_nagle(base_server):
 def test_a_full_server_answers_429_at_once(base, base_server):
     """Two rows and one waiting place: a fourth request gets 429 with Retry-After at once, and the
     three accepted get sample.py's continuations when the engine goes on."""
-    s, prompts = base_server, ["The king", "What is", "Now my lord"]
-    c, expected = client(s, KEY), [sample_py(base, p, 20) for p in prompts]
-    bodies, refused, results = [{**completion(p, 20), "temperature": 0} for p in prompts], threading.Event(), [None]
+    s, c = base_server, client(base_server, KEY)
+    expected = [sample_py(base, p, n) for p, n in CONTINUATIONS.values()]
+    bodies = [{**completion(p, n), "temperature": 0} for p, n in CONTINUATIONS.values()]
+    refused, results = threading.Event(), [None]
     with held(s.engine, 3, opened=refused):
         thread = threading.Thread(target=lambda: results.__setitem__(0, together(c, bodies)))
         thread.start()
@@ -711,9 +689,8 @@ def test_a_full_server_answers_429_at_once(base, base_server):
 
 @pytest.mark.slow
 def test_a_client_that_hangs_up_frees_its_row_at_once(serve_demo, chat_server):
-    """A stream dropped after three chunks: its row is freed before the next step (cancelled, far
-    from its 100 tokens: the engine waits for the hang-up after 20), and the server answers the
-    next request as before."""
+    """A stream dropped after three chunks: its row is freed by the next step (the engine waits for the
+    hang-up after 20 of its 100 tokens), and the next request is answered as before."""
     out_dir, _ = serve_demo
     s, engine = chat_server, chat_server.engine
     body = {"model": s.server.name, "prompt": "Hi, I'm Zuvaki.", "max_tokens": 100, "temperature": 0, "stream": True}
@@ -734,15 +711,14 @@ def test_a_client_that_hangs_up_frees_its_row_at_once(serve_demo, chat_server):
     # freed at the step after the hang-up at the latest
     ((reason, tokens),) = seen.ends
     assert reason == "cancelled" and tokens <= 21 and len(seen.cancels) == 1, seen.ends
-    message = "Repeat after me: sule pova"
-    assert solo(s, greedy_chat(message, 20)) == chat_py(out_dir, message, 20)
+    message = user_messages(serve_demo[1], 1)[0]
+    assert solo(s, greedy_chat(message, 40)) == chat_py(out_dir, message, 40)
 
 
 @pytest.mark.process
 def test_the_command_warns_when_it_listens_beyond_loopback_with_no_key(base):
-    """`python serve.py` in its own process: by default on 127.0.0.1; --host=0.0.0.0 without a key
-    says on stderr who can then use the model, serves, and ends on Ctrl-C without a traceback; a
-    taken port is one line."""
+    """`python serve.py`: 127.0.0.1 by default; --host=0.0.0.0 without a key warns, serves, and ends on
+    Ctrl-C without a traceback; a taken port is one line."""
     assert parse(ServeConfig, []).host == "127.0.0.1"
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -793,6 +769,5 @@ def test_schemathesis_finds_no_server_error(serve_demo, chat_server):
 
         fuzz()
     assert 200 in statuses and 400 in statuses and s.engine.held == 0
-    out_dir, heldout = serve_demo
-    message = user_messages(heldout, 1)[0]
-    assert solo(s, greedy_chat(message, 30)) == chat_py(out_dir, message, 30)
+    message = user_messages(serve_demo[1], 1)[0]
+    assert solo(s, greedy_chat(message, 40)) == chat_py(serve_demo[0], message, 40)

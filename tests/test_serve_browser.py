@@ -1,16 +1,9 @@
-"""The chat page (static/chat.html) in a real browser: Debian's Chromium, headless, driven by
-Selenium, against serve.py on a loopback port with the shortened chat demo model that
-tests/test_serve.py serves too (conftest's serve_demo). A message typed into the page streams back:
-part of the reply is on the page while the server's engine is held mid-generation, and the whole
-reply equals the API's for the same conversation at temperature 0. A second turn that needs the
-first equals the API's reply to both; after "New chat" the same question gets the reply to it
-alone. A refused request shows the server's error message; a server with an API key is reached once
-the key is typed in.
+"""The chat page (static/chat.html) in headless Chromium driven by Selenium, against serve.py with
+conftest's serve_demo model: replies stream in and equal the API's at temperature 0, turn after turn;
+a refused request shows the server's error; a keyed server is reached once the key is typed in.
 
-Needs chromium and chromium-driver (apt-get install chromium chromium-driver) and selenium;
-without them the tests skip with a line saying so. GPT_TESTS_BROWSER=required (.ci/run sets
-it) makes a missing browser a failure instead of a skip.
-"""
+Needs chromium, chromium-driver and selenium, else the tests skip; GPT_TESTS_BROWSER=required (.ci/run
+sets it) makes that a failure."""
 
 import contextlib
 import os
@@ -73,24 +66,17 @@ def text(driver, selector):
 
 def log(driver):
     """The conversation on the page: [(role, text)]; role is 'user' or 'assistant'."""
-    return [
-        tuple(m)
-        for m in driver.execute_script(
-            "return [...document.querySelectorAll('#log .message')].map("
-            "m => [m.classList.contains('user') ? 'user' : 'assistant', m.querySelector('.text').textContent])"
-        )
-    ]
+    script = "return [...document.querySelectorAll('#log .message')].map(m => [m.classList.contains('user') ? "
+    script += "'user' : 'assistant', m.querySelector('.text').textContent])"
+    return [tuple(m) for m in driver.execute_script(script)]
 
 
 def api(s, messages, key=None):
     """The server's own answer to the conversation at temperature 0: (status, JSON body)."""
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    r = httpx.post(
-        s.url + "/v1/chat/completions",
-        json={"model": s.server.name, "messages": messages, "temperature": 0},
-        headers=headers,
-        timeout=60,
-    )
+    body, headers = {"model": s.server.name, "messages": messages, "temperature": 0}, {}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    r = httpx.post(s.url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
     return r.status_code, r.json()
 
 
@@ -102,9 +88,8 @@ def api_reply(s, messages, key=None):
 
 @contextlib.contextmanager
 def engine_held(engine, after_steps):
-    """The engine stops before its decoding step number `after_steps` (the reply has that many
-    tokens: one from the prompt's pass, one per step before) until the block ends; yields an
-    Event set once it has stopped there."""
+    """The engine stops before its decoding step `after_steps` (the reply then has that many tokens)
+    until the block ends; yields an Event set once it has stopped there."""
     count, reached, release = [0], threading.Event(), threading.Event()
 
     def hold(step):
@@ -124,10 +109,9 @@ def engine_held(engine, after_steps):
 
 
 def test_a_conversation_streams_and_matches_the_api(browser, served):
-    """Turn one streams in (part of it shown while the engine is held after 3 tokens) and equals
-    the API's reply; the page's token count is the API's usage. Turn two recalls the name from
-    turn one and equals the API's reply to the two-turn conversation; after "New chat" the same
-    question is asked alone, and gets the API's reply to it alone, which is another reply."""
+    """Turn one streams in (partly shown while the engine is held) and equals the API's reply, with its
+    token count; turn two equals the API's reply to both turns; after "New chat" the same question
+    gets the API's reply to it alone, another reply."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -179,9 +163,8 @@ def test_a_refused_request_shows_the_servers_error(browser, served):
 
 
 def test_the_api_key_field(browser, serve_demo):
-    """Against a server started with --api_key, the page says a key is needed (the server's 401);
-    once the key is typed in, it gets the model's name and replies. Markup in messages and replies
-    is shown as text, never made into elements (an <img onerror> would raise an alert here)."""
+    """Against a server with --api_key, the page shows the server's 401 until the key is typed in, then
+    replies. Markup in messages and replies is shown as text, never made into elements."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 

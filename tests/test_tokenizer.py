@@ -65,19 +65,15 @@ def test_gpt2_offline_in_a_fresh_process(tmp_path):
 
 
 def test_gpt2_offline_equals_tiktoken_loading_the_same_files(tmp_path, monkeypatch, fresh_gpt2):
-    """Reference: tiktoken.get_encoding("gpt2") itself, reading the release files from its cache
-    (seeded here with the package's copies, under the names tiktoken gives them), which checks
-    the hashes and that the merges agree with encoder.json."""
+    """Reference: tiktoken.get_encoding("gpt2") itself, which checks the hashes and the merges, reading
+    the package's copies from its cache."""
     from tiktoken_ext import openai_public
 
     cache = tmp_path / "cache"
     cache.mkdir()
-    urls = {
-        "vocab.bpe": "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
-        "encoder.json": "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json",
-    }
     source = open(openai_public.__file__).read()
-    for name, url in urls.items():
+    for name in ("vocab.bpe", "encoder.json"):
+        url = f"https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/{name}"
         assert url in source  # the addresses tiktoken's gpt2 constructor uses
         (cache / hashlib.sha1(url.encode()).hexdigest()).write_bytes(open(package_file(name), "rb").read())
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(cache))
@@ -95,8 +91,7 @@ def test_gpt2_offline_equals_tiktoken_loading_the_same_files(tmp_path, monkeypat
 
 
 def test_gpt2_files_that_fail_the_hash_are_not_used(monkeypatch, tmp_path, fresh_gpt2):
-    """A changed package file is ignored; tiktoken's own loader is next, and with no network
-    and no cache that ends in one line."""
+    """A changed package file is ignored; tiktoken's loader is next, which without network ends in one line."""
     import requests
 
     monkeypatch.setitem(tokenizer.GPT2_FILES, "vocab.bpe", "0" * 64)

@@ -68,7 +68,8 @@ def test_help_lists_every_key():
 def test_a_resume_past_lr_decay_iters_says_it_runs_at_min_lr(char_data, tmp_path):
     """The README's "train longer": the steps past lr_decay_iters run at min_lr, and the run says so."""
     out = tmp_path / "out"
-    train(char_data, out, max_iters=4, lr_decay_iters=4, eval_interval=4)
+    first = train(char_data, out, max_iters=4, lr_decay_iters=4, eval_interval=4)
+    assert "note: iters" not in first.stdout  # nothing to say when the cosine ends at max_iters
     longer = train(char_data, out, max_iters=6, lr_decay_iters=4, eval_interval=4, init_from="resume")
     note = (
         "note: iters 4-6 run at min_lr=0.001, past the cosine's end at lr_decay_iters=4; "
@@ -76,23 +77,14 @@ def test_a_resume_past_lr_decay_iters_says_it_runs_at_min_lr(char_data, tmp_path
     )
     assert note in longer.stdout.splitlines()
     assert [r["lr"] for r in read_metrics(out) if "lr" in r and r["iter"] >= 4] == [1e-3, 1e-3]
-    again = train(char_data, tmp_path / "fresh", max_iters=4, lr_decay_iters=4)
-    assert "note: iters" not in again.stdout  # nothing to say when the cosine ends at max_iters
+
+
+HIGH_LR = dict(learning_rate=0.3, min_lr=0.3)  # val loss goes up and down: best must only ever fall
 
 
 def test_best_val_loss_is_never_overwritten_by_a_worse_one(char_data, tmp_path):
-    # a learning rate this high makes val loss go up and down; best must only ever fall
     out = tmp_path / "out"
-    train(
-        char_data,
-        out,
-        max_iters=30,
-        lr_decay_iters=30,
-        eval_interval=3,
-        learning_rate=0.3,
-        min_lr=0.3,
-        always_save_checkpoint=True,
-    )
+    train(char_data, out, max_iters=30, lr_decay_iters=30, eval_interval=3, always_save_checkpoint=True, **HIGH_LR)
     evals = [r["val_loss"] for r in read_metrics(out) if "val_loss" in r]
     state = checkpoint.load(str(out / "ckpt.pt"))
     assert state["best_val_loss"] == min(evals)
@@ -144,11 +136,9 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
     assert checkpoint.load(str(path))["iter_num"] == 3
 
 
-def test_sample_from_a_trained_checkpoint(char_data, tmp_path):
-    out = tmp_path / "out"
-    train(char_data, out, max_iters=30, lr_decay_iters=30)
-    chars = json.loads((char_data / "meta.json").read_text())["chars"]
-    args = ["--out_dir=" + str(out), "--device=cpu", "--num_samples=2", "--max_new_tokens=40", "--start=The king"]
+def test_sample_from_a_trained_checkpoint(tiny_run):
+    chars = json.loads((tiny_run.parent / "chars" / "meta.json").read_text())["chars"]
+    args = ["--out_dir=" + str(tiny_run), "--device=cpu", "--num_samples=2", "--max_new_tokens=40", "--start=The king"]
     first, again = run_script("sample.py", *args), run_script("sample.py", *args)
     other_seed = run_script("sample.py", *args, "--seed=7")
     assert first.returncode == 0, first.stderr
@@ -195,15 +185,8 @@ def test_real_shakespeare_learns(shakespeare):
 
 @pytest.mark.slow
 def test_real_shakespeare_cached_equals_uncached_for_500_greedy_tokens(shakespeare):
-    out = shakespeare
-    args = [
-        f"--out_dir={out}",
-        "--device=cpu",
-        "--temperature=0",
-        "--num_samples=1",
-        "--max_new_tokens=500",
-        "--start=ROMEO:",
-    ]
+    greedy = ["--device=cpu", "--temperature=0", "--num_samples=1", "--max_new_tokens=500", "--start=ROMEO:"]
+    args = [f"--out_dir={shakespeare}", *greedy]
     cached, uncached = run_script("sample.py", *args), run_script("sample.py", *args, "--kv_cache=False")
     assert cached.returncode == 0, cached.stderr
     assert len(cached.stdout) > 500 and cached.stdout == uncached.stdout

@@ -21,25 +21,15 @@ UNICODE = (
     "🙂👍🏽 👩‍👩‍👧 🇫🇷 e\u0301 a\u0308\u0323 \u200b\u200d zero width, \x00\x01\x1f\x7f control, \t\r\n\x0b\x0c, "
     "\U0001d11e \U0010fffd private \ue000, 12345678901234 3.14159 \\ "
 )
-RANGES = [
-    (0x00, 0x7F),
-    (0x80, 0x24F),
-    (0x300, 0x36F),
-    (0x370, 0x52F),
-    (0x590, 0x6FF),
-    (0x900, 0x97F),
-    (0x3040, 0x30FF),
-    (0x4E00, 0x9FFF),
-    (0xAC00, 0xD7A3),
-    (0xE000, 0xF8FF),
-    (0x1F300, 0x1FAFF),
-    (0x10000, 0x10FFFF),
-]
+# code points: ASCII, Latin, combining marks, Greek and Cyrillic, Hebrew and Arabic, Devanagari, kana, CJK,
+# Hangul, private use, emoji, the astral planes
+RANGES = [(0x00, 0x7F), (0x80, 0x24F), (0x300, 0x36F), (0x370, 0x52F), (0x590, 0x6FF), (0x900, 0x97F)]
+RANGES += [(0x3040, 0x30FF), (0x4E00, 0x9FFF), (0xAC00, 0xD7A3), (0xE000, 0xF8FF), (0x1F300, 0x1FAFF)]
+RANGES += [(0x10000, 0x10FFFF)]
 
 
 def random_unicode(rng, n):
-    """n characters drawn from scripts, marks, controls, emoji and astral planes; never a
-    surrogate (no UTF-8 exists for one)."""
+    """n characters from RANGES, never a surrogate (no UTF-8 exists for one)."""
     chars = []
     while len(chars) < n:
         lo, hi = RANGES[rng.integers(len(RANGES))]
@@ -51,20 +41,13 @@ def random_unicode(rng, n):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """(spec, the input text, the printed output): a 400-token tokenizer trained by the command (a
-    tokenizer, not a model: conftest's tiny_run has none)."""
+    """(spec, the input text, the printed output) of a 400-token tokenizer trained by the command."""
     root = tmp_path_factory.mktemp("train_tokenizer")
     text = make_text(40000, seed=2) + "\n" + UNICODE + "\n" + make_text(20000, seed=4)
     (root / "input.txt").write_text(text, encoding="utf-8")
 
-    result = run_script(
-        "data/train_tokenizer.py",
-        "--input",
-        root / "input.txt",
-        "--vocab_size=400",
-        f"--out_dir={root / 'tok'}",
-        "--val_chars=5000",
-    )
+    args = ["--input", root / "input.txt", "--vocab_size=400", f"--out_dir={root / 'tok'}", "--val_chars=5000"]
+    result = run_script("data/train_tokenizer.py", *args)
     assert result.returncode == 0, result.stderr
     return tokenizer.make_spec(str(root / "tok" / "tokenizer.json")), text, result.stdout
 
@@ -149,18 +132,9 @@ def test_corpus_routine_takes_it(trained, tmp_path):
     spec, _, _ = trained
     docs = [make_text(500, seed=s) for s in range(20)]
     (tmp_path / "docs.txt").write_text("\n\n".join(docs))
+    args = ["--input", str(tmp_path / "docs.txt"), f"--out_dir={tmp_path / 'data'}", f"--tokenizer={spec['path']}"]
     corpus.main(
-        [
-            "--input",
-            str(tmp_path / "docs.txt"),
-            f"--out_dir={tmp_path / 'data'}",
-            f"--tokenizer={spec['path']}",
-            "--txt_separator=\\n\\n",
-            "--shuffle_buffer=0",
-            "--val_tokens=100",
-            "--test_tokens=0",
-            "--workers=1",
-        ]
+        [*args, "--txt_separator=\\n\\n", "--shuffle_buffer=0", "--val_tokens=100", "--test_tokens=0", "--workers=1"]
     )
     ids = np.concatenate([token_files.read(p) for p in token_files.split_paths(str(tmp_path / "data"), "train")])
     _, decode = tokenizer.load(spec)
@@ -168,20 +142,20 @@ def test_corpus_routine_takes_it(trained, tmp_path):
     assert pieces[-1] == docs[-1] and ids[-1] == 0
 
 
-def test_errors(tmp_path):
+ERRORS = {  # id: (the arguments, A standing for a 10-line text file; what the message holds)
+    "no-source": (["--vocab_size=300"], "pass exactly one source"),
+    "two-sources": (["--input", "A", "--dataset=x/y", "--vocab_size=300"], "exactly one source"),
+    "vocab-below-the-bytes-and-reserved": (["--input", "A", "--vocab_size=200"], "use at least 262"),
+    "missing-input": (["--input", "nope.txt", "--vocab_size=300"], "does not exist"),
+    "held-out-past-the-text": (["--input", "A", "--vocab_size=300"], "lower --val_chars"),
+    "no-vocab-size": (["--input", "A"], "--vocab_size"),
+}
+
+
+@pytest.mark.parametrize("argv, message", ERRORS.values(), ids=ERRORS)
+def test_errors(tmp_path, argv, message):
     (tmp_path / "a.txt").write_text("some text\n" * 10)
-    cases = [
-        ([f"--out_dir={tmp_path}", "--vocab_size=300"], "pass exactly one source"),
-        (
-            ["--input", str(tmp_path / "a.txt"), "--dataset=x/y", f"--out_dir={tmp_path}", "--vocab_size=300"],
-            "exactly one source",
-        ),
-        (["--input", str(tmp_path / "a.txt"), f"--out_dir={tmp_path}", "--vocab_size=200"], "use at least 262"),
-        (["--input", str(tmp_path / "nope.txt"), f"--out_dir={tmp_path}", "--vocab_size=300"], "does not exist"),
-        (["--input", str(tmp_path / "a.txt"), f"--out_dir={tmp_path}", "--vocab_size=300"], "lower --val_chars"),
-        (["--input", str(tmp_path / "a.txt"), f"--out_dir={tmp_path}"], "--vocab_size"),
-    ]
-    for argv, message in cases:
-        with pytest.raises(UserError) as e:
-            train_tokenizer.main(argv)
-        assert message in str(e.value) and "\n" not in str(e.value), argv
+    paths = {"A": str(tmp_path / "a.txt"), "nope.txt": str(tmp_path / "nope.txt")}
+    with pytest.raises(UserError) as e:
+        train_tokenizer.main([*(paths.get(a, a) for a in argv), f"--out_dir={tmp_path}"])
+    assert message in str(e.value) and "\n" not in str(e.value), argv
