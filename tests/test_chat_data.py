@@ -1,13 +1,13 @@
 """data/chat/prepare.py: the files it writes (tokens, masks, starts, meta.json) read back to the
-conversations; the mask is exactly the assistant's content and end tokens; the bad-record
-catalogue, --skip_bad, long conversations and the val split."""
+conversations as Template.render gives them (its mask, the assistant's content and end: test_chat_template.py);
+the bad-record catalogue, --skip_bad, long conversations and the val split."""
 
 import json
 from collections import Counter
 
 import numpy as np
 import pytest
-from conftest import one_line_error
+from conftest import make_trained_tokenizer, one_line_error
 from processes import load_script, run_script
 
 from configurator import UserError
@@ -130,21 +130,6 @@ def test_files_read_back_to_the_conversations(prepared):
     assert len(tokenizer.token_bytes(spec, offline=True)) == 50257  # bits per byte reads the description as it is
 
 
-def test_mask_is_the_assistant_content_and_end(prepared):
-    """Decoding the masked tokens of each conversation gives its assistant turns, each followed
-    by <|end|>, and nothing else; the unmasked tokens hold every system and user content."""
-    t = Template(tokenizer.describe(str(prepared)))
-    by_ids = {tuple(t.render(c["messages"])[0]): c["messages"] for c in GOOD}
-    for ids, mask in read_split(prepared, "train") + read_split(prepared, "val"):
-        messages = by_ids[tuple(ids)]
-        masked = [i for i, m in zip(ids, mask) if m]
-        assert t.decode(masked) == "".join(m["content"] + "<|end|>" for m in messages if m["role"] == "assistant")
-        unmasked = t.decode([i for i, m in zip(ids, mask) if not m])
-        assert unmasked == "<|endoftext|>" + "".join(
-            f"<|{m['role']}|>" + (m["content"] + "<|end|>" if m["role"] != "assistant" else "") for m in messages
-        )
-
-
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_record_stops_with_file_and_line(case, tmp_path):
     """Each bad record: exit 2 with one line naming file:line (a blank line counts) and the problem, nothing written."""
@@ -198,14 +183,11 @@ def test_long_conversations_are_reported_then_kept_or_dropped(tmp_path, capsys):
 def test_val_input_and_a_trained_tokenizer(tmp_path):
     """--val_input is val as it is; a tokenizer.json from data/train_tokenizer.py takes its own
     reserved tokens (uint16 ids, no new ones)."""
-    (tmp_path / "text.txt").write_text(" ".join(WORDS * 300) + "\nAnswer Question You are helper.\n", encoding="utf-8")
-    load_script("data/train_tokenizer.py").main(
-        ["--input", str(tmp_path / "text.txt"), "--vocab_size=300", f"--out_dir={tmp_path / 'tok'}", "--val_chars=100"]
-    )
+    (tmp_path / "tok").mkdir()
+    tok = f"--tokenizer={make_trained_tokenizer(tmp_path / 'tok')}"
     write_jsonl(tmp_path / "train.jsonl", GOOD[:30])
     write_jsonl(tmp_path / "val.jsonl", GOOD[30:])
     files = ["--input", str(tmp_path / "train.jsonl"), "--val_input", str(tmp_path / "val.jsonl")]
-    tok = f"--tokenizer={tmp_path / 'tok' / 'tokenizer.json'}"
     assert prepare.main([*files, tok, f"--out_dir={tmp_path / 'data'}"]) == 0
     spec = tokenizer.describe(str(tmp_path / "data"))
     t = Template(spec)
