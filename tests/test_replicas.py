@@ -34,8 +34,7 @@ needs("torchft")
 
 
 def start(args, log):
-    """A process whose output goes to the file `log` (torchft's Rust side logs every quorum: a pipe
-    nobody reads while it runs would fill and stop it)."""
+    """start_python with the output in the file `log`, as conftest.ft_group starts a group (and for its reason)."""
     return start_python(args, log, env={"OMP_NUM_THREADS": "1"})
 
 
@@ -218,10 +217,9 @@ def kill_and_heal(data, tmp_path, sync_every):
 
 @pytest.fixture(scope="module")
 def killed(data, tmp_path_factory):
-    """kill_and_heal, every step and with DiLoCo (sync_every=4), both at once, each in a thread of
-    its own: most of each is waiting (5 s for the lighthouse to count the killed group out, the
-    restarted group's join), so together they take little more time than one (alone: 14.3 and 15.5 s,
-    5.0 and 6.3 CPU-s). {sync_every: kill_and_heal's result, or the exception it raised}."""
+    """kill_and_heal, every step and with DiLoCo (sync_every=4), at once in two threads: each mostly
+    waits (for the lighthouse to count the killed group out, for the restarted group's join), so
+    together they take little more than one. {sync_every: kill_and_heal's result, or its exception}."""
     results = {}
 
     def run(sync_every):
