@@ -47,14 +47,8 @@ def corpus_files(tmp_path_factory):
 
 
 def prepare(out_dir, files, *flags, **options):
-    options = {
-        "val_tokens": 3000,
-        "test_tokens": 2000,
-        "shard_tokens": 20_000,
-        "workers": 2,
-        "txt_separator": "\\n\\n",
-        **options,
-    }
+    defaults = dict(val_tokens=3000, test_tokens=2000, shard_tokens=20_000, workers=2, txt_separator="\\n\\n")
+    options = {**defaults, **options}
     argv = ["--input", *map(str, files), f"--out_dir={out_dir}", *flags, *(f"--{k}={v}" for k, v in options.items())]
     return corpus.main(argv)
 
@@ -92,39 +86,35 @@ def documents_of(ids):
 # ---------------------------------------------------------------------------- what is written
 
 
-def test_splits_equal_a_plain_tokenization(corpus_files, tmp_path):
+@pytest.mark.parametrize("tokens", [None, 50_000], ids=["everything", "a-token-budget"])
+def test_splits_equal_a_plain_tokenization_and_a_second_run_does_nothing(corpus_files, tmp_path, capsys, tokens):
     files, docs = corpus_files
-    assert prepare(tmp_path, files, shuffle_buffer=0) == 0
-    expected, total = reference_splits(docs, 3000, 2000)
+    budget = {} if tokens is None else {"tokens": tokens}
+    assert prepare(tmp_path, files, shuffle_buffer=0, **budget) == 0
+    expected, total = reference_splits(docs, 3000, 2000, tokens and tokens - 3000 - 2000)
     for split in ("val", "test", "train"):
         np.testing.assert_array_equal(read_split(tmp_path, split), expected[split])
-    # the token total is every document's ids plus its end-of-text, less the two cut-off remainders
-    dropped = total - sum(len(v) for v in expected.values())
-    assert 0 < dropped < 2 * 2500 and len(expected["val"]) == 3000 and len(expected["test"]) == 2000
+    if tokens is None:
+        # the token total is every document's ids plus its end-of-text, less the two cut-off remainders
+        dropped = total - sum(len(v) for v in expected.values())
+        assert 0 < dropped < 2 * 2500 and len(expected["val"]) == 3000 and len(expected["test"]) == 2000
+    else:
+        assert sum(token_files.read_header(str(p))[1] for p in tmp_path.glob("*.bin")) == tokens
     # shards: full ones of 20,000 tokens, then the rest
     n_train = len(expected["train"])
     shards = sorted(p.name for p in tmp_path.glob("train_*.bin"))
     assert shards == [f"train_{i:06d}.bin" for i in range(-(-n_train // 20_000))]
-    assert [token_files.read_header(str(tmp_path / s))[1] for s in shards] == [20_000] * (len(shards) - 1) + [
-        n_train % 20_000
-    ]
+    sizes = [token_files.read_header(str(tmp_path / s))[1] for s in shards]
+    assert sizes == [20_000] * (len(shards) - 1) + [n_train % 20_000]
     assert sorted(p.name for p in tmp_path.glob("va*")) == ["val_000000.bin"]
     assert token_files.read_header(str(tmp_path / shards[0]))[0] == np.uint16
     # the data directory says what it is, and train.py reads it
     assert tokenizer.describe(str(tmp_path)) == {"kind": "tiktoken", "name": "gpt2", "vocab_size": 50257}
     assert len(load_split(str(tmp_path), "train", "memmap")) == n_train
     assert json.loads((tmp_path / "prepare.json").read_text())["done"] is True
-
-
-def test_token_budget_and_a_second_run(corpus_files, tmp_path, capsys):
-    files, docs = corpus_files
-    prepare(tmp_path, files, shuffle_buffer=0, tokens=50_000)
-    expected, _ = reference_splits(docs, 3000, 2000, 45_000)
-    for split in ("val", "test", "train"):
-        np.testing.assert_array_equal(read_split(tmp_path, split), expected[split])
-    assert sum(token_files.read_header(str(p))[1] for p in tmp_path.glob("*.bin")) == 50_000
     before = file_hashes(tmp_path)
-    prepare(tmp_path, files, shuffle_buffer=0, tokens=50_000)  # done: nothing to do
+    capsys.readouterr()
+    prepare(tmp_path, files, shuffle_buffer=0, **budget)  # done: nothing to do
     assert "already prepared" in capsys.readouterr().out
     assert file_hashes(tmp_path) == before
 
@@ -227,9 +217,8 @@ def test_128k_vocabulary_gives_uint32_files_that_train(tmp_path, capsys):
     tok_path = make_128k_tokenizer(tmp_path / "tokenizer.json")
     rng = np.random.default_rng(0)
     ids = [rng.integers(1, 128255, size=int(rng.integers(5, 60))) for _ in range(400)]
-    (tmp_path / "docs.jsonl").write_text(
-        "".join(json.dumps({"text": " ".join(f"w{i}" for i in d)}) + "\n" for d in ids)
-    )
+    lines = (json.dumps({"text": " ".join(f"w{i}" for i in d)}) for d in ids)
+    (tmp_path / "docs.jsonl").write_text("".join(f"{line}\n" for line in lines))
     data_dir = tmp_path / "data"
     keys = dict(tokenizer=tok_path, val_tokens=500, test_tokens=0, shuffle_buffer=0, shard_tokens=4000)
     prepare(data_dir, [tmp_path / "docs.jsonl"], **keys)
@@ -340,14 +329,8 @@ def test_shakespeare_script(tmp_path):
     speeches = [make_text(300, seed=i) for i in range(60)]
     (tmp_path / "input.txt").write_text("\n\n".join(speeches), encoding="utf-8")
     out_dir = tmp_path / "sh"
-    result = run_script(
-        "data/shakespeare/prepare.py",
-        "--input",
-        tmp_path / "input.txt",
-        f"--out_dir={out_dir}",
-        "--val_tokens=1000",
-        "--workers=1",
-    )
+    args = ["--input", tmp_path / "input.txt", f"--out_dir={out_dir}", "--val_tokens=1000", "--workers=1"]
+    result = run_script("data/shakespeare/prepare.py", *args)
     assert result.returncode == 0, result.stderr
     expected, _ = reference_splits(speeches, 1000, 0)
     np.testing.assert_array_equal(read_split(out_dir, "val"), expected["val"])
