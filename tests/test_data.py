@@ -6,7 +6,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from conftest import CPU, make_text, one_line_error
+from conftest import CPU, make_text
 from processes import load_script, run_script
 
 from gpt.data import tokenizer
@@ -52,13 +52,6 @@ def test_prepare_script(tmp_path):
     assert (out_dir / "meta.json").exists()
 
 
-def test_prepare_script_missing_input(tmp_path):
-    missing = tmp_path / "nope.txt"
-    result = run_script("data/shakespeare_char/prepare.py", "--input", missing, "--out_dir", tmp_path / "out")
-    one_line_error(result, "nope.txt")
-    assert not (tmp_path / "out").exists()
-
-
 # ---------------------------------------------------------------------------- batches
 
 
@@ -84,15 +77,6 @@ def test_get_batch_at_given_offsets():
     x, y = get_batch(data, offsets, 8, CPU)
     check_windows(x, y, len(data), 8)
     assert x[:, 0].tolist() == offsets.tolist()
-
-
-def test_get_batch_from_real_text(char_data):
-    data = load_split(str(char_data), "train", "ram")
-    offsets = np.array([3, 500, 1000])
-    x, y = get_batch(data, offsets, 16, CPU)
-    for row, o in enumerate(offsets):
-        assert x[row].tolist() == data[o : o + 16].tolist()
-        assert y[row].tolist() == data[o + 1 : o + 17].tolist()
 
 
 def test_train_batches_are_windows_at_random_offsets():

@@ -55,12 +55,6 @@ def test_dtype_for_vocab_size():
     assert token_files.dtype_for(65537) == token_files.dtype_for(128256) == np.uint32
 
 
-def test_headerless_nanogpt_file_reads_as_uint16(tmp_path):
-    ids = np.arange(500, dtype=np.uint16)
-    ids.tofile(tmp_path / "train.bin")
-    np.testing.assert_array_equal(token_files.read(str(tmp_path / "train.bin")), ids)
-
-
 def header(version=1, itemsize=2, count=10):
     return struct.pack("<8sIIQQ", b"GPTTOKEN", version, itemsize, count, 0)
 
