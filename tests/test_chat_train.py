@@ -1,9 +1,7 @@
-"""Supervised fine-tuning on conversations (batches.ChatData, ChatBatches; step.train_step):
-rows start at a conversation's start, only the assistant's tokens are targets, and a step's
-loss is the mean over all of its trained tokens, whatever the micro-batch split. Checked
-against a hand computation from per-token cross entropies; end to end through train.py with
-its own checks (the shared properties, exact resume and 2 ranks as 1: tests/test_recipes.py). The chat
-data is made with numpy (conftest.conversations): token ids, mask, conversation starts."""
+"""Supervised fine-tuning on conversations (batches.ChatData, ChatBatches; step.train_step): rows
+start at a conversation's start, only the assistant's tokens are targets, and a step's loss is the
+mean over all of its trained tokens whatever the micro-batch split, against a hand computation;
+fine-tuning a run pretrained here (exact resume and 2 ranks as 1: tests/test_recipes.py, recipe chat)."""
 
 import json
 
