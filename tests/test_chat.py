@@ -1,9 +1,7 @@
-"""chat.py and the chat export: the KV cache carried across turns against a model that reads the
-whole history; a GPT trained here from scratch on data/chat/synthetic.py's task (config/chat_demo_cpu.py,
-shortened) answering held-out prompts through `chat.py --prompt` and the REPL; the conversation
-past its context; and hf.py's export, where transformers' apply_chat_template gives the ids chat.py
-feeds the model and its greedy generate() the reply chat.py prints, for a GPT-2 with a trained
-tokenizer, a GPT-2 with GPT-2's BPE, and a Llama with Llama 3's template."""
+"""chat.py and the chat export: the KV cache carried across turns; the chat demo's model (conftest's
+shared_chat_demo) answering held-out prompts through --prompt and the REPL; the conversation past its
+context; and hf.py's export, whose apply_chat_template and greedy generate() give the ids and the
+reply chat.py does (a GPT-2 with a trained tokenizer, a GPT-2 with GPT-2's BPE, a Llama)."""
 
 import io
 import json
@@ -11,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import TINY, TINY_LLAMA, chat_demo_copy, make_llama3_tokenizer, save_chat_checkpoint
+from conftest import TINY, TINY_LLAMA, chat_demo_copy, make_llama3_tokenizer, one_line_error, save_chat_checkpoint
 from processes import REPO, load_script, run_script
 
 from configurator import TrainConfig, parse
@@ -75,10 +73,8 @@ def test_synthetic_held_out_conversations_use_unseen_words(tmp_path):
     train_text = (tmp_path / "text.txt").read_text()
     assert train_text.splitlines() == [m["content"] for c in train for m in c["messages"]]
     words = lambda text: {w.strip(".,!?:").lower() for w in text.split()}
-    fixed = words(
-        " ".join(synthetic.GREETINGS + synthetic.RECALLS + synthetic.SYSTEMS)
-        + " Nice to meet you, Your name is Repeat after me: Reverse:"
-    )
+    templates = " ".join(synthetic.GREETINGS + synthetic.RECALLS + synthetic.SYSTEMS)
+    fixed = words(templates + " Nice to meet you, Your name is Repeat after me: Reverse:")
     held = set().union(*(words(m["content"]) for c in heldout for m in c["messages"])) - fixed
     assert len(held) > 60 and all(synthetic.held_out(w) for w in held)
     assert not held & words(train_text) and not any(synthetic.held_out(w) for w in words(train_text) - fixed)
@@ -89,13 +85,6 @@ def test_synthetic_held_out_conversations_use_unseen_words(tmp_path):
         if c["intent"] == "recall":
             assert reply.removeprefix("Your name is ").rstrip(".") in c["messages"][-3]["content"]
     assert {c["intent"] for c in heldout} == set(synthetic.INTENTS)
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory, shared_chat_demo):
-    """config/chat_demo_cpu.py's whole path at a fifth of its steps: synthetic conversations,
-    a 512-token tokenizer, prepare.py, train.py (conftest's shared_chat_demo, copied here)."""
-    return chat_demo_copy(shared_chat_demo, tmp_path_factory.mktemp("chat_demo") / "out")
 
 
 def chat(out_dir, *args, stdin=None):
@@ -111,12 +100,12 @@ def chat(out_dir, *args, stdin=None):
 
 
 @pytest.mark.slow
-def test_the_demo_model_answers_held_out_prompts(demo):
+def test_the_demo_model_answers_held_out_prompts(shared_chat_demo):
     """Greedy replies through chat.py, word for word: one turn through --prompt, the name recalled
     a turn later through the REPL. Untrained, every answer is wrong; the 180 steps here get about
     two in three right (the demo's 1,200 steps: 96.5%, BENCHMARKS.md, "The chat demo on a CPU")."""
     eval_script = load_script("scripts/chat_eval.py")
-    out_dir, heldout = demo
+    out_dir, heldout = shared_chat_demo
 
     def ask(args, stdin):
         return chat(out_dir, *args, stdin=stdin).stdout
@@ -128,10 +117,10 @@ def test_the_demo_model_answers_held_out_prompts(demo):
 
 
 @pytest.mark.slow
-def test_repl_clear_blank_lines_and_exit(demo):
+def test_repl_clear_blank_lines_and_exit(shared_chat_demo):
     """Each line a message, each reply a line; after /clear the model answers as in a new
     conversation (--prompt), before it as one that knows the name."""
-    out_dir, _ = demo
+    out_dir, _ = shared_chat_demo
     lines = "My name is Zuvaki.\n\nWhat is my name?\n/clera\n/clear\nWhat is my name?\n/exit\nRepeat after me: never asked\n"
     result = chat(out_dir, "--temperature=0", stdin=lines)
     replies = result.stdout.split("\n")
@@ -143,13 +132,13 @@ def test_repl_clear_blank_lines_and_exit(demo):
 
 
 @pytest.mark.slow
-def test_the_checkpoint_is_read_on_the_cpu_and_only_the_model_moved(demo, monkeypatch):
+def test_the_checkpoint_is_read_on_the_cpu_and_only_the_model_moved(shared_chat_demo, monkeypatch):
     """As sample.py: the checkpoint (its optimizer state too) is read into host memory, and only
     the model goes to the device ('meta' stands in for a GPU here)."""
     from gpt.outdir import checkpoint
 
     chat_py = load_script("chat.py")
-    out_dir, _ = demo
+    out_dir, _ = shared_chat_demo
     read, load_model = [], checkpoint.load_model
 
     def recorded(*args, **kwargs):
@@ -163,24 +152,19 @@ def test_the_checkpoint_is_read_on_the_cpu_and_only_the_model_moved(demo, monkey
 
 
 @pytest.mark.slow
-def test_the_conversation_past_its_context(demo, capsys):
+def test_the_conversation_past_its_context(shared_chat_demo, capsys):
     """With a 64-token context the oldest exchanges are dropped (the system message stays) and
     the rest is read again once, with one note on stderr; after every reply the carried cache
     holds exactly the keys and values of a fresh read of the conversation."""
     chat_py = load_script("chat.py")
-    out_dir, _ = demo
+    out_dir, _ = shared_chat_demo
     cfg = parse(chat_py.ChatConfig, [f"--out_dir={out_dir}", "--temperature=0", "--max_new_tokens=20"])
     model, template = chat_py.load(cfg, chat_py.runtime.setup("cpu"), lambda text: None)
     conv = chat_py.Conversation(model, template, "Answer briefly.", 64, "cpu")
     head, notes = list(conv.head), 0
-    for message in [
-        "My name is Dovaki.",
-        "Repeat after me: sule pova",
-        "Reverse: kire sule",
-        "Repeat after me: pova kire",
-        "Who am I?",
-        "Reverse: sule pova kire",
-    ]:
+    messages = ["My name is Dovaki.", "Repeat after me: sule pova", "Reverse: kire sule"]
+    messages += ["Repeat after me: pova kire", "Who am I?", "Reverse: sule pova kire"]
+    for message in messages:
         conv.reply(message, cfg, lambda text: None)
         ids = conv.ids
         assert len(ids) <= 64 + 1 and ids[: len(head)] == head and ids[-1] == template.end_id
@@ -200,8 +184,8 @@ def test_the_conversation_past_its_context(demo, capsys):
 
 
 @pytest.mark.slow
-def test_errors_are_one_line(demo, tiny_run, tmp_path):
-    out_dir, _ = demo
+def test_errors_are_one_line(shared_chat_demo, tiny_run, tmp_path):
+    out_dir, _ = shared_chat_demo
     plain = tiny_run  # a character model trained on plain text
     cases = [
         ([f"--out_dir={plain}"], "fine-tune it on chat data first"),
@@ -216,8 +200,7 @@ def test_errors_are_one_line(demo, tiny_run, tmp_path):
     for args, message in cases:
         result = run_script("chat.py", *args, "--device=cpu")
         assert result.returncode == 2 and result.stdout == "", (args, result.stdout)
-        lines = result.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (args, result.stderr)
+        one_line_error(result, message)
 
 
 def test_configs_parse():
@@ -248,10 +231,8 @@ def check_export(out_dir, max_new_tokens, *, expect_end=False, init_from_export=
     result = run_script("hf.py", f"--out_dir={out_dir}")
     assert result.returncode == 0, result.stderr
     export_dir = out_dir / "hf"
-    hf_tok, hf_model = (
-        AutoTokenizer.from_pretrained(str(export_dir)),
-        AutoModelForCausalLM.from_pretrained(str(export_dir)),
-    )
+    hf_tok = AutoTokenizer.from_pretrained(str(export_dir))
+    hf_model = AutoModelForCausalLM.from_pretrained(str(export_dir))
     spec = torch.load(out_dir / "ckpt.pt", weights_only=True)["tokenizer"]
     template = Template(spec)
     assert hf_model.generation_config.eos_token_id == template.end_id == hf_tok.eos_token_id
@@ -259,58 +240,42 @@ def check_export(out_dir, max_new_tokens, *, expect_end=False, init_from_export=
     for messages in CONVERSATIONS:
         ids = hf_tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
         assert ids == template.render(messages, add_generation_prompt=True)[0]
-        out = hf_model.generate(
-            torch.tensor([ids]),
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=template.end_id,
-            pad_token_id=template.end_id,
-        )[0, len(ids) :].tolist()
+        greedy = dict(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=template.end_id)
+        out = hf_model.generate(torch.tensor([ids]), **greedy, pad_token_id=template.end_id)[0, len(ids) :].tolist()
         ended += out[-1] == template.end_id
         reply = hf_tok.decode(out[:-1] if out[-1] == template.end_id else out)
         system = [f"--system={m['content']}" for m in messages if m["role"] == "system"]
         source = [f"--init_from={export_dir}"] if init_from_export else []
-        ours = chat(
-            out_dir,
-            *source,
-            *system,
-            f"--prompt={messages[-1]['content']}",
-            "--temperature=0",
-            f"--max_new_tokens={max_new_tokens}",
-        )
+        prompt = [f"--prompt={messages[-1]['content']}", "--temperature=0", f"--max_new_tokens={max_new_tokens}"]
+        ours = chat(out_dir, *source, *system, *prompt)
         assert ours.stdout == reply + "\n", (messages, init_from_export, ours.stderr)
     assert ended == len(CONVERSATIONS) or not expect_end
     return export_dir
 
 
 @pytest.mark.slow
-def test_export_gpt2_with_a_trained_tokenizer(demo):
+def test_export_gpt2_with_a_trained_tokenizer(shared_chat_demo, tmp_path):
     """The demo's model (a GPT-2 block, the 512-token tokenizer): its replies end at <|end|>."""
-    out_dir, _ = demo
+    out_dir, _ = chat_demo_copy(shared_chat_demo, tmp_path / "out")  # a copy to export into
     export_dir = check_export(out_dir, 40, expect_end=True)
     config = json.loads((export_dir / "tokenizer_config.json").read_text())
     assert "chat_template" in config and config["eos_token"] == "<|end|>"
 
 
-def test_export_gpt2_bpe(tmp_path):
-    """GPT-2's BPE with the four turn tokens after its 50,257 (random weights): all 50,261 tokens
-    are exported, the turn tokens special; chat.py --init_from=the export chats the same."""
+@pytest.mark.parametrize("arch", ["gpt2-bpe", "llama"])
+def test_an_export_chats_as_its_checkpoint_does(arch, tmp_path):
+    """Random weights, chatting the same through chat.py from the checkpoint and from the exported
+    directory (--init_from). gpt2-bpe: GPT-2's BPE with the four turn tokens after its 50,257, all
+    50,261 exported (the turn tokens special). llama: a Llama (RoPE, RMSNorm, SwiGLU, grouped-query
+    attention) on a Llama-3-like tokenizer, exported as a LlamaForCausalLM with Llama 3's chat format."""
+    if arch == "llama":
+        spec = tokenizer.make_spec(str(make_llama3_tokenizer(tmp_path / "tokenizer.json")))
+        shape, exported = dict(LLAMA, vocab_size=spec["vocab_size"]), {"architectures": ["LlamaForCausalLM"]}
+    else:
+        spec = tokenizer.make_spec("gpt2")
+        shape, exported = dict(SMALL, vocab_size=50261), {"vocab_size": 50261}
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**dict(SMALL, vocab_size=50261)))
-    out_dir = save_chat_checkpoint(tmp_path / "out", model, tokenizer.make_spec("gpt2"))
-    check_export(out_dir, 12)
-    assert json.loads((out_dir / "hf" / "config.json").read_text())["vocab_size"] == 50261
-    check_export(out_dir, 12, init_from_export=True)  # chat.py reads the exported directory as GPT-2 BPE
-
-
-def test_export_llama_with_llama3_template(tmp_path):
-    """A Llama (RoPE, RMSNorm, SwiGLU, grouped-query attention; random weights) on a Llama-3-like
-    tokenizer, exported as a LlamaForCausalLM with Llama 3's chat format, chats the same through
-    chat.py from its checkpoint and from the exported directory (--init_from)."""
-    spec = tokenizer.make_spec(str(make_llama3_tokenizer(tmp_path / "tokenizer.json")))
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(**dict(LLAMA, vocab_size=spec["vocab_size"])))
-    out_dir = save_chat_checkpoint(tmp_path / "out", model, spec)
-    export_dir = check_export(out_dir, 12)
-    assert json.loads((export_dir / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    out_dir = save_chat_checkpoint(tmp_path / "out", GPT(GPTConfig(**shape)), spec)
+    config = json.loads((check_export(out_dir, 12) / "config.json").read_text())
+    assert all(config[key] == value for key, value in exported.items()), config
     check_export(out_dir, 12, init_from_export=True)

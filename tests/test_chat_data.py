@@ -1,12 +1,13 @@
 """data/chat/prepare.py: the files it writes (tokens, masks, starts, meta.json) read back to the
-conversations; the mask is exactly the assistant's content and end tokens; the bad-record
-catalogue, --skip_bad, long conversations and the val split."""
+conversations as Template.render gives them (its mask, the assistant's content and end: test_chat_template.py);
+the bad-record catalogue, --skip_bad, long conversations and the val split."""
 
 import json
 from collections import Counter
 
 import numpy as np
 import pytest
+from conftest import make_trained_tokenizer, one_line_error
 from processes import load_script, run_script
 
 from configurator import UserError
@@ -40,33 +41,44 @@ def turns(*pairs):
     return {"messages": [{"role": role, "content": content} for role, content in pairs]}
 
 
-BAD = {  # the catalogue: a record as written in the file, the reason --skip_bad counts, words of its message
-    "not JSON": ('{"messages": [oops', "not JSON", "not JSON"),
-    "JSON but not an object": ([1, 2], "not JSON", "not a JSON object"),
-    "no messages key": ({"text": "hello"}, "no messages", 'no "messages" list'),
-    "empty messages": ({"messages": []}, "no messages", 'no "messages" list'),
-    "message not an object": ({"messages": ["hi"]}, "bad message", 'message 1 is not {"role"'),
-    "unknown role": (turns(("user", "a"), ("tool", "b")), "unknown role", "message 2 has the unknown role 'tool'"),
+NO_MESSAGES = 'no "messages" list (or an empty one)'
+BAD = {  # the catalogue: a record as written in the file, the reason --skip_bad counts, what its message says
+    "not JSON": ('{"messages": [oops', "not JSON", "not JSON (Expecting value: line 1 column 15 (char 14))"),
+    "JSON but not an object": ([1, 2], "not JSON", "not a JSON object but list"),
+    "no messages key": ({"text": "hello"}, "no messages", NO_MESSAGES),
+    "empty messages": ({"messages": []}, "no messages", NO_MESSAGES),
+    "message not an object": (
+        {"messages": ["hi"]},
+        "bad message",
+        'message 1 is not {"role": "...", "content": "..."}',
+    ),
+    "unknown role": (
+        turns(("user", "a"), ("tool", "b")),
+        "unknown role",
+        "message 2 has the unknown role 'tool' (roles: system, user, assistant)",
+    ),
     "empty turn": (turns(("user", " \n"), ("assistant", "b")), "empty turn", "message 1 (user) is empty"),
     "system not first": (
         turns(("user", "a"), ("system", "b"), ("assistant", "c")),
         "system not first",
-        "message 2 is a system message",
+        "message 2 is a system message; only the first may be",
     ),
-    "no assistant": (turns(("system", "a"), ("user", "b")), "no assistant turn", "no assistant turn"),
+    "no assistant": (
+        turns(("system", "a"), ("user", "b")),
+        "no assistant turn",
+        "no assistant turn: nothing to train on",
+    ),
     "ends with the user": (
         turns(("user", "a"), ("assistant", "b"), ("user", "c")),
         "does not end with the assistant",
-        "ends with a user turn",
+        "ends with a user turn, not the assistant's",
     ),
 }
 
 
 def write_jsonl(path, lines):
-    path.write_text(
-        "".join((line if isinstance(line, str) else json.dumps(line, ensure_ascii=False)) + "\n" for line in lines),
-        encoding="utf-8",
-    )
+    texts = (line if isinstance(line, str) else json.dumps(line, ensure_ascii=False) for line in lines)
+    path.write_text("".join(f"{text}\n" for text in texts), encoding="utf-8")
     return path
 
 
@@ -106,61 +118,26 @@ def test_files_read_back_to_the_conversations(prepared):
         for ids, mask in split:
             assert mask == t.render(GOOD[rendered.index(tuple(ids))]["messages"])[1]
     chat = meta["chat"]
-    assert (
-        chat["format"] == "role_tokens"
-        and chat["block_size"] == 1024
-        and chat["new_token_ids"] == [50257, 50258, 50259, 50260]
-    )
+    assert chat["format"] == "role_tokens" and chat["block_size"] == 1024
+    assert chat["new_token_ids"] == [50257, 50258, 50259, 50260]
     assert chat["tokens"]["end"] == {"text": "<|end|>", "id": 50260} and chat["chat_template"] == t.chat_template
     for name, split in (("train", train), ("val", val)):
-        assert chat["counts"][name] == {
-            "conversations": len(split),
-            "tokens": sum(len(i) for i, _ in split),
-            "trained_tokens": sum(sum(m) for _, m in split),
-            "long": 0,
-            "long_untrained_tokens": 0,
-        }
+        counts = dict(conversations=len(split), tokens=sum(len(i) for i, _ in split), long=0, long_untrained_tokens=0)
+        assert chat["counts"][name] == dict(counts, trained_tokens=sum(sum(m) for _, m in split))
         data = token_files.Tokens.open(str(prepared), name)  # what train.py opens
         assert data.dtype == np.uint16 and data.max_ids[0] <= 50260
         data.check_vocab(spec["vocab_size"])
     assert len(tokenizer.token_bytes(spec, offline=True)) == 50257  # bits per byte reads the description as it is
 
 
-def test_mask_is_the_assistant_content_and_end(prepared):
-    """Decoding the masked tokens of each conversation gives its assistant turns, each followed
-    by <|end|>, and nothing else; the unmasked tokens hold every system and user content."""
-    t = Template(tokenizer.describe(str(prepared)))
-    by_ids = {tuple(t.render(c["messages"])[0]): c["messages"] for c in GOOD}
-    for ids, mask in read_split(prepared, "train") + read_split(prepared, "val"):
-        messages = by_ids[tuple(ids)]
-        masked = [i for i, m in zip(ids, mask) if m]
-        assert t.decode(masked) == "".join(m["content"] + "<|end|>" for m in messages if m["role"] == "assistant")
-        unmasked = t.decode([i for i, m in zip(ids, mask) if not m])
-        assert unmasked == "<|endoftext|>" + "".join(
-            f"<|{m['role']}|>" + (m["content"] + "<|end|>" if m["role"] != "assistant" else "") for m in messages
-        )
-
-
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_record_stops_with_file_and_line(case, tmp_path):
-    """Each bad record: one line naming file:line and the problem, nothing written."""
+    """Each bad record: exit 2 with one line naming file:line (a blank line counts) and the problem, nothing written."""
     path = write_jsonl(tmp_path / "conv.jsonl", [GOOD[0], GOOD[1], "", BAD[case][0], GOOD[2]])
-    with pytest.raises(UserError) as e:
-        prepare.main(["--input", str(path), f"--out_dir={tmp_path / 'data'}"])
-    message = str(e.value)
-    assert message.startswith(f"{path}:4: ") and BAD[case][2] in message and "--skip_bad=True" in message
-    assert "\n" not in message and not (tmp_path / "data").exists()
-
-
-def test_bad_record_exit_code_and_one_line(tmp_path):
-    path = write_jsonl(tmp_path / "conv.jsonl", [GOOD[0], BAD["unknown role"][0]])
     result = run_script("data/chat/prepare.py", "--input", path, f"--out_dir={tmp_path / 'data'}")
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    expected = (
-        f"error: {path}:2: message 2 has the unknown role 'tool' (roles: system, user, assistant); fix it, "
-        f"or pass --skip_bad=True to skip bad records"
-    )
-    assert result.stderr.strip().splitlines() == [expected]
+    fix = "fix it, or pass --skip_bad=True to skip bad records"
+    assert result.returncode == 2 and one_line_error(result) == f"error: {path}:4: {BAD[case][2]}; {fix}"
+    assert not (tmp_path / "data").exists()
 
 
 def test_skip_bad_counts_by_reason(tmp_path, capsys):
@@ -187,10 +164,8 @@ def test_long_conversations_are_reported_then_kept_or_dropped(tmp_path, capsys):
     args = ["--input", str(path), f"--block_size={block_size}", "--val_frac=0.1"]
     assert prepare.main([*args, f"--out_dir={tmp_path / 'kept'}"]) == 0
     out = capsys.readouterr().out
-    assert (
-        f"{len(long)} conversations (train " in out
-        and f"longer than block_size + 1 = {block_size + 1} tokens; kept" in out
-    )
+    assert f"{len(long)} conversations (train " in out
+    assert f"longer than block_size + 1 = {block_size + 1} tokens; kept" in out
     assert f"{untrained:,} of their trained tokens are never trained" in out
     counts = json.loads((tmp_path / "kept" / "meta.json").read_text())["chat"]["counts"]
     assert sum(c["long"] for c in counts.values()) == len(long)
@@ -208,25 +183,12 @@ def test_long_conversations_are_reported_then_kept_or_dropped(tmp_path, capsys):
 def test_val_input_and_a_trained_tokenizer(tmp_path):
     """--val_input is val as it is; a tokenizer.json from data/train_tokenizer.py takes its own
     reserved tokens (uint16 ids, no new ones)."""
-    (tmp_path / "text.txt").write_text(" ".join(WORDS * 300) + "\nAnswer Question You are helper.\n", encoding="utf-8")
-    load_script("data/train_tokenizer.py").main(
-        ["--input", str(tmp_path / "text.txt"), "--vocab_size=300", f"--out_dir={tmp_path / 'tok'}", "--val_chars=100"]
-    )
+    (tmp_path / "tok").mkdir()
+    tok = f"--tokenizer={make_trained_tokenizer(tmp_path / 'tok')}"
     write_jsonl(tmp_path / "train.jsonl", GOOD[:30])
     write_jsonl(tmp_path / "val.jsonl", GOOD[30:])
-    assert (
-        prepare.main(
-            [
-                "--input",
-                str(tmp_path / "train.jsonl"),
-                "--val_input",
-                str(tmp_path / "val.jsonl"),
-                f"--tokenizer={tmp_path / 'tok' / 'tokenizer.json'}",
-                f"--out_dir={tmp_path / 'data'}",
-            ]
-        )
-        == 0
-    )
+    files = ["--input", str(tmp_path / "train.jsonl"), "--val_input", str(tmp_path / "val.jsonl")]
+    assert prepare.main([*files, tok, f"--out_dir={tmp_path / 'data'}"]) == 0
     spec = tokenizer.describe(str(tmp_path / "data"))
     t = Template(spec)
     assert spec["chat"]["new_token_ids"] == [] and t.id["end"] == 4
@@ -256,16 +218,10 @@ def test_argument_errors(tmp_path):
 @pytest.mark.process
 def test_hub_dataset_without_the_hub(tmp_path):
     """--dataset with the Hub out of reach: one line naming the dataset, and the way out."""
-    result = run_script(
-        "data/chat/prepare.py",
-        "--dataset=HuggingFaceTB/smol-smoltalk",
-        "--val_split=test",
-        f"--out_dir={tmp_path / 'data'}",
-        env={"HF_HUB_OFFLINE": "1"},
-        # datasets reads HF_HUB_OFFLINE when it is imported
-        isolated=True,
-    )
-    lines = result.stderr.strip().splitlines()
-    assert result.returncode == 2 and len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: cannot read HuggingFaceTB/smol-smoltalk (name=None, split=train)")
-    assert lines[0].endswith("pass local files with --input") and not (tmp_path / "data").exists()
+    args = ["--dataset=HuggingFaceTB/smol-smoltalk", "--val_split=test", f"--out_dir={tmp_path / 'data'}"]
+    # datasets reads HF_HUB_OFFLINE when it is imported
+    result = run_script("data/chat/prepare.py", *args, env={"HF_HUB_OFFLINE": "1"}, isolated=True)
+    line = one_line_error(result)
+    assert result.returncode == 2
+    assert line.startswith("error: cannot read HuggingFaceTB/smol-smoltalk (name=None, split=train)")
+    assert line.endswith("pass local files with --input") and not (tmp_path / "data").exists()

@@ -1,9 +1,7 @@
-"""Supervised fine-tuning on conversations (batches.ChatData, ChatBatches; step.train_step):
-rows start at a conversation's start, only the assistant's tokens are targets, and a step's
-loss is the mean over all of its trained tokens, whatever the micro-batch split. Checked
-against a hand computation from per-token cross entropies; end to end through train.py with
-its own checks (the shared properties, exact resume and 2 ranks as 1: tests/test_recipes.py). The chat
-data is made with numpy (conftest.conversations): token ids, mask, conversation starts."""
+"""Supervised fine-tuning on conversations (batches.ChatData, ChatBatches; step.train_step): rows
+start at a conversation's start, only the assistant's tokens are targets, and a step's loss is the
+mean over all of its trained tokens whatever the micro-batch split, against a hand computation;
+fine-tuning a run pretrained here (exact resume and 2 ranks as 1: tests/test_recipes.py, recipe chat)."""
 
 import json
 
@@ -94,23 +92,16 @@ def test_the_loss_is_cross_entropy_over_the_assistant_tokens_only():
     first = np.random.default_rng(3).integers(0, data.conversations, size=(1, 1, 8)).reshape(-1)  # ChatBatches' draw
     assert n == int(data.rows(first, 32)[1].sum()) > 0
 
-    for p in model.parameters():
-        p.grad = None
-    reference = hand_loss(model, data, first)
-    reference.backward()
-    assert loss == pytest.approx(reference.item(), rel=1e-6)
-    for g, p in zip(grads, model.parameters()):
-        torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-7)
-
-    # the system/user tokens' targets play no part: anything in their place, same loss and gradient
-    for p in model.parameters():
-        p.grad = None
+    # the system/user tokens' targets play no part: anything in their place (noise), same loss and gradient
     noise = torch.randint(0, VOCAB, (8, 32), generator=torch.Generator().manual_seed(9))
-    other = hand_loss(model, data, first, targets_at_untrained=noise)
-    other.backward()
-    assert other.item() == pytest.approx(loss, rel=1e-6)
-    for g, p in zip(grads, model.parameters()):
-        torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-7)
+    for targets_at_untrained in (None, noise):
+        for p in model.parameters():
+            p.grad = None
+        reference = hand_loss(model, data, first, targets_at_untrained)
+        reference.backward()
+        assert loss == pytest.approx(reference.item(), rel=1e-6)
+        for g, p in zip(grads, model.parameters()):
+            torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-7)
 
 
 def test_gradient_accumulation_does_not_change_the_step():
@@ -158,29 +149,13 @@ def test_fine_tuning_starts_from_a_run_pretrained_here(tmp_path):
     refused in one line."""
     text = "\n\n".join(make_text(800, seed=s) for s in range(40))
     (tmp_path / "text.txt").write_text(text)
-    made = run_script(
-        "data/train_tokenizer.py",
-        "--input",
-        tmp_path / "text.txt",
-        "--vocab_size=300",
-        f"--out_dir={tmp_path / 'tok'}",
-        "--val_chars=2000",
-    )
+    tokenizer_args = ["--vocab_size=300", f"--out_dir={tmp_path / 'tok'}", "--val_chars=2000"]
+    made = run_script("data/train_tokenizer.py", "--input", tmp_path / "text.txt", *tokenizer_args)
     assert made.returncode == 0, made.stderr
     tok = str(tmp_path / "tok" / "tokenizer.json")
-    corpus.main(
-        [
-            "--input",
-            str(tmp_path / "text.txt"),
-            f"--out_dir={tmp_path / 'text'}",
-            f"--tokenizer={tok}",
-            "--txt_separator=\\n\\n",
-            "--shuffle_buffer=0",
-            "--val_tokens=2000",
-            "--test_tokens=0",
-            "--workers=1",
-        ]
-    )
+    keys = dict(out_dir=tmp_path / "text", tokenizer=tok, txt_separator="\\n\\n", shuffle_buffer=0, val_tokens=2000)
+    keys.update(test_tokens=0, workers=1)
+    corpus.main(["--input", str(tmp_path / "text.txt"), *(f"--{k}={v}" for k, v in keys.items())])
     pre = run_script("train.py", *tiny_args(tmp_path / "text", tmp_path / "pre", max_iters=10, eval_interval=5))
     assert pre.returncode == 0, pre.stderr
 
@@ -189,26 +164,15 @@ def test_fine_tuning_starts_from_a_run_pretrained_here(tmp_path):
         for w in make_text(3000, seed=9).split()
     ]
     (tmp_path / "conv.jsonl").write_text("\n".join(json.dumps(c) for c in convs))
-    prepared = run_script(
-        "data/chat/prepare.py",
-        "--input",
-        tmp_path / "conv.jsonl",
-        f"--tokenizer={tok}",
-        f"--out_dir={tmp_path / 'chat'}",
-        "--block_size=16",
-    )
+    conv = ["--input", tmp_path / "conv.jsonl", "--block_size=16"]
+    prepared = run_script("data/chat/prepare.py", *conv, f"--tokenizer={tok}", f"--out_dir={tmp_path / 'chat'}")
     assert prepared.returncode == 0, prepared.stderr
-    sft = run_script(
-        "train.py", *tiny_args(tmp_path / "chat", tmp_path / "sft", max_iters=0, init_from=tmp_path / "pre")
-    )
+    sft_args = tiny_args(tmp_path / "chat", tmp_path / "sft", max_iters=0, init_from=tmp_path / "pre")
+    sft = run_script("train.py", *sft_args)
     assert sft.returncode == 0, sft.stderr
     assert "come from the weights" in sft.stdout
-    start = torch.load(
-        tmp_path / "pre" / "ckpt_best.pt"
-        if (tmp_path / "pre" / "ckpt_best.pt").exists()
-        else tmp_path / "pre" / "ckpt.pt",
-        weights_only=True,
-    )["model"]
+    best = tmp_path / "pre" / "ckpt_best.pt"
+    start = torch.load(best if best.exists() else tmp_path / "pre" / "ckpt.pt", weights_only=True)["model"]
     end = torch.load(tmp_path / "sft" / "ckpt.pt", weights_only=True)
     assert end["tokenizer"]["chat"]["format"] == "role_tokens"
     # every weight as pretrained, but the turn tokens' rows (ids 1-4, reserved by the tokenizer and
@@ -223,13 +187,9 @@ def test_fine_tuning_starts_from_a_run_pretrained_here(tmp_path):
         else:
             assert torch.equal(end["model"][k], v)
 
-    gpt2_chat = run_script(
-        "data/chat/prepare.py", "--input", tmp_path / "conv.jsonl", f"--out_dir={tmp_path / 'chat2'}", "--block_size=16"
-    )
+    gpt2_chat = run_script("data/chat/prepare.py", *conv, f"--out_dir={tmp_path / 'chat2'}")
     assert gpt2_chat.returncode == 0, gpt2_chat.stderr
     refused = run_script("train.py", *tiny_args(tmp_path / "chat2", tmp_path / "sft2", init_from=tmp_path / "pre"))
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
-    assert (
-        "was trained on data tokenized with" in refused.stderr
-        and "prepare it again with that tokenizer" in refused.stderr
-    )
+    assert "was trained on data tokenized with" in refused.stderr
+    assert "prepare it again with that tokenizer" in refused.stderr

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import make_128k_tokenizer, make_text, needs, tiny_args
+from conftest import make_128k_tokenizer, make_text, needs, one_line_error, tiny_args
 from processes import run_script
 
 import sample
@@ -47,14 +47,8 @@ def corpus_files(tmp_path_factory):
 
 
 def prepare(out_dir, files, *flags, **options):
-    options = {
-        "val_tokens": 3000,
-        "test_tokens": 2000,
-        "shard_tokens": 20_000,
-        "workers": 2,
-        "txt_separator": "\\n\\n",
-        **options,
-    }
+    defaults = dict(val_tokens=3000, test_tokens=2000, shard_tokens=20_000, workers=2, txt_separator="\\n\\n")
+    options = {**defaults, **options}
     argv = ["--input", *map(str, files), f"--out_dir={out_dir}", *flags, *(f"--{k}={v}" for k, v in options.items())]
     return corpus.main(argv)
 
@@ -92,39 +86,35 @@ def documents_of(ids):
 # ---------------------------------------------------------------------------- what is written
 
 
-def test_splits_equal_a_plain_tokenization(corpus_files, tmp_path):
+@pytest.mark.parametrize("tokens", [None, 50_000], ids=["everything", "a-token-budget"])
+def test_splits_equal_a_plain_tokenization_and_a_second_run_does_nothing(corpus_files, tmp_path, capsys, tokens):
     files, docs = corpus_files
-    assert prepare(tmp_path, files, shuffle_buffer=0) == 0
-    expected, total = reference_splits(docs, 3000, 2000)
+    budget = {} if tokens is None else {"tokens": tokens}
+    assert prepare(tmp_path, files, shuffle_buffer=0, **budget) == 0
+    expected, total = reference_splits(docs, 3000, 2000, tokens and tokens - 3000 - 2000)
     for split in ("val", "test", "train"):
         np.testing.assert_array_equal(read_split(tmp_path, split), expected[split])
-    # the token total is every document's ids plus its end-of-text, less the two cut-off remainders
-    dropped = total - sum(len(v) for v in expected.values())
-    assert 0 < dropped < 2 * 2500 and len(expected["val"]) == 3000 and len(expected["test"]) == 2000
+    if tokens is None:
+        # the token total is every document's ids plus its end-of-text, less the two cut-off remainders
+        dropped = total - sum(len(v) for v in expected.values())
+        assert 0 < dropped < 2 * 2500 and len(expected["val"]) == 3000 and len(expected["test"]) == 2000
+    else:
+        assert sum(token_files.read_header(str(p))[1] for p in tmp_path.glob("*.bin")) == tokens
     # shards: full ones of 20,000 tokens, then the rest
     n_train = len(expected["train"])
     shards = sorted(p.name for p in tmp_path.glob("train_*.bin"))
     assert shards == [f"train_{i:06d}.bin" for i in range(-(-n_train // 20_000))]
-    assert [token_files.read_header(str(tmp_path / s))[1] for s in shards] == [20_000] * (len(shards) - 1) + [
-        n_train % 20_000
-    ]
+    sizes = [token_files.read_header(str(tmp_path / s))[1] for s in shards]
+    assert sizes == [20_000] * (len(shards) - 1) + [n_train % 20_000]
     assert sorted(p.name for p in tmp_path.glob("va*")) == ["val_000000.bin"]
     assert token_files.read_header(str(tmp_path / shards[0]))[0] == np.uint16
     # the data directory says what it is, and train.py reads it
     assert tokenizer.describe(str(tmp_path)) == {"kind": "tiktoken", "name": "gpt2", "vocab_size": 50257}
     assert len(load_split(str(tmp_path), "train", "memmap")) == n_train
     assert json.loads((tmp_path / "prepare.json").read_text())["done"] is True
-
-
-def test_token_budget_and_a_second_run(corpus_files, tmp_path, capsys):
-    files, docs = corpus_files
-    prepare(tmp_path, files, shuffle_buffer=0, tokens=50_000)
-    expected, _ = reference_splits(docs, 3000, 2000, 45_000)
-    for split in ("val", "test", "train"):
-        np.testing.assert_array_equal(read_split(tmp_path, split), expected[split])
-    assert sum(token_files.read_header(str(p))[1] for p in tmp_path.glob("*.bin")) == 50_000
     before = file_hashes(tmp_path)
-    prepare(tmp_path, files, shuffle_buffer=0, tokens=50_000)  # done: nothing to do
+    capsys.readouterr()
+    prepare(tmp_path, files, shuffle_buffer=0, **budget)  # done: nothing to do
     assert "already prepared" in capsys.readouterr().out
     assert file_hashes(tmp_path) == before
 
@@ -152,6 +142,20 @@ def test_shuffled_splits_hold_whole_distinct_documents(corpus_files, tmp_path):
 
 class Crash(Exception):
     pass
+
+
+def crash_before_recording(monkeypatch, n_shards, call):
+    """call() dies (Crash) when prepare.json is about to record a shard past the first n_shards."""
+    real_save = corpus.Progress.save
+
+    def save_or_crash(self, *args, **kwargs):
+        if sum(len(v) for v in self.state["shards"].values()) == n_shards:
+            raise Crash
+        real_save(self, *args, **kwargs)
+
+    with monkeypatch.context() as patched, pytest.raises(Crash):
+        patched.setattr(corpus.Progress, "save", save_or_crash)
+        call()
 
 
 def test_restart_after_an_interruption_writes_the_same_bytes(corpus_files, tmp_path, monkeypatch):
@@ -182,18 +186,8 @@ def test_restart_after_an_interruption_writes_the_same_bytes(corpus_files, tmp_p
 
     # 2. killed after the 9th shard was renamed into place but before prepare.json recorded it
     monkeypatch.setattr(token_files, "write", real_write)
-    real_save = corpus.Progress.save
-
-    def save_or_crash(self, *args, **kwargs):
-        if sum(len(v) for v in self.state["shards"].values()) == 8:
-            raise Crash
-        real_save(self, *args, **kwargs)
-
-    monkeypatch.setattr(corpus.Progress, "save", save_or_crash)
-    with pytest.raises(Crash):
-        prepare(out, files, **flags)
+    crash_before_recording(monkeypatch, 8, lambda: prepare(out, files, **flags))
     assert (out / "train_000006.bin").exists()
-    monkeypatch.setattr(corpus.Progress, "save", real_save)
 
     # 3. the same command again finishes the job, with a different number of workers
     prepare(out, files, **flags, workers=1)
@@ -202,17 +196,7 @@ def test_restart_after_an_interruption_writes_the_same_bytes(corpus_files, tmp_p
 
 def test_rerun_with_other_settings_or_a_damaged_shard_is_refused(corpus_files, tmp_path, monkeypatch):
     files, _ = corpus_files
-    real_save = corpus.Progress.save
-
-    def save_or_crash(self, *args, **kwargs):
-        if sum(len(v) for v in self.state["shards"].values()) == 4:
-            raise Crash
-        real_save(self, *args, **kwargs)
-
-    monkeypatch.setattr(corpus.Progress, "save", save_or_crash)
-    with pytest.raises(Crash):
-        prepare(tmp_path, files)
-    monkeypatch.setattr(corpus.Progress, "save", real_save)
+    crash_before_recording(monkeypatch, 4, lambda: prepare(tmp_path, files))
     before = file_hashes(tmp_path)
     with pytest.raises(UserError) as e:
         prepare(tmp_path, files, seed=7, val_tokens=10)
@@ -233,23 +217,11 @@ def test_128k_vocabulary_gives_uint32_files_that_train(tmp_path, capsys):
     tok_path = make_128k_tokenizer(tmp_path / "tokenizer.json")
     rng = np.random.default_rng(0)
     ids = [rng.integers(1, 128255, size=int(rng.integers(5, 60))) for _ in range(400)]
-    (tmp_path / "docs.jsonl").write_text(
-        "".join(json.dumps({"text": " ".join(f"w{i}" for i in d)}) + "\n" for d in ids)
-    )
+    lines = (json.dumps({"text": " ".join(f"w{i}" for i in d)}) for d in ids)
+    (tmp_path / "docs.jsonl").write_text("".join(f"{line}\n" for line in lines))
     data_dir = tmp_path / "data"
-    corpus.main(
-        [
-            "--input",
-            str(tmp_path / "docs.jsonl"),
-            f"--out_dir={data_dir}",
-            f"--tokenizer={tok_path}",
-            "--val_tokens=500",
-            "--test_tokens=0",
-            "--shuffle_buffer=0",
-            "--shard_tokens=4000",
-            "--workers=2",
-        ]
-    )
+    keys = dict(tokenizer=tok_path, val_tokens=500, test_tokens=0, shuffle_buffer=0, shard_tokens=4000)
+    prepare(data_dir, [tmp_path / "docs.jsonl"], **keys)
     assert token_files.read_header(str(data_dir / "train_000000.bin"))[0] == np.uint32
     stream = np.concatenate([np.append(d, 128255) for d in ids])  # the word numbers are the ids
     ends = np.cumsum([len(d) + 1 for d in ids])
@@ -265,17 +237,8 @@ def test_128k_vocabulary_gives_uint32_files_that_train(tmp_path, capsys):
     state = torch.load(out_dir / "ckpt.pt", weights_only=True)
     assert state["model_args"]["vocab_size"] == 128256 and state["tokenizer"]["kind"] == "tokenizers"
     capsys.readouterr()
-    sample.main(
-        [
-            f"--out_dir={out_dir}",
-            "--device=cpu",
-            "--num_samples=1",
-            "--max_new_tokens=4",
-            "--start=w70000 w5",
-            "--stream=False",
-            "--stop_at_eot=False",
-        ]
-    )
+    sample_keys = dict(out_dir=out_dir, device="cpu", num_samples=1, max_new_tokens=4, stream=False, stop_at_eot=False)
+    sample.main([*(f"--{k}={v}" for k, v in sample_keys.items()), "--start=w70000 w5"])
     text = capsys.readouterr().out.split("w70000 w5", 1)[1].split("---")[0]
     assert re.fullmatch(r"(\s*(w\d+|<\|end_of_text\|>|\[UNK\]))+\s*", text), text
 
@@ -301,12 +264,7 @@ def test_benchmark_smoke(corpus_files, tmp_path, capsys):
     files, _ = corpus_files
     prepare(tmp_path, files, "--benchmark=200")
     rows = [line for line in capsys.readouterr().out.splitlines() if "tokens/s" in line]
-    labels = [
-        "encode_ordinary_batch, 1 thread",
-        "encode_ordinary_batch, 2 thread",
-        "1 worker process",
-        "2 worker process",
-    ]
+    labels = [f"encode_ordinary_batch, {n} thread" for n in (1, 2)] + [f"{n} worker process" for n in (1, 2)]
     assert len(rows) == 4 and all(label in row for label, row in zip(labels, rows))
     counts = {re.search(r"\(([\d,]+) tokens in", row).group(1) for row in rows}
     assert len(counts) == 1  # every way tokenized the same documents into the same number of tokens
@@ -315,63 +273,55 @@ def test_benchmark_smoke(corpus_files, tmp_path, capsys):
 # ---------------------------------------------------------------------------- bad input
 
 
-@pytest.mark.parametrize(
-    "content, flags, fragment",
-    [
-        ('{"text": "fine"}\nnot json\n', [], "bad.jsonl:2 is not a JSON object"),
-        ('{"body": "x"}\n', [], "bad.jsonl:1 has no text field 'text' (it has: body)"),
-        ('{"text": "x"}\n', ["--tokens=100", "--val_tokens=60", "--test_tokens=40"], "leaves nothing for train"),
-        ('{"text": "only a few tokens"}\n', [], "ran out after val 5 tokens"),
-        ('{"text": "x"}\n', ["--workers=0"], "--workers=0"),
-        ('{"text": "x"}\n', ["--tokens=1.5"], "not a whole number"),
-    ],
-)
-def test_bad_input_is_one_line(tmp_path, content, flags, fragment):
-    (tmp_path / "bad.jsonl").write_text(content)
+BAD_INPUTS = {  # id: (the input file's name, its content (a table: parquet; None: no file), flags, the message)
+    "not-json": ("bad.jsonl", '{"text": "fine"}\nnot json\n', [], "bad.jsonl:2 is not a JSON object"),
+    "no-text-field": ("bad.jsonl", '{"body": "x"}\n', [], "bad.jsonl:1 has no text field 'text' (it has: body)"),
+    "nothing-for-train": (
+        "bad.jsonl",
+        '{"text": "x"}\n',
+        ["--tokens=100", "--val_tokens=60", "--test_tokens=40"],
+        "leaves nothing for train",
+    ),
+    "too-little": ("bad.jsonl", '{"text": "only a few tokens"}\n', [], "ran out after val 5 tokens"),
+    "no-workers": ("bad.jsonl", '{"text": "x"}\n', ["--workers=0"], "--workers=0"),
+    "tokens-fraction": ("bad.jsonl", '{"text": "x"}\n', ["--tokens=1.5"], "not a whole number"),
+    "no-text-column": ("a.parquet", pa.table({"body": ["x"]}), [], "has no column 'text' (it has: body)"),
+    "csv": ("a.csv", "x", [], "cannot read this kind of file"),
+    "missing": ("none.txt", None, [], "none.txt does not exist"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_is_one_line(tmp_path, case):
+    name, content, flags, fragment = BAD_INPUTS[case]
+    if isinstance(content, pa.Table):
+        pq.write_table(content, tmp_path / name)
+    elif content is not None:
+        (tmp_path / name).write_text(content)
     with pytest.raises(UserError) as e:
-        corpus.main(["--input", str(tmp_path / "bad.jsonl"), f"--out_dir={tmp_path / 'out'}", "--workers=1", *flags])
+        corpus.main(["--input", str(tmp_path / name), f"--out_dir={tmp_path / 'out'}", "--workers=1", *flags])
     assert fragment in str(e.value) and "\n" not in str(e.value)
+    assert case == "too-little" or not (tmp_path / "out").exists()  # that one runs out after writing val
 
 
-def test_other_local_input_errors(tmp_path):
-    pq.write_table(pa.table({"body": ["x"]}), tmp_path / "a.parquet")
-    (tmp_path / "a.csv").write_text("x")
+def test_an_out_dir_of_another_preparation_is_refused(tmp_path):
+    pq.write_table(pa.table({"body": ["x"]}), tmp_path / "a.parquet")  # refused before the input is read
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "train.bin").write_bytes(bytes(4))
-    for argv, fragment in [
-        ([str(tmp_path / "a.parquet")], "has no column 'text' (it has: body)"),
-        ([str(tmp_path / "a.csv")], "cannot read this kind of file"),
-        ([str(tmp_path / "none.txt")], "none.txt does not exist"),
-    ]:
-        with pytest.raises(UserError) as e:
-            corpus.main(["--input", *argv, f"--out_dir={tmp_path / 'new'}", "--workers=1"])
-        assert fragment in str(e.value)
     with pytest.raises(UserError) as e:
         corpus.main(["--input", str(tmp_path / "a.parquet"), f"--out_dir={tmp_path / 'out'}"])
     assert "holds train.bin from another preparation" in str(e.value)
-    assert not (tmp_path / "new").exists()
 
 
 @pytest.mark.process
 def test_unknown_dataset_without_network_is_one_line(tmp_path):
     out_dir = tmp_path / "fw"
-    result = run_script(
-        "data/fineweb_edu/prepare.py",
-        "--dataset=nobody/no-such-dataset",
-        f"--out_dir={out_dir}",
-        env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
-        # datasets reads these when it is imported
-        isolated=True,
-    )
-    assert result.returncode == 2
-    assert "Traceback" not in result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert (
-        len(lines) == 1
-        and "cannot reach Hugging Face for 'nobody/no-such-dataset'" in lines[0]
-        and "--input" in lines[0]
-    )
-    assert not out_dir.exists()
+    dataset = ["--dataset=nobody/no-such-dataset", f"--out_dir={out_dir}"]
+    # datasets reads these when it is imported
+    offline = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    result = run_script("data/fineweb_edu/prepare.py", *dataset, env=offline, isolated=True)
+    one_line_error(result, "cannot reach Hugging Face for 'nobody/no-such-dataset'", "--input")
+    assert result.returncode == 2 and not out_dir.exists()
 
 
 def test_shakespeare_script(tmp_path):
@@ -379,14 +329,8 @@ def test_shakespeare_script(tmp_path):
     speeches = [make_text(300, seed=i) for i in range(60)]
     (tmp_path / "input.txt").write_text("\n\n".join(speeches), encoding="utf-8")
     out_dir = tmp_path / "sh"
-    result = run_script(
-        "data/shakespeare/prepare.py",
-        "--input",
-        tmp_path / "input.txt",
-        f"--out_dir={out_dir}",
-        "--val_tokens=1000",
-        "--workers=1",
-    )
+    args = ["--input", tmp_path / "input.txt", f"--out_dir={out_dir}", "--val_tokens=1000", "--workers=1"]
+    result = run_script("data/shakespeare/prepare.py", *args)
     assert result.returncode == 0, result.stderr
     expected, _ = reference_splits(speeches, 1000, 0)
     np.testing.assert_array_equal(read_split(out_dir, "val"), expected["val"])
@@ -411,16 +355,8 @@ def test_hub_stream_shuffles_by_seed_and_resumes(corpus_files, tmp_path, monkeyp
 
     monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", lambda self, name, revision=None, timeout=None: None)
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
-    options = [
-        "--dataset=some/set",
-        "--name=cfg",
-        "--val_tokens=3000",
-        "--test_tokens=2000",
-        "--shard_tokens=20000",
-        "--workers=2",
-        "--seed=3",
-        "--shuffle_buffer=200",
-    ]
+    keys = dict(dataset="some/set", name="cfg", val_tokens=3000, test_tokens=2000, shard_tokens=20000, workers=2)
+    options = [f"--{k}={v}" for k, v in dict(keys, seed=3, shuffle_buffer=200).items()]
     corpus.main(options + [f"--out_dir={tmp_path / 'whole'}"])
     assert calls[0] == ("some/set", "cfg", "train", None, True)
     enc = tokenizer.encoding("gpt2")
@@ -429,16 +365,6 @@ def test_hub_stream_shuffles_by_seed_and_resumes(corpus_files, tmp_path, monkeyp
     assert val_docs and set(val_docs) <= encoded
     assert val_docs[0] != tuple(enc.encode_ordinary(docs[0]) + [EOT])  # shuffled
 
-    real_save = corpus.Progress.save
-
-    def save_or_crash(self, *args, **kwargs):
-        if sum(len(v) for v in self.state["shards"].values()) == 6:
-            raise Crash
-        real_save(self, *args, **kwargs)
-
-    monkeypatch.setattr(corpus.Progress, "save", save_or_crash)
-    with pytest.raises(Crash):
-        corpus.main(options + [f"--out_dir={tmp_path / 'cut'}"])
-    monkeypatch.setattr(corpus.Progress, "save", real_save)
+    crash_before_recording(monkeypatch, 6, lambda: corpus.main(options + [f"--out_dir={tmp_path / 'cut'}"]))
     corpus.main(options + [f"--out_dir={tmp_path / 'cut'}"])
     assert file_hashes(tmp_path / "cut") == file_hashes(tmp_path / "whole")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import CPU, tiny_args
+from conftest import CPU, one_line_error, tiny_args
 from processes import run_script
 from torch.nn.attention.flex_attention import BlockMask
 
@@ -32,6 +32,12 @@ def counting_documents(n_docs=60, seed=0, longest=40):
     data = np.arange(1, ends[-1] + 2, dtype=np.uint32)
     data[ends] = EOT
     return data, np.concatenate([[0], ends[:-1]])
+
+
+def token_documents(n_docs=60):
+    """counting_documents as ids of a 65-token vocabulary (EOT is 64), for a model to read."""
+    data, _ = counting_documents(n_docs=n_docs)
+    return np.where(data == EOT, 64, data % 63 + 1).astype(np.uint16)
 
 
 def offsets_of(x):
@@ -65,12 +71,8 @@ def draw_global(samplers, calls):
 def test_an_epoch_draws_every_row_once_split_between_ranks():
     data, _ = counting_documents()
     starts, _ = row_starts(data, EOT, 16)
-    ranks = [
-        DocumentBatches(
-            data, 3, 16, seed=4, rt=runtime.Runtime("cpu", "cpu", torch.float32, rank=r, world_size=2), eot=EOT
-        )
-        for r in range(2)
-    ]
+    rank = lambda r: runtime.Runtime("cpu", "cpu", torch.float32, rank=r, world_size=2)
+    ranks = [DocumentBatches(data, 3, 16, seed=4, rt=rank(r), eot=EOT) for r in range(2)]
     calls = 2 * len(starts) // 6 + 2  # past two epochs, with an epoch ending inside a global batch
     drawn = draw_global(ranks, calls)
     assert all(not set(step[:3]) & set(step[3:]) for step in drawn)  # the ranks' rows in a step are disjoint
@@ -117,11 +119,8 @@ def test_the_plain_forward_calls_attention_as_before(monkeypatch):
     model, x = tiny_gpt(), torch.randint(1, 65, (2, 32))
     calls = []
     sdpa = F.scaled_dot_product_attention
-    monkeypatch.setattr(
-        F,
-        "scaled_dot_product_attention",
-        lambda *a, **k: calls.append((k["attn_mask"], k["is_causal"])) or sdpa(*a, **k),
-    )
+    spy = lambda *a, **k: calls.append((k["attn_mask"], k["is_causal"])) or sdpa(*a, **k)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
     plain, _ = model(x, logits_at="all")
     assert calls == [(None, True)] * 2
     one_doc, _ = model(x, logits_at="all", docs=torch.zeros_like(x))  # one document: the same function, by a mask
@@ -139,9 +138,8 @@ class OnCuda(torch.Tensor):
 def spy_masks(monkeypatch):
     """The masks GPT.forward builds (model.document_mask's results), as they are built."""
     made = []
-    monkeypatch.setattr(
-        model_module, "document_mask", lambda docs, flex: made.append(document_mask(docs, flex)) or made[-1]
-    )
+    spy = lambda docs, flex: made.append(document_mask(docs, flex)) or made[-1]
+    monkeypatch.setattr(model_module, "document_mask", spy)
     return made
 
 
@@ -192,25 +190,14 @@ def test_the_flex_mask_is_the_dense_mask():
 def test_accumulated_masked_steps_equal_one_big_batch():
     """train_step hands each micro-batch's document numbers to the model: two micro-batches of 2
     rows give the gradient of one of 4."""
-    data, _ = counting_documents(n_docs=80)
-    data = np.where(data == EOT, 64, data % 63 + 1).astype(np.uint16)  # ids of a 65-token vocabulary, EOT 64
-    grads = []
+    data, grads = token_documents(n_docs=80), []
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
     for batch_size, accum, doc_mask in ((4, 1, True), (2, 2, True), (4, 1, False)):
         model = tiny_gpt()
         batches = DocumentBatches(data, batch_size, 32, seed=0, rt=CPU, eot=64, doc_mask=doc_mask)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
         model.zero_grad()
-        step = train_step(
-            model.train(),
-            optimizer,
-            torch.amp.GradScaler("cpu", enabled=False),
-            lambda: batches(),
-            0.0,
-            accum,
-            0.0,
-            CPU,
-        )
-        grads.append(step.grad_norm)
+        grads.append(train_step(model.train(), optimizer, scaler, lambda: batches(), 0.0, accum, 0.0, CPU).grad_norm)
     torch.testing.assert_close(grads[0], grads[1])
     assert not torch.allclose(grads[0], grads[2])  # the document numbers reached the model
 
@@ -218,16 +205,10 @@ def test_accumulated_masked_steps_equal_one_big_batch():
 # ---------------------------------------------------------------------------- through train.py
 
 
-def train(data_dir, out_dir, **overrides):
-    return run_script("train.py", *tiny_args(data_dir, out_dir, **overrides))
-
-
 @pytest.mark.parametrize("keys", [dict(batch_order="documents"), dict(doc_mask=True)])
 def test_character_data_is_refused_in_one_line(char_data, tmp_path, keys):
-    result = train(char_data, tmp_path / "out", **keys)
-    assert result.returncode != 0 and "Traceback" not in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1
-    assert "end-of-text" in result.stderr and "character-level" in result.stderr
+    result = run_script("train.py", *tiny_args(char_data, tmp_path / "out", **keys))
+    one_line_error(result, "end-of-text", "character-level")
 
 
 def test_compiled_masked_forwards_compile_once():
@@ -240,9 +221,7 @@ def test_compiled_masked_forwards_compile_once():
         return gm.forward
 
     compiled = torch.compile(model, backend=backend, dynamic=False)
-    data, _ = counting_documents()
-    data = np.where(data == EOT, 64, data % 63 + 1).astype(np.uint16)
-    batches = DocumentBatches(data, 2, 32, seed=0, rt=CPU, eot=64, doc_mask=True)
+    batches = DocumentBatches(token_documents(), 2, 32, seed=0, rt=CPU, eot=64, doc_mask=True)
     for _ in range(4):
         x, y, docs = batches()
         _, loss = compiled(x, y, docs=docs)

@@ -12,14 +12,13 @@ import socket
 
 import pytest
 import torch.distributed as dist
-from conftest import CPU, char_dataset, one_line_error, read_metrics, tiny_args, untimed
+from conftest import CPU, char_dataset, one_line_error, read_metrics, tiny_args
 from processes import REPO, logged_steps, run_python, run_script, start_python, wait_for
 
-from configurator import TrainConfig, UserError, parse
+from configurator import TrainConfig, parse
 from gpt.outdir import checkpoint, ownership
 
-# 10 steps of a 20-step schedule (so a resume to 20 equals a straight 20-step run); keep_last=2
-# leaves numbered checkpoints too, which a takeover must remove
+# 10 steps of a 20-step schedule; keep_last=2 leaves numbered checkpoints too, which a takeover must remove
 BASE = dict(max_iters=10, lr_decay_iters=20, eval_interval=5, dropout=0.1, keep_last=2)
 
 
@@ -30,13 +29,9 @@ def contents(out_dir):
         for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
             path = os.path.join(root, name)
             rel = os.path.relpath(path, out_dir)
-            if rel == ownership.LOCK:
-                continue
-            found[rel] = (
-                "-> " + os.readlink(path)
-                if os.path.islink(path)
-                else hashlib.sha256(open(path, "rb").read()).hexdigest()
-            )
+            if rel != ownership.LOCK:
+                link = os.path.islink(path)
+                found[rel] = "-> " + os.readlink(path) if link else hashlib.sha256(open(path, "rb").read()).hexdigest()
     return found
 
 
@@ -85,31 +80,12 @@ def test_a_fresh_start_in_a_used_out_dir_refuses_and_changes_nothing(base, tmp_p
     assert contents(out) == before  # checkpoints, metrics.jsonl, config.json: byte for byte
 
 
-def test_overwrite_and_resume_or_auto_is_one_line():
-    for init_from in ("resume", "auto"):
-        with pytest.raises(
-            UserError, match=f"overwrite=True replaces the run in out_dir, init_from='{init_from}' continues it"
-        ):
-            parse(TrainConfig, ["--overwrite=True", f"--init_from={init_from}"])
-
-
 @pytest.mark.parametrize("fmt", ["full", "sharded"])
 def test_overwrite_replaces_the_old_run_at_the_new_ones_first_checkpoint(base, tmp_path, fmt):
     out, data = copy_of(base, fmt, tmp_path)
     # keep_last=2: the old run's newer ckpt_<iter>s must not push this run's first one out of the rotation
-    result = run_script(
-        "train.py",
-        *tiny_args(
-            data,
-            out,
-            max_iters=6,
-            lr_decay_iters=6,
-            eval_interval=3,
-            keep_last=2,
-            checkpoint_format=fmt,
-            overwrite=True,
-        ),
-    )
+    keys = dict(max_iters=6, lr_decay_iters=6, eval_interval=3, keep_last=2, checkpoint_format=fmt, overwrite=True)
+    result = run_script("train.py", *tiny_args(data, out, **keys))
     assert result.returncode == 0, result.stderr
     assert "until this run's first checkpoint, then this run replaces it" in result.stdout
     records = read_metrics(out)  # the new run's only: a new file, not the old one appended to
@@ -117,20 +93,13 @@ def test_overwrite_replaces_the_old_run_at_the_new_ones_first_checkpoint(base, t
     assert [r["iter"] for r in records if "val_loss" in r] == [0, 3, 6]
     assert json.loads((out / "config.json").read_text())["max_iters"] == 6
     names = sorted(p.name for p in out.iterdir())  # the old ckpt_0000005 and ckpt_0000010 are gone, staged/ too
+    ext, newest = (".pt", ["ckpt.pt"]) if fmt == "full" else ("", [])
+    kept = [f"ckpt_0000003{ext}", f"ckpt_0000006{ext}", f"ckpt_best{ext}"]
+    assert names == [*newest, *kept, "config.json", "metrics.jsonl", ownership.LOCK]
     if fmt == "full":
-        assert names == [
-            "ckpt.pt",
-            "ckpt_0000003.pt",
-            "ckpt_0000006.pt",
-            "ckpt_best.pt",
-            "config.json",
-            "metrics.jsonl",
-            ownership.LOCK,
-        ]
         assert checkpoint.load(str(out / "ckpt.pt"))["iter_num"] == 6
         assert checkpoint.load(str(out / "ckpt_best.pt"))["config"]["max_iters"] == 6
     else:
-        assert names == ["ckpt_0000003", "ckpt_0000006", "ckpt_best", "config.json", "metrics.jsonl", ownership.LOCK]
         assert checkpoint.read_sharded(str(out / "ckpt_best"))["config"]["max_iters"] == 6
 
 
@@ -249,18 +218,17 @@ def test_network_filesystems_are_recognized_from_the_mount_table(tmp_path):
 
 
 def test_auto_starts_from_scratch_in_an_empty_out_dir_and_resumes_in_a_used_one(base, tmp_path):
-    out, data = copy_of(base, "full", tmp_path)
+    """What the claim decides and says; train.py's runs under init_from='auto' (from scratch, then
+    resumed exactly): test_recipes.py's test_kill_9_then_init_from_auto_resumes_exactly."""
+    out, _ = copy_of(base, "full", tmp_path)
     fresh = tmp_path / "fresh"
-    to_20 = {**BASE, "max_iters": 20, "init_from": "auto"}
-    started = run_script("train.py", *tiny_args(data, fresh, **to_20))
-    assert started.returncode == 0, started.stderr
-    assert f"init_from='auto': no checkpoint in out_dir={fresh}, starting from scratch" in started.stdout
-    resumed = run_script("train.py", *tiny_args(data, out, **to_20))
-    assert resumed.returncode == 0, resumed.stderr
-    assert f"init_from='auto': resuming the run in out_dir={out} (iter 10" in resumed.stdout
-    assert "resuming at iter 10" in resumed.stdout
-    # 10 steps, then auto to 20, equals 20 straight: what --init_from=resume gives (test_train.py)
-    assert untimed(out) == untimed(fresh)
+    scratch = f"init_from='auto': no checkpoint in out_dir={fresh}, starting from scratch"
+    resume = f"init_from='auto': resuming the run in out_dir={out} (iter 10"
+    for out_dir, init_from, said in ((fresh, "scratch", scratch), (out, "resume", resume)):
+        notes, cfg = [], parse(TrainConfig, [f"--out_dir={out_dir}", "--init_from=auto"])
+        claimed = ownership.claim(cfg, CPU, say=notes.append)
+        claimed.release()
+        assert claimed.cfg.init_from == init_from and notes[0].startswith(said), notes
 
 
 # ---------------------------------------------------------------------------- under torchrun
@@ -271,22 +239,12 @@ def test_auto_starts_from_scratch_in_an_empty_out_dir_and_resumes_in_a_used_one(
 def test_a_refused_start_under_torchrun_ends_every_rank(base, tmp_path):
     out, data = copy_of(base, "full", tmp_path)
     before = contents(out)
-    result = run_python(
-        [
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "train.py",
-            *tiny_args(data, out, gradient_accumulation_steps=2),
-        ],
-        env={"OMP_NUM_THREADS": "1"},
-        timeout=120,
-    )
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py"]
+    args = tiny_args(data, out, gradient_accumulation_steps=2)
+    result = run_python([*launch, *args], env={"OMP_NUM_THREADS": "1"}, timeout=120)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 2 and all(f"out_dir={out} already holds a run (iter 10" in e for e in errors), result.stderr[
-        -3000:
-    ]
+    assert len(errors) == 2, result.stderr[-3000:]
+    assert all(f"out_dir={out} already holds a run (iter 10" in e for e in errors), result.stderr[-3000:]
     assert "Traceback" not in result.stderr.split("error:")[0]
     assert contents(out) == before

@@ -21,6 +21,7 @@ from conftest import (
     ft_group,
     ft_parameter_bytes,
     needs,
+    one_line_error,
     read_metrics,
     steps_by_iter,
     tiny_args,
@@ -33,8 +34,7 @@ needs("torchft")
 
 
 def start(args, log):
-    """A process whose output goes to the file `log` (torchft's Rust side logs every quorum: a pipe
-    nobody reads while it runs would fill and stop it)."""
+    """start_python with the output in the file `log`: torchft logs every quorum, and an unread pipe would fill."""
     return start_python(args, log, env={"OMP_NUM_THREADS": "1"})
 
 
@@ -61,24 +61,10 @@ def runs(data, tmp_path_factory):
 
     def pair(name, launcher, **keys):
         lighthouses.append(Lighthouse(root / f"{name}-lighthouse.log", min_replicas=2))
-        procs.extend(
-            start(
-                [
-                    *launcher,
-                    *tiny_args(
-                        data,
-                        root / name,
-                        ft_replica_group=g,
-                        ft_groups=2,
-                        ft_lighthouse=lighthouses[-1].address(),
-                        **FT_COMMON,
-                        **keys,
-                    ),
-                ],
-                root / f"{name}{g}.log",
-            )
-            for g in range(2)
-        )
+        ft = dict(FT_COMMON, ft_groups=2, ft_lighthouse=lighthouses[-1].address(), **keys)
+        for g in range(2):
+            args = tiny_args(data, root / name, ft_replica_group=g, **ft)
+            procs.append(start([*launcher, *args], root / f"{name}{g}.log"))
         return procs[-2:]
 
     try:
@@ -101,6 +87,11 @@ def runs(data, tmp_path_factory):
         for lighthouse in lighthouses:
             lighthouse.shutdown()
     return {name: root / name for name in ("groups", "torchrun", "ddp", "resumed")}
+
+
+def numbered_checkpoints(out, g):
+    """The iters of group g's ckpt_<iter>.pt files in out."""
+    return {int(p.stem[5:]) for p in (out / f"group{g}").glob("ckpt_[0-9]*.pt")}
 
 
 def equal_groups(out, name="ckpt.pt"):
@@ -146,13 +137,11 @@ def test_init_from_auto_after_a_full_stop_resumes_exactly(runs):
     alive to heal from) take steps 12-23 exactly as the run that never stopped."""
     for g in range(2):
         straight, resumed = (steps_by_iter(runs[name] / f"group{g}") for name in ("groups", "resumed"))
-        assert sorted(resumed) == list(range(12, 24)) and all(
-            resumed[i]["loss"] == straight[i]["loss"] for i in resumed
-        )
+        assert sorted(resumed) == list(range(12, 24))
+        assert all(resumed[i]["loss"] == straight[i]["loss"] for i in resumed)
         a, b = (checkpoint.load(str(runs[name] / f"group{g}" / "ckpt.pt")) for name in ("groups", "resumed"))
-        assert a["iter_num"] == b["iter_num"] == 24 and all(
-            torch.equal(a["model"][k], b["model"][k]) for k in a["model"]
-        )
+        assert a["iter_num"] == b["iter_num"] == 24
+        assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
 
 
 @pytest.mark.process
@@ -166,12 +155,8 @@ def test_no_quorum_is_started_after_the_last_step(runs):
         for g in range(2):
             log = (runs[name].parent / f"{name}{g}.log").read_text()
             own = rf'replica_id: "group{g}:[^"]*", address: "[^"]*", store_address: "[^"]*", step: (\d+)'
-            quorums = {
-                int(step)
-                for line in log.splitlines()
-                if "got lighthouse quorum" in line
-                for step in re.findall(own, line)
-            }
+            lines = [line for line in log.splitlines() if "got lighthouse quorum" in line]
+            quorums = {int(step) for line in lines for step in re.findall(own, line)}
             assert quorums == set(range(first, 24)), (name, g, sorted(quorums))
 
 
@@ -187,16 +172,9 @@ def kill_and_heal(data, tmp_path, sync_every):
     out = tmp_path / "ft"
     # dist_timeout_s: 6 times the lighthouse's 5 s to count a killed group out (the survivor's quorum waits
     # that long), room for a loaded machine
-    extra = dict(
-        max_iters=100_000,
-        lr_decay_iters=2000,
-        eval_interval=16,
-        keep_last=1000,
-        init_from="auto",
-        sync_every=sync_every,
-        dist_timeout_s=30,
-    )
-    ckpts = lambda g: {int(p.stem[5:]) for p in (out / f"group{g}").glob("ckpt_[0-9]*.pt")}
+    extra = dict(max_iters=100_000, lr_decay_iters=2000, eval_interval=16, keep_last=1000, init_from="auto")
+    extra.update(sync_every=sync_every, dist_timeout_s=30)
+    ckpts, steps = (lambda g: numbered_checkpoints(out, g)), (lambda g: steps_or_empty(out / f"group{g}"))
     deadline = time.monotonic() + 200
     procs = []
     try:
@@ -207,28 +185,22 @@ def kill_and_heal(data, tmp_path, sync_every):
         survivor, victim = procs
         until = lambda done, *alive: wait_for(done, *alive, timeout=deadline - time.monotonic())
         # both in a step's all-reduce (with DiLoCo: past two syncs of both)
-        until(
-            lambda: any(
-                r.get("groups") == 2 and i >= 2 * sync_every for i, r in steps_or_empty(out / "group1").items()
-            ),
-            victim,
-            survivor,
-        )
+        together = lambda: any(r.get("groups") == 2 and i >= 2 * sync_every for i, r in steps(1).items())
+        until(together, victim, survivor)
         os.killpg(victim.pid, signal.SIGKILL)
         victim.wait()
-        killed_at = max(steps_or_empty(out / "group0"), default=-1)
+        killed_at = max(steps(0), default=-1)
         # torchrun would start the group again at once; here it waits until the survivor has
         # stepped alone, which is the point, however slow this machine is
-        until(
-            lambda: any(i > killed_at and r["groups"] == 1 for i, r in steps_or_empty(out / "group0").items()), survivor
-        )
+        alone = lambda: any(i > killed_at and r["groups"] == 1 for i, r in steps(0).items())
+        until(alone, survivor)
         before = ckpts(1)  # the victim's own
         restarted = ft_group(data, out, 1, lighthouse.address(), tmp_path / "restarted.log", **extra)
         procs.append(restarted)
         # their first shared checkpoint after the kill, and the restarted group's step at it logged
         # (a checkpoint is written before its step: a SIGTERM between the two left no row to read)
         shared = lambda: [n for n in (ckpts(1) - before) & ckpts(0) if n > killed_at]
-        logged = lambda: shared() and any(i >= min(shared()) for i in steps_or_empty(out / "group1"))
+        logged = lambda: shared() and any(i >= min(shared()) for i in steps(1))
         until(logged, survivor, restarted)
         for proc in (survivor, restarted):
             os.killpg(proc.pid, signal.SIGTERM)
@@ -245,10 +217,9 @@ def kill_and_heal(data, tmp_path, sync_every):
 
 @pytest.fixture(scope="module")
 def killed(data, tmp_path_factory):
-    """kill_and_heal, every step and with DiLoCo (sync_every=4), both at once, each in a thread of
-    its own: most of each is waiting (5 s for the lighthouse to count the killed group out, the
-    restarted group's join), so together they take little more time than one (alone: 14.3 and 15.5 s,
-    5.0 and 6.3 CPU-s). {sync_every: kill_and_heal's result, or the exception it raised}."""
+    """kill_and_heal, every step and with DiLoCo (sync_every=4), at once in two threads: each mostly
+    waits (for the lighthouse to count the killed group out, for the restarted group's join), so
+    together they take little more than one. {sync_every: kill_and_heal's result, or its exception}."""
     results = {}
 
     def run(sync_every):
@@ -273,14 +244,13 @@ def test_a_killed_group_restarts_and_heals_to_the_survivors_weights(killed, sync
     if isinstance(killed[sync_every], BaseException):
         raise killed[sync_every]
     out, killed_at, before, restarted_log = killed[sync_every]
-    ckpts = lambda g: {int(p.stem[5:]) for p in (out / f"group{g}").glob("ckpt_[0-9]*.pt")}
     alone = [i for i, r in steps_by_iter(out / "group0").items() if i > killed_at and r["groups"] == 1]
     assert alone, "the survivor did not step on alone"
     # torchft's log: the restarted group took the survivor's state
     assert "healing is required" in open(restarted_log).read()
     its = sorted(r["iter"] for r in read_metrics(out / "group1") if "loss" in r and r["iter"] > min(alone))
     assert its and its[0] > max(alone) - 16, its[:5]  # it went on from the survivor's step, not from its own
-    shared = min(n for n in (ckpts(1) - before) & ckpts(0) if n > killed_at)
+    shared = min(n for n in (numbered_checkpoints(out, 1) - before) & numbered_checkpoints(out, 0) if n > killed_at)
     a, b = (checkpoint.load(str(out / f"group{g}" / f"ckpt_{shared:07d}.pt")) for g in range(2))
     assert a["iter_num"] == b["iter_num"] == shared
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
@@ -300,16 +270,8 @@ def test_a_lighthouse_that_dies_stops_the_group_in_one_line(data, tmp_path):
     dist_timeout_s, and train.py ends with one line that says what to do, not a traceback."""
     lighthouse = Lighthouse(tmp_path / "lighthouse.log", min_replicas=1)
     try:
-        proc = ft_group(
-            data,
-            tmp_path / "ft",
-            0,
-            lighthouse.address(),
-            tmp_path / "group0.log",
-            max_iters=100_000,
-            lr_decay_iters=100,
-            dist_timeout_s=3,
-        )
+        keys = dict(max_iters=100_000, lr_decay_iters=100, dist_timeout_s=3)
+        proc = ft_group(data, tmp_path / "ft", 0, lighthouse.address(), tmp_path / "group0.log", **keys)
         wait_for(lambda: len(steps_or_empty(tmp_path / "ft" / "group0")) > 2, proc, timeout=120)
     finally:
         lighthouse.shutdown()
@@ -347,31 +309,18 @@ def test_replica_group_mistakes_are_one_line(char_data, tmp_path, monkeypatch):
     }
     for message, keys in cases.items():
         result = run_script("train.py", *tiny_args(char_data, tmp_path / "out", ft_replica_group=0, **keys))
-        assert result.returncode != 0 and "Traceback" not in result.stderr
-        assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr, result.stderr
+        one_line_error(result, message)
 
 
 @pytest.mark.process
 def test_without_torchft_training_runs_and_replica_groups_are_one_line(tmp_path):
     # torchft's wheels are Linux x86-64 only: on a Mac train.py must import, and a replica group must say why not
     script = "import runpy, sys; sys.modules['torchft'] = None; sys.argv[0] = 'train.py'; runpy.run_path('train.py', run_name='__main__')"
-    out = run_python(
-        [
-            "-c",
-            script,
-            "--dataset=none",
-            "--ft_replica_group=0",
-            "--ft_groups=2",
-            f"--out_dir={tmp_path / 'out'}",
-            "--device=cpu",
-        ]
+    args = ["--dataset=none", "--ft_replica_group=0", "--ft_groups=2", f"--out_dir={tmp_path / 'out'}", "--device=cpu"]
+    assert one_line_error(run_python(["-c", script, *args])) == (
+        "error: ft_replica_group needs torchft, which is not installed here (its wheels are for Linux x86-64): "
+        "pip install torchft on such a machine, or train without --ft_replica_group"
     )
-    assert out.returncode != 0 and "Traceback" not in out.stderr
-    assert out.stderr.strip().splitlines() == [
-        "error: ft_replica_group needs torchft, which is not installed here (its wheels "
-        "are for Linux x86-64): pip install torchft on such a machine, or train "
-        "without --ft_replica_group"
-    ]
 
 
 def test_a_run_without_replica_groups_never_imports_torchft(data, tmp_path):

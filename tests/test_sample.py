@@ -54,14 +54,6 @@ def test_cached_step_logits_equal_a_full_forward():
     assert cache.length == 15
 
 
-def test_cached_greedy_equals_uncached_past_block_size():
-    model = tiny_model()
-    idx = prompts()
-    uncached = generate(model, idx, 60, temperature=0, kv_cache=False, window_shift=1)  # 65 tokens, block_size 16
-    assert torch.equal(uncached, reference(model, idx, 60, greedy))  # nanoGPT's context, token for token
-    assert torch.equal(generate(model, idx, 60, temperature=0, window_shift=1), uncached)
-
-
 def test_a_prompt_longer_than_block_size_is_cropped_the_same_way():
     model = tiny_model()
     idx = prompts(T=40)
@@ -70,17 +62,18 @@ def test_a_prompt_longer_than_block_size_is_cropped_the_same_way():
     assert torch.equal(cached, generate(model, idx, 10, temperature=0, kv_cache=False))
 
 
-@pytest.mark.parametrize("shift", [None, 4, 15])
+@pytest.mark.parametrize("shift", [1, None, 4, 15])
 def test_window_shift_slides_the_context_as_documented(shift):
     # when the next token has no position left, the window restarts at the last
     # block_size - shift + 1 tokens, so every context holds between that many and block_size;
-    # the default shift is block_size // 8
+    # the default shift is block_size // 8. 60 new tokens after 5: past block_size 16, cached or not
     def window(start, length):
         return length - (16 - (shift or 2) + 1) if length - start > 16 else start
 
     model = tiny_model()
     idx = prompts()
-    expected = reference(model, idx, 60, greedy, window)
+    # shift 1 keeps the last block_size tokens: nanoGPT's context, token for token
+    expected = reference(model, idx, 60, greedy, None if shift == 1 else window)
     assert torch.equal(generate(model, idx, 60, temperature=0, window_shift=shift), expected)
     assert torch.equal(generate(model, idx, 60, temperature=0, window_shift=shift, kv_cache=False), expected)
 
@@ -173,18 +166,16 @@ def run_sample(tiny_run, capsys, *args):
     return samples[:-1], err
 
 
-def test_sample_py_cached_and_uncached_print_the_same(tiny_run, capsys):
-    for args in (["--temperature=0", "--num_samples=1", "--max_new_tokens=60"], ["--num_samples=3", "--top_p=0.9"]):
-        cached, err = run_sample(tiny_run, capsys, *args)
-        uncached, _ = run_sample(tiny_run, capsys, *args, "--kv_cache=False")
-        assert cached == uncached
-        assert "tokens/s" in err and "kv_cache=True" in err
-
-
-def test_sample_py_streaming_prints_the_same_text(tiny_run, capsys):
-    plain, _ = run_sample(tiny_run, capsys, "--num_samples=2", "--stream=False")
-    streamed, _ = run_sample(tiny_run, capsys, "--num_samples=2", "--stream=True")
-    assert streamed == plain
+@pytest.mark.parametrize(
+    "args",
+    [["--temperature=0", "--num_samples=1", "--max_new_tokens=60"], ["--num_samples=3", "--top_p=0.9"]],
+    ids=["greedy", "sampled"],
+)
+def test_sample_py_prints_the_same_uncached_and_streamed(tiny_run, capsys, args):
+    cached, err = run_sample(tiny_run, capsys, *args)  # not streamed: stdout is not a terminal
+    assert "tokens/s" in err and "kv_cache=True" in err
+    for other in ("--kv_cache=False", "--stream=True"):
+        assert run_sample(tiny_run, capsys, *args, other)[0] == cached, other
 
 
 def test_sample_py_greedy_batch_rows_agree(tiny_run, capsys):
@@ -214,12 +205,10 @@ def test_sample_py_reads_the_checkpoint_on_the_cpu_and_moves_only_the_weights(ti
 
     map_locations, models = [], []
     real_load, real_load_model = torch.load, checkpoint.load_model
-    monkeypatch.setattr(
-        torch, "load", lambda *a, **k: map_locations.append(k.get("map_location")) or real_load(*a, **k)
-    )
-    monkeypatch.setattr(
-        checkpoint, "load_model", lambda *a, **k: models.append(real_load_model(*a, **k)[0]) or (models[0], {})
-    )
+    recorded_load = lambda *a, **k: map_locations.append(k.get("map_location")) or real_load(*a, **k)
+    recorded_load_model = lambda *a, **k: models.append(real_load_model(*a, **k)[0]) or (models[0], {})
+    monkeypatch.setattr(torch, "load", recorded_load)
+    monkeypatch.setattr(checkpoint, "load_model", recorded_load_model)
     monkeypatch.setattr(runtime, "setup", lambda *a, **k: runtime.Runtime("meta", "meta", torch.float32))
 
     def stop(tok_spec):  # the model is on the device by now; generating on 'meta' could not print anything
