@@ -1,7 +1,6 @@
-"""The Llama-style options of model.GPT against explicit formulas and properties (RoPE, GQA,
-RMSNorm, SwiGLU, QK-norm, untied embeddings, activation checkpointing), the 1B recipe's
-parameter count, FLOPs by hand, cached generation, a CPU training run, resume checks, and the
-GPT-2 default pinned to a reference written out here. (Exact resume, 2 ranks as 1 and a kill -9 of a
+"""The Llama-style options of model.GPT against explicit formulas and properties, the 1B recipe's
+parameter count, FLOPs by hand, cached generation, a CPU training run, resume checks, and the GPT-2
+default pinned to a reference written out here. (Exact resume, 2 ranks as 1 and a kill -9 of a
 Llama-shaped run: tests/test_recipes.py, recipe llama.)"""
 
 import math
@@ -121,24 +120,8 @@ def test_attention_equals_explicit_gqa(n_kv_head, qk_norm):
     cos, sin = rope_tables(8, 16, 10000.0)
     x = torch.randn(3, 16, 32)
     with torch.no_grad():
-        torch.testing.assert_close(
-            attn(x, rope=(cos, sin)), explicit_attention(attn, x, (cos, sin)), atol=1e-5, rtol=1e-4
-        )
-
-
-def test_gqa_equals_multi_head_attention_with_kv_heads_repeated():
-    """4 query heads on 2 k/v heads == plain multi-head attention whose k/v projections repeat
-    each k/v head for its two query heads."""
-    gqa = random_weights(CausalSelfAttention(GPTConfig(**{**LLAMA, "n_kv_head": 2, "qk_norm": False})))
-    mha = CausalSelfAttention(GPTConfig(**{**LLAMA, "n_kv_head": 4, "qk_norm": False})).eval()
-    C, hs = 32, 8
-    wq, wk, wv = gqa.c_attn.weight.split([C, 2 * hs, 2 * hs])  # (out, in) rows per head
-    with torch.no_grad():
-        repeated = (w.view(2, hs, C).repeat_interleave(2, dim=0).reshape(4 * hs, C) for w in (wk, wv))
-        mha.c_attn.weight.copy_(torch.cat([wq, *repeated]))
-        mha.c_proj.weight.copy_(gqa.c_proj.weight)
-        x = torch.randn(2, 16, C)
-        torch.testing.assert_close(gqa(x), mha(x), atol=1e-6, rtol=1e-5)
+        for rope in (None, (cos, sin)):  # learned positions' attention, and RoPE's
+            torch.testing.assert_close(attn(x, rope=rope), explicit_attention(attn, x, rope), atol=1e-6, rtol=1e-5)
 
 
 def test_n_kv_head_equal_to_n_head_is_plain_multi_head_attention():
@@ -247,23 +230,8 @@ def test_llama_1b_recipe_has_llama_3_2_1b_parameter_count():
 
 def test_flops_per_token_by_hand_for_a_llama_style_model():
     L, C, nh, nkv, H, V, T = 3, 64, 8, 2, 96, 128, 32
-    model = GPT(
-        GPTConfig(
-            n_layer=L,
-            n_embd=C,
-            n_head=nh,
-            n_kv_head=nkv,
-            mlp_hidden=H,
-            block_size=T,
-            vocab_size=V,
-            pos_encoding="rope",
-            norm="rmsnorm",
-            mlp="swiglu",
-            qk_norm=True,
-            tie_embeddings=False,
-            bias=False,
-        )
-    )
+    shape = dict(n_layer=L, n_embd=C, n_head=nh, n_kv_head=nkv, mlp_hidden=H, block_size=T, vocab_size=V)
+    model = GPT(GPTConfig(**dict(TINY_LLAMA, **shape, qk_norm=True)))  # RoPE, RMSNorm, SwiGLU, untied, no biases
     N = llama_params_by_hand(L, C, nh, nkv, H, V, tied=False, qk_norm=True) - V * C  # the untied wte is a lookup
     assert model.num_params() == N
     # attention's scores and weighted values, per query head: 2 * (2 T hs) forward, x3 with backward
@@ -326,19 +294,10 @@ def reference_gpt2_weights(seed, L, C, V, T, bias):
     module order (the tied wte is lm_head's, drawn last), zero biases, and the residual
     projections redrawn with std 0.02/sqrt(2L)."""
     torch.manual_seed(seed)
+    ln, linear = lambda: nn.LayerNorm(C, bias=bias), lambda n_in, n_out: nn.Linear(n_in, n_out, bias=bias)
     wte, wpe = nn.Embedding(V, C), nn.Embedding(T, C)
-    blocks = [
-        [
-            nn.LayerNorm(C, bias=bias),
-            nn.Linear(C, 3 * C, bias=bias),
-            nn.Linear(C, C, bias=bias),
-            nn.LayerNorm(C, bias=bias),
-            nn.Linear(C, 4 * C, bias=bias),
-            nn.Linear(4 * C, C, bias=bias),
-        ]
-        for _ in range(L)
-    ]
-    ln_f, lm_head = nn.LayerNorm(C, bias=bias), nn.Linear(C, V, bias=False)
+    blocks = [[ln(), linear(C, 3 * C), linear(C, C), ln(), linear(C, 4 * C), linear(4 * C, C)] for _ in range(L)]
+    ln_f, lm_head = ln(), nn.Linear(C, V, bias=False)
     for m in [wte, wpe, *(m for b in blocks for m in b), ln_f, lm_head]:
         if not isinstance(m, nn.LayerNorm):
             nn.init.normal_(m.weight, 0.0, 0.02)
@@ -438,34 +397,16 @@ def test_resume_refuses_another_architecture_and_accepts_old_checkpoints():
 
 def test_tiny_llama_trains_on_cpu_and_samples(char_data, tmp_path):
     out = tmp_path / "out"
-    result = run_script(
-        "train.py",
-        "config/train_llama_tiny.py",
-        f"--dataset={char_data}",
-        f"--out_dir={out}",
-        "--max_iters=60",
-        "--lr_decay_iters=60",
-        "--warmup_iters=5",
-        "--eval_interval=30",
-        "--eval_iters=4",
-        "--log_interval=10",
-        "--batch_size=8",
-        "--block_size=32",
-    )
+    run = ["config/train_llama_tiny.py", f"--dataset={char_data}", f"--out_dir={out}", "--max_iters=60"]
+    run += "--lr_decay_iters=60 --warmup_iters=5 --eval_interval=30 --eval_iters=4 --log_interval=10".split()
+    result = run_script("train.py", *run, "--batch_size=8", "--block_size=32")
     assert result.returncode == 0, result.stderr
     evals = [r["val_loss"] for r in read_metrics(out) if "val_loss" in r]
     assert len(evals) == 3 and evals[-1] < evals[0] - 0.8, evals  # it learned
     state = torch.load(out / "ckpt.pt", weights_only=True)
     assert state["model_args"]["pos_encoding"] == "rope" and state["model_args"]["n_kv_head"] == 1
     assert "transformer.wpe.weight" not in state["model"]
-    sampled = run_script(
-        "sample.py",
-        f"--out_dir={out}",
-        "--device=cpu",
-        "--num_samples=1",
-        "--max_new_tokens=40",
-        "--start=The",
-        "--stream=False",
-    )
+    sample = "--device=cpu --num_samples=1 --max_new_tokens=40 --start=The --stream=False".split()
+    sampled = run_script("sample.py", f"--out_dir={out}", *sample)
     assert sampled.returncode == 0, sampled.stderr
     assert sampled.stdout.count("The") >= 1
