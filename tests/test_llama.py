@@ -19,6 +19,7 @@ from gpt.train.build import make_model_args
 from model import GPT, MLP, CausalSelfAttention, GPTConfig, apply_rope, make_norm, rope_tables
 
 LLAMA = dict(TINY_LLAMA, n_head=4, n_kv_head=2, qk_norm=True)
+SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32)  # Llama 3's
 
 
 def random_weights(module, std=0.3, seed=0):
@@ -332,6 +333,10 @@ def test_gpt2_default_is_unchanged(bias):
         (["--mlp=relu"], "mlp='relu'"),
         (["--parallelism=zero3"], "parallelism='zero3'"),
         (["--mlp_hidden=-1"], "mlp_hidden"),
+        ([f"--rope_scaling={SCALING}"], "needs pos_encoding='rope'"),
+        (["--pos_encoding=rope", "--rope_scaling={'factor': 8.0}"], "must have exactly the numbers"),
+        (["--pos_encoding=rope", f"--rope_scaling={dict(SCALING, low_freq_factor=5.0)}"], "low_freq_factor < high"),
+        (["--norm_eps=0"], "norm_eps=0"),
     ],
 )
 def test_bad_llama_keys_are_one_line_errors(argv, expected):
@@ -352,6 +357,15 @@ def test_resume_refuses_another_architecture_and_accepts_old_checkpoints():
     check_resumable(old, {**gpt2, "n_kv_head": 4})  # 0 and n_head are the same attention
     with pytest.raises(UserError, match="pos_encoding learned -> rope"):
         check_resumable(old, {**gpt2, "pos_encoding": "rope"})
+    # the RoPE scaling and norm_eps are recorded, and a change of either is another model
+    assert GPTConfig().rope_scaling is None
+    argv = ["--pos_encoding=rope", f"--rope_scaling={SCALING}", "--norm_eps=1e-6"]
+    scaled = make_model_args(parse(TrainConfig, argv), 65)
+    assert scaled["rope_scaling"] == SCALING and scaled["norm_eps"] == 1e-6
+    with pytest.raises(UserError, match="rope_scaling"):
+        check_resumable(scaled, {**scaled, "rope_scaling": dict(SCALING, factor=4.0)})
+    with pytest.raises(UserError, match="norm_eps"):
+        check_resumable(scaled, {**scaled, "norm_eps": 1e-5})
 
 
 def test_tiny_llama_trains_on_cpu_and_samples(char_data, tmp_path):
