@@ -1,9 +1,7 @@
 """hf.py --format=gguf against llama.cpp itself (llama-cpp-python, built from source by make test):
-llama.cpp tokenizes random text to our ids for GPT-2's BPE, a data/train_tokenizer.py tokenizer
-and a Llama-3-like tokenizer.json; a GPT-2-shaped and a Llama-shaped model trained here give our
-logits at every position and our 64 greedy tokens at f32 (f16 and q8_0 agreement printed); the
-chat demo's GGUF renders chat.py's ids and answers chat.py's replies through
-create_chat_completion; and the refusals are one line that leave no file behind."""
+its ids for random text and for chat templates, over three kinds of tokenizer; the logits and greedy
+tokens of a GPT-2-shaped and a Llama-shaped model trained here; chat.py's replies through
+create_chat_completion; and the refusals, one line that leaves no file behind."""
 
 import json
 import pickle
@@ -69,10 +67,9 @@ USER_DEFINED = "[[note]]"  # an added token that is not special (llama.cpp: user
 
 
 def llama3_like(path):
-    """A small Llama-3-like tokenizer.json: byte-level BPE with GPT-4's split pattern trained here
-    (data/train_tokenizer.py's), Llama 3's special tokens after the merges, and ignore_merges on,
-    as in Llama 3's own file: a piece that is a whole token is that token, whatever the merges.
-    Like Llama 3's, it holds a token its merges never make (UNMERGED), where that shows."""
+    """A small Llama-3-like tokenizer.json: data/train_tokenizer.py's byte-level BPE trained here, Llama
+    3's special tokens after the merges, and, as in Llama 3's own file, ignore_merges on (a piece that
+    is a whole token is that token) and a token its merges never make (UNMERGED), where that shows."""
     from tokenizers import AddedToken, Tokenizer, pre_tokenizers, trainers
 
     tok = load_script("data/train_tokenizer.py").new_tokenizer()
@@ -160,19 +157,11 @@ def test_llama_cpp_tokenizes_random_text_to_our_ids(tokenizers, tmp_path, kind, 
 
 # ---------------------------------------------------------------------------- logits and greedy tokens
 
+LLAMA3_SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32)
 SHAPES = {  # train.py flags: GPT-2's block without biases (zeros in the file), and a Llama with GQA and RoPE scaling
     "gpt2": dict(bias=False),
-    "llama": dict(
-        pos_encoding="rope",
-        norm="rmsnorm",
-        mlp="swiglu",
-        n_kv_head=1,
-        bias=False,
-        tie_embeddings=False,
-        rope_scaling=json.dumps(
-            dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32)
-        ),
-    ),
+    "llama": dict(pos_encoding="rope", norm="rmsnorm", mlp="swiglu", n_kv_head=1, bias=False, tie_embeddings=False)
+    | dict(rope_scaling=json.dumps(LLAMA3_SCALING)),
 }
 BLOCK = 96
 
