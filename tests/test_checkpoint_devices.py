@@ -1,11 +1,7 @@
-"""Checkpoints across kinds of device: one written on a GPU resumes on a CPU, and one written on
-a CPU resumes on a GPU, in the sharded and the full format.
-
-A GPU run's checkpoint differs from a CPU run's by each rank's CUDA generator state beside its CPU
-one (torch.cuda.get_rng_state(): 16 uint8, Philox's seed and offset), in the sharded format as
-DCP entries rng.cuda_<rank> and checkpoint.json's cuda_rng, in the full format as rng['cuda'].
-With no GPU here, the tests write a real checkpoint on the CPU and add those entries as a GPU run
-writes them; resuming on a GPU is checkpoint.restore and restore_rng with torch.cuda patched."""
+"""Checkpoints across kinds of device, in the sharded and the full format: a GPU's resumes on a CPU,
+a CPU's on a GPU. A GPU run's checkpoint adds each rank's CUDA generator state (sharded: DCP entries
+rng.cuda_<rank> and checkpoint.json's cuda_rng; full: rng['cuda']). With no GPU here, a real CPU
+checkpoint gets those entries as a GPU run writes them; resuming on a GPU has torch.cuda patched."""
 
 import json
 import shutil
@@ -24,12 +20,16 @@ from gpt.train import optim
 from gpt.train.step import train_step
 from model import GPT, GPTConfig
 
-COMMON = dict(max_iters=12, lr_decay_iters=12, eval_interval=6, dropout=0.1)
+# keep_last=2: the straight run keeps its iter-6 checkpoint (ckpt_0000006.pt) to resume from
+COMMON = dict(max_iters=12, lr_decay_iters=12, eval_interval=6, dropout=0.1, keep_last=2)
 
 
 def philox_state(seed, offset):
     """What torch.cuda.get_rng_state() returns: the seed and the offset as two little-endian uint64."""
     return torch.from_numpy(np.array([seed, offset], dtype="<u8").view(np.uint8).copy())
+
+
+GPU_RNG = philox_state(1337, 4 * 96)  # the CUDA generator state the rewritten checkpoints hold
 
 
 def train(data, out, **overrides):
@@ -51,26 +51,32 @@ def as_if_written_on_a_gpu(path):
         )
         meta = json.loads((path / checkpoint.COMMIT).read_text())
         assert meta["world_size"] == 1 and set(tensors["rng"]) == {"torch_0"}
-        tensors["rng"]["cuda_0"] = philox_state(1337, 4 * 96)
+        tensors["rng"]["cuda_0"] = GPU_RNG
         shutil.rmtree(path)
         save(tensors, checkpoint_id=str(path), no_dist=True)
         (path / checkpoint.COMMIT).write_text(json.dumps({**meta, "cuda_rng": True}))
     else:
         state = torch.load(path, weights_only=True)
         assert set(state["rng"]) == {"torch", "batches"}
-        state["rng"]["cuda"] = [philox_state(1337, 4 * 96)]
+        state["rng"]["cuda"] = [GPU_RNG]
         torch.save(state, path)
+
+
+CHECKPOINTS = {"sharded": "ckpt_0000006", "full": "ckpt_0000006.pt"}  # each format's iter-6 checkpoint
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """A CPU run of 12 steps (dropout on), and for each format a run stopped at 6 whose checkpoint
-    is kept as the CPU wrote it (cpu_<format>) and rewritten as a GPU writes it (gpu_<format>)."""
+    """A CPU run of 12 steps (dropout on), and for each format an out_dir holding its checkpoint at
+    iter 6 as the CPU wrote it (cpu_<format>) and as a GPU writes it (gpu_<format>): the full one is
+    the straight run's as it stood at iter 6, the sharded one a run of 6 steps."""
     root = tmp_path_factory.mktemp("devices")
     data = char_dataset(root / "chars")
     train(data, root / "straight")
-    for fmt, name in (("sharded", "ckpt_0000006"), ("full", "ckpt.pt")):
-        train(data, root / f"cpu_{fmt}", max_iters=6, checkpoint_format=fmt)
+    later = shutil.ignore_patterns("ckpt.pt", "ckpt_best.pt", "ckpt_0000012.pt")
+    shutil.copytree(root / "straight", root / "cpu_full", ignore=later)
+    train(data, root / "cpu_sharded", max_iters=6, checkpoint_format="sharded")
+    for fmt, name in CHECKPOINTS.items():
         shutil.copytree(root / f"cpu_{fmt}", root / f"gpu_{fmt}", symlinks=True)
         as_if_written_on_a_gpu(root / f"gpu_{fmt}" / name)
     return root
@@ -90,10 +96,10 @@ def test_a_gpu_checkpoint_resumes_exactly_on_a_cpu(runs, fmt, tmp_path):
 def test_a_sharded_gpu_checkpoint_reads_and_converts_in_one_cpu_process(runs, tmp_path):
     path = runs / "gpu_sharded" / "ckpt_0000006"
     whole = checkpoint.read_sharded(str(path))
-    assert torch.equal(whole["rng"]["cuda"][0], philox_state(1337, 4 * 96))
+    assert torch.equal(whole["rng"]["cuda"][0], GPU_RNG)
     result = run_script("scripts/checkpoint_convert.py", str(path), str(tmp_path / "full.pt"))
     assert result.returncode == 0, result.stderr
-    assert torch.equal(checkpoint.load(str(tmp_path / "full.pt"))["rng"]["cuda"][0], philox_state(1337, 4 * 96))
+    assert torch.equal(checkpoint.load(str(tmp_path / "full.pt"))["rng"]["cuda"][0], GPU_RNG)
 
 
 @pytest.fixture
@@ -114,8 +120,8 @@ def gpu(monkeypatch):
 
 
 def restore_on(rt, out_dir):
-    """What train.py does with out_dir's newest checkpoint on device rt, short of moving the model
-    there: the weights, optimizer and RNG states restored. Returns the batch generator."""
+    """(state, batch generator): train.py's restore of out_dir's newest checkpoint on device rt,
+    short of moving the model there."""
     state = checkpoint.load_newest(str(out_dir))
     model = GPT(GPTConfig(**state["model_args"]))
     optimizer = optim.configure(model, TrainConfig(**state["config"]), "cpu")
@@ -126,20 +132,20 @@ def restore_on(rt, out_dir):
 
 
 @pytest.mark.parametrize("fmt", ["sharded", "full"])
-def test_a_gpu_checkpoint_resumes_on_a_gpu_with_its_cuda_rng(runs, gpu, fmt, capsys):
-    restore_on(runtime.Runtime("cuda:0", "cuda", torch.bfloat16), runs / f"gpu_{fmt}")
-    assert len(gpu) == 1 and torch.equal(gpu[0][0], philox_state(1337, 4 * 96)) and gpu[0][1] == "cuda:0"
-    assert "note:" not in capsys.readouterr().out.replace("note: resuming from", "")
-
-
-@pytest.mark.parametrize("fmt", ["sharded", "full"])
-def test_a_cpu_checkpoint_resumes_on_a_gpu_and_says_the_cuda_rng_is_reseeded(runs, gpu, fmt, capsys):
-    state, batches = restore_on(runtime.Runtime("cuda:0", "cuda", torch.bfloat16), runs / f"cpu_{fmt}")
-    assert gpu == []  # nothing to set: the GPU generator keeps train.py's seed
-    assert (
-        "note: checkpoint was written on cpu, this run is on cuda: the cuda RNG is reseeded" in capsys.readouterr().out
-    )
-    assert torch.equal(torch.get_rng_state(), state["rng"]["torch"][0])  # the CPU generator is restored
+@pytest.mark.parametrize("written_on", ["gpu", "cpu"])
+def test_a_checkpoint_resumes_on_a_gpu(runs, gpu, fmt, written_on, capsys):
+    """A GPU's checkpoint sets the GPU generator and says nothing of it; a CPU's sets none (the GPU
+    generator keeps train.py's seed) and says the cuda RNG is reseeded. Both restore the CPU's."""
+    state, batches = restore_on(runtime.Runtime("cuda:0", "cuda", torch.bfloat16), runs / f"{written_on}_{fmt}")
+    said = capsys.readouterr().out
+    if written_on == "gpu":
+        assert len(gpu) == 1 and torch.equal(gpu[0][0], GPU_RNG) and gpu[0][1] == "cuda:0"
+        assert "note:" not in said.replace("note: resuming from", "")
+    else:
+        assert (
+            gpu == [] and "note: checkpoint was written on cpu, this run is on cuda: the cuda RNG is reseeded" in said
+        )
+    assert torch.equal(torch.get_rng_state(), state["rng"]["torch"][0])
     assert batches.rng.bit_generator.state == state["rng"]["batches"]
 
 
@@ -157,12 +163,11 @@ def as_if_written_on_a_mac(path):
         torch.save(state, path)
 
 
-@pytest.mark.parametrize("fmt, name", [("sharded", "ckpt_0000006"), ("full", "ckpt.pt")])
-def test_the_optimizer_keeps_this_devices_implementation_across_a_resume(runs, fmt, name, tmp_path):
-    cpu = CPU
+@pytest.mark.parametrize("fmt", CHECKPOINTS)
+def test_the_optimizer_keeps_this_devices_implementation_across_a_resume(runs, fmt, tmp_path):
     out = tmp_path / "mac"
     shutil.copytree(runs / f"cpu_{fmt}", out, symlinks=True)
-    as_if_written_on_a_mac(out / name)
+    as_if_written_on_a_mac(out / CHECKPOINTS[fmt])
     state = checkpoint.load_newest(str(out))
     cfg = TrainConfig(**state["config"])
     model = GPT(GPTConfig(**state["model_args"]))
@@ -172,7 +177,7 @@ def test_the_optimizer_keeps_this_devices_implementation_across_a_resume(runs, f
     assert all(group["fused"] for group in optimizer.param_groups)  # the CPU's fused AdamW, as built
     # a real step: step.py hands fused AdamW its skip flag (found_inf), which the unfused one refuses
     data = load_split(str(runs / "chars"), "train", "memmap")
-    result = train_step(model, optimizer, scaler, TrainBatches(data, 4, 16, 0, cpu), 1e-3, 1, 1.0, cpu)
+    result = train_step(model, optimizer, scaler, TrainBatches(data, 4, 16, 0, CPU), 1e-3, 1, 1.0, CPU)
     assert bool(result.stepped) and torch.isfinite(result.loss)
 
     # the other way: the CPU's checkpoint (fused AdamW) restored for MPS, where AdamW is unfused

@@ -2,8 +2,8 @@
 resume on another world size, single-process readers, faults during a background write, and
 one-line messages for damaged checkpoints.
 
-The multi-process runs are shared by the tests, each a torchrun launch (conftest.torchrun):
-  sharded_straight   FSDP on 2 ranks, sharded + async, 20 steps (keep_last=4: iters 5, 10, 15 and 20 stay)
+The tests share three torchrun launches (the `runs` fixture):
+  sharded_straight   COMMON's run
   sharded_split      the straight run's out_dir as it stood at iter 10, resumed to 20 by a new launch
   sharded_full_disk  the straight run's checkpoint resumed on 2 ranks, its next write hitting a full disk (FULL_DISK)
 """
@@ -30,8 +30,7 @@ pytestmark = pytest.mark.skipif(
 EXIT_STOPPED = 75
 
 
-# the runs' keys (tiny_args and these): FSDP on 2 ranks, sharded + async, 20 steps
-# (keep_last=4: iters 5, 10, 15 and 20 stay)
+# FSDP on 2 ranks, sharded + async, 20 steps (keep_last=4: iters 5, 10, 15 and 20 stay)
 COMMON = dict(
     max_iters=20,
     lr_decay_iters=20,
@@ -47,7 +46,7 @@ COMMON = dict(
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The runs of the module docstring: (their root, the data, each run's ranks' reports)."""
+    """(root, the data, each run's ranks' reports, full_disk's exit codes): the module docstring's runs."""
     root = tmp_path_factory.mktemp("sharded")
     data = char_dataset(root / "chars")
     sharded = lambda name, **keys: torchrun(root, name, tiny_args(data, root / name, **{**COMMON, **keys}))
@@ -85,18 +84,13 @@ def test_fsdp_sharded_async_resume_is_exact(runs):
 @pytest.mark.process
 def test_a_sharded_checkpoint_is_a_directory_of_shards_committed_last(runs):
     root, _, _, _ = runs
-    names = sorted(p.name for p in (root / "sharded_straight").iterdir() if p.name.startswith("ckpt"))
+    straight = root / "sharded_straight"
+    names = sorted(p.name for p in straight.iterdir() if p.name.startswith("ckpt"))
     assert names == ["ckpt_0000005", "ckpt_0000010", "ckpt_0000015", "ckpt_0000020", "ckpt_best"]  # keep_last=4
-    assert sorted(os.listdir(root / "sharded_straight" / "ckpt_0000020")) == [
-        ".metadata",
-        "__0_0.distcp",
-        "__1_0.distcp",
-        "checkpoint.json",
-    ]
-    vals = {
-        r["iter"]: r["val_loss"] for r in read_metrics(root / "sharded_straight") if "val_loss" in r and r["iter"] > 0
-    }
-    assert os.readlink(root / "sharded_straight" / "ckpt_best") == f"ckpt_{min(vals, key=vals.get):07d}"
+    last = straight / "ckpt_0000020"
+    assert sorted(os.listdir(last)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "checkpoint.json"]
+    vals = {r["iter"]: r["val_loss"] for r in read_metrics(straight) if "val_loss" in r and r["iter"] > 0}
+    assert os.readlink(straight / "ckpt_best") == f"ckpt_{min(vals, key=vals.get):07d}"
 
 
 @pytest.mark.process
@@ -117,14 +111,8 @@ def test_the_sharded_checkpoint_resumes_on_one_rank_and_readers_need_no_process_
     model, _ = checkpoint.load_model(str(root / "sharded_split"), "latest", report=lambda m: None)
     whole = checkpoint.read_sharded(str(root / "sharded_split" / "ckpt_0000020"))
     assert all(torch.equal(v, whole["model"][k]) for k, v in model.state_dict().items())
-    sample = run_script(
-        "sample.py",
-        f"--out_dir={root / 'sharded_split'}",
-        "--device=cpu",
-        "--num_samples=1",
-        "--max_new_tokens=20",
-        "--checkpoint=latest",
-    )
+    sample_flags = ["--device=cpu", "--num_samples=1", "--max_new_tokens=20", "--checkpoint=latest"]
+    sample = run_script("sample.py", f"--out_dir={root / 'sharded_split'}", *sample_flags)
     assert sample.returncode == 0 and "ckpt_0000020 (iter 20" in sample.stdout + sample.stderr, sample.stderr
 
     converted = tmp_path / "converted.pt"  # the conversion command: the full format, as ckpt.pt is
@@ -214,25 +202,14 @@ def test_sigterm_while_a_save_is_in_flight_waits_for_it_and_exits_75(char_data, 
 
 
 def test_async_full_format_equals_the_synchronous_one(char_data, tmp_path):
-    runs = {}
     for asynchronous in (False, True):
-        out = tmp_path / str(asynchronous)
-        result = run_script(
-            "train.py",
-            *single(
-                char_data,
-                out,
-                max_iters=20,
-                lr_decay_iters=20,
-                keep_last=4,
-                checkpoint_format="auto",
-                async_checkpoint=asynchronous,
-            ),
+        keys = dict(
+            max_iters=20, lr_decay_iters=20, keep_last=4, checkpoint_format="auto", async_checkpoint=asynchronous
         )
+        result = run_script("train.py", *single(char_data, tmp_path / str(asynchronous), **keys))
         assert result.returncode == 0, result.stderr
-        runs[asynchronous] = out
     for name in ("ckpt_0000010.pt", "ckpt.pt"):  # iter 10 was written while training went on
-        assert_same_run(runs[True], runs[False], name)
+        assert_same_run(tmp_path / "True", tmp_path / "False", name)
 
 
 @pytest.mark.parametrize("content", [b"junk", os.urandom(4096), "truncated"], ids=["junk", "random", "truncated"])

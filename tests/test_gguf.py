@@ -1,9 +1,7 @@
 """hf.py --format=gguf against llama.cpp itself (llama-cpp-python, built from source by make test):
-llama.cpp tokenizes random text to our ids for GPT-2's BPE, a data/train_tokenizer.py tokenizer
-and a Llama-3-like tokenizer.json; a GPT-2-shaped and a Llama-shaped model trained here give our
-logits at every position and our 64 greedy tokens at f32 (f16 and q8_0 agreement printed); the
-chat demo's GGUF renders chat.py's ids and answers chat.py's replies through
-create_chat_completion; and the refusals are one line that leave no file behind."""
+its ids for random text and for chat templates, over three kinds of tokenizer; the logits and greedy
+tokens of a GPT-2-shaped and a Llama-shaped model trained here; chat.py's replies through
+create_chat_completion; and the refusals, one line that leaves no file behind."""
 
 import json
 import pickle
@@ -23,6 +21,7 @@ from conftest import (
     make_text,
     make_trained_tokenizer,
     needs,
+    one_line_error,
     save_checkpoint,
     tiny_args,
 )
@@ -68,10 +67,9 @@ USER_DEFINED = "[[note]]"  # an added token that is not special (llama.cpp: user
 
 
 def llama3_like(path):
-    """A small Llama-3-like tokenizer.json: byte-level BPE with GPT-4's split pattern trained here
-    (data/train_tokenizer.py's), Llama 3's special tokens after the merges, and ignore_merges on,
-    as in Llama 3's own file: a piece that is a whole token is that token, whatever the merges.
-    Like Llama 3's, it holds a token its merges never make (UNMERGED), where that shows."""
+    """A small Llama-3-like tokenizer.json: data/train_tokenizer.py's byte-level BPE trained here, Llama
+    3's special tokens after the merges, and, as in Llama 3's own file, ignore_merges on (a piece that
+    is a whole token is that token) and a token its merges never make (UNMERGED), where that shows."""
     from tokenizers import AddedToken, Tokenizer, pre_tokenizers, trainers
 
     tok = load_script("data/train_tokenizer.py").new_tokenizer()
@@ -92,50 +90,10 @@ def llama3_like(path):
 
 # ---------------------------------------------------------------------------- tokenization
 
-SCRIPTS = [
-    "hello",
-    "Zürich",
-    "naïve",
-    "Москва",
-    "Ελλάδα",
-    "東京都",
-    "日本語の文",
-    "서울",
-    "العربية",
-    "עברית",
-    "हिन्दी",
-    "ภาษาไทย",
-    "e\u0301",
-    "ǅemal",
-    "ﬁne",
-    "İstanbul",
-    "ß",
-    "Ωmega",
-]
+SCRIPTS = "hello Zürich naïve Москва Ελλάδα 東京都 日本語の文 서울 العربية עברית हिन्दी ภาษาไทย e\u0301 ǅemal ﬁne İstanbul ß Ωmega".split()
 EMOJI = ["🙂", "👩‍👩‍👧", "👍🏽", "🇫🇷", "❤️", "🤖", "✨"]
 SPACES = [" ", "  ", "   ", "\t", "\n", "\n\n", "\r\n", " \n ", "\u00a0", "\u3000", "\t \t", "    \n"]
-PUNCT = [
-    ".",
-    ",",
-    "!?",
-    "...",
-    "'s",
-    "'LL",
-    "'ve",
-    "'re",
-    "'d",
-    "'M",
-    "(",
-    ")",
-    '"',
-    "--",
-    "#",
-    "$",
-    "%",
-    "_",
-    "/*",
-    "::",
-]
+PUNCT = """. , !? ... 's 'LL 've 're 'd 'M ( ) " -- # $ % _ /* ::""".split()
 
 
 def random_text(rng, specials):
@@ -199,63 +157,32 @@ def test_llama_cpp_tokenizes_random_text_to_our_ids(tokenizers, tmp_path, kind, 
 
 # ---------------------------------------------------------------------------- logits and greedy tokens
 
+LLAMA3_SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32)
 SHAPES = {  # train.py flags: GPT-2's block without biases (zeros in the file), and a Llama with GQA and RoPE scaling
     "gpt2": dict(bias=False),
-    "llama": dict(
-        pos_encoding="rope",
-        norm="rmsnorm",
-        mlp="swiglu",
-        n_kv_head=1,
-        bias=False,
-        tie_embeddings=False,
-        rope_scaling=json.dumps(
-            dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32)
-        ),
-    ),
+    "llama": dict(pos_encoding="rope", norm="rmsnorm", mlp="swiglu", n_kv_head=1, bias=False, tie_embeddings=False)
+    | dict(rope_scaling=json.dumps(LLAMA3_SCALING)),
 }
 BLOCK = 96
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """{shape: out_dir}: a GPT-2-shaped model on GPT-2 BPE data and a Llama-shaped one on a
-    Llama-3-like tokenizer's data, each trained here for 40 steps, exported at f32, f16 and q8_0
-    (out_dir/<dtype>/model.gguf). Not conftest's tiny_run: GGUF holds no character vocabulary, and
-    llama.cpp is compared on BPE tokenizers, a Llama's shape and 96-token contexts."""
+    """{shape: out_dir}: each shape trained here for 40 steps on BPE data (GGUF holds no character
+    vocabulary, so not conftest's tiny_run), exported at f32, f16 and q8_0 (out_dir/<dtype>/model.gguf)."""
     root = tmp_path_factory.mktemp("trained")
     (root / "text.txt").write_text(make_text(40000, seed=4) + "\nZürich 東京 🙂 1234567 naïve\n")
     tokenizers = {"gpt2": "gpt2", "llama": str(llama3_like(root / "llama3.json"))}
     runs = {}
     for shape, overrides in SHAPES.items():
         data, out = root / f"data_{shape}", root / f"out_{shape}"
-        corpus.main(
-            [
-                "--input",
-                str(root / "text.txt"),
-                f"--out_dir={data}",
-                f"--tokenizer={tokenizers[shape]}",
-                "--txt_separator=\\n",
-                "--val_tokens=2000",
-                "--test_tokens=0",
-                "--workers=1",
-            ]
-        )
+        prepare = ["--input", str(root / "text.txt"), f"--out_dir={data}", f"--tokenizer={tokenizers[shape]}"]
+        corpus.main([*prepare, "--txt_separator=\\n", "--val_tokens=2000", "--test_tokens=0", "--workers=1"])
         # one row a step: the gpt2 shape's step is mostly its 50,304-token vocabulary's logits and
         # their log-softmax (0.52 s a step at 4 rows of 96 on this CPU), and 40 steps of one row
         # move every weight off its init
-        result = run_script(
-            "train.py",
-            *tiny_args(
-                data,
-                out,
-                block_size=BLOCK,
-                batch_size=1,
-                max_iters=40,
-                lr_decay_iters=40,
-                eval_interval=40,
-                **overrides,
-            ),
-        )
+        steps = dict(block_size=BLOCK, batch_size=1, max_iters=40, lr_decay_iters=40, eval_interval=40)
+        result = run_script("train.py", *tiny_args(data, out, **steps, **overrides))
         assert result.returncode == 0, result.stderr
         for dtype in gguf_export.DTYPES:
             (out / dtype).mkdir()
@@ -265,8 +192,7 @@ def trained(tmp_path_factory):
 
 
 def ggml_gelu(x, approximate="none"):
-    """llama.cpp's GELU on the CPU (ggml-cpu's vec.h): the tanh approximation, read from a table
-    indexed by x rounded to float16, its value rounded to float16; 0 below -10, x above 10."""
+    """llama.cpp's CPU GELU (ggml-cpu's vec.h): tanh's, from a float16-indexed float16 table; 0 below -10, x above 10."""
     y = EXACT_GELU(x.half().float(), approximate="tanh").half().float()
     return torch.where(x <= -10, 0.0, torch.where(x >= 10, x, y))
 
@@ -284,14 +210,11 @@ def ours(out_dir):
 @pytest.mark.process
 @pytest.mark.parametrize("shape", SHAPES)
 def test_llama_cpp_logits_and_greedy_tokens_are_ours(trained, shape, monkeypatch):
-    """At f32 llama.cpp's logits over the whole vocabulary at all 96 positions are our forward
-    pass's, and its 64 greedy tokens ours. The tolerance, 1e-5 of the logits' largest magnitude:
-    both sides compute in float32 and differ in the order of their sums (about 1e-6 measured:
-    BENCHMARKS.md), and llama.cpp's GELU is its own: the tanh approximation read from a table
-    indexed by float16. So the gpt2 logits are held to that tolerance against our model with
-    that GELU, and against our model as trained (exact GELU) to 4 times the GELU's own effect.
-    f16 and q8_0 are printed, not asserted (q8_0 with llama.cpp's weight repacking off on CPUs
-    with AMX, where it crashes: tests/llama_cpp_child.py)."""
+    """At f32, llama.cpp's logits (whole vocabulary, all 96 positions) and 64 greedy tokens are ours.
+    The tolerance, 1e-5 of the logits' largest magnitude: both sides compute in float32 and differ in
+    the order of their sums (about 1e-6 measured: BENCHMARKS.md). llama.cpp's GELU is its own (ggml_gelu),
+    so the gpt2 logits are held to that tolerance against our model with that GELU, and against our
+    model as trained to 4 times the GELU's own effect. f16 and q8_0 are printed, not asserted."""
     model, spec = ours(trained[shape])
     encode, _ = tokenizer.load(spec)
     ids = encode(make_text(2000, seed=11))[:BLOCK]
@@ -341,8 +264,7 @@ def test_llama_cpp_logits_and_greedy_tokens_are_ours(trained, shape, monkeypatch
 
 
 def greedy_ours(model, prompt, n_vocab, n=64):
-    """Greedy decoding by our forward pass alone: the whole sequence each step, argmax over the
-    exported tokens."""
+    """Greedy decoding by our forward pass alone (no cache), argmax over the exported tokens."""
     ids = list(prompt)
     with torch.no_grad():
         for _ in range(n):
@@ -356,8 +278,7 @@ def greedy_ours(model, prompt, n_vocab, n=64):
 
 @pytest.fixture(scope="module")
 def chat_demo(tmp_path_factory, shared_chat_demo):
-    """config/chat_demo_cpu.py's path, smaller (conftest's shared_chat_demo: 15,000 synthetic
-    conversations, the 512-token tokenizer, 180 steps); its GGUF at f32."""
+    """conftest's shared_chat_demo (config/chat_demo_cpu.py's path, smaller) and its GGUF at f32."""
     out, heldout = chat_demo_copy(shared_chat_demo, tmp_path_factory.mktemp("chat_demo") / "out")
     export(out)
     single_turn = [c for c in heldout if c["intent"] != "recall"][:20]  # chat.py --prompt asks one message
@@ -367,9 +288,8 @@ def chat_demo(tmp_path_factory, shared_chat_demo):
 @pytest.mark.process
 @pytest.mark.parametrize("kind", ["gpt2", "trained", "llama3"])
 def test_llama_cpp_renders_the_chat_template_to_our_ids(tokenizers, tmp_path, kind):
-    """For a chat model of each tokenizer (GPT-2's BPE with its four new turn tokens, a trained
-    one, Llama 3's format), llama.cpp's rendering of the GGUF's chat template, tokenized, is the
-    ids chat.py feeds the model; BOS, EOS and EOT are the template's."""
+    """llama.cpp's rendering of the GGUF's chat template, tokenized, is the ids chat.py feeds the
+    model (GPT-2's with its four new turn tokens, a trained one, Llama 3's); BOS, EOS and EOT are the template's."""
     template = Template(tokenizers[kind])
     spec = {**tokenizers[kind], "vocab_size": template.vocab_size, "chat": template.meta()}
     model = GPT(GPTConfig(**dict(TINY, n_layer=1, n_head=1, block_size=32, vocab_size=template.vocab_size)))
@@ -390,9 +310,8 @@ def test_llama_cpp_renders_the_chat_template_to_our_ids(tokenizers, tmp_path, ki
 
 @pytest.mark.process
 def test_create_chat_completion_answers_what_chat_py_answers(chat_demo):
-    """20 held-out prompts: llama.cpp renders the GGUF's chat template to the ids chat.py feeds
-    the model, and create_chat_completion at temperature 0 replies what chat.py --prompt
-    --temperature=0 prints."""
+    """20 held-out prompts: llama.cpp renders chat.py's ids, and create_chat_completion at
+    temperature 0 replies what chat.py --prompt --temperature=0 prints."""
     out_dir, conversations = chat_demo
     model, spec = ours(out_dir)
     template = Template(spec)
@@ -403,14 +322,8 @@ def test_create_chat_completion_answers_what_chat_py_answers(chat_demo):
     for c, messages, prompt, reply in zip(conversations, asked, theirs["prompts"], theirs["replies"], strict=True):
         assert prompt == template.render(messages, add_generation_prompt=True)[0]
         system = [f"--system={m['content']}" for m in messages if m["role"] == "system"]
-        result = run_script(
-            "chat.py",
-            f"--out_dir={out_dir}",
-            "--device=cpu",
-            *system,
-            f"--prompt={messages[-1]['content']}",
-            "--temperature=0",
-        )
+        prompt_flags = [*system, f"--prompt={messages[-1]['content']}", "--temperature=0"]
+        result = run_script("chat.py", f"--out_dir={out_dir}", "--device=cpu", *prompt_flags)
         assert result.returncode == 0, result.stderr
         assert result.stdout == reply + "\n", (messages, reply)
         right += reply == c["messages"][-1]["content"]
@@ -423,75 +336,65 @@ def test_create_chat_completion_answers_what_chat_py_answers(chat_demo):
 def assert_refused(out_dir, named, *args):
     """hf.py --format=gguf fails with one line that names the problem, and writes nothing."""
     before = sorted(p.name for p in out_dir.iterdir())
-    result = run_script("hf.py", f"--out_dir={out_dir}", "--format=gguf", *args)
-    assert result.returncode != 0
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and named in lines[0], result.stderr
+    one_line_error(run_script("hf.py", f"--out_dir={out_dir}", "--format=gguf", *args), named)
     assert sorted(p.name for p in out_dir.iterdir()) == before
 
 
-def test_a_character_vocabulary_is_refused(tiny_run):
-    assert_refused(tiny_run, "character-level vocabulary")
-
-
-@pytest.mark.parametrize(
-    "options,named",
-    [
-        (dict(pos_encoding="rope", norm="rmsnorm", mlp="swiglu", qk_norm=True), "its llama its qk_norm=True"),
-        (dict(n_kv_head=1), "GGUF's gpt2 cannot hold its n_kv_head=1, nor its llama its pos_encoding='learned'"),
-        (dict(norm="rmsnorm"), "GGUF's gpt2 cannot hold its norm='rmsnorm'"),
-    ],
-)
-def test_models_gguf_cannot_hold_are_refused(tmp_path, options, named):
-    model = GPT(GPTConfig(**dict(TINY, n_layer=1, vocab_size=50257, **options)))
-    assert_refused(save_checkpoint(tmp_path / "out", model, tokenizer.make_spec("gpt2")), named)
-
-
-def tokenizer_json(path, **changes):
-    """A byte-level BPE tokenizer.json trained here, with one part swapped."""
+def tokenizer_json(path, change):
+    """A byte-level BPE tokenizer.json trained here, with one part (change) that llama.cpp does otherwise."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = changes.get("pre_tokenizer", pre_tokenizers.ByteLevel(add_prefix_space=False))
-    if "normalizer" in changes:
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=change == "prefix_space")
+    if change == "whitespace":
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    if change == "normalizer":
         tok.normalizer = normalizers.NFKC()
     tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
     trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>"],
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False, initial_alphabet=alphabet
     )
     tok.train_from_iterator([make_text(5000, seed=2)], trainer)
     tok.save(str(path))
     return tokenizer.make_spec(str(path))
 
 
+LLAMA_QK_NORM = dict(pos_encoding="rope", norm="rmsnorm", mlp="swiglu", qk_norm=True)
+
+
 @pytest.mark.parametrize(
-    "change,named",
+    "options, change, args, named",
     [
-        ("prefix_space", "pre-tokenizer ByteLevel(add_prefix_space=True)"),
-        ("whitespace", "pre-tokenizer Whitespace"),
-        ("normalizer", "normalizer NFKC"),
+        # options None: conftest's tiny_run, a character-level model
+        pytest.param(None, None, [], "character-level vocabulary", id="char-vocabulary"),
+        pytest.param(LLAMA_QK_NORM, None, [], "its llama its qk_norm=True", id="qk_norm"),
+        pytest.param(
+            dict(n_kv_head=1),
+            None,
+            [],
+            "GGUF's gpt2 cannot hold its n_kv_head=1, nor its llama its pos_encoding='learned'",
+            id="gqa-learned",
+        ),
+        pytest.param(dict(norm="rmsnorm"), None, [], "GGUF's gpt2 cannot hold its norm='rmsnorm'", id="rmsnorm"),
+        # tokenizers llama.cpp splits otherwise
+        pytest.param({}, "prefix_space", [], "pre-tokenizer ByteLevel(add_prefix_space=True)", id="prefix-space"),
+        pytest.param({}, "whitespace", [], "pre-tokenizer Whitespace", id="whitespace"),
+        pytest.param({}, "normalizer", [], "normalizer NFKC", id="normalizer"),
+        # bad options
+        pytest.param(None, None, ["--gguf_dtype=q4_0"], "gguf_dtype='q4_0' is not one of", id="q4_0"),
+        pytest.param(None, None, ["--format=onnx"], "format='onnx' is not one of", id="onnx"),
+        pytest.param(None, None, ["--export_dir={out}/ckpt.pt/gguf"], "cannot create export_dir", id="export_dir"),
     ],
 )
-def test_tokenizers_llama_cpp_splits_otherwise_are_refused(tmp_path, change, named):
-    from tokenizers import pre_tokenizers
-
-    changes = {
-        "prefix_space": dict(pre_tokenizer=pre_tokenizers.ByteLevel(add_prefix_space=True)),
-        "whitespace": dict(pre_tokenizer=pre_tokenizers.Whitespace()),
-        "normalizer": dict(normalizer=True),
-    }[change]
-    spec = tokenizer_json(tmp_path / "tokenizer.json", **changes)
-    model = GPT(GPTConfig(**dict(TINY, n_layer=1, vocab_size=spec["vocab_size"])))
-    assert_refused(save_checkpoint(tmp_path / "out", model, spec), named)
-
-
-def test_bad_options_are_one_line(tiny_run):
-    assert_refused(tiny_run, "gguf_dtype='q4_0' is not one of", "--gguf_dtype=q4_0")
-    assert_refused(tiny_run, "format='onnx' is not one of", "--format=onnx")
-    assert_refused(tiny_run, "cannot create export_dir", f"--export_dir={tiny_run / 'ckpt.pt' / 'gguf'}")
+def test_what_gguf_cannot_hold_is_refused(request, tmp_path, options, change, args, named):
+    if options is None:
+        out_dir = request.getfixturevalue("tiny_run")
+    else:
+        spec = tokenizer_json(tmp_path / "tokenizer.json", change) if change else tokenizer.make_spec("gpt2")
+        model = GPT(GPTConfig(**dict(TINY, n_layer=1, vocab_size=spec["vocab_size"], **options)))
+        out_dir = save_checkpoint(tmp_path / "out", model, spec)
+    assert_refused(out_dir, named, *(arg.format(out=out_dir) for arg in args))
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,7 @@
-"""The Llama-style options of model.GPT against explicit formulas and properties (RoPE, GQA,
-RMSNorm, SwiGLU, QK-norm, untied embeddings, activation checkpointing), the 1B recipe's
-parameter count, FLOPs by hand, cached generation, a CPU training run, resume checks, and the
-GPT-2 default pinned to a reference written out here. (Exact resume, 2 ranks as 1 and a kill -9 of a
-Llama-shaped run: tests/test_recipes.py, recipe llama.)"""
+"""The Llama-style options of model.GPT against explicit formulas and properties, the 1B recipe's
+parameter count, FLOPs by hand, cached generation, a CPU training run, resume checks, and the GPT-2
+default's weights pinned to a reference written out here. (Exact resume, 2 ranks as 1 and a kill -9 of
+a Llama-shaped run: tests/test_recipes.py, recipe llama.)"""
 
 import math
 
@@ -17,9 +16,10 @@ from configurator import TrainConfig, UserError, parse
 from gpt.inference.sampling import KVCache, generate
 from gpt.outdir.checkpoint import check_resumable
 from gpt.train.build import make_model_args
-from model import GPT, MLP, CausalSelfAttention, GPTConfig, apply_rope, make_norm, rope_tables
+from model import GPT, CausalSelfAttention, GPTConfig, apply_rope, make_norm, rope_tables
 
 LLAMA = dict(TINY_LLAMA, n_head=4, n_kv_head=2, qk_norm=True)
+SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32)  # Llama 3's
 
 
 def random_weights(module, std=0.3, seed=0):
@@ -42,18 +42,10 @@ def idx(B, T, seed=1):
 # ---------------------------------------------------------------------------- RoPE
 
 
-def test_rope_is_a_rotation_of_pairs_i_and_i_plus_half():
-    """apply_rope against complex multiplication: (x_i + j x_{i+hs/2}) * exp(j p theta^(-2i/hs))."""
-    hs, T, theta = 8, 12, 10000.0
-    x = torch.randn(2, 3, T, hs)
-    cos, sin = rope_tables(hs, T, theta)
-    z = torch.complex(x[..., : hs // 2], x[..., hs // 2 :])
-    angle = torch.arange(T)[:, None] * theta ** (-torch.arange(0, hs, 2) / hs)  # (T, hs/2)
-    turned = z * torch.polar(torch.ones_like(angle), angle)
-    torch.testing.assert_close(apply_rope(x, cos, sin), torch.cat([turned.real, turned.imag], dim=-1))
-
-
-def test_rope_scores_depend_only_on_relative_position():
+def test_rope_depends_only_on_relative_position():
+    """q.k scores depend on the offset between positions alone (yet on it), and a whole attention
+    layer gives the same tokens placed later the same outputs. (The rotation itself:
+    tests/test_hf.py's test_rope_is_transformers_rotation, against transformers' Llama.)"""
     hs, theta = 16, 10000.0
     cos, sin = rope_tables(hs, 64, theta)
     q, k = torch.randn(2, hs, generator=torch.Generator().manual_seed(0))
@@ -69,10 +61,6 @@ def test_rope_scores_depend_only_on_relative_position():
     offsets = [score(5, n) for n in range(6)]  # yet the offset itself matters
     assert max(offsets) - min(offsets) > 0.1, offsets
 
-
-def test_rope_attention_is_the_same_at_any_offset():
-    """A whole attention layer with RoPE: the same tokens placed later in the context give the
-    same outputs (no absolute position anywhere)."""
     attn = random_weights(CausalSelfAttention(GPTConfig(**LLAMA)))
     cos, sin = rope_tables(8, 64, 10000.0)
     x = torch.randn(2, 10, 32)
@@ -95,9 +83,9 @@ def test_rope_model_has_no_position_table_and_keeps_its_tables_out_of_checkpoint
 
 
 def explicit_attention(attn, x, rope=None):
-    """Grouped-query causal attention written out: every k/v head repeated for its group of
-    q heads, RMS-normalized q and k when the layer has QK-norm, rotated by RoPE, softmax with
-    a mask, then c_proj."""
+    """Grouped-query causal attention written out: every k/v head repeated for its group of q heads,
+    each head's q and k RMS-normalized over its dims when the layer has QK-norm, rotated by RoPE,
+    softmax with a mask, then c_proj."""
     B, T, C = x.shape
     nh, nkv, hs = attn.n_head, attn.n_kv_head, C // attn.n_head
     q, k, v = attn.c_attn(x).split([C, nkv * hs, nkv * hs], dim=2)
@@ -121,24 +109,8 @@ def test_attention_equals_explicit_gqa(n_kv_head, qk_norm):
     cos, sin = rope_tables(8, 16, 10000.0)
     x = torch.randn(3, 16, 32)
     with torch.no_grad():
-        torch.testing.assert_close(
-            attn(x, rope=(cos, sin)), explicit_attention(attn, x, (cos, sin)), atol=1e-5, rtol=1e-4
-        )
-
-
-def test_gqa_equals_multi_head_attention_with_kv_heads_repeated():
-    """4 query heads on 2 k/v heads == plain multi-head attention whose k/v projections repeat
-    each k/v head for its two query heads."""
-    gqa = random_weights(CausalSelfAttention(GPTConfig(**{**LLAMA, "n_kv_head": 2, "qk_norm": False})))
-    mha = CausalSelfAttention(GPTConfig(**{**LLAMA, "n_kv_head": 4, "qk_norm": False})).eval()
-    C, hs = 32, 8
-    wq, wk, wv = gqa.c_attn.weight.split([C, 2 * hs, 2 * hs])  # (out, in) rows per head
-    with torch.no_grad():
-        repeated = (w.view(2, hs, C).repeat_interleave(2, dim=0).reshape(4 * hs, C) for w in (wk, wv))
-        mha.c_attn.weight.copy_(torch.cat([wq, *repeated]))
-        mha.c_proj.weight.copy_(gqa.c_proj.weight)
-        x = torch.randn(2, 16, C)
-        torch.testing.assert_close(gqa(x), mha(x), atol=1e-6, rtol=1e-5)
+        for rope in (None, (cos, sin)):  # learned positions' attention, and RoPE's
+            torch.testing.assert_close(attn(x, rope=rope), explicit_attention(attn, x, rope), atol=1e-6, rtol=1e-5)
 
 
 def test_n_kv_head_equal_to_n_head_is_plain_multi_head_attention():
@@ -155,19 +127,6 @@ def test_n_kv_head_equal_to_n_head_is_plain_multi_head_attention():
     assert torch.equal(models[0](x, logits_at="all")[0], models[1](x, logits_at="all")[0])
 
 
-def test_qk_norm_normalizes_each_heads_queries_and_keys():
-    attn = random_weights(CausalSelfAttention(GPTConfig(**LLAMA)))
-    seen = {}
-    attn.q_norm.register_forward_hook(lambda m, i, out: seen.setdefault("q", out))
-    attn.k_norm.register_forward_hook(lambda m, i, out: seen.setdefault("k", out))
-    with torch.no_grad():
-        nn.init.ones_(attn.q_norm.weight), nn.init.ones_(attn.k_norm.weight)
-        attn(torch.randn(2, 5, 32) * 10)
-    assert seen["q"].shape == (2, 4, 5, 8) and seen["k"].shape == (2, 2, 5, 8)  # per head, over the head dims
-    for t in seen.values():
-        torch.testing.assert_close(t.pow(2).mean(-1), torch.ones(t.shape[:-1]), atol=1e-4, rtol=0)
-
-
 # ---------------------------------------------------------------------------- norms and MLPs
 
 
@@ -181,20 +140,8 @@ def test_rmsnorm_formula():
     assert not any(n.endswith("bias") for n, _ in norm.named_parameters())
 
 
-@pytest.mark.parametrize("mlp", ["swiglu", "gelu", "gelu_tanh"])
-def test_mlp_formulas(mlp):
-    block = random_weights(MLP(GPTConfig(n_embd=32, n_head=4, mlp=mlp, mlp_hidden=48, bias=False)), std=0.2)
-    x = torch.randn(3, 5, 32)
-    h = x @ block.c_fc.weight.T
-    if mlp == "swiglu":
-        gate, up = h[..., :48], h[..., 48:]
-        h = gate * torch.sigmoid(gate) * up  # Swish(gate) * up
-    elif mlp == "gelu":
-        h = 0.5 * h * (1 + torch.erf(h / math.sqrt(2)))
-    else:
-        h = 0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h**3)))
-    with torch.no_grad():
-        torch.testing.assert_close(block(x), h @ block.c_proj.weight.T, atol=1e-5, rtol=1e-4)
+# the MLPs' formulas (exact and tanh GELU, SwiGLU): tests/test_hf.py's import and export tests, against
+# transformers' GPT-2 and Llama
 
 
 @pytest.mark.parametrize(
@@ -217,15 +164,6 @@ def test_swiglu_init_scales_its_down_projection_like_gpt2s_c_proj():
 # ---------------------------------------------------------------------------- embeddings, counts, FLOPs
 
 
-def test_untied_embeddings_are_two_matrices():
-    model = GPT(GPTConfig(**LLAMA))
-    assert model.transformer.wte.weight is not model.lm_head.weight
-    assert {"transformer.wte.weight", "lm_head.weight"} <= model.state_dict().keys()
-    n_all = sum(p.numel() for p in model.parameters())
-    assert model.num_params(non_embedding=False) == n_all
-    assert model.num_params() == n_all - 128 * 32  # the lookup table does no matmul work; lm_head does
-
-
 def llama_params_by_hand(L, C, nh, nkv, H, V, tied, qk_norm):
     hs = C // nh
     per_block = C + C * (C + 2 * nkv * hs) + C * C + C + C * 2 * H + H * C + qk_norm * 2 * hs  # no biases
@@ -245,26 +183,15 @@ def test_llama_1b_recipe_has_llama_3_2_1b_parameter_count():
     assert 19e9 < cfg.max_iters * 2**20 < 21e9  # ~20B tokens
 
 
-def test_flops_per_token_by_hand_for_a_llama_style_model():
-    L, C, nh, nkv, H, V, T = 3, 64, 8, 2, 96, 128, 32
-    model = GPT(
-        GPTConfig(
-            n_layer=L,
-            n_embd=C,
-            n_head=nh,
-            n_kv_head=nkv,
-            mlp_hidden=H,
-            block_size=T,
-            vocab_size=V,
-            pos_encoding="rope",
-            norm="rmsnorm",
-            mlp="swiglu",
-            qk_norm=True,
-            tie_embeddings=False,
-            bias=False,
-        )
-    )
-    N = llama_params_by_hand(L, C, nh, nkv, H, V, tied=False, qk_norm=True) - V * C  # the untied wte is a lookup
+def test_untied_embeddings_and_flops_per_token_by_hand_for_a_llama_style_model():
+    L, C, nh, nkv, H, V, T = 3, 64, 8, 2, 96, 128, 32  # V: vocab_size=65's padded rows, parameters too
+    shape = dict(n_layer=L, n_embd=C, n_head=nh, n_kv_head=nkv, mlp_hidden=H, block_size=T, vocab_size=65)
+    model = GPT(GPTConfig(**dict(TINY_LLAMA, **shape, qk_norm=True)))  # RoPE, RMSNorm, SwiGLU, untied, no biases
+    assert model.transformer.wte.weight is not model.lm_head.weight
+    assert {"transformer.wte.weight", "lm_head.weight"} <= model.state_dict().keys()
+    n_all = llama_params_by_hand(L, C, nh, nkv, H, V, tied=False, qk_norm=True)
+    assert model.num_params(non_embedding=False) == n_all == sum(p.numel() for p in model.parameters())
+    N = n_all - V * C  # the untied wte is a lookup: it does no matmul work; lm_head does
     assert model.num_params() == N
     # attention's scores and weighted values, per query head: 2 * (2 T hs) forward, x3 with backward
     assert model.flops_per_token() == 6 * N + L * nh * (2 * 2 * T * (C // nh)) * 3
@@ -326,19 +253,10 @@ def reference_gpt2_weights(seed, L, C, V, T, bias):
     module order (the tied wte is lm_head's, drawn last), zero biases, and the residual
     projections redrawn with std 0.02/sqrt(2L)."""
     torch.manual_seed(seed)
+    ln, linear = lambda: nn.LayerNorm(C, bias=bias), lambda n_in, n_out: nn.Linear(n_in, n_out, bias=bias)
     wte, wpe = nn.Embedding(V, C), nn.Embedding(T, C)
-    blocks = [
-        [
-            nn.LayerNorm(C, bias=bias),
-            nn.Linear(C, 3 * C, bias=bias),
-            nn.Linear(C, C, bias=bias),
-            nn.LayerNorm(C, bias=bias),
-            nn.Linear(C, 4 * C, bias=bias),
-            nn.Linear(4 * C, C, bias=bias),
-        ]
-        for _ in range(L)
-    ]
-    ln_f, lm_head = nn.LayerNorm(C, bias=bias), nn.Linear(C, V, bias=False)
+    blocks = [[ln(), linear(C, 3 * C), linear(C, C), ln(), linear(C, 4 * C), linear(4 * C, C)] for _ in range(L)]
+    ln_f, lm_head = ln(), nn.Linear(C, V, bias=False)
     for m in [wte, wpe, *(m for b in blocks for m in b), ln_f, lm_head]:
         if not isinstance(m, nn.LayerNorm):
             nn.init.normal_(m.weight, 0.0, 0.02)
@@ -361,30 +279,11 @@ def reference_gpt2_weights(seed, L, C, V, T, bias):
     return {k: v.detach() for k, v in w.items()}
 
 
-def reference_gpt2_logits(w, x, L, nh, eps=1e-5):
-    """GPT-2's forward from its weights, op by op."""
-    B, T = x.shape
-    C = w["transformer.wte.weight"].size(1)
-    g = lambda name: (w[name + ".weight"], w.get(name + ".bias"))
-    h = w["transformer.wte.weight"][x] + w["transformer.wpe.weight"][:T]
-    mask = torch.triu(torch.ones(T, T, dtype=torch.bool), 1)
-    for i in range(L):
-        p = f"transformer.h.{i}."
-        a = F.layer_norm(h, (C,), *g(p + "ln_1"), eps)
-        q, k, v = F.linear(a, *g(p + "attn.c_attn")).split(C, -1)
-        q, k, v = (t.view(B, T, nh, C // nh).transpose(1, 2) for t in (q, k, v))
-        att = F.softmax((q @ k.transpose(-1, -2) / math.sqrt(C // nh)).masked_fill(mask, float("-inf")), -1)
-        h = h + F.linear((att @ v).transpose(1, 2).reshape(B, T, C), *g(p + "attn.c_proj"))
-        m = F.linear(F.layer_norm(h, (C,), *g(p + "ln_2"), eps), *g(p + "mlp.c_fc"))
-        h = h + F.linear(0.5 * m * (1 + torch.erf(m / math.sqrt(2))), *g(p + "mlp.c_proj"))
-    return F.layer_norm(h, (C,), *g("transformer.ln_f"), eps) @ w["lm_head.weight"].T
-
-
 @pytest.mark.parametrize("bias", [True, False])
 def test_gpt2_default_is_unchanged(bias):
-    """The default GPTConfig is still GPT-2: the same parameter names and shapes, the same
-    weights from the same seed (so a seeded run trains the same), and logits equal to GPT-2's
-    forward written out."""
+    """The default GPTConfig is still GPT-2: the same parameter names and shapes, and the same
+    weights from the same seed (so a seeded run trains the same). Its logits are GPT-2's:
+    tests/test_hf.py's test_export_logits_match_transformers[gpt2-gelu, gpt2-no-bias]."""
     L, C, nh, V, T = 2, 32, 4, 65, 16
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=L, n_head=nh, n_embd=C, block_size=T, vocab_size=V, bias=bias)).eval()
@@ -393,11 +292,6 @@ def test_gpt2_default_is_unchanged(bias):
     assert list(state) == list(reference)
     assert all(torch.equal(state[k], reference[k]) for k in state), "same seed, different weights"
     assert model.transformer.wte.weight is model.lm_head.weight
-    x = idx(2, T)
-    with torch.no_grad():
-        torch.testing.assert_close(
-            model(x, logits_at="all")[0], reference_gpt2_logits(reference, x, L, nh)[..., :V], atol=1e-5, rtol=1e-4
-        )
 
 
 # ---------------------------------------------------------------------------- train.py: keys, resume, a CPU run
@@ -414,6 +308,10 @@ def test_gpt2_default_is_unchanged(bias):
         (["--mlp=relu"], "mlp='relu'"),
         (["--parallelism=zero3"], "parallelism='zero3'"),
         (["--mlp_hidden=-1"], "mlp_hidden"),
+        ([f"--rope_scaling={SCALING}"], "needs pos_encoding='rope'"),
+        (["--pos_encoding=rope", "--rope_scaling={'factor': 8.0}"], "must have exactly the numbers"),
+        (["--pos_encoding=rope", f"--rope_scaling={dict(SCALING, low_freq_factor=5.0)}"], "low_freq_factor < high"),
+        (["--norm_eps=0"], "norm_eps=0"),
     ],
 )
 def test_bad_llama_keys_are_one_line_errors(argv, expected):
@@ -434,38 +332,29 @@ def test_resume_refuses_another_architecture_and_accepts_old_checkpoints():
     check_resumable(old, {**gpt2, "n_kv_head": 4})  # 0 and n_head are the same attention
     with pytest.raises(UserError, match="pos_encoding learned -> rope"):
         check_resumable(old, {**gpt2, "pos_encoding": "rope"})
+    # the RoPE scaling and norm_eps are recorded, and a change of either is another model
+    assert GPTConfig().rope_scaling is None
+    argv = ["--pos_encoding=rope", f"--rope_scaling={SCALING}", "--norm_eps=1e-6"]
+    scaled = make_model_args(parse(TrainConfig, argv), 65)
+    assert scaled["rope_scaling"] == SCALING and scaled["norm_eps"] == 1e-6
+    with pytest.raises(UserError, match="rope_scaling"):
+        check_resumable(scaled, {**scaled, "rope_scaling": dict(SCALING, factor=4.0)})
+    with pytest.raises(UserError, match="norm_eps"):
+        check_resumable(scaled, {**scaled, "norm_eps": 1e-5})
 
 
 def test_tiny_llama_trains_on_cpu_and_samples(char_data, tmp_path):
     out = tmp_path / "out"
-    result = run_script(
-        "train.py",
-        "config/train_llama_tiny.py",
-        f"--dataset={char_data}",
-        f"--out_dir={out}",
-        "--max_iters=60",
-        "--lr_decay_iters=60",
-        "--warmup_iters=5",
-        "--eval_interval=30",
-        "--eval_iters=4",
-        "--log_interval=10",
-        "--batch_size=8",
-        "--block_size=32",
-    )
+    run = ["config/train_llama_tiny.py", f"--dataset={char_data}", f"--out_dir={out}", "--max_iters=60"]
+    run += "--lr_decay_iters=60 --warmup_iters=5 --eval_interval=30 --eval_iters=4 --log_interval=10".split()
+    result = run_script("train.py", *run, "--batch_size=8", "--block_size=32")
     assert result.returncode == 0, result.stderr
     evals = [r["val_loss"] for r in read_metrics(out) if "val_loss" in r]
     assert len(evals) == 3 and evals[-1] < evals[0] - 0.8, evals  # it learned
     state = torch.load(out / "ckpt.pt", weights_only=True)
     assert state["model_args"]["pos_encoding"] == "rope" and state["model_args"]["n_kv_head"] == 1
     assert "transformer.wpe.weight" not in state["model"]
-    sampled = run_script(
-        "sample.py",
-        f"--out_dir={out}",
-        "--device=cpu",
-        "--num_samples=1",
-        "--max_new_tokens=40",
-        "--start=The",
-        "--stream=False",
-    )
+    sample = "--device=cpu --num_samples=1 --max_new_tokens=40 --start=The --stream=False".split()
+    sampled = run_script("sample.py", f"--out_dir={out}", *sample)
     assert sampled.returncode == 0, sampled.stderr
     assert sampled.stdout.count("The") >= 1
