@@ -1,9 +1,6 @@
-"""Shared test helpers: the CPU runtime and the tiny model shapes, tiny datasets made on the spot,
-train.py's flags for a tiny model, what tests read of a run (untimed, losses, one_line_error), a
-checkpoint as train.py writes one, the tokenizers several files make, the tree's files as a clone has
-them, the runs trained once for every test that reads them (a tiny character run, the chat demo),
-the recipes' checks, and serve.py's app on a loopback port for the serving tests. Running the
-commands themselves: processes.py."""
+"""What several test files share: the CPU runtime, the tiny shapes, data made on the spot, the runs
+trained once for every test that reads them, what tests read of a run, made tokenizers and
+checkpoints, the recipes' checks, serve.py's app on a loopback port. Starting commands: processes.py."""
 
 import contextlib
 import dataclasses
@@ -183,10 +180,7 @@ def losses(out_dir):
 
 
 def save_checkpoint(out_dir, model, tokenizer_spec):
-    """out_dir (made here) holding model's ckpt.pt as train.py writes one (the model, its args, the
-    tokenizer's description), at iter 0 with no config, for the exporters and chat.py to read."""
-    import torch
-
+    """out_dir (made here) holding model's ckpt.pt as train.py writes one, at iter 0 with no config."""
     out_dir.mkdir()
     state = {"model": model.state_dict(), "model_args": dataclasses.asdict(model.config), "config": {}}
     state.update(iter_num=0, best_val_loss=math.nan, tokenizer=tokenizer_spec)
@@ -195,9 +189,8 @@ def save_checkpoint(out_dir, model, tokenizer_spec):
 
 
 def one_line_error(result, *fragments):
-    """The one line a command printed for bad input (result: run_script's or run_python's), once it
-    is checked: a non-zero exit (2: configurator.UserError's), no traceback, that line alone on
-    stderr, as `error: ...`, holding each fragment."""
+    """The one line a command printed for bad input, checked: a non-zero exit, no traceback, that
+    line alone on stderr as `error: ...`, holding each fragment."""
     lines = result.stderr.strip().splitlines()
     assert result.returncode != 0 and "Traceback" not in result.stderr and len(lines) == 1, result.stderr
     assert lines[0].startswith("error: "), lines[0]
@@ -206,10 +199,8 @@ def one_line_error(result, *fragments):
 
 
 def tree_files(root=REPO):
-    """The files (relative paths, sorted) of the tree as a fresh clone has it: those git tracks or
-    would add (git ls-files). In a copy that is not a checkout (a downloaded archive), git itself reads
-    its .gitignore files, through an empty repository made for the purpose. Files, not links (the venv,
-    linked into a copy)."""
+    """The files of the tree as a fresh clone has it (git ls-files); in a copy that is no checkout,
+    through an empty repository beside it. Files, not links (the venv, linked into a copy)."""
     with tempfile.TemporaryDirectory() as empty:
         git = ["git"] if (root / ".git").exists() else ["git", f"--git-dir={empty}", f"--work-tree={root}"]
         if len(git) > 1:
@@ -250,9 +241,8 @@ FT_COMMON = dict(
 
 
 def ft_group(char_data, out, g, lighthouse, log, **extra):
-    """train.py as replica group g of 2 at `lighthouse`'s address (FT_COMMON's run, with `extra`), its
-    output in the file `log` (torchft's Rust side logs every quorum: a pipe nobody reads while it runs
-    would fill and stop it)."""
+    """train.py as replica group g of 2 at `lighthouse`, its output in the file `log` (torchft logs
+    every quorum: a pipe nobody reads would fill and stop it)."""
     keys = {**FT_COMMON, "ft_replica_group": g, "ft_groups": 2, "ft_lighthouse": lighthouse, **extra}
     return start_python([REPO / "train.py", *tiny_args(char_data, out, **keys)], log, env={"OMP_NUM_THREADS": "1"})
 
@@ -283,9 +273,7 @@ def _build_chat_demo(root):
 
 
 def built_once(tmp_path_factory, name, build):
-    """The folder `name` for the whole test run, build(folder) the first time a test asks: under
-    pytest's base temp (above pytest-xdist's workers'), built by the first worker to ask under a lock
-    while the others wait."""
+    """The folder `name` for the whole test run, built by the first worker to ask (under a lock)."""
     root = tmp_path_factory.getbasetemp()
     root = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / name  # above the workers'
     with open(f"{root}.lock", "w") as lock:
@@ -300,10 +288,8 @@ def built_once(tmp_path_factory, name, build):
 
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory):
-    """The out_dir of one finished tiny character-level run (train_tiny_run's model, 30 steps, one
-    eval at the end; ckpt.pt and ckpt_best.pt), trained once per test run for every test that reads
-    a trained run; its dataset is out_dir.parent / "chars". Read it only; a test that writes there
-    takes tiny_run_copy."""
+    """The out_dir of one tiny character run (30 steps, one eval at the end), trained once per test
+    run; its dataset is out_dir.parent / "chars". Read only: a test that writes takes tiny_run_copy."""
     build = lambda root: train_tiny_run(root, max_iters=30, lr_decay_iters=30, eval_interval=30)
     return built_once(tmp_path_factory, "tiny_run", build) / "out"
 
@@ -316,9 +302,8 @@ def tiny_run_copy(tiny_run, tmp_path):
 
 @pytest.fixture(scope="session")
 def shared_chat_demo(tmp_path_factory):
-    """The chat demo's path at 15% of its steps (Muon's learning rate 0.03 instead of 0.02: as many
-    held-out answers right as 250 steps at 0.02), trained once per test run (built_once).
-    (out_dir, held-out conversations). Read it only; copy out_dir with chat_demo_copy to write there."""
+    """(out_dir, held-out conversations) of the chat demo at 15% of its steps (Muon's rate 0.03: as
+    many held-out answers right as 250 steps at 0.02), trained once per test run. Read only."""
     root = built_once(tmp_path_factory, "shared_chat_demo", _build_chat_demo)
     return root / "out", [json.loads(line) for line in (root / "data" / "heldout.jsonl").read_text().splitlines()]
 
