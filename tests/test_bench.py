@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import CPU, TINY_BENCH, read_metrics, tiny_args, tiny_bench_args
+from conftest import CPU, TINY_BENCH, char_dataset, read_metrics, tiny_args, tiny_bench_args
 from processes import REPO, load_script, run_script
 
 import bench
@@ -60,25 +60,23 @@ DEVICE_PEAKS = [
 ]
 
 
-@pytest.mark.parametrize("name, bf16, tf32", DEVICE_PEAKS, ids=[d[0] for d in DEVICE_PEAKS])
-def test_peak_lookup_by_reported_name(name, bf16, tf32):
-    assert gpu_flops.peak_flops(name, torch.bfloat16) == bf16 * 1e12
-    assert gpu_flops.peak_flops(name, torch.float16) == bf16 * 1e12
-    assert gpu_flops.peak_flops(name, torch.float32) == tf32 * 1e12  # TF32 matmuls are on under CUDA
+# unknown devices have no peak: no number is better than a wrong one (MFU shows n/a, and peak_flops= can supply it)
+UNKNOWN = ["NVIDIA A10G", "NVIDIA GeForce RTX 3060 Laptop GPU", "AMD Instinct MI300X", "Tesla P100-PCIE-16GB"]
 
 
 @pytest.mark.parametrize(
-    "name", ["NVIDIA A10G", "NVIDIA GeForce RTX 3060 Laptop GPU", "AMD Instinct MI300X", "Tesla P100-PCIE-16GB"]
+    "name, bf16, tf32", DEVICE_PEAKS + [(n, None, None) for n in UNKNOWN], ids=[d[0] for d in DEVICE_PEAKS] + UNKNOWN
 )
-def test_unknown_devices_have_no_peak(name):
-    # no number is better than a wrong one: MFU shows n/a, and peak_flops= can supply it
-    assert gpu_flops.peak_flops(name, torch.bfloat16) is None
+def test_peak_lookup_by_reported_name(name, bf16, tf32):
+    tera = lambda tflops: None if tflops is None else tflops * 1e12
+    assert gpu_flops.peak_flops(name, torch.bfloat16) == tera(bf16)
+    assert gpu_flops.peak_flops(name, torch.float16) == tera(bf16)
+    assert gpu_flops.peak_flops(name, torch.float32) == tera(tf32)  # TF32 matmuls are on under CUDA
 
 
 def test_peak_override_and_cpu():
-    cpu = CPU
-    assert gpu_flops.device_peak_flops(cpu) is None
-    assert gpu_flops.device_peak_flops(cpu, override=123e12) == 123e12
+    assert gpu_flops.device_peak_flops(CPU) is None
+    assert gpu_flops.device_peak_flops(CPU, override=123e12) == 123e12
 
 
 def test_mfu_scales_with_world_size():
@@ -99,32 +97,40 @@ def best_gemm_flops():
     return best
 
 
-def test_mfu_never_above_100_percent_in_training(char_data, tmp_path):
-    peak = best_gemm_flops()
-    result = run_script("train.py", *tiny_args(char_data, tmp_path / "out", max_iters=12, peak_flops=peak))
+@pytest.fixture(scope="module")
+def auto_batch_run(tmp_path_factory):
+    """(train.py's result, its out_dir): batch_size='auto' within 50 MB, this CPU's best matmul as its peak."""
+    root = tmp_path_factory.mktemp("auto_batch")
+    keys = dict(batch_size="auto", total_batch_size=16 * 8, memory_budget_gb=0.05, peak_flops=best_gemm_flops())
+    result = run_script("train.py", *tiny_args(char_dataset(root / "chars"), root / "out", max_iters=12, **keys))
     assert result.returncode == 0, result.stderr
-    mfus = [r["mfu"] for r in read_metrics(tmp_path / "out") if "mfu" in r]
+    return result, root / "out"
+
+
+def test_mfu_never_above_100_percent_in_training(auto_batch_run):
+    mfus = [r["mfu"] for r in read_metrics(auto_batch_run[1]) if "mfu" in r]
     assert mfus[0] is None  # the first window holds warm-up
     assert all(0 < m <= 1 for m in mfus[1:]), mfus
 
 
-def test_bench_json_and_mfu_bound(tmp_path):
-    peak = best_gemm_flops()
-    shape = dict(n_layer=2, n_embd=64, block_size=32, batch_size=8, gradient_accumulation_steps=2)
-    result = run_script("bench.py", *tiny_bench_args(**shape, bench_iters=4, peak_flops=peak, json=True))
+@pytest.fixture(scope="module")
+def profiled_bench(tmp_path_factory):
+    """(bench.py's JSON line, its out_dir): this CPU's best matmul as its peak, 4 profiled steps before the timed ones."""
+    out = tmp_path_factory.mktemp("bench")
+    shape = dict(n_layer=2, n_embd=64, block_size=32, batch_size=8, gradient_accumulation_steps=2, bench_iters=4)
+    profile = dict(profile=True, profile_wait=1, profile_warmup=1, profile_active=2, out_dir=out)
+    result = run_script("bench.py", *tiny_bench_args(**shape, **profile, peak_flops=best_gemm_flops(), json=True))
     assert result.returncode == 0, result.stderr
-    r = json.loads(result.stdout.strip().splitlines()[-1])
+    return json.loads(result.stdout.strip().splitlines()[-1]), out
+
+
+def test_bench_json_and_mfu_bound(profiled_bench):
+    r = profiled_bench[0]
     assert {"ms_per_iter", "tokens_per_s", "tflops", "mfu", "peak_mem_mb"} <= r.keys()
     assert r["tokens_per_s"] == pytest.approx(2 * 8 * 32 / (r["ms_per_iter"] / 1000))
     assert r["tflops"] == pytest.approx(r["flops_per_token"] * r["tokens_per_s"] / 1e12)
     assert 0 < r["mfu"] <= 1
     assert r["peak_mem_mb"] > 0
-
-
-def test_bench_json_mfu_is_null_without_a_peak():
-    result = run_script("bench.py", *tiny_bench_args(json=True))
-    assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout.strip().splitlines()[-1])["mfu"] is None
 
 
 def test_sweep_keeps_tokens_per_step_and_marks_the_best(tmp_path):
@@ -138,13 +144,11 @@ def test_sweep_keeps_tokens_per_step_and_marks_the_best(tmp_path):
     assert [row["setting"] for row in rows] == ["batch_size=2", "batch_size=4", "batch_size=16"]
     assert {row["batch_size"] * row["gradient_accumulation_steps"] for row in rows} == {16}
     assert r["best"] == max(rows, key=lambda row: row["tokens_per_s"])["setting"]
+    assert r["mfu"] is None and all(row["mfu"] is None for row in rows)  # no peak given, none on a CPU
 
 
-def test_profile_writes_a_trace(tmp_path):
-    profile = dict(profile=True, profile_wait=1, profile_warmup=1, profile_active=2, out_dir=tmp_path)
-    result = run_script("bench.py", *tiny_bench_args(bench_iters=1, bench_warmup=0, **profile))
-    assert result.returncode == 0, result.stderr
-    traces = list((tmp_path / "profile").glob("*.pt.trace.json"))
+def test_profile_writes_a_trace(profiled_bench):
+    traces = list((profiled_bench[1] / "profile").glob("*.pt.trace.json"))
     assert len(traces) == 1
     events = json.loads(traces[0].read_text())["traceEvents"]
     assert any("aten::mm" in e.get("name", "") for e in events)  # the matmuls of the step were recorded
@@ -256,27 +260,13 @@ def test_activation_checkpointing_is_measured_as_training_runs_it():
 
 
 def test_saved_activations_grow_linearly_with_context():
-    rt = CPU
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=64, vocab_size=65))
-    short, long = saved_activation_bytes(model, 16, rt), saved_activation_bytes(model, 64, rt)
+    short, long = saved_activation_bytes(model, 16, CPU), saved_activation_bytes(model, 64, CPU)
     assert 3.5 < long / short < 4.5
 
 
-def test_train_with_auto_batch_size(char_data, tmp_path):
-    out = tmp_path / "out"
-    result = run_script(
-        "train.py",
-        *tiny_args(
-            char_data,
-            out,
-            batch_size="auto",
-            total_batch_size=16 * 8,
-            memory_budget_gb=0.05,
-            max_iters=4,
-            lr_decay_iters=4,
-        ),
-    )
-    assert result.returncode == 0, result.stderr
+def test_train_with_auto_batch_size(auto_batch_run):
+    result, out = auto_batch_run
     assert "batch_size=auto:" in result.stdout
     saved = json.loads((out / "config.json").read_text())  # what ran, not the word 'auto'
     assert isinstance(saved["batch_size"], int)
@@ -289,15 +279,8 @@ def test_suite_runs_every_part_on_a_cpu_and_writes_its_reports(char_data, tmp_pa
     work = tmp_path / "work"
     (work / "data").mkdir(parents=True)
     char_data.rename(work / "data" / "shakespeare_char")  # the baby part trains on data/shakespeare_char
-    result = run_script(
-        "scripts/gpu_battery.py",
-        "--device=cpu",
-        f"--out_dir={work / 'report'}",
-        "--bench_iters=1",
-        "--bench_warmup=1",
-        "--baby_iters=20",
-        cwd=work,
-    )
+    shortened = ["--bench_iters=1", "--bench_warmup=1", "--baby_iters=20"]
+    result = run_script("scripts/gpu_battery.py", "--device=cpu", f"--out_dir={work / 'report'}", *shortened, cwd=work)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((work / "report" / "report.json").read_text())
     assert report["torch"] == torch.__version__ and report["device"].startswith("CPU")
@@ -318,15 +301,9 @@ def test_suite_runs_every_part_on_a_cpu_and_writes_its_reports(char_data, tmp_pa
     assert report["baby"]["iters"] == 20 and report["baby"]["final_val"] < 4.2  # below a uniform guess, ln(65)
     assert all(check["ok"] for check in report["smoke"].values()), report["smoke"]
     markdown = (work / "report" / "report.md").read_text()
-    for title in (
-        "## Environment",
-        "## Attention",
-        "## GPT-2 sweep",
-        "## config/train_llama_tiny.py",
-        "## Baby GPT",
-        "## Correctness smoke",
-    ):
-        assert title in markdown and title in result.stdout
+    titles = ["Environment", "Attention", "GPT-2 sweep", "config/train_llama_tiny.py", "Baby GPT", "Correctness smoke"]
+    for title in titles:
+        assert f"## {title}" in markdown and f"## {title}" in result.stdout
 
 
 def test_battery_parts_are_checked():
@@ -410,11 +387,8 @@ def test_every_kind_of_out_of_memory_is_a_row_that_did_not_fit(monkeypatch, erro
 
 
 def test_other_runtime_errors_still_stop_the_run(monkeypatch):
-    monkeypatch.setattr(
-        benchmark,
-        "measure",
-        lambda *args: (_ for _ in ()).throw(RuntimeError("mat1 and mat2 shapes cannot be multiplied")),
-    )
+    error = RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+    monkeypatch.setattr(benchmark, "measure", lambda *args: (_ for _ in ()).throw(error))
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
         benchmark.measure_or_oom(BenchConfig(), CPU, None, 65)
 
@@ -425,16 +399,8 @@ def test_a_sweep_row_that_runs_out_of_cublas_memory_is_reported_not_raised(monke
     def measure(cfg, rt, data, vocab_size, profiler=None):
         if cfg.batch_size == 4:
             raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
-        return {
-            "batch_size": cfg.batch_size,
-            "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
-            "ms_per_iter": 10.0,
-            "tokens_per_s": 1000.0,
-            "tflops": 1.0,
-            "mfu": None,
-            "peak_mem_mb": 1.0,
-            "warmup_s": 1.0,
-        }
+        row = dict(ms_per_iter=10.0, tokens_per_s=1000.0, tflops=1.0, mfu=None, peak_mem_mb=1.0, warmup_s=1.0)
+        return dict(row, batch_size=cfg.batch_size, gradient_accumulation_steps=cfg.gradient_accumulation_steps)
 
     monkeypatch.setattr(benchmark, "measure", measure)
     cfg = BenchConfig(**{**TINY_BENCH, "batch_size": 8, "sweep": "batch_size=2,4"})
@@ -479,9 +445,8 @@ def test_the_smoke_compares_cache_and_no_cache_with_tf32_off(monkeypatch, tmp_pa
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # as setup() leaves a GPU
     try:
-        cpu = CPU
         report = {}
-        battery.part_smoke(battery.BatteryConfig(out_dir=str(tmp_path)), cpu, battery.suite_scale(cpu), report)
+        battery.part_smoke(battery.BatteryConfig(out_dir=str(tmp_path)), CPU, battery.suite_scale(CPU), report)
         after = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32

@@ -1,6 +1,5 @@
-"""bench.py --against: a comparison that can come out either way, its numbers against scipy's on
-the runs it wrote, its refusals, and its files. The runs are train.py in this process (run_script)
-for speed, except one test that runs the product's own subprocess."""
+"""bench.py --against: a comparison that can come out either way, its numbers against scipy's on the
+runs it wrote, its refusals, and its files. The runs are train.py in this process, but in one test."""
 
 import dataclasses
 import json
@@ -9,12 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_metrics
+from conftest import CPU, read_metrics
 from processes import run_script
 
 import bench
 from configurator import UserError
-from gpt.device import runtime
 from gpt.evaluation import compare
 
 LR = 1e-2
@@ -22,26 +20,10 @@ LR = 1e-2
 
 def bench_args(data_dir, tmp_path, **overrides):
     """bench.py's flags for a comparison of a 1-layer model trained 40 steps."""
-    args = dict(
-        device="cpu",
-        compile=False,
-        dataset=str(data_dir),
-        n_layer=1,
-        n_head=2,
-        n_embd=32,
-        block_size=32,
-        batch_size=4,
-        gradient_accumulation_steps=1,
-        max_iters=40,
-        lr_decay_iters=40,
-        warmup_iters=2,
-        eval_interval=10,
-        eval_iters=2,
-        log_interval=1,
-        learning_rate=LR,
-        min_lr=LR / 10,
-        compare_dir=str(tmp_path / "cmp"),
-    )
+    args = dict(device="cpu", compile=False, dataset=str(data_dir), n_layer=1, n_head=2, n_embd=32, block_size=32)
+    args.update(batch_size=4, gradient_accumulation_steps=1, max_iters=40, lr_decay_iters=40, warmup_iters=2)
+    args.update(eval_interval=10, eval_iters=2, log_interval=1, learning_rate=LR, min_lr=LR / 10)
+    args.update(compare_dir=str(tmp_path / "cmp"))
     args.update(overrides)
     return [f"--{k}={v}" for k, v in args.items()]
 
@@ -55,8 +37,7 @@ def in_process(args, log_path):
 
 @pytest.fixture
 def stats():
-    """scipy.stats, imported by the tests that use it: at the module's top every pytest-xdist worker
-    would import it (~1.9 s) while collecting, to run these tests on one of them."""
+    """scipy.stats, imported only by the tests that use it (~1.9 s)."""
     from scipy import stats
 
     return stats
@@ -82,10 +63,8 @@ def test_a_clearly_worse_side_is_found_worse_and_the_numbers_are_scipys(char_dat
         char_data, tmp_path, seeds=5, target=2.6, against=f"--learning_rate={LR / 30} --min_lr={LR / 300}"
     )
     out = capsys.readouterr().out
-    runs = result["runs"]
-    assert [(r["seed"], r["side"]) for r in runs] == [
-        run for s in range(1, 6) for run in ((s, "A"), (s + 5, "B"))
-    ]  # interleaved
+    runs = result["runs"]  # interleaved
+    assert [(r["seed"], r["side"]) for r in runs] == [run for s in range(1, 6) for run in ((s, "A"), (s + 5, "B"))]
     a, b = side(result, "A"), side(result, "B")
     s = result["summary"]
 
@@ -110,44 +89,29 @@ def test_a_clearly_worse_side_is_found_worse_and_the_numbers_are_scipys(char_dat
     assert "(5/5)" in out and "none reached (0/5)" in out
 
     # the val loss is eval.py's on the final checkpoint, on every val token
-    scored = run_script(
-        "eval.py",
-        f"--out_dir={runs[3]['out_dir']}",
-        "--checkpoint=latest",
-        "--tasks=val",
-        "--split_tokens=0",
-        "--device=cpu",
-        "--json=True",
-    )
-    assert json.loads(scored.stdout.strip().splitlines()[-1])["val"]["loss"] == pytest.approx(
-        runs[3]["val_loss"], rel=1e-6
-    )
+    which = [f"--out_dir={runs[3]['out_dir']}", "--checkpoint=latest", "--tasks=val", "--split_tokens=0"]
+    scored = run_script("eval.py", *which, "--device=cpu", "--json=True")
+    val_loss = json.loads(scored.stdout.strip().splitlines()[-1])["val"]["loss"]
+    assert val_loss == pytest.approx(runs[3]["val_loss"], rel=1e-6)
 
     cmp_dir = tmp_path / "cmp"
     assert (cmp_dir / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| final val loss |" in (cmp_dir / "compare.md").read_text()
 
 
-def test_two_identical_sides_show_no_significant_difference(char_data, tmp_path, fast_runs, capsys, stats):
-    result = compare_run(char_data, tmp_path, seeds=5, against="--dropout=0.0")  # B: A's own setting
-    out = capsys.readouterr().out
+# B: A's own setting (two samples of one configuration), or dropout 0.01 (a change to the runs'
+# randomness far below the spread between seeds)
+@pytest.mark.parametrize("against", ["--dropout=0.0", "--dropout=0.01"], ids=["identical", "too-small"])
+def test_no_difference_or_one_too_small_for_five_seeds_is_not_called_one(
+    against, char_data, tmp_path, fast_runs, capsys, stats
+):
+    result = compare_run(char_data, tmp_path, seeds=5, against=against)
+    verdict = [line for line in capsys.readouterr().out.splitlines() if line.startswith("no significant")]
     assert [r["seed"] for r in result["runs"] if r["side"] == "B"] == [6, 7, 8, 9, 10]  # B's own seeds, none of A's
     a, b = side(result, "A"), side(result, "B")
-    assert len(set(a + b)) == 10  # ten different runs: two samples of one configuration
+    assert len(set(a + b)) == 10  # ten different runs
     p = result["summary"]["val_loss"]["B-A"]["p"]
     assert p == pytest.approx(stats.ttest_ind(b, a, equal_var=False).pvalue) and p > 0.05
-    assert f"no significant difference at 0.05 (p = {p:.3g}, Welch's t-test)" in out
-
-
-def test_a_difference_too_small_for_five_seeds_is_not_called_one(char_data, tmp_path, fast_runs, capsys, stats):
-    # B: dropout 0.01, a change to the runs' randomness far below the spread between seeds
-    result = compare_run(char_data, tmp_path, seeds=5, against="--dropout=0.01")
-    verdict = [line for line in capsys.readouterr().out.splitlines() if line.startswith("no significant")]
-    assert side(result, "A") != side(result, "B")
-    p = result["summary"]["val_loss"]["B-A"]["p"]
-    assert (
-        p == pytest.approx(stats.ttest_ind(side(result, "B"), side(result, "A"), equal_var=False).pvalue) and p > 0.05
-    )
     assert verdict == [
         f"no significant difference at 0.05 (p = {p:.3g}, Welch's t-test): not evidence that the two are "
         f"equal; more seeds narrow the interval"
@@ -224,20 +188,13 @@ def test_a_failed_run_stops_the_comparison_in_one_line_and_a_time_budget_is_a_fi
     assert max(r["iter"] for r in read_metrics(stopped["out_dir"])) < 1000 and math.isfinite(stopped["val_loss"])
 
 
-def test_scoring_on_a_gpu_hands_its_cached_memory_back_before_the_next_run(char_data, tmp_path, monkeypatch):
+def test_scoring_on_a_gpu_hands_its_cached_memory_back_before_the_next_run(tiny_run, monkeypatch):
     # the parent scores between runs; on CUDA what its allocator cached would be missing from the next train.py
-    out = tmp_path / "run"
-    assert (
-        in_process(
-            bench_args(char_data, tmp_path, max_iters=5, lr_decay_iters=5)[:-1] + [f"--out_dir={out}"], tmp_path / "log"
-        )
-        == 0
-    )
     emptied = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)  # no CUDA here to pin host memory for
-    cpu = runtime.Runtime(device="cpu", device_type="cpu", dtype=torch.float32)
-    on_cpu = compare.score(str(out), str(char_data), cpu, 0)
+    data = str(tiny_run.parent / "chars")  # tiny_run's dataset
+    on_cpu = compare.score(str(tiny_run), data, CPU, 0)
     assert emptied == []
-    as_cuda = compare.score(str(out), str(char_data), dataclasses.replace(cpu, device_type="cuda"), 0)
+    as_cuda = compare.score(str(tiny_run), data, dataclasses.replace(CPU, device_type="cuda"), 0)
     assert emptied == [True] and as_cuda == on_cpu

@@ -1,21 +1,19 @@
-"""gpt/evaluation/core.py, CORE as nanochat scores it: a bundle built here with every task type, few-shot
-counts of 0 and more and a multi-character continuation delimiter. Each example's verdict against
-a direct computation (nanochat's Jinja templates rendered by jinja2, its few-shot draw over an
-explicit list, the model's own logits per row); CORE against the meta CSV; batched against one
-example per forward; the same examples on every run; torchrun with 2 gloo ranks against 1 (with
-eval.py's other tasks in the same launch); the bad-input catalogue; CORE in train.py's loop."""
+"""gpt/evaluation/core.py, CORE as nanochat scores it, on a bundle built here with every task type: each
+verdict against a direct computation (nanochat's Jinja templates, its few-shot draw, the model's own
+logits), batched against one example per forward, 2 gloo ranks against 1, bad input, train.py's loop."""
 
 import csv
 import json
 import os
 import random
+import shutil
 import zipfile
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import bpe_eval_data, count_host_reads, read_metrics, tiny_args
+from conftest import GPT2, bpe_eval_data, count_host_reads, one_line_error, read_metrics, tiny_args
 from processes import REPO, run_python, run_script
 
 from configurator import UserError
@@ -23,7 +21,6 @@ from gpt.data import tokenizer
 from gpt.device import runtime
 from gpt.evaluation import core
 
-GPT2 = {"kind": "tiktoken", "name": "gpt2", "vocab_size": 50257}
 WORDS = "the man picks up a ball and throws it to his dog who runs across green field".split()
 BLOCK = 48  # short enough that the few-shot prompts are cropped from the left
 # label: (type, shots, delimiter or None for the default " ", records, random baseline in percent)
@@ -66,24 +63,13 @@ def records_for(kind, n, rng, model, delimiter):
     out = []
     for i in range(n):
         if kind == "multiple_choice":  # choices that start with different words: none is a prefix of another
-            out.append(
-                {
-                    "query": sentence(rng, 3, 9).capitalize() + "?",
-                    "gold": int(rng.integers(4)),
-                    "choices": [
-                        w + " " + sentence(rng, 0, 3) if rng.random() < 0.7 else w
-                        for w in rng.choice(WORDS, 4, replace=False)
-                    ],
-                }
-            )
+            query, gold = sentence(rng, 3, 9).capitalize() + "?", int(rng.integers(4))
+            firsts = rng.choice(WORDS, 4, replace=False)
+            choices = [w + " " + sentence(rng, 0, 3) if rng.random() < 0.7 else w for w in firsts]
+            out.append({"query": query, "gold": gold, "choices": choices})
         elif kind == "schema":  # options that end with different words: the shared suffix is the continuation
-            out.append(
-                {
-                    "context_options": [sentence(rng, 2, 7) + " " + w for w in rng.choice(WORDS, 2, replace=False)],
-                    "continuation": sentence(rng, 2, 5),
-                    "gold": int(rng.integers(2)),
-                }
-            )
+            options = [sentence(rng, 2, 7) + " " + w for w in rng.choice(WORDS, 2, replace=False)]
+            out.append({"context_options": options, "continuation": sentence(rng, 2, 5), "gold": int(rng.integers(2))})
         else:
             context = sentence(rng, 3, 9) + ("  " if i % 3 == 0 else "")  # trailing spaces: stripped, as nanochat does
             # a continuation greedy decoding gives: follow the model's own chain from the context's last token
@@ -105,12 +91,7 @@ def write_bundle(root, model, zipped=False, seed=0):
     files = {}
     entries = []
     for label, (kind, shots, delimiter, n, _) in TASKS.items():
-        entry = {
-            "label": label,
-            "dataset_uri": f"synthetic/{label}.jsonl",
-            "num_fewshot": [shots],
-            "icl_task_type": kind,
-        }
+        entry = dict(label=label, dataset_uri=f"synthetic/{label}.jsonl", num_fewshot=[shots], icl_task_type=kind)
         if delimiter is not None:
             entry["continuation_delimiter"] = delimiter
         entries.append(entry)
@@ -185,11 +166,8 @@ def reference_verdicts(bundle, label, model, max_per_task=0):
     enc = tokenizer.encoding("gpt2")
     verdicts = []
     for i, item in enumerate(data):
-        fewshot = (
-            [data[j] for j in random.Random(1234 + i).sample([j for j in range(len(data)) if j != i], shots)]
-            if shots
-            else []
-        )
+        others = [j for j in range(len(data)) if j != i]
+        fewshot = [data[j] for j in random.Random(1234 + i).sample(others, shots)]
         ctx = dict(fewshot_examples=fewshot, continuation_delimiter=delimiter, item=item)
         if kind == "multiple_choice":
             texts = [template.render(choice=c, **ctx) for c in item["choices"]]
@@ -201,17 +179,12 @@ def reference_verdicts(bundle, label, model, max_per_task=0):
                 template.render(include_continuation=True, **ctx),
             ]
         toks = [[enc.eot_token] + enc.encode_ordinary(t) for t in texts]
-        if kind == "multiple_choice":
-            start = next(
-                k for k in range(min(map(len, toks)) + 1) if k == min(map(len, toks)) or len({t[k] for t in toks}) > 1
-            )
+        shortest = min(map(len, toks))
+        if kind == "multiple_choice":  # each choice's tokens start where the rows first differ
+            start = next(k for k in range(shortest + 1) if k == shortest or len({t[k] for t in toks}) > 1)
             spans = [(start, len(t)) for t in toks]
-        elif kind == "schema":
-            suffix = next(
-                k
-                for k in range(min(map(len, toks)) + 1)
-                if k == min(map(len, toks)) or len({t[-1 - k] for t in toks}) > 1
-            )
+        elif kind == "schema":  # the continuation is the suffix the rows share
+            suffix = next(k for k in range(shortest + 1) if k == shortest or len({t[-1 - k] for t in toks}) > 1)
             spans = [(len(t) - suffix, len(t)) for t in toks]
         else:
             toks, spans = [toks[1]], [(len(toks[0]), len(toks[1]))]
@@ -231,13 +204,14 @@ def reference_verdicts(bundle, label, model, max_per_task=0):
 # ---------------------------------------------------------------------------- the tests
 
 
-def test_each_verdict_equals_a_direct_computation_and_core_is_the_mean_centered_accuracy(setup):
+def test_each_verdict_at_any_batch_size_equals_a_direct_computation_and_core_is_the_mean_centered_accuracy(setup):
     root, model, bundle, rt = setup
     tasks = core.load_tasks(str(bundle))
     assert [t.label for t in tasks] == list(TASKS)
-    result = core.evaluate_core(model, tasks, GPT2, BLOCK, rt, batch_tokens=8 * BLOCK, per_example=True)
-    for label, r in result["tasks"].items():
-        assert r["correct"] == reference_verdicts(bundle, label, model), label
+    reference = {label: reference_verdicts(bundle, label, model) for label in TASKS}
+    for batch_tokens in (0, 4 * BLOCK, 64 * BLOCK, 8 * BLOCK):  # 0: one example per forward
+        result = core.evaluate_core(model, tasks, GPT2, BLOCK, rt, batch_tokens=batch_tokens, per_example=True)
+        assert {k: r["correct"] for k, r in result["tasks"].items()} == reference, batch_tokens
     # the language_modeling tasks hold right and wrong records: greedy decoding is checked both ways
     assert 0 < result["tasks"]["lm_zero"]["accuracy"] < 1 and 0 < result["tasks"]["lm_fewshot"]["accuracy"] < 1
     with open(root / "meta.csv") as f:
@@ -251,16 +225,9 @@ def test_each_verdict_equals_a_direct_computation_and_core_is_the_mean_centered_
     assert result["core"] == pytest.approx(sum(centered) / len(centered))
 
 
-def test_batched_equals_one_example_per_forward_and_a_zip_equals_a_directory(setup, tmp_path):
+def test_a_zip_in_nanochats_layout_equals_a_directory(setup, tmp_path):
     root, model, bundle, rt = setup
     tasks = core.load_tasks(str(bundle))
-    one = core.evaluate_core(model, tasks, GPT2, BLOCK, rt, batch_tokens=0, per_example=True)
-    for batch_tokens in (4 * BLOCK, 64 * BLOCK):
-        batched = core.evaluate_core(model, tasks, GPT2, BLOCK, rt, batch_tokens=batch_tokens, per_example=True)
-        assert {k: r["correct"] for k, r in batched["tasks"].items()} == {
-            k: r["correct"] for k, r in one["tasks"].items()
-        }
-    # the same bundle, zipped by nanochat's layout
     zipped = core.load_tasks(str(write_bundle(tmp_path, model, zipped=True)))
     assert [[r for _, r in t.records] for t in zipped] == [[r for _, r in t.records] for t in tasks]
     assert zipped[0].records[0][0].startswith(f"{tmp_path / 'eval_bundle.zip'}/eval_bundle/eval_data/")
@@ -281,67 +248,68 @@ def test_max_per_task_keeps_the_same_examples_on_every_run(setup):
     assert result["tasks"]["lm_fewshot"]["correct"] == reference_verdicts(bundle, "lm_fewshot", model, max_per_task=7)
 
 
-def test_bad_bundles_are_one_line_naming_the_file_and_record(setup, tmp_path):
+MC = "eval_data/synthetic/mc_zero.jsonl"
+
+
+def replace_line(at, text):
+    """An edit of a bundle: line `at` (from 0) of mc_zero.jsonl replaced by text."""
+
+    def edit(bundle):
+        lines = (bundle / MC).read_text().splitlines()
+        lines[at] = text
+        (bundle / MC).write_text("\n".join(lines) + "\n")
+
+    return edit
+
+
+def broken(bundle, to, edit):
+    """A copy of bundle at `to`, edited."""
+    shutil.copytree(bundle, to)
+    edit(to)
+    return to
+
+
+def renamed_type(bundle):
+    (bundle / "core.yaml").write_text((bundle / "core.yaml").read_text().replace("schema", "cloze"))
+
+
+BAD_BUNDLES = {  # id: (the edit, None for no bundle at all; what the one line says)
+    "no-file": (lambda b: (b / MC).unlink(), "lacks eval_data/synthetic/mc_zero.jsonl"),
+    "no-meta": (lambda b: (b / "eval_meta_data.csv").unlink(), "lacks eval_meta_data.csv"),
+    "type": (renamed_type, "unknown icl_task_type 'cloze'"),
+    "fields": (replace_line(2, json.dumps({"query": "q", "choices": ["a", "b"]})), "mc_zero.jsonl:3 lacks 'gold'"),
+    "gold": (
+        replace_line(4, json.dumps({"query": "q", "choices": ["a", "b"], "gold": 2})),
+        "mc_zero.jsonl:5: gold 2 is not the index",
+    ),
+    "json": (replace_line(1, "{not json"), "mc_zero.jsonl:2 is not a JSON object"),
+    "absent": (None, "does not exist"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_BUNDLES)
+def test_bad_bundles_are_one_line_naming_the_file_and_record(case, setup, tmp_path):
+    edit, message = BAD_BUNDLES[case]
+    path = tmp_path / "bundle" if edit is None else broken(setup[2], tmp_path / "bundle", edit)
+    with pytest.raises(UserError) as e:
+        core.load_tasks(str(path))
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_an_empty_continuation_is_found_when_the_example_is_encoded(setup, tmp_path):
+    # choice 1's tokens are all shared with choice 0 (nanochat would average an empty slice, nan)
     root, model, bundle, rt = setup
-    import shutil
-
-    def broken(name, edit):
-        where = tmp_path / name
-        shutil.copytree(bundle, where)
-        edit(where)
-        return where
-
-    def rewrite(path, change):
-        lines = path.read_text().splitlines()
-        path.write_text("\n".join(change(lines)) + "\n")
-
-    mc = "eval_data/synthetic/mc_zero.jsonl"
-    record = lambda **fields: json.dumps(fields)
-    cases = [
-        (broken("nofile", lambda b: (b / mc).unlink()), "lacks eval_data/synthetic/mc_zero.jsonl"),
-        (broken("nometa", lambda b: (b / "eval_meta_data.csv").unlink()), "lacks eval_meta_data.csv"),
-        (
-            broken(
-                "type", lambda b: (b / "core.yaml").write_text((b / "core.yaml").read_text().replace("schema", "cloze"))
-            ),
-            "unknown icl_task_type 'cloze'",
-        ),
-        (
-            broken(
-                "fields",
-                lambda b: rewrite(b / mc, lambda ls: ls[:2] + [record(query="q", choices=["a", "b"])] + ls[3:]),
-            ),
-            "mc_zero.jsonl:3 lacks 'gold'",
-        ),
-        (
-            broken(
-                "gold",
-                lambda b: rewrite(b / mc, lambda ls: ls[:4] + [record(query="q", choices=["a", "b"], gold=2)] + ls[5:]),
-            ),
-            "mc_zero.jsonl:5: gold 2 is not the index",
-        ),
-        (
-            broken("json", lambda b: rewrite(b / mc, lambda ls: ls[:1] + ["{not json"] + ls[2:])),
-            "mc_zero.jsonl:2 is not a JSON object",
-        ),
-        (tmp_path / "absent", "does not exist"),
-    ]
-    for path, message in cases:
-        with pytest.raises(UserError) as e:
-            core.load_tasks(str(path))
-        assert message in str(e.value) and "\n" not in str(e.value), (path, str(e.value))
-    # a continuation that tokenizes to nothing is found when the example is encoded: here choice 1's
-    # tokens are all shared with choice 0 (nanochat would average an empty slice, nan)
-    empty = broken(
-        "empty", lambda b: rewrite(b / mc, lambda ls: [record(query="q", choices=["the man", "the"], gold=0)] + ls[1:])
-    )
+    record = json.dumps({"query": "q", "choices": ["the man", "the"], "gold": 0})
+    empty = broken(bundle, tmp_path / "empty", replace_line(0, record))
     with pytest.raises(UserError, match=r"mc_zero.jsonl:1: the continuation of option 1 tokenizes to nothing"):
         core.evaluate_core(model, core.load_tasks(str(empty)), GPT2, BLOCK, rt, 8 * BLOCK)
-    # from the command: one line, no traceback, nothing written
+
+
+def test_a_bad_bundle_is_one_line_from_eval_py_and_nothing_is_written(setup, tmp_path):
+    bad = broken(setup[2], tmp_path / "bundle", BAD_BUNDLES["no-file"][0])
     before = sorted(os.listdir(tmp_path))
-    result = run_script("eval.py", "--init_from=gpt2", "--tasks=core", f"--core_bundle={cases[0][0]}", "--device=cpu")
-    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
-    assert result.stderr.strip().count("\n") == 0 and "lacks eval_data/synthetic/mc_zero.jsonl" in result.stderr
+    result = run_script("eval.py", "--init_from=gpt2", "--tasks=core", f"--core_bundle={bad}", "--device=cpu")
+    one_line_error(result, "lacks eval_data/synthetic/mc_zero.jsonl")
     assert sorted(os.listdir(tmp_path)) == before
 
 
@@ -377,20 +345,11 @@ def gpt2_tiny(tmp_path_factory):
 
 @pytest.mark.process
 def test_torchrun_two_gloo_ranks_equal_one(setup, gpt2_tiny, tmp_path):
-    """eval.py under torchrun, every task in one launch: CORE, HellaSwag, and val and test bits per
-    byte on 2 gloo ranks give what 1 rank gives."""
+    """eval.py under torchrun, every task in one launch: CORE, HellaSwag, and val and test bits per byte."""
     root, model, bundle, rt = setup
     data_dir, hellaswag = bpe_eval_data(tmp_path)
-    args = [
-        f"--init_from={gpt2_tiny}",
-        "--tasks=core,hellaswag,val,test",
-        f"--core_bundle={bundle}",
-        f"--dataset={data_dir}",
-        f"--hellaswag_path={hellaswag}",
-        "--device=cpu",
-        "--batch_size=4",
-        "--json=True",
-    ]
+    args = [f"--init_from={gpt2_tiny}", "--tasks=core,hellaswag,val,test", f"--core_bundle={bundle}"]
+    args += [f"--dataset={data_dir}", f"--hellaswag_path={hellaswag}", "--device=cpu", "--batch_size=4", "--json=True"]
     one = run_script("eval.py", *args)
     assert one.returncode == 0, one.stderr
     two = run_python(
@@ -414,51 +373,12 @@ def test_torchrun_two_gloo_ranks_equal_one(setup, gpt2_tiny, tmp_path):
 
 
 @pytest.mark.slow
-def test_training_logs_core_in_rhythm_and_plots_it(setup, tmp_path):
-    root, model, bundle, rt = setup
-    enc = tokenizer.encoding("gpt2")
-    rng = np.random.default_rng(0)
-    data_dir = tmp_path / "data"
-    data_dir.mkdir()
-    from gpt.data import token_files
-
-    for split, n_docs in (("train", 200), ("val", 30)):
-        docs = [sentence(rng, 5, 20) for _ in range(n_docs)]
-        token_files.write(
-            str(data_dir / f"{split}.bin"),
-            np.array([t for d in docs for t in [enc.eot_token] + enc.encode_ordinary(d)], dtype=np.uint16),
-        )
-    (data_dir / "meta.json").write_text(json.dumps(GPT2))
-    out = tmp_path / "out"
-    result = run_script(
-        "train.py",
-        *tiny_args(
-            data_dir,
-            out,
-            max_iters=6,
-            lr_decay_iters=6,
-            eval_interval=3,
-            block_size=BLOCK,
-            core_interval=4,
-            core_max_per_task=5,
-            core_bundle=bundle,
-        ),
-    )
-    assert result.returncode == 0, result.stderr
-    records = [r for r in read_metrics(out) if "core" in r]
-    assert [r["iter"] for r in records] == [0, 4, 6]
-    assert all(set(r) == {"iter", "core", *(f"core/{k}" for k in TASKS)} for r in records)
-    plotted = run_script("plot.py", out)
-    assert plotted.returncode == 0, plotted.stderr
-    width = int.from_bytes((out / "metrics.png").read_bytes()[16:20], "big")
-    assert width > 2000  # a fourth panel, CORE
-
-
-@pytest.mark.slow
-def test_an_in_loop_eval_that_runs_out_of_memory_costs_the_run_nothing(setup, tmp_path, monkeypatch):
-    """CORE raising out-of-memory at steps 4 and 6 (patched here): the run trains on to its end, the
-    step's checkpoint was already written when CORE started, and each failure is one line and a
-    record in metrics.jsonl."""
+def test_training_logs_core_in_rhythm_an_out_of_memory_costs_the_run_nothing_and_plot_shows_it(
+    setup, tmp_path, monkeypatch
+):
+    """CORE every 2 steps and at the run's end (9), raising out-of-memory at steps 4 and 6 (patched
+    here): the run trains on to its end, the step's checkpoint was already written when CORE started,
+    and each failure is one line and a record in metrics.jsonl."""
     root, model, bundle, rt = setup
     data_dir, _ = bpe_eval_data(tmp_path)
     out = tmp_path / "out"
@@ -472,35 +392,28 @@ def test_an_in_loop_eval_that_runs_out_of_memory_costs_the_run_nothing(setup, tm
         return scored(*args, **kwargs)
 
     monkeypatch.setattr(core, "evaluate_core", failing)
-    result = run_script(
-        "train.py",
-        *tiny_args(
-            data_dir,
-            out,
-            max_iters=8,
-            lr_decay_iters=8,
-            eval_interval=2,
-            block_size=BLOCK,
-            always_save_checkpoint=True,
-            core_interval=2,
-            core_max_per_task=5,
-            core_bundle=bundle,
-        ),
-    )
+    keys = dict(core_interval=2, core_max_per_task=5, core_bundle=bundle, always_save_checkpoint=True)
+    args = tiny_args(data_dir, out, max_iters=9, lr_decay_iters=9, eval_interval=2, block_size=BLOCK, **keys)
+    result = run_script("train.py", *args)
     assert result.returncode == 0, result.stderr
-    assert found == [None, 2, 4, 6, 8]  # CORE ran after its step's checkpoint
+    assert found == [None, 2, 4, 6, 8, 9]  # CORE ran after its step's checkpoint
     records = read_metrics(out)
-    assert [r["iter"] for r in records if "core" in r] == [0, 2, 8]
+    assert [r["iter"] for r in records if "core" in r] == [0, 2, 8, 9]
+    assert all(set(r) == {"iter", "core", *(f"core/{k}" for k in TASKS)} for r in records if "core" in r)
     failed = [r for r in records if "core_failed" in r]
     assert [r["iter"] for r in failed] == [4, 6]
     assert all(r["core_failed"] == "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB" for r in failed)
-    assert [r["iter"] for r in records if "loss" in r] == list(range(8))  # every step trained
+    assert [r["iter"] for r in records if "loss" in r] == list(range(9))  # every step trained
     said = [line for line in result.stdout.splitlines() if "CORE failed" in line or "core failed" in line]
     assert said == [
         f"step {i}: core failed, training goes on (OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB)"
         for i in (4, 6)
     ]
-    assert torch.load(out / "ckpt.pt", weights_only=True)["iter_num"] == 8
+    assert torch.load(out / "ckpt.pt", weights_only=True)["iter_num"] == 9
+    plotted = run_script("plot.py", out)
+    assert plotted.returncode == 0, plotted.stderr
+    width = int.from_bytes((out / "metrics.png").read_bytes()[16:20], "big")
+    assert width > 2000  # a fourth panel, CORE
 
 
 def test_a_device_without_float64_sums_in_float32_with_the_same_results(setup, monkeypatch):

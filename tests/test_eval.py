@@ -1,7 +1,5 @@
-"""eval.py: HellaSwag and multiple-choice scoring against transformers' GPT-2 and a hand-built
-case, bits per byte against a hand count, bad input, and train.py's hooks
-(val/test bpb, HellaSwag every hellaswag_interval steps, its rhythm on resume), and no host read per
-batch in the eval loops."""
+"""eval.py: choice losses against transformers' GPT-2, accuracies on a hand-built case, bits per byte
+against a hand count, train.py's evals in rhythm across a resume, bad input, no host read per batch."""
 
 import json
 import math
@@ -11,38 +9,31 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import GPT2, TINY, bpe_eval_data, count_host_reads, read_metrics, tiny_args, write_hellaswag
+from conftest import CPU, GPT2, TINY, bpe_eval_data, count_host_reads, read_metrics, tiny_args, write_hellaswag
 from processes import REPO, run_python, run_script
 
 from gpt.data import token_files, tokenizer
-from gpt.device import runtime
 from gpt.evaluation import scoring, tasks
 from model import GPT, GPTConfig
 
 
-def tiny_hf_gpt2(n_positions=64):
+def tiny_hf_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=50257, n_positions=n_positions, n_embd=32, n_layer=2, n_head=2)
-    return GPT2LMHeadModel(config).eval()
+    return GPT2LMHeadModel(GPT2Config(vocab_size=50257, n_positions=64, n_embd=32, n_layer=2, n_head=2)).eval()
 
 
-@pytest.fixture(scope="module")
-def cpu():
-    return runtime.setup("cpu", "float32")
-
-
-def test_choice_losses_equal_transformers_gpt2(tmp_path, cpu):
+def test_choice_losses_equal_transformers_gpt2(tmp_path):
     from gpt.weights import huggingface
 
-    hf_model = tiny_hf_gpt2(n_positions=64)
+    hf_model = tiny_hf_gpt2()
     model = huggingface.gpt_from_hf(hf_model)[0].eval()
     examples = tasks.load_hellaswag(str(write_hellaswag(tmp_path / "hs.jsonl", 12)))
     encoded = tasks.encode_examples(examples, GPT2)
     assert any(len(c) + max(map(len, ch)) > 65 for c, ch, *_ in encoded)  # some contexts are cut to their end
     rows = [tasks._cropped(context, choice, 65) for context, choices, *_ in encoded for choice in choices]
-    totals, _ = scoring.row_losses(model, rows, cpu)
+    totals, _ = scoring.row_losses(model, rows, CPU)
     i = 0
     for context, choices, *_ in encoded:
         for choice in choices:
@@ -67,7 +58,7 @@ class Unigram(torch.nn.Module):
         return self.log_probs.expand(*(idx.shape if logits_at is None else logits_at.shape), -1), None
 
 
-def test_acc_and_both_acc_norms_on_a_hand_built_case(cpu):
+def test_acc_and_both_acc_norms_on_a_hand_built_case():
     # token 1: p=0.1 (2.30 nats); token 2: p=0.4 (0.92 nats). Choice [1] totals 2.30, mean 2.30;
     # choice [2, 2, 2] totals 2.75, mean 0.92: the lowest total and the lowest mean disagree
     model = Unigram([0.5, 0.1, 0.4])
@@ -79,7 +70,7 @@ def test_acc_and_both_acc_norms_on_a_hand_built_case(cpu):
         ([0, 0], [long, short], 0, [5, 10]),  # answer the long one: right by mean only
         ([0], [short, long, [1, 1]], 0, [10, 5, 5]),
     ]  # short beats [1, 1] (4.61, mean 2.30) and long by total
-    result = tasks.score_choices(model, encoded, block_size=8, rt=cpu, batch_size=2)
+    result = tasks.score_choices(model, encoded, block_size=8, rt=CPU, batch_size=2)
     assert result == {"acc": 2 / 3, "acc_norm_tokens": 1 / 3, "acc_norm_chars": 2 / 3, "n": 3}
 
 
@@ -108,12 +99,12 @@ def bpe_model_and_data(tmp_path):
 
 
 @pytest.mark.parametrize("make", [char_model_and_data, bpe_model_and_data], ids=["char", "bpe"])
-def test_bits_per_byte_equals_a_hand_count(make, tmp_path, cpu):
+def test_bits_per_byte_equals_a_hand_count(make, tmp_path):
     model, spec, ids, text_bytes = make(tmp_path)
     path = str(tmp_path / "val.bin")
     token_files.write(path, ids)
     data = token_files.Tokens.open(str(tmp_path), "val")
-    result = tasks.split_loss(model, data, 16, cpu, tokenizer.token_bytes(spec), batch_size=3)
+    result = tasks.split_loss(model, data, 16, CPU, tokenizer.token_bytes(spec), batch_size=3)
     n = (len(ids) - 1) // 16
     x = torch.from_numpy(ids[: n * 16].astype(np.int64)).view(n, 16)
     y = torch.from_numpy(ids[1 : n * 16 + 1].astype(np.int64)).view(n, 16)
@@ -131,21 +122,18 @@ def test_bits_per_byte_equals_a_hand_count(make, tmp_path, cpu):
 def bpe_setup(tmp_path_factory):
     """A tiny Hugging Face GPT-2 directory, a BPE dataset (val, test) and a HellaSwag-format file."""
     root = tmp_path_factory.mktemp("bpe")
-    tiny_hf_gpt2(n_positions=64).save_pretrained(root / "gpt2-tiny")
+    tiny_hf_gpt2().save_pretrained(root / "gpt2-tiny")
     return root, *bpe_eval_data(root)
 
 
 def test_training_logs_bpb_test_loss_and_hellaswag_in_rhythm_across_resume(bpe_setup, tmp_path):
     root, data_dir, hs = bpe_setup
     out = tmp_path / "out"
-    common = dict(
-        hellaswag_interval=4, hellaswag_path=hs, hellaswag_examples=10, eval_interval=5, eval_iters=2, block_size=32
-    )
-    first = run_script("train.py", *tiny_args(data_dir, out, max_iters=6, lr_decay_iters=12, **common))
+    common = dict(hellaswag_interval=4, hellaswag_path=hs, hellaswag_examples=10, eval_interval=5, eval_iters=2)
+    common.update(block_size=32, lr_decay_iters=12)
+    first = run_script("train.py", *tiny_args(data_dir, out, max_iters=6, **common))
     assert first.returncode == 0, first.stderr
-    resumed = run_script(
-        "train.py", *tiny_args(data_dir, out, max_iters=10, lr_decay_iters=12, init_from="resume", **common)
-    )
+    resumed = run_script("train.py", *tiny_args(data_dir, out, max_iters=10, init_from="resume", **common))
     assert resumed.returncode == 0, resumed.stderr
     records = read_metrics(out)
     hellaswag = [r for r in records if "hellaswag_acc" in r]
@@ -199,7 +187,7 @@ def test_bad_input_is_one_line_and_a_nonzero_exit(tiny_run, bpe_setup, tmp_path)
         assert len(lines) == 1 and message in lines[0], (args, result.stderr)
 
 
-def test_eval_loops_read_the_device_once_whatever_the_number_of_batches(monkeypatch, cpu, tmp_path):
+def test_eval_loops_read_the_device_once_whatever_the_number_of_batches(monkeypatch, tmp_path):
     # The loops of split_loss and score_choices keep their sums on the device; the host reads
     # them once at the end. With 1 batch or 8, the same reads: none of them is per batch.
     torch.manual_seed(0)
@@ -212,10 +200,10 @@ def test_eval_loops_read_the_device_once_whatever_the_number_of_batches(monkeypa
     reads = {}
     for batches in (1, 8):
         del calls[:]
-        tasks.split_loss(model, data, 16, cpu, token_bytes, batch_size=8 // batches, max_tokens=8 * 16)
+        tasks.split_loss(model, data, 16, CPU, token_bytes, batch_size=8 // batches, max_tokens=8 * 16)
         reads["split_loss", batches] = sorted(calls)
         del calls[:]
-        tasks.score_choices(model, encoded, 16, cpu, batch_size=16 // batches)
+        tasks.score_choices(model, encoded, 16, CPU, batch_size=16 // batches)
         reads["score_choices", batches] = sorted(calls)
     assert reads["split_loss", 1] == reads["split_loss", 8], reads
     assert reads["score_choices", 1] == reads["score_choices", 8], reads

@@ -1,23 +1,19 @@
-"""scripts/headline.py, the headline in one command: its CPU mode end to end (every part at tiny
-shapes, each step the real command in a process of its own), the plan it runs on a GPU (each of our
-commands' keys read by the configurator as bench.py and train.py read them), a step that hangs
-killed at its limit with its children, a budget that runs out, and what nanoGPT's commands and
-pytest print, read as they print it."""
+"""scripts/headline.py: its CPU mode end to end (each step a real command in a process of its own), the
+plan it runs on a GPU (parsed as bench.py and train.py parse it), a hung step killed with its children,
+a spent budget, and what nanoGPT's commands and pytest print, read as they print it."""
 
 import json
 import math
 import time
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import char_dataset
-from processes import load_script, run_python
+from conftest import char_dataset, one_line_error
+from processes import REPO, load_script, run_script
 
 import configurator
 from configurator import BenchConfig, TrainConfig, UserError
 
-REPO = Path(__file__).resolve().parents[1]
 headline = load_script("scripts/headline.py")
 
 
@@ -55,13 +51,8 @@ def test_cpu_mode_runs_every_part_and_writes_its_reports(tmp_path, monkeypatch):
     tests = next(s for s in report["steps"] if s["name"] == "tests")
     assert set(tests["counts"]) == {"skipped"} and tests["counts"]["skipped"] >= 1  # every GPU test skips here
     markdown = (work / "report" / "report.md").read_text()
-    for title in (
-        "## Training step",
-        "## The speedrun recipe against plain GPT-2",
-        "## Baby GPT",
-        "## tests/test_gpu.py",
-    ):
-        assert title in markdown
+    for title in ("Training step", "The speedrun recipe against plain GPT-2", "Baby GPT", "tests/test_gpu.py"):
+        assert f"## {title}" in markdown
     assert all((work / "report" / "logs" / f"{n}.log").exists() for n in names)
 
 
@@ -78,20 +69,10 @@ def nanogpt(tmp_path):
 def test_on_a_gpu_it_plans_the_issues_commands_at_full_shape(nanogpt, tmp_path, monkeypatch):
     cfg = headline.HeadlineConfig(nanogpt=str(nanogpt), out_dir=str(tmp_path / "h"))
     steps = headline.plan(cfg, "cuda")
-    assert [s.name for s in steps] == [
-        "speedrun",
-        "plain",
-        *("baby-cold-nanogpt-1", "baby-cold-fast-1", "baby-cold-nanogpt-2", "baby-cold-fast-2"),  # interleaved
-        *("baby-warmup-nanogpt", "baby-warmup-fast"),  # untimed: they fill each side's cache
-        *("baby-warm-nanogpt-1", "baby-warm-fast-1", "baby-warm-nanogpt-2", "baby-warm-fast-2"),
-        "gpt2-12",
-        "nanogpt-gpt2-12",
-        "tests",
-        "gpt2-32",
-        "nanogpt-gpt2-32",
-        "llama",
-        "baby-config-1",
-    ]
+    races = lambda cache: [f"baby-{cache}-{side}-{seed}" for seed in (1, 2) for side in ("nanogpt", "fast")]
+    baby = [*races("cold"), "baby-warmup-nanogpt", "baby-warmup-fast", *races("warm")]  # the warm-ups fill the caches
+    gpt2 = ["gpt2-12", "nanogpt-gpt2-12", "tests", "gpt2-32", "nanogpt-gpt2-32"]
+    assert [s.name for s in steps] == ["speedrun", "plain", *baby, *gpt2, "llama", "baby-config-1"]
     by = {s.name: s for s in steps}
     ours = lambda name, cls=BenchConfig: configurator.parse(cls, by[name].argv[1:])  # as bench.py, train.py parse them
     speedrun, plain = ours("speedrun"), ours("plain")
@@ -137,7 +118,8 @@ def python_step(name, code, limit_s, tmp_path):
 @pytest.mark.process
 def test_a_step_past_its_limit_is_killed_with_its_children_and_a_spent_budget_runs_nothing_more(tmp_path, monkeypatch):
     # the step starts a child that sleeps as it does, and prints the child's pid
-    hang = "import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); print(c.pid, flush=True); time.sleep(600)"
+    child = "[sys.executable, '-c', 'import time; time.sleep(600)']"
+    hang = f"import subprocess, sys, time; c = subprocess.Popen({child}); print(c.pid, flush=True); time.sleep(600)"
     quick = "print('=== 3 passed, 1 skipped in 0.12s ===')"
     cfg = headline.HeadlineConfig(out_dir=str(tmp_path / "h"), budget_s=0)
     steps = [python_step("hang", hang, 3, tmp_path), python_step("quick", quick, 60, tmp_path)]
@@ -205,12 +187,7 @@ def test_what_nanogpts_commands_and_pytest_print_is_read_as_they_print_it():
     }
     tests = headline.Step("tests", "tests", "pytest", [], "", 1)
     summary = "==== 2 failed, 14 passed, 9 skipped, 1 error in 41.19s ===="
-    assert headline.read_result(tests, timed([summary]))["counts"] == {
-        "failed": 2,
-        "passed": 14,
-        "skipped": 9,
-        "error": 1,
-    }
+    assert headline.read_result(tests, timed([summary]))["counts"] == dict(failed=2, passed=14, skipped=9, error=1)
 
 
 def run_record(name, side, evals, cache="cold"):
@@ -263,12 +240,9 @@ def test_bad_input_is_one_line(args, expected):
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.process
 def test_an_unprepared_nanogpt_is_one_line_from_the_command(nanogpt, tmp_path):
     (nanogpt / "data" / "shakespeare_char" / "meta.pkl").unlink()
-    result = run_python(
-        ["scripts/headline.py", f"--nanogpt={nanogpt}", f"--out_dir={tmp_path / 'h'}"], env={"OMP_NUM_THREADS": "1"}
-    )
-    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
-    assert "is not prepared: run python data/shakespeare_char/prepare.py in" in result.stderr
+    result = run_script("scripts/headline.py", f"--nanogpt={nanogpt}", f"--out_dir={tmp_path / 'h'}")
+    one_line_error(result, "is not prepared: run python data/shakespeare_char/prepare.py in")
+    assert result.returncode == 2
     assert not (tmp_path / "h").exists()  # refused before anything ran or was written

@@ -1,11 +1,7 @@
-"""Evaluating while it trains (gpt/evaluation/watch.py, eval.py --watch=True, train.py's eval_async=True): each
-checkpoint scored once, as eval.py scores it afterwards, in both formats; a watcher started by hand
-beside a run and SIGKILLed three times; eval_async's watcher killed, restarted, then given up; a
-watcher stopped (SIGSTOP) for a whole run, and the disk it costs; one checkpoint removed while read;
-a second watcher refused; the records in TensorBoard and wandb.
-
-train.py, eval.py and plot.py run in this process (their main(argv)) where the test needs no process
-of their own; the watchers a user starts, and eval_async's child, are real processes."""
+"""Evaluating while it trains (eval.py --watch=True, train.py's eval_async=True): each checkpoint scored
+once, as eval.py scores it afterwards; watchers SIGKILLed, restarted, given up, stopped for a whole
+run; checkpoints removed before or while read; a second watcher refused; TensorBoard and wandb.
+train.py, eval.py and plot.py run in this process; the watchers are real processes."""
 
 import json
 import os
@@ -58,8 +54,7 @@ def iter_of(path):
 
 
 def keep_copies(monkeypatch, kept, then=None):
-    """A copy of each checkpoint in `kept` as it becomes complete (keep_last removes them), then
-    then(iter) at that point of the run."""
+    """A copy of each checkpoint in `kept` as it becomes complete (keep_last removes them), then then(iter)."""
     committed = ownership.OutDir.committed
 
     def keeping(self, path):
@@ -103,7 +98,6 @@ def kill(process):
 
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory):
-    """(a GPT-2 BPE dataset with val and test, a HellaSwag-format file of 30 records)."""
     return bpe_eval_data(tmp_path_factory.mktemp("bpe"))
 
 
@@ -114,8 +108,7 @@ def chars(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def finished_run(chars, tmp_path_factory):
-    """A finished character-level run with 10 checkpoints (iters 2, 4, ..., 20), all kept (conftest's
-    tiny_run keeps one). Copy it to write there."""
+    """A finished run with 10 checkpoints (iters 2, 4, ..., 20), all kept (tiny_run keeps one). Copy it to write."""
     out = tmp_path_factory.mktemp("finished") / "out"
     assert TRAIN.main(tiny_args(chars, out, max_iters=20, eval_interval=2, keep_last=100, log_interval=10)) == 0
     return out
@@ -136,21 +129,8 @@ def test_the_watcher_beside_a_run_scores_each_checkpoint_once_as_eval_py_does(
     out, kept = tmp_path / "out", tmp_path / "kept"
     keep_copies(monkeypatch, kept)
     hellaswag = dict(hellaswag_interval=4, hellaswag_path=hs, hellaswag_examples=8) if bpe_tasks else {}
-    code = TRAIN.main(
-        tiny_args(
-            data_dir,
-            out,
-            block_size=32,
-            max_iters=12,
-            lr_decay_iters=12,
-            eval_interval=4,
-            keep_last=2,
-            checkpoint_format=fmt,
-            eval_async=True,
-            tensorboard_log=bpe_tasks,
-            **hellaswag,
-        )
-    )
+    keys = dict(checkpoint_format=fmt, eval_async=True, tensorboard_log=bpe_tasks, keep_last=2, **hellaswag)
+    code = TRAIN.main(tiny_args(data_dir, out, block_size=32, max_iters=12, lr_decay_iters=12, eval_interval=4, **keys))
     stdout, stderr = capfd.readouterr()
     assert code == 0, stderr
     assert "Traceback" not in stdout + stderr
@@ -162,12 +142,8 @@ def test_the_watcher_beside_a_run_scores_each_checkpoint_once_as_eval_py_does(
     assert [r["iter"] for r in records] == [4, 8, 12]  # every saved step once, in order
     assert sorted(os.listdir(kept)) == [f"ckpt_{i:07d}{'.pt' * (fmt == 'full')}" for i in (4, 8, 12)]
     assert not any("hellaswag_acc" in r for r in read_metrics(out))  # the loop ran no HellaSwag itself
-    assert json.loads((out / "watch.json").read_text()) == {
-        "scored": [4, 8, 12],
-        "skipped": [],
-        "seen": [],
-        "scoring": None,
-    }
+    progress = {"scored": [4, 8, 12], "skipped": [], "seen": [], "scoring": None}
+    assert json.loads((out / "watch.json").read_text()) == progress
 
     # eval.py afterwards, with the watcher's own command (as train.py printed it), on each kept copy
     line = next(line for line in stdout.splitlines() if line.startswith("eval_async:"))
@@ -176,17 +152,11 @@ def test_the_watcher_beside_a_run_scores_each_checkpoint_once_as_eval_py_does(
     assert f"--tasks={'val,test,hellaswag' if bpe_tasks else 'val'}" in args
     for r in records:
         copy = kept / f"ckpt_{r['iter']:07d}{'.pt' * (fmt == 'full')}"
-        expected = {
-            f"watch/{k}": v for k, v in metrics.eval_record(eval_json(capfd, *args, f"--checkpoint={copy}")).items()
-        }
+        results = eval_json(capfd, *args, f"--checkpoint={copy}")
+        expected = {f"watch/{k}": v for k, v in metrics.eval_record(results).items()}
         assert r == {"iter": r["iter"], **expected}  # every loss bitwise, every accuracy exactly
-        names = ("val_loss", "val_bpb") + bpe_tasks * (
-            "test_loss",
-            "test_bpb",
-            "hellaswag_acc",
-            "hellaswag_acc_norm",
-            "hellaswag_acc_norm_chars",
-        )
+        hellaswag_keys = ("hellaswag_acc", "hellaswag_acc_norm", "hellaswag_acc_norm_chars")
+        names = ("val_loss", "val_bpb") + bpe_tasks * ("test_loss", "test_bpb", *hellaswag_keys)
         assert set(expected) == {f"watch/{k}" for k in names}
 
     if bpe_tasks:
@@ -207,12 +177,9 @@ def test_the_watcher_beside_a_run_scores_each_checkpoint_once_as_eval_py_does(
 def test_a_watcher_started_by_hand_beside_a_run_and_killed_three_times_leaves_one_record_per_checkpoint(
     chars, tmp_path, monkeypatch, capfd
 ):
-    """issue 50's scenario: keep_last=2, no eval_async; `python eval.py --watch=True` started at the
-    first checkpoint, SIGKILLed three times (each time after it recorded something, then at a seeded
-    random moment: loading, scoring, appending a record, replacing watch.json) and started again
-    three checkpoints later, so checkpoints are saved, and rotated past keep_last, while none runs.
-    Every saved iteration ends with one record: scored, equal bitwise to eval.py afterwards, or
-    skipped as released by training."""
+    """issue 50's scenario (keep_last=2, no eval_async): killed at a seeded random moment after it recorded
+    something, and started again three checkpoints later, so checkpoints are rotated while none runs.
+    Every saved iteration ends with one record: scored, equal bitwise to eval.py afterwards, or released."""
     out, log, saved = tmp_path / "out", tmp_path / "watch.log", list(range(10, 121, 10))
     rng, lives, at_kill = random.Random(0), [], []
     kills = {20: 50, 60: 90, 100: 120}  # killed at the first checkpoint, started again at the second
@@ -252,10 +219,9 @@ def test_a_watcher_started_by_hand_beside_a_run_and_killed_three_times_leaves_on
 
 
 def eval_async_run(chars, out, monkeypatch, capfd, kill_at, max_iters):
-    """train.py with eval_async=True (keep_last=2, keep_unscored=2, a checkpoint every 10 steps),
-    its watcher SIGKILLed at the checkpoints kill_at, each time once it holds watch.lock and has
-    recorded something since the last kill. (its stdout's eval_async lines, its stdout, the number of
-    records at each kill)."""
+    """train.py with eval_async=True, a checkpoint every 10 steps, its watcher SIGKILLed at the checkpoints
+    kill_at once it has recorded something since the last kill. (its eval_async lines, its stdout, the
+    number of records at each kill)."""
     children, at_kill = [], []
 
     class Child(watch.Child):  # the run's own, kept at hand to kill
@@ -274,19 +240,8 @@ def eval_async_run(chars, out, monkeypatch, capfd, kill_at, max_iters):
     committed = ownership.OutDir.committed
     monkeypatch.setattr(watch, "Child", Child)
     monkeypatch.setattr(ownership.OutDir, "committed", beside)
-    code = TRAIN.main(
-        tiny_args(
-            chars,
-            out,
-            max_iters=max_iters,
-            lr_decay_iters=max_iters,
-            eval_interval=10,
-            log_interval=10,
-            keep_last=2,
-            keep_unscored=2,
-            eval_async=True,
-        )
-    )
+    keys = dict(eval_interval=10, log_interval=10, keep_last=2, keep_unscored=2, eval_async=True)
+    code = TRAIN.main(tiny_args(chars, out, max_iters=max_iters, lr_decay_iters=max_iters, **keys))
     stdout, stderr = capfd.readouterr()
     assert code == 0, stderr
     assert f"step {max_iters}: train loss" in stdout  # training went on to its end
@@ -297,9 +252,8 @@ def eval_async_run(chars, out, monkeypatch, capfd, kill_at, max_iters):
 def test_eval_async_starts_a_dead_watcher_again_and_every_checkpoint_ends_with_one_record(
     chars, tmp_path, monkeypatch, capfd
 ):
-    """eval_async's watcher SIGKILLed at checkpoints 20, 40 and 60: each time the run says so in one
-    line with the exit code, and starts it again (at the next step: the delays are the next test's);
-    the last one scores what is left at the end, from its progress."""
+    """Killed at 20, 40 and 60: each time one line with the exit code, and started again at once (the delays
+    are test_a_dead_child's); the last one scores what is left at the end, from its progress."""
     monkeypatch.setattr(watch, "RESTART_DELAYS_S", (0, 0, 0))
     out, saved = tmp_path / "out", list(range(10, 81, 10))
     lines, stdout, at_kill = eval_async_run(chars, out, monkeypatch, capfd, {20, 40, 60}, max_iters=80)
@@ -323,9 +277,8 @@ def test_eval_async_starts_a_dead_watcher_again_and_every_checkpoint_ends_with_o
 def test_eval_async_leaves_a_watcher_dead_after_its_restarts_training_goes_on_and_its_end_names_what_is_unscored(
     chars, tmp_path, monkeypatch, capfd
 ):
-    """One restart (RESTART_DELAYS_S of one): the watcher killed at 20 is started again; killed again
-    at 40, it is left dead with one line, training goes on to 60, and the run's last line names the
-    checkpoints without a record. The command it names fills them in: one record per checkpoint."""
+    """One restart: killed again at 40, the watcher is left dead with one line, training goes on to 60, and
+    the run's last line names a command that fills in the checkpoints without a record."""
     monkeypatch.setattr(watch, "RESTART_DELAYS_S", (0,))
     out, saved = tmp_path / "out", list(range(10, 61, 10))
     lines, stdout, at_kill = eval_async_run(chars, out, monkeypatch, capfd, {20, 40}, max_iters=60)
@@ -351,8 +304,7 @@ def test_eval_async_leaves_a_watcher_dead_after_its_restarts_training_goes_on_an
 
 @pytest.mark.process
 def test_a_dead_child_is_started_again_after_longer_and_longer_waits_then_left(tmp_path, monkeypatch):
-    """Child.check() on a watcher that dies at once: started again after each of RESTART_DELAYS_S,
-    never sooner, checked without waiting; then left, and finish() names what has no record."""
+    """Started again after each of RESTART_DELAYS_S, never sooner; then left, and finish() names what has no record."""
     monkeypatch.setattr(watch, "RESTART_DELAYS_S", (0.05, 0.1, 0.2))
     (tmp_path / "ckpt_0000010.pt").write_bytes(b"")  # a complete checkpoint nobody scored
     said = []
@@ -388,10 +340,9 @@ def test_a_dead_child_is_started_again_after_longer_and_longer_waits_then_left(t
 def test_a_stopped_watcher_costs_at_most_keep_last_plus_keep_unscored_plus_one_checkpoints(
     chars, tmp_path, monkeypatch
 ):
-    """A watcher started as the run starts, then SIGSTOPped for the whole run (keep_last=2,
-    keep_unscored=2, 10 saves): at no moment more than 5 checkpoints on disk (counted right after
-    each is renamed into place, before rotation: the most there ever are); the older unscored ones
-    released and, once it is continued, logged as skipped with one line each; the rest scored."""
+    """SIGSTOPped for the whole run (keep_last=2, keep_unscored=2): never more than 5 checkpoints on disk
+    (counted right after each save, before rotation); the older unscored ones released and, once it is
+    continued, logged as skipped with one line each; the rest scored."""
     out, log, saved, on_disk, watcher = tmp_path / "out", tmp_path / "watch.log", list(range(10, 101, 10)), [], []
     write_config, save = ownership.OutDir.write_config, checkpoint.save
 
@@ -408,10 +359,8 @@ def test_a_stopped_watcher_costs_at_most_keep_last_plus_keep_unscored_plus_one_c
     monkeypatch.setattr(ownership.OutDir, "write_config", then_a_watcher)
     monkeypatch.setattr(checkpoint, "save", counted)
     try:
-        code = TRAIN.main(
-            tiny_args(chars, out, max_iters=100, lr_decay_iters=100, eval_interval=10, keep_last=2, keep_unscored=2)
-        )
-        assert code == 0
+        keys = dict(eval_interval=10, keep_last=2, keep_unscored=2)
+        assert TRAIN.main(tiny_args(chars, out, max_iters=100, lr_decay_iters=100, **keys)) == 0
         assert len(on_disk) == len(saved) and max(on_disk) == 2 + 2 + 1, on_disk
         assert sorted(watch.complete_checkpoints(str(out))) == [70, 80, 90, 100]  # keep_last 2, keep_unscored 2
         assert sorted(watch.released(str(out))) == list(range(10, 61, 10))
@@ -458,38 +407,34 @@ def test_retention_keeps_the_one_being_scored_then_the_newest_and_lists_the_othe
     assert not retention.follows() and retention([70]) == set() and 70 not in watch.released(out)
 
 
-def test_a_checkpoint_removed_while_it_is_read_is_skipped_with_one_line(finished_run, tmp_path, monkeypatch, capsys):
+def test_a_checkpoint_removed_before_or_while_it_is_read_gets_a_record_and_a_line(
+    finished_run, tmp_path, monkeypatch, capsys
+):
+    """Iter 4's, which a watcher saw (watch.json's seen), removed by hand before it came back to it, and
+    iter 8's, removed while it is read: neither released by training, both skipped with one line, never
+    missing in silence."""
     out = copy_of(finished_run, tmp_path)
+    checkpoint.write_json(str(out / "watch.json"), {"scored": [], "skipped": [], "seen": [2, 4], "scoring": None})
+    os.remove(out / "ckpt_0000004.pt")
     for_inference = load.for_inference
 
     def removed_first(init_from, out_dir, which, report=print):
-        if which == "ckpt_0000004.pt":
+        if which == "ckpt_0000008.pt":
             os.remove(os.path.join(out_dir, which))
         return for_inference(init_from, out_dir, which, report)
 
     monkeypatch.setattr(load, "for_inference", removed_first)
     assert EVAL.main(["--watch=True", f"--out_dir={out}", "--device=cpu", "--tasks=val"]) == 0
     stdout = capsys.readouterr().out
-    assert [line for line in stdout.splitlines() if "ckpt_0000004.pt" in line] == [
-        "note: ckpt_0000004.pt disappeared while it was read (training removed it); skipped"
-    ]
-    records = {r["iter"]: r for r in watch_records(out)}
-    assert sorted(records) == list(range(2, 21, 2)) and list(records[4]) == ["iter", "watch/skipped"]
-
-
-def test_a_checkpoint_removed_by_hand_before_it_was_scored_gets_a_record_and_a_line(finished_run, tmp_path, capsys):
-    """A checkpoint a watcher saw (watch.json's seen) that is gone when it comes back to it, and not
-    released by training: skipped with one line, never missing in silence."""
-    out = copy_of(finished_run, tmp_path)
-    checkpoint.write_json(str(out / "watch.json"), {"scored": [], "skipped": [], "seen": [2, 4], "scoring": None})
-    os.remove(out / "ckpt_0000004.pt")
-    assert EVAL.main(["--watch=True", f"--out_dir={out}", "--device=cpu", "--tasks=val"]) == 0
-    stdout = capsys.readouterr().out
     assert "note: iter 4's checkpoint was removed before it was scored (not by keep_unscored); skipped" in stdout
+    assert [line for line in stdout.splitlines() if "ckpt_0000008.pt" in line] == [
+        "note: ckpt_0000008.pt disappeared while it was read (training removed it); skipped"
+    ]
     records = one_record_each(out, list(range(2, 21, 2)))
     assert records[4] == {"iter": 4, "watch/skipped": "removed before it was scored"}
+    assert list(records[8]) == ["iter", "watch/skipped"]
     assert stdout.strip().splitlines()[-1] == (
-        "watch: the run is over; 9 checkpoint(s) scored, 1 skipped; of the run's 10: 9 scored, 1 skipped, "
+        "watch: the run is over; 8 checkpoint(s) scored, 2 skipped; of the run's 10: 8 scored, 2 skipped, "
         "none without a record"
     )
 
@@ -540,10 +485,8 @@ def test_the_trainers_and_the_watchers_appends_never_tear_or_interleave(tmp_path
     records = [json.loads(line) for line in lines]  # each line whole
     assert sorted(r["iter"] for r in records if "text" in r) == list(range(1000))
     assert sorted(r["iter"] for r in records if "watch/text" in r) == list(range(1000))
-    assert all(
-        set(r.get("text", r.get("watch/text"))) <= {"t", "w"} and len(set(r.get("text", r.get("watch/text")))) == 1
-        for r in records
-    )
+    assert all(set(r["text"]) == {"t"} for r in records if "text" in r)  # no line holds the other's bytes
+    assert all(set(r["watch/text"]) == {"w"} for r in records if "watch/text" in r)
 
 
 def test_a_second_watcher_is_refused_naming_the_first(finished_run, tmp_path):
@@ -561,47 +504,25 @@ def test_a_second_watcher_is_refused_naming_the_first(finished_run, tmp_path):
 @pytest.mark.process
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
 def test_under_torchrun_rank_0_alone_starts_the_watcher_and_its_records_join_the_runs_wandb_run(chars, tmp_path, capfd):
-    """Two gloo ranks with eval_async=True: one watcher, whose records equal eval.py's in one process
-    afterwards; with wandb (offline) they are in the training run's wandb run, at the training steps."""
+    """One watcher, whose records equal eval.py's afterwards; with wandb (offline), in the run's wandb run."""
     try:
         from wandb.proto import wandb_internal_pb2
     except ImportError:
         wandb_internal_pb2 = None
     out = tmp_path / "out"
-    cmd = [
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "train.py",
-        *tiny_args(
-            chars,
-            out,
-            max_iters=8,
-            lr_decay_iters=8,
-            eval_interval=4,
-            keep_last=2,
-            gradient_accumulation_steps=2,
-            backend="gloo",
-            eval_async=True,
-            wandb_log=wandb_internal_pb2 is not None,
-        ),
-    ]
+    keys = dict(eval_interval=4, keep_last=2, gradient_accumulation_steps=2, backend="gloo", eval_async=True)
+    args = tiny_args(chars, out, max_iters=8, lr_decay_iters=8, wandb_log=wandb_internal_pb2 is not None, **keys)
     env = {**ENV, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    result = run_python(cmd, env=env)
+    result = run_python(
+        ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *args], env=env
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("eval_async: the watcher (pid") == 1 and "already watched" not in result.stderr
     records = watch_records(out)
     assert [r["iter"] for r in records] == [4, 8]
     for r in records:  # as one process scores the same checkpoint afterwards
-        val = eval_json(
-            capfd,
-            f"--out_dir={out}",
-            f"--checkpoint=ckpt_{r['iter']:07d}.pt",
-            "--device=cpu",
-            "--tasks=val",
-            f"--split_tokens={2 * 4 * 16}",
-        )["val"]
+        which = [f"--out_dir={out}", f"--checkpoint=ckpt_{r['iter']:07d}.pt", "--device=cpu", "--tasks=val"]
+        val = eval_json(capfd, *which, f"--split_tokens={2 * 4 * 16}")["val"]
         assert (r["watch/val_loss"], r["watch/val_bpb"]) == (val["loss"], val["bpb"])
 
     if wandb_internal_pb2 is None:
