@@ -174,22 +174,10 @@ def test_configure_optimizers_groups():
 
 def gpt2_params_by_hand(L, C, V_padded, bias):
     """Non-embedding parameters of GPT-2 (position embeddings excluded, tied wte/lm_head counted once)."""
-    per_block = (
-        C
-        + bias * C  # ln_1
-        + 3 * C * C
-        + bias * 3 * C  # c_attn
-        + C * C
-        + bias * C  # attn.c_proj
-        + C
-        + bias * C  # ln_2
-        + 4 * C * C
-        + bias * 4 * C  # c_fc
-        + 4 * C * C
-        + bias * C  # mlp.c_proj
-    )
-    ln_f = C + bias * C
-    return V_padded * C + L * per_block + ln_f
+    ln = C + bias * C
+    attn = (3 * C * C + bias * 3 * C) + (C * C + bias * C)  # c_attn, c_proj
+    mlp = (4 * C * C + bias * 4 * C) + (4 * C * C + bias * C)  # c_fc, c_proj
+    return V_padded * C + L * (2 * ln + attn + mlp) + ln  # ln_1 and ln_2 in each block, ln_f
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -224,26 +212,20 @@ def greedy_by_hand(model, idx, steps):
     return idx
 
 
-def test_generate_top_k_1_is_greedy():
+@pytest.mark.parametrize("T", [5, 40], ids=["short-prompt", "longer-than-block_size"])
+def test_generate_top_k_1_is_greedy_over_the_last_block_size_tokens(T):
     model = tiny_model()
-    prompt = random_idx(2, 5)
+    prompt = random_idx(2, T)
     torch.manual_seed(0)
     first = model.generate(prompt, max_new_tokens=6, temperature=1.0, top_k=1)
     torch.manual_seed(123)
     second = model.generate(prompt, max_new_tokens=6, temperature=1.0, top_k=1)
     assert torch.equal(first, second)
-    assert torch.equal(first[:, :5], prompt)
+    assert first.shape == (2, T + 6) and torch.equal(first[:, :T], prompt)
     assert torch.equal(first, greedy_by_hand(model, prompt, 6))
-
-
-def test_generate_crops_context_to_block_size():
-    model = tiny_model()
-    prompt = random_idx(2, 40)  # longer than block_size=16
-    out = model.generate(prompt, max_new_tokens=4, top_k=1)
-    assert out.shape == (2, 44) and torch.equal(out[:, :40], prompt)
-    assert torch.equal(out, greedy_by_hand(model, prompt, 4))
     # only the last block_size tokens matter
-    assert torch.equal(out[:, 40:], model.generate(prompt[:, -16:], max_new_tokens=4, top_k=1)[:, 16:])
+    cropped = model.generate(prompt[:, -16:], max_new_tokens=6, top_k=1)
+    assert torch.equal(first[:, T:], cropped[:, min(T, 16) :])
 
 
 def test_generate_is_reproducible_under_a_seed():
