@@ -314,15 +314,9 @@ def test_an_in_loop_eval_out_of_memory_on_a_gpu_empties_the_cache_and_training_g
 
     emptied, written = [], []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
-    model = torch.nn.Linear(2, 2).eval()
-    run = types.SimpleNamespace(
-        cfg=types.SimpleNamespace(eval_only=False),
-        rt=runtime.Runtime("cuda:0", "cuda", torch.bfloat16),
-        iter_num=7,
-        raw_model=model,
-        metrics=types.SimpleNamespace(write=written.append),
-        throughput=types.SimpleNamespace(restart=lambda: None),
-    )
+    model, ns = torch.nn.Linear(2, 2).eval(), types.SimpleNamespace
+    run = ns(cfg=ns(eval_only=False), rt=runtime.Runtime("cuda:0", "cuda", torch.bfloat16), iter_num=7, raw_model=model)
+    run.metrics, run.throughput = ns(write=written.append), ns(restart=lambda: None)
 
     def out_of_memory():
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
