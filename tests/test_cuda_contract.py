@@ -7,15 +7,22 @@ import datetime
 import shutil
 import types
 from pathlib import Path
+from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 from processes import REPO, run, run_python
+from torch._subclasses import fake_tensor
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from configurator import TrainConfig, UserError
-from gpt.device import gpu_flops, runtime
+from gpt.data.batches import ChatBatches, ChatData, TrainBatches, chat_eval_offsets, eval_offsets, get_batch
+from gpt.device import cpu_matmuls, gpu_flops, runtime
+from gpt.inference import sampling
 from gpt.train import build, stopping
 from gpt.train.auto_batch import auto_batch_size
+from gpt.train.step import evaluate, train_step
 from model import GPT, GPTConfig
 
 TORCHRUN_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -162,17 +169,6 @@ def test_a_step_an_eval_and_generation_keep_every_tensor_on_the_gpu(fake_cuda_sh
 
 def trace_on_fake_cuda():
     """The body of the test above, run in a process of its own (the shim cannot be unloaded)."""
-    from unittest import mock
-
-    import numpy as np
-    from torch._subclasses import fake_tensor
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-
-    from gpt.data.batches import ChatBatches, ChatData, TrainBatches, chat_eval_offsets, eval_offsets, get_batch
-    from gpt.device import cpu_matmuls
-    from gpt.inference import sampling
-    from gpt.train.step import evaluate, train_step
-
     mode = FakeTensorMode()  # no real tensor may enter an operation uncaught
     from_numpy = torch.from_numpy
 
