@@ -94,27 +94,22 @@ def assert_same_run(a, b):
     assert_close_states(final(a), final(b))
 
 
-def test_shared_muon_under_ddp_trains_as_one_process(runs):
+def test_the_checkpoint_holds_every_matrixs_momentum_and_the_runs_learn(runs):
     root, _, _ = runs
-    one = final(root / "one")
-    muon_state = one["optimizer"]["optimizers"][0]["state"]
-    assert len(muon_state) == 16  # 4 layers x 4 matrices, each with its momentum
-    for run in ("ddp2", "ddp4"):
-        assert_same_run(root / run, root / "one")  # the checkpoint holds every rank's momenta
+    assert len(final(root / "one")["optimizer"]["optimizers"][0]["state"]) == 16  # 4 layers x 4 matrices
     evals = [r["val_loss"] for r in read_metrics(root / "ddp4") if "val_loss" in r]
-    assert evals[-1] < evals[0] - 0.5  # and it learned
+    assert evals[-1] < evals[0] - 0.5
 
 
-def test_muon_under_fsdp_trains_as_under_ddp(runs):
+# shared Muon under DDP trains as one process (the checkpoint holds every rank's momenta), FSDP2 as DDP,
+# and a resume from iter 10 on 1 -> 2 and 2 -> 1 ranks as the run it left would have gone on
+@pytest.mark.parametrize(
+    "run, reference",
+    [("ddp2", "one"), ("ddp4", "one"), ("fsdp2", "ddp2"), ("one_fsdp2", "fsdp2"), ("fsdp2_one", "one")],
+)
+def test_a_run_equals_its_reference(runs, run, reference):
     root, _, _ = runs
-    assert_same_run(root / "fsdp2", root / "ddp2")
-
-
-def test_muon_under_fsdp_resumes_across_world_sizes(runs):
-    """1 -> 2 and 2 -> 1 ranks from iter 10: each as the run it left would have gone on."""
-    root, _, _ = runs
-    assert_same_run(root / "one_fsdp2", root / "fsdp2")
-    assert_same_run(root / "fsdp2_one", root / "one")
+    assert_same_run(root / run, root / reference)
 
 
 def test_muon_under_fsdp_killed_at_a_random_moment_resumes_bit_for_bit(runs, tmp_path):
