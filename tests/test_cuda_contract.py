@@ -5,26 +5,34 @@ torchrun. No GPU runs here; tests/test_gpu.py is for that."""
 import dataclasses
 import datetime
 import shutil
+import types
 from pathlib import Path
+from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 from processes import REPO, run, run_python
+from torch._subclasses import fake_tensor
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from configurator import UserError
-from gpt.device import gpu_flops, runtime
-from gpt.train import stopping
+from configurator import TrainConfig, UserError
+from gpt.data.batches import ChatBatches, ChatData, TrainBatches, chat_eval_offsets, eval_offsets, get_batch
+from gpt.device import cpu_matmuls, gpu_flops, runtime
+from gpt.inference import sampling
+from gpt.train import build, stopping
+from gpt.train.auto_batch import auto_batch_size
+from gpt.train.step import evaluate, train_step
+from model import GPT, GPTConfig
 
 TORCHRUN_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 @pytest.fixture
 def two_gpus(monkeypatch):
-    """torch.cuda as a machine with two bf16-capable GPUs shows it. set_device applies the rule
-    torch.cuda.set_device applies first (torch.cuda._get_device_index: an index, or a device
-    string that has one; 'cuda' alone raises ValueError), fails past the second GPU as CUDA
-    would, and records the index. The TF32 flags are restored afterwards. Yields what set_device
-    and init_process_group were called with."""
+    """torch.cuda as a machine with two bf16-capable GPUs shows it; set_device takes what torch's does
+    ('cuda' alone raises ValueError), fails past the second GPU, and records the index. Yields what
+    set_device and init_process_group were called with."""
     calls = {"set_device": [], "init_process_group": []}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -37,9 +45,7 @@ def two_gpus(monkeypatch):
         calls["set_device"].append(index)
 
     monkeypatch.setattr(torch.cuda, "set_device", set_device)
-    monkeypatch.setattr(
-        torch.distributed, "init_process_group", lambda **kwargs: calls["init_process_group"].append(kwargs)
-    )
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda **kw: calls["init_process_group"].append(kw))
     for key in TORCHRUN_KEYS:
         monkeypatch.delenv(key, raising=False)
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
@@ -92,12 +98,10 @@ def test_peak_flops_are_looked_up_for_the_indexed_device(two_gpus, monkeypatch):
 
 # ---------------------------------------------------------------------------- a step, an eval and generation on a fake GPU
 
-# FakeTensorMode makes tensors that carry a device, shape and dtype but no data, and checks the
-# devices of every operation as CUDA would: a CPU tensor meeting a CUDA one raises. A CPU-only
-# build of torch lacks two pieces it needs for fake CUDA tensors: a device guard (Python indexing
-# and the autograd engine switch to the tensor's device) and CUDA hooks that say CUDA is there
-# (the engine asks for the accelerator). This registers test doubles of both; no kernel ever runs
-# on them, every operation is faked.
+# FakeTensorMode's tensors carry a device, shape and dtype but no data, and it checks every operation's
+# devices as CUDA would. A CPU-only torch lacks two pieces fake CUDA tensors need: a device guard (indexing
+# and autograd switch to the tensor's device) and CUDA hooks that say CUDA is there. These are test
+# doubles of both; no kernel ever runs on them.
 FAKE_CUDA_SHIM = r"""
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/impl/FakeGuardImpl.h>
@@ -135,40 +139,21 @@ def fake_cuda_shim(tmp_path_factory):
     root = Path(torch.__file__).parent
     shim_dir = tmp_path_factory.mktemp("fake_cuda")
     (shim_dir / "shim.cpp").write_text(FAKE_CUDA_SHIM)
-    result = run(
-        [
-            compiler,
-            "-std=c++17",
-            "-O0",
-            "-w",
-            "-shared",
-            "-fPIC",
-            f"-I{root / 'include'}",
-            str(shim_dir / "shim.cpp"),
-            f"-L{root / 'lib'}",
-            f"-Wl,-rpath,{root / 'lib'}",
-            "-lc10",
-            "-ltorch_cpu",
-            "-o",
-            str(shim_dir / "shim.so"),
-        ]
-    )
+    flags = ["-std=c++17", "-O0", "-w", "-shared", "-fPIC", f"-I{root / 'include'}", f"-L{root / 'lib'}"]
+    libraries = [f"-Wl,-rpath,{root / 'lib'}", "-lc10", "-ltorch_cpu"]
+    result = run([compiler, *flags, str(shim_dir / "shim.cpp"), *libraries, "-o", str(shim_dir / "shim.so")])
     assert result.returncode == 0, result.stderr
     return shim_dir / "shim.so"
 
 
 @pytest.mark.process
 def test_a_step_an_eval_and_generation_keep_every_tensor_on_the_gpu(fake_cuda_shim):
-    """train.py's step (forward and backward under bf16 autocast, clipping, fused AdamW with its
-    on-device skip), its eval and model.generate (KV cache, top-k, top-p, a stop token; its linears
-    cpu_matmuls.OneDNNLinear, as on an AMD host, which on the GPU are nn.Linear's), a step with
-    Muon beside AdamW (bfloat16 iterations on a GPU), on a fake CUDA device set up by runtime.setup;
-    and a CPU batch meeting the GPU model is caught."""
+    """train.py's step (bf16 autocast, clipping, fused AdamW's on-device skip), its eval, generate (KV
+    cache, top-k, top-p, a stop token, OneDNNLinear as on an AMD host), a chat step and a Muon step, on a
+    fake CUDA device set up by runtime.setup; and a CPU batch meeting the GPU model is caught."""
     load = f"import ctypes; ctypes.CDLL({str(fake_cuda_shim)!r}, mode=ctypes.RTLD_GLOBAL); " if fake_cuda_shim else ""
-    code = (
-        load
-        + f"import sys; sys.path[:0] = [{str(REPO)!r}, {str(REPO / 'tests')!r}]; import test_cuda_contract as t; t.trace_on_fake_cuda()"
-    )
+    path = f"import sys; sys.path[:0] = [{str(REPO)!r}, {str(REPO / 'tests')!r}]; "
+    code = load + path + "import test_cuda_contract as t; t.trace_on_fake_cuda()"
     result = run_python(["-c", code])
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.splitlines() == [
@@ -184,20 +169,6 @@ def test_a_step_an_eval_and_generation_keep_every_tensor_on_the_gpu(fake_cuda_sh
 
 def trace_on_fake_cuda():
     """The body of the test above, run in a process of its own (the shim cannot be unloaded)."""
-    from unittest import mock
-
-    import numpy as np
-    from torch._subclasses import fake_tensor
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-
-    from configurator import TrainConfig
-    from gpt.data.batches import ChatBatches, ChatData, TrainBatches, chat_eval_offsets, eval_offsets, get_batch
-    from gpt.device import cpu_matmuls
-    from gpt.inference import sampling
-    from gpt.train.build import build, make_model_args
-    from gpt.train.step import evaluate, train_step
-    from model import GPT, GPTConfig
-
     mode = FakeTensorMode()  # no real tensor may enter an operation uncaught
     from_numpy = torch.from_numpy
 
@@ -217,9 +188,7 @@ def trace_on_fake_cuda():
         mock.patch.object(torch.cuda, "set_device", lambda device: torch.cuda._get_device_index(device)),
         # host data (batches from numpy) enters as fake CPU tensors, so where it meets the GPU is checked
         mock.patch.object(torch, "from_numpy", lambda array: mode.from_tensor(from_numpy(array))),
-        mock.patch.object(
-            torch.Tensor, "pin_memory", lambda self, *args, **kwargs: self
-        ),  # no pinned memory when faked
+        mock.patch.object(torch.Tensor, "pin_memory", lambda self, *args, **kwargs: self),  # none when faked
         mock.patch.object(FakeTensor, "__getitem__", getitem, create=True),
         # what the host reads (a loss, "has every row stopped?") has no value when faked: made up
         mock.patch.object(FakeTensor, "item", lambda self: 0.0, create=True),
@@ -228,21 +197,10 @@ def trace_on_fake_cuda():
     for patch in patches:
         patch.start()
     rt = runtime.setup("cuda", "bfloat16")
-    cfg = TrainConfig(
-        n_layer=2,
-        n_head=4,
-        n_kv_head=2,
-        n_embd=32,
-        block_size=16,
-        batch_size=4,
-        dropout=0.1,
-        bias=False,
-        pos_encoding="rope",
-        compile=False,
-        grad_clip=1.0,
-    )
+    keys = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, block_size=16, bias=False, pos_encoding="rope")
+    cfg = TrainConfig(**keys, batch_size=4, dropout=0.1, compile=False, grad_clip=1.0)
     torch.manual_seed(0)
-    raw = GPT(GPTConfig(**make_model_args(cfg, 65)))  # built on the CPU, then made fake and moved to the GPU
+    raw = GPT(GPTConfig(**build.make_model_args(cfg, 65)))  # built on the CPU, then made fake and moved to the GPU
     fakes = {}
     for module in raw.modules():
         for store, is_param in ((module._parameters, True), (module._buffers, False)):
@@ -256,32 +214,21 @@ def trace_on_fake_cuda():
                     fakes[id(t)] = (t, torch.nn.Parameter(fake, t.requires_grad) if is_param else fake)
                 store[name] = fakes[id(t)][1]
     data = (np.arange(5000) % 65).astype(np.uint16)
+    on = lambda tensors: ", ".join(sorted({str(t.device) for t in tensors}))
     with mode:
-        model, train_model, optimizer, scaler = build(raw, cfg, rt)
-        result = train_step(
-            train_model, optimizer, scaler, TrainBatches(data, 4, 16, 0, rt), 1e-3, 2, cfg.grad_clip, rt
-        )
-        devices = {
-            str(t.device)
-            for t in (*result, *raw.parameters(), *(v for s in optimizer.state.values() for v in s.values()))
-        }
-        print(
-            f"train_step: loss, grad_norm, stepped on {', '.join(sorted(devices))}; weights and AdamW state on {rt.device}"
-        )
+        model, train_model, optimizer, scaler = build.build(raw, cfg, rt)
+        step = lambda batches: train_step(train_model, optimizer, scaler, batches, 1e-3, 2, cfg.grad_clip, rt)
+        result = step(TrainBatches(data, 4, 16, 0, rt))
+        states = [v for s in optimizer.state.values() for v in s.values()]
+        devices = on([*result, *raw.parameters(), *states])
+        print(f"train_step: loss, grad_norm, stepped on {devices}; weights and AdamW state on {rt.device}")
         print("evaluate:", ", ".join(evaluate(model, {"val": (data, eval_offsets(data, 2, 4, 16, 0))}, 16, rt)))
         raw.eval()
         # as chat.py on a GPU machine with an AMD host: the eager matmuls stay nn.Linear's on the GPU
         swapped = cpu_matmuls.onednn_matmuls(raw, vendor="AuthenticAMD")
+        prompt = torch.zeros(2, 4, dtype=torch.long, device=rt.device)
         with rt.autocast():
-            out = sampling.generate(
-                raw,
-                torch.zeros(2, 4, dtype=torch.long, device=rt.device),
-                20,
-                temperature=0.8,
-                top_k=10,
-                top_p=0.9,
-                stop_token=3,
-            )
+            out = sampling.generate(raw, prompt, 20, temperature=0.8, top_k=10, top_p=0.9, stop_token=3)
         linears = sum(type(m) is cpu_matmuls.OneDNNLinear for m in raw.modules()) if swapped else 0
         print(f"generate: {tuple(out.shape)} on {out.device}, through {linears} OneDNNLinear")
         for m in raw.modules():
@@ -290,38 +237,21 @@ def trace_on_fake_cuda():
         raw.train()
         # chat rows (batches.chat_batch): the summed loss weighted by the step's trained tokens
         chat = ChatData(data[:400], (np.arange(400) % 3 == 0).astype(np.uint8), np.arange(0, 400, 25))
-        result = train_step(
-            train_model, optimizer, scaler, ChatBatches(chat, 4, 16, 0, rt, 2), 1e-3, 2, cfg.grad_clip, rt
-        )
-        print(f"chat train_step: loss, grad_norm, stepped on {', '.join(sorted({str(t.device) for t in result}))}")
+        print(f"chat train_step: loss, grad_norm, stepped on {on(step(ChatBatches(chat, 4, 16, 0, rt, 2)))}")
         print("chat evaluate:", ", ".join(evaluate(model, {"val": (chat, chat_eval_offsets(chat, 2, 4, 0))}, 16, rt)))
         # Muon beside AdamW: on a GPU it orthogonalizes in bfloat16, with its on-device skip
-        muon_cfg = dataclasses.replace(cfg, optimizer="muon")
-        _, muon_model, muon_optimizer, muon_scaler = build(raw, muon_cfg, rt)
-        result = train_step(
-            muon_model, muon_optimizer, muon_scaler, TrainBatches(data, 4, 16, 0, rt), 1e-3, 2, cfg.grad_clip, rt
-        )
+        _, muon_model, muon_optimizer, muon_scaler = build.build(raw, dataclasses.replace(cfg, optimizer="muon"), rt)
+        batches = TrainBatches(data, 4, 16, 0, rt)
+        result = train_step(muon_model, muon_optimizer, muon_scaler, batches, 1e-3, 2, cfg.grad_clip, rt)
         states = [v for o in muon_optimizer.optimizers for s in o.state.values() for v in s.values()]
-        devices = {str(t.device) for t in (*result, *raw.parameters(), *states)}
-        print(f"muon train_step: stepped on {', '.join(sorted(devices))}; {len(states)} state tensors")
+        print(f"muon train_step: stepped on {on([*result, *raw.parameters(), *states])}; {len(states)} state tensors")
         cpu = runtime.Runtime("cpu", "cpu", rt.dtype)
         try:
-            train_step(
-                train_model,
-                optimizer,
-                scaler,
-                lambda: get_batch(data, np.arange(4), 16, cpu),
-                1e-3,
-                1,
-                cfg.grad_clip,
-                rt,
-            )
+            step(lambda: get_batch(data, np.arange(4), 16, cpu))
         # torch 2.11 (the supported floor) raises a RuntimeError; FakeTensorDeviceMismatchError came later
         except getattr(fake_tensor, "FakeTensorDeviceMismatchError", RuntimeError) as e:
-            print(
-                "a CPU batch for the GPU model:",
-                "devices cuda:0 and cpu" if "cuda:0" in str(e) and "cpu" in str(e) else e,
-            )
+            caught = "cuda:0" in str(e) and "cpu" in str(e)
+            print("a CPU batch for the GPU model:", "devices cuda:0 and cpu" if caught else e)
 
 
 # ---------------------------------------------------------------------------- the other CUDA branches
@@ -330,30 +260,12 @@ def trace_on_fake_cuda():
 def test_auto_batch_size_budgets_the_gpus_memory(monkeypatch):
     """On a GPU the budget is the device's memory: the same choice as that many bytes given as
     memory_budget_gb."""
-    from types import SimpleNamespace
-
-    from configurator import TrainConfig
-    from gpt.train.auto_batch import auto_batch_size
-    from gpt.train.build import make_model_args
-    from model import GPT, GPTConfig
-
     asked = []
-    monkeypatch.setattr(
-        torch.cuda,
-        "get_device_properties",
-        lambda device: asked.append(device) or SimpleNamespace(total_memory=10 * 2**20),
-    )
-    cfg = TrainConfig(
-        n_layer=2,
-        n_head=2,
-        n_embd=32,
-        block_size=64,
-        batch_size="auto",
-        total_batch_size=64 * 64,
-        dropout=0.0,
-        compile=False,
-    )
-    model = GPT(GPTConfig(**make_model_args(cfg, 65)))
+    memory = lambda device: asked.append(device) or types.SimpleNamespace(total_memory=10 * 2**20)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", memory)
+    keys = dict(n_layer=2, n_head=2, n_embd=32, block_size=64, dropout=0.0, compile=False)
+    cfg = TrainConfig(**keys, batch_size="auto", total_batch_size=64 * 64)
+    model = GPT(GPTConfig(**build.make_model_args(cfg, 65)))
     gpu = runtime.Runtime("cpu", "cuda", torch.float32)  # measured on the CPU, budgeted as a GPU's
     on_gpu = auto_batch_size(model, cfg, gpu)
     cpu = runtime.Runtime("cpu", "cpu", torch.float32)
@@ -365,9 +277,8 @@ def test_the_stop_flag_of_gpu_ranks_travels_over_gloo(monkeypatch):
     """NCCL carries the gradients; the per-step stop flag goes over a gloo group of its own, made
     once, so ranks wait for each other's hosts, never for their GPUs."""
     groups, reduced = [], []
-    monkeypatch.setattr(
-        torch.distributed, "new_group", lambda backend, timeout: groups.append((backend, timeout)) or "gloo-group"
-    )
+    new_group = lambda backend, timeout: groups.append((backend, timeout)) or "gloo-group"
+    monkeypatch.setattr(torch.distributed, "new_group", new_group)
     monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, op, group: reduced.append((t.device.type, group)))
     rt = runtime.Runtime(
         "cuda:1", "cuda", torch.bfloat16, rank=1, local_rank=1, world_size=2, timeout=datetime.timedelta(seconds=42)
@@ -382,14 +293,9 @@ def test_the_stop_flag_of_gpu_ranks_travels_over_gloo(monkeypatch):
 
 
 def test_ddp_on_gpus_holds_the_gpu_of_the_local_rank(monkeypatch):
-    from configurator import TrainConfig
-    from gpt.train import build
-    from model import GPT, GPTConfig
-
     wrapped = []
-    monkeypatch.setattr(
-        build, "DDP", lambda model, device_ids, **options: wrapped.append((device_ids, options)) or model
-    )
+    ddp = lambda model, device_ids, **options: wrapped.append((device_ids, options)) or model
+    monkeypatch.setattr(build, "DDP", ddp)
     cfg = TrainConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, dropout=0.0, compile=False, parallelism="ddp")
     rt = runtime.Runtime("cpu", "cuda", torch.float32, rank=1, local_rank=1, world_size=2)  # weights stay on the CPU
     build.build(GPT(GPTConfig(**build.make_model_args(cfg, 65))), cfg, rt)
@@ -400,34 +306,22 @@ def test_an_in_loop_eval_out_of_memory_on_a_gpu_empties_the_cache_and_training_g
     """train.downstream on a CUDA runtime: the failed eval's memory goes back to the device
     (torch.cuda.empty_cache, recorded here), the model is back in training mode, and the failure
     is one line and a record."""
-    import types
-
     import train
 
     emptied, written = [], []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
-    model = torch.nn.Linear(2, 2).eval()
-    run = types.SimpleNamespace(
-        cfg=types.SimpleNamespace(eval_only=False),
-        rt=runtime.Runtime("cuda:0", "cuda", torch.bfloat16),
-        iter_num=7,
-        raw_model=model,
-        metrics=types.SimpleNamespace(write=written.append),
-        throughput=types.SimpleNamespace(restart=lambda: None),
-    )
+    model, ns = torch.nn.Linear(2, 2).eval(), types.SimpleNamespace
+    run = ns(cfg=ns(eval_only=False), rt=runtime.Runtime("cuda:0", "cuda", torch.bfloat16), iter_num=7, raw_model=model)
+    run.metrics, run.throughput = ns(write=written.append), ns(restart=lambda: None)
 
     def out_of_memory():
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
 
     train.downstream(run, "hellaswag", out_of_memory)
     assert emptied == [True] and model.training
-    assert written == [
-        {"iter": 7, "hellaswag_failed": "OutOfMemoryError: CUDA out of memory. Tried to allocate 8.00 GiB"}
-    ]
-    assert capsys.readouterr().out == (
-        "step 7: hellaswag failed, training goes on (OutOfMemoryError: CUDA out of memory. "
-        "Tried to allocate 8.00 GiB)\n"
-    )
+    failure = "OutOfMemoryError: CUDA out of memory. Tried to allocate 8.00 GiB"
+    assert written == [{"iter": 7, "hellaswag_failed": failure}]
+    assert capsys.readouterr().out == f"step 7: hellaswag failed, training goes on ({failure})\n"
     run.rt = runtime.Runtime("cpu", "cpu", torch.float32)
     train.downstream(run, "core", out_of_memory)
     assert emptied == [True]  # a CPU run has no device cache to empty

@@ -1,25 +1,15 @@
-"""What the multi-GPU command runs, on CPU processes over gloo: torchrun with compile=True under
-DDP and FSDP2 (losses, graphs, an exact resume), the skip decision of a step with a non-finite
-loss on one rank only (fp16, as the GPU runs it), one eval shape on every rank, and DDP's
-gradients held once (gradient_as_bucket_view) as auto_batch.py counts them.
+"""What the multi-GPU command runs, on CPU processes over gloo: torchrun with compile=True under DDP
+and FSDP2 (losses, graphs, an exact resume), a non-finite loss on one rank only (fp16), one eval
+shape on every rank, and DDP's gradients held once (gradient_as_bucket_view).
 
-The runs, shared by the tests, each a torchrun launch of tests/train_rank.py (train.py's main in each
-rank, with what a rank alone knows written down: its output, its checkpoint writes, its compile counters):
-  eager         DDP, not compiled: the reference; which rank writes and logs, and the replicas' weights
-  ddp           DDP, compiled, 8 steps
-  fsdp          FSDP2, compiled, 8 steps
-  resumed       a copy of ddp's out_dir as it stood at iter 4 (its ckpt_0000004.pt), resumed to 8,
-                compiling again
+The runs, each a torchrun launch of tests/train_rank.py (what a rank alone knows written down):
+  eager         DDP, not compiled: the reference; which rank writes and logs, the replicas' weights
+  ddp, fsdp     DDP and FSDP2, compiled, 8 steps
+  resumed       ddp's out_dir as it stood at iter 4, resumed to 8, compiling again
   nan_one_rank  fp16, not compiled, a NaN loss on rank 1 only; it fails
-Every run evaluates 3 batches on 2 ranks, so one rank evaluates a padded batch (step.evaluate).
-
-What is under test here is how train.py's compiled model meets DDP and FSDP2: dynamo's graphs
-(DDPOptimizer's split at bucket boundaries, FSDP2's hooks left eager), AOTAutograd's forward and
-backward, the collectives between them, recompiles and a compiled resume. The ranks compile with
-torch.compile's aot_eager backend: the same dynamo and AOTAutograd graphs, run by ATen's kernels
-instead of inductor's generated C++. On a CPU inductor compiles each fused kernel with g++ (about
-1.3 s each, 38 for the DDP run). Inductor on these model options (every Llama option, activation
-checkpointing) is tested in one process by tests/test_compile.py."""
+Every run evaluates 3 batches on 2 ranks, so one rank evaluates a padded batch. The ranks compile with
+aot_eager (dynamo's and AOTAutograd's graphs, ATen's kernels): on a CPU inductor's g++ takes ~1.3 s a
+kernel, 38 for the DDP run. Inductor on every Llama option: tests/test_compile.py."""
 
 import gc
 import shutil
@@ -30,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import TINY as TINY_GPT
-from conftest import assert_same_run, char_dataset, losses, read_metrics
+from conftest import assert_equal_states, assert_same_run, char_dataset, losses, read_metrics
 from processes import TORCHRUN_ARGS, succeeded, torchrun
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
@@ -55,15 +45,9 @@ NAN_ONE_RANK = ["--dtype=float16", "--max_iters=10", "--eval_interval=100", "--m
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
+def compiled(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist")
-    char_dataset(root / "chars")
-    return root
-
-
-@pytest.fixture(scope="module")
-def compiled(data_dir):
-    root, chars = data_dir, data_dir / "chars"
+    chars = char_dataset(root / "chars")
     launch = lambda name, *extra, options=RECORD: torchrun(
         root, name, [*COMPILED_ARGS, f"--dataset={chars}", f"--out_dir={root / name}", *extra], options
     )
@@ -86,12 +70,10 @@ def test_compiled_ddp_and_fsdp_train_like_eager(compiled):
     root, _ = compiled
     eager, ddp, fsdp = (losses(root / name) for name in ("eager", "ddp", "fsdp"))
     assert len(eager) == len(ddp) == len(fsdp) == 8 + 3 * 2
-    # float32 throughout: a compiled run may only add in another order (AOTAutograd's decompositions,
-    # FSDP2's reduce-scatter against DDP's all-reduce); one ulp of a loss of 2-4 is 2.4e-7. Measured
-    # over these 8 steps and 3 evals: 0 for DDP and 4.8e-7 (2 ulp) for FSDP2 (aot_eager); 4.8e-7 for
-    # both with inductor's kernels. 2e-5 is forty times the largest, and thousands of times below
-    # what one step changes the loss by here (0.06 to 1.4): a graph that missed an all-reduce, ran
-    # outside no_sync or evaluated stale weights could not stay within it
+    # float32: a compiled run may only add in another order (AOTAutograd's decompositions, FSDP2's
+    # reduce-scatter); measured at most 4.8e-7 (2 ulp of a loss of 2-4), aot_eager or inductor. 2e-5 is
+    # forty times that and thousands of times below one step's change of the loss (0.06 to 1.4): a graph
+    # that missed an all-reduce, ran outside no_sync or evaluated stale weights could not stay within it
     assert max(abs(a - b) for a, b in zip(eager, ddp)) < 2e-5
     assert max(abs(a - b) for a, b in zip(eager, fsdp)) < 2e-5
     assert eager[-1] < eager[0] - 0.3  # and they learned
@@ -99,15 +81,14 @@ def test_compiled_ddp_and_fsdp_train_like_eager(compiled):
 
 @pytest.mark.process
 def test_only_rank_0_writes_and_logs_and_the_replicas_stay_equal(compiled):
-    """Plain DDP, as the eager launch ran it: rank 0 alone writes checkpoints and logs a line per
-    step, and the two ranks put the same weights in their last checkpoint (each trained on its own
-    batches; DDP's all-reduce keeps the replicas equal)."""
+    """Plain DDP (the eager launch): rank 0 alone writes checkpoints and logs a line per step, and DDP's
+    all-reduce keeps the two replicas' weights equal."""
     root, runs = compiled
     out = root / "eager"
     assert "2 rank(s) x 2 micro-steps" in runs["eager"][0]["stdout"] and not runs["eager"][1]["stdout"]
     assert (out / "rank0.writes").read_text() and not (out / "rank1.writes").exists()
     w0, w1 = (torch.load(out / f"rank{r}.weights.pt", weights_only=True) for r in range(2))
-    assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
+    assert_equal_states(w0, w1)
     assert [r["iter"] for r in read_metrics(out) if "loss" in r] == list(range(8))
 
 
@@ -117,16 +98,11 @@ def test_compiled_run_has_one_train_graph_and_one_eval_graph(compiled, name):
     _, runs = compiled
     for rank in runs[name]:
         counters = rank["counters"]
-        # as tests/test_compile.py counts them: training (its backward compiled with it) and eval's
-        # no_grad graph; a recompile after warm-up (3 evals, 8 steps) would add a graph.
-        # Under DDP the train graph is compiled inside DDP's forward (DDPOptimizer splits it at
-        # bucket boundaries, so each bucket's all-reduce can start before the whole backward ends)
-        # and the eval graph outside it, on the same module.
-        # Under FSDP2 dynamo leaves the root's forward eager (FSDP's hooks) and compiles, as frames
-        # of their own, the blocks' forward (one graph for every block) and the final norm's
-        # (model.py's RMSNorm): two graphs for training, two for eval
+        # training's graph (its backward with it) and eval's; a recompile after warm-up would add one.
+        # Under FSDP2 dynamo leaves the root's forward eager (FSDP's hooks) and compiles the blocks'
+        # forward (one graph for every block) and the final RMSNorm's: two for training, two for eval
         assert counters["stats"]["unique_graphs"] == (4 if name == "fsdp" else 2), counters
-        # what AOTAutograd compiled: under DDP the train graph's two pieces (one per bucket) and eval's
+        # under DDP, DDPOptimizer splits the train graph at bucket boundaries: two pieces, and eval's
         assert counters["aot_autograd"]["total"] == (4 if name == "fsdp" else 3), counters
         assert sum(counters.get("recompiles", {}).values()) <= 1, counters
         assert not counters.get("graph_break"), counters
@@ -142,10 +118,9 @@ def test_compiled_ddp_resumes_exactly(compiled):
 
 @pytest.mark.process
 def test_one_rank_non_finite_loss_is_skipped_by_every_rank(compiled):
-    """fp16 (GradScaler on, as on a GPU without bf16): a NaN loss on rank 1 only, at iters 3, 6 and 7,
-    max_bad_steps=2. Every rank counts the same skipped steps: rank 0 reports rank 1's skip at
-    iter 3, and at iter 7 both stop with the same line and exit code; none waits for the other
-    (the launch would run past its timeout)."""
+    """fp16 (GradScaler on), a NaN loss on rank 1 only at iters 3, 6 and 7, max_bad_steps=2: rank 0
+    reports rank 1's skip at iter 3, and at iter 7 both stop with the same line and exit code; none
+    waits for the other (the launch would run past its timeout)."""
     _, runs = compiled
     ranks, code = runs["nan_one_rank"], runs["launch exit"]
     stdout = ranks[0]["stdout"]
@@ -173,11 +148,8 @@ def test_every_rank_evaluates_one_shape_and_each_window_counts_once(monkeypatch,
     B, T = 2, 16
     torch.manual_seed(0)
     model = GPT(GPTConfig(**TINY)).eval()
-    cfg = TrainConfig(batch_size=B, block_size=T, eval_iters=eval_iters)
-    logits_bytes = B * T * model.config.padded_vocab_size * 4
-    group = step.eval_group(
-        cfg, model.config.padded_vocab_size, world_size=world_size, budget_bytes=fits * logits_bytes
-    )
+    cfg, V = TrainConfig(batch_size=B, block_size=T, eval_iters=eval_iters), model.config.padded_vocab_size
+    group = step.eval_group(cfg, V, world_size=world_size, budget_bytes=fits * B * T * V * 4)  # fits batches' logits
     data = np.random.default_rng(0).integers(0, 65, size=3000).astype(np.uint16)
     offsets = eval_offsets(data, eval_iters, B, T, 1)
     shapes, forwards, totals = set(), [], []
@@ -187,9 +159,8 @@ def test_every_rank_evaluates_one_shape_and_each_window_counts_once(monkeypatch,
     for rank in range(world_size):
         calls = []
         hook = model.register_forward_pre_hook(lambda m, args: calls.append(1))
-        step.evaluate(
-            model, {"val": (data, offsets)}, T, runtime.Runtime("cpu", "cpu", torch.float32, rank, 0, world_size), group
-        )
+        rt = runtime.Runtime("cpu", "cpu", torch.float32, rank, 0, world_size)
+        step.evaluate(model, {"val": (data, offsets)}, T, rt, group)
         hook.remove()
         forwards.append(len(calls))
     assert len(shapes) == 1, shapes  # one shape, on every rank: one compiled eval graph
@@ -197,31 +168,18 @@ def test_every_rank_evaluates_one_shape_and_each_window_counts_once(monkeypatch,
     per_rank = -(-eval_iters // world_size)
     assert forwards[0] == -(-per_rank // min(fits, per_rank))  # as few as the budget allows
     loss_sum, count = sum(totals)
+    rows = lambda o, shift: torch.from_numpy(data[o[:, None] + np.arange(shift, T + shift)].astype(np.int64))
     with torch.no_grad():  # each window once: the mean of the batches' mean losses
-        reference = torch.stack(
-            [
-                model(
-                    *map(
-                        torch.from_numpy,
-                        (
-                            data[o[:, None] + np.arange(T)].astype(np.int64),
-                            data[o[:, None] + np.arange(1, T + 1)].astype(np.int64),
-                        ),
-                    )
-                )[1]
-                for o in offsets
-            ]
-        ).mean()
+        reference = torch.stack([model(rows(o, 0), rows(o, 1))[1] for o in offsets]).mean()
     assert count == eval_iters * B * T
     assert (loss_sum / count).item() == pytest.approx(reference.item(), rel=1e-6)
 
 
 def ddp_gradient_bytes():
     """(bytes held by gradients and buckets at each measure, the raw model, its parameters, a weak
-    reference to the DDP model) of three steps of the DDP train_model that training_setup.build makes, in the
-    process group already made. Nothing else refers to the DDP model when this returns."""
-    # a one-process group: DDP builds its reducer and buckets as with more ranks. The Runtime
-    # says two ranks so that build wraps the model in DDP
+    reference to the DDP model) of three steps of build's DDP train_model, in the process group
+    already made. Nothing else refers to the DDP model when this returns."""
+    # a one-process group builds DDP's reducer and buckets as more ranks do; world_size=2 makes build wrap it
     rt = runtime.Runtime("cpu", "cpu", torch.float32, rank=0, local_rank=0, world_size=2)
     cfg = TrainConfig(
         device="cpu", compile=False, n_layer=2, n_head=4, n_embd=32, block_size=16, dropout=0.0, bias=False
@@ -258,9 +216,8 @@ def ddp_gradient_bytes():
 
 
 def test_ddp_holds_one_set_of_gradients_its_buckets(tmp_path):
-    """The DDP train_model that training_setup.build makes keeps gradients as views into its all-reduce
-    buckets through every micro-step (no_sync ones too) and from step to step: the bytes held by
-    the gradients and the buckets together are auto_batch.gradient_bytes, one float32 per parameter."""
+    """build's DDP train_model keeps gradients as views into its all-reduce buckets through every
+    micro-step (no_sync ones too) and from step to step: auto_batch.gradient_bytes, a float32 each."""
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         held, raw_model, params, ddp = ddp_gradient_bytes()

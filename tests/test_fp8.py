@@ -1,8 +1,6 @@
-"""FP8 training (fp8=True, gpt/train/fp8.py) checked on a CPU through torchao's emulation (fp8='emulate':
-float8's casts, high-precision matmuls): which layers convert and what they compute, and the one-line refusals where fp8=True cannot run, on a
-simulated CUDA device. A run in fp8 (exact resume, DDP and FSDP2 under torchrun, a checkpoint of plain
-weights that samples where torchao cannot be imported, the Hugging Face and GGUF exports):
-tests/test_recipes.py, recipe fp8. Its speed needs a GPU: docs/fp8.md."""
+"""FP8 training (gpt/train/fp8.py) on a CPU through torchao's emulation (fp8='emulate'): which layers
+convert and what they compute, and the one-line refusals where fp8=True cannot run, on a simulated
+CUDA device. A run in fp8 (resume, 2 ranks, its checkpoint, the exports): tests/test_recipes.py, recipe fp8."""
 
 import json
 import sys
@@ -10,7 +8,7 @@ import sys
 import pytest
 import torch
 import torch.nn as nn
-from conftest import TINY, needs, tiny_args
+from conftest import TINY, assert_equal_states, needs, tiny_args
 from processes import run_script
 
 from configurator import TrainConfig, UserError, parse
@@ -19,9 +17,8 @@ from model import GPT, GPTConfig
 
 needs("torchao")
 
-BLOCK_LINEARS = [
-    f"transformer.h.{i}.{name}" for i in range(2) for name in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
-]
+MATRICES = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+BLOCK_LINEARS = [f"transformer.h.{i}.{name}" for i in range(2) for name in MATRICES]
 
 
 def tiny_gpt(**options):
@@ -48,16 +45,13 @@ def test_the_blocks_linear_layers_convert_and_the_weights_stay_the_same_tensors(
     assert dict(model.named_parameters()).keys() == params.keys()
     assert all(p is params[name] for name, p in model.named_parameters())
     state = model.state_dict()
-    assert state.keys() == before.keys()
-    assert all(
-        type(v) is torch.Tensor and v.dtype == torch.float32 and torch.equal(v, before[k]) for k, v in state.items()
-    )
+    assert_equal_states(state, before)
+    assert all(type(v) is torch.Tensor and v.dtype == torch.float32 for v in state.values())
 
 
 def test_a_converted_layer_computes_with_float8_rounding():
-    """Block 0's c_fc against the tensorwise recipe written out with torch's own float8 type: each
-    of input and weight scaled so that its absolute maximum lands on e4m3's largest value (448),
-    rounded to e4m3, scaled back; then the matmul. A layer left in float32 misses it by far more."""
+    """Block 0's c_fc against the tensorwise recipe in torch's float8 type: input and weight each scaled
+    so that its absolute maximum is e4m3's largest value, rounded to e4m3, scaled back; then the matmul."""
     model = tiny_gpt()
     layer = model.transformer.h[0].mlp.c_fc
     w, b = layer.weight.detach().clone(), layer.bias.detach().clone()
@@ -86,9 +80,8 @@ def test_fp8_skip_chooses_the_layers_and_odd_dims_stay():
     converted, kept = fp8.convert(model, "emulate", "lm_head, transformer.h.0.", "cpu")
     assert converted == BLOCK_LINEARS[4:] and kept == [*BLOCK_LINEARS[:4], "lm_head"]
 
-    with pytest.raises(
-        UserError, match=r"^fp8_skip='lm_hed': no Linear layer's name contains 'lm_hed' .*--fp8_skip=lm_head$"
-    ) as e:
+    typo = r"^fp8_skip='lm_hed': no Linear layer's name contains 'lm_hed' .*--fp8_skip=lm_head$"
+    with pytest.raises(UserError, match=typo) as e:
         fp8.convert(tiny_gpt(), "emulate", "lm_hed", "cpu")
     assert "\n" not in str(e.value)
 
@@ -98,8 +91,7 @@ def test_fp8_skip_chooses_the_layers_and_odd_dims_stay():
 
 @pytest.fixture
 def gpu(monkeypatch):
-    """torch.cuda as a machine with one GPU of the given compute capability and name shows it
-    (hip: a ROCm build's version string)."""
+    """torch.cuda as a machine with one GPU of this compute capability and name (hip: ROCm's version)."""
 
     def make(capability, name, hip=None):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -121,19 +113,13 @@ def test_fp8_converts_for_a_gpu_with_fp8_units(gpu, capability, name):
     assert not model.get_submodule(converted[0]).config.emulate  # the real float8 matmul, torch._scaled_mm
 
 
+A100, RTX_3090 = ((8, 0), "NVIDIA A100-SXM4-80GB"), ((8, 6), "NVIDIA GeForce RTX 3090")
+MI300X = ((9, 4), "AMD Instinct MI300X", "6.2.41133")  # a ROCm build's version
 REFUSALS = [
     ("cpu", None, r"fp8=True needs an NVIDIA GPU with FP8 units \(compute capability 8.9\+.*\); this run is on cpu: "),
-    (
-        "cuda:0",
-        ((8, 0), "NVIDIA A100-SXM4-80GB"),
-        r"fp8=True needs FP8 units .*; cuda:0 \(NVIDIA A100-SXM4-80GB\) is 8.0: ",
-    ),
-    ("cuda:0", ((8, 6), "NVIDIA GeForce RTX 3090"), r"; cuda:0 \(NVIDIA GeForce RTX 3090\) is 8.6: "),
-    (
-        "cuda:0",
-        ((9, 4), "AMD Instinct MI300X", "6.2.41133"),
-        r"fp8=True is built for NVIDIA's FP8 units .*, not ROCm's: ",
-    ),
+    ("cuda:0", A100, r"fp8=True needs FP8 units .*; cuda:0 \(NVIDIA A100-SXM4-80GB\) is 8.0: "),
+    ("cuda:0", RTX_3090, r"; cuda:0 \(NVIDIA GeForce RTX 3090\) is 8.6: "),
+    ("cuda:0", MI300X, r"fp8=True is built for NVIDIA's FP8 units .*, not ROCm's: "),
 ]
 
 
@@ -150,10 +136,9 @@ def test_fp8_refuses_in_one_line_where_it_cannot_run(gpu, device, machine, expec
 
 
 def test_mps_is_refused_either_way():
+    lacks = r"needs float8 tensors, which MPS lacks: .*--fp8=emulate with --device=cpu$"
     for mode in (True, "emulate"):
-        with pytest.raises(
-            UserError, match=r"needs float8 tensors, which MPS lacks: .*--fp8=emulate with --device=cpu$"
-        ):
+        with pytest.raises(UserError, match=lacks):
             fp8.convert(tiny_gpt(), mode, "lm_head", "mps")
 
 
@@ -165,10 +150,8 @@ def test_train_py_on_a_cpu_refuses_fp8_true_in_one_line(char_data, tmp_path):
 
 
 def test_fp8_keys_are_checked_before_the_run():
-    with pytest.raises(
-        UserError,
-        match=r"^fp8=True needs compile=True: .*; set --compile=True, or --fp8=emulate to check float8's numerics uncompiled$",
-    ):
+    uncompiled = r"^fp8=True needs compile=True: .*; set --compile=True, or --fp8=emulate to check float8's numerics"
+    with pytest.raises(UserError, match=uncompiled + " uncompiled$"):
         parse(TrainConfig, ["--fp8=True", "--compile=False"])
     with pytest.raises(UserError, match=r"^fp8=yes \(command line\) is not a valid bool or 'emulate'$"):
         parse(TrainConfig, ["--fp8=yes"])
@@ -186,11 +169,10 @@ def test_without_torchao_fp8_says_how_to_install_it(monkeypatch):
 
 
 def test_fp8_bench_runs_both_parts_at_its_cpu_shapes(tmp_path):
-    """scripts/fp8_bench.py, the GPU's FP8 measurement (docs/fp8.md), at its CPU shapes with fp8='emulate':
-    both sides of each part ran, and the loss curves start from the same init and part as fp8 rounds."""
-    result = run_script(
-        "scripts/fp8_bench.py", "--device=cpu", f"--out_dir={tmp_path}", "--bench_iters=1", "--bench_warmup=1"
-    )
+    """scripts/fp8_bench.py (docs/fp8.md) at its CPU shapes with fp8='emulate': both sides of each part
+    ran, and the loss curves start from the same init and part as fp8 rounds."""
+    options = [f"--out_dir={tmp_path}", "--bench_iters=1", "--bench_warmup=1"]
+    result = run_script("scripts/fp8_bench.py", "--device=cpu", *options)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["parts"] == ["speed", "loss"] and report["torchao"] == "0.17.0"
@@ -204,7 +186,5 @@ def test_fp8_bench_runs_both_parts_at_its_cpu_shapes(tmp_path):
     assert a[-1] < a[0] - 0.3 and b[-1] < b[0] - 0.3  # both learn the repeating tokens
     assert loss["relative_gap_at_last_step"] == (b[-1] - a[-1]) / a[-1]
     markdown = (tmp_path / "report.md").read_text()
-    assert (
-        "## Speed: train.py's step without and with fp8" in markdown
-        and "## Loss: config/train_llama_tiny.py" in markdown
-    )
+    assert "## Speed: train.py's step without and with fp8" in markdown
+    assert "## Loss: config/train_llama_tiny.py" in markdown

@@ -1,24 +1,24 @@
-"""The speedrun levers (GPTConfig's zero_init_proj, logit_softcap, value_embeds, unet_skips and
-mlp='relu2'): each against its formula computed here by hand, in backward (gradcheck in float64),
-and together through what a run does with a model: torch.compile without recompiles, the key/value caches of generation and of the serving engine,
-old checkpoints, and GGUF's export, which must refuse what llama.cpp cannot compute. Off, they change
-nothing: a default model is the one it was before. (train.py's exact resume, DDP and FSDP2 on two gloo
-ranks, a kill -9, with every lever and Muon: tests/test_recipes.py, recipe levers-muon.)"""
+"""The speedrun levers (zero_init_proj, logit_softcap, value_embeds, unet_skips, mlp='relu2'): each
+against its formula by hand and gradcheck, and together through compile, generation's and the
+engine's caches, old checkpoints and the exports. Off (the default) the model is GPT-2's, weight for
+weight: tests/test_llama.py. train.py's flags into the checkpoint, resume, 2 ranks, kill -9:
+tests/test_recipes.py, recipe levers-muon."""
 
 import dataclasses
 import math
+import re
+import threading
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ATEN_BACKEND, CPU, needs, save_checkpoint
+from conftest import ATEN_BACKEND, CPU, one_line_error, save_checkpoint
 from conftest import TINY as TINY_GPT
 from processes import run_script
-from torch._dynamo.utils import counters
 from torch.overrides import TorchFunctionMode
 
-from configurator import TrainConfig, UserError, parse
+from configurator import TrainConfig, UserError
 from gpt.data import tokenizer
 from gpt.data.batches import TrainBatches
 from gpt.inference import sampling
@@ -27,7 +27,7 @@ from gpt.outdir import checkpoint
 from gpt.train import optim
 from gpt.train.build import build, make_model_args
 from gpt.train.step import train_step
-from gpt.weights import load
+from gpt.weights import gguf_export, load
 from model import GPT, MLP, CausalSelfAttention, GPTConfig, RMSNorm
 
 TINY = dict(TINY_GPT, n_layer=4, n_head=4)
@@ -36,8 +36,7 @@ OFF = dict(zero_init_proj=False, logit_softcap=0.0, value_embeds=False, unet_ski
 
 
 def randomized(model, std=0.3, seed=0):
-    """model with every parameter drawn afresh (zero projections, unit gates and skip weights
-    would hide a wrong formula)."""
+    """model with every parameter drawn afresh (zero projections, unit gates would hide a wrong formula)."""
     torch.manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
@@ -47,6 +46,14 @@ def randomized(model, std=0.3, seed=0):
 
 def tokens(B=2, T=16, vocab=65, seed=1):
     return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def greedy_by_hand(model, seq, n):
+    """seq extended by n tokens, each the argmax of the uncached forward over the whole sequence."""
+    with torch.no_grad():
+        for _ in range(n):
+            seq = torch.cat([seq, model(seq)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
+    return seq
 
 
 def causal_attention(q, k, v):
@@ -87,8 +94,7 @@ def test_logit_softcap_is_cap_tanh_of_the_uncapped_logits_in_training_and_infere
 
 
 def test_loss_only_is_the_same_loss_and_gradients_without_the_logits():
-    """train_step's forward (loss_only=True) leaves the capped float32 logits inside the loss: the
-    loss and every gradient are the ones the full forward gives, bit for bit."""
+    """train_step's forward (loss_only=True) gives the full forward's loss and gradients, bit for bit."""
     model = randomized(GPT(GPTConfig(**TINY, **LEVERS, qk_norm=True, norm="rmsnorm")), std=0.2)
     idx = tokens()
     grads = []
@@ -119,11 +125,8 @@ class RMSNormCalls(TorchFunctionMode):
 
 
 def test_rmsnorm_under_bf16_autocast_hands_rms_norm_one_dtype():
-    """Under bf16 autocast the norms see bf16 activations. torch's rms_norm with a float32 gain
-    falls off its fused kernel (it warns "Mismatch dtype ... Cannot dispatch to fused
-    implementation", once a process): torch's own nn.RMSNorm does, below. Ours casts the gain,
-    and gives the norm's formula, computed here in float64, to bf16's rounding; in float32 it is
-    nn.RMSNorm, bit for bit. (That CUDA then runs the fused kernel: tests/test_gpu.py.)"""
+    """torch's rms_norm with a float32 gain on bf16 input falls off its fused kernel ("Mismatch dtype"),
+    as nn.RMSNorm does below; ours casts the gain. (CUDA's fused kernel: tests/test_gpu.py.)"""
     torch.manual_seed(0)
     ours, theirs = RMSNorm(32, eps=1e-5), torch.nn.RMSNorm(32, eps=1e-5)
     with torch.no_grad():
@@ -162,8 +165,7 @@ def test_value_embedding_attention_adds_the_gated_embedding_to_v():
 
 
 def manual_forward(model, idx):
-    """GPT.forward written as a plain loop: block i takes its value embedding table's rows for idx,
-    and block n-1-i (second half) takes skip_weights[i] * the output of block i (first half)."""
+    """GPT.forward as a loop: block n-1-i (second half) adds skip_weights[i] * block i's output."""
     t, c, n = model.transformer, model.config, model.config.n_layer
     x = t.wte(idx) + t.wpe(torch.arange(idx.size(1)))
     outputs = []
@@ -240,65 +242,35 @@ def test_gradients_through_each_lever_match_finite_differences(lever):
     idx = tokens(2, 4, 11)
 
     def loss(*tensors):  # in float64 throughout (the model's own loss is float32)
-        logits, _ = torch.func.functional_call(
-            model, {**params, **dict(zip(names, tensors))}, (idx,), {"logits_at": "all"}
-        )
+        weights = {**params, **dict(zip(names, tensors))}
+        logits, _ = torch.func.functional_call(model, weights, (idx,), {"logits_at": "all"})
         return F.cross_entropy(logits.flatten(0, 1), idx.flatten())
 
     inputs = [params[n].detach().clone().requires_grad_() for n in names]
     assert torch.autograd.gradcheck(loss, inputs, eps=1e-6, atol=1e-5, fast_mode=True)
 
 
-# ---------------------------------------------------------------------------- off is as before
-
-
-def test_levers_off_leave_the_model_as_it_was():
-    torch.manual_seed(0)
-    default = GPT(GPTConfig(**TINY))
-    torch.manual_seed(0)
-    explicit = GPT(GPTConfig(**TINY, **OFF))
-    a, b = default.state_dict(), explicit.state_dict()
-    assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
-    assert not any(".ve" in k or "skip" in k for k in a)  # no new weights in an old model's state_dict
-    idx = tokens()
-    assert torch.equal(default(idx, idx)[0], explicit(idx, idx)[0])
-    # the init draws the same numbers as before the levers: the first block's c_proj is still the scaled normal
-    assert 0.5 < a["transformer.h.0.attn.c_proj.weight"].std() / (0.02 / math.sqrt(2 * 4)) < 1.5
+# ---------------------------------------------------------------------------- what the rest of the code does with them
 
 
 def test_an_old_checkpoint_without_the_keys_loads_with_the_levers_off(tmp_path):
     torch.manual_seed(0)
     model = GPT(GPTConfig(**TINY))
     old_args = {k: v for k, v in dataclasses.asdict(model.config).items() if k not in OFF}
-    (tmp_path / "out").mkdir()
-    torch.save(
-        {
-            "model": model.state_dict(),
-            "model_args": old_args,
-            "config": {},
-            "iter_num": 0,
-            "best_val_loss": math.nan,
-            "tokenizer": {"kind": "char", "chars": "".join(map(chr, range(32, 97)))},
-        },
-        tmp_path / "out" / "ckpt.pt",
-    )
+    save_checkpoint(tmp_path / "out", model, {"kind": "char", "chars": "".join(map(chr, range(32, 97)))})
+    state = torch.load(tmp_path / "out" / "ckpt.pt", weights_only=True)
+    torch.save({**state, "model_args": old_args}, tmp_path / "out" / "ckpt.pt")  # as written before the levers
     loaded, _ = load.for_inference("resume", str(tmp_path / "out"), report=lambda *_: None)
     assert all(getattr(loaded.config, k) == v for k, v in OFF.items())
     idx = tokens()
     assert torch.equal(loaded(idx)[0], model(idx)[0])
     cfg = TrainConfig(**{k: v for k, v in old_args.items() if k != "vocab_size"})
     checkpoint.check_resumable(old_args, make_model_args(cfg, 65))  # resumes under a config without the levers
-    for lever, named in [
-        (dict(value_embeds=True), "value_embeds False -> True"),
-        (dict(unet_skips=True), "unet_skips False -> True"),
-        (dict(logit_softcap=30.0), "logit_softcap 0.0 -> 30.0"),
-        (dict(mlp="relu2"), "mlp gelu -> relu2"),
-    ]:
-        with pytest.raises(UserError, match=f"differs in {named};"):  # but not into another model
-            checkpoint.check_resumable(old_args, make_model_args(dataclasses.replace(cfg, **lever), 65))
-
-
-# ---------------------------------------------------------------------------- what the rest of the code does with them
+    for key, old, new in [("value_embeds", False, True), ("unet_skips", False, True), ("logit_softcap", 0.0, 30.0)]:
+        with pytest.raises(UserError, match=f"differs in {key} {old} -> {new};"):  # but not into another model
+            checkpoint.check_resumable(old_args, make_model_args(dataclasses.replace(cfg, **{key: new}), 65))
+    with pytest.raises(UserError, match="differs in mlp gelu -> relu2;"):
+        checkpoint.check_resumable(old_args, make_model_args(dataclasses.replace(cfg, mlp="relu2"), 65))
 
 
 def test_optimizer_groups_param_counts_and_flops():
@@ -320,21 +292,18 @@ def test_optimizer_groups_param_counts_and_flops():
     assert GPT(GPTConfig(**TINY, mlp="relu2")).flops_per_token() == base.flops_per_token()
 
 
-@pytest.mark.parametrize(
-    "options",
-    [
-        dict(pos_encoding="rope", norm="layernorm", bias=True),  # GPT-2's block with RoPE
-        dict(pos_encoding="rope", bias=True, qk_norm=True, tie_embeddings=False, n_kv_head=2),
-        dict(norm="rmsnorm", bias=True, qk_norm=True, mlp="relu2"),
-        dict(
-            pos_encoding="rope", norm="rmsnorm", bias=False, qk_norm=True, tie_embeddings=False, **LEVERS
-        ),  # a speedrun
-    ],
-    ids=["rope-layernorm-bias", "rope-qknorm-untied-gqa", "rmsnorm-learned-relu2", "speedrun"],
-)
-def test_llama_and_speedrun_options_train_on_gpt2s_shape(options):
+MIXED = {
+    "rope-layernorm-bias": dict(pos_encoding="rope", norm="layernorm", bias=True),  # GPT-2's block with RoPE
+    "rope-qknorm-untied-gqa": dict(pos_encoding="rope", bias=True, qk_norm=True, tie_embeddings=False, n_kv_head=2),
+    "rmsnorm-learned-relu2": dict(norm="rmsnorm", bias=True, qk_norm=True, mlp="relu2"),
+    "speedrun": dict(pos_encoding="rope", norm="rmsnorm", bias=False, qk_norm=True, tie_embeddings=False, **LEVERS),
+}
+
+
+@pytest.mark.parametrize("mixed", MIXED)
+def test_llama_and_speedrun_options_train_on_gpt2s_shape(mixed):
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**{**TINY, **options}))
+    model = GPT(GPTConfig(**{**TINY, **MIXED[mixed]}))
     optimizer = model.configure_optimizers(0.0, 2e-3, (0.9, 0.95), "cpu")
     idx = tokens()
     losses = []
@@ -354,25 +323,13 @@ def test_cached_greedy_generation_is_the_argmax_of_the_uncached_forward(options)
     model = randomized(GPT(GPTConfig(**{**TINY, **options})), std=0.2).eval()
     idx = tokens(2, 3)
     got = sampling.generate(model, idx, 10, temperature=0)  # a KV cache, prefill then one token a step
-    expected = idx
-    with torch.no_grad():
-        for _ in range(10):
-            expected = torch.cat([expected, model(expected)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
-    assert torch.equal(got, expected)
+    assert torch.equal(got, greedy_by_hand(model, idx, 10))
 
 
 def test_the_serving_engine_gives_each_request_the_uncached_greedy_tokens():
-    import threading
-
     model = randomized(GPT(GPTConfig(**{**TINY, **LEVERS}, pos_encoding="rope")), std=0.2).eval()
     prompts, budgets = [[1, 2, 3], [7], [5, 9, 11, 13, 4]], [6, 9, 4]
-    solo = []
-    with torch.no_grad():
-        for p, n in zip(prompts, budgets):
-            seq = torch.tensor([p])
-            for _ in range(n):
-                seq = torch.cat([seq, model(seq)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
-            solo.append(seq[0, len(p) :].tolist())
+    solo = [greedy_by_hand(model, torch.tensor([p]), n)[0, len(p) :].tolist() for p, n in zip(prompts, budgets)]
     engine = Engine(model, rows=2, waiting=5).start()  # rows=2: the third joins as another leaves
     outs, done = [[] for _ in prompts], threading.Semaphore(0)
     for i, (p, n) in enumerate(zip(prompts, budgets)):
@@ -383,14 +340,12 @@ def test_the_serving_engine_gives_each_request_the_uncached_greedy_tokens():
     assert outs == solo
 
 
-def test_cached_decoding_with_every_lever_is_one_graph():
-    torch._dynamo.reset()
+def test_cached_decoding_with_every_lever_is_one_graph(aten_compile):
     model = randomized(GPT(GPTConfig(**TINY, **LEVERS)), std=0.2).eval()
     prompt = tokens(1, 4)
     expected = sampling.generate(model, prompt, 3, temperature=0)
     model.compile(fullgraph=True, backend=ATEN_BACKEND)  # as sample.py compiles it; a graph break is an error
     assert torch.equal(sampling.generate(model, prompt, 3, temperature=0), expected)
-    torch._dynamo.reset()
 
 
 def test_all_levers_compile_to_one_graph_that_never_recompiles(aten_compile):
@@ -406,22 +361,11 @@ def test_all_levers_compile_to_one_graph_that_never_recompiles(aten_compile):
         losses += [step() for _ in range(3)]
     assert all(math.isfinite(x) for x in losses)
     # the model's one graph, and Muon's compiled iteration once per matrix shape (c_attn, attn.c_proj, c_fc, mlp.c_proj)
-    assert counters["stats"]["unique_graphs"] == 1 + 4, dict(counters["stats"])
-    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert aten_compile["stats"]["unique_graphs"] == 1 + 4, dict(aten_compile["stats"])
+    assert not aten_compile["graph_break"], dict(aten_compile["graph_break"])
 
 
-# ---------------------------------------------------------------------------- train.py, torchrun, exports
-
-LEVER_FLAGS = dict(mlp="relu2", zero_init_proj=True, logit_softcap=15.0, value_embeds=True, unet_skips=True, n_layer=3)
-
-
-def test_a_config_file_sets_the_levers_for_the_model(tmp_path):
-    (tmp_path / "speedrun.py").write_text("".join(f"{k} = {v!r}\n" for k, v in LEVER_FLAGS.items()))
-    args = make_model_args(parse(TrainConfig, [str(tmp_path / "speedrun.py")]), 65)
-    assert all(args[k] == v for k, v in LEVER_FLAGS.items())
-    assert all(getattr(GPT(GPTConfig(**args)).config, k) == v for k, v in LEVER_FLAGS.items())
-    with pytest.raises(UserError, match="logit_softcap=-1.0 must be >= 0"):
-        parse(TrainConfig, ["--logit_softcap=-1"])
+# ---------------------------------------------------------------------------- exports
 
 
 def saved(out_dir, **options):
@@ -443,21 +387,13 @@ def saved(out_dir, **options):
 )
 def test_gguf_refuses_each_lever_it_cannot_compute_in_one_line(tmp_path, options, named):
     # (the Hugging Face export takes them: tests/test_hf_recipe.py)
-    out_dir, _ = saved(tmp_path / "out", **options)
-    result = run_script("hf.py", f"--out_dir={out_dir}", "--format=gguf")
-    lines = result.stderr.strip().splitlines()
-    assert result.returncode != 0 and len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: this model cannot be exported to GGUF: neither") and named in lines[0]
-    assert lines[0].endswith("e.g. python train.py config/train_llama_tiny.py --dataset=shakespeare")
+    out_dir, model = saved(tmp_path / "out", **options)
+    line = one_line_error(run_script("hf.py", f"--out_dir={out_dir}", "--format=gguf"), named)
+    assert line.startswith("error: this model cannot be exported to GGUF: neither")
+    assert line.endswith("e.g. python train.py config/train_llama_tiny.py --dataset=shakespeare")
     assert sorted(p.name for p in out_dir.iterdir()) == ["ckpt.pt"]  # nothing written
-
-
-def test_the_gguf_writer_itself_refuses_the_levers(tmp_path):
-    needs("gguf")
-    from gpt.weights import gguf_export
-
-    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=50257, value_embeds=True))
-    with pytest.raises(UserError, match="neither GGUF's gpt2 nor its llama computes its value_embeds=True") as e:
+    # the writer itself refuses them too, for any caller
+    with pytest.raises(UserError, match=f"neither GGUF's gpt2 nor its llama computes its {re.escape(named)}") as e:
         gguf_export.write(model, tokenizer.make_spec("gpt2"), str(tmp_path / "model.gguf"), "gpt2")
     assert "\n" not in str(e.value) and not (tmp_path / "model.gguf").exists()
 

@@ -1,4 +1,5 @@
-"""model.GPT on tiny configs: shapes, causality, reference attention, init, optimizer groups, FLOPs, sampling."""
+"""model.GPT on tiny configs: shapes, causality, reference attention, optimizer groups, FLOPs, sampling.
+(GPT-2's init and tied embeddings, weight for weight: tests/test_llama.py::test_gpt2_default_is_unchanged.)"""
 
 import math
 
@@ -97,17 +98,7 @@ def test_loss_is_mean_cross_entropy_and_ignores_minus_one():
     torch.testing.assert_close(loss, expected)
 
 
-# ---------------------------------------------------------------------------- weights
-
-
-def test_weight_tying():
-    model = tiny_model()
-    assert model.transformer.wte.weight is model.lm_head.weight
-    assert model.transformer.wte.weight.data_ptr() == model.lm_head.weight.data_ptr()
-    distinct = {id(p): p for m in model.modules() for p in m.parameters(recurse=False)}
-    counted_twice = sum(p.numel() for m in model.modules() for p in m.parameters(recurse=False))
-    assert counted_twice - sum(p.numel() for p in distinct.values()) == model.lm_head.weight.numel()
-    assert model.num_params(non_embedding=False) == sum(p.numel() for p in distinct.values())
+# ---------------------------------------------------------------------------- attention and optimizer groups
 
 
 def explicit_attention(attn, x):
@@ -136,27 +127,6 @@ def test_sdpa_attention_equals_explicit_attention(bias):
         torch.testing.assert_close(attn(x), explicit_attention(attn, x), atol=1e-6, rtol=1e-5)
 
 
-def test_gpt2_init():
-    n_layer = 8
-    model = tiny_model(n_layer=n_layer, n_head=4, n_embd=64, bias=True)
-    proj_std = 0.02 / math.sqrt(2 * n_layer)
-    seen_proj = seen_other = 0
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear):
-            w = module.weight
-            expected = proj_std if name.endswith("c_proj") else 0.02
-            seen_proj += name.endswith("c_proj")
-            seen_other += not name.endswith("c_proj")
-            assert abs(w.std().item() - expected) < 0.1 * expected, name
-            assert abs(w.mean().item()) < 0.1 * expected, name
-            if module.bias is not None:
-                assert torch.count_nonzero(module.bias) == 0, name
-        elif isinstance(module, torch.nn.LayerNorm):
-            assert torch.all(module.weight == 1) and torch.all(module.bias == 0), name
-    assert seen_proj == 2 * n_layer and seen_other == 2 * n_layer + 1  # c_attn, c_fc per block, lm_head
-    assert abs(model.transformer.wpe.weight.std().item() - 0.02) < 0.002
-
-
 def test_configure_optimizers_groups():
     model = tiny_model(bias=True)
     opt = model.configure_optimizers(weight_decay=0.1, learning_rate=1e-3, betas=(0.9, 0.95), device_type="cpu")
@@ -174,42 +144,24 @@ def test_configure_optimizers_groups():
 
 def gpt2_params_by_hand(L, C, V_padded, bias):
     """Non-embedding parameters of GPT-2 (position embeddings excluded, tied wte/lm_head counted once)."""
-    per_block = (
-        C
-        + bias * C  # ln_1
-        + 3 * C * C
-        + bias * 3 * C  # c_attn
-        + C * C
-        + bias * C  # attn.c_proj
-        + C
-        + bias * C  # ln_2
-        + 4 * C * C
-        + bias * 4 * C  # c_fc
-        + 4 * C * C
-        + bias * C  # mlp.c_proj
-    )
-    ln_f = C + bias * C
-    return V_padded * C + L * per_block + ln_f
+    ln = C + bias * C
+    attn = (3 * C * C + bias * 3 * C) + (C * C + bias * C)  # c_attn, c_proj
+    mlp = (4 * C * C + bias * 4 * C) + (4 * C * C + bias * C)  # c_fc, c_proj
+    return V_padded * C + L * (2 * ln + attn + mlp) + ln  # ln_1 and ln_2 in each block, ln_f
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_num_params_by_hand(bias):
-    model = tiny_model(bias=bias)
-    L, C, T = 2, 32, 16
-    expected = gpt2_params_by_hand(L, C, 128, bias)
-    if not bias:
-        assert expected == 128 * C + L * (12 * C * C + 2 * C) + C  # the familiar 12*L*C^2 form
-    assert model.num_params() == expected
-    assert model.num_params(non_embedding=False) == expected + T * C
-
-
-def test_flops_per_token_by_hand():
-    model = tiny_model(n_layer=3, n_head=4, n_embd=32, block_size=16, bias=False)
+def test_num_params_and_flops_per_token_by_hand(bias):
+    model = tiny_model(n_layer=3, n_head=4, bias=bias)
     L, H, C, T = 3, 4, 32, 16
-    hs = C // H
-    N = gpt2_params_by_hand(L, C, 128, bias=False)
+    N = gpt2_params_by_hand(L, C, 128, bias)
+    if not bias:
+        assert N == 128 * C + L * (12 * C * C + 2 * C) + C  # the familiar 12*L*C^2 form
+    assert model.num_params() == N
+    assert model.num_params(non_embedding=False) == N + T * C
     # 6 FLOPs per weight per token (2 forward, 4 backward), plus q k^T and att @ v: per layer and
     # head each is 2*T*hs FLOPs forward per token, times 3 for forward and backward
+    hs = C // H
     attention = L * H * (2 * 2 * T * hs) * 3
     assert model.flops_per_token() == 6 * N + attention == 6 * N + 12 * L * H * hs * T
 
@@ -224,26 +176,20 @@ def greedy_by_hand(model, idx, steps):
     return idx
 
 
-def test_generate_top_k_1_is_greedy():
+@pytest.mark.parametrize("T", [5, 40], ids=["short-prompt", "longer-than-block_size"])
+def test_generate_top_k_1_is_greedy_over_the_last_block_size_tokens(T):
     model = tiny_model()
-    prompt = random_idx(2, 5)
+    prompt = random_idx(2, T)
     torch.manual_seed(0)
     first = model.generate(prompt, max_new_tokens=6, temperature=1.0, top_k=1)
     torch.manual_seed(123)
     second = model.generate(prompt, max_new_tokens=6, temperature=1.0, top_k=1)
     assert torch.equal(first, second)
-    assert torch.equal(first[:, :5], prompt)
+    assert first.shape == (2, T + 6) and torch.equal(first[:, :T], prompt)
     assert torch.equal(first, greedy_by_hand(model, prompt, 6))
-
-
-def test_generate_crops_context_to_block_size():
-    model = tiny_model()
-    prompt = random_idx(2, 40)  # longer than block_size=16
-    out = model.generate(prompt, max_new_tokens=4, top_k=1)
-    assert out.shape == (2, 44) and torch.equal(out[:, :40], prompt)
-    assert torch.equal(out, greedy_by_hand(model, prompt, 4))
     # only the last block_size tokens matter
-    assert torch.equal(out[:, 40:], model.generate(prompt[:, -16:], max_new_tokens=4, top_k=1)[:, 16:])
+    cropped = model.generate(prompt[:, -16:], max_new_tokens=6, top_k=1)
+    assert torch.equal(first[:, T:], cropped[:, min(T, 16) :])
 
 
 def test_generate_is_reproducible_under_a_seed():

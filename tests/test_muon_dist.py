@@ -1,22 +1,13 @@
-"""Muon shared out across ranks (gpt/train/muon.py), on CPU processes over gloo under torchrun: under DDP
-each rank orthogonalizes its share of the matrices and keeps only their momenta, under FSDP2 each
-matrix's rows go to one rank and back; both train as one process does, checkpoint the whole
-state, and resume exactly, on the same world size or another.
+"""Muon shared out across ranks on CPU processes over gloo under torchrun: under DDP each rank
+orthogonalizes its share of the matrices and keeps only their momenta, under FSDP2 each matrix's rows
+go to one rank and back; both train as one process does, and resume on the same world size or another.
 
-The runs, shared by the tests: config/train_llama_1b.py at tiny shapes (4 layers, 32 wide, GQA,
-SwiGLU), Muon, 20 steps, a checkpoint every 5 (the full format, one file):
-  one       one process (in this one)
-  ddp2      DDP over 2 ranks, ddp4 over 4
-  fsdp2     FSDP2 over 2 ranks
-  one_fsdp2 one's checkpoint at 10, resumed by FSDP2 over 2 ranks (1 -> 2)
-  fsdp2_one fsdp2's checkpoint at 10, resumed in one process (2 -> 1)
-Only the order of the gradient reductions' float additions differs between them. Their logged
-losses agree within tests/test_fsdp.py's tolerance (rel 1e-5, abs 1e-6; measured 1.8e-7); the
-weights and momenta after 20 steps within rel 1e-4, abs 1e-5 (measured up to 1.1e-6: the
-Newton-Schulz iterations carry a last-bit difference of a gradient into the whole update).
-
-muon_ranks: tests/muon_rank.py over 4 ranks, Muon itself on 14 bare matrices of 5 shapes, compiled,
-beside the one-process Muon on the same gradients (bit for bit), then resumed through DCP."""
+The runs: config/train_llama_1b.py at tiny shapes (GQA, SwiGLU), Muon, 20 steps, a full checkpoint
+every 5: one (one process), ddp2 and ddp4 (DDP over 2 and 4 ranks), fsdp2 (FSDP2 over 2), one_fsdp2
+and fsdp2_one (one's and fsdp2's iter-10 checkpoints resumed on 2 ranks and on 1). Only the order of
+the reductions' additions differs: losses agree within rel 1e-5, abs 1e-6 (measured 1.8e-7), weights and
+momenta within rel 1e-4, abs 1e-5 (measured 1.1e-6: Newton-Schulz spreads a gradient's last bit).
+muon_ranks: tests/muon_rank.py, Muon itself on 14 bare matrices over 4 ranks, then resumed through DCP."""
 
 import json
 import os
@@ -34,24 +25,14 @@ from processes import run_python, run_script, start_python
 
 from gpt.train.muon import assign
 
-pytestmark = [
-    pytest.mark.skipif(
-        not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
-    ),
-    pytest.mark.process,  # every test here reads torchrun launches
-]
+no_gloo = not dist.is_available() or not dist.is_gloo_available()
+# every test here reads torchrun launches
+pytestmark = [pytest.mark.skipif(no_gloo, reason="needs torch.distributed with gloo"), pytest.mark.process]
 
-LLAMA = dict(
-    n_layer=4, n_head=4, n_kv_head=2, n_embd=32, mlp_hidden=64, dtype="float32", optimizer="muon", batch_size=2
-)
-RUN = dict(
-    gradient_accumulation_steps=4,  # 2 ranks x 2 micro-steps, or 4 x 1
-    eval_interval=5,
-    always_save_checkpoint=True,
-    keep_last=4,
-    checkpoint_format="full",
-    muon_weight_decay=0.01,
-)
+LLAMA = dict(n_layer=4, n_head=4, n_kv_head=2, n_embd=32, mlp_hidden=64, dtype="float32", batch_size=2)
+# 2 ranks x 2 micro-steps, or 4 x 1; a full checkpoint every 5 steps, each kept
+RUN = dict(gradient_accumulation_steps=4, eval_interval=5, always_save_checkpoint=True, keep_last=4)
+RUN.update(optimizer="muon", checkpoint_format="full", muon_weight_decay=0.01)
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
@@ -59,13 +40,14 @@ def args(data, out, **overrides):
     return ["config/train_llama_1b.py", *tiny_args(data, out, **{**LLAMA, **RUN, **overrides})]
 
 
-def on_ranks(nproc, argv, timeout=300):
-    """train.py argv under a standalone torchrun of nproc CPU ranks; it must succeed."""
-    result = run_python(
-        ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py", *argv],
-        env=ENV,
-        timeout=timeout,
-    )
+def torchrun(nproc, *argv):
+    """python's arguments for argv (a script and its arguments) under a standalone torchrun of nproc CPU ranks."""
+    return ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *argv]
+
+
+def on_ranks(nproc, argv):
+    """train.py argv on nproc ranks; it must succeed."""
+    result = run_python(torchrun(nproc, "train.py", *argv), env=ENV)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
@@ -100,14 +82,10 @@ def final(out_dir):
 def assert_close_states(a, b, rtol=1e-4, atol=1e-5):
     """Weights and both optimizers' states (every parameter's, whole) within the tolerance."""
     assert a["iter_num"] == b["iter_num"] == 20
-    assert a["model"].keys() == b["model"].keys()
-    for k in a["model"]:
-        torch.testing.assert_close(a["model"][k], b["model"][k], rtol=rtol, atol=atol, msg=k)
-    for sa, sb in zip(a["optimizer"]["optimizers"], b["optimizer"]["optimizers"], strict=True):
-        assert sa["state"].keys() == sb["state"].keys() and sa["state"]
-        for i in sa["state"]:
-            for k in sa["state"][i]:
-                torch.testing.assert_close(sa["state"][i][k], sb["state"][i][k], rtol=rtol, atol=atol)
+    torch.testing.assert_close(a["model"], b["model"], rtol=rtol, atol=atol)  # every key, and only those
+    states = [[o["state"] for o in run["optimizer"]["optimizers"]] for run in (a, b)]
+    assert all(states[0])  # Muon's and AdamW's, each holding a state
+    torch.testing.assert_close(*states, rtol=rtol, atol=atol)
 
 
 def assert_same_run(a, b):
@@ -116,27 +94,22 @@ def assert_same_run(a, b):
     assert_close_states(final(a), final(b))
 
 
-def test_shared_muon_under_ddp_trains_as_one_process(runs):
+def test_the_checkpoint_holds_every_matrixs_momentum_and_the_runs_learn(runs):
     root, _, _ = runs
-    one = final(root / "one")
-    muon_state = one["optimizer"]["optimizers"][0]["state"]
-    assert len(muon_state) == 16  # 4 layers x 4 matrices, each with its momentum
-    for run in ("ddp2", "ddp4"):
-        assert_same_run(root / run, root / "one")  # the checkpoint holds every rank's momenta
+    assert len(final(root / "one")["optimizer"]["optimizers"][0]["state"]) == 16  # 4 layers x 4 matrices
     evals = [r["val_loss"] for r in read_metrics(root / "ddp4") if "val_loss" in r]
-    assert evals[-1] < evals[0] - 0.5  # and it learned
+    assert evals[-1] < evals[0] - 0.5
 
 
-def test_muon_under_fsdp_trains_as_under_ddp(runs):
+# shared Muon under DDP trains as one process (the checkpoint holds every rank's momenta), FSDP2 as DDP,
+# and a resume from iter 10 on 1 -> 2 and 2 -> 1 ranks as the run it left would have gone on
+@pytest.mark.parametrize(
+    "run, reference",
+    [("ddp2", "one"), ("ddp4", "one"), ("fsdp2", "ddp2"), ("one_fsdp2", "fsdp2"), ("fsdp2_one", "one")],
+)
+def test_a_run_equals_its_reference(runs, run, reference):
     root, _, _ = runs
-    assert_same_run(root / "fsdp2", root / "ddp2")
-
-
-def test_muon_under_fsdp_resumes_across_world_sizes(runs):
-    """1 -> 2 and 2 -> 1 ranks from iter 10: each as the run it left would have gone on."""
-    root, _, _ = runs
-    assert_same_run(root / "one_fsdp2", root / "fsdp2")
-    assert_same_run(root / "fsdp2_one", root / "one")
+    assert_same_run(root / run, root / reference)
 
 
 def test_muon_under_fsdp_killed_at_a_random_moment_resumes_bit_for_bit(runs, tmp_path):
@@ -144,8 +117,7 @@ def test_muon_under_fsdp_killed_at_a_random_moment_resumes_bit_for_bit(runs, tmp
     same metrics and the same final checkpoint as fsdp2's, bit for bit."""
     root, data, seconds = runs
     argv = args(data, tmp_path / "killed", parallelism="fsdp", init_from="auto")
-    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *argv]
-    proc = start_python(launch, log=tmp_path / "killed.log", env=ENV)
+    proc = start_python(torchrun(2, "train.py", *argv), log=tmp_path / "killed.log", env=ENV)
     moment = random.uniform(0.3, 0.9) * seconds
     try:
         proc.wait(timeout=moment)
@@ -168,8 +140,7 @@ def muon_ranks(tmp_path_factory):
     compiled (dynamo's graphs, on the eager backend), then a resume through DCP and a step more."""
     root = tmp_path_factory.mktemp("muon_ranks")
     options = json.dumps({"shapes": SHAPES, "steps": 2, "backend": "eager"})
-    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "tests/muon_rank.py"]
-    result = run_python([*launch, root / "rank", options], env=ENV, timeout=240)
+    result = run_python(torchrun(4, "tests/muon_rank.py", root / "rank", options), env=ENV, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     return [json.loads((root / f"rank{r}.json").read_text()) for r in range(4)]
 
@@ -197,17 +168,8 @@ def test_a_resume_through_dcp_continues_exactly_on_the_graphs_it_had(muon_ranks)
 
 def test_a_world_size_that_does_not_divide_the_rows_is_one_line(runs, tmp_path):
     root, data, _ = runs
-    result = run_python(
-        [
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=3",
-            "train.py",
-            *args(data, tmp_path / "three", parallelism="fsdp", gradient_accumulation_steps=3),
-        ],
-        env=ENV,
-    )
+    argv = args(data, tmp_path / "three", parallelism="fsdp", gradient_accumulation_steps=3)
+    result = run_python(torchrun(3, "train.py", *argv), env=ENV)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     # one line from each rank (torchrun then reports the failed ranks its own way)

@@ -1,17 +1,14 @@
-"""Muon beside AdamW (optim.py), the warmup-stable-decay schedule, and the training-health
-metrics (gradient norm, clipping, update-to-weight ratios): against torch's own Muon, against a
-hand computation, and through train.py's log. (Exact resume, 2 ranks as 1 and a kill -9 with Muon and
-with WSD, and a WSD run extended from its stable phase: tests/test_recipes.py.)"""
+"""Muon beside AdamW, the warmup-stable-decay schedule, and the training-health metrics (gradient norm,
+clipping, update ratios): against torch's Muon, by hand, and through train.py's log. (Resume, 2 ranks,
+kill -9 with Muon and with WSD: tests/test_recipes.py.)"""
 
 import copy
-import functools
 
 import numpy as np
 import pytest
 import torch
-from conftest import ATEN_BACKEND, CPU, TINY, char_dataset, read_metrics, tiny_args
+from conftest import CPU, TINY, char_dataset, count_host_reads, read_metrics, tiny_args
 from processes import run_script
-from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 from train_rank import nan_loss
 
@@ -34,19 +31,10 @@ MODEL = dict(TINY, bias=True)
 def test_muon_half_steps_as_torch_muon_and_the_rest_as_adamw(monkeypatch):
     # on a CPU ours orthogonalizes in float32; in torch's bfloat16 it must be torch's step, bit for bit
     monkeypatch.setattr(muon, "CPU_NS_DTYPE", torch.bfloat16)
-    cfg = TrainConfig(
-        optimizer="muon",
-        compile=False,  # inductor's iteration rounds its own way (test_compiled_muon_...)
-        learning_rate=1e-2,
-        muon_lr=0.03,
-        muon_momentum=0.9,
-        muon_weight_decay=0.05,
-        weight_decay=0.1,
-        warmup_iters=1,
-        max_iters=4,
-        lr_decay_iters=4,
-        min_lr=1e-3,
-    )
+    # compile=False: inductor's iteration rounds its own way (test_compiled_muon_steps_as_eager)
+    keys = dict(optimizer="muon", compile=False, muon_lr=0.03, muon_momentum=0.9, muon_weight_decay=0.05)
+    keys.update(learning_rate=1e-2, weight_decay=0.1, warmup_iters=1, max_iters=4, lr_decay_iters=4, min_lr=1e-3)
+    cfg = TrainConfig(**keys)
     torch.manual_seed(0)
     model = GPT(GPTConfig(**MODEL))
     ref = copy.deepcopy(model)
@@ -55,20 +43,12 @@ def test_muon_half_steps_as_torch_muon_and_the_rest_as_adamw(monkeypatch):
     names = {p: n for n, p in model.named_parameters()}
     muon_names = [names[p] for p in ours.optimizers[0].param_groups[0]["params"]]
     # the blocks' projections, every one; no embedding, lm_head, norm or bias
-    assert sorted(muon_names) == sorted(
-        f"transformer.h.{i}.{m}.weight"
-        for i in range(2)
-        for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
-    )
+    matrices = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    assert sorted(muon_names) == sorted(f"transformer.h.{i}.{m}.weight" for i in range(2) for m in matrices)
     ref_named = dict(ref.named_parameters())
     ref_muon = torch.optim.Muon([ref_named[n] for n in muon_names], lr=cfg.muon_lr, momentum=0.9, weight_decay=0.05)
-    ref_adamw = ref.configure_optimizers(
-        0.1,
-        cfg.learning_rate,
-        (cfg.beta1, cfg.beta2),
-        "cpu",
-        params=[p for n, p in ref_named.items() if n not in muon_names],
-    )
+    adamw_params = [p for n, p in ref_named.items() if n not in muon_names]
+    ref_adamw = ref.configure_optimizers(0.1, cfg.learning_rate, (cfg.beta1, cfg.beta2), "cpu", params=adamw_params)
     g = torch.Generator().manual_seed(1)
     for it in range(4):
         x, y = torch.randint(0, 65, (4, 16), generator=g), torch.randint(0, 65, (4, 16), generator=g)
@@ -76,14 +56,12 @@ def test_muon_half_steps_as_torch_muon_and_the_rest_as_adamw(monkeypatch):
         scaler = torch.amp.GradScaler("cpu", enabled=False)
         train_step(model, ours, scaler, lambda: (x, y), lr, 1, 0.0, CPU)
         ref(x, y)[1].backward()
-        for group in ref_muon.param_groups:
-            group["lr"] = cfg.muon_lr * lr / cfg.learning_rate  # Muon's peak, on the same schedule
-        for group in ref_adamw.param_groups:
-            group["lr"] = lr
-        ref_muon.step()
-        ref_adamw.step()
-        ref_muon.zero_grad(set_to_none=True)
-        ref_adamw.zero_grad(set_to_none=True)
+        # Muon's peak on the same schedule, AdamW's the schedule's
+        for opt, opt_lr in ((ref_muon, cfg.muon_lr * lr / cfg.learning_rate), (ref_adamw, lr)):
+            for group in opt.param_groups:
+                group["lr"] = opt_lr
+            opt.step()
+            opt.zero_grad(set_to_none=True)
     moved = 0.0
     for name, p in model.named_parameters():
         assert torch.equal(p, ref_named[name]), name  # the same kernels on the same numbers: bit for bit
@@ -179,24 +157,29 @@ def test_muon_off_the_cpu_orthogonalizes_in_bfloat16():
         assert seen.dtypes == {dtype}, device
 
 
-def test_compiled_muon_is_one_graph_per_shape_and_steps_as_eager(monkeypatch):
-    # train.py's compile=True compiles each shape's step (inductor); dynamo's graphs, run by ATen's kernels here
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=ATEN_BACKEND))
-    torch._dynamo.reset()
-    counters.clear()
-    options = dict(lr=0.02, momentum=0.9, weight_decay=0.05)
-    ours, eager, opt, _ = muon_pair(options)
+@pytest.mark.parametrize(
+    "levers, state",
+    [
+        ({}, {"momentum_buffer"}),
+        (dict(polar_express=True, normuon=True, cautious=True), {"momentum_buffer", "second_moment"}),
+    ],
+    ids=["plain", "levers"],
+)
+def test_compiled_muon_steps_as_eager(aten_compile, levers, state):
+    """train.py's compile=True compiles each shape's step (here run by ATen's kernels): one graph per
+    shape for the whole step, whatever the levers (they are constants in it), no recompiles over 5 steps."""
+    ours, eager, _, _ = muon_pair(dict(lr=0.02, momentum=0.9, weight_decay=0.05))  # torch's Muon has no levers
+    options = dict(lr=0.02, momentum=0.9, weight_decay=0.05, **levers)
     ref = muon.Muon(eager, **options)
     compiled = muon.Muon(ours, compile=True, **options)
     step_both(ours, eager, compiled, ref)
     for opt in (compiled, ref):  # the schedule moves the learning rate: an input of the graph, not a constant
         opt.param_groups[0]["lr"] = 0.013
     step_both(ours, eager, compiled, ref, steps=2, seed=2)
-    # one graph per shape for the whole step (momentum, iteration, update), no recompiles over 5 steps
-    assert counters["stats"]["unique_graphs"] == len(set(SHAPES))
+    assert aten_compile["stats"]["unique_graphs"] == len(set(SHAPES))
     for p, q in zip(ours, eager):
         assert (p - q).abs().max() < 1e-5
-    torch._dynamo.reset()
+    assert set(ref.state[eager[0]]) == set(compiled.state[ours[0]]) == state
 
 
 def test_a_skipped_muon_step_leaves_weights_and_momenta_bit_unchanged_without_a_host_read(monkeypatch):
@@ -211,12 +194,7 @@ def test_a_skipped_muon_step_leaves_weights_and_momenta_bit_unchanged_without_a_
     batches = TrainBatches(data, 4, 16, 0, CPU)
     train_step(model, opt, scaler, batches, 1e-2, 2, 1.0, CPU)  # the states exist from here
     before = [p.detach().clone() for p in model.parameters()], copy.deepcopy(opt.state_dict())
-    reads = []
-    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__"):
-        original = getattr(torch.Tensor, name)
-        monkeypatch.setattr(
-            torch.Tensor, name, lambda self, *a, _n=name, _o=original, **k: reads.append(_n) or _o(self, *a, **k)
-        )
+    reads = count_host_reads(monkeypatch)
     with nan_loss(model):
         poisoned = train_step(model, opt, scaler, batches, 1e-2, 2, 1.0, CPU)
     assert reads == []
@@ -267,23 +245,6 @@ def test_cautious_weight_decay_decays_only_where_the_update_agrees_in_sign():
     muon.apply([q], u, {"decay": 0.9, "-lr*ratio": -0.1}, None, it)
     decay = torch.tensor([[0.9, 1.0], [1.0, 0.9]])
     torch.testing.assert_close(q, p * decay - 0.1 * u[0])
-
-
-def test_muon_levers_step_compiled_as_eager_without_recompiles(monkeypatch):
-    """Each lever changes the compiled step's graph (constants), not the number of graphs."""
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=ATEN_BACKEND))
-    options = dict(lr=0.02, momentum=0.9, weight_decay=0.05, polar_express=True, normuon=True, cautious=True)
-    torch._dynamo.reset()
-    counters.clear()
-    ours, eager, opt, _ = muon_pair({k: options[k] for k in ("lr", "momentum", "weight_decay")})
-    ref = muon.Muon(eager, **options)
-    compiled = muon.Muon(ours, compile=True, **options)
-    step_both(ours, eager, compiled, ref)
-    assert counters["stats"]["unique_graphs"] == len(set(SHAPES))
-    for p, q in zip(ours, eager):
-        assert (p - q).abs().max() < 1e-5
-    assert set(ref.state[eager[0]]) == {"momentum_buffer", "second_moment"}
-    torch._dynamo.reset()
 
 
 def test_muon_unscales_fp16_gradients_it_is_handed_scaled():
@@ -349,19 +310,11 @@ def test_wsd_shape():
 
 @pytest.fixture(scope="module")
 def muon_runs(tmp_path_factory):
-    """40 steps of Muon, dropout on, update ratios every 10 steps."""
+    """40 steps of Muon, dropout on, update ratios every 10 steps, some steps clipped and some not."""
     root = tmp_path_factory.mktemp("muon")
     data = char_dataset(root / "chars")
-    common = dict(
-        optimizer="muon",
-        max_iters=40,
-        lr_decay_iters=40,
-        eval_interval=10,
-        dropout=0.1,
-        update_ratio_interval=10,
-        # some steps clipped, some not
-        grad_clip=1.5,
-    )
+    common = dict(optimizer="muon", max_iters=40, lr_decay_iters=40, eval_interval=10, dropout=0.1)
+    common.update(update_ratio_interval=10, grad_clip=1.5)
     result = run_script("train.py", *tiny_args(data, root / "straight", **common))
     assert result.returncode == 0, result.stderr
     return root, data, common
@@ -420,6 +373,7 @@ def test_update_ratio_is_the_relative_change():
         (dict(update_ratio_interval=10, parallelism="fsdp"), "update_ratio_interval needs whole weights"),
         (dict(muon_polar_express=True), "muon_polar_express=True is a lever of Muon, which optimizer='adamw'"),
         (dict(optimizer="adamw", muon_cautious_wd=True), "muon_cautious_wd=True is a lever of Muon"),
+        (dict(logit_softcap=-1.0), "logit_softcap=-1.0 must be >= 0"),
     ],
 )
 def test_bad_keys(overrides, expected):
