@@ -1,12 +1,17 @@
-"""rl.py, the chat pipeline's RL stage: the tasks and their checkers (gpt/rl/tasks.py)."""
+"""rl.py, the chat pipeline's RL stage: the tasks and their checkers (gpt/rl/tasks.py), the policy
+gradient on sampled tokens only, and a run of the command from a tiny SFT model of the arithmetic
+task (made once for the module): its metrics and checkpoints, kill -9 then init_from=auto, 2 gloo
+ranks against one process, and its one-line errors."""
 
 import json
 import re
 
 import pytest
+import torch
+from conftest import CPU, TINY
 
 from configurator import UserError
-from gpt.rl import tasks
+from gpt.rl import rollouts, tasks
 
 # GSM8K's published format: the worked answer, with its calculator annotations, ends in '#### N'
 GSM8K_LINES = [
@@ -100,3 +105,51 @@ def test_a_bad_task_line_is_named_by_its_number(tmp_path, kind, lines, said):
     check = "numeric" if kind == "numeric" else "exact"
     with pytest.raises(UserError, match=re.escape(f"{path}{said}")):
         tasks.load("gsm8k" if kind == "gsm8k" else "jsonl", train_file=path, test_file=path, check=check)
+
+
+# ---------------------------------------------------------------------------- the policy gradient
+
+
+def test_the_loss_covers_the_sampled_tokens_only():
+    """-sum(advantage * log p) over each sample's tokens up to its end token: positions past it get no
+    gradient, and the loss is the reference's, computed token by token."""
+    torch.manual_seed(0)
+    G, L, V = 3, 5, 11
+    logits = torch.randn(G, L, V, requires_grad=True)
+    tokens = torch.randint(0, V, (G, L))
+    lengths, advantages = [5, 2, 3], torch.tensor([0.5, -0.25, -0.25])
+    mask = rollouts.sampled_mask(lengths, L, "cpu")
+    loss = rollouts.policy_loss(logits, tokens, mask, advantages)
+    logp = torch.log_softmax(logits.detach(), -1)
+    reference = -sum(advantages[g] * logp[g, t, tokens[g, t]] for g in range(G) for t in range(lengths[g]))
+    assert loss.item() == pytest.approx(reference.item(), rel=1e-6)
+    loss.backward()
+    for g in range(G):
+        assert logits.grad[g, lengths[g] :].abs().sum() == 0 and logits.grad[g, : lengths[g]].abs().sum() > 0
+
+
+def test_a_step_scores_the_positions_that_predict_sampled_tokens():
+    """policy_step's forward reads the prompt and the samples; its loss is the reference's over the
+    sampled tokens alone (up to each one's length), a mean over the step's sampled tokens."""
+    from model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY))
+    prompt, tokens = [3, 1, 4, 1, 5], torch.randint(0, 65, (2, 4))
+    group = rollouts.Group(prompt, tokens, [4, 2], [1.0, 0.0], torch.tensor([0.5, -0.5]))
+    full = torch.cat([torch.tensor([prompt] * 2), tokens], dim=1)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(full[:, :-1], logits_at="all")[0], -1)
+    P, weights = len(prompt), {0: (0.5, 4), 1: (-0.5, 2)}
+    reference = -sum(a * logp[g, P - 1 + t, full[g, P + t]] for g, (a, n) in weights.items() for t in range(n)) / 6
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    loss, norm = rollouts.policy_step(model, optimizer, scaler, [group], 0.0, 0.0, CPU, world_tokens=6)
+    assert loss.item() == pytest.approx(reference.item(), rel=1e-5) and norm > 0
+
+
+def test_pass_at_k_is_the_unbiased_estimate():
+    assert rollouts.pass_at_k(8, 0, 1) == 0 and rollouts.pass_at_k(8, 8, 1) == 1
+    assert rollouts.pass_at_k(8, 2, 1) == pytest.approx(2 / 8)
+    assert rollouts.pass_at_k(4, 1, 2) == pytest.approx(1 - 3 / 6)  # C(3,2) / C(4,2) pairs miss it
+    assert rollouts.pass_at_k(4, 3, 2) == 1
