@@ -337,12 +337,12 @@ def step(run):
             "lr": lr,
             "grad_norm": norm.item(),
             "dt_ms": dt * 1000,
-            "sampled_tokens_per_s": tokens / sampled / rt.world_size,
+            "tokens_per_s": tokens / sampled,  # sampled tokens a second, every rank's
         }
         print(
             f"iter {run.iter_num}: reward {record['reward']:.3f}, loss {record['loss']:.4f}, sampled length "
             f"{record['sampled_length']:.1f}, lr {lr:.2e}, grad norm {record['grad_norm']:.3g}, {dt * 1000:.0f} ms, "
-            f"{record['sampled_tokens_per_s']:,.0f} sampled tok/s"
+            f"{record['tokens_per_s']:,.0f} sampled tok/s"
         )
         run.metrics.write(record)
 

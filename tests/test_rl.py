@@ -5,10 +5,14 @@ ranks against one process, and its one-line errors."""
 
 import json
 import re
+import signal
+import textwrap
 
 import pytest
 import torch
-from conftest import CPU, TINY
+import torch.distributed as dist
+from conftest import CPU, TINY, one_line_error, read_metrics
+from processes import REPO, load_script, run_python, run_script, start_python
 
 from configurator import UserError
 from gpt.rl import rollouts, tasks
@@ -153,3 +157,140 @@ def test_pass_at_k_is_the_unbiased_estimate():
     assert rollouts.pass_at_k(8, 2, 1) == pytest.approx(2 / 8)
     assert rollouts.pass_at_k(4, 1, 2) == pytest.approx(1 - 3 / 6)  # C(3,2) / C(4,2) pairs miss it
     assert rollouts.pass_at_k(4, 3, 2) == 1
+
+
+# ---------------------------------------------------------------------------- the command
+
+
+@pytest.fixture(scope="module")
+def sft(tmp_path_factory):
+    """A tiny chat model (TINY's blocks, block_size 64) SFT'd on 2,000 arithmetic conversations for 60
+    steps: it answers in the task's format, right a few times in ten, so groups have rewards to compare."""
+    root = tmp_path_factory.mktemp("rl")
+    data = root / "data"
+    load_script("data/chat/arithmetic.py").main([f"--out_dir={data}", "--n=2000"])
+    load_script("data/train_tokenizer.py").main(
+        ["--input", f"{data}/text.txt", "--vocab_size=512", f"--out_dir={data}", "--val_chars=2000"]
+    )
+    prepare = ["--input", f"{data}/train.jsonl", f"--tokenizer={data}/tokenizer.json", f"--out_dir={data}"]
+    load_script("data/chat/prepare.py").main([*prepare, "--block_size=64"])
+    keys = dict(TINY, block_size=64, dataset=data, out_dir=root / "sft", device="cpu", compile=False, batch_size=8)
+    keys.update(gradient_accumulation_steps=1, learning_rate=1e-2, min_lr=1e-3, max_iters=60, lr_decay_iters=60)
+    keys.update(warmup_iters=2, eval_interval=60, eval_iters=2, log_interval=20)
+    del keys["vocab_size"]
+    result = run_script("train.py", *[f"--{k}={v}" for k, v in keys.items()])
+    assert result.returncode == 0, result.stderr
+    return root
+
+
+def rl_args(sft, out, **overrides):
+    """rl.py's flags for 4 steps of 2 problems x 4 samples from the sft model, pass@1..2 on 2 held-out
+    problems at iters 0, 2 and 4 (a checkpoint at 2 and 4)."""
+    keys = dict(start_from=sft / "sft", out_dir=out, device="cpu", max_iters=4, lr_decay_iters=4, eval_interval=2)
+    keys.update(examples_per_step=2, samples=4, max_new_tokens=16, eval_examples=2, pass_k=2, learning_rate=3e-3)
+    return [f"--{k}={v}" for k, v in {**keys, **overrides}.items()]
+
+
+@pytest.fixture(scope="module")
+def straight(sft):
+    """The straight run, with init_from=auto (which starts a new run in an empty out_dir)."""
+    out = sft / "straight"
+    result = run_script("rl.py", *rl_args(sft, out, init_from="auto"))
+    assert result.returncode == 0, result.stderr
+    (out / "stdout.txt").write_text(result.stdout)
+    return out
+
+
+def untimed_rl(out):
+    """The run's records without their timings: two runs that sampled and stepped the same give equal lists."""
+    timings = ("dt_ms", "tokens_per_s")
+    return [json.dumps({k: v for k, v in r.items() if k not in timings}) for r in read_metrics(out)]
+
+
+def test_a_run_logs_rewards_pass_at_k_and_writes_chat_checkpoints(straight):
+    records = read_metrics(straight)
+    steps = [r for r in records if "loss" in r]
+    evals = [r for r in records if "pass@1" in r]
+    assert [r["iter"] for r in steps] == [0, 1, 2, 3] and [r["iter"] for r in evals] == [0, 2, 4]
+    for r in steps:
+        assert 0 <= r["reward"] <= 1 and 1 <= r["sampled_length"] <= 16 and r["sampled_tokens"] >= 8
+    assert any(r["reward"] not in (0, 1) for r in steps)  # some group had rewards to tell apart: a gradient
+    assert all(0 <= r["pass@1"] <= r["pass@2"] <= 1 for r in evals)
+    assert (straight / "ckpt.pt").exists() and "init_from='auto': no checkpoint" in (
+        straight / "stdout.txt"
+    ).read_text()
+    reply = run_script(
+        "chat.py", f"--out_dir={straight}", "--checkpoint=latest", "--prompt=Ava has 2 apples.", "--max_new_tokens=8"
+    )
+    assert reply.returncode == 0 and reply.stdout.strip(), reply.stderr
+
+
+KILL_DRIVER = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {repo!r})
+    import configurator
+    from gpt.train import optim
+    get_lr = optim.get_lr
+
+    def killing_get_lr(it, cfg):
+        if it == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return get_lr(it, cfg)
+
+    optim.get_lr = killing_get_lr
+    sys.argv[0] = "rl.py"
+    import runpy
+    runpy.run_path({rl!r}, run_name="__main__")
+""")
+
+
+@pytest.mark.process
+def test_kill_9_then_init_from_auto_resumes_exactly(sft, straight, tmp_path):
+    """rl.py killed with SIGKILL as it starts iter 3 (after iter 2's checkpoint), then the same command
+    again: it resumes at iter 2 and logs what the straight run logged, rewards and losses alike."""
+    out, driver = tmp_path / "out", tmp_path / "driver.py"
+    driver.write_text(KILL_DRIVER.format(repo=str(REPO), rl=str(REPO / "rl.py")))
+    args = rl_args(sft, out, init_from="auto")
+    proc = start_python([driver, *args])
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGKILL, stderr
+    again = run_script("rl.py", *args)
+    assert again.returncode == 0, again.stderr
+    assert f"init_from='auto': resuming the run in out_dir={out} (iter 2" in again.stdout
+    assert untimed_rl(out) == untimed_rl(straight)
+
+
+@pytest.mark.process
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
+def test_two_gloo_ranks_equal_one_process(sft, straight, tmp_path):
+    """torchrun, 2 CPU ranks: each samples its problem of the step with the same seeds, so the rewards,
+    lengths and pass@k are the straight run's; the losses and gradient norms too, but for the order of
+    the float sums."""
+    out = tmp_path / "two"
+    cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", REPO / "rl.py"]
+    result = run_python([*cmd, *rl_args(sft, out, init_from="auto")], env={"OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    two, one = read_metrics(out), read_metrics(straight)
+    exact = ("iter", "reward", "sampled_tokens", "pass@1", "pass@2")
+    assert [{k: r.get(k) for k in exact} for r in two] == [{k: r.get(k) for k in exact} for r in one]
+    close = lambda records: [r[k] for r in records for k in ("loss", "grad_norm") if k in r]
+    assert close(two) == pytest.approx(close(one), rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "case, said",
+    [
+        ("samples=1", ["samples=1: a group of 1 sample", "every advantage is 0"]),
+        ("plain run", ["was not trained on conversations"]),
+        ("bad line", ["bad.jsonl:2: not JSON"]),
+    ],
+)
+def test_bad_input_is_one_line(sft, tiny_run, tmp_path, case, said):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "2+2", "answer": "4"}\n{oops\n')
+    overrides = {
+        "samples=1": dict(samples=1),
+        "plain run": dict(start_from=tiny_run),
+        "bad line": dict(task="jsonl", train_file=bad, test_file=bad),
+    }[case]
+    one_line_error(run_script("rl.py", *rl_args(sft, tmp_path / "out", **overrides)), *said)
