@@ -7,6 +7,7 @@ every eval_interval steps.
     python rl.py --start_from=out-chat --task=gsm8k --train_file=gsm8k/train.jsonl --test_file=gsm8k/test.jsonl
     python rl.py --start_from=Llama-3.2-1B-Instruct --task=jsonl --train_file=mine.jsonl --test_file=held.jsonl --check=numeric
     python rl.py config/rl_demo_cpu.py --init_from=auto                  # resume if out_dir holds a run, else start
+    python rl.py config/rl_demo_cpu.py --init_from=resume --eval_only=True   # pass@1..k of the run's newest checkpoint
     torchrun --standalone --nproc_per_node=8 rl.py config/rl_demo_cpu.py --device=cuda   # problems split over the ranks
     python rl.py --help                                                  # every key (train.py's too)
 
@@ -228,8 +229,10 @@ def loop(run, stop):
         last = run.iter_num >= cfg.max_iters
         run.saver.poll()
         due = (run.iter_num % cfg.eval_interval == 0 or last) and run.iter_num != run.resumed_at
-        if due:
+        if due or cfg.eval_only:
             passed = evaluate(run)
+            if cfg.eval_only:  # pass@k of the start (a new run) or of out_dir's newest checkpoint (resume)
+                return 0
             if run.iter_num > 0 or last:
                 run.save(best=passed)
         if last or stop.check(rt):

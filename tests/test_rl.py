@@ -5,6 +5,7 @@ ranks against one process, and its one-line errors."""
 
 import json
 import re
+import shutil
 import signal
 import textwrap
 
@@ -223,6 +224,32 @@ def test_a_run_logs_rewards_pass_at_k_and_writes_chat_checkpoints(straight):
         "chat.py", f"--out_dir={straight}", "--checkpoint=latest", "--prompt=Ava has 2 apples.", "--max_new_tokens=8"
     )
     assert reply.returncode == 0 and reply.stdout.strip(), reply.stderr
+
+
+def test_eval_only_scores_pass_at_k_again_with_the_same_seeds(straight, tmp_path):
+    """pass@k as an evaluation: --eval_only=True on the run's newest checkpoint samples the held-out
+    problems with the seeds of every eval, so it scores what the run's last eval scored."""
+    out = shutil.copytree(straight, tmp_path / "copy")
+    result = run_script(
+        "rl.py",
+        f"--out_dir={out}",
+        "--init_from=resume",
+        "--eval_only=True",
+        "--device=cpu",
+        "--eval_examples=2",
+        "--pass_k=2",
+        "--max_new_tokens=16",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "step 4: 2 held-out problems: pass@1" in result.stdout
+    scores = lambda out: [
+        {k: v for k, v in r.items() if k.startswith("pass@")} for r in read_metrics(out) if "pass@1" in r
+    ]
+    assert scores(out) == scores(straight) + scores(straight)[-1:]
+    assert (
+        not (out / "ckpt_0000004.pt").exists()
+        and (out / "ckpt.pt").stat().st_mtime == (straight / "ckpt.pt").stat().st_mtime
+    )
 
 
 KILL_DRIVER = textwrap.dedent("""
