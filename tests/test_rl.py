@@ -252,6 +252,29 @@ def test_eval_only_scores_pass_at_k_again_with_the_same_seeds(straight, tmp_path
     )
 
 
+def test_gsm8k_files_train_a_few_steps_and_score_as_the_same_problems_generated(sft, straight, tmp_path):
+    """--task=gsm8k on files in GSM8K's format (calculator annotations, '#### N') holding the arithmetic
+    task's problems: it trains, and its held-out problems score at iter 0 what the generated ones did."""
+    generated = tasks.load("arithmetic", n_train=36, n_test=12)
+    as_gsm8k = lambda problems: [
+        {"question": p.prompt, "answer": p.solution.replace(" = ", f" = <<{p.solution.split(' =')[0]}={p.answer}>>")}
+        for p in problems
+    ]
+    train = write_jsonl(tmp_path / "train.jsonl", as_gsm8k(generated.train))
+    test = write_jsonl(tmp_path / "test.jsonl", as_gsm8k(generated.test))
+    assert "<<" in test.read_text() and "#### " in test.read_text()
+    out = tmp_path / "gsm8k"
+    args = rl_args(sft, out, task="gsm8k", train_file=train, test_file=test, max_iters=2, lr_decay_iters=2)
+    result = run_script("rl.py", *args)
+    assert result.returncode == 0, result.stderr
+    assert "rl: task gsm8k (36 train, 12 test problems)" in result.stdout
+    records = read_metrics(out)
+    assert [r["iter"] for r in records if "loss" in r] == [0, 1] and (out / "ckpt.pt").exists()
+    evals = [r for r in records if "pass@1" in r]
+    assert [r["iter"] for r in evals] == [0, 2]
+    assert evals[0] == next(r for r in read_metrics(straight) if "pass@1" in r)
+
+
 KILL_DRIVER = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, {repo!r})
