@@ -20,10 +20,11 @@ pass_k = 8
 
 # AdamW's, cosine to 0 over the run (nanochat: a linear ramp to 0). Tried from the same SFT model:
 # 1e-3 collapsed the reward to 0 within 8 steps, 3e-4 lowered pass@8 without raising pass@1,
-# 1e-4 changed nothing in 40 steps (pass@1 0.451 -> 0.459)
+# 1e-4 changed nothing in 40 steps (pass@1 0.451 -> 0.459). The gradient itself is right: on 4 fixed
+# problems 1e-4 lifts their reward from 0.5 to about 0.75 in 12 steps; held-out problems need more.
 learning_rate = 2e-4
 warmup_iters = 0
-max_iters = 40  # ~5 s a step on 2 cores: the demo's RL stage stays a few minutes
+max_iters = 40  # 2.3 s a step alone on 2 busy cores: the RL stage takes about 3 minutes
 lr_decay_iters = 40
 min_lr = 0.0
 weight_decay = 0.0
