@@ -5,6 +5,7 @@
 #   make test-fast    the tests that start no process of their own, in under 2 minutes
 #   make lint         ruff check and ruff format --check, as CI runs them before make test
 #   make chat-demo    docs/chat.md's chat demo from nothing: data, tokenizer, training (~70 s on 2 cores)
+#   make rl-demo      docs/chat.md's RL demo from nothing: arithmetic problems, SFT, then rl.py, pass@k before and after
 # All keep a GPU build of torch (>= scripts/system_torch.py's floor) that python3 already has.
 # SHAKESPEARE_TXT=/path/to/input.txt: tiny Shakespeare from there instead of data/shakespeare_char/input.txt
 # or the download.
@@ -14,8 +15,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 SHAKESPEARE_TXT ?=
 TRAIN_ARGS ?=
+RL_ARGS ?=
 
-.PHONY: quickstart chat-demo test test-fast lint venv venv-dev clean
+.PHONY: quickstart chat-demo rl-demo test test-fast lint venv venv-dev clean
 
 venv: $(VENV)/.installed
 venv-dev: $(VENV)/.installed-dev
@@ -84,6 +86,20 @@ chat-demo: venv
 	@echo "  python chat.py --out_dir=out-chat-demo      # type 'My name is Dovaki.', then 'What is my name?'"
 	@echo "  python serve.py --out_dir=out-chat-demo     # the chat page at http://127.0.0.1:8000/, OpenAI's API beside it"
 
+# docs/chat.md's RL demo from nothing: generated arithmetic word problems as conversations, their
+# tokenizer, SFT (config/rl_demo_sft_cpu.py), then rl.py (config/rl_demo_cpu.py) and its reward curve
+rl-demo: venv
+	$(PY) data/chat/arithmetic.py --out_dir=data/rl_demo --n=20000
+	$(PY) data/train_tokenizer.py --input data/rl_demo/text.txt --vocab_size=512 --out_dir=data/rl_demo
+	$(PY) data/chat/prepare.py --input data/rl_demo/train.jsonl --tokenizer=data/rl_demo/tokenizer.json \
+		--out_dir=data/rl_demo --block_size=64
+	$(PY) train.py config/rl_demo_sft_cpu.py --overwrite=True $(TRAIN_ARGS)
+	$(PY) rl.py config/rl_demo_cpu.py --overwrite=True $(RL_ARGS)
+	$(PY) plot.py out-rl-demo
+	@echo
+	@echo "make rl-demo is done: pass@k before RL (iter 0) and after are in out-rl-demo/metrics.jsonl, the curves in"
+	@echo "out-rl-demo/metrics.png. Talk to it: python chat.py --out_dir=out-rl-demo --prompt='Ava has 3 apples. Ava gets 4 more and gives 2 away. How many apples does Ava have now?'"
+
 # one pytest-xdist worker per core, one thread each: the tests' models are tiny, and OpenMP threads
 # spinning beside another worker's cost more than they give; inductor compiles in the test's own
 # process, not in a pool of fresh interpreters. A file's tests stay on one worker (--dist loadfile),
@@ -118,4 +134,4 @@ lint: venv-dev
 	$(PY) -m ruff format --check .
 
 clean:
-	rm -rf $(VENV) out-shakespeare-char out-shakespeare-char-cpu out-shakespeare-char-fast out-chat-demo data/chat_demo
+	rm -rf $(VENV) out-shakespeare-char out-shakespeare-char-cpu out-shakespeare-char-fast out-chat-demo data/chat_demo out-rl-demo out-rl-demo-sft data/rl_demo

@@ -1,5 +1,5 @@
 """Plot runs side by side from their metrics.jsonl: loss, learning rate and throughput
-against iterations, one colour per run; HellaSwag accuracy and CORE too when a run logged them,
+against iterations, one colour per run; HellaSwag accuracy, CORE, and rl.py's reward and pass@k too when a run logged them,
 in the loop or by a watcher (eval.py --watch, its watch/ records: dashed, at the checkpoints' steps).
 
     python plot.py out-shakespeare-char                        # writes out-shakespeare-char/metrics.png
@@ -59,8 +59,9 @@ def plot(runs, out):
     logged = lambda key: any(
         r.get(key) is not None or r.get("watch/" + key) is not None for _, records in runs for r in records
     )
-    hellaswag, core = logged("hellaswag_acc"), logged("core")
+    hellaswag, core, rl = logged("hellaswag_acc"), logged("core"), logged("reward")
     titles = ["loss", "learning rate", "tokens/s"] + ["HellaSwag"] * hellaswag + ["CORE"] * core
+    titles += ["reward (rl.py), pass@k held out"] * rl
     fig, axes = plt.subplots(1, len(titles), figsize=(5.3 * len(titles), 4.5))
     loss_ax, lr_ax, speed_ax = axes[:3]
     for i, (label, records) in enumerate(runs):
@@ -84,8 +85,16 @@ def plot(runs, out):
             axes[3].plot(*series(records, "hellaswag_acc"), color=color, linestyle="--", label=f"{label} acc")
             watched(axes[3], records, "hellaswag_acc_norm", f"{label} acc_norm_tokens (watcher)", color)
         if core:
-            axes[-1].plot(*series(records, "core"), color=color, marker="o", markersize=3, label=f"{label} CORE")
-            watched(axes[-1], records, "core", f"{label} CORE (watcher)", color)
+            axes[3 + hellaswag].plot(
+                *series(records, "core"), color=color, marker="o", markersize=3, label=f"{label} CORE"
+            )
+            watched(axes[3 + hellaswag], records, "core", f"{label} CORE (watcher)", color)
+        if rl:
+            axes[-1].plot(*series(records, "reward"), color=color, alpha=0.5, linewidth=0.8, label=f"{label} reward")
+            passes = sorted({k for r in records for k in r if k.startswith("pass@")}, key=lambda k: int(k[5:]))
+            for k in passes[:1] + passes[-1:] if len(passes) > 1 else passes:
+                marker = "o" if k == "pass@1" else "^"
+                axes[-1].plot(*series(records, k), color=color, marker=marker, markersize=3, label=f"{label} {k}")
         lr_ax.plot(*series(records, "lr"), color=color, label=label)
         speed_ax.plot(*series(records, "tokens_per_s"), color=color, label=label)
     for ax, title in zip(axes, titles):

@@ -11,9 +11,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 CORE = {"model", "configurator"}  # the root's two modules that are not commands
-MAX_FILE_LINES, MAX_FUNCTION_LINES, MAX_ROOT_FILES = 650, 80, 10
+MAX_FILE_LINES, MAX_FUNCTION_LINES, MAX_ROOT_FILES = 650, 80, 11
 # gpt/'s folders, each on a floor: a module may import its own folder's and those of lower floors
-FLOORS = {"device": 0, "data": 1, "outdir": 2, "train": 3, "weights": 3, "inference": 4, "evaluation": 4}
+FLOORS = {"device": 0, "data": 1, "outdir": 2, "train": 3, "weights": 3, "inference": 4, "evaluation": 4, "rl": 5}
 
 
 def sources(repo=REPO):
@@ -163,7 +163,7 @@ def test_the_check_finds_a_circle_a_command_import_and_an_import_up_the_floors(t
         "model (the network or the config) imports gpt.inference.sampling",
         "gpt.device.runtime imports gpt.outdir.checkpoint: gpt/device/ may import only its own folder and those "
         "below it (none)",
-        "gpt.helpers is outside gpt/'s folders (device, data, outdir, train, weights, inference, evaluation)",
+        "gpt.helpers is outside gpt/'s folders (device, data, outdir, train, weights, inference, evaluation, rl)",
         "gpt.outdir.batches (the library or the root) imports the dataset preparation data.tokens",
     ]
 

@@ -1,0 +1,1 @@
+"""Reinforcement learning on a chat model (rl.py): tasks with a checker, rollouts and the policy gradient, pass@k."""
