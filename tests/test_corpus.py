@@ -1,6 +1,4 @@
-"""The preparation routine (data/corpus.py) on local corpora: splits against a plain reference
-tokenization, budgets and shards, shuffling, restart after an interruption (byte-identical), a
-128k-vocabulary tokenizer (uint32 files that train), --estimate, --benchmark, and bad input."""
+"""The preparation routine (data/corpus.py) on local corpora, against a plain reference tokenization."""
 
 import hashlib
 import json
@@ -35,7 +33,6 @@ def make_docs(n, seed):
 
 @pytest.fixture(scope="module")
 def corpus_files(tmp_path_factory):
-    """The same kind of documents in the three local formats: (paths, documents in --input order)."""
     root = tmp_path_factory.mktemp("corpus")
     a, b, c = make_docs(600, 1), make_docs(300, 2), make_docs(300, 3)
     with open(root / "a.jsonl", "w", encoding="utf-8") as f:
@@ -54,9 +51,7 @@ def prepare(out_dir, files, *flags, **options):
 
 
 def reference_splits(docs, val, test, train_tokens=None):
-    """What the splits must hold, written out plainly: documents in order, each encoded with
-    tiktoken and followed by end-of-text; a split stops at its size, dropping the rest of the
-    document it cut; train takes what is left (up to train_tokens)."""
+    """A split stops at its size, dropping the rest of the document it cut."""
     enc = tokenizer.encoding("gpt2")
     stream = [enc.encode_ordinary(d) + [EOT] for d in docs]
     out, i = {}, 0
@@ -78,7 +73,6 @@ def file_hashes(out_dir):
 
 
 def documents_of(ids):
-    """The complete documents in a split (the id runs that end in end-of-text)."""
     cuts = np.flatnonzero(ids == EOT)
     return [tuple(d) for d in np.split(ids[: cuts[-1] + 1], cuts[:-1] + 1)] if len(cuts) else []
 
