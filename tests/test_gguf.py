@@ -124,11 +124,13 @@ def tokenizers(tmp_path_factory):
 
 @pytest.mark.process
 @pytest.mark.parametrize("kind,pre", [("gpt2", "gpt-2"), ("trained", "dbrx"), ("llama3", "llama-bpe")])
-def test_llama_cpp_tokenizes_random_text_to_our_ids(tokenizers, tmp_path, kind, pre):
-    spec = tokenizers[kind]
-    model = GPT(GPTConfig(**dict(TINY, n_layer=1, n_head=1, block_size=32, vocab_size=spec["vocab_size"])))
+def test_llama_cpp_tokenizes_text_and_the_chat_template_to_our_ids(tokenizers, tmp_path, kind, pre):
+    """One GGUF with the chat template (GPT-2's: its four turn tokens after the 50,257), loaded twice."""
+    template = Template(tokenizers[kind])
+    spec = {**tokenizers[kind], "vocab_size": template.vocab_size, "chat": template.meta()}
+    model = GPT(GPTConfig(**dict(TINY, n_layer=1, n_head=1, block_size=32, vocab_size=template.vocab_size)))
     gguf_export.write(model, spec, str(tmp_path / "model.gguf"), "gpt2")
-    encode, _ = tokenizer.load(spec)
+    encode, _ = tokenizer.load(tokenizers[kind])
     specials = {
         "gpt2": ["<|endoftext|>"],
         "trained": ["<|endoftext|>", "<|user|>", "<|end|>", "<|assistant|>"],
@@ -138,6 +140,8 @@ def test_llama_cpp_tokenizes_random_text_to_our_ids(tokenizers, tmp_path, kind, 
     texts = [random_text(rng, specials) for _ in range(300)]
     theirs = llama_cpp("tokenize", tmp_path / "model.gguf", texts)
     assert theirs["metadata"]["tokenizer.ggml.pre"] == pre
+    assert (theirs["bos"], theirs["eos"]) == (template.id["bos"], template.end_id)
+    assert theirs["metadata"]["tokenizer.ggml.eot_token_id"] == str(template.end_id)
     wrong = [(t, encode(t), ids) for t, ids in zip(texts, theirs["ids"])]
     wrong = [w for w in wrong if w[1] != w[2]]
     assert not wrong, f"{len(wrong)} of 300 differ, e.g. {wrong[:3]}"
@@ -145,6 +149,15 @@ def test_llama_cpp_tokenizes_random_text_to_our_ids(tokenizers, tmp_path, kind, 
     if kind == "llama3":  # ignore_merges: the piece that is a token is read whole on both sides
         assert llama_cpp("tokenize", tmp_path / "model.gguf", [UNMERGED], False)["ids"] == [encode(UNMERGED)]
         assert len(encode(UNMERGED)) == 1
+    prompts = [
+        messages[:n]
+        for messages in CONVERSATIONS
+        for n in range(1, len(messages) + 1)
+        if messages[n - 1]["role"] != "assistant"
+    ]
+    rendered = llama_cpp("render_and_tokenize", tmp_path / "model.gguf", prompts)
+    for prompt, ids in zip(prompts, rendered, strict=True):
+        assert ids == template.render(prompt, add_generation_prompt=True)[0], (kind, prompt)
 
 
 # ---------------------------------------------------------------------------- logits and greedy tokens
@@ -271,27 +284,6 @@ def chat_demo(tmp_path_factory, shared_chat_demo):
     export(out)
     single_turn = [c for c in heldout if c["intent"] != "recall"][:20]  # chat.py --prompt asks one message
     return out, single_turn
-
-
-@pytest.mark.process
-@pytest.mark.parametrize("kind", ["gpt2", "trained", "llama3"])
-def test_llama_cpp_renders_the_chat_template_to_our_ids(tokenizers, tmp_path, kind):
-    template = Template(tokenizers[kind])
-    spec = {**tokenizers[kind], "vocab_size": template.vocab_size, "chat": template.meta()}
-    model = GPT(GPTConfig(**dict(TINY, n_layer=1, n_head=1, block_size=32, vocab_size=template.vocab_size)))
-    gguf_export.write(model, spec, str(tmp_path / "model.gguf"), "gpt2")
-    vocab = llama_cpp("tokenize", tmp_path / "model.gguf", [])
-    assert (vocab["bos"], vocab["eos"]) == (template.id["bos"], template.end_id)
-    assert vocab["metadata"]["tokenizer.ggml.eot_token_id"] == str(template.end_id)
-    prompts = [
-        messages[:n]
-        for messages in CONVERSATIONS
-        for n in range(1, len(messages) + 1)
-        if messages[n - 1]["role"] != "assistant"
-    ]
-    rendered = llama_cpp("render_and_tokenize", tmp_path / "model.gguf", prompts)
-    for prompt, ids in zip(prompts, rendered, strict=True):
-        assert ids == template.render(prompt, add_generation_prompt=True)[0], (kind, prompt)
 
 
 @pytest.mark.process
