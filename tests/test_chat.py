@@ -14,6 +14,7 @@ from configurator import TrainConfig, parse
 from gpt.data import tokenizer
 from gpt.data.chat_template import Template
 from gpt.inference.sampling import KVCache, generate, generate_tokens
+from gpt.outdir import checkpoint
 from model import GPT, GPTConfig
 
 SMALL, LLAMA = dict(TINY, block_size=128), dict(TINY_LLAMA, block_size=128)
@@ -124,8 +125,6 @@ def test_repl_clear_blank_lines_and_exit(shared_chat_demo):
 @pytest.mark.slow
 def test_the_checkpoint_is_read_on_the_cpu_and_only_the_model_moved(shared_chat_demo, monkeypatch):
     """'meta' stands in for a GPU here."""
-    from gpt.outdir import checkpoint
-
     chat_py = load_script("chat.py")
     out_dir, _ = shared_chat_demo
     read, load_model = [], checkpoint.load_model

@@ -231,8 +231,6 @@ def test_a_prompt_that_starts_as_an_ended_sequence_runs_only_the_rest(compiled):
 
 
 FORWARD, ALTERNATE, BACKWARD = list(range(8)), [0, 7, 1, 6, 2, 5, 3, 4], list(range(7, -1, -1))
-
-
 ROUNDS, SLOW = [FORWARD, ALTERNATE, FORWARD, ALTERNATE], pytest.mark.slow
 
 

@@ -28,6 +28,7 @@ from processes import load_script, run_python, run_script
 from data import corpus
 from gpt.data import tokenizer
 from gpt.data.chat_template import Template
+from gpt.outdir import checkpoint
 from gpt.weights import gguf_export
 from model import GPT, GPTConfig
 
@@ -205,8 +206,6 @@ EXACT_GELU = torch.nn.functional.gelu
 
 
 def ours(out_dir):
-    from gpt.outdir import checkpoint
-
     model, spec = checkpoint.load_model(str(out_dir), report=lambda _: None)
     return model.eval(), spec
 
@@ -214,10 +213,9 @@ def ours(out_dir):
 @pytest.mark.process
 @pytest.mark.parametrize("shape", SHAPES)
 def test_llama_cpp_logits_and_greedy_tokens_are_ours(trained, shape, monkeypatch):
-    """The tolerance, 1e-5 of the logits' largest magnitude: both sides compute in float32 and differ in
-    the order of their sums (about 1e-6 measured: BENCHMARKS.md). llama.cpp's GELU is its own (ggml_gelu),
-    so the gpt2 logits are held to that tolerance against our model with that GELU, and against our
-    model as trained to 4 times the GELU's own effect."""
+    """The tolerance, 1e-5 of the logits' largest magnitude: both sides compute in float32 and differ in the
+    order of their sums (about 1e-6 measured: BENCHMARKS.md). llama.cpp's GELU is its own (ggml_gelu): the
+    gpt2 logits are held to it against ours with that GELU, and to 4 times the GELU's effect against ours."""
     model, spec = ours(trained[shape])
     encode, _ = tokenizer.load(spec)
     ids = encode(make_text(2000, seed=11))[:BLOCK]

@@ -167,7 +167,6 @@ def test_llama_1b_recipe_has_llama_3_2_1b_parameter_count():
         model = GPT(GPTConfig(**make_model_args(cfg, 128256)))
     n = model.num_params(non_embedding=False)
     assert n == llama_params_by_hand(16, 2048, 32, 8, 8192, 128256, tied=True, qk_norm=False) == 1_235_814_400
-    assert abs(n / 1.236e9 - 1) < 0.01
     assert cfg.block_size * cfg.batch_size * cfg.gradient_accumulation_steps == 2**20  # ~1M tokens per step
     assert 19e9 < cfg.max_iters * 2**20 < 21e9  # ~20B tokens
 

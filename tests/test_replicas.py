@@ -262,14 +262,14 @@ def test_the_process_group_is_nccl_in_a_child_on_cuda_and_gloo_on_the_cpu():
     assert isinstance(torchft_groups.process_group("cpu", timedelta(seconds=5)), ProcessGroupGloo)
 
 
-def test_replica_group_mistakes_are_one_line(char_data, tmp_path, monkeypatch):
+def test_replica_group_mistakes_are_one_line(data, tmp_path, monkeypatch):
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
     cases = {
         "no lighthouse is named": dict(gradient_accumulation_steps=2),
         "make it a multiple of ft_groups=2": dict(gradient_accumulation_steps=3),
     }
     for message, keys in cases.items():
-        result = run_script("train.py", *tiny_args(char_data, tmp_path / "out", ft_replica_group=0, **keys))
+        result = run_script("train.py", *tiny_args(data, tmp_path / "out", ft_replica_group=0, **keys))
         one_line_error(result, message)
 
 
