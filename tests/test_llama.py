@@ -236,10 +236,9 @@ def test_activation_checkpointing_gives_the_same_gradients():
 
 
 def reference_gpt2_weights(seed, L, C, V, T, bias):
-    """GPT-2's weights as GPT(GPTConfig()) made them before the Llama options existed: modules
-    created in this order (each constructor draws from the RNG), then the 0.02 normal init in
-    module order (the tied wte is lm_head's, drawn last), zero biases, and the residual
-    projections redrawn with std 0.02/sqrt(2L)."""
+    """GPT-2's weights as GPT(GPTConfig()) made them before the Llama options existed: modules created in
+    this order (each constructor draws from the RNG), then the 0.02 normal init in module order (the tied
+    wte is lm_head's, drawn last), zero biases, and the residual projections redrawn with std 0.02/sqrt(2L)."""
     torch.manual_seed(seed)
     ln, linear = lambda: nn.LayerNorm(C, bias=bias), lambda n_in, n_out: nn.Linear(n_in, n_out, bias=bias)
     wte, wpe = nn.Embedding(V, C), nn.Embedding(T, C)

@@ -41,10 +41,9 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(data, tmp_path_factory):
-    """{name: out_dir} of the launches the every-step tests share, 24 steps of one global batch of
-    4 micro-batches of 4 rows: groups (two of one rank), torchrun (two of 2 ranks), ddp (their
-    reference: 2 ranks of 2 micro-batches average the same 16 rows as 4 ranks of 1), resumed
-    (the groups started again with init_from=auto on their ckpt_0000012.pt alone)."""
+    """{name: out_dir} of the launches the every-step tests share, 24 steps of 4 micro-batches of 4 rows: groups
+    (two of one rank), torchrun (two of 2 ranks), ddp (the reference: 2 ranks of 2 micro-batches average the
+    same 16 rows as 4 ranks of 1), resumed (the groups again, init_from=auto, on their ckpt_0000012.pt alone)."""
     root = tmp_path_factory.mktemp("replicas")
     launch = lambda n: ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", REPO / "train.py"]
     lighthouses, procs = [], []
