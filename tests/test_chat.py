@@ -1,7 +1,5 @@
-"""chat.py and the chat export: the KV cache carried across turns; the chat demo's model (conftest's
-shared_chat_demo) answering held-out prompts through --prompt and the REPL; the conversation past its
-context; and hf.py's export, whose apply_chat_template and greedy generate() give the ids and the
-reply chat.py does (a GPT-2 with a trained tokenizer, a GPT-2 with GPT-2's BPE, a Llama)."""
+"""chat.py and the chat export: the KV cache across turns, the chat demo's model (conftest's
+shared_chat_demo) through --prompt and the REPL, and hf.py's export against transformers."""
 
 import io
 import json
@@ -16,6 +14,7 @@ from configurator import TrainConfig, parse
 from gpt.data import tokenizer
 from gpt.data.chat_template import Template
 from gpt.inference.sampling import KVCache, generate, generate_tokens
+from gpt.outdir import checkpoint
 from model import GPT, GPTConfig
 
 SMALL, LLAMA = dict(TINY, block_size=128), dict(TINY_LLAMA, block_size=128)
@@ -26,9 +25,6 @@ SMALL, LLAMA = dict(TINY, block_size=128), dict(TINY_LLAMA, block_size=128)
 
 @pytest.mark.parametrize("shape", [SMALL, LLAMA], ids=["gpt2", "llama"])
 def test_a_carried_cache_generates_what_the_whole_history_does(shape):
-    """Turn after turn on one cache, each call running only its new tokens, gives the greedy tokens
-    of a model that reads the whole history every time without a cache; and a chunk of new tokens
-    after cached ones gets the logits of the full forward pass."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(**dict(shape, vocab_size=50))).eval()
     history = torch.randint(0, 50, (1, 7))
@@ -49,8 +45,7 @@ def test_a_carried_cache_generates_what_the_whole_history_does(shape):
 
 
 def test_stream_holds_back_a_character_until_its_last_byte():
-    """GPT-2 BPE splits 🙂 and 東 into byte tokens: the text streamed is the whole text, in pieces
-    that never show a half-made character as U+FFFD."""
+    """GPT-2 BPE splits 🙂 and 東 into byte tokens."""
     template = Template(tokenizer.make_spec("gpt2"))
     text = "Hi 🙂 東京 naïve!"
     ids = tokenizer.encoding("gpt2").encode(text)
@@ -88,7 +83,6 @@ def test_synthetic_held_out_conversations_use_unseen_words(tmp_path):
 
 
 def chat(out_dir, *args, stdin=None):
-    """chat.py in this process; stdin: the REPL's lines."""
     saved = sys.stdin
     sys.stdin = io.StringIO(stdin or "")
     try:
@@ -101,9 +95,8 @@ def chat(out_dir, *args, stdin=None):
 
 @pytest.mark.slow
 def test_the_demo_model_answers_held_out_prompts(shared_chat_demo):
-    """Greedy replies through chat.py, word for word: one turn through --prompt, the name recalled
-    a turn later through the REPL. Untrained, every answer is wrong; the 180 steps here get about
-    two in three right (the demo's 1,200 steps: 96.5%, BENCHMARKS.md, "The chat demo on a CPU")."""
+    """Untrained, every answer is wrong; the 180 steps here get about two in three right (the demo's
+    1,200 steps: 96.5%, BENCHMARKS.md, "The chat demo on a CPU")."""
     eval_script = load_script("scripts/chat_eval.py")
     out_dir, heldout = shared_chat_demo
 
@@ -118,8 +111,6 @@ def test_the_demo_model_answers_held_out_prompts(shared_chat_demo):
 
 @pytest.mark.slow
 def test_repl_clear_blank_lines_and_exit(shared_chat_demo):
-    """Each line a message, each reply a line; after /clear the model answers as in a new
-    conversation (--prompt), before it as one that knows the name."""
     out_dir, _ = shared_chat_demo
     lines = "My name is Zuvaki.\n\nWhat is my name?\n/clera\n/clear\nWhat is my name?\n/exit\nRepeat after me: never asked\n"
     result = chat(out_dir, "--temperature=0", stdin=lines)
@@ -133,10 +124,7 @@ def test_repl_clear_blank_lines_and_exit(shared_chat_demo):
 
 @pytest.mark.slow
 def test_the_checkpoint_is_read_on_the_cpu_and_only_the_model_moved(shared_chat_demo, monkeypatch):
-    """As sample.py: the checkpoint (its optimizer state too) is read into host memory, and only
-    the model goes to the device ('meta' stands in for a GPU here)."""
-    from gpt.outdir import checkpoint
-
+    """'meta' stands in for a GPU here."""
     chat_py = load_script("chat.py")
     out_dir, _ = shared_chat_demo
     read, load_model = [], checkpoint.load_model
@@ -153,9 +141,6 @@ def test_the_checkpoint_is_read_on_the_cpu_and_only_the_model_moved(shared_chat_
 
 @pytest.mark.slow
 def test_the_conversation_past_its_context(shared_chat_demo, capsys):
-    """With a 64-token context the oldest exchanges are dropped (the system message stays) and
-    the rest is read again once, with one note on stderr; after every reply the carried cache
-    holds exactly the keys and values of a fresh read of the conversation."""
     chat_py = load_script("chat.py")
     out_dir, _ = shared_chat_demo
     cfg = parse(chat_py.ChatConfig, [f"--out_dir={out_dir}", "--temperature=0", "--max_new_tokens=20"])
@@ -223,9 +208,7 @@ CONVERSATIONS = [
 
 
 def check_export(out_dir, max_new_tokens, *, expect_end=False, init_from_export=False):
-    """hf.py's export of out_dir: its tokenizer's apply_chat_template gives the ids chat.py feeds
-    the model (Template.render, add_generation_prompt=True), and greedy generate() with the
-    end-of-turn token as eos the reply `chat.py --prompt --temperature=0` prints."""
+    """hf.py's export of out_dir: apply_chat_template's ids and greedy generate()'s replies are chat.py's."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     result = run_script("hf.py", f"--out_dir={out_dir}")
@@ -255,7 +238,6 @@ def check_export(out_dir, max_new_tokens, *, expect_end=False, init_from_export=
 
 @pytest.mark.slow
 def test_export_gpt2_with_a_trained_tokenizer(shared_chat_demo, tmp_path):
-    """The demo's model (a GPT-2 block, the 512-token tokenizer): its replies end at <|end|>."""
     out_dir, _ = chat_demo_copy(shared_chat_demo, tmp_path / "out")  # a copy to export into
     export_dir = check_export(out_dir, 40, expect_end=True)
     config = json.loads((export_dir / "tokenizer_config.json").read_text())
@@ -264,10 +246,6 @@ def test_export_gpt2_with_a_trained_tokenizer(shared_chat_demo, tmp_path):
 
 @pytest.mark.parametrize("arch", ["gpt2-bpe", "llama"])
 def test_an_export_chats_as_its_checkpoint_does(arch, tmp_path):
-    """Random weights, chatting the same through chat.py from the checkpoint and from the exported
-    directory (--init_from). gpt2-bpe: GPT-2's BPE with the four turn tokens after its 50,257, all
-    50,261 exported (the turn tokens special). llama: a Llama (RoPE, RMSNorm, SwiGLU, grouped-query
-    attention) on a Llama-3-like tokenizer, exported as a LlamaForCausalLM with Llama 3's chat format."""
     if arch == "llama":
         spec = tokenizer.make_spec(str(make_llama3_tokenizer(tmp_path / "tokenizer.json")))
         shape, exported = dict(LLAMA, vocab_size=spec["vocab_size"]), {"architectures": ["LlamaForCausalLM"]}

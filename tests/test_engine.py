@@ -1,6 +1,5 @@
-"""gpt/inference/engine.py, serve.py's batched engine, on small GPT-2 and Llama shapes: a packed step
-gives each sequence the plain forward's logits, and requests decoded together, however they come and
-go, each get generate()'s greedy tokens for their prompt alone. serve.py's HTTP side: test_serve.py."""
+"""gpt/inference/engine.py, serve.py's batched engine, against generate() on each prompt alone.
+serve.py's HTTP side: test_serve.py."""
 
 import functools
 import threading
@@ -19,8 +18,7 @@ SHAPES = [{}, dict(n_kv_head=1, pos_encoding="rope", norm="rmsnorm", mlp="swiglu
 
 
 def peaked_model(block_size=64, n_layer=2, **shape):
-    """A small GPT (vocab 50, 2 layers, context 64) with weights spread far from the init: peaked
-    next-token distributions, so greedy tokens have no near-ties."""
+    """Weights spread far from the init: peaked next-token distributions, so greedy tokens have no near-ties."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=50, n_layer=n_layer, n_head=2, n_embd=32, block_size=block_size, **shape)).eval()
     with torch.no_grad():
@@ -30,9 +28,7 @@ def peaked_model(block_size=64, n_layer=2, **shape):
 
 
 def replies(engine, prompts, budgets, on_tokens=None, start=False, timeout=300):
-    """A greedy request for each prompt with its budget, submitted at once so that they join at one step
-    (start=True: then the engine starts), waited for: (each reply's tokens, each (finish_reason, tokens,
-    error)). on_tokens: a request's own token callback in place of its list, where not None."""
+    """Greedy requests submitted at once, so that they join at one step: (their tokens, their ends)."""
     outs, ends, done = [[] for _ in prompts], [None] * len(prompts), threading.Semaphore(0)
     with engine.lock:
         for i, (prompt, n) in enumerate(zip(prompts, budgets)):
@@ -47,20 +43,17 @@ def replies(engine, prompts, budgets, on_tokens=None, start=False, timeout=300):
 
 
 def count_eager_passes(model):
-    """A list that gets an item for each eager forward pass of model from now on: a compiled step runs
-    its graph, made before this hook, and never calls it."""
+    """A compiled step runs its graph, made before this hook, and never calls it."""
     passes = []
     model.register_forward_pre_hook(lambda module, args: passes.append(len(passes)))
     return passes
 
 
 def token_lists(*lengths):
-    """A fixed list of token ids (under 50) of each length."""
     return [torch.randint(0, 50, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in lengths]
 
 
 def solo_greedy(model, prompts, budgets):
-    """generate()'s greedy new tokens for each prompt alone."""
     return [
         sampling.generate(model, torch.tensor([p]), n, temperature=0)[0, len(p) :].tolist()
         for p, n in zip(prompts, budgets)
@@ -69,9 +62,6 @@ def solo_greedy(model, prompts, budgets):
 
 @pytest.mark.parametrize("shape", SHAPES, ids=["gpt2", "llama"])
 def test_a_packed_step_gives_each_sequence_its_own_logits(shape):
-    """A packed pass that decodes two rows and takes in two prompts gives each the plain forward's logits
-    of its sequence alone, and leaves the keys later steps need: a second pass where an ended row is
-    reused by a prompt that shares its first 5 tokens, and a third after two rows swap, match too."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=50, n_layer=2, n_head=4, n_embd=32, block_size=32, **shape)).eval()
     seqs = token_lists(6, 11, 4, 9, 3)
@@ -119,9 +109,6 @@ ARRIVALS = {  # id: (prompt lengths, budgets, rows, whether the engine starts be
 @pytest.mark.parametrize("arrival", ARRIVALS)
 @pytest.mark.parametrize("shape", SHAPES, ids=["gpt2", "llama"])
 def test_requests_decoded_together_give_solo_greedy_tokens(shape, arrival):
-    """Requests of different prompt lengths and budgets each get generate()'s greedy tokens alone:
-    seven through three rows (four wait, join as rows free up, rows move as others leave), or five
-    queued before the engine starts, prefilled in one packed pass, then only decoding steps."""
     lengths, budgets, rows, started = ARRIVALS[arrival]
     model, prompts = peaked_model(**shape), token_lists(*lengths)
     solo = solo_greedy(model, prompts, budgets)
@@ -141,10 +128,7 @@ def test_requests_decoded_together_give_solo_greedy_tokens(shape, arrival):
 @pytest.mark.parametrize("attention", ["sdpa", "fused"], ids=["gpu-attention", "cpu-attention"])
 @pytest.mark.parametrize("shape", SHAPES, ids=["gpt2", "llama"])
 def test_a_compiled_engine_gives_solo_greedy_tokens_and_never_recompiles(shape, attention):
-    """serve.py --compile: two graphs compiled at start-up (one row; two or three), then seven requests
-    whose span of keys grows past 64 each get generate()'s greedy tokens alone, every decoding step
-    through those graphs. Attention as on a GPU (SDPA, keys padded to 64) and as on a CPU
-    (one_query_attention, keys padded to 16); on ATen's kernels (inductor's: test_compile.py)."""
+    """On ATen's kernels (inductor's: test_compile.py); seven requests whose span of keys grows past 64."""
     from torch._dynamo.utils import counters
 
     model = peaked_model(block_size=128, **shape)
@@ -174,8 +158,7 @@ def test_a_compiled_engine_gives_solo_greedy_tokens_and_never_recompiles(shape, 
 
 @pytest.mark.slow
 def test_run_decodes_on_the_calling_thread_until_another_thread_closes_it():
-    """Engine.run, as serve.py's model process runs it: every step on the calling thread, requests from
-    another thread get generate()'s greedy tokens, and that thread's close() ends run()."""
+    """As serve.py's model process runs it."""
     model = peaked_model()
     prompts, budgets = token_lists(4, 9, 6), [8, 5, 12]
     solo = solo_greedy(model, prompts, budgets)
@@ -197,10 +180,8 @@ def test_run_decodes_on_the_calling_thread_until_another_thread_closes_it():
 
 
 def test_on_a_cpu_the_compiled_step_is_inductors_with_the_weights_frozen_and_its_own_matmuls():
-    """serve.py --compile on a CPU, with inductor itself: weights frozen into the graphs and every matmul
-    packed (C++ GEMM kernels for 1-4 rows, oneDNN's past them, as in the eager prompt passes). Eight
-    requests ending one by one run steps in every graph, each getting generate()'s greedy tokens
-    alone. One layer: each kernel inductor compiles costs seconds on two cores."""
+    """C++ GEMM kernels for 1-4 rows, oneDNN's past them. One layer: each kernel inductor compiles
+    costs seconds on two cores."""
     from torch._dynamo.utils import counters
 
     model = peaked_model(n_layer=1)
@@ -226,10 +207,6 @@ def test_on_a_cpu_the_compiled_step_is_inductors_with_the_weights_frozen_and_its
 
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
 def test_a_prompt_that_starts_as_an_ended_sequence_runs_only_the_rest(compiled):
-    """After a request has ended (its row kept), a prompt runs only what it does not share with it: the
-    next turn (its prompt and 6 tokens of its reply) the rest; one sharing 3 tokens the rest, in a
-    copy; the same prompt again its last token alone; one sharing nothing, all of it. Each gets
-    generate()'s greedy tokens alone."""
     model = peaked_model(block_size=128)
     first, others = token_lists(12)[0], token_lists(5, 8, 3)
     reply = solo_greedy(model, [first], [10])[0]
@@ -254,8 +231,6 @@ def test_a_prompt_that_starts_as_an_ended_sequence_runs_only_the_rest(compiled):
 
 
 FORWARD, ALTERNATE, BACKWARD = list(range(8)), [0, 7, 1, 6, 2, 5, 3, 4], list(range(7, -1, -1))
-
-
 ROUNDS, SLOW = [FORWARD, ALTERNATE, FORWARD, ALTERNATE], pytest.mark.slow
 
 
@@ -270,10 +245,8 @@ ROUNDS, SLOW = [FORWARD, ALTERNATE, FORWARD, ALTERNATE], pytest.mark.slow
     ],
 )
 def test_concurrent_conversations_with_repeats_each_get_their_solo_replies(compiled, rows, orders):
-    """Eight two-turn conversations, each turn asked twice, the second holding the engine's own first
-    reply: rows end, are kept and reused all the time. In rounds (orders: each round joining in one
-    step in that order) or as clients (None: a thread per conversation), through a row per
-    conversation and fewer. Every reply is generate()'s greedy reply to its prompt alone."""
+    """Eight two-turn conversations, each turn asked twice: rows end, are kept and reused all the time.
+    orders: each round joining in one step in that order; None: a thread per conversation."""
     model = peaked_model(block_size=128)
     firsts, extra = token_lists(*[3 + 4 * i for i in range(8)]), token_lists(*[1 + i % 5 for i in range(8)])
     budgets = [(5 + 3 * i % 11, 4 + 5 * i % 9) for i in range(8)]
@@ -284,7 +257,6 @@ def test_concurrent_conversations_with_repeats_each_get_their_solo_replies(compi
     asked, lock = [], threading.Lock()
 
     def ask(conversations, turn, earlier=None):
-        """The turn's request of each conversation, joining in one step in that order: their replies."""
         prompts = [firsts[i] if turn == 0 else firsts[i] + earlier[i] + extra[i] for i in conversations]
         outs, _ = replies(engine, prompts, [budgets[i][turn] for i in conversations])
         with lock:
@@ -310,9 +282,6 @@ def test_concurrent_conversations_with_repeats_each_get_their_solo_replies(compi
 
 @pytest.mark.parametrize("vendor", ["AuthenticAMD", "GenuineIntel", ""], ids=["amd", "intel", "unknown"])
 def test_eager_matmuls_are_onednns_on_a_cpu_not_intels_with_torchs_logits(vendor):
-    """cpu_matmuls.onednn_matmuls: on a CPU not Intel's every nn.Linear computes with oneDNN (state_dict
-    unchanged), on Intel's or an unknown one nothing changes; either way torch's logits to float32
-    rounding and the same greedy tokens."""
     reference = peaked_model(**SHAPES[1])
     model = peaked_model(**SHAPES[1])
     keys = list(model.state_dict())
@@ -330,8 +299,6 @@ def test_eager_matmuls_are_onednns_on_a_cpu_not_intels_with_torchs_logits(vendor
 
 
 def test_a_failing_request_ends_alone():
-    """A request whose token callback raises ends with finish_reason 'error' and the message; the
-    request decoded beside it in the same steps still gets its solo tokens."""
     model, prompt = peaked_model(), [3, 1, 4, 1, 5]
     expected = solo_greedy(model, [prompt], [12])[0]
     engine = Engine(model, rows=2).start()

@@ -1,7 +1,5 @@
 """hf.py --format=gguf against llama.cpp itself (llama-cpp-python, built from source by make test):
-its ids for random text and for chat templates, over three kinds of tokenizer; the logits and greedy
-tokens of a GPT-2-shaped and a Llama-shaped model trained here; chat.py's replies through
-create_chat_completion; and the refusals, one line that leaves no file behind."""
+its ids, logits, greedy tokens and chat replies are ours; and the refusals."""
 
 import json
 import pickle
@@ -30,6 +28,7 @@ from processes import load_script, run_python, run_script
 from data import corpus
 from gpt.data import tokenizer
 from gpt.data.chat_template import Template
+from gpt.outdir import checkpoint
 from gpt.weights import gguf_export
 from model import GPT, GPTConfig
 
@@ -37,8 +36,8 @@ needs("gguf")
 
 
 def llama_cpp(function, *args, timeout=240):
-    """tests/llama_cpp_child.py's `function`(*args) in a process of its own: llama.cpp is native code
-    that can die of a signal, which then fails this test in one line instead of the pytest worker."""
+    """In a process of its own: llama.cpp is native code that can die of a signal, which then fails
+    this test in one line instead of the pytest worker."""
     needs("llama-cpp-python")
     with tempfile.TemporaryDirectory() as tmp:
         arguments, result = Path(tmp) / "args.pickle", Path(tmp) / "result.pickle"
@@ -67,9 +66,7 @@ USER_DEFINED = "[[note]]"  # an added token that is not special (llama.cpp: user
 
 
 def llama3_like(path):
-    """A small Llama-3-like tokenizer.json: data/train_tokenizer.py's byte-level BPE trained here, Llama
-    3's special tokens after the merges, and, as in Llama 3's own file, ignore_merges on (a piece that
-    is a whole token is that token) and a token its merges never make (UNMERGED), where that shows."""
+    """As in Llama 3's own file: ignore_merges on, and a token its merges never make (UNMERGED)."""
     from tokenizers import AddedToken, Tokenizer, pre_tokenizers, trainers
 
     tok = load_script("data/train_tokenizer.py").new_tokenizer()
@@ -97,8 +94,6 @@ PUNCT = """. , !? ... 's 'LL 've 're 'd 'M ( ) " -- # $ % _ /* ::""".split()
 
 
 def random_text(rng, specials):
-    """A string of 1-30 pieces: words of several scripts, digit runs, whitespace runs, emoji,
-    punctuation and contractions, and the special tokens' text."""
     pieces = []
     for _ in range(rng.randint(1, 30)):
         kind = rng.random()
@@ -119,7 +114,6 @@ def random_text(rng, specials):
 
 @pytest.fixture(scope="module")
 def tokenizers(tmp_path_factory):
-    """{kind: tokenizer description}: GPT-2's BPE, data/train_tokenizer.py's, Llama-3-like."""
     root = tmp_path_factory.mktemp("tokenizers")
     (root / "trained").mkdir()
     return {
@@ -131,12 +125,13 @@ def tokenizers(tmp_path_factory):
 
 @pytest.mark.process
 @pytest.mark.parametrize("kind,pre", [("gpt2", "gpt-2"), ("trained", "dbrx"), ("llama3", "llama-bpe")])
-def test_llama_cpp_tokenizes_random_text_to_our_ids(tokenizers, tmp_path, kind, pre):
-    """300 random strings: llama.cpp's ids (special tokens parsed, no BOS) are tokenizer.py's."""
-    spec = tokenizers[kind]
-    model = GPT(GPTConfig(**dict(TINY, n_layer=1, n_head=1, block_size=32, vocab_size=spec["vocab_size"])))
+def test_llama_cpp_tokenizes_text_and_the_chat_template_to_our_ids(tokenizers, tmp_path, kind, pre):
+    """One GGUF with the chat template (GPT-2's: its four turn tokens after the 50,257), loaded twice."""
+    template = Template(tokenizers[kind])
+    spec = {**tokenizers[kind], "vocab_size": template.vocab_size, "chat": template.meta()}
+    model = GPT(GPTConfig(**dict(TINY, n_layer=1, n_head=1, block_size=32, vocab_size=template.vocab_size)))
     gguf_export.write(model, spec, str(tmp_path / "model.gguf"), "gpt2")
-    encode, _ = tokenizer.load(spec)
+    encode, _ = tokenizer.load(tokenizers[kind])
     specials = {
         "gpt2": ["<|endoftext|>"],
         "trained": ["<|endoftext|>", "<|user|>", "<|end|>", "<|assistant|>"],
@@ -146,6 +141,8 @@ def test_llama_cpp_tokenizes_random_text_to_our_ids(tokenizers, tmp_path, kind, 
     texts = [random_text(rng, specials) for _ in range(300)]
     theirs = llama_cpp("tokenize", tmp_path / "model.gguf", texts)
     assert theirs["metadata"]["tokenizer.ggml.pre"] == pre
+    assert (theirs["bos"], theirs["eos"]) == (template.id["bos"], template.end_id)
+    assert theirs["metadata"]["tokenizer.ggml.eot_token_id"] == str(template.end_id)
     wrong = [(t, encode(t), ids) for t, ids in zip(texts, theirs["ids"])]
     wrong = [w for w in wrong if w[1] != w[2]]
     assert not wrong, f"{len(wrong)} of 300 differ, e.g. {wrong[:3]}"
@@ -153,6 +150,15 @@ def test_llama_cpp_tokenizes_random_text_to_our_ids(tokenizers, tmp_path, kind, 
     if kind == "llama3":  # ignore_merges: the piece that is a token is read whole on both sides
         assert llama_cpp("tokenize", tmp_path / "model.gguf", [UNMERGED], False)["ids"] == [encode(UNMERGED)]
         assert len(encode(UNMERGED)) == 1
+    prompts = [
+        messages[:n]
+        for messages in CONVERSATIONS
+        for n in range(1, len(messages) + 1)
+        if messages[n - 1]["role"] != "assistant"
+    ]
+    rendered = llama_cpp("render_and_tokenize", tmp_path / "model.gguf", prompts)
+    for prompt, ids in zip(prompts, rendered, strict=True):
+        assert ids == template.render(prompt, add_generation_prompt=True)[0], (kind, prompt)
 
 
 # ---------------------------------------------------------------------------- logits and greedy tokens
@@ -168,8 +174,7 @@ BLOCK = 96
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """{shape: out_dir}: each shape trained here for 40 steps on BPE data (GGUF holds no character
-    vocabulary, so not conftest's tiny_run), exported at f32, f16 and q8_0 (out_dir/<dtype>/model.gguf)."""
+    """{shape: out_dir}, exported at each dtype: on BPE data, as GGUF holds no character vocabulary."""
     root = tmp_path_factory.mktemp("trained")
     (root / "text.txt").write_text(make_text(40000, seed=4) + "\nZürich 東京 🙂 1234567 naïve\n")
     tokenizers = {"gpt2": "gpt2", "llama": str(llama3_like(root / "llama3.json"))}
@@ -201,8 +206,6 @@ EXACT_GELU = torch.nn.functional.gelu
 
 
 def ours(out_dir):
-    from gpt.outdir import checkpoint
-
     model, spec = checkpoint.load_model(str(out_dir), report=lambda _: None)
     return model.eval(), spec
 
@@ -210,11 +213,9 @@ def ours(out_dir):
 @pytest.mark.process
 @pytest.mark.parametrize("shape", SHAPES)
 def test_llama_cpp_logits_and_greedy_tokens_are_ours(trained, shape, monkeypatch):
-    """At f32, llama.cpp's logits (whole vocabulary, all 96 positions) and 64 greedy tokens are ours.
-    The tolerance, 1e-5 of the logits' largest magnitude: both sides compute in float32 and differ in
-    the order of their sums (about 1e-6 measured: BENCHMARKS.md). llama.cpp's GELU is its own (ggml_gelu),
-    so the gpt2 logits are held to that tolerance against our model with that GELU, and against our
-    model as trained to 4 times the GELU's own effect. f16 and q8_0 are printed, not asserted."""
+    """The tolerance, 1e-5 of the logits' largest magnitude: both sides compute in float32 and differ in the
+    order of their sums (about 1e-6 measured: BENCHMARKS.md). llama.cpp's GELU is its own (ggml_gelu): the
+    gpt2 logits are held to it against ours with that GELU, and to 4 times the GELU's effect against ours."""
     model, spec = ours(trained[shape])
     encode, _ = tokenizer.load(spec)
     ids = encode(make_text(2000, seed=11))[:BLOCK]
@@ -264,7 +265,6 @@ def test_llama_cpp_logits_and_greedy_tokens_are_ours(trained, shape, monkeypatch
 
 
 def greedy_ours(model, prompt, n_vocab, n=64):
-    """Greedy decoding by our forward pass alone (no cache), argmax over the exported tokens."""
     ids = list(prompt)
     with torch.no_grad():
         for _ in range(n):
@@ -278,7 +278,6 @@ def greedy_ours(model, prompt, n_vocab, n=64):
 
 @pytest.fixture(scope="module")
 def chat_demo(tmp_path_factory, shared_chat_demo):
-    """conftest's shared_chat_demo (config/chat_demo_cpu.py's path, smaller) and its GGUF at f32."""
     out, heldout = chat_demo_copy(shared_chat_demo, tmp_path_factory.mktemp("chat_demo") / "out")
     export(out)
     single_turn = [c for c in heldout if c["intent"] != "recall"][:20]  # chat.py --prompt asks one message
@@ -286,32 +285,7 @@ def chat_demo(tmp_path_factory, shared_chat_demo):
 
 
 @pytest.mark.process
-@pytest.mark.parametrize("kind", ["gpt2", "trained", "llama3"])
-def test_llama_cpp_renders_the_chat_template_to_our_ids(tokenizers, tmp_path, kind):
-    """llama.cpp's rendering of the GGUF's chat template, tokenized, is the ids chat.py feeds the
-    model (GPT-2's with its four new turn tokens, a trained one, Llama 3's); BOS, EOS and EOT are the template's."""
-    template = Template(tokenizers[kind])
-    spec = {**tokenizers[kind], "vocab_size": template.vocab_size, "chat": template.meta()}
-    model = GPT(GPTConfig(**dict(TINY, n_layer=1, n_head=1, block_size=32, vocab_size=template.vocab_size)))
-    gguf_export.write(model, spec, str(tmp_path / "model.gguf"), "gpt2")
-    vocab = llama_cpp("tokenize", tmp_path / "model.gguf", [])
-    assert (vocab["bos"], vocab["eos"]) == (template.id["bos"], template.end_id)
-    assert vocab["metadata"]["tokenizer.ggml.eot_token_id"] == str(template.end_id)
-    prompts = [
-        messages[:n]
-        for messages in CONVERSATIONS
-        for n in range(1, len(messages) + 1)
-        if messages[n - 1]["role"] != "assistant"
-    ]
-    rendered = llama_cpp("render_and_tokenize", tmp_path / "model.gguf", prompts)
-    for prompt, ids in zip(prompts, rendered, strict=True):
-        assert ids == template.render(prompt, add_generation_prompt=True)[0], (kind, prompt)
-
-
-@pytest.mark.process
 def test_create_chat_completion_answers_what_chat_py_answers(chat_demo):
-    """20 held-out prompts: llama.cpp renders chat.py's ids, and create_chat_completion at
-    temperature 0 replies what chat.py --prompt --temperature=0 prints."""
     out_dir, conversations = chat_demo
     model, spec = ours(out_dir)
     template = Template(spec)
@@ -334,14 +308,12 @@ def test_create_chat_completion_answers_what_chat_py_answers(chat_demo):
 
 
 def assert_refused(out_dir, named, *args):
-    """hf.py --format=gguf fails with one line that names the problem, and writes nothing."""
     before = sorted(p.name for p in out_dir.iterdir())
     one_line_error(run_script("hf.py", f"--out_dir={out_dir}", "--format=gguf", *args), named)
     assert sorted(p.name for p in out_dir.iterdir()) == before
 
 
 def tokenizer_json(path, change):
-    """A byte-level BPE tokenizer.json trained here, with one part (change) that llama.cpp does otherwise."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -401,8 +373,6 @@ def test_what_gguf_cannot_hold_is_refused(request, tmp_path, options, change, ar
     "failure", [OSError(28, "No space left on device"), KeyboardInterrupt()], ids=["disk-full", "ctrl-c"]
 )
 def test_a_failed_write_leaves_the_old_file_whole(tmp_path, monkeypatch, failure):
-    """A write that fails half-way (the disk fills, Ctrl-C) leaves no partial file: the model.gguf
-    already there stays byte for byte, and the temporary file is gone."""
     import gguf
 
     spec = tokenizer.make_spec("gpt2")
@@ -428,8 +398,7 @@ def test_a_failed_write_leaves_the_old_file_whole(tmp_path, monkeypatch, failure
 
 @pytest.mark.parametrize("amx", [True, False])
 def test_a_q8_0_export_on_an_amx_cpu_says_how_to_load_it(tmp_path, monkeypatch, capsys, amx):
-    """On a CPU with AMX, hf.py warns that llama.cpp needs --no-repack for q8_0 (its AMX path crashes
-    on it); not for f16, which that path never takes, and not on other CPUs."""
+    """llama.cpp's AMX path crashes on q8_0, and f16 never takes it."""
     import hf
 
     model = GPT(GPTConfig(**dict(TINY, n_layer=1, vocab_size=50257)))

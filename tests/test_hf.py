@@ -1,10 +1,5 @@
 """Hugging Face weights in and out (hf.py) against transformers' own GPT2LMHeadModel and
-LlamaForCausalLM, built locally from a GPT2Config or LlamaConfig (no hub). Each property once for
-both architectures: the same logits both ways, a finetune from a local directory end to end, its
-resume, its export, and sample.py against transformers' greedy reply. Then what only one of them
-has: GPT-2's released names and chat rows, Llama's RoPE and Llama 3's frequency scaling against
-transformers' rotary code, GQA, sharded safetensors, Llama-3.2-1B's published config.json, a
-directory's own tokenizer.json; and the one-line errors."""
+LlamaForCausalLM, built locally (no hub): each property once for both architectures."""
 
 import copy
 import dataclasses
@@ -113,8 +108,7 @@ ARCH = {
 
 
 def randomize(module, seed=0, std=0.2):
-    """Every parameter random, biases and norm gains included: a weight copied to the wrong
-    place, or not at all, changes the logits (at init, biases are 0 and gains 1 on both sides)."""
+    """Biases and norm gains too: at init they are 0 and 1 on both sides, and a miscopied one would not show."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in module.parameters():
@@ -151,13 +145,11 @@ def llama_config(case, **overrides):
 
 
 def llama_reference(case, seed=0, std=0.2, **overrides):
-    """A LlamaForCausalLM with every parameter random (norm gains and biases too)."""
     return randomize(transformers.LlamaForCausalLM(llama_config(case, **overrides)), seed, std)
 
 
 def with_tokenizer(directory):
-    """directory, given a tokenizer.json of its own as every Llama directory has (load.pretrained
-    reads it beside the weights): two tokens, end-of-text one of them."""
+    """A tokenizer.json of two tokens, as every Llama directory has one."""
     from tokenizers import Tokenizer, models
 
     tok = Tokenizer(models.WordLevel({"<|end_of_text|>": 0, "<unk>": 1}, unk_token="<unk>"))
@@ -284,9 +276,7 @@ def test_chat_data_takes_gpt2s_padding_rows_for_its_turn_tokens(tmp_path):
 
 @pytest.mark.parametrize("scaling", [None, LLAMA3], ids=["plain", "llama3"])
 def test_rope_is_transformers_rotation(scaling):
-    """model.rope_tables and apply_rope against LlamaRotaryEmbedding and apply_rotary_pos_emb:
-    the same angles (Llama 3's scaling included), and the same half-split layout, pairing
-    dims (i, i + hs/2), so q and k rows are copied without a permutation."""
+    """The same half-split layout, pairing dims (i, i + hs/2): q and k rows are copied without a permutation."""
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
     config = transformers.LlamaConfig(**LLAMA, rope_scaling=copy.deepcopy(scaling))
@@ -408,7 +398,6 @@ PROMPT = "The king"
 
 
 def make_bpe_tokenizer(path):
-    """A small byte-level BPE tokenizer.json, trained here, with Llama 3's two special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -426,7 +415,6 @@ def make_bpe_tokenizer(path):
 
 
 def finetune(source, run, cropped):
-    """4 steps of train.py from the Hugging Face directory source."""
     result = run_script("train.py", *run, f"--init_from={source}", "--max_iters=4")
     assert result.returncode == 0, result.stderr
     assert "come from the weights" in result.stdout and f"block_size {cropped}" in result.stdout
@@ -434,8 +422,7 @@ def finetune(source, run, cropped):
 
 @pytest.fixture(scope="module")
 def gpt2_finetuned(tmp_path_factory):
-    """A small GPT-2 directory (as transformers writes it), GPT-2 BPE data, and a run of
-    config/finetune_shakespeare.py from that directory."""
+    """config/finetune_shakespeare.py from a small GPT-2 directory, on GPT-2 BPE data."""
     root = tmp_path_factory.mktemp("gpt2")
     reference = gpt2_reference(std=0.05)
     reference.save_pretrained(root / "gpt2")
@@ -471,8 +458,7 @@ def gpt2_finetuned(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llama_finetuned(tmp_path_factory):
-    """A tiny Llama directory (as transformers writes it) with its own tokenizer.json, data
-    prepared with that tokenizer, and 4 steps of finetuning from the directory."""
+    """A tiny Llama directory with its own tokenizer.json, and data prepared with that tokenizer."""
     root = tmp_path_factory.mktemp("llama")
     (root / "llama").mkdir()
     vocab = make_bpe_tokenizer(root / "llama" / "tokenizer.json")
@@ -511,7 +497,6 @@ def llama_finetuned(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=["gpt2", "llama"])
 def finetuned(request):
-    """gpt2_finetuned or llama_finetuned: each trained once, and shared with the tests of one architecture."""
     return request.getfixturevalue(f"{request.param}_finetuned")
 
 

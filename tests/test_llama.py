@@ -1,7 +1,5 @@
-"""The Llama-style options of model.GPT against explicit formulas and properties, the 1B recipe's
-parameter count, FLOPs by hand, cached generation, a CPU training run, resume checks, and the GPT-2
-default's weights pinned to a reference written out here. (Exact resume, 2 ranks as 1 and a kill -9 of
-a Llama-shaped run: tests/test_recipes.py, recipe llama.)"""
+"""The Llama-style options of model.GPT against explicit formulas and properties. (Exact resume, 2
+ranks as 1 and a kill -9 of a Llama-shaped run: tests/test_recipes.py, recipe llama.)"""
 
 import math
 
@@ -43,9 +41,7 @@ def idx(B, T, seed=1):
 
 
 def test_rope_depends_only_on_relative_position():
-    """q.k scores depend on the offset between positions alone (yet on it), and a whole attention
-    layer gives the same tokens placed later the same outputs. (The rotation itself:
-    tests/test_hf.py's test_rope_is_transformers_rotation, against transformers' Llama.)"""
+    """The rotation itself: tests/test_hf.py's test_rope_is_transformers_rotation."""
     hs, theta = 16, 10000.0
     cos, sin = rope_tables(hs, 64, theta)
     q, k = torch.randn(2, hs, generator=torch.Generator().manual_seed(0))
@@ -83,9 +79,6 @@ def test_rope_model_has_no_position_table_and_keeps_its_tables_out_of_checkpoint
 
 
 def explicit_attention(attn, x, rope=None):
-    """Grouped-query causal attention written out: every k/v head repeated for its group of q heads,
-    each head's q and k RMS-normalized over its dims when the layer has QK-norm, rotated by RoPE,
-    softmax with a mask, then c_proj."""
     B, T, C = x.shape
     nh, nkv, hs = attn.n_head, attn.n_kv_head, C // attn.n_head
     q, k, v = attn.c_attn(x).split([C, nkv * hs, nkv * hs], dim=2)
@@ -114,8 +107,6 @@ def test_attention_equals_explicit_gqa(n_kv_head, qk_norm):
 
 
 def test_n_kv_head_equal_to_n_head_is_plain_multi_head_attention():
-    """n_kv_head=0 and n_kv_head=n_head build the same model: same weights from the same seed,
-    same logits, the same c_attn as GPT-2's."""
     models = []
     for n_kv_head in (0, 4):
         torch.manual_seed(0)
@@ -171,14 +162,11 @@ def llama_params_by_hand(L, C, nh, nkv, H, V, tied, qk_norm):
 
 
 def test_llama_1b_recipe_has_llama_3_2_1b_parameter_count():
-    """config/train_llama_1b.py with Llama 3's 128,256-token vocabulary, built on the meta device
-    (no memory): 1,235,814,400 parameters, Llama-3.2-1B's count."""
     cfg = parse(TrainConfig, [str(REPO / "config/train_llama_1b.py")])
     with torch.device("meta"):
         model = GPT(GPTConfig(**make_model_args(cfg, 128256)))
     n = model.num_params(non_embedding=False)
     assert n == llama_params_by_hand(16, 2048, 32, 8, 8192, 128256, tied=True, qk_norm=False) == 1_235_814_400
-    assert abs(n / 1.236e9 - 1) < 0.01
     assert cfg.block_size * cfg.batch_size * cfg.gradient_accumulation_steps == 2**20  # ~1M tokens per step
     assert 19e9 < cfg.max_iters * 2**20 < 21e9  # ~20B tokens
 
@@ -248,10 +236,9 @@ def test_activation_checkpointing_gives_the_same_gradients():
 
 
 def reference_gpt2_weights(seed, L, C, V, T, bias):
-    """GPT-2's weights as GPT(GPTConfig()) made them before the Llama options existed: modules
-    created in this order (each constructor draws from the RNG), then the 0.02 normal init in
-    module order (the tied wte is lm_head's, drawn last), zero biases, and the residual
-    projections redrawn with std 0.02/sqrt(2L)."""
+    """GPT-2's weights as GPT(GPTConfig()) made them before the Llama options existed: modules created in
+    this order (each constructor draws from the RNG), then the 0.02 normal init in module order (the tied
+    wte is lm_head's, drawn last), zero biases, and the residual projections redrawn with std 0.02/sqrt(2L)."""
     torch.manual_seed(seed)
     ln, linear = lambda: nn.LayerNorm(C, bias=bias), lambda n_in, n_out: nn.Linear(n_in, n_out, bias=bias)
     wte, wpe = nn.Embedding(V, C), nn.Embedding(T, C)
@@ -281,8 +268,7 @@ def reference_gpt2_weights(seed, L, C, V, T, bias):
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_gpt2_default_is_unchanged(bias):
-    """The default GPTConfig is still GPT-2: the same parameter names and shapes, and the same
-    weights from the same seed (so a seeded run trains the same). Its logits are GPT-2's:
+    """So a seeded run trains the same. Its logits are GPT-2's:
     tests/test_hf.py's test_export_logits_match_transformers[gpt2-gelu, gpt2-no-bias]."""
     L, C, nh, V, T = 2, 32, 4, 65, 16
     torch.manual_seed(0)

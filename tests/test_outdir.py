@@ -1,7 +1,4 @@
-"""A run is never lost to another run: a used out_dir refuses a fresh start, --overwrite=True
-replaces the old run only at the new one's first checkpoint, one live run per out_dir (the
-holder named, no stale lock after kill -9, readers beside it), init_from='auto', and a refusal
-under torchrun that ends both ranks."""
+"""A run is never lost to another run: gpt/outdir/ownership.py through train.py, sample.py and eval.py."""
 
 import errno
 import hashlib
@@ -23,7 +20,6 @@ BASE = dict(max_iters=10, lr_decay_iters=20, eval_interval=5, dropout=0.1, keep_
 
 
 def contents(out_dir):
-    """{relative path: sha256, or the target of a link} of everything in out_dir but the lock file."""
     found = {}
     for root, dirs, files in os.walk(out_dir):
         for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
@@ -41,8 +37,7 @@ def start(args):
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    """A finished 10-step run in each checkpoint format: root/full and root/sharded; root/chars is the
-    data (conftest's tiny_run is one format, without dropout, evaluated at steps 0 and 30 only)."""
+    """Not conftest's tiny_run: one format, without dropout, evaluated at steps 0 and 30 only."""
     root = tmp_path_factory.mktemp("outdir")
     data = char_dataset(root / "chars")
     for fmt in ("full", "sharded"):
@@ -121,8 +116,6 @@ def test_a_kill_before_the_first_checkpoint_leaves_the_old_run_intact_and_resuma
 
 
 def test_a_takeover_cut_short_after_the_first_checkpoint_is_finished_by_the_next_run(base, tmp_path):
-    """The overwriting run dies between its first checkpoint and the takeover: the next run into
-    out_dir, whatever it is, finishes the takeover before it looks for a run to resume."""
     out, _ = copy_of(base, "full", tmp_path)
     cfg = parse(TrainConfig, [f"--out_dir={out}", "--overwrite=True"])
     claimed = ownership.claim(cfg, CPU, say=lambda m: None)
@@ -218,8 +211,7 @@ def test_network_filesystems_are_recognized_from_the_mount_table(tmp_path):
 
 
 def test_auto_starts_from_scratch_in_an_empty_out_dir_and_resumes_in_a_used_one(base, tmp_path):
-    """What the claim decides and says; train.py's runs under init_from='auto' (from scratch, then
-    resumed exactly): test_recipes.py's test_kill_9_then_init_from_auto_resumes_exactly."""
+    """train.py's runs under init_from='auto': test_recipes.py's test_kill_9_then_init_from_auto_resumes_exactly."""
     out, _ = copy_of(base, "full", tmp_path)
     fresh = tmp_path / "fresh"
     scratch = f"init_from='auto': no checkpoint in out_dir={fresh}, starting from scratch"

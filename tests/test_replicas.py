@@ -1,9 +1,5 @@
-"""Fault-tolerant replica groups (gpt/train/torchft_groups.py, torchft): two groups of one process each,
-meeting at a torchft lighthouse, train as plain 2-rank DDP does, and so do two groups that are
-torchrun jobs of 2 ranks; started again with init_from=auto after a full stop they go on exactly;
-they start no quorum after the last step. One group SIGKILLed mid-run leaves the other stepping
-alone, and restarted it heals from the live one to the same weights, bit for bit. A lighthouse
-that dies stops a group in one line."""
+"""Fault-tolerant replica groups (gpt/train/torchft_groups.py, torchft) against plain DDP, through a
+full stop, a SIGKILLed group that heals bit for bit, and a lighthouse that dies."""
 
 import os
 import re
@@ -45,16 +41,9 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(data, tmp_path_factory):
-    """The launches the every-step tests share (a process's start, torch's import, is most of
-    its cost), all on one global batch of 4 micro-batches of 4 rows, 24 steps:
-      groups    two groups of one rank each, at a lighthouse that waits for both (min_replicas=2)
-      torchrun  two groups, each a torchrun job of 2 ranks (DDP inside)
-      ddp       plain 2-rank DDP under torchrun: the reference of both. Each rank draws the whole
-                global batch and keeps its slice (gpt/data/batches.py), so 2 ranks of 2 micro-batches
-                average the same 16 rows as 4 ranks (the torchrun groups) of 1
-      resumed   every group gone after step 12: copies of the groups' ckpt_0000012.pt alone, and
-                both groups started again on them with init_from=auto, to step 24
-    Returns {name: out_dir}."""
+    """{name: out_dir} of the launches the every-step tests share, 24 steps of 4 micro-batches of 4 rows: groups
+    (two of one rank), torchrun (two of 2 ranks), ddp (the reference: 2 ranks of 2 micro-batches average the
+    same 16 rows as 4 ranks of 1), resumed (the groups again, init_from=auto, on their ckpt_0000012.pt alone)."""
     root = tmp_path_factory.mktemp("replicas")
     launch = lambda n: ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", REPO / "train.py"]
     lighthouses, procs = [], []
@@ -90,20 +79,19 @@ def runs(data, tmp_path_factory):
 
 
 def numbered_checkpoints(out, g):
-    """The iters of group g's ckpt_<iter>.pt files in out."""
     return {int(p.stem[5:]) for p in (out / f"group{g}").glob("ckpt_[0-9]*.pt")}
 
 
 def equal_groups(out, name="ckpt.pt"):
-    """Whether the two groups' checkpoints `name` hold the same weights, bit for bit."""
     a, b = (checkpoint.load(str(out / f"group{g}" / name))["model"] for g in range(2))
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def like_ddp(runs, name, ranks):
-    """The two groups of runs[name] stepped together at every one of DDP's steps, sending their
-    gradients (one float32 a parameter, from each of a group's `ranks`), and the mean of their
-    losses is DDP's; their weights are equal at the end."""
+@pytest.mark.process
+@pytest.mark.parametrize("name, ranks", [("groups", 1), ("torchrun", 2)], ids=["groups-of-1-rank", "torchrun-groups"])
+def test_groups_train_like_ddp_of_all_their_ranks(runs, name, ranks):
+    """The two groups stepped together at every one of DDP's steps, each rank of a group sending one
+    float32 a parameter; the mean of their losses is DDP's, and their weights are equal at the end."""
     ref = steps_by_iter(runs["ddp"])
     mine = [steps_by_iter(runs[name] / f"group{g}") for g in range(2)]
     assert sorted(ref) == sorted(mine[0]) == sorted(mine[1]) == list(range(24))
@@ -116,25 +104,8 @@ def like_ddp(runs, name, ranks):
 
 
 @pytest.mark.process
-def test_two_groups_of_one_rank_train_like_two_rank_ddp(runs):
-    """No failure: the lighthouse waits for both groups (min_replicas=2), every step averages
-    both, and the mean of the two groups' losses is DDP's at every step. Every step all-reduces
-    the gradients (test_diloco: once every sync_every steps)."""
-    like_ddp(runs, "groups", ranks=1)
-
-
-@pytest.mark.process
-def test_torchrun_groups_of_two_ranks_train_like_ddp_of_all_their_ranks(runs):
-    """Each group a torchrun job of 2 ranks (DDP inside): rank r averages with its group, then
-    with rank r of the other group, so the loss each group logs (its ranks' mean) averaged over
-    the groups is DDP's on the same global batch, 4 ranks' or 2's."""
-    like_ddp(runs, "torchrun", ranks=2)
-
-
-@pytest.mark.process
 def test_init_from_auto_after_a_full_stop_resumes_exactly(runs):
-    """Both groups started again with init_from=auto on their step-12 checkpoints (no group
-    alive to heal from) take steps 12-23 exactly as the run that never stopped."""
+    """Started again on their step-12 checkpoints, with no group alive to heal from."""
     for g in range(2):
         straight, resumed = (steps_by_iter(runs[name] / f"group{g}") for name in ("groups", "resumed"))
         assert sorted(resumed) == list(range(12, 24))
@@ -146,11 +117,8 @@ def test_init_from_auto_after_a_full_stop_resumes_exactly(runs):
 
 @pytest.mark.process
 def test_no_quorum_is_started_after_the_last_step(runs):
-    """torchft logs each quorum the lighthouse gives a group (the optimizer wrapper's zero_grad
-    starts the next step's) with each member's step: one at each of steps 0-23 (the resumed
-    groups: 12-23), none at 24, a step that never comes (its process group, still connecting
-    as the process exits, can abort it). A quorum asked for again (a retried request) has the
-    same step, so the steps are compared as a set."""
+    """A quorum for step 24, which never comes, could be aborted as the process exits. A retried
+    request asks again for the same step, so the steps are compared as a set."""
     for name, first in (("groups", 0), ("resumed", 12)):
         for g in range(2):
             log = (runs[name].parent / f"{name}{g}.log").read_text()
@@ -161,13 +129,9 @@ def test_no_quorum_is_started_after_the_last_step(runs):
 
 
 def kill_and_heal(data, tmp_path, sync_every):
-    """Group 1 is SIGKILLed once both groups step together, and started again once group 0 has
-    stepped alone; the restarted group heals from it (torchft logs it) at its first step, or with
-    DiLoCo at its first sync, and jumps to the survivor's step. Both checkpoint every 16 steps
-    (a sync step of DiLoCo's 4): at the first both write after the heal, their weights and
-    optimizer states are equal bit for bit (with DiLoCo: the weights and the outer state; each
-    group's inner optimizer keeps moments of its own data). SIGTERM then stops both there
-    (replica_trials.py --trial=groups, in the repo's dev folder, runs such kills to the end of the run, 10 times)."""
+    """Group 1 SIGKILLed once both step together, started again once group 0 has stepped alone, and
+    both stopped by SIGTERM at their first shared checkpoint after the heal (every 16 steps: a sync
+    step of DiLoCo's 4). dev/replica_trials.py --trial=groups runs such kills to the end, 10 times."""
     lighthouse = Lighthouse(tmp_path / "lighthouse.log", min_replicas=1, join_timeout_ms=1000)
     out = tmp_path / "ft"
     # dist_timeout_s: 6 times the lighthouse's 5 s to count a killed group out (the survivor's quorum waits
@@ -217,9 +181,8 @@ def kill_and_heal(data, tmp_path, sync_every):
 
 @pytest.fixture(scope="module")
 def killed(data, tmp_path_factory):
-    """kill_and_heal, every step and with DiLoCo (sync_every=4), at once in two threads: each mostly
-    waits (for the lighthouse to count the killed group out, for the restarted group's join), so
-    together they take little more than one. {sync_every: kill_and_heal's result, or its exception}."""
+    """{sync_every: kill_and_heal's result, or its exception}, both at once in two threads: each
+    mostly waits for the lighthouse, so together they take little more than one."""
     results = {}
 
     def run(sync_every):
@@ -239,8 +202,7 @@ def killed(data, tmp_path_factory):
 @pytest.mark.process
 @pytest.mark.parametrize("sync_every", [0, 4], ids=["every-step", "diloco"])
 def test_a_killed_group_restarts_and_heals_to_the_survivors_weights(killed, sync_every):
-    """kill_and_heal's run: the survivor stepped alone, the restarted group healed from it and went
-    on from its step, and at their first shared checkpoint after the heal they are equal."""
+    """With DiLoCo the weights and the outer state are equal: each inner optimizer keeps moments of its own data."""
     if isinstance(killed[sync_every], BaseException):
         raise killed[sync_every]
     out, killed_at, before, restarted_log = killed[sync_every]
@@ -266,8 +228,6 @@ def test_a_killed_group_restarts_and_heals_to_the_survivors_weights(killed, sync
 
 @pytest.mark.process
 def test_a_lighthouse_that_dies_stops_the_group_in_one_line(data, tmp_path):
-    """The lighthouse SIGKILLed under a running group: its next quorum times out after
-    dist_timeout_s, and train.py ends with one line that says what to do, not a traceback."""
     lighthouse = Lighthouse(tmp_path / "lighthouse.log", min_replicas=1)
     try:
         keys = dict(max_iters=100_000, lr_decay_iters=100, dist_timeout_s=3)
@@ -301,14 +261,14 @@ def test_the_process_group_is_nccl_in_a_child_on_cuda_and_gloo_on_the_cpu():
     assert isinstance(torchft_groups.process_group("cpu", timedelta(seconds=5)), ProcessGroupGloo)
 
 
-def test_replica_group_mistakes_are_one_line(char_data, tmp_path, monkeypatch):
+def test_replica_group_mistakes_are_one_line(data, tmp_path, monkeypatch):
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
     cases = {
         "no lighthouse is named": dict(gradient_accumulation_steps=2),
         "make it a multiple of ft_groups=2": dict(gradient_accumulation_steps=3),
     }
     for message, keys in cases.items():
-        result = run_script("train.py", *tiny_args(char_data, tmp_path / "out", ft_replica_group=0, **keys))
+        result = run_script("train.py", *tiny_args(data, tmp_path / "out", ft_replica_group=0, **keys))
         one_line_error(result, message)
 
 

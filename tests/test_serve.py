@@ -1,7 +1,5 @@
-"""serve.py on a loopback port against real clients: the openai package gets chat.py's and sample.py's
-replies, concurrent requests each get their solo reply, every error of the catalogue, a full server's
-429, a client that hangs up, schemathesis. The chat model: conftest's shared_chat_demo; the base model,
-a character model trained here. The engine alone: test_engine.py."""
+"""serve.py on a loopback port against real clients (the openai package, httpx, schemathesis); the
+engine alone: test_engine.py."""
 
 import contextlib
 import functools
@@ -44,7 +42,6 @@ NAME = "tiny"  # the model's name in the API of chat_server, chat_process and ba
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    """A character model trained on plain text (no chat template), block_size 64."""
     return train_tiny_run(tmp_path_factory.mktemp("serve_base"), block_size=64, max_iters=30, lr_decay_iters=30)
 
 
@@ -56,7 +53,6 @@ def chat_server(serve_demo):
 
 @pytest.fixture(scope="module")
 def chat_process(serve_demo):
-    """The same server with the model in a process of its own, as `python serve.py` runs it."""
     args = [f"--name={NAME}", "--batch_size=16", "--max_waiting=8", "--engine=process"]
     with running(f"--out_dir={serve_demo[0]}", *args) as s:
         yield s
@@ -75,7 +71,6 @@ def client(s, key="unused"):
 
 @functools.cache  # a command's reply, for every test that compares with it
 def chat_py(out_dir, message, max_new_tokens, system=None, sampling=("--temperature=0",)):
-    """`chat.py --prompt=message --temperature=0`'s reply (its stdout, without the newline)."""
     args = [f"--out_dir={out_dir}", "--device=cpu", f"--prompt={message}", f"--max_new_tokens={max_new_tokens}"]
     result = run_script("chat.py", *args, *sampling, *([f"--system={system}"] if system else []))
     assert result.returncode == 0 and result.stdout.endswith("\n"), result.stderr
@@ -84,7 +79,6 @@ def chat_py(out_dir, message, max_new_tokens, system=None, sampling=("--temperat
 
 @functools.cache
 def sample_py(out_dir, start, max_new_tokens):
-    """sample.py's greedy continuation of start."""
     args = [f"--out_dir={out_dir}", "--device=cpu", f"--start={start}", f"--max_new_tokens={max_new_tokens}"]
     result = run_script("sample.py", *args, "--temperature=0", "--num_samples=1", "--stream=False")
     assert result.returncode == 0, result.stderr
@@ -115,8 +109,7 @@ def greedy_chat(message, max_tokens):
 
 @pytest.fixture(scope="module")
 def sixteen(serve_demo, chat_server):
-    """16 chat requests, their prompts held-out messages, their budgets 4, 7, 10, ... tokens, greedy
-    but three sampled with a seed; and the reply chat_server gives each served alone."""
+    """16 chat requests (budgets 4, 7, 10, ... tokens, three sampled with a seed), and their solo replies."""
     bodies = [greedy_chat(m, 4 + 3 * i) for i, m in enumerate(user_messages(serve_demo[1], 16))]
     for i in (2, 7, 11):
         bodies[i].update(temperature=0.9, top_p=0.95, seed=100 + i)
@@ -124,7 +117,6 @@ def sixteen(serve_demo, chat_server):
 
 
 def post(s, path, body=None, content=None, headers=None):
-    """POST a request to the server s and wait for its reply: (the response, its JSON)."""
     r = httpx.post(s.url + path, json=body, content=content, headers=headers, timeout=60)
     return r, r.json()
 
@@ -139,7 +131,6 @@ def is_error(payload, status, r, *words):
 
 
 def solo(s, body, path="/v1/chat/completions", headers=None):
-    """A request served alone: nothing else is in the engine while it runs."""
     assert not s.server.pending
     r, payload = post(s, path, body, headers=headers)
     assert r.status_code == 200, r.text
@@ -148,8 +139,6 @@ def solo(s, body, path="/v1/chat/completions", headers=None):
 
 
 def together(c, bodies):
-    """Every request sent at once through the openai client c, a thread apiece: each reply's text."""
-
     def reply(body):
         if "messages" in body:
             return c.chat.completions.create(**body).choices[0].message.content
@@ -162,15 +151,11 @@ def together(c, bodies):
 
 
 def streamed(chunks):
-    """The text of a streamed chat reply's chunks."""
     return "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
 
 
 @pytest.mark.process
 def test_openai_client_gets_chat_py_replies(serve_demo, chat_server, chat_process):
-    """chat.completions.create, streamed and not, gives `chat.py --temperature=0`'s reply, a system
-    message too, with usage and finish_reason (<|end|> or max_tokens); the model on a thread and in a
-    process of its own."""
     out_dir, heldout = serve_demo
     template = chat_server.server.template
     cases = [(m, None, 40) for m in user_messages(heldout, 4)] + [
@@ -216,8 +201,6 @@ def test_a_stop_string_ends_the_reply_before_its_first_match(serve_demo, chat_se
     "seed, message", [(7, "Hi, I'm Zuvaki."), (11, "Repeat after me: sule pova kire")], ids=["seed-7", "seed-11"]
 )
 def test_a_sample_with_a_seed_is_chat_pys_with_that_seed(serve_demo, chat_server, chat_process, seed, message):
-    """Sampled with a seed, a reply is chat.py's sample with that --seed (the request's own
-    generator draws what chat.py's global one does)."""
     expected = chat_py(serve_demo[0], message, 30, sampling=("--temperature=1.5", "--top_p=0.95", f"--seed={seed}"))
     for c in (client(chat_server), client(chat_process)):
         messages = [{"role": "user", "content": message}]
@@ -233,8 +216,6 @@ CONTINUATIONS = {"words": ("The king", 30), "lines": ("What is love?\nNow", 45),
 @pytest.mark.slow
 @pytest.mark.parametrize("prompt, n", CONTINUATIONS.values(), ids=CONTINUATIONS)
 def test_openai_client_gets_sample_py_continuation(base, base_server, prompt, n):
-    """A base model (characters, no chat template): completions.create, streamed and not, gives
-    sample.py's greedy continuation."""
     c, expected = client(base_server, KEY), sample_py(base, prompt, n)
     reply = c.completions.create(model=NAME, prompt=prompt, temperature=0, max_tokens=n)
     assert reply.choices[0].text == expected and reply.choices[0].finish_reason == "length"
@@ -248,8 +229,7 @@ def test_openai_client_gets_sample_py_continuation(base, base_server, prompt, n)
 
 @pytest.mark.slow
 def test_a_compile_failure_at_start_up_serves_eagerly_and_says_so(base, base_server, monkeypatch, capsys):
-    """serve.py --compile where torch.compile fails (as inductor does without a C++ compiler): one line
-    on stderr says so, and the server answers as one that never compiled."""
+    """As inductor does without a C++ compiler."""
 
     def broken(graph, example_inputs, **options):
         raise RuntimeError("no working C++ compiler found")
@@ -283,9 +263,7 @@ COMPILED_STEPS = {  # id: (the device, torch.compile's options, (fused_attention
 @pytest.mark.slow
 @pytest.mark.parametrize("device, expected, attention", COMPILED_STEPS.values(), ids=COMPILED_STEPS)
 def test_on_a_gpu_the_decoding_step_replays_cuda_graphs(base, monkeypatch, device, expected, attention):
-    """On a CUDA runtime (weights left on the CPU) the decoding step compiles with CUDA graphs
-    (mode='reduce-overhead'), SDPA and keys padded to 64; on the CPU, inductor's C++ wrapper,
-    one_query_attention and keys padded to 16; a graph per bucket of rows. Recorded at torch.compile."""
+    """A CUDA runtime with the weights left on the CPU; recorded at torch.compile."""
     calls, compile = [], torch.compile
 
     def recorded(fn, **options):
@@ -304,15 +282,13 @@ def test_on_a_gpu_the_decoding_step_replays_cuda_graphs(base, monkeypatch, devic
 
 
 def held_requests(engine, n):
-    """Wait until the engine holds n requests (submitted and not done): True, or False after 30 s."""
     with engine.lock:
         return engine.lock.wait_for(lambda: engine.held >= n, timeout=30)
 
 
 @contextlib.contextmanager
 def held(engine, n, opened=None):
-    """The engine takes in no prompt until it holds n requests (and `opened` is set, when given), so
-    that they join together; yields the rows (decoding and joining) of each step."""
+    """No prompt taken in until the engine holds n requests (and opened is set): they join together."""
     rows, released = [], threading.Event()
 
     def gate(step):
@@ -327,22 +303,19 @@ def held(engine, n, opened=None):
 
 
 class Watch:
-    """What the server's event loop got from the model's side and told it, as it comes: each step's
-    active rows, the ends as (finish_reason, tokens), the ids submitted and cancelled."""
+    """What the server's event loop got from the model's side and told it, as it comes."""
 
     def __init__(self):
         self.active, self.ends, self.submits, self.cancels = [], [], [], []
         self.changed = threading.Condition()
 
     def wait(self, until):
-        """Wait until until() is true, as what comes changes it: True, or False after 30 s."""
         with self.changed:
             return self.changed.wait_for(until, timeout=30)
 
 
 @contextlib.contextmanager
 def watched(server):
-    """A Watch of the server's event loop and the model's side (a process or a thread), while inside."""
     deliver, tell, seen = server.deliver, server.tell, Watch()
 
     def watch_deliver(items, stats):
@@ -372,8 +345,6 @@ def watched(server):
 
 @pytest.mark.slow
 def test_sixteen_concurrent_clients_get_their_solo_replies(chat_server, sixteen):
-    """16 clients at once (three sampled with a seed): one batch of 16 that shrinks as replies end, and
-    each reply the one served alone."""
     bodies, alone = sixteen
     with held(chat_server.engine, 16) as rows:
         replies = together(client(chat_server), bodies)
@@ -383,8 +354,6 @@ def test_sixteen_concurrent_clients_get_their_solo_replies(chat_server, sixteen)
 
 @pytest.mark.slow
 def test_a_request_joining_mid_generation_gets_its_solo_reply(serve_demo, chat_server):
-    """A chat request that arrives 8 tokens into a long completion joins its batch at the next step;
-    both get their solo replies."""
     long = {**completion("Hi, I'm Zuvaki.", 80), "temperature": 0}  # no stop at <|end|>: a long reply
     late = greedy_chat(user_messages(serve_demo[1], 1)[0], 30)
     alone = [solo(chat_server, long, "/v1/completions"), solo(chat_server, late)]
@@ -415,8 +384,7 @@ def test_a_request_joining_mid_generation_gets_its_solo_reply(serve_demo, chat_s
 
 @pytest.mark.slow
 def test_llama3_chat_decoded_together_gets_chat_py_replies(tmp_path):
-    """A Llama (RoPE at each row's own positions, grouped-query attention) in Llama 3's chat format:
-    four requests decoded in one batch each get `chat.py --temperature=0`'s reply."""
+    """RoPE at each row's own positions, grouped-query attention, Llama 3's chat format."""
     spec = tokenizer.make_spec(str(make_llama3_tokenizer(tmp_path / "tokenizer.json")))
     torch.manual_seed(0)
     model = GPT(GPTConfig(**dict(TINY_LLAMA, block_size=128, vocab_size=spec["vocab_size"])))
@@ -438,8 +406,6 @@ def test_llama3_chat_decoded_together_gets_chat_py_replies(tmp_path):
 
 @pytest.mark.process
 def test_the_model_in_its_own_process_decodes_together_and_frees_rows(chat_process, sixteen):
-    """--engine=process (the default): 16 concurrent clients each get their solo reply, in shared steps;
-    a client that hangs up is cancelled in that process long before max_tokens; the server goes on."""
     s, name = chat_process, chat_process.server.name
     assert s.engine is None and s.server.process.process.is_alive()
     (bodies, alone), c = sixteen, client(s)
@@ -468,8 +434,6 @@ def test_the_model_in_its_own_process_decodes_together_and_frees_rows(chat_proce
 
 @pytest.mark.process
 def test_a_model_process_that_dies_fails_its_requests_and_says_so(base):
-    """The model's process killed with requests in flight: they and every later request, /health too,
-    get a 503 saying to restart serve.py (a stream, as its last event). A loading error is one line."""
     with running(f"--out_dir={base}", "--engine=process") as s:
         child = s.server.process.process.pid
         body = {"model": s.server.name, "prompt": "The", "max_tokens": 20, "temperature": 0}
@@ -584,8 +548,6 @@ NOT_UNICODE = {  # id: (a chat request's fields or a completion's, raw JSON; the
 @pytest.mark.slow
 @pytest.mark.parametrize("fields, param, words", NOT_UNICODE.values(), ids=NOT_UNICODE)
 def test_text_that_is_not_unicode_gets_400(request, fields, param, words):
-    """Half a surrogate pair (a \\u escape, or its UTF-8 bytes) anywhere, or bytes that are not UTF-8:
-    a 400 that says so, and the next request is answered as usual."""
     auth, chatting = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}, b'"messages"' in fields
     s = request.getfixturevalue("chat_server" if chatting else "base_server")
     path, after = (
@@ -607,8 +569,7 @@ ENDPOINTS = {  # id: (method, path, body)
 @pytest.mark.slow
 @pytest.mark.parametrize("method, path, body", ENDPOINTS.values(), ids=ENDPOINTS)
 def test_a_host_header_naming_another_host_gets_421(chat_server, method, path, body):
-    """DNS rebinding: requests that say Host: attacker.example (or another IP address) get a 421 on every
-    endpoint; loopback names are answered, with no CORS header for a page elsewhere."""
+    """DNS rebinding."""
     s = chat_server
     port = s.url.rsplit(":", 1)[1]
     r = httpx.request(method, s.url + path, json=body, headers={"Host": f"attacker.example:{port}"}, timeout=30)
@@ -627,7 +588,6 @@ def test_a_host_header_naming_another_host_gets_421(chat_server, method, path, b
 
 @pytest.fixture(scope="module")
 def open_server(base):
-    """base's server on every interface (0.0.0.0), with two more host names allowed."""
     with running(f"--out_dir={base}", "--host=0.0.0.0", "--allowed_hosts=serve.example, Box.LAN") as s:
         yield s
 
@@ -641,8 +601,6 @@ OTHER_HOSTS = ["attacker.example", "lan", "serve.example.attacker.example"]
     "host, status", [(h, 200) for h in HOSTS] + [(h, 421) for h in OTHER_HOSTS], ids=HOSTS + OTHER_HOSTS
 )
 def test_on_every_interface_ip_addresses_and_allowed_hosts_are_answered(open_server, host, status):
-    """On 0.0.0.0 IP addresses are answered, and --allowed_hosts adds names (in any case, with a
-    trailing dot or none); any other name gets 421."""
     s = open_server
     port, body = s.url.rsplit(":", 1)[1], {"model": s.server.name, "prompt": "The", "max_tokens": 3}
     r = httpx.post(s.url + "/v1/completions", json=body, headers={"Host": f"{host}:{port}"}, timeout=30)
@@ -656,8 +614,7 @@ def test_allowed_hosts_that_is_not_a_host_name_is_one_line():
 
 @pytest.mark.slow
 def test_connections_send_without_nagle(base_server):
-    """The server's side of an accepted connection has TCP_NODELAY set: without it each streamed
-    chunk after the first waits for the client's delayed ACK (about 40 ms on Linux) before it leaves."""
+    """Without TCP_NODELAY each streamed chunk after the first waits for the client's delayed ACK (~40 ms)."""
     s = base_server
     with httpx.Client(base_url=s.url) as http:  # keeps its connection open after the response
         assert http.get("/health").status_code == 200
@@ -667,8 +624,6 @@ def test_connections_send_without_nagle(base_server):
 
 @pytest.mark.slow
 def test_a_full_server_answers_429_at_once(base, base_server):
-    """Two rows and one waiting place: a fourth request gets 429 with Retry-After at once, and the
-    three accepted get sample.py's continuations when the engine goes on."""
     s, c = base_server, client(base_server, KEY)
     expected = [sample_py(base, p, n) for p, n in CONTINUATIONS.values()]
     bodies = [{**completion(p, n), "temperature": 0} for p, n in CONTINUATIONS.values()]
@@ -689,8 +644,6 @@ def test_a_full_server_answers_429_at_once(base, base_server):
 
 @pytest.mark.slow
 def test_a_client_that_hangs_up_frees_its_row_at_once(serve_demo, chat_server):
-    """A stream dropped after three chunks: its row is freed by the next step (the engine waits for the
-    hang-up after 20 of its 100 tokens), and the next request is answered as before."""
     out_dir, _ = serve_demo
     s, engine = chat_server, chat_server.engine
     body = {"model": s.server.name, "prompt": "Hi, I'm Zuvaki.", "max_tokens": 100, "temperature": 0, "stream": True}
@@ -717,8 +670,6 @@ def test_a_client_that_hangs_up_frees_its_row_at_once(serve_demo, chat_server):
 
 @pytest.mark.process
 def test_the_command_warns_when_it_listens_beyond_loopback_with_no_key(base):
-    """`python serve.py`: 127.0.0.1 by default; --host=0.0.0.0 without a key warns, serves, and ends on
-    Ctrl-C without a traceback; a taken port is one line."""
     assert parse(ServeConfig, []).host == "127.0.0.1"
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -748,8 +699,6 @@ def test_the_command_warns_when_it_listens_beyond_loopback_with_no_key(base):
 
 @pytest.mark.slow
 def test_schemathesis_finds_no_server_error(serve_demo, chat_server):
-    """Cases generated from the server's own OpenAPI schema, valid and invalid: never a 5xx, every
-    4xx in OpenAI's error shape, and afterwards the server still gives chat.py's reply."""
     import schemathesis
     from hypothesis import HealthCheck, given, settings
 
