@@ -1,8 +1,7 @@
-"""One rank of a torchrun test of gpt.train.muon.Muon shared over the ranks (tests/test_muon_dist.py): the
-rank steps a model of bare matrices with Muon(shared=True) and, beside it, a copy with the one-process
-Muon on the same gradients (the same on every rank, as DDP's all-reduce leaves them); then resumes a
-fresh model and Muon from the shared one's state through DCP's get_state_dict and set_state_dict, as
-the sharded checkpoint format does (gpt/outdir/checkpoint.py), and steps all three once more.
+"""One rank of a torchrun test of Muon shared over the ranks (tests/test_muon_dist.py): bare matrices
+stepped with Muon(shared=True) and, beside them, a copy with the one-process Muon on the same
+gradients; then a fresh Muon resumed from the shared one's state through DCP's get_state_dict and
+set_state_dict, as the sharded checkpoint format does, and all three stepped once more.
 
     torchrun --standalone --nproc_per_node=4 tests/muon_rank.py REPORT OPTIONS
 

@@ -1,28 +1,16 @@
 """The properties every kind of run shares, said once over a table of recipes.
 
-RECIPES is the table: an id -> the train.py flags that make that kind of run (a model shape, an
-optimizer, a schedule, a data format, FP8), on top of COMMON: a tiny model, 8 steps of 2 micro-steps,
-an eval and a kept checkpoint at iters 4 and 8. plain runs with dropout (so its resumes must restore
-the dropout masks' RNG streams too); the others without, so that their straight run is also the
-one-process reference of the 2-rank property (each rank draws its own masks). Each recipe's data is made here (DATA). Each recipe's straight run happens once per
-session, the first time a test asks for it (`straight`), and three properties read it:
+RECIPES maps an id to the train.py flags of that kind of run, on top of COMMON (a tiny model, 8 steps
+of 2 micro-steps, an eval and a kept checkpoint at iters 4 and 8); its data is made here (DATA).
+plain runs with dropout, so its resumes must restore the dropout masks' RNG streams too; the others
+without, so that their straight run is also the one-process reference of the 2-rank property. Each
+recipe's straight run happens once per session (`straight`), and every property reads it: resume at
+iter 4 is exact, 2 gloo ranks (DDP, FSDP2) equal 1, and a kill -9 then init_from=auto resumes exactly.
+Exact means every logged record but the timings, and the last checkpoint's weights and optimizer
+state (conftest.assert_same_run). A recipe's own checks are the short tests at the end, on the same runs.
 
-  test_resume_is_exact[recipe]          the straight run's out_dir as it stood at iter 4, resumed
-                                        with init_from=resume, ends where the straight run ended
-  test_two_gloo_ranks_equal_one[recipe-ddp|recipe-fsdp]
-                                        torchrun on 2 CPU ranks (1 micro-step each) trains as one
-                                        process (2 micro-steps) does, dropout off
-  test_kill_9_then_init_from_auto_resumes_exactly[recipe]
-                                        the same command killed with SIGKILL at iter 6 (after iter
-                                        4's checkpoint), started again with init_from=auto
-
-Bit for bit means every logged record but the timings, and the last checkpoint's weights and
-optimizer state (conftest.assert_same_run). A recipe's own checks (what its checkpoint holds, what its
-log says) are the short tests at the end, on the same runs.
-
-To add a recipe: a line in RECIPES (its flags; `dataset` names a maker of DATA, or add one there),
-and, where its 2-rank run may differ by more than float order in the reductions, its tolerance in
-TOLERANCE. Every property then covers it."""
+To add a recipe: a line in RECIPES (`dataset` names a maker in DATA), and, where its 2-rank run may
+differ by more than float order in the reductions, its tolerance in TOLERANCE."""
 
 import json
 import shutil
@@ -76,8 +64,7 @@ TOLERANCE = {"fp8": dict(abs=1e-2), "documents": dict(rel=1e-3)}
 
 
 def documents(data_dir):
-    """A GPT-2 BPE-style dataset of short documents, each followed by end-of-text as data/corpus.py
-    writes them: a few dozen rows of 16 tokens an epoch."""
+    """Short GPT-2 BPE-style documents, each followed by end-of-text as data/corpus.py writes them."""
     data_dir.mkdir()
     for split, n_docs in (("train", 40), ("val", 20)):
         lengths = np.random.default_rng(len(split)).integers(3, 30, size=n_docs)
@@ -97,9 +84,8 @@ DATA = {
 
 @pytest.fixture(scope="module")
 def recipes(tmp_path_factory):
-    """flags(recipe, out_dir, **overrides): a recipe's train.py flags, its data made on first use;
-    run(recipe, name, **overrides): its run `name` with those overrides, made once (its out_dir);
-    straight(recipe): its straight run, as run(recipe, "straight")."""
+    """flags(recipe, out_dir, **overrides): its train.py flags; .run(recipe, name, **overrides): that
+    run's out_dir, trained once; .straight(recipe): .run(recipe, "straight")."""
     root, made, runs = tmp_path_factory.mktemp("recipes"), {}, {}
     (root / "data").mkdir()
 
@@ -124,8 +110,7 @@ def recipes(tmp_path_factory):
 
 
 def at_iter_4(recipes, recipe, to):
-    """A copy at `to` of the recipe's straight out_dir as it stood at iter 4 (its checkpoint then, kept
-    as ckpt_0000004.pt), for a run to resume from."""
+    """A copy at `to` of the recipe's straight out_dir as it stood at iter 4, to resume from."""
     later = shutil.ignore_patterns("ckpt.pt", "ckpt_best.pt", "ckpt_0000008.pt")
     return shutil.copytree(recipes.straight(recipe), to, ignore=later)
 
@@ -179,9 +164,8 @@ def test_resume_is_exact(recipes, recipe, tmp_path):
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_two_gloo_ranks_equal_one(recipes, recipe, parallelism, tmp_path):
     """2 ranks x 1 micro-step against 1 process x 2 micro-steps, dropout off (each rank draws its own
-    masks): the same rows each step (every rank draws the global step and takes its share), so
-    the same losses, gradient norms and trained tokens but for the float order of the reductions.
-    Rank 0 alone logs; under DDP the two replicas end with the same weights, bit for bit."""
+    masks): the same losses, gradient norms and trained tokens but for the float order of the
+    reductions. Rank 0 alone logs; under DDP the two replicas end with the same weights, bit for bit."""
     one = recipes.straight(recipe) if not RECIPES[recipe].get("dropout") else recipes.run(recipe, "one", dropout=0.0)
     args = recipes(recipe, tmp_path / "two", dropout=0.0, parallelism=parallelism)
     ranks = succeeded(torchrun(tmp_path, "two", args, {"record": True}))
@@ -202,9 +186,8 @@ def test_two_gloo_ranks_equal_one(recipes, recipe, parallelism, tmp_path):
 @pytest.mark.process
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_kill_9_then_init_from_auto_resumes_exactly(recipes, recipe, tmp_path):
-    """A requeued job: the command (init_from=auto) killed with SIGKILL after iter 4's checkpoint,
-    with iters 4 and 5 logged since and out_dir's lock left held by a dead process; the same command
-    again resumes at iter 4 and ends as the straight run did."""
+    """A requeued job: killed after iter 4's checkpoint, with iters 4 and 5 logged since and out_dir's
+    lock held by a dead process; the same command again resumes at iter 4 and ends as the straight run."""
     out = tmp_path / "out"
     args = recipes(recipe, out, init_from="auto")
     code, stdout, stderr = signalled_run(tmp_path, "SIGKILL", 6, args)

@@ -1,6 +1,6 @@
-"""train_step without host-device synchronization: nothing is read from the device during a
-step (counted by instrumenting the reads), a non-finite step is skipped on the device with the
-weights and optimizer state bit-unchanged, and max_bad_steps still stops the run (exit 3)."""
+"""train_step without host-device synchronization: nothing is read from the device during a step, a
+non-finite step is skipped on the device with the weights and optimizer state bit-unchanged, and
+max_bad_steps still stops the run (exit 3)."""
 
 from contextlib import nullcontext
 
@@ -23,7 +23,7 @@ READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__")
 
 @pytest.fixture
 def reads(monkeypatch):
-    """A list that collects the name of every host read of a tensor while the fixture is active."""
+    """The names of the tensors' host reads while the fixture is active."""
     seen = []
     for name in READS:
         original = getattr(torch.Tensor, name)
