@@ -5,6 +5,8 @@ Only the Llama test compiles with inductor (on a CPU it builds each fused kernel
 each); the others count graphs, recompiles and graph breaks, which dynamo decides before any backend
 runs, so they compile with conftest.ATEN_BACKEND. tests/test_gpu.py runs inductor's Triton kernels."""
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -57,15 +59,13 @@ def test_training_with_evals_compiles_two_graphs_and_never_recompiles(aten_compi
 def test_eval_group_needs_the_fewest_forwards_and_pads_less_than_a_batch_each():
     # every forward has the same shape (step.evaluate tops a rank's last group up with ignored
     # batches): as few forwards as the budget allows, and less than one padded batch each
-    for eval_iters in (1, 7, 12, 25, 200):
-        for world_size in (1, 3, 8):
-            for fits in (1, 4, 8):
-                cfg = TrainConfig(batch_size=2, block_size=16, eval_iters=eval_iters)
-                group = eval_group(cfg, 64, world_size, budget_bytes=fits * 2 * 16 * 64 * 4)
-                per_rank = -(-eval_iters // world_size)
-                forwards = -(-per_rank // group)
-                assert 1 <= group <= fits and forwards == -(-per_rank // min(fits, per_rank))
-                assert forwards * group - per_rank < forwards
+    for eval_iters, world_size, fits in itertools.product((1, 7, 12, 25, 200), (1, 3, 8), (1, 4, 8)):
+        cfg = TrainConfig(batch_size=2, block_size=16, eval_iters=eval_iters)
+        group = eval_group(cfg, 64, world_size, budget_bytes=fits * 2 * 16 * 64 * 4)
+        per_rank = -(-eval_iters // world_size)
+        forwards = -(-per_rank // group)
+        assert 1 <= group <= fits and forwards == -(-per_rank // min(fits, per_rank))
+        assert forwards * group - per_rank < forwards
 
 
 @pytest.mark.slow
