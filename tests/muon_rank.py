@@ -5,12 +5,9 @@ set_state_dict, as the sharded checkpoint format does, and all three stepped onc
 
     torchrun --standalone --nproc_per_node=4 tests/muon_rank.py REPORT OPTIONS
 
-OPTIONS, JSON: shapes: [[A, B, count], ...]; steps; backend: torch.compile's backend for Muon's
-compile=True (null: eager). The rank writes REPORT<rank>.json: orthogonalized (how many matrices it
-ran the iterations on, each step), momenta (how many it holds momenta for), state_bytes and
-alone_state_bytes (its Muon state's and the one-process Muon's), gap and resumed_gap (the largest
-difference of a weight from the one-process Muon's, before and after the resume), and with a
-backend, graphs and graphs_resumed (torch.compile's unique graphs after the steps, after the resume)."""
+OPTIONS, JSON: shapes ([[A, B, count], ...]), steps, backend (torch.compile's for compile=True; null:
+eager). The rank writes REPORT<rank>.json: matrices orthogonalized each step, momenta held, state
+bytes, the largest weight gaps to the one-process Muon, and torch.compile's unique graphs."""
 
 import functools
 import json

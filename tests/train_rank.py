@@ -3,12 +3,9 @@ alone knows written down for the test. Also the NaN losses that in-process tests
 
     torchrun --standalone --nproc_per_node=2 tests/train_rank.py REPORT OPTIONS TRAIN_ARGS...
 
-OPTIONS, JSON: nan_at: iters whose loss is NaN, on the ranks nan_ranks (null: every rank);
-backend: torch.compile's backend for train.py's compile; record: the rank's checkpoint writes, the
-weights of its last checkpoint and torch.compile's counters; local_world_size: LOCAL_WORLD_SIZE as
-the rank sees it. The rank writes REPORT<rank>.out and .err (its stdout and stderr), REPORT<rank>.json
-(its exit code and, with record, the counters), and with record REPORT<rank>.writes (a path a line)
-and REPORT<rank>.weights.pt."""
+OPTIONS, JSON: nan_at (with nan_ranks, null: every rank), backend (torch.compile's), record (see
+`record`), local_world_size. The rank writes REPORT<rank>.out, .err and .json (its exit code and
+torch.compile's counters)."""
 
 import functools
 import json
