@@ -19,6 +19,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -175,6 +176,12 @@ def output_of(proc):
 # evaluating at 0, 4 and 8 (each test file adds its model's size and levers)
 TORCHRUN_ARGS = ["config/train_llama_tiny.py", "--block_size=32", "--batch_size=4", "--gradient_accumulation_steps=4"]
 TORCHRUN_ARGS += ["--max_iters=8", "--lr_decay_iters=8", "--warmup_iters=2", "--eval_interval=4", "--log_interval=1"]
+
+
+# what a test of CPU ranks needs
+needs_gloo = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
+)
 
 
 def torchrun(root, name, args, options=None, nodes=False, timeout=300):

@@ -12,18 +12,12 @@ import shutil
 
 import pytest
 import torch
-import torch.distributed as dist
 from conftest import assert_same_run, char_dataset, losses, read_metrics
-from processes import TORCHRUN_ARGS, succeeded, torchrun
+from processes import TORCHRUN_ARGS, needs_gloo, succeeded, torchrun
 
 from model import GPT, GPTConfig
 
-pytestmark = [
-    pytest.mark.skipif(
-        not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
-    ),
-    pytest.mark.process,  # every test here reads the torchrun launches
-]
+pytestmark = [needs_gloo, pytest.mark.process]  # every test here reads the torchrun launches
 
 DROPOUT_ARGS = [
     *TORCHRUN_ARGS,

@@ -20,7 +20,6 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from conftest import (
     GPT2,
     TINY_LLAMA,
@@ -34,7 +33,7 @@ from conftest import (
     tiny_args,
     write_chat_dir,
 )
-from processes import REPO, run_python, run_script, start_python, succeeded, torchrun
+from processes import REPO, needs_gloo, run_python, run_script, succeeded, torchrun
 
 from gpt.data import token_files
 from gpt.outdir import checkpoint
@@ -115,9 +114,8 @@ def at_iter_4(recipes, recipe, to):
     return shutil.copytree(recipes.straight(recipe), to, ignore=later)
 
 
-# train.py's main in a process of its own that sends itself signal SIG when the schedule asks for
-# iter AT's learning rate (train.py asks just before each step): SIGKILL there is a kill -9 after
-# iter 4's checkpoint with iters 4 and 5 logged since; SIGTERM a stop request
+# train.py's main in a process that sends itself signal SIG when train.py asks for iter AT's
+# learning rate, just before that step
 SIGNAL_DRIVER = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, {repo!r})
@@ -137,12 +135,11 @@ SIGNAL_DRIVER = textwrap.dedent("""
 
 
 def signalled_run(tmp_path, sig, at, args):
-    """train.py ARGS run until it ends, after sending itself `sig` at iter `at`: (exit code, stdout)."""
+    """train.py ARGS run until it ends, after sending itself `sig` at iter `at`: (exit code, stdout, stderr)."""
     driver = tmp_path / "driver.py"
     driver.write_text(SIGNAL_DRIVER.format(repo=str(REPO), at=at, sig=sig))
-    proc = start_python([driver, *args])
-    stdout, stderr = proc.communicate(timeout=300)
-    return proc.returncode, stdout, stderr
+    result = run_python([driver, *args])
+    return result.returncode, result.stdout, result.stderr
 
 
 # ---------------------------------------------------------------------------- the properties
@@ -159,7 +156,7 @@ def test_resume_is_exact(recipes, recipe, tmp_path):
 
 
 @pytest.mark.process
-@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
+@needs_gloo
 @pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_two_gloo_ranks_equal_one(recipes, recipe, parallelism, tmp_path):
@@ -216,8 +213,7 @@ def test_a_run_says_what_it_trains_on(recipes, recipe):
 
 @pytest.mark.process
 def test_sigterm_checkpoints_exits_75_and_resumes_exactly(recipes, tmp_path):
-    """SIGTERM (a preemption) during iter 6: the run stops at the next step boundary with a checkpoint,
-    says so and exits 75; a resume ends as the straight run did."""
+    """SIGTERM (a preemption) at iter 6: a checkpoint at the next step boundary, exit 75; a resume is exact."""
     out = tmp_path / "out"
     code, stdout, stderr = signalled_run(tmp_path, "SIGTERM", 6, recipes("plain", out))
     assert code == 75, stderr
@@ -229,8 +225,7 @@ def test_sigterm_checkpoints_exits_75_and_resumes_exactly(recipes, tmp_path):
 
 
 def test_the_levers_and_both_optimizers_are_in_the_checkpoint(recipes, tmp_path):
-    """The levers' keys and weights in the checkpoint, which sample.py rebuilds the same model from;
-    Muon's momenta and AdamW's moments both kept; a resume that drops a lever is refused, naming it."""
+    """The levers' keys and weights, Muon's momenta and AdamW's moments kept; dropping a lever is refused."""
     straight = recipes.straight("levers-muon")
     state = torch.load(straight / "ckpt.pt", weights_only=True)
     assert all(state["model_args"][k] == v for k, v in LEVERS.items())
@@ -244,8 +239,7 @@ def test_the_levers_and_both_optimizers_are_in_the_checkpoint(recipes, tmp_path)
 
 
 def test_wsd_run_extended_from_its_stable_phase_resumes_exactly(recipes, tmp_path):
-    """A run planned for 6 steps (its decay from iter 4.5) has its iter-4 checkpoint in the stable
-    phase; resumed with max_iters=8 it equals the run planned for 8 from the start, bit for bit."""
+    """A 6-step run's iter-4 checkpoint (stable phase), resumed with max_iters=8, equals the 8-step run."""
     planned = tmp_path / "planned6"
     result = run_script("train.py", *recipes("wsd", planned, max_iters=6))
     assert result.returncode == 0, result.stderr
@@ -259,8 +253,7 @@ def test_wsd_run_extended_from_its_stable_phase_resumes_exactly(recipes, tmp_pat
 
 
 def test_documents_resume_mid_epoch_and_refuse_another_order(recipes, tmp_path):
-    """The resume at iter 4 is inside an epoch, and the run then crosses into the next; a resume
-    with batch_order='random' is refused in one line."""
+    """The resume at iter 4 is inside an epoch, the run crosses into the next; batch_order='random' is refused."""
     straight = recipes.straight("documents")
     at_4 = torch.load(straight / "ckpt_0000004.pt", weights_only=True)["rng"]["batches"]
     assert (
