@@ -1,17 +1,12 @@
-"""llama.cpp's side of tests/test_gguf.py, run as a process of its own (test_gguf.llama_cpp):
-llama.cpp is native code that can die of a signal (a segmentation fault in its CPU kernels), and a
-death inside a pytest-xdist worker takes the worker down and can leave the whole run waiting. In a
-child it is one failed test that names the signal. This script imports only llama_cpp and numpy, so
-it starts in a fraction of a second.
+"""llama.cpp's side of tests/test_gguf.py, in a process of its own (test_gguf.llama_cpp): native code
+can die of a signal, and in a child that is one failed test that names it. It imports only llama_cpp
+and numpy, so it starts in a fraction of a second.
 
     python tests/llama_cpp_child.py FUNCTION ARGS RESULT   # FUNCTION(*args), args and result pickled files
 
-On CPUs with AMX (Intel Xeon from Sapphire Rapids on, `amx_int8` in /proc/cpuinfo), llama.cpp's CPU
-backend moves q8_0 (and q4_0, q4_1, q4_K, q5_K, q6_K, iq4_xs) matrix weights into its AMX buffer
-type, and its AMX matrix multiply crashes on our q8_0 files (and on llama-quantize's own); see
-docs/gguf.md. Loading with no extra buffer types (`use_extra_bufts = false`, what llama-server's
---no-repack sets) keeps the weights in the plain CPU buffer. llama-cpp-python's Llama has no argument
-for it, so `load` sets it on the model parameters llama-cpp-python starts from."""
+On CPUs with AMX (`amx_int8` in /proc/cpuinfo) llama.cpp's AMX matrix multiply crashes on q8_0
+files (docs/gguf.md); `load` then sets use_extra_bufts=False (llama-server's --no-repack), which
+llama-cpp-python's Llama has no argument for, on the model parameters it starts from."""
 
 import contextlib
 import itertools
@@ -69,15 +64,17 @@ def tokenize(path, texts, special=True):
     }
 
 
-def render_and_tokenize(path, conversations, eos_token="", bos_token=""):
+def rendered(llm, conversations, eos_token, bos_token):
     """The GGUF's chat template rendered by llama-cpp-python for each message list, then tokenized."""
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-    llm = load(path, vocab_only=True)
-    render = Jinja2ChatFormatter(
-        template=llm.metadata["tokenizer.chat_template"], eos_token=eos_token, bos_token=bos_token
-    )
+    template = llm.metadata["tokenizer.chat_template"]
+    render = Jinja2ChatFormatter(template=template, eos_token=eos_token, bos_token=bos_token)
     return [llm.tokenize(render(messages=m).prompt.encode("utf-8"), add_bos=False, special=True) for m in conversations]
+
+
+def render_and_tokenize(path, conversations, eos_token="", bos_token=""):
+    return rendered(load(path, vocab_only=True), conversations, eos_token, bos_token)
 
 
 def scores_and_greedy(path, ids, prompt, n_ctx, n=64, no_repack=None):
@@ -93,15 +90,8 @@ def scores_and_greedy(path, ids, prompt, n_ctx, n=64, no_repack=None):
 
 def chat_replies(path, conversations, n_ctx=128):
     """{metadata, eos, prompts: the rendered prompts' ids, replies: create_chat_completion at temperature 0}."""
-    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
     llm = load(path, n_ctx=n_ctx, type_k=F32, type_v=F32)
-    render = Jinja2ChatFormatter(
-        template=llm.metadata["tokenizer.chat_template"], eos_token="<|end|>", bos_token="<|endoftext|>"
-    )
-    prompts = [
-        llm.tokenize(render(messages=m).prompt.encode("utf-8"), add_bos=False, special=True) for m in conversations
-    ]
+    prompts = rendered(llm, conversations, "<|end|>", "<|endoftext|>")
     replies = [
         llm.create_chat_completion(m, temperature=0.0, repeat_penalty=1.0)["choices"][0]["message"]["content"]
         for m in conversations

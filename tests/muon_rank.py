@@ -1,17 +1,13 @@
-"""One rank of a torchrun test of gpt.train.muon.Muon shared over the ranks (tests/test_muon_dist.py): the
-rank steps a model of bare matrices with Muon(shared=True) and, beside it, a copy with the one-process
-Muon on the same gradients (the same on every rank, as DDP's all-reduce leaves them); then resumes a
-fresh model and Muon from the shared one's state through DCP's get_state_dict and set_state_dict, as
-the sharded checkpoint format does (gpt/outdir/checkpoint.py), and steps all three once more.
+"""One rank of a torchrun test of Muon shared over the ranks (tests/test_muon_dist.py): bare matrices
+stepped with Muon(shared=True) and, beside them, a copy with the one-process Muon on the same
+gradients; then a fresh Muon resumed from the shared one's state through DCP's get_state_dict and
+set_state_dict, as the sharded checkpoint format does, and all three stepped once more.
 
     torchrun --standalone --nproc_per_node=4 tests/muon_rank.py REPORT OPTIONS
 
-OPTIONS, JSON: shapes: [[A, B, count], ...]; steps; backend: torch.compile's backend for Muon's
-compile=True (null: eager). The rank writes REPORT<rank>.json: orthogonalized (how many matrices it
-ran the iterations on, each step), momenta (how many it holds momenta for), state_bytes and
-alone_state_bytes (its Muon state's and the one-process Muon's), gap and resumed_gap (the largest
-difference of a weight from the one-process Muon's, before and after the resume), and with a
-backend, graphs and graphs_resumed (torch.compile's unique graphs after the steps, after the resume)."""
+OPTIONS, JSON: shapes ([[A, B, count], ...]), steps, backend (torch.compile's for compile=True; null:
+eager). The rank writes REPORT<rank>.json: matrices orthogonalized each step, momenta held, state
+bytes, the largest weight gaps to the one-process Muon, and torch.compile's unique graphs."""
 
 import functools
 import json

@@ -1,8 +1,6 @@
-"""Running the repo's commands as a user runs them: run_script (main(argv) in this process, or a
-process of its own), start and run (any program), start_python and run_python (a real interpreter),
-torchrun (two ranks), Lighthouse (torchft's), and what tests read of a running process (wait_for,
-finish, logged_steps, output_of). conftest.py kills what start started and a test left running, at
-the session's end."""
+"""Running the repo's commands as a user runs them: run_script (main(argv) in-process, or a process),
+start/run and start_python/run_python (real processes), torchrun (two ranks), Lighthouse (torchft's),
+and what tests read of a running process. conftest.py kills at the session's end what start started."""
 
 import functools
 import importlib.util
@@ -21,6 +19,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -37,11 +36,9 @@ def load_script(relpath):
 
 
 def run_script(script, *args, cwd=REPO, env=None, isolated=False):
-    """`python SCRIPT ARGS...` as a CompletedProcess. By default the script's main(argv), called in this
-    process (a new interpreter's imports, torch's 2-3 CPU-s, are most of a small run's cost) and ended
-    as configurator.run_main ends it, with what reaches file descriptors 1 and 2 (C++'s output too)
-    captured. isolated=True runs it as a process of its own, for what needs one: settings read at
-    import (HF_HUB_OFFLINE), the interpreter's own start."""
+    """`python SCRIPT ARGS...` as a CompletedProcess: main(argv) in this process (a new interpreter's
+    imports, torch's 2-3 CPU-s, are most of a small run's cost), ended as configurator.run_main ends it,
+    file descriptors 1 and 2 captured. isolated=True: a process of its own, for settings read at import."""
     args = [*map(str, args)]
     if isolated:
         return run_python([REPO / script, *args], env=env)
@@ -94,11 +91,9 @@ STARTED = []
 
 
 def start(argv, log=None, env=None, cwd=REPO, stdin=False, append=False):
-    """subprocess.Popen(argv) in cwd (the repo root), as text, in a session of its own so that
-    os.killpg(proc.pid, ...) reaches what it starts (torchrun's ranks). env: variables set on top of
-    this process's (None removes one). Its stdout and stderr go to pipes, or both to the file `log`
-    (proc.log; append=True adds to what is there) for a process nobody reads while it runs (a full
-    pipe stops it); stdin=True gives it a pipe to read, else it reads this process's stdin."""
+    """subprocess.Popen(argv) as text, in a session of its own so that os.killpg reaches what it starts
+    (torchrun's ranks). env: set on top of this process's (None removes one). Output to pipes, or to
+    the file `log` for a process nobody reads while it runs (a full pipe stops it); stdin=True: a pipe."""
     environ = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
     with open(log, "a" if append else "w") if log else nullcontext() as f:
         proc = subprocess.Popen(
@@ -122,9 +117,8 @@ def start_python(args, log=None, env=None, **options):
 
 
 def run(argv, env=None, cwd=REPO, input=None, timeout=300):
-    """subprocess.run(argv, capture_output=True, text=True, input=input) in cwd (the repo root) as a
-    CompletedProcess; past `timeout` it is killed with all it started (subprocess.run's kill would
-    leave torchrun's ranks), and TimeoutExpired raised."""
+    """subprocess.run(argv, capture_output=True, text=True, input=input); past `timeout` killed with all
+    it started (subprocess.run's kill would leave torchrun's ranks), and TimeoutExpired raised."""
     proc = start(argv, env=env, cwd=cwd, stdin=input is not None)
     try:
         stdout, stderr = proc.communicate(input, timeout=timeout)
@@ -141,8 +135,7 @@ def run_python(args, env=None, timeout=300, **options):
 
 
 def wait_for(condition, *procs, timeout=180):
-    """Until condition() holds, while each process in procs (start_python's) runs. Past `timeout`
-    seconds, or once one of them has ended, the test fails with their output, and they are killed."""
+    """Until condition() holds; past `timeout`, or once one of procs ended, the test fails with their output."""
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
@@ -185,13 +178,17 @@ TORCHRUN_ARGS = ["config/train_llama_tiny.py", "--block_size=32", "--batch_size=
 TORCHRUN_ARGS += ["--max_iters=8", "--lr_decay_iters=8", "--warmup_iters=2", "--eval_interval=4", "--log_interval=1"]
 
 
+# what a test of CPU ranks needs
+needs_gloo = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
+)
+
+
 def torchrun(root, name, args, options=None, nodes=False, timeout=300):
-    """train.py ARGS on 2 CPU ranks (gloo) as run `name`, each rank tests/train_rank.py with `options`
-    (its OPTIONS: a NaN loss, the compile backend, what to record), its reports in root/name: one
-    standalone torchrun launch, or with nodes=True two agents of one rank each meeting at a c10d
-    rendezvous as two machines would. Killed, with the test failing, past `timeout` (a rank waiting
-    for ever). Returns (the agents' exit codes, their stderr's tails, each rank's report: exit, its
-    counters with record, stdout, stderr)."""
+    """train.py ARGS on 2 CPU ranks (gloo) as run `name`, each rank tests/train_rank.py with `options`,
+    its reports in root/name: one standalone launch, or with nodes=True two agents of one rank each at a
+    c10d rendezvous, as two machines. Killed, the test failing, past `timeout` (a rank waiting for ever).
+    Returns (the agents' exit codes, their stderr's tails, each rank's report)."""
     (root / name).mkdir(exist_ok=True)  # a resume's: a copy of another run's
     options = dict(options or {})
     launch = ["--standalone", "--nproc_per_node=2"]
@@ -235,8 +232,7 @@ def succeeded(launch):
 
 
 class Lighthouse:
-    """torchft_lighthouse in a process of its own, as a user starts it; address() as torchft's
-    in-process LighthouseServer has it."""
+    """torchft_lighthouse in a process of its own; address() as torchft's LighthouseServer has it."""
 
     def __init__(self, log, **flags):
         binary = os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")

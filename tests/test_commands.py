@@ -1,6 +1,5 @@
-"""Every command starts in a process of its own. The rest of the suite mostly calls the commands'
-main(argv) inside the test process (conftest.run_script); this is the check that each one also
-imports and parses in a fresh interpreter, as a user runs it."""
+"""Every command imports and parses in a fresh interpreter, as a user runs it (the rest of the suite
+mostly calls main(argv) in-process)."""
 
 import pytest
 from processes import run_script, start_python
@@ -39,8 +38,7 @@ def test_help_in_a_process_of_its_own(script):
 
 @pytest.mark.parametrize("script", ["train.py", "sample.py"])
 def test_help_into_a_reader_gone_away_ends_quietly(script):
-    """`python train.py --help | head -5`: the reader closes the pipe early; the command ends as a
-    Unix tool does (141, SIGPIPE's code), with no BrokenPipeError traceback."""
+    """`python train.py --help | head -5`: ends as a Unix tool does (141, SIGPIPE's), no traceback."""
     proc = start_python([script, "--help"])
     proc.stdout.close()  # gone before anything is written
     stderr = proc.stderr.read()

@@ -1,16 +1,11 @@
-"""Compile hygiene on the CPU: training with evals in between compiles the training graph and eval's
-no_grad graph and nothing else, and every model variant compiles as one graph (fullgraph=True) in
-training and in cached decoding.
+"""Compile hygiene on the CPU: training with evals compiles the training graph and eval's no_grad
+graph and nothing else, and every model variant compiles as one graph in training and decoding.
 
-One test compiles with inductor, the backend train.py, sample.py and serve.py use: every Llama
-option at once with activation checkpointing, forward and backward, against eager. The others
-count graphs, recompiles and graph breaks, which dynamo decides before any backend runs, so they
-compile with conftest.ATEN_BACKEND: dynamo's graphs, AOTAutograd's forward and backward split by
-the same partitioner, and inductor's decompositions, run by ATen's kernels instead of inductor's
-code. On a CPU inductor builds each fused kernel with g++ (about 1 s each); with a cold cache, as
-in CI, this file and the serving engine's compiled test took 86.7 s alone with inductor everywhere
-and 48.2 s with inductor on the Llama test only (two blocks then; one now). Inductor on the GPU's Triton kernels is what
-tests/test_gpu.py runs."""
+Only the Llama test compiles with inductor (on a CPU it builds each fused kernel with g++, ~1 s
+each); the others count graphs, recompiles and graph breaks, which dynamo decides before any backend
+runs, so they compile with conftest.ATEN_BACKEND. tests/test_gpu.py runs inductor's Triton kernels."""
+
+import itertools
 
 import numpy as np
 import pytest
@@ -64,31 +59,26 @@ def test_training_with_evals_compiles_two_graphs_and_never_recompiles(aten_compi
 def test_eval_group_needs_the_fewest_forwards_and_pads_less_than_a_batch_each():
     # every forward has the same shape (step.evaluate tops a rank's last group up with ignored
     # batches): as few forwards as the budget allows, and less than one padded batch each
-    for eval_iters in (1, 7, 12, 25, 200):
-        for world_size in (1, 3, 8):
-            for fits in (1, 4, 8):
-                cfg = TrainConfig(batch_size=2, block_size=16, eval_iters=eval_iters)
-                group = eval_group(cfg, 64, world_size, budget_bytes=fits * 2 * 16 * 64 * 4)
-                per_rank = -(-eval_iters // world_size)
-                forwards = -(-per_rank // group)
-                assert 1 <= group <= fits and forwards == -(-per_rank // min(fits, per_rank))
-                assert forwards * group - per_rank < forwards
+    for eval_iters, world_size, fits in itertools.product((1, 7, 12, 25, 200), (1, 3, 8), (1, 4, 8)):
+        cfg = TrainConfig(batch_size=2, block_size=16, eval_iters=eval_iters)
+        group = eval_group(cfg, 64, world_size, budget_bytes=fits * 2 * 16 * 64 * 4)
+        per_rank = -(-eval_iters // world_size)
+        forwards = -(-per_rank // group)
+        assert 1 <= group <= fits and forwards == -(-per_rank // min(fits, per_rank))
+        assert forwards * group - per_rank < forwards
 
 
 @pytest.mark.slow
 def test_llama_options_and_checkpointing_train_as_one_graph():
-    # one block: every option is in it, and with a cold cache (as in CI) a second block's kernels
-    # cost 20 more CPU-s of g++ (66 against 47, 2026-11-26)
+    # one block: every option is in it, and a second block's kernels cost ~20 more CPU-s of g++
     torch.manual_seed(0)
     one_block = dict(LLAMA, n_layer=1)
     model, reference = GPT(GPTConfig(**one_block)), GPT(GPTConfig(**one_block))
     reference.load_state_dict(model.state_dict())
     model.activation_checkpointing = reference.activation_checkpointing = True
     x = torch.randint(0, 65, (2, 16))
-    # inductor's kernels as scalar C++ (simdlen 1): the same graphs, lowering and fusion, and with a
-    # cold cache the test takes 48 CPU-s instead of 62 (g++ 31 instead of 41). With no vector ISA
-    # wanted, inductor need not build a program to probe the CPU's (vec_isa_ok=False): 4.5 CPU-s less
-    # (55.0 against 50.5, 2026-11-26). A GPU's kernels are Triton's.
+    # scalar C++ kernels (simdlen 1): the same graphs, lowering and fusion, ~14 CPU-s cheaper to build;
+    # vec_isa_ok=False spares the program that probes the CPU's vector ISA
     with torch._inductor.config.patch({"cpp.simdlen": 1, "cpp.vec_isa_ok": False}):
         _, loss = torch.compile(model, fullgraph=True, dynamic=False)(x, x)  # inductor; a graph break is an error
         loss.backward()

@@ -1,14 +1,21 @@
-"""DiLoCo and LocalSGD on the replica groups (gpt/train/torchft_groups.py, sync_every): two groups of one
-process each step alone and sync every H steps through torchft's DiLoCo or LocalSGD. Checked
-against the groups' own weights: equal after every sync, apart between; with outer_lr=1 and no
-momentum DiLoCo is the average of the weights the groups reached alone; the bytes sent are the
-parameters' once every H steps; a resume between syncs goes on bit for bit."""
+"""DiLoCo and LocalSGD on the replica groups (gpt/train/torchft_groups.py, sync_every): two groups of
+one process each step alone and sync every H steps through torchft, checked against the groups' own
+weights."""
 
 import shutil
 
 import pytest
 import torch
-from conftest import char_dataset, ft_group, ft_parameter_bytes, needs, read_metrics, steps_by_iter, tiny_args
+from conftest import (
+    char_dataset,
+    ft_group,
+    ft_parameter_bytes,
+    needs,
+    one_line_error,
+    read_metrics,
+    steps_by_iter,
+    tiny_args,
+)
 from processes import Lighthouse, finish, run_script
 
 from gpt.outdir import checkpoint
@@ -26,8 +33,7 @@ def data(tmp_path_factory):
 
 
 def pairs(data, root, runs):
-    """Each run in `runs` (name -> train.py keys) as two groups meeting at a lighthouse of their
-    own, all started at once; returns root/name for each."""
+    """Each run in `runs` (name -> train.py keys) as two groups at a lighthouse of their own, all at once."""
     started = []
     for name, keys in runs.items():
         lighthouse = Lighthouse(root / f"{name}-lighthouse.log", min_replicas=2)
@@ -56,16 +62,13 @@ def equal(a, b):
 
 @pytest.fixture(scope="module")
 def diloco(data, tmp_path_factory):
-    """The launches the tests share, each two groups at a lighthouse of their own (a process's
-    start, torch's import, is most of their cost):
+    """The launches the tests share:
       whole     DiLoCo every H=4 steps (outer_lr 0.7, Nesterov 0.9), 12 steps, a checkpoint every 2
       localsgd  LocalSGD every 2 steps, 2 steps
       lr1       DiLoCo every 2 steps with outer_lr=1 and no momentum, 2 steps
-      resumed   every group gone at step 6, between two syncs: copies of whole's ckpt_0000006.pt
-                alone, resumed to 12
-    localsgd and lr1 take whole's first 2 steps (the same seed, data and learning rates; nothing
-    is sent before a sync), so whole's step-2 checkpoints hold the weights each group reached
-    alone when they synced."""
+      resumed   whole's ckpt_0000006.pt (between two syncs) alone, resumed to 12
+    Nothing is sent before a sync, so whole's step-2 checkpoints hold the weights each group of
+    localsgd and lr1 reached alone when they synced."""
     root = tmp_path_factory.mktemp("diloco")
     two = dict(RUN, max_iters=2, sync_every=2)
     out = pairs(
@@ -112,9 +115,8 @@ def test_a_resume_between_syncs_goes_on_bit_for_bit(diloco):
 
 
 def test_diloco_with_outer_lr_1_and_no_momentum_averages_the_weights(diloco):
-    """The reference: the weights each group reached alone after 2 steps (whole's, whose first
-    sync comes at 4), averaged. LocalSGD is that average bit for bit; DiLoCo (lr 1, no momentum)
-    takes last - mean(last - w_g), the same up to rounding."""
+    """LocalSGD is the average of the weights the groups reached alone (whole's at 2) bit for bit; DiLoCo
+    (lr 1, no momentum) takes last - mean(last - w_g), the same up to rounding."""
     alone = [weights(diloco["whole"], g, 2) for g in range(2)]
     assert not equal(*alone)
     reference = {k: (alone[0][k] + alone[1][k]) / 2 for k in alone[0]}
@@ -128,22 +130,21 @@ def test_diloco_with_outer_lr_1_and_no_momentum_averages_the_weights(diloco):
                 torch.testing.assert_close(synced[0][k], reference[k], rtol=0, atol=1e-6)
 
 
-def test_sync_mistakes_are_one_line(data, tmp_path):
-    cases = {
-        "set --ft_replica_group too": dict(sync_every=4),
-        "outer_method='adam' is not one of 'diloco', 'localsgd'": dict(
-            sync_every=4, ft_replica_group=0, gradient_accumulation_steps=2, outer_method="adam"
-        ),
-    }
-    for message, keys in cases.items():
-        result = run_script("train.py", *tiny_args(data, tmp_path / "out", **keys))
-        assert result.returncode != 0 and "Traceback" not in result.stderr
-        assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr, result.stderr
+OUTER_ADAM = dict(sync_every=4, ft_replica_group=0, gradient_accumulation_steps=2, outer_method="adam")
+SYNC_MISTAKES = {
+    "no-replica-group": (dict(sync_every=4), "set --ft_replica_group too"),
+    "outer-method": (OUTER_ADAM, "outer_method='adam' is not one of 'diloco', 'localsgd'"),
+}
+
+
+@pytest.mark.parametrize("mistake", SYNC_MISTAKES)
+def test_sync_mistakes_are_one_line(data, tmp_path, mistake):
+    keys, message = SYNC_MISTAKES[mistake]
+    one_line_error(run_script("train.py", *tiny_args(data, tmp_path / "out", **keys)), message)
 
 
 def test_a_skipped_step_still_counts_toward_the_sync():
-    """The loop skips optimizer.step() on a non-finite gradient norm: DiLoCo's hooks must count the
-    step all the same (without an update), or that group would sync a step after the others."""
+    """A step skipped on a non-finite gradient norm still counts, or that group would sync a step late."""
     from gpt.train.torchft_groups import _Local
 
     p = torch.nn.Parameter(torch.ones(3))

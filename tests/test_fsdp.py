@@ -1,13 +1,9 @@
-"""Several processes on CPU (gloo) under torchrun: FSDP2 trains like DDP, saves the same
-checkpoint format and resumes exactly, and two torchrun launches rendezvous as two nodes.
-
-The runs, shared by the tests, each a torchrun launch of tests/train_rank.py (train.py's main in
-each rank, a NaN loss injected; tests/test_checkpoint_format.py launches its sharded runs the same way):
+"""torchrun on CPU (gloo): FSDP2 trains like DDP, saves the same checkpoint format and resumes
+exactly, and two torchrun launches rendezvous as two nodes. The shared runs (tests/train_rank.py),
+with dropout, activation checkpointing and a NaN loss at step 5 that every rank must skip:
   ddp       DDP, 8 steps
-  two_node  FSDP, 8 steps, by two torchrun agents (--nnodes=2, c10d rendezvous on localhost) of one rank each
-  split     the two-node run's out_dir as it stood at iter 4, resumed to 8
-The runs here also use activation checkpointing, so its composition with DDP and FSDP is under
-test too, and have a NaN loss injected at step 5, which all ranks must skip (the gradient norm decides)."""
+  two_node  FSDP, 8 steps, by two agents of one rank each (--nnodes=2, c10d rendezvous on localhost)
+  split     the two-node run's out_dir as it stood at iter 4, resumed to 8"""
 
 import json
 import math
@@ -16,18 +12,12 @@ import shutil
 
 import pytest
 import torch
-import torch.distributed as dist
 from conftest import assert_same_run, char_dataset, losses, read_metrics
-from processes import TORCHRUN_ARGS, succeeded, torchrun
+from processes import TORCHRUN_ARGS, needs_gloo, succeeded, torchrun
 
 from model import GPT, GPTConfig
 
-pytestmark = [
-    pytest.mark.skipif(
-        not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
-    ),
-    pytest.mark.process,  # every test here reads the torchrun launches
-]
+pytestmark = [needs_gloo, pytest.mark.process]  # every test here reads the torchrun launches
 
 DROPOUT_ARGS = [
     *TORCHRUN_ARGS,
@@ -42,7 +32,7 @@ NAN_STEP = 5
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The runs of the module docstring: their root, and the two-node run's ranks' stdout."""
+    """The module docstring's runs: their root, and the two-node run's ranks' stdout."""
     root = tmp_path_factory.mktemp("fsdp")
     data = char_dataset(root / "chars")
     ours = lambda name, *extra, nodes=False: torchrun(

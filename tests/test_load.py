@@ -20,35 +20,14 @@ def test_a_run_named_by_init_from_is_the_run_resume_reads(tiny_run):
 
 
 def test_sample_and_eval_read_a_run_named_by_init_from(tiny_run):
-    by_out_dir = run_script(
-        "sample.py",
-        f"--out_dir={tiny_run}",
-        "--device=cpu",
-        "--num_samples=1",
-        "--max_new_tokens=20",
-        "--seed=3",
-        "--start=Th",
-    )
-    by_init_from = run_script(
-        "sample.py",
-        f"--init_from={tiny_run}",
-        "--device=cpu",
-        "--num_samples=1",
-        "--max_new_tokens=20",
-        "--seed=3",
-        "--start=Th",
-    )
+    flags = ["--device=cpu", "--num_samples=1", "--max_new_tokens=20", "--seed=3", "--start=Th"]
+    by_out_dir = run_script("sample.py", f"--out_dir={tiny_run}", *flags)
+    by_init_from = run_script("sample.py", f"--init_from={tiny_run}", *flags)
     assert by_out_dir.returncode == 0 and by_init_from.returncode == 0, by_init_from.stderr
     assert by_init_from.stdout == by_out_dir.stdout and "\nTh" in by_out_dir.stdout
     data = tiny_run / ".." / "chars"
-    evaluated = run_script(
-        "eval.py",
-        f"--init_from={tiny_run}",
-        "--device=cpu",
-        f"--dataset={data.resolve()}",
-        "--tasks=val",
-        "--json=True",
-    )
+    flags = [f"--init_from={tiny_run}", "--device=cpu", f"--dataset={data.resolve()}", "--tasks=val", "--json=True"]
+    evaluated = run_script("eval.py", *flags)
     assert evaluated.returncode == 0, evaluated.stderr
     assert '"val"' in evaluated.stdout.splitlines()[-1]
 

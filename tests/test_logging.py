@@ -1,10 +1,11 @@
 """Seeing a run: metrics.jsonl, wandb (offline) and TensorBoard fed the same records, and
 plot.py turning metrics.jsonl files into a PNG."""
 
+import importlib.util
 import struct
 
 import pytest
-from conftest import needs, read_metrics, tiny_args
+from conftest import char_dataset, needs, read_metrics, tiny_args
 from processes import run_script
 
 from gpt.outdir import checkpoint
@@ -32,15 +33,25 @@ def test_wandb_offline_run_continues_the_same_run_after_resume(char_data, tmp_pa
     assert all((out / "wandb" / name / f"run-{run_id}.wandb").stat().st_size > 0 for name in runs)
 
 
-def test_tensorboard_gets_the_same_scalars_as_metrics_jsonl(char_data, tmp_path):
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    """Two 10-step runs at learning rates 1e-2 and 3e-3, for plot.py; the first also logs to
+    TensorBoard (where it is installed), with update ratios every 5 steps."""
+    root = tmp_path_factory.mktemp("logging")
+    data = char_dataset(root / "chars")
+    tensorboard = importlib.util.find_spec("tensorboard") is not None
+    for name, lr, extra in (("a", 1e-2, dict(tensorboard_log=tensorboard, update_ratio_interval=5)), ("b", 3e-3, {})):
+        args = tiny_args(data, root / name, max_iters=10, learning_rate=lr, min_lr=lr / 10, **extra)
+        result = run_script("train.py", *args)
+        assert result.returncode == 0, result.stderr
+    return root
+
+
+def test_tensorboard_gets_the_same_scalars_as_metrics_jsonl(two_runs):
     needs("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    out = tmp_path / "out"
-    result = run_script(
-        "train.py", *tiny_args(char_data, out, max_iters=10, tensorboard_log=True, update_ratio_interval=5)
-    )
-    assert result.returncode == 0, result.stderr
+    out = two_runs / "a"
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
     records = read_metrics(out)
@@ -58,19 +69,14 @@ def png_size(path):
     return struct.unpack(">II", data[16:24])
 
 
-def test_plot_two_runs_into_one_png(char_data, tmp_path):
-    for name, lr in (("a", 1e-2), ("b", 3e-3)):
-        result = run_script(
-            "train.py", *tiny_args(char_data, tmp_path / name, max_iters=10, learning_rate=lr, min_lr=lr / 10)
-        )
-        assert result.returncode == 0, result.stderr
-    result = run_script("plot.py", tmp_path / "a", tmp_path / "b" / "metrics.jsonl", f"--out={tmp_path / 'cmp.png'}")
+def test_plot_two_runs_into_one_png(two_runs, tmp_path):
+    result = run_script("plot.py", two_runs / "a", two_runs / "b" / "metrics.jsonl", f"--out={tmp_path / 'cmp.png'}")
     assert result.returncode == 0, result.stderr
     width, height = png_size(tmp_path / "cmp.png")
     assert width > 1000 and height > 300
 
-    alone = run_script("plot.py", tmp_path / "a")  # default: beside the run's metrics
-    assert alone.returncode == 0 and (tmp_path / "a" / "metrics.png").exists()
+    alone = run_script("plot.py", two_runs / "b")  # default: beside the run's metrics
+    assert alone.returncode == 0 and (two_runs / "b" / "metrics.png").exists()
 
 
 def test_plot_refuses_what_is_not_a_run(tmp_path):

@@ -1,7 +1,5 @@
 """Muon's matrices shared out across ranks by shape and FLOPs (gpt/train/muon.py's assign): the busiest
-rank's Newton-Schulz FLOPs within 1.1x of an even share, for GPT-2 124M and the 1B config at 2 to 16
-ranks, where a run of each shape's matrices per rank gave the same ranks every shape's larger share.
-A pure function: no processes. `pytest -s` on this file prints docs/distributed.md's table."""
+rank's Newton-Schulz FLOPs within 1.1x of an even share. `pytest -s` prints docs/distributed.md's table."""
 
 import pytest
 
@@ -25,8 +23,8 @@ def runs(counts, world_size):
 
 
 def busiest(counts, world_size, owners):
-    """(the busiest rank's Newton-Schulz FLOPs over an even share of them, its GFLOPs, the matrices of
-    padding the collectives carry: N times each shape's largest count per rank, less the count)."""
+    """(the busiest rank's Newton-Schulz FLOPs over an even share, its GFLOPs, the padding matrices the
+    collectives carry)."""
     load = [0] * world_size
     for shape, ranks in owners.items():
         assert len(ranks) == counts[shape] and set(ranks) <= set(range(world_size))  # one owner each

@@ -1,35 +1,19 @@
 """Muon shared over ranks where some rank owns no matrix of a shape (fewer matrices of a shape than
 ranks): such a rank resumes from either checkpoint format, under DDP and FSDP2, as the straight run
-went on (docs/distributed.md).
+went on (docs/distributed.md). Each run is one torchrun of train.py (config/train_llama_1b.py at tiny
+shapes), 6 steps, a checkpoint every 2, the sharded format unless a test says otherwise.
 
-The runs, each one torchrun of train.py (config/train_llama_1b.py at tiny shapes), 6 steps, a
-checkpoint every 2, the sharded format unless said:
-  ddp4        DDP over 4 ranks, 2 layers: each shape's 2 matrices on 2 ranks, none on the other 2
-  ddp4_2      ddp4's checkpoint at 2 resumed
-  ddp2        DDP over 2 ranks, 1 layer: rank 1 owns no matrix
-  ddp2_2      ddp2's checkpoint at 2 resumed, writing the full format from there
-  ddp2_4      ddp2_2's full checkpoint at 4 resumed
-  fsdp4       FSDP2 over 4 ranks, 2 layers
-  fsdp4_2     fsdp4's checkpoint at 2 resumed
-A resumed run equals its straight run exactly, except DDP over 4 ranks: there the first step after
-a resume all-reduces in DDP's first bucket layout, the straight run's step in the rebuilt one, and
-gloo's ring adds 4 ranks' gradients in another order (1 ulp; the full format does the same), so
-ddp4 is held to the DDP tests' tolerance. A rank waiting for ever fails its test at the launch's
-timeout instead of blocking the suite."""
+A resume equals its straight run exactly, except DDP over 4 ranks: the first step after a resume
+all-reduces in DDP's first bucket layout, the straight run's in the rebuilt one, and gloo's ring adds
+4 ranks' gradients in another order (1 ulp), so it is held to the DDP tests' tolerance."""
 
 import shutil
 
 import pytest
-import torch.distributed as dist
 from conftest import char_dataset, losses, tiny_args
-from processes import run_python
+from processes import needs_gloo, run_python
 
-pytestmark = [
-    pytest.mark.skipif(
-        not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
-    ),
-    pytest.mark.process,
-]
+pytestmark = [needs_gloo, pytest.mark.process]
 
 LLAMA = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, mlp_hidden=64, dtype="float32", optimizer="muon")
 RUN = dict(batch_size=2, gradient_accumulation_steps=4, max_iters=6, lr_decay_iters=6, eval_interval=2)
@@ -67,44 +51,24 @@ def data(tmp_path_factory):
 LOGGED = 6 + 2 * 4  # the losses of 6 steps and of 4 evals (at 0, 2, 4, 6), train and val
 
 
-def test_ddp_ranks_owning_no_matrix_resume_from_the_sharded_format(data, tmp_path):
-    on_ranks(4, data, tmp_path / "ddp4")
-    resumed(4, data, tmp_path / "ddp4", tmp_path / "ddp4_2", 2)
-    straight = losses(tmp_path / "ddp4")
-    assert len(straight) == LOGGED
-    assert losses(tmp_path / "ddp4_2") == pytest.approx(straight, rel=1e-5, abs=1e-6)
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_4_ranks_owning_no_matrix_resume_from_the_sharded_format(data, tmp_path, parallelism):
+    straight, again = tmp_path / f"{parallelism}4", tmp_path / f"{parallelism}4_2"
+    on_ranks(4, data, straight, parallelism=parallelism)
+    resumed(4, data, straight, again, 2, parallelism=parallelism)
+    assert len(losses(straight)) == LOGGED
+    if parallelism == "fsdp":
+        assert losses(again) == losses(straight)
+    else:
+        assert losses(again) == pytest.approx(losses(straight), rel=1e-5, abs=1e-6)
 
 
 def test_a_ddp_rank_owning_no_matrix_resumes_exactly_from_either_format(data, tmp_path):
-    on_ranks(2, data, tmp_path / "ddp2", n_layer=1, gradient_accumulation_steps=2)
-    resumed(
-        2,
-        data,
-        tmp_path / "ddp2",
-        tmp_path / "ddp2_2",
-        2,
-        n_layer=1,
-        gradient_accumulation_steps=2,
-        checkpoint_format="full",
-    )
-    resumed(
-        2,
-        data,
-        tmp_path / "ddp2_2",
-        tmp_path / "ddp2_4",
-        4,
-        n_layer=1,
-        gradient_accumulation_steps=2,
-        checkpoint_format="full",
-    )
+    one_layer = dict(n_layer=1, gradient_accumulation_steps=2)
+    on_ranks(2, data, tmp_path / "ddp2", **one_layer)
+    resumed(2, data, tmp_path / "ddp2", tmp_path / "ddp2_2", 2, **one_layer, checkpoint_format="full")
+    resumed(2, data, tmp_path / "ddp2_2", tmp_path / "ddp2_4", 4, **one_layer, checkpoint_format="full")
     assert (tmp_path / "ddp2_2" / "ckpt_0000004.pt").is_file()  # ddp2_4 resumed from the full format
     # the metrics carried over and those logged after each resume: exactly the straight run's
     assert losses(tmp_path / "ddp2_2") == losses(tmp_path / "ddp2_4") == losses(tmp_path / "ddp2")
     assert len(losses(tmp_path / "ddp2")) == LOGGED
-
-
-def test_fsdp_ranks_owning_no_matrix_resume_exactly(data, tmp_path):
-    on_ranks(4, data, tmp_path / "fsdp4", parallelism="fsdp")
-    resumed(4, data, tmp_path / "fsdp4", tmp_path / "fsdp4_2", 2, parallelism="fsdp")
-    assert losses(tmp_path / "fsdp4_2") == losses(tmp_path / "fsdp4")
-    assert len(losses(tmp_path / "fsdp4")) == LOGGED

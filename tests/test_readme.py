@@ -1,20 +1,12 @@
 """README.md from the top, as a user on a CPU machine follows it: its shell blocks in order, each
-line in bash, in a fresh copy of the tree (the files git tracks or would add: no out_dirs, no
-prepared data), after `. .venv/bin/activate` once the README has said to run it.
+line in bash, in a fresh copy of the tree, after `. .venv/bin/activate` once the README says to.
 
-What this test does not do as the user does, and why:
-- `.venv` is the venv this suite runs in (a link), not one `make quickstart` builds: that is
-  minutes and ~1.8 GB of downloads (tests/test_make_venv.py checks what make would install). It
-  holds the test tools too, so a runtime package missing from requirements.txt goes unseen here.
-- Tiny Shakespeare is put in data/shakespeare_char/input.txt, as the README tells a user without
-  network to do (from $SHAKESPEARE_TXT; else the suite's made-up text, so the test runs offline).
-- Training is shortened, to keep the test within the suite's budget: SHORTER appends flags to the
-  commands that train (a later flag wins) and TRAIN_ARGS to make's; the rest runs as written.
-- serve.py runs until it answers its page, then is stopped; it is given a free port (--port) so
-  that it cannot meet another test's server. chat.py gets one line on stdin.
-- SKIPPED names each block a CPU machine without network cannot run, and why.
-A command the README gains fails this test until it is put in one of these tables or runs as it is
-and cheaply."""
+Where this differs from a user, and why: `.venv` is a link to this suite's venv (building one is
+minutes and ~1.8 GB; tests/test_make_venv.py checks what make installs); Tiny Shakespeare is put in
+data/shakespeare_char/input.txt (from $SHAKESPEARE_TXT, else made-up text), as the README tells a
+user without network to do; SHORTER shortens the training commands; serve.py runs until it answers
+its page on a free port; chat.py gets one line on stdin; SKIPPED says why a block is not run here.
+A command the README gains fails this test until it is in one of these tables or runs cheaply."""
 
 import os
 import shutil
@@ -65,8 +57,7 @@ SKIPPED = {  # a README line -> why it is not run here
 
 
 def shell_lines(path):
-    """Each line of the file's ```sh blocks, in order, as written less its comment; a line ending
-    in a backslash joined with the next."""
+    """Each line of the file's ```sh blocks, in order, less its comment, backslash continuations joined."""
     lines, fence, pending = [], None, ""
     for line in path.read_text(encoding="utf-8").splitlines():
         stripped = line.strip()
@@ -86,8 +77,7 @@ def shell_lines(path):
 
 
 def fresh_copy(to):
-    """The tree as a fresh clone has it (conftest.tree_files: in a copy that is no git checkout too),
-    with the files' times (make compares the requirement files with the venv's install)."""
+    """The tree as a fresh clone has it, with the files' times (make compares them with the venv's install)."""
     for name in tree_files():
         (to / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO / name, to / name)
@@ -95,8 +85,7 @@ def fresh_copy(to):
 
 
 def test_a_copy_that_is_no_checkout_lists_the_files_a_checkout_lists(tmp_path):
-    """tree_files in a downloaded archive (no .git) reads the .gitignore files to the list git gives
-    in a checkout: the tree, with what a user's runs leave in it, listed by git, then without git."""
+    """tree_files without .git (a downloaded archive) lists what git lists in a checkout, runs' leftovers aside."""
     if shutil.which("git") is None:
         pytest.skip("needs git")
     root = fresh_copy(tmp_path / "tree")

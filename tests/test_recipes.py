@@ -1,28 +1,16 @@
 """The properties every kind of run shares, said once over a table of recipes.
 
-RECIPES is the table: an id -> the train.py flags that make that kind of run (a model shape, an
-optimizer, a schedule, a data format, FP8), on top of COMMON: a tiny model, 8 steps of 2 micro-steps,
-an eval and a kept checkpoint at iters 4 and 8. plain runs with dropout (so its resumes must restore
-the dropout masks' RNG streams too); the others without, so that their straight run is also the
-one-process reference of the 2-rank property (each rank draws its own masks). Each recipe's data is made here (DATA). Each recipe's straight run happens once per
-session, the first time a test asks for it (`straight`), and three properties read it:
+RECIPES maps an id to the train.py flags of that kind of run, on top of COMMON (a tiny model, 8 steps
+of 2 micro-steps, an eval and a kept checkpoint at iters 4 and 8); its data is made here (DATA).
+plain runs with dropout, so its resumes must restore the dropout masks' RNG streams too; the others
+without, so that their straight run is also the one-process reference of the 2-rank property. Each
+recipe's straight run happens once per session (`straight`), and every property reads it: resume at
+iter 4 is exact, 2 gloo ranks (DDP, FSDP2) equal 1, and a kill -9 then init_from=auto resumes exactly.
+Exact means every logged record but the timings, and the last checkpoint's weights and optimizer
+state (conftest.assert_same_run). A recipe's own checks are the short tests at the end, on the same runs.
 
-  test_resume_is_exact[recipe]          the straight run's out_dir as it stood at iter 4, resumed
-                                        with init_from=resume, ends where the straight run ended
-  test_two_gloo_ranks_equal_one[recipe-ddp|recipe-fsdp]
-                                        torchrun on 2 CPU ranks (1 micro-step each) trains as one
-                                        process (2 micro-steps) does, dropout off
-  test_kill_9_then_init_from_auto_resumes_exactly[recipe]
-                                        the same command killed with SIGKILL at iter 6 (after iter
-                                        4's checkpoint), started again with init_from=auto
-
-Bit for bit means every logged record but the timings, and the last checkpoint's weights and
-optimizer state (conftest.assert_same_run). A recipe's own checks (what its checkpoint holds, what its
-log says) are the short tests at the end, on the same runs.
-
-To add a recipe: a line in RECIPES (its flags; `dataset` names a maker of DATA, or add one there),
-and, where its 2-rank run may differ by more than float order in the reductions, its tolerance in
-TOLERANCE. Every property then covers it."""
+To add a recipe: a line in RECIPES (`dataset` names a maker in DATA), and, where its 2-rank run may
+differ by more than float order in the reductions, its tolerance in TOLERANCE."""
 
 import json
 import shutil
@@ -32,7 +20,6 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from conftest import (
     GPT2,
     TINY_LLAMA,
@@ -46,7 +33,7 @@ from conftest import (
     tiny_args,
     write_chat_dir,
 )
-from processes import REPO, run_python, run_script, start_python, succeeded, torchrun
+from processes import REPO, needs_gloo, run_python, run_script, succeeded, torchrun
 
 from gpt.data import token_files
 from gpt.outdir import checkpoint
@@ -76,8 +63,7 @@ TOLERANCE = {"fp8": dict(abs=1e-2), "documents": dict(rel=1e-3)}
 
 
 def documents(data_dir):
-    """A GPT-2 BPE-style dataset of short documents, each followed by end-of-text as data/corpus.py
-    writes them: a few dozen rows of 16 tokens an epoch."""
+    """Short GPT-2 BPE-style documents, each followed by end-of-text as data/corpus.py writes them."""
     data_dir.mkdir()
     for split, n_docs in (("train", 40), ("val", 20)):
         lengths = np.random.default_rng(len(split)).integers(3, 30, size=n_docs)
@@ -97,9 +83,8 @@ DATA = {
 
 @pytest.fixture(scope="module")
 def recipes(tmp_path_factory):
-    """flags(recipe, out_dir, **overrides): a recipe's train.py flags, its data made on first use;
-    run(recipe, name, **overrides): its run `name` with those overrides, made once (its out_dir);
-    straight(recipe): its straight run, as run(recipe, "straight")."""
+    """flags(recipe, out_dir, **overrides): its train.py flags; .run(recipe, name, **overrides): that
+    run's out_dir, trained once; .straight(recipe): .run(recipe, "straight")."""
     root, made, runs = tmp_path_factory.mktemp("recipes"), {}, {}
     (root / "data").mkdir()
 
@@ -124,15 +109,13 @@ def recipes(tmp_path_factory):
 
 
 def at_iter_4(recipes, recipe, to):
-    """A copy at `to` of the recipe's straight out_dir as it stood at iter 4 (its checkpoint then, kept
-    as ckpt_0000004.pt), for a run to resume from."""
+    """A copy at `to` of the recipe's straight out_dir as it stood at iter 4, to resume from."""
     later = shutil.ignore_patterns("ckpt.pt", "ckpt_best.pt", "ckpt_0000008.pt")
     return shutil.copytree(recipes.straight(recipe), to, ignore=later)
 
 
-# train.py's main in a process of its own that sends itself signal SIG when the schedule asks for
-# iter AT's learning rate (train.py asks just before each step): SIGKILL there is a kill -9 after
-# iter 4's checkpoint with iters 4 and 5 logged since; SIGTERM a stop request
+# train.py's main in a process that sends itself signal SIG when train.py asks for iter AT's
+# learning rate, just before that step
 SIGNAL_DRIVER = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, {repo!r})
@@ -152,12 +135,11 @@ SIGNAL_DRIVER = textwrap.dedent("""
 
 
 def signalled_run(tmp_path, sig, at, args):
-    """train.py ARGS run until it ends, after sending itself `sig` at iter `at`: (exit code, stdout)."""
+    """train.py ARGS run until it ends, after sending itself `sig` at iter `at`: (exit code, stdout, stderr)."""
     driver = tmp_path / "driver.py"
     driver.write_text(SIGNAL_DRIVER.format(repo=str(REPO), at=at, sig=sig))
-    proc = start_python([driver, *args])
-    stdout, stderr = proc.communicate(timeout=300)
-    return proc.returncode, stdout, stderr
+    result = run_python([driver, *args])
+    return result.returncode, result.stdout, result.stderr
 
 
 # ---------------------------------------------------------------------------- the properties
@@ -174,14 +156,13 @@ def test_resume_is_exact(recipes, recipe, tmp_path):
 
 
 @pytest.mark.process
-@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
+@needs_gloo
 @pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_two_gloo_ranks_equal_one(recipes, recipe, parallelism, tmp_path):
     """2 ranks x 1 micro-step against 1 process x 2 micro-steps, dropout off (each rank draws its own
-    masks): the same rows each step (every rank draws the global step and takes its share), so
-    the same losses, gradient norms and trained tokens but for the float order of the reductions.
-    Rank 0 alone logs; under DDP the two replicas end with the same weights, bit for bit."""
+    masks): the same losses, gradient norms and trained tokens but for the float order of the
+    reductions. Rank 0 alone logs; under DDP the two replicas end with the same weights, bit for bit."""
     one = recipes.straight(recipe) if not RECIPES[recipe].get("dropout") else recipes.run(recipe, "one", dropout=0.0)
     args = recipes(recipe, tmp_path / "two", dropout=0.0, parallelism=parallelism)
     ranks = succeeded(torchrun(tmp_path, "two", args, {"record": True}))
@@ -202,9 +183,8 @@ def test_two_gloo_ranks_equal_one(recipes, recipe, parallelism, tmp_path):
 @pytest.mark.process
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_kill_9_then_init_from_auto_resumes_exactly(recipes, recipe, tmp_path):
-    """A requeued job: the command (init_from=auto) killed with SIGKILL after iter 4's checkpoint,
-    with iters 4 and 5 logged since and out_dir's lock left held by a dead process; the same command
-    again resumes at iter 4 and ends as the straight run did."""
+    """A requeued job: killed after iter 4's checkpoint, with iters 4 and 5 logged since and out_dir's
+    lock held by a dead process; the same command again resumes at iter 4 and ends as the straight run."""
     out = tmp_path / "out"
     args = recipes(recipe, out, init_from="auto")
     code, stdout, stderr = signalled_run(tmp_path, "SIGKILL", 6, args)
@@ -233,8 +213,7 @@ def test_a_run_says_what_it_trains_on(recipes, recipe):
 
 @pytest.mark.process
 def test_sigterm_checkpoints_exits_75_and_resumes_exactly(recipes, tmp_path):
-    """SIGTERM (a preemption) during iter 6: the run stops at the next step boundary with a checkpoint,
-    says so and exits 75; a resume ends as the straight run did."""
+    """SIGTERM (a preemption) at iter 6: a checkpoint at the next step boundary, exit 75; a resume is exact."""
     out = tmp_path / "out"
     code, stdout, stderr = signalled_run(tmp_path, "SIGTERM", 6, recipes("plain", out))
     assert code == 75, stderr
@@ -246,8 +225,7 @@ def test_sigterm_checkpoints_exits_75_and_resumes_exactly(recipes, tmp_path):
 
 
 def test_the_levers_and_both_optimizers_are_in_the_checkpoint(recipes, tmp_path):
-    """The levers' keys and weights in the checkpoint, which sample.py rebuilds the same model from;
-    Muon's momenta and AdamW's moments both kept; a resume that drops a lever is refused, naming it."""
+    """The levers' keys and weights, Muon's momenta and AdamW's moments kept; dropping a lever is refused."""
     straight = recipes.straight("levers-muon")
     state = torch.load(straight / "ckpt.pt", weights_only=True)
     assert all(state["model_args"][k] == v for k, v in LEVERS.items())
@@ -261,8 +239,7 @@ def test_the_levers_and_both_optimizers_are_in_the_checkpoint(recipes, tmp_path)
 
 
 def test_wsd_run_extended_from_its_stable_phase_resumes_exactly(recipes, tmp_path):
-    """A run planned for 6 steps (its decay from iter 4.5) has its iter-4 checkpoint in the stable
-    phase; resumed with max_iters=8 it equals the run planned for 8 from the start, bit for bit."""
+    """A 6-step run's iter-4 checkpoint (stable phase), resumed with max_iters=8, equals the 8-step run."""
     planned = tmp_path / "planned6"
     result = run_script("train.py", *recipes("wsd", planned, max_iters=6))
     assert result.returncode == 0, result.stderr
@@ -276,8 +253,7 @@ def test_wsd_run_extended_from_its_stable_phase_resumes_exactly(recipes, tmp_pat
 
 
 def test_documents_resume_mid_epoch_and_refuse_another_order(recipes, tmp_path):
-    """The resume at iter 4 is inside an epoch, and the run then crosses into the next; a resume
-    with batch_order='random' is refused in one line."""
+    """The resume at iter 4 is inside an epoch, the run crosses into the next; batch_order='random' is refused."""
     straight = recipes.straight("documents")
     at_4 = torch.load(straight / "ckpt_0000004.pt", weights_only=True)["rng"]["batches"]
     assert (

