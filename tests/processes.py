@@ -178,6 +178,32 @@ TORCHRUN_ARGS = ["config/train_llama_tiny.py", "--block_size=32", "--batch_size=
 TORCHRUN_ARGS += ["--max_iters=8", "--lr_decay_iters=8", "--warmup_iters=2", "--eval_interval=4", "--log_interval=1"]
 
 
+# a command (train.py, rl.py) run as its own process, sending itself signal SIG when its schedule asks
+# for iter AT's learning rate (just before that step): a kill -9 or a preemption at a known step
+SIGNAL_DRIVER = """
+import os, runpy, signal, sys
+sys.path.insert(0, {repo!r})
+from gpt.train import optim
+get_lr = optim.get_lr
+
+def signalling_get_lr(it, cfg):
+    if it == {at}:
+        os.kill(os.getpid(), signal.{sig})
+    return get_lr(it, cfg)
+
+optim.get_lr = signalling_get_lr
+sys.argv[0] = {script!r}
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+def signalled_run(tmp_path, script, sig, at, args):
+    """SCRIPT ARGS run to its end after sending itself `sig` at iter `at`: run_python's result."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(SIGNAL_DRIVER.format(repo=str(REPO), script=str(REPO / script), at=at, sig=sig))
+    return run_python([driver, *args])
+
+
 # what a test of CPU ranks needs
 needs_gloo = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"

@@ -15,7 +15,6 @@ differ by more than float order in the reductions, its tolerance in TOLERANCE.""
 import json
 import shutil
 import signal
-import textwrap
 
 import numpy as np
 import pytest
@@ -33,7 +32,7 @@ from conftest import (
     tiny_args,
     write_chat_dir,
 )
-from processes import REPO, needs_gloo, run_python, run_script, succeeded, torchrun
+from processes import needs_gloo, run_python, run_script, signalled_run, succeeded, torchrun
 
 from gpt.data import token_files
 from gpt.outdir import checkpoint
@@ -114,34 +113,6 @@ def at_iter_4(recipes, recipe, to):
     return shutil.copytree(recipes.straight(recipe), to, ignore=later)
 
 
-# train.py's main in a process that sends itself signal SIG when train.py asks for iter AT's
-# learning rate, just before that step
-SIGNAL_DRIVER = textwrap.dedent("""
-    import os, signal, sys
-    sys.path.insert(0, {repo!r})
-    import configurator
-    from gpt.train import optim
-    get_lr = optim.get_lr
-
-    def signalling_get_lr(it, cfg):
-        if it == {at}:
-            os.kill(os.getpid(), signal.{sig})
-        return get_lr(it, cfg)
-
-    optim.get_lr = signalling_get_lr
-    import train
-    configurator.run_main(lambda: train.main(sys.argv[1:]))
-""")
-
-
-def signalled_run(tmp_path, sig, at, args):
-    """train.py ARGS run until it ends, after sending itself `sig` at iter `at`: (exit code, stdout, stderr)."""
-    driver = tmp_path / "driver.py"
-    driver.write_text(SIGNAL_DRIVER.format(repo=str(REPO), at=at, sig=sig))
-    result = run_python([driver, *args])
-    return result.returncode, result.stdout, result.stderr
-
-
 # ---------------------------------------------------------------------------- the properties
 
 
@@ -187,8 +158,8 @@ def test_kill_9_then_init_from_auto_resumes_exactly(recipes, recipe, tmp_path):
     lock held by a dead process; the same command again resumes at iter 4 and ends as the straight run."""
     out = tmp_path / "out"
     args = recipes(recipe, out, init_from="auto")
-    code, stdout, stderr = signalled_run(tmp_path, "SIGKILL", 6, args)
-    assert code == -signal.SIGKILL, stderr
+    killed = signalled_run(tmp_path, "train.py", "SIGKILL", 6, args)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert [r["iter"] for r in read_metrics(out) if "loss" in r] == list(range(6))
     again = run_script("train.py", *args)
     assert again.returncode == 0, again.stderr
@@ -215,10 +186,10 @@ def test_a_run_says_what_it_trains_on(recipes, recipe):
 def test_sigterm_checkpoints_exits_75_and_resumes_exactly(recipes, tmp_path):
     """SIGTERM (a preemption) at iter 6: a checkpoint at the next step boundary, exit 75; a resume is exact."""
     out = tmp_path / "out"
-    code, stdout, stderr = signalled_run(tmp_path, "SIGTERM", 6, recipes("plain", out))
-    assert code == 75, stderr
+    stopped = signalled_run(tmp_path, "train.py", "SIGTERM", 6, recipes("plain", out))
+    assert stopped.returncode == 75, stopped.stderr
     stopped_at = torch.load(out / "ckpt.pt", weights_only=True)["iter_num"]
-    assert 6 <= stopped_at < 8 and f"stopped at iter {stopped_at} (SIGTERM)" in stdout
+    assert 6 <= stopped_at < 8 and f"stopped at iter {stopped_at} (SIGTERM)" in stopped.stdout
     resumed = run_script("train.py", *recipes("plain", out, init_from="resume"))
     assert resumed.returncode == 0, resumed.stderr
     assert_same_run(out, recipes.straight("plain"))

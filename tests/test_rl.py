@@ -7,13 +7,11 @@ import json
 import re
 import shutil
 import signal
-import textwrap
 
 import pytest
 import torch
-import torch.distributed as dist
 from conftest import CPU, TINY, one_line_error, read_metrics
-from processes import REPO, load_script, run_python, run_script, start_python
+from processes import REPO, load_script, needs_gloo, run_python, run_script, signalled_run
 
 from configurator import UserError
 from gpt.rl import rollouts, tasks
@@ -62,14 +60,12 @@ def test_gsm8k_checker_is_the_number_after_the_hashes_commas_removed(tmp_path):
 
 
 def test_own_jsonl_checks_exactly_or_as_numbers(tmp_path):
-    path = write_jsonl(
-        tmp_path / "mine.jsonl", [{"prompt": "Capital of France?", "answer": "Paris"}, {"prompt": "2+2", "answer": 4}]
-    )
+    mine = [{"prompt": "Capital of France?", "answer": "Paris"}, {"prompt": "2+2", "answer": 4}]
+    path = write_jsonl(tmp_path / "mine.jsonl", mine)
     exact = tasks.load("jsonl", train_file=path, test_file=path, check="exact")
     assert [exact.reward(exact.test[0], c) for c in ("Paris", " Paris\n", "paris", "Paris.")] == [1, 1, 0, 0]
-    numbers = write_jsonl(
-        tmp_path / "n.jsonl", [{"prompt": "2+2", "answer": "4"}, {"prompt": "big", "answer": "1,000"}]
-    )
+    numbers = [{"prompt": "2+2", "answer": "4"}, {"prompt": "big", "answer": "1,000"}]
+    numbers = write_jsonl(tmp_path / "n.jsonl", numbers)
     numeric = tasks.load("jsonl", train_file=numbers, test_file=numbers, check="numeric")
     four, thousand = numeric.test
     assert [numeric.reward(four, c) for c in ("4", "it is 4.0", "3 then 4", "4 then 3", "four")] == [1, 1, 1, 0, 0]
@@ -170,9 +166,8 @@ def sft(tmp_path_factory):
     root = tmp_path_factory.mktemp("rl")
     data = root / "data"
     load_script("data/chat/arithmetic.py").main([f"--out_dir={data}", "--n=2000"])
-    load_script("data/train_tokenizer.py").main(
-        ["--input", f"{data}/text.txt", "--vocab_size=512", f"--out_dir={data}", "--val_chars=2000"]
-    )
+    tokenizer = ["--input", f"{data}/text.txt", "--vocab_size=512", f"--out_dir={data}", "--val_chars=2000"]
+    load_script("data/train_tokenizer.py").main(tokenizer)
     prepare = ["--input", f"{data}/train.jsonl", f"--tokenizer={data}/tokenizer.json", f"--out_dir={data}"]
     load_script("data/chat/prepare.py").main([*prepare, "--block_size=64"])
     keys = dict(TINY, block_size=64, dataset=data, out_dir=root / "sft", device="cpu", compile=False, batch_size=8)
@@ -217,12 +212,10 @@ def test_a_run_logs_rewards_pass_at_k_and_writes_chat_checkpoints(straight):
         assert 0 <= r["reward"] <= 1 and 1 <= r["sampled_length"] <= 16 and r["sampled_tokens"] >= 8
     assert any(r["reward"] not in (0, 1) for r in steps)  # some group had rewards to tell apart: a gradient
     assert all(0 <= r["pass@1"] <= r["pass@2"] <= 1 for r in evals)
-    assert (straight / "ckpt.pt").exists() and "init_from='auto': no checkpoint" in (
-        straight / "stdout.txt"
-    ).read_text()
-    reply = run_script(
-        "chat.py", f"--out_dir={straight}", "--checkpoint=latest", "--prompt=Ava has 2 apples.", "--max_new_tokens=8"
-    )
+    assert (straight / "ckpt.pt").exists()
+    assert "init_from='auto': no checkpoint" in (straight / "stdout.txt").read_text()
+    chat = [f"--out_dir={straight}", "--checkpoint=latest", "--prompt=Ava has 2 apples.", "--max_new_tokens=8"]
+    reply = run_script("chat.py", *chat)
     assert reply.returncode == 0 and reply.stdout.strip(), reply.stderr
 
 
@@ -230,26 +223,15 @@ def test_eval_only_scores_pass_at_k_again_with_the_same_seeds(straight, tmp_path
     """pass@k as an evaluation: --eval_only=True on the run's newest checkpoint samples the held-out
     problems with the seeds of every eval, so it scores what the run's last eval scored."""
     out = shutil.copytree(straight, tmp_path / "copy")
-    result = run_script(
-        "rl.py",
-        f"--out_dir={out}",
-        "--init_from=resume",
-        "--eval_only=True",
-        "--device=cpu",
-        "--eval_examples=2",
-        "--pass_k=2",
-        "--max_new_tokens=16",
-    )
+    keys = dict(out_dir=out, init_from="resume", eval_only=True, device="cpu", eval_examples=2, pass_k=2)
+    result = run_script("rl.py", *[f"--{k}={v}" for k, v in keys.items()], "--max_new_tokens=16")
     assert result.returncode == 0, result.stderr
     assert "step 4: 2 held-out problems: pass@1" in result.stdout
-    scores = lambda out: [
-        {k: v for k, v in r.items() if k.startswith("pass@")} for r in read_metrics(out) if "pass@1" in r
-    ]
+    passes = lambda r: {k: v for k, v in r.items() if k.startswith("pass@")}
+    scores = lambda run: [passes(r) for r in read_metrics(run) if "pass@1" in r]
     assert scores(out) == scores(straight) + scores(straight)[-1:]
-    assert (
-        not (out / "ckpt_0000004.pt").exists()
-        and (out / "ckpt.pt").stat().st_mtime == (straight / "ckpt.pt").stat().st_mtime
-    )
+    assert not (out / "ckpt_0000004.pt").exists()  # an evaluation writes no checkpoint
+    assert (out / "ckpt.pt").stat().st_mtime == (straight / "ckpt.pt").stat().st_mtime
 
 
 def test_gsm8k_files_train_a_few_steps_and_score_as_the_same_problems_generated(sft, straight, tmp_path):
@@ -275,35 +257,14 @@ def test_gsm8k_files_train_a_few_steps_and_score_as_the_same_problems_generated(
     assert evals[0] == next(r for r in read_metrics(straight) if "pass@1" in r)
 
 
-KILL_DRIVER = textwrap.dedent("""
-    import os, signal, sys
-    sys.path.insert(0, {repo!r})
-    import configurator
-    from gpt.train import optim
-    get_lr = optim.get_lr
-
-    def killing_get_lr(it, cfg):
-        if it == 3:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return get_lr(it, cfg)
-
-    optim.get_lr = killing_get_lr
-    sys.argv[0] = "rl.py"
-    import runpy
-    runpy.run_path({rl!r}, run_name="__main__")
-""")
-
-
 @pytest.mark.process
 def test_kill_9_then_init_from_auto_resumes_exactly(sft, straight, tmp_path):
     """rl.py killed with SIGKILL as it starts iter 3 (after iter 2's checkpoint), then the same command
     again: it resumes at iter 2 and logs what the straight run logged, rewards and losses alike."""
-    out, driver = tmp_path / "out", tmp_path / "driver.py"
-    driver.write_text(KILL_DRIVER.format(repo=str(REPO), rl=str(REPO / "rl.py")))
+    out = tmp_path / "out"
     args = rl_args(sft, out, init_from="auto")
-    proc = start_python([driver, *args])
-    _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == -signal.SIGKILL, stderr
+    killed = signalled_run(tmp_path, "rl.py", "SIGKILL", 3, args)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
     again = run_script("rl.py", *args)
     assert again.returncode == 0, again.stderr
     assert f"init_from='auto': resuming the run in out_dir={out} (iter 2" in again.stdout
@@ -311,11 +272,10 @@ def test_kill_9_then_init_from_auto_resumes_exactly(sft, straight, tmp_path):
 
 
 @pytest.mark.process
-@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
+@needs_gloo
 def test_two_gloo_ranks_equal_one_process(sft, straight, tmp_path):
-    """torchrun, 2 CPU ranks: each samples its problem of the step with the same seeds, so the rewards,
-    lengths and pass@k are the straight run's; the losses and gradient norms too, but for the order of
-    the float sums."""
+    """torchrun, 2 CPU ranks, each sampling its problem with the same seeds: the straight run's rewards,
+    lengths and pass@k; its losses and gradient norms but for the order of the float sums."""
     out = tmp_path / "two"
     cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", REPO / "rl.py"]
     result = run_python([*cmd, *rl_args(sft, out, init_from="auto")], env={"OMP_NUM_THREADS": "1"})
