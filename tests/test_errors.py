@@ -53,13 +53,14 @@ RUN_CASES = {  # id: (train.py's keys over tiny_args', the environment, what the
         ["gradient_accumulation_steps=3", "multiple of 2"],
     ),
     "resume-without-a-checkpoint": (dict(init_from="resume"), None, ["no checkpoint", "ckpt.pt"]),
-    "unwritable-out-dir": (dict(out_dir="/dev/null/out"), None, ["cannot write to out_dir"]),  # a folder in a file
+    "unwritable-out-dir": (dict(out_dir="a-file/out"), None, ["cannot write to out_dir"]),  # a folder in a file
 }
 
 
 @pytest.mark.parametrize("overrides, env, expected", RUN_CASES.values(), ids=RUN_CASES)
 def test_train_run_errors(char_data, tmp_path, overrides, env, expected):
-    args = tiny_args(char_data, **{"out_dir": tmp_path / "out", **overrides})
+    (tmp_path / "a-file").write_text("a file, not a folder\n")
+    args = tiny_args(char_data, **{**overrides, "out_dir": tmp_path / overrides.get("out_dir", "out")})
     one_line_error(run_script("train.py", *args, env=env), *expected)
 
 

@@ -131,7 +131,7 @@ def test_no_quorum_is_started_after_the_last_step(runs):
 def kill_and_heal(data, tmp_path, sync_every):
     """Group 1 SIGKILLed once both step together, started again once group 0 has stepped alone, and
     both stopped by SIGTERM at their first shared checkpoint after the heal (every 16 steps: a sync
-    step of DiLoCo's 4). dev/replica_trials.py --trial=groups runs such kills to the end, 10 times."""
+    step of DiLoCo's 4)."""
     lighthouse = Lighthouse(tmp_path / "lighthouse.log", min_replicas=1, join_timeout_ms=1000)
     out = tmp_path / "ft"
     # dist_timeout_s: 6 times the lighthouse's 5 s to count a killed group out (the survivor's quorum waits
