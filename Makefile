@@ -5,7 +5,7 @@
 #   make test-fast    the tests that start no process of their own, in under 2 minutes
 #   make lint         ruff check and ruff format --check, as CI runs them before make test
 #   make chat-demo    docs/chat.md's chat demo from nothing: data, tokenizer, training (~70 s on 2 cores)
-#   make rl-demo      docs/chat.md's RL demo from nothing: arithmetic problems, SFT, then rl.py, pass@k before and after
+#   make rl-demo      docs/chat.md's RL demo from nothing: arithmetic problems, SFT, then scripts/chat_rl.py, pass@k before and after
 # All keep a GPU build of torch (>= scripts/system_torch.py's floor) that python3 already has.
 # SHAKESPEARE_TXT=/path/to/input.txt: tiny Shakespeare from there instead of data/shakespeare_char/input.txt
 # or the download.
@@ -87,14 +87,14 @@ chat-demo: venv
 	@echo "  python serve.py --out_dir=out-chat-demo     # the chat page at http://127.0.0.1:8000/, OpenAI's API beside it"
 
 # docs/chat.md's RL demo from nothing: generated arithmetic word problems as conversations, their
-# tokenizer, SFT (config/rl_demo_sft_cpu.py), then rl.py (config/rl_demo_cpu.py) and its reward curve
+# tokenizer, SFT (config/rl_demo_sft_cpu.py), then scripts/chat_rl.py (config/rl_demo_cpu.py) and its reward curve
 rl-demo: venv
 	$(PY) data/chat/arithmetic.py --out_dir=data/rl_demo --n=20000
 	$(PY) data/train_tokenizer.py --input data/rl_demo/text.txt --vocab_size=512 --out_dir=data/rl_demo
 	$(PY) data/chat/prepare.py --input data/rl_demo/train.jsonl --tokenizer=data/rl_demo/tokenizer.json \
 		--out_dir=data/rl_demo --block_size=64
 	$(PY) train.py config/rl_demo_sft_cpu.py --overwrite=True $(TRAIN_ARGS)
-	$(PY) rl.py config/rl_demo_cpu.py --overwrite=True $(RL_ARGS)
+	$(PY) scripts/chat_rl.py config/rl_demo_cpu.py --overwrite=True $(RL_ARGS)
 	$(PY) plot.py out-rl-demo
 	@echo
 	@echo "make rl-demo is done: pass@k before RL (iter 0) and after are in out-rl-demo/metrics.jsonl, the curves in"

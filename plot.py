@@ -1,5 +1,5 @@
 """Plot runs side by side from their metrics.jsonl: loss, learning rate and throughput
-against iterations, one colour per run; HellaSwag accuracy, CORE, and rl.py's reward and pass@k too when a run logged them,
+against iterations, one colour per run; HellaSwag accuracy, CORE, and scripts/chat_rl.py's reward and pass@k too when a run logged them,
 in the loop or by a watcher (eval.py --watch, its watch/ records: dashed, at the checkpoints' steps).
 
     python plot.py out-shakespeare-char                        # writes out-shakespeare-char/metrics.png
@@ -61,7 +61,7 @@ def plot(runs, out):
     )
     hellaswag, core, rl = logged("hellaswag_acc"), logged("core"), logged("reward")
     titles = ["loss", "learning rate", "tokens/s"] + ["HellaSwag"] * hellaswag + ["CORE"] * core
-    titles += ["reward (rl.py), pass@k held out"] * rl
+    titles += ["reward (scripts/chat_rl.py), pass@k held out"] * rl
     fig, axes = plt.subplots(1, len(titles), figsize=(5.3 * len(titles), 4.5))
     loss_ax, lr_ax, speed_ax = axes[:3]
     for i, (label, records) in enumerate(runs):

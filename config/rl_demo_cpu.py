@@ -1,4 +1,4 @@
-# The RL demo's second stage (make rl-demo): rl.py on config/rl_demo_sft_cpu.py's chat model, the
+# The RL demo's second stage (make rl-demo): scripts/chat_rl.py on config/rl_demo_sft_cpu.py's chat model, the
 # generated arithmetic task (gpt/rl/tasks.py), pass@1..8 on 100 held-out problems whose numbers the
 # model never saw, at iters 0, 20 and 40. nanochat's chat_rl.py takes 16 samples of 1 problem at a
 # time, 16 problems a step; a CPU takes 8 x 16.

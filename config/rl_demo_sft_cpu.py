@@ -6,7 +6,7 @@
 #   python data/chat/prepare.py --input data/rl_demo/train.jsonl --tokenizer=data/rl_demo/tokenizer.json \
 #       --out_dir=data/rl_demo --block_size=64
 #   python train.py config/rl_demo_sft_cpu.py
-#   python rl.py config/rl_demo_cpu.py
+#   python scripts/chat_rl.py config/rl_demo_cpu.py
 # The shape and Muon settings are the chat demo's (config/chat_demo_cpu.py); a conversation is ~45 tokens.
 # 300 steps (~2.5 min on 2 busy cores) reach val loss 0.05: held-out pass@1 0.45 at temperature 1 and
 # 0.81 greedy, so sampling, not the format, is what the model gets wrong: what RL can sharpen.

@@ -178,7 +178,7 @@ TORCHRUN_ARGS = ["config/train_llama_tiny.py", "--block_size=32", "--batch_size=
 TORCHRUN_ARGS += ["--max_iters=8", "--lr_decay_iters=8", "--warmup_iters=2", "--eval_interval=4", "--log_interval=1"]
 
 
-# a command (train.py, rl.py) run as its own process, sending itself signal SIG when its schedule asks
+# a command (train.py, scripts/chat_rl.py) run as its own process, sending itself signal SIG when its schedule asks
 # for iter AT's learning rate (just before that step): a kill -9 or a preemption at a known step
 SIGNAL_DRIVER = """
 import os, runpy, signal, sys

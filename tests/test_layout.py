@@ -11,7 +11,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 CORE = {"model", "configurator"}  # the root's two modules that are not commands
-MAX_FILE_LINES, MAX_FUNCTION_LINES, MAX_ROOT_FILES = 650, 80, 11
+MAX_FILE_LINES, MAX_FUNCTION_LINES, MAX_ROOT_FILES = 650, 80, 10
 # gpt/'s folders, each on a floor: a module may import its own folder's and those of lower floors
 FLOORS = {"device": 0, "data": 1, "outdir": 2, "train": 3, "weights": 3, "inference": 4, "evaluation": 4, "rl": 5}
 

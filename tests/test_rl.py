@@ -1,4 +1,4 @@
-"""rl.py, the chat pipeline's RL stage: the tasks and their checkers (gpt/rl/tasks.py), the policy
+"""scripts/chat_rl.py, the chat pipeline's RL stage: the tasks and their checkers (gpt/rl/tasks.py), the policy
 gradient on sampled tokens only, and a run of the command from a tiny SFT model of the arithmetic
 task (made once for the module): its metrics and checkpoints, kill -9 then init_from=auto, 2 gloo
 ranks against one process, and its one-line errors."""
@@ -180,7 +180,7 @@ def sft(tmp_path_factory):
 
 
 def rl_args(sft, out, **overrides):
-    """rl.py's flags for 4 steps of 2 problems x 4 samples from the sft model, pass@1..2 on 2 held-out
+    """scripts/chat_rl.py's flags for 4 steps of 2 problems x 4 samples from the sft model, pass@1..2 on 2 held-out
     problems at iters 0, 2 and 4 (a checkpoint at 2 and 4)."""
     keys = dict(start_from=sft / "sft", out_dir=out, device="cpu", max_iters=4, lr_decay_iters=4, eval_interval=2)
     keys.update(examples_per_step=2, samples=4, max_new_tokens=16, eval_examples=2, pass_k=2, learning_rate=3e-3)
@@ -191,7 +191,7 @@ def rl_args(sft, out, **overrides):
 def straight(sft):
     """The straight run, with init_from=auto (which starts a new run in an empty out_dir)."""
     out = sft / "straight"
-    result = run_script("rl.py", *rl_args(sft, out, init_from="auto"))
+    result = run_script("scripts/chat_rl.py", *rl_args(sft, out, init_from="auto"))
     assert result.returncode == 0, result.stderr
     (out / "stdout.txt").write_text(result.stdout)
     return out
@@ -224,7 +224,7 @@ def test_eval_only_scores_pass_at_k_again_with_the_same_seeds(straight, tmp_path
     problems with the seeds of every eval, so it scores what the run's last eval scored."""
     out = shutil.copytree(straight, tmp_path / "copy")
     keys = dict(out_dir=out, init_from="resume", eval_only=True, device="cpu", eval_examples=2, pass_k=2)
-    result = run_script("rl.py", *[f"--{k}={v}" for k, v in keys.items()], "--max_new_tokens=16")
+    result = run_script("scripts/chat_rl.py", *[f"--{k}={v}" for k, v in keys.items()], "--max_new_tokens=16")
     assert result.returncode == 0, result.stderr
     assert "step 4: 2 held-out problems: pass@1" in result.stdout
     passes = lambda r: {k: v for k, v in r.items() if k.startswith("pass@")}
@@ -247,7 +247,7 @@ def test_gsm8k_files_train_a_few_steps_and_score_as_the_same_problems_generated(
     assert "<<" in test.read_text() and "#### " in test.read_text()
     out = tmp_path / "gsm8k"
     args = rl_args(sft, out, task="gsm8k", train_file=train, test_file=test, max_iters=2, lr_decay_iters=2)
-    result = run_script("rl.py", *args)
+    result = run_script("scripts/chat_rl.py", *args)
     assert result.returncode == 0, result.stderr
     assert "rl: task gsm8k (36 train, 12 test problems)" in result.stdout
     records = read_metrics(out)
@@ -259,13 +259,13 @@ def test_gsm8k_files_train_a_few_steps_and_score_as_the_same_problems_generated(
 
 @pytest.mark.process
 def test_kill_9_then_init_from_auto_resumes_exactly(sft, straight, tmp_path):
-    """rl.py killed with SIGKILL as it starts iter 3 (after iter 2's checkpoint), then the same command
+    """scripts/chat_rl.py killed with SIGKILL as it starts iter 3 (after iter 2's checkpoint), then the same command
     again: it resumes at iter 2 and logs what the straight run logged, rewards and losses alike."""
     out = tmp_path / "out"
     args = rl_args(sft, out, init_from="auto")
-    killed = signalled_run(tmp_path, "rl.py", "SIGKILL", 3, args)
+    killed = signalled_run(tmp_path, "scripts/chat_rl.py", "SIGKILL", 3, args)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
-    again = run_script("rl.py", *args)
+    again = run_script("scripts/chat_rl.py", *args)
     assert again.returncode == 0, again.stderr
     assert f"init_from='auto': resuming the run in out_dir={out} (iter 2" in again.stdout
     assert untimed_rl(out) == untimed_rl(straight)
@@ -277,7 +277,7 @@ def test_two_gloo_ranks_equal_one_process(sft, straight, tmp_path):
     """torchrun, 2 CPU ranks, each sampling its problem with the same seeds: the straight run's rewards,
     lengths and pass@k; its losses and gradient norms but for the order of the float sums."""
     out = tmp_path / "two"
-    cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", REPO / "rl.py"]
+    cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", REPO / "scripts/chat_rl.py"]
     result = run_python([*cmd, *rl_args(sft, out, init_from="auto")], env={"OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     two, one = read_metrics(out), read_metrics(straight)
@@ -303,4 +303,4 @@ def test_bad_input_is_one_line(sft, tiny_run, tmp_path, case, said):
         "plain run": dict(start_from=tiny_run),
         "bad line": dict(task="jsonl", train_file=bad, test_file=bad),
     }[case]
-    one_line_error(run_script("rl.py", *rl_args(sft, tmp_path / "out", **overrides)), *said)
+    one_line_error(run_script("scripts/chat_rl.py", *rl_args(sft, tmp_path / "out", **overrides)), *said)

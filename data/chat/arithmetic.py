@@ -1,6 +1,6 @@
-"""The RL demo's SFT data: rl.py's generated arithmetic problems (gpt/rl/tasks.py) as
+"""The RL demo's SFT data: scripts/chat_rl.py's generated arithmetic problems (gpt/rl/tasks.py) as
 conversations, the worked answer ending in GSM8K's '#### N' as the assistant's turn. The
-held-out problems (numbers never seen here) are rl.py's test set, not written.
+held-out problems (numbers never seen here) are scripts/chat_rl.py's test set, not written.
 
     python data/chat/arithmetic.py --out_dir=data/rl_demo --n=20000 --seed=0
 
@@ -23,7 +23,9 @@ def main(argv=None):
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out_dir", required=True, help="train.jsonl and text.txt go here")
     p.add_argument("--n", type=int, default=20000, help="conversations (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="rl.py's seed: the same problems (default: %(default)s)")
+    p.add_argument(
+        "--seed", type=int, default=0, help="scripts/chat_rl.py's seed: the same problems (default: %(default)s)"
+    )
     args = p.parse_args(argv)
     if args.n < 1:
         raise UserError("--n must be at least 1")

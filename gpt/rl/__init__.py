@@ -1,1 +1,1 @@
-"""Reinforcement learning on a chat model (rl.py): tasks with a checker, rollouts and the policy gradient, pass@k."""
+"""Reinforcement learning on a chat model (scripts/chat_rl.py): tasks with a checker, rollouts and the policy gradient, pass@k."""

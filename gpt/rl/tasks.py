@@ -1,4 +1,4 @@
-"""Tasks with a checker, for rl.py and pass@k: problems (a prompt, its reference answer) split
+"""Tasks with a checker, for scripts/chat_rl.py and pass@k: problems (a prompt, its reference answer) split
 into train and test, and reward(problem, completion), 1.0 when the checker accepts the
 completion, else 0.0.
 

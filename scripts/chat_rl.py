@@ -3,13 +3,13 @@ chat_rl. Each step samples a group of answers per problem, scores each with the 
 and takes a policy-gradient step on the sampled tokens; pass@1..k on held-out problems is scored
 every eval_interval steps.
 
-    python rl.py config/rl_demo_cpu.py                                   # the demo (make rl-demo)
-    python rl.py --start_from=out-chat --task=gsm8k --train_file=gsm8k/train.jsonl --test_file=gsm8k/test.jsonl
-    python rl.py --start_from=Llama-3.2-1B-Instruct --task=jsonl --train_file=mine.jsonl --test_file=held.jsonl --check=numeric
-    python rl.py config/rl_demo_cpu.py --init_from=auto                  # resume if out_dir holds a run, else start
-    python rl.py config/rl_demo_cpu.py --init_from=resume --eval_only=True   # pass@1..k of the run's newest checkpoint
-    torchrun --standalone --nproc_per_node=8 rl.py config/rl_demo_cpu.py --device=cuda   # problems split over the ranks
-    python rl.py --help                                                  # every key (train.py's too)
+    python scripts/chat_rl.py config/rl_demo_cpu.py                                   # the demo (make rl-demo)
+    python scripts/chat_rl.py --start_from=out-chat --task=gsm8k --train_file=gsm8k/train.jsonl --test_file=gsm8k/test.jsonl
+    python scripts/chat_rl.py --start_from=Llama-3.2-1B-Instruct --task=jsonl --train_file=mine.jsonl --test_file=held.jsonl --check=numeric
+    python scripts/chat_rl.py config/rl_demo_cpu.py --init_from=auto                  # resume if out_dir holds a run, else start
+    python scripts/chat_rl.py config/rl_demo_cpu.py --init_from=resume --eval_only=True   # pass@1..k of the run's newest checkpoint
+    torchrun --standalone --nproc_per_node=8 scripts/chat_rl.py config/rl_demo_cpu.py --device=cuda   # problems split over the ranks
+    python scripts/chat_rl.py --help                                                  # every key (train.py's too)
 
 A run is a train.py run in everything but the step: out_dir's lock and init_from ('scratch': a
 new run from start_from's weights, 'resume', 'auto'), atomic checkpoints (ckpt.pt; ckpt_best.pt
@@ -23,12 +23,17 @@ as it trains, the optimizer), gpt/outdir (the out_dir, checkpoints, metrics).
 import dataclasses
 import os
 import random
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, Optional
 
 import torch
 import torch.distributed as dist
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
 from configurator import TrainConfig, UserError, as_dict, parse, require, run_main
 from gpt.device import runtime
@@ -78,7 +83,7 @@ class RLConfig(TrainConfig):
         super().__post_init__()
         require(
             self.init_from in ("scratch", "resume", "auto"),
-            f"init_from={self.init_from!r}: rl.py takes 'scratch' (a new RL run), 'resume' or 'auto'; the model "
+            f"init_from={self.init_from!r}: scripts/chat_rl.py takes 'scratch' (a new RL run), 'resume' or 'auto'; the model "
             f"it starts from is --start_from={self.init_from}",
         )
         require(
