@@ -3,6 +3,8 @@
     python scripts/chat_eval.py --out_dir=out-chat-demo --heldout=data/chat_demo/heldout.jsonl
     python scripts/chat_eval.py --out_dir=out-chat-demo --heldout=data/chat_demo/heldout.jsonl --limit=100 --jobs=1
     python scripts/chat_eval.py --out_dir=out-chat-demo --heldout=data/chat_demo/heldout.jsonl --gguf=out-chat-demo/model.gguf
+    python scripts/chat_eval.py --out_dir=out-rl-demo --task=arithmetic --pass_k=8 --examples=200
+    python scripts/chat_eval.py --out_dir=out-chat --task=gsm8k --test_file=gsm8k/test.jsonl --checkpoint=latest
 
 Each line of --heldout is a conversation ({"messages": [...], "intent": ...}, as data/chat/synthetic.py
 writes them). Its user turns are asked and its assistant turns expected, word for word, at
@@ -13,6 +15,11 @@ Prints the accuracy by intent and overall, the first few misses, and the wall ti
 the same conversations of llama.cpp too (llama-cpp-python, the file `hf.py --format=gguf` wrote:
 its chat template, create_chat_completion at temperature 0), and counts the conversations where
 its replies are chat.py's.
+
+--task scores pass@1..pass@k instead: on the first --examples held-out problems of a task with a
+checker (scripts/chat_rl.py's: arithmetic, gsm8k or your jsonl), --pass_k samples each, drawn with
+the seeds chat_rl.py's evaluations draw, so it prints what an RL run's eval at that checkpoint
+logged. --out_dir is a chat run's out_dir or a Hugging Face chat directory.
 """
 
 import argparse
@@ -28,6 +35,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from configurator import Parser, UserError, run_main  # after the path line above
+from gpt.device import runtime
+from gpt.rl import rollouts, tasks
+from gpt.weights import load
 
 
 def turns(conversation):
@@ -117,15 +127,55 @@ def report(right, asked, misses, seconds, show=5):
         print(f"  miss: {users} -> {got}, expected {expected}")
 
 
+def pass_at_k(args):
+    """--task: pass@1..pass@k of the model on the task's held-out problems, printed; the scores."""
+    if args.task != "arithmetic" and not args.test_file:
+        raise UserError(f"--task={args.task} reads its held-out problems from a file: set --test_file (jsonl)")
+    rt = runtime.setup(args.device, args.dtype)
+    task = tasks.load(args.task, args.test_file, args.test_file, args.check, args.seed)
+    model, spec = load.for_inference(args.out_dir, None, args.checkpoint)
+    template = load.chat_template(model.config.vocab_size, spec, args.out_dir, None)
+    model.to(rt.device).eval()
+    problems = task.test[: args.examples]
+    start = time.perf_counter()
+    with rt.autocast():
+        scores = rollouts.evaluate(
+            model, template, task, problems, args.pass_k, args.max_new_tokens, args.temperature, None, args.seed, rt
+        )
+    text = ", ".join(f"{k} {v:.3f}" for k, v in scores.items())
+    print(f"{args.task}: {len(problems)} held-out problems: {text} ({time.perf_counter() - start:.1f} s)")
+    return scores
+
+
 def main(argv=None):
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out_dir", required=True, help="the chat model's training run")
-    p.add_argument("--heldout", required=True, help="conversations to ask, .jsonl")
+    p.add_argument(
+        "--out_dir", required=True, help="the chat model's training run (--task: or a Hugging Face directory)"
+    )
+    p.add_argument("--heldout", help="conversations to ask, .jsonl")
     p.add_argument("--limit", type=int, default=0, help="ask only the first N (default: all)")
     p.add_argument("--jobs", type=int, default=2, help="chat.py processes at a time (default: %(default)s)")
     p.add_argument("--device", default="cpu", help="chat.py's --device (default: %(default)s)")
     p.add_argument("--gguf", help="also ask llama.cpp, with this model.gguf (python hf.py --format=gguf)")
+    rl = p.add_argument_group("pass@k on a task with a checker, as scripts/chat_rl.py scores it (its keys' defaults)")
+    rl.add_argument("--task", choices=["arithmetic", "gsm8k", "jsonl"], help="score pass@1..k on this task")
+    rl.add_argument("--test_file", default="", help="gsm8k, jsonl: the held-out problems")
+    rl.add_argument("--check", choices=["exact", "numeric"], default="exact", help="jsonl: how answers are checked")
+    rl.add_argument("--examples", type=int, default=100, help="held-out problems scored (default: %(default)s)")
+    rl.add_argument("--pass_k", type=int, default=8, help="samples per problem (default: %(default)s)")
+    rl.add_argument("--max_new_tokens", type=int, default=64, help="the longest answer (default: %(default)s)")
+    rl.add_argument("--temperature", type=float, default=1.0, help="(default: %(default)s)")
+    rl.add_argument(
+        "--seed", type=int, default=1337, help="the arithmetic task's and the samples' (default: %(default)s)"
+    )
+    rl.add_argument("--checkpoint", choices=["best", "latest"], default="best", help="(default: %(default)s)")
+    rl.add_argument("--dtype", default="auto", help="(default: %(default)s)")
     args = p.parse_args(argv)
+    if args.task:
+        pass_at_k(args)
+        return 0
+    if not args.heldout:
+        raise UserError("give --heldout (conversations to ask) or --task (pass@k on a task's problems)")
     try:
         with open(args.heldout, encoding="utf-8") as f:
             conversations = [json.loads(line) for line in f if line.strip()]

@@ -8,11 +8,13 @@ import fcntl
 import functools
 import importlib.metadata
 import importlib.util
+import io
 import json
 import math
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -209,6 +211,18 @@ def tree_files(root=REPO):
     assert listed.returncode == 0, listed.stderr
     names = filter(None, listed.stdout.split("\0"))
     return sorted(n for n in names if (root / n).is_file() and not (root / n).is_symlink())
+
+
+# The files that take longest, longest first (BENCHMARKS.md, "The test suite"). `make test` hands whole
+# files to its workers in collection order (--dist loadfile --no-loadscope-reorder), so these start
+# first and the last files to start are short: no worker waits long for the other at the end.
+LONGEST_FIRST = ["recipes", "muon_dist", "readme", "muon_resume", "engine", "replicas", "serve", "headline", "dist"]
+LONGEST_FIRST += ["watch", "diloco", "checkpoint_format", "compare", "fsdp", "bench", "compile", "optim", "hf"]
+
+
+def pytest_collection_modifyitems(items):
+    rank = {f"test_{name}.py": i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order kept
 
 
 def pytest_sessionfinish():
@@ -476,6 +490,56 @@ def assert_same_run(run, reference, checkpoint="ckpt.pt"):
     assert_equal_states(a["model"], b["model"], "model")
     states = lambda opt: [opt["state"]] if "state" in opt else [o["state"] for o in opt["optimizers"]]
     assert_equal_states(states(a["optimizer"]), states(b["optimizer"]), "optimizer")
+
+
+# ---- chat models through chat.py and their Hugging Face export (test_chat.py, test_rl.py)
+
+
+def chat(out_dir, *args, stdin=None):
+    saved = sys.stdin
+    sys.stdin = io.StringIO(stdin or "")
+    try:
+        result = run_script("chat.py", f"--out_dir={out_dir}", "--device=cpu", *args)
+    finally:
+        sys.stdin = saved
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Reverse: sule pova kire"}],
+    [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "My name is Dovaki."}],
+    [{"role": "user", "content": "Hi, I'm Zuvaki. 東京 🙂"}],
+]
+
+
+def check_export(out_dir, max_new_tokens, *, expect_end=False, init_from_export=False, conversations=CONVERSATIONS):
+    """hf.py's export of out_dir: apply_chat_template's ids and greedy generate()'s replies are chat.py's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    result = run_script("hf.py", f"--out_dir={out_dir}")
+    assert result.returncode == 0, result.stderr
+    export_dir = out_dir / "hf"
+    hf_tok = AutoTokenizer.from_pretrained(str(export_dir))
+    hf_model = AutoModelForCausalLM.from_pretrained(str(export_dir))
+    spec = torch.load(out_dir / "ckpt.pt", weights_only=True)["tokenizer"]
+    template = Template(spec)
+    assert hf_model.generation_config.eos_token_id == template.end_id == hf_tok.eos_token_id
+    ended = 0
+    for messages in conversations:
+        ids = hf_tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+        assert ids == template.render(messages, add_generation_prompt=True)[0]
+        greedy = dict(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=template.end_id)
+        out = hf_model.generate(torch.tensor([ids]), **greedy, pad_token_id=template.end_id)[0, len(ids) :].tolist()
+        ended += out[-1] == template.end_id
+        reply = hf_tok.decode(out[:-1] if out[-1] == template.end_id else out)
+        system = [f"--system={m['content']}" for m in messages if m["role"] == "system"]
+        source = [f"--init_from={export_dir}"] if init_from_export else []
+        prompt = [f"--prompt={messages[-1]['content']}", "--temperature=0", f"--max_new_tokens={max_new_tokens}"]
+        ours = chat(out_dir, *source, *system, *prompt)
+        assert ours.stdout == reply + "\n", (messages, init_from_export, ours.stderr)
+    assert ended == len(conversations) or not expect_end
+    return export_dir
 
 
 # ---- serving (test_serve.py, test_engine.py, test_serve_browser.py)

@@ -1,13 +1,20 @@
 """chat.py and the chat export: the KV cache across turns, the chat demo's model (conftest's
 shared_chat_demo) through --prompt and the REPL, and hf.py's export against transformers."""
 
-import io
 import json
-import sys
 
 import pytest
 import torch
-from conftest import TINY, TINY_LLAMA, chat_demo_copy, make_llama3_tokenizer, one_line_error, save_chat_checkpoint
+from conftest import (
+    TINY,
+    TINY_LLAMA,
+    chat,
+    chat_demo_copy,
+    check_export,
+    make_llama3_tokenizer,
+    one_line_error,
+    save_chat_checkpoint,
+)
 from processes import REPO, load_script, run_script
 
 from configurator import TrainConfig, parse
@@ -80,17 +87,6 @@ def test_synthetic_held_out_conversations_use_unseen_words(tmp_path):
         if c["intent"] == "recall":
             assert reply.removeprefix("Your name is ").rstrip(".") in c["messages"][-3]["content"]
     assert {c["intent"] for c in heldout} == set(synthetic.INTENTS)
-
-
-def chat(out_dir, *args, stdin=None):
-    saved = sys.stdin
-    sys.stdin = io.StringIO(stdin or "")
-    try:
-        result = run_script("chat.py", f"--out_dir={out_dir}", "--device=cpu", *args)
-    finally:
-        sys.stdin = saved
-    assert result.returncode == 0, result.stderr
-    return result
 
 
 @pytest.mark.slow
@@ -198,42 +194,6 @@ def test_configs_parse():
 
 
 # ---------------------------------------------------------------------------- export
-
-
-CONVERSATIONS = [
-    [{"role": "user", "content": "Reverse: sule pova kire"}],
-    [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "My name is Dovaki."}],
-    [{"role": "user", "content": "Hi, I'm Zuvaki. 東京 🙂"}],
-]
-
-
-def check_export(out_dir, max_new_tokens, *, expect_end=False, init_from_export=False):
-    """hf.py's export of out_dir: apply_chat_template's ids and greedy generate()'s replies are chat.py's."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    result = run_script("hf.py", f"--out_dir={out_dir}")
-    assert result.returncode == 0, result.stderr
-    export_dir = out_dir / "hf"
-    hf_tok = AutoTokenizer.from_pretrained(str(export_dir))
-    hf_model = AutoModelForCausalLM.from_pretrained(str(export_dir))
-    spec = torch.load(out_dir / "ckpt.pt", weights_only=True)["tokenizer"]
-    template = Template(spec)
-    assert hf_model.generation_config.eos_token_id == template.end_id == hf_tok.eos_token_id
-    ended = 0
-    for messages in CONVERSATIONS:
-        ids = hf_tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
-        assert ids == template.render(messages, add_generation_prompt=True)[0]
-        greedy = dict(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=template.end_id)
-        out = hf_model.generate(torch.tensor([ids]), **greedy, pad_token_id=template.end_id)[0, len(ids) :].tolist()
-        ended += out[-1] == template.end_id
-        reply = hf_tok.decode(out[:-1] if out[-1] == template.end_id else out)
-        system = [f"--system={m['content']}" for m in messages if m["role"] == "system"]
-        source = [f"--init_from={export_dir}"] if init_from_export else []
-        prompt = [f"--prompt={messages[-1]['content']}", "--temperature=0", f"--max_new_tokens={max_new_tokens}"]
-        ours = chat(out_dir, *source, *system, *prompt)
-        assert ours.stdout == reply + "\n", (messages, init_from_export, ours.stderr)
-    assert ended == len(CONVERSATIONS) or not expect_end
-    return export_dir
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ import signal
 
 import pytest
 import torch
-from conftest import CPU, TINY, one_line_error, read_metrics
+from conftest import CPU, TINY, chat, check_export, one_line_error, read_metrics, running
 from processes import REPO, load_script, needs_gloo, run_python, run_script, signalled_run
 
 from configurator import UserError
@@ -232,6 +232,10 @@ def test_eval_only_scores_pass_at_k_again_with_the_same_seeds(straight, tmp_path
     assert scores(out) == scores(straight) + scores(straight)[-1:]
     assert not (out / "ckpt_0000004.pt").exists()  # an evaluation writes no checkpoint
     assert (out / "ckpt.pt").stat().st_mtime == (straight / "ckpt.pt").stat().st_mtime
+    flags = [f"--out_dir={straight}", "--task=arithmetic", "--checkpoint=latest", "--examples=2", "--pass_k=2"]
+    scored = run_script("scripts/chat_eval.py", *flags, "--max_new_tokens=16")  # scripts/chat_eval.py's pass@k
+    found = lambda text: re.findall(r"held-out problems: (pass@1 [\d.]+, pass@2 [\d.]+)", text)
+    assert found(scored.stdout) == found(result.stdout), scored.stdout + scored.stderr
 
 
 def test_gsm8k_files_train_a_few_steps_and_score_as_the_same_problems_generated(sft, straight, tmp_path):
@@ -257,6 +261,22 @@ def test_gsm8k_files_train_a_few_steps_and_score_as_the_same_problems_generated(
     assert evals[0] == next(r for r in read_metrics(straight) if "pass@1" in r)
 
 
+def test_the_rl_model_serves_and_exports_replying_as_chat_py(straight, tmp_path):
+    """An RL'd checkpoint is a chat model like any: serve.py's replies to the openai client and the greedy
+    replies of hf.py's export under transformers are chat.py's at temperature 0."""
+    import openai
+
+    out = shutil.copytree(straight, tmp_path / "out")  # a copy to export into
+    asked = [[{"role": "user", "content": p.prompt}] for p in tasks.load("arithmetic", seed=1337).test[:3]]
+    with running(f"--out_dir={out}") as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        for messages in asked:
+            served = client.chat.completions.create(model="out", messages=messages, temperature=0, max_tokens=16)
+            ours = chat(out, f"--prompt={messages[0]['content']}", "--temperature=0", "--max_new_tokens=16")
+            assert ours.stdout == served.choices[0].message.content + "\n"
+    check_export(out, 16, conversations=asked)
+
+
 @pytest.mark.process
 def test_kill_9_then_init_from_auto_resumes_exactly(sft, straight, tmp_path):
     """scripts/chat_rl.py killed with SIGKILL as it starts iter 3 (after iter 2's checkpoint), then the same command
@@ -273,12 +293,14 @@ def test_kill_9_then_init_from_auto_resumes_exactly(sft, straight, tmp_path):
 
 @pytest.mark.process
 @needs_gloo
-def test_two_gloo_ranks_equal_one_process(sft, straight, tmp_path):
-    """torchrun, 2 CPU ranks, each sampling its problem with the same seeds: the straight run's rewards,
-    lengths and pass@k; its losses and gradient norms but for the order of the float sums."""
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_two_gloo_ranks_equal_one_process(sft, straight, tmp_path, parallelism):
+    """torchrun, 2 CPU ranks (DDP, FSDP2), each sampling its problem with the same seeds: the straight run's
+    rewards, lengths and pass@k; its losses and gradient norms but for the order of the float sums."""
     out = tmp_path / "two"
     cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", REPO / "scripts/chat_rl.py"]
-    result = run_python([*cmd, *rl_args(sft, out, init_from="auto")], env={"OMP_NUM_THREADS": "1"})
+    args = rl_args(sft, out, init_from="auto", parallelism=parallelism)
+    result = run_python([*cmd, *args], env={"OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     two, one = read_metrics(out), read_metrics(straight)
     exact = ("iter", "reward", "sampled_tokens", "pass@1", "pass@2")
