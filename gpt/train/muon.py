@@ -407,8 +407,9 @@ class Muon(torch.optim.Muon):
     def _gather_to_writer(self, params, mine, key, tensors):
         """(matrix, its state `key`) for each matrix of one shape that another rank owns, on rank 0,
         which holds it in host memory; nothing elsewhere. tensors: this rank's own matrices' `key`.
-        Gathered slot by slot (each rank's i-th matrix of the shape), so a rank holds at most one
-        matrix per rank beyond its own state: where a rank has no i-th, it sends zeros, dropped here."""
+        Gathered slot by slot (each rank's i-th matrix of the shape), so beyond the state it returns
+        rank 0 holds one matrix per rank at a time (gloo's gather adds a flat copy of them), the others
+        at most one of zeros, sent where a rank has no i-th and dropped here."""
         writer, shape = self.rank == 0, state_shape(key, params[0])
         dtype = params[0].dtype if key == "momentum_buffer" else torch.float32
         for slot in range(max(map(len, mine))):
