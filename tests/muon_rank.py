@@ -7,8 +7,10 @@ set_state_dict, as the sharded checkpoint format does, and all three stepped onc
 
 OPTIONS, JSON: shapes ([[A, B, count], ...]), steps, backend (torch.compile's for compile=True; null:
 eager). The rank writes REPORT<rank>.json: matrices orthogonalized each step, momenta held, state
-bytes, the largest weight gaps to the one-process Muon, and torch.compile's unique graphs."""
+bytes (held, and in the state_dict it returns), the largest weight gaps to the one-process Muon,
+and torch.compile's unique graphs."""
 
+import copy
 import functools
 import json
 import os
@@ -42,14 +44,16 @@ def gap(a, b):
     return max((x - y).abs().max().item() for x, y in zip(a.parameters(), b.parameters()))
 
 
-def state_bytes(opt):
-    return sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values())
+def state_bytes(state):
+    """The bytes of the tensors in an optimizer's state ({param or index: {key: tensor}})."""
+    return sum(t.numel() * t.element_size() for s in state.values() for t in s.values())
 
 
 def main(report, options):
     from torch._dynamo.utils import counters
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    from gpt.outdir.checkpoint import each_rank_its_own
     from gpt.train.muon import Muon
 
     if options.get("backend"):
@@ -72,13 +76,16 @@ def main(report, options):
         step(alone, opt_alone, i)
     out = dict(orthogonalized=orthogonalized, gap=gap(shared, alone), graphs=counters["stats"]["unique_graphs"])
     out.update(momenta=sum("momentum_buffer" in s for s in opt.state.values()), of=len(list(shared.parameters())))
-    out.update(state_bytes=state_bytes(opt), alone_state_bytes=state_bytes(opt_alone))
+    out.update(state_bytes=state_bytes(opt.state), alone_state_bytes=state_bytes(opt_alone.state))
+    out.update(state_dict_bytes=state_bytes(opt.state_dict()["state"]))  # the full format's: whole on rank 0
 
-    weights, optim = get_state_dict(shared, opt)  # what a sharded checkpoint writes
+    with each_rank_its_own(opt):  # what a sharded checkpoint writes: each rank its own, copied as to a file
+        weights, optim = copy.deepcopy(get_state_dict(shared, opt))
     resumed = matrices(options["shapes"])
     opt_resumed = Muon(resumed.parameters(), shared=True, **hyper)
-    get_state_dict(resumed, opt_resumed)  # the resume: DCP's zero step on empty state, as in set_state_dict
-    set_state_dict(resumed, opt_resumed, model_state_dict=weights, optim_state_dict=optim)
+    with each_rank_its_own(opt_resumed):
+        get_state_dict(resumed, opt_resumed)  # the resume: DCP's zero step on empty state, as in set_state_dict
+        set_state_dict(resumed, opt_resumed, model_state_dict=weights, optim_state_dict=optim)
     orthogonalized.append(0)
     for model, o in ((shared, opt), (alone, opt_alone), (resumed, opt_resumed)):
         step(model, o, options["steps"])

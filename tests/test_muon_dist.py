@@ -147,12 +147,15 @@ def muon_ranks(tmp_path_factory):
 
 def test_each_rank_orthogonalizes_its_share_and_keeps_its_momenta(muon_ranks):
     """Each rank runs the iterations on its own matrices only, every step, and holds only their
-    momenta (together the one-process Muon's bytes); the weights are the one-process step's, bit for bit."""
+    momenta (together the one-process Muon's bytes), in its state_dict too, but rank 0's, the full
+    format's writer, which holds every matrix's; the weights are the one-process step's, bit for bit."""
     owned = [sum(ranks.count(r) for ranks in OWNERS.values()) for r in range(4)]
     assert sum(owned) == 14 and 0 < min(owned)
     assert [r["orthogonalized"] for r in muon_ranks] == [[n] * 3 for n in owned]  # 2 steps, 1 after the resume
     assert [r["momenta"] for r in muon_ranks] == owned
     assert sum(r["state_bytes"] for r in muon_ranks) == muon_ranks[0]["alone_state_bytes"]
+    assert muon_ranks[0]["state_dict_bytes"] == muon_ranks[0]["alone_state_bytes"] > muon_ranks[0]["state_bytes"]
+    assert all(r["state_dict_bytes"] == r["state_bytes"] > 0 for r in muon_ranks[1:])
     assert all(r["gap"] == r["alone_gap"] == 0 for r in muon_ranks)
 
 

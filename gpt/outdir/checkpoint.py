@@ -17,6 +17,7 @@ import json
 import os
 import re
 import warnings
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -302,12 +303,28 @@ def sharded_state(raw_model, optimizer, rt):
     the values are this rank's DTensor shards. Only tensors go to DCP: it would pickle the rest."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    weights, optim = get_state_dict(raw_model, _each(optimizer))
+    with each_rank_its_own(optimizer):
+        weights, optim = get_state_dict(raw_model, _each(optimizer))
     rng = {f"torch_{rt.rank}": torch.get_rng_state()}  # each rank writes its own (distinct keys are not deduplicated)
     device_rng = device_rng_state(rt)
     if device_rng is not None:
         rng[f"{rt.device_type}_{rt.rank}"] = device_rng
     return {"model": weights, "optimizer": optim["state"], "rng": rng}, optim["param_groups"]
+
+
+@contextmanager
+def each_rank_its_own(optimizer):
+    """The sharded format's optimizer state_dict: an optimizer whose state_dict gathers its state
+    shared over the ranks to rank 0 for the full format (Muon under DDP: whole_state_dict) leaves
+    each rank its own, which DCP writes and reads rank by rank (a key only rank 1 holds, rank 1 writes)."""
+    gathering = [o for o in _each(optimizer) if getattr(o, "whole_state_dict", False)]
+    for o in gathering:
+        o.whole_state_dict = False
+    try:
+        yield
+    finally:
+        for o in gathering:
+            o.whole_state_dict = True
 
 
 def sharded_meta(scaler, info, batches, param_groups, rt):
@@ -382,19 +399,20 @@ def _load_sharded_into(state, raw_model, optimizer):
 
     single_process_is_meant()
     optimizers = _each(optimizer)
-    weights, optim = get_state_dict(raw_model, optimizers)  # the API takes a zero step to create empty AdamW state
-    rng = _rng_placeholders(state["path"])
-    dcp.load(
-        {"model": weights, "optimizer": optim["state"], "rng": rng},
-        checkpoint_id=state["path"],
-        no_dist=not (dist.is_available() and dist.is_initialized()),
-    )
-    set_state_dict(
-        raw_model,
-        optimizers,
-        model_state_dict=weights,
-        optim_state_dict={"state": optim["state"], "param_groups": state["param_groups"]},
-    )
+    with each_rank_its_own(optimizer):  # each rank reads its own Muon momenta only
+        weights, optim = get_state_dict(raw_model, optimizers)  # the API takes a zero step to create empty AdamW state
+        rng = _rng_placeholders(state["path"])
+        dcp.load(
+            {"model": weights, "optimizer": optim["state"], "rng": rng},
+            checkpoint_id=state["path"],
+            no_dist=not (dist.is_available() and dist.is_initialized()),
+        )
+        set_state_dict(
+            raw_model,
+            optimizers,
+            model_state_dict=weights,
+            optim_state_dict={"state": optim["state"], "param_groups": state["param_groups"]},
+        )
     state["rng"] = {**_by_rank(rng, state["world_size"]), "batches": state["batches"]}
 
 

@@ -22,8 +22,10 @@ Under torchrun the pieces are split by collectives (docs/distributed.md says why
   1/N of them all (not just k/N of each shape's k, which gives the same ranks every shape's larger
   share); a rank keeps momenta for its own only, runs momentum and orthogonalize on them, and
   all-gathers the orthogonalized updates, which every rank then applies to every matrix (the same
-  numbers on every rank, so the replicas stay equal bit for bit). state_dict gathers the momenta, so a checkpoint holds the whole state;
-  load_state_dict keeps this rank's, so a resume on another world size shares them out anew.
+  numbers on every rank, so the replicas stay equal bit for bit). state_dict gathers the momenta to
+  rank 0 only, matrix by matrix, so the full checkpoint it writes holds the whole state (the sharded
+  format gathers nothing: each rank writes its own); load_state_dict keeps this rank's, dropping the
+  rest before torch's copies them, so a resume on another world size shares them out anew.
 - FSDP2 (the parameters are DTensors, Shard(0)): momentum is elementwise, so it runs on each
   rank's rows, with the momenta sharded as the weights are (as AdamW's state is: DCP checkpoints
   and reshards them as it does AdamW's). An all-to-all sends each matrix's rows to its owner, who
@@ -237,6 +239,7 @@ class Muon(torch.optim.Muon):
                             f"{p.shape[0]}; run on a world size that divides them, or use parallelism='ddp'"
                         )
         self.sharded = shared and self.world_size > 1 and not self.fsdp  # DDP: momenta of own matrices only
+        self.whole_state_dict = True  # state_dict gathers to rank 0 (the full format); the sharded format's doesn't
         self.compile = compile
         # dynamic=False: one graph per shape (four for a GPT's blocks), each its own static kernels
         wrap = (lambda f: torch.compile(f, dynamic=False, fullgraph=True)) if compile else (lambda f: f)
@@ -379,39 +382,69 @@ class Muon(torch.optim.Muon):
             self.apply(local, in_order(recv, mine), h, scaling[0], it)  # (k, A/N, B)
 
     def state_dict(self):
-        """torch's state_dict, whole: under DDP sharing, the other ranks' momenta are gathered in
-        (a collective call, made by every rank as checkpoint.make_checkpoint is)."""
+        """torch's state_dict. Under DDP sharing a collective call (every rank makes it, as
+        checkpoint.make_checkpoint does): rank 0, the full format's writer, gathers in the other
+        ranks' momenta (and NorMuon's second moments), one matrix a rank at a time, into host memory,
+        so its dict is whole; every other rank's holds its own matrices' state and an empty entry for
+        each other matrix, as its self.state does. With whole_state_dict False (checkpoint.py's
+        sharded format, where DCP writes each rank's keys) nothing is gathered: every rank's is its own."""
         state = super().state_dict()
-        if not self.sharded or not self.state:
+        if not self.sharded or not self.whole_state_dict or not self.state:
             return state
         index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         state["state"] = {i: dict(s) for i, s in state["state"].items()}  # filled below: self.state's left as it is
+        keys = ("momentum_buffer", "second_moment") if self.normuon else ("momentum_buffer",)
         for group in self.param_groups:
             for params, mine in self.shared_out(group).values():
                 own = [params[i] for i in mine[self.rank]]
-                kept = {"momentum_buffer": self.buffers(own)}
-                if self.normuon:
-                    kept["second_moment"] = self.seconds(own)
-                for key, tensors in kept.items():
-                    stack = torch.zeros((max(map(len, mine)), *state_shape(key, params[0])), device=params[0].device)
-                    for i, t in enumerate(tensors):
-                        stack[i] = t
-                    gathered = [torch.empty_like(stack) for _ in range(self.world_size)]
-                    dist.all_gather(gathered, stack)
-                    for p, t in zip(params, in_order(gathered, mine)):
-                        state["state"].setdefault(index[p], {})[key] = t.clone()
+                for key, tensors in zip(keys, (self.buffers(own), self.seconds(own))):
+                    for p, t in zip(own, tensors):
+                        state["state"].setdefault(index[p], {})[key] = t
+                    for p, t in self._gather_to_writer(params, mine, key, tensors):
+                        state["state"].setdefault(index[p], {})[key] = t
         return state
 
+    def _gather_to_writer(self, params, mine, key, tensors):
+        """(matrix, its state `key`) for each matrix of one shape that another rank owns, on rank 0,
+        which holds it in host memory; nothing elsewhere. tensors: this rank's own matrices' `key`.
+        Gathered slot by slot (each rank's i-th matrix of the shape), so beyond the state it returns
+        rank 0 holds one matrix per rank at a time (gloo's gather adds a flat copy of them), the others
+        at most one of zeros, sent where a rank has no i-th and dropped here."""
+        writer, shape = self.rank == 0, state_shape(key, params[0])
+        dtype = params[0].dtype if key == "momentum_buffer" else torch.float32
+        for slot in range(max(map(len, mine))):
+            if slot < len(tensors):
+                send = tensors[slot].contiguous()
+            else:
+                send = torch.zeros(shape, dtype=dtype, device=params[0].device)
+            held = [torch.empty_like(send) for _ in range(self.world_size)] if writer else None
+            dist.gather(send, held, dst=0)
+            for r in range(1, self.world_size) if writer else ():
+                if slot < len(mine[r]):
+                    yield params[mine[r][slot]], held[r].cpu()
+
     def load_state_dict(self, state_dict):
-        """torch's; under DDP sharing this rank then keeps only its own matrices' momenta, and an
-        empty entry for each other matrix (as _step_ddp leaves them)."""
-        super().load_state_dict(state_dict)
-        if self.sharded and self.state:
+        """torch's. Under DDP sharing the other ranks' matrices' entries are dropped from
+        state_dict first, so they are never cast or copied here (nor read from disk where the full
+        checkpoint is memory-mapped: checkpoint.load_newest), and each is left an empty entry, as
+        _step_ddp leaves them; a resume on another world size shares the matrices out anew."""
+        if not self.sharded:
+            return super().load_state_dict(state_dict)
+        # saved ids (ints, or DCP's names) in param_groups order are this optimizer's parameters, as torch maps them
+        saved = [i for g in state_dict["param_groups"] for i in g["params"]]
+        mine = set()
+        for group in self.param_groups:
+            for params, owned in self.shared_out(group).values():
+                mine.update(params[i] for i in owned[self.rank])
+        ours = [i for i, p in zip(saved, (p for g in self.param_groups for p in g["params"])) if p in mine]
+        had_state = bool(state_dict["state"])
+        super().load_state_dict(
+            {**state_dict, "state": {i: state_dict["state"][i] for i in ours if i in state_dict["state"]}}
+        )
+        if had_state:  # an entry for every matrix, as _step_ddp makes: self.state empty on every rank or on none
             for group in self.param_groups:
-                for params, mine in self.shared_out(group).values():
-                    for i, p in enumerate(params):
-                        if i not in mine[self.rank]:
-                            self.state[p] = {}
+                for p in group["params"]:
+                    self.state.setdefault(p, {})
 
 
 def state_shape(key, p):
