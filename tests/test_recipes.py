@@ -5,7 +5,7 @@ of 2 micro-steps, an eval and a kept checkpoint at iters 4 and 8); its data is m
 plain runs with dropout, so its resumes must restore the dropout masks' RNG streams too; the others
 without, so that their straight run is also the one-process reference of the 2-rank property. Each
 recipe's straight run happens once per session (`straight`), and every property reads it: resume at
-iter 4 is exact, 2 gloo ranks (DDP, FSDP2) equal 1, and a kill -9 then init_from=auto resumes exactly.
+iter 4 is exact, 2 gloo ranks (DDP, FSDP2) equal 1 (but for two recipes, said there), and a kill -9 then init_from=auto resumes exactly.
 Exact means every logged record but the timings, and the last checkpoint's weights and optimizer
 state (conftest.assert_same_run). A recipe's own checks are the short tests at the end, on the same runs.
 
@@ -128,8 +128,10 @@ def test_resume_is_exact(recipes, recipe, tmp_path):
 
 @pytest.mark.process
 @needs_gloo
+# every recipe but wsd, whose schedule each rank computes alone (no collective: plain's runs hold for it),
+# and llama, whose blocks train on 2 gloo ranks under DDP and FSDP2 in test_muon_dist.py's runs
 @pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", [r for r in RECIPES if r not in ("wsd", "llama")])
 def test_two_gloo_ranks_equal_one(recipes, recipe, parallelism, tmp_path):
     """2 ranks x 1 micro-step against 1 process x 2 micro-steps, dropout off (each rank draws its own
     masks): the same losses, gradient norms and trained tokens but for the float order of the
