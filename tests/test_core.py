@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 from conftest import GPT2, bpe_eval_data, count_host_reads, one_line_error, read_metrics, tiny_args
 from processes import REPO, run_python, run_script
 
@@ -86,9 +87,7 @@ def records_for(kind, n, rng, model, delimiter):
 
 def write_bundle(root, model, zipped=False, seed=0):
     """root/bundle (or root/eval_bundle.zip holding eval_bundle/...): core.yaml, eval_data, the meta CSV."""
-    rng = np.random.default_rng(seed)
-    files = {}
-    entries = []
+    rng, files, entries = np.random.default_rng(seed), {}, []
     for label, (kind, shots, delimiter, n, _) in TASKS.items():
         entry = dict(label=label, dataset_uri=f"synthetic/{label}.jsonl", num_fewshot=[shots], icl_task_type=kind)
         if delimiter is not None:
@@ -96,8 +95,6 @@ def write_bundle(root, model, zipped=False, seed=0):
         entries.append(entry)
         records = records_for(kind, n, rng, model, " " if delimiter is None else delimiter)
         files[f"eval_data/synthetic/{label}.jsonl"] = "".join(json.dumps(r) + "\n" for r in records)
-    import yaml
-
     files["core.yaml"] = yaml.safe_dump({"icl_tasks": entries})
     rows = "".join(f"{label},synthetic,{b}\n" for label, (*_, b) in TASKS.items())
     files["eval_meta_data.csv"] = "Eval Task,Task Category,Random baseline\n" + rows
@@ -151,8 +148,7 @@ def reference_verdicts(bundle, label, model, max_per_task=0):
 
     kind, shots, delimiter, _, _ = TASKS[label]
     delimiter = " " if delimiter is None else delimiter
-    with open(os.path.join(bundle, "eval_data", "synthetic", f"{label}.jsonl")) as f:
-        data = [json.loads(line) for line in f]
+    data = [json.loads(line) for line in (bundle / f"eval_data/synthetic/{label}.jsonl").read_text().splitlines()]
     random.Random(1337).shuffle(data)
     data = data[:max_per_task] if max_per_task > 0 else data
     template = Template(TEMPLATES[kind].strip())
@@ -231,8 +227,7 @@ def test_max_per_task_keeps_the_same_examples_on_every_run(setup):
     assert all(len(t.records) == 7 for t in first)
     assert [[r for _, r in t.records] for t in first] == [[r for _, r in t.records] for t in again]
     # nanochat's subset: random.Random(1337) shuffles the whole file, then the first ones are kept
-    with open(bundle / "eval_data" / "synthetic" / "mc_fewshot.jsonl") as f:
-        data = [json.loads(line) for line in f]
+    data = [json.loads(line) for line in (bundle / "eval_data/synthetic/mc_fewshot.jsonl").read_text().splitlines()]
     random.Random(1337).shuffle(data)
     assert [r for _, r in first[1].records] == data[:7]
     result = core.evaluate_core(model, first, GPT2, BLOCK, rt, batch_tokens=8 * BLOCK, per_example=True)
@@ -328,9 +323,8 @@ def gpt2_tiny(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("gpt2")
     torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config(vocab_size=50257, n_positions=BLOCK, n_embd=32, n_layer=2, n_head=2)).save_pretrained(
-        root / "gpt2-tiny"
-    )
+    config = GPT2Config(vocab_size=50257, n_positions=BLOCK, n_embd=32, n_layer=2, n_head=2)
+    GPT2LMHeadModel(config).save_pretrained(root / "gpt2-tiny")
     return root / "gpt2-tiny"
 
 
