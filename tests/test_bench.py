@@ -24,14 +24,10 @@ battery = load_script("scripts/gpu_battery.py")
 
 # names exactly as torch.cuda.get_device_name() reports them
 DEVICE_PEAKS = [
-    ("NVIDIA H100 80GB HBM3", 989.4, 494.7),
+    *((name, 989.4, 494.7) for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H200")),
     ("NVIDIA H100 PCIe", 756.5, 378.0),
-    ("NVIDIA H100 NVL", 835.5, 417.5),
-    ("NVIDIA H200", 989.4, 494.7),
-    ("NVIDIA H200 NVL", 835.5, 417.5),
-    ("NVIDIA A100-SXM4-80GB", 312.0, 156.0),
-    ("NVIDIA A100-PCIE-40GB", 312.0, 156.0),
-    ("NVIDIA A100 80GB PCIe", 312.0, 156.0),
+    *((name, 835.5, 417.5) for name in ("NVIDIA H100 NVL", "NVIDIA H200 NVL")),
+    *((name, 312.0, 156.0) for name in ("NVIDIA A100-SXM4-80GB", "NVIDIA A100-PCIE-40GB", "NVIDIA A100 80GB PCIe")),
     ("NVIDIA A10", 125.0, 62.5),
     ("NVIDIA L4", 121.0, 60.0),
     ("NVIDIA L40S", 362.1, 183.0),
@@ -173,8 +169,7 @@ def auto_cfg(**overrides):
 
 
 def held_for_backward(model, rt, forward, skip=()):
-    """Bytes of the tensors autograd saves while forward() runs under rt's autocast: each storage
-    once, the model's weights and `skip` not at all. The reference the estimate is held to."""
+    """Bytes autograd saves while forward() runs under rt's autocast, each storage once, less weights and `skip`."""
     seen = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *skip)}
     total = 0
 
@@ -191,13 +186,11 @@ def held_for_backward(model, rt, forward, skip=()):
 
 
 def step_bytes(model, rt, batch, block_size=32):
-    """What a training step at micro-batch `batch` holds beyond the weights, gradients and AdamW
-    state: what its forward saves, and backward's logits gradient (float32 from the loss, and again
-    for the padded rows)."""
+    """What a training step at micro-batch `batch` holds beyond the weights, gradients and AdamW state: what its forward
+    saves, and backward's logits gradient (float32 from the loss, and again for the padded rows)."""
     x = torch.zeros(batch, block_size, dtype=torch.long)
-    return (
-        held_for_backward(model, rt, lambda: model(x, x)) + 2 * batch * block_size * model.config.padded_vocab_size * 4
-    )
+    logits_grad = 2 * batch * block_size * model.config.padded_vocab_size * 4
+    return held_for_backward(model, rt, lambda: model(x, x)) + logits_grad
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -252,11 +245,9 @@ def test_activation_checkpointing_is_measured_as_training_runs_it():
     assert checkpointed == kept + (block_saved(2) - block_saved(1)) + logits_grad
     assert kept >= 4 * 32 * 64 * 4  # at least the four blocks' float32 inputs
     assert checkpointed < plain / 2
-    budget = 16 * sum(p.numel() for p in model.parameters()) + 20 * plain
-    with_checkpointing = auto_batch_size(
-        model, auto_cfg(memory_budget_gb=budget / 2**30, activation_checkpointing=True), rt
-    )
-    assert with_checkpointing > auto_batch_size(model, auto_cfg(memory_budget_gb=budget / 2**30), rt)
+    gb = (16 * sum(p.numel() for p in model.parameters()) + 20 * plain) / 2**30
+    with_checkpointing = auto_batch_size(model, auto_cfg(memory_budget_gb=gb, activation_checkpointing=True), rt)
+    assert with_checkpointing > auto_batch_size(model, auto_cfg(memory_budget_gb=gb), rt)
 
 
 def test_saved_activations_grow_linearly_with_context():
@@ -285,11 +276,10 @@ def test_suite_runs_every_part_on_a_cpu_and_writes_its_reports(char_data, tmp_pa
     report = json.loads((work / "report" / "report.json").read_text())
     assert report["torch"] == torch.__version__ and report["device"].startswith("CPU")
     assert report["parts"] == ["env", "attention", "sweep", "llama", "baby", "smoke"]
+    by_part = {}
     for row in report["rows"]:
         assert {"label", "ms_per_iter", "tokens_per_s", "tflops", "mfu", "peak_mem_mb"} <= set(row), row
         assert row["mfu"] is None and row["ms_per_iter"] > 0 and row["tokens_per_s"] > 0  # a CPU has no peak
-    by_part = {}
-    for row in report["rows"]:
         by_part.setdefault(row["part"], []).append(row)
     assert [r["label"] for r in by_part["attention"]] == ["attention=auto", "attention=flash", "attention=math"]
     assert "aten::_scaled_dot_product_flash_attention_for_cpu" in report["attention"]["default_kernels"]
@@ -323,19 +313,15 @@ PROCESS_S = 20  # each Python process a part starts (imports, CUDA context)
 COMMAND_S = 30  # each gpu_battery.py command's own start-up
 
 
-def compile_seconds(params):
-    return 90 if params > 500e6 else 60  # torch.compile of a step: ~60 s for GPT-2 124M and smaller, ~90 s for the 1B
-
-
 def h100_seconds(rows):
     total = 0.0
     for r in rows:
-        flops = r["flops_per_token"] * (
-            r["steps"] * r["tokens_per_step"] + r["forward_passes"] * r["tokens_per_forward"] / 3
-        )
+        tokens = r["steps"] * r["tokens_per_step"] + r["forward_passes"] * r["tokens_per_forward"] / 3
+        flops = r["flops_per_token"] * tokens
         floor = r["steps"] * MIN_STEP_S + r["forward_passes"] * MIN_FORWARD_S
         total += max(flops / (MFU * H100_PEAK), floor) + SETUP_S + PROCESS_S * r["processes"]
-        total += compile_seconds(r["params"]) if r["compiled"] else 0
+        # torch.compile of a step: ~60 s for GPT-2 124M and smaller, ~90 s for the 1B
+        total += (90 if r["params"] > 500e6 else 60) if r["compiled"] else 0
     return total
 
 
@@ -431,8 +417,7 @@ def test_the_baby_part_reads_an_unbuffered_train_py(monkeypatch, tmp_path):
 
 
 def test_the_smoke_compares_cache_and_no_cache_with_tf32_off(monkeypatch, tmp_path):
-    """On CUDA, runtime.setup turns TF32 on; the float32 exactness check must run without it, and
-    leave it as it found it."""
+    """TF32 (runtime.setup turns it on under CUDA) off for the float32 exactness check, then as it was."""
     seen = []
     generate = sampling.generate
 
@@ -442,54 +427,47 @@ def test_the_smoke_compares_cache_and_no_cache_with_tf32_off(monkeypatch, tmp_pa
 
     monkeypatch.setattr(sampling, "generate", recording_generate)
     monkeypatch.setattr(battery, "resume_check", lambda *args: {"ok": True})  # train.py subprocesses: tested above
-    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # as setup() leaves a GPU
-    try:
-        report = {}
-        battery.part_smoke(battery.BatteryConfig(out_dir=str(tmp_path)), CPU, battery.suite_scale(CPU), report)
-        after = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)  # as setup() leaves a GPU
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    report = {}
+    battery.part_smoke(battery.BatteryConfig(out_dir=str(tmp_path)), CPU, battery.suite_scale(CPU), report)
     assert seen == [(False, False), (False, False)]
-    assert after == (True, True)
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (True, True)
     assert report["smoke"]["kv_cache_greedy_equals_uncached"]["ok"]
 
 
 # profiler event names from GPU runs (see gpu_battery.SDPA_KINDS for where each was seen)
-KERNEL_NAMES = [
-    ("cudnn_generated_fort_native_sdpa_sm90_knob_7_64x128x128_4x1x1_kernel0_0", "cudnn"),
-    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1_kernel0_0", "cudnn"),
-    ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x128_1x1x1_kernel0_0", "cudnn"),
-    ("cudnn_generated_fort_native_sdpa_sm80_flash_fprop_wmma_f16_knob_3_64x64x128_4x1x1_kernel0_0", "cudnn"),
-    ("aten::_scaled_dot_product_cudnn_attention", "cudnn"),
-    (
+KERNEL_KINDS = {  # kind: the names of its events
+    "cudnn": [
+        "cudnn_generated_fort_native_sdpa_sm90_knob_7_64x128x128_4x1x1_kernel0_0",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1_kernel0_0",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x128_1x1x1_kernel0_0",
+        "cudnn_generated_fort_native_sdpa_sm80_flash_fprop_wmma_f16_knob_3_64x64x128_4x1x1_kernel0_0",
+        "aten::_scaled_dot_product_cudnn_attention",
+    ],
+    "flash": [
         "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, cutlass::half_t, "
         "Flash_kernel_traits<128, 128, 64, 4, cutlass::half_t> >, false, false, false, false, true, true, false, false>"
         "(pytorch_flash::Flash_fwd_params)",
-        "flash",
-    ),
-    (
         "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<64, 128, 128, 8, 4, 4, 4, "
         "false, false, cutlass::bfloat16_t>>",
-        "flash",
-    ),
-    ("aten::_flash_attention_forward", "flash"),
-    ("aten::_scaled_dot_product_flash_attention_for_cpu", "flash"),
-    (
+        "aten::_flash_attention_forward",
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+    ],
+    "efficient": [
         "fmha_cutlassF_f16_aligned_64x128_rf_sm80(PyTorchMemEffAttention::AttentionKernel<cutlass::half_t, "
         "cutlass::arch::Sm80, true, 64, 128, 128, true, true>::Params)",
-        "efficient",
-    ),
-    ("fmha_cutlassB_bf16_aligned_128x128_k128_sm80", "efficient"),
-    ("aten::_efficient_attention_forward", "efficient"),
-    ("aten::_scaled_dot_product_attention_math", "math"),
-    ("ampere_bf16_s1688gemm_bf16_128x128_ldg8_f2f_stages_32x1_tn", None),
-    (
+        "fmha_cutlassB_bf16_aligned_128x128_k128_sm80",
+        "aten::_efficient_attention_forward",
+    ],
+    "math": ["aten::_scaled_dot_product_attention_math"],
+    None: [
+        "ampere_bf16_s1688gemm_bf16_128x128_ldg8_f2f_stages_32x1_tn",
         "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, at::native::(anonymous namespace)::SoftMaxForwardEpilogue>",
-        None,
-    ),
-    ("aten::scaled_dot_product_attention", None),  # the dispatcher, whichever kernel it picks
-]
+        "aten::scaled_dot_product_attention",  # the dispatcher, whichever kernel it picks
+    ],
+}
+KERNEL_NAMES = [(name, kind) for kind, names in KERNEL_KINDS.items() for name in names]
 
 
 @pytest.mark.parametrize("name, kind", KERNEL_NAMES, ids=[n[:50] for n, _ in KERNEL_NAMES])
@@ -501,8 +479,7 @@ def test_profiler_events_are_told_apart_by_kernel(name, kind):
     "keys", [dict(), dict(doc_mask=True), dict(batch_order="documents"), dict(batch_order="documents", doc_mask=True)]
 )
 def test_the_timed_steps_draw_batches_as_training_does(keys, monkeypatch):
-    """batch_order and doc_mask: the timed steps take rows that start at documents, and with
-    doc_mask the model gets each token's document number (its masked attention is what is timed)."""
+    """The timed steps take rows that start at documents (batch_order) and give their document numbers (doc_mask)."""
     seen = []
     forward = GPT.forward
 

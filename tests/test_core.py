@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 from conftest import GPT2, bpe_eval_data, count_host_reads, one_line_error, read_metrics, tiny_args
 from processes import REPO, run_python, run_script
 
@@ -34,8 +35,7 @@ TASKS = {
 
 
 class Bigram(torch.nn.Module):
-    """A model whose logits at a position depend on that position's token only: its greedy next
-    token is known in advance, so language_modeling records can be built to be right."""
+    """Logits that depend on the position's token only: language_modeling records can be built to be right."""
 
     def __init__(self, vocab=50257, seed=0):
         super().__init__()
@@ -87,9 +87,7 @@ def records_for(kind, n, rng, model, delimiter):
 
 def write_bundle(root, model, zipped=False, seed=0):
     """root/bundle (or root/eval_bundle.zip holding eval_bundle/...): core.yaml, eval_data, the meta CSV."""
-    rng = np.random.default_rng(seed)
-    files = {}
-    entries = []
+    rng, files, entries = np.random.default_rng(seed), {}, []
     for label, (kind, shots, delimiter, n, _) in TASKS.items():
         entry = dict(label=label, dataset_uri=f"synthetic/{label}.jsonl", num_fewshot=[shots], icl_task_type=kind)
         if delimiter is not None:
@@ -97,17 +95,10 @@ def write_bundle(root, model, zipped=False, seed=0):
         entries.append(entry)
         records = records_for(kind, n, rng, model, " " if delimiter is None else delimiter)
         files[f"eval_data/synthetic/{label}.jsonl"] = "".join(json.dumps(r) + "\n" for r in records)
-    import yaml
-
     files["core.yaml"] = yaml.safe_dump({"icl_tasks": entries})
-    rows = [
-        {"Eval Task": label, "Task Category": "synthetic", "Random baseline": b} for label, (*_, b) in TASKS.items()
-    ]
-    with open(root / "meta.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    files["eval_meta_data.csv"] = (root / "meta.csv").read_text()
+    rows = "".join(f"{label},synthetic,{b}\n" for label, (*_, b) in TASKS.items())
+    files["eval_meta_data.csv"] = "Eval Task,Task Category,Random baseline\n" + rows
+    (root / "meta.csv").write_text(files["eval_meta_data.csv"])
     if zipped:
         with zipfile.ZipFile(root / "eval_bundle.zip", "w") as z:
             for name, text in files.items():
@@ -152,14 +143,12 @@ TEMPLATES = {  # nanochat's templates (nanochat/core_eval.py), rendered by jinja
 
 
 def reference_verdicts(bundle, label, model, max_per_task=0):
-    """Each example's verdict computed directly: the data read and shuffled, the few-shot drawn
-    from an explicit list, the prompts rendered by jinja2, one forward per row."""
+    """Each example's verdict computed directly: few-shot drawn by hand, prompts rendered by jinja2, a forward a row."""
     from jinja2 import Template
 
     kind, shots, delimiter, _, _ = TASKS[label]
     delimiter = " " if delimiter is None else delimiter
-    with open(os.path.join(bundle, "eval_data", "synthetic", f"{label}.jsonl")) as f:
-        data = [json.loads(line) for line in f]
+    data = [json.loads(line) for line in (bundle / f"eval_data/synthetic/{label}.jsonl").read_text().splitlines()]
     random.Random(1337).shuffle(data)
     data = data[:max_per_task] if max_per_task > 0 else data
     template = Template(TEMPLATES[kind].strip())
@@ -174,10 +163,8 @@ def reference_verdicts(bundle, label, model, max_per_task=0):
         elif kind == "schema":
             texts = [template.render(context=c, **ctx) for c in item["context_options"]]
         else:
-            texts = [
-                template.render(include_continuation=False, **ctx).strip(),
-                template.render(include_continuation=True, **ctx),
-            ]
+            without, with_ = (template.render(include_continuation=c, **ctx) for c in (False, True))
+            texts = [without.strip(), with_]
         toks = [[enc.eot_token] + enc.encode_ordinary(t) for t in texts]
         shortest = min(map(len, toks))
         if kind == "multiple_choice":  # each choice's tokens start where the rows first differ
@@ -240,8 +227,7 @@ def test_max_per_task_keeps_the_same_examples_on_every_run(setup):
     assert all(len(t.records) == 7 for t in first)
     assert [[r for _, r in t.records] for t in first] == [[r for _, r in t.records] for t in again]
     # nanochat's subset: random.Random(1337) shuffles the whole file, then the first ones are kept
-    with open(bundle / "eval_data" / "synthetic" / "mc_fewshot.jsonl") as f:
-        data = [json.loads(line) for line in f]
+    data = [json.loads(line) for line in (bundle / "eval_data/synthetic/mc_fewshot.jsonl").read_text().splitlines()]
     random.Random(1337).shuffle(data)
     assert [r for _, r in first[1].records] == data[:7]
     result = core.evaluate_core(model, first, GPT2, BLOCK, rt, batch_tokens=8 * BLOCK, per_example=True)
@@ -337,9 +323,8 @@ def gpt2_tiny(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("gpt2")
     torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config(vocab_size=50257, n_positions=BLOCK, n_embd=32, n_layer=2, n_head=2)).save_pretrained(
-        root / "gpt2-tiny"
-    )
+    config = GPT2Config(vocab_size=50257, n_positions=BLOCK, n_embd=32, n_layer=2, n_head=2)
+    GPT2LMHeadModel(config).save_pretrained(root / "gpt2-tiny")
     return root / "gpt2-tiny"
 
 
@@ -358,9 +343,8 @@ def test_torchrun_two_gloo_ranks_equal_one(setup, gpt2_tiny, tmp_path):
     )
     assert two.returncode == 0, two.stderr
     a, b = (json.loads(run.stdout.strip().splitlines()[-1]) for run in (one, two))
-    assert {k: (r["accuracy"], r["examples"]) for k, r in a["core"]["tasks"].items()} == {
-        k: (r["accuracy"], r["examples"]) for k, r in b["core"]["tasks"].items()
-    }
+    per_task = lambda r: {k: (t["accuracy"], t["examples"]) for k, t in r["core"]["tasks"].items()}
+    assert per_task(a) == per_task(b)
     assert a["core"]["core"] == b["core"]["core"] and a["core"]["examples"] == sum(n for *_, n, _ in TASKS.values())
     assert a["hellaswag"] == b["hellaswag"] and a["hellaswag"]["n"] == 30
     for split in ("val", "test"):
@@ -412,8 +396,7 @@ def test_training_logs_core_in_rhythm_an_out_of_memory_costs_the_run_nothing_and
     assert torch.load(out / "ckpt.pt", weights_only=True)["iter_num"] == 9
     plotted = run_script("plot.py", out)
     assert plotted.returncode == 0, plotted.stderr
-    width = int.from_bytes((out / "metrics.png").read_bytes()[16:20], "big")
-    assert width > 2000  # a fourth panel, CORE
+    assert int.from_bytes((out / "metrics.png").read_bytes()[16:20], "big") > 2000  # a fourth panel, CORE
 
 
 def test_a_device_without_float64_sums_in_float32_with_the_same_results(setup, monkeypatch):

@@ -35,8 +35,7 @@ def make_docs(n, seed):
 def corpus_files(tmp_path_factory):
     root = tmp_path_factory.mktemp("corpus")
     a, b, c = make_docs(600, 1), make_docs(300, 2), make_docs(300, 3)
-    with open(root / "a.jsonl", "w", encoding="utf-8") as f:
-        f.writelines(json.dumps({"id": i, "text": d}) + "\n" for i, d in enumerate(a))
+    (root / "a.jsonl").write_text("".join(json.dumps({"id": i, "text": d}) + "\n" for i, d in enumerate(a)))
     pq.write_table(pa.table({"text": b, "n": list(range(len(b)))}), root / "b.parquet")
     (root / "c.txt").write_text("\n\n".join(c), encoding="utf-8")
     files = [str(root / "a.jsonl"), str(root / "b.parquet"), str(root / "c.txt")]
@@ -331,8 +330,7 @@ def test_shakespeare_script(tmp_path):
 
 
 def test_hub_stream_shuffles_by_seed_and_resumes(corpus_files, tmp_path, monkeypatch):
-    """The Hugging Face path with the Hub replaced by a local streaming dataset: the library's
-    seeded shuffle, and a restart that writes the same bytes."""
+    """The Hub replaced by a local streaming dataset: the library's seeded shuffle; a restart writes the same bytes."""
     needs("datasets")
     import datasets
     import huggingface_hub

@@ -24,6 +24,7 @@ from conftest import (
     tiny_args,
 )
 from processes import load_script, run_python, run_script
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from data import corpus
 from gpt.data import tokenizer
@@ -36,8 +37,7 @@ needs("gguf")
 
 
 def llama_cpp(function, *args, timeout=240):
-    """In a process of its own: llama.cpp is native code that can die of a signal, which then fails
-    this test in one line instead of the pytest worker."""
+    """In a process of its own: llama.cpp can die of a signal, which then fails this test, not pytest."""
     needs("llama-cpp-python")
     with tempfile.TemporaryDirectory() as tmp:
         arguments, result = Path(tmp) / "args.pickle", Path(tmp) / "result.pickle"
@@ -67,8 +67,6 @@ USER_DEFINED = "[[note]]"  # an added token that is not special (llama.cpp: user
 
 def llama3_like(path):
     """As in Llama 3's own file: ignore_merges on, and a token its merges never make (UNMERGED)."""
-    from tokenizers import AddedToken, Tokenizer, pre_tokenizers, trainers
-
     tok = load_script("data/train_tokenizer.py").new_tokenizer()
     trainer = trainers.BpeTrainer(
         vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
@@ -94,21 +92,18 @@ PUNCT = """. , !? ... 's 'LL 've 're 'd 'M ( ) " -- # $ % _ /* ::""".split()
 
 
 def random_text(rng, specials):
+    kinds = [  # (the cumulative chance, a piece of that kind)
+        (0.3, lambda: rng.choice(SCRIPTS + ["the", "King", "queen", "LOVE", "a"])),
+        (0.45, lambda: "".join(rng.choice("0123456789") for _ in range(rng.randint(1, 12)))),
+        (0.65, lambda: rng.choice(SPACES)),
+        (0.75, lambda: rng.choice(EMOJI)),
+        (0.9, lambda: rng.choice(PUNCT)),
+        (1.0, lambda: rng.choice(specials)),
+    ]
     pieces = []
     for _ in range(rng.randint(1, 30)):
         kind = rng.random()
-        if kind < 0.3:
-            pieces.append(rng.choice(SCRIPTS + ["the", "King", "queen", "LOVE", "a"]))
-        elif kind < 0.45:
-            pieces.append("".join(rng.choice("0123456789") for _ in range(rng.randint(1, 12))))
-        elif kind < 0.65:
-            pieces.append(rng.choice(SPACES))
-        elif kind < 0.75:
-            pieces.append(rng.choice(EMOJI))
-        elif kind < 0.9:
-            pieces.append(rng.choice(PUNCT))
-        else:
-            pieces.append(rng.choice(specials))
+        pieces.append(next(piece for chance, piece in kinds if kind < chance)())
     return "".join(pieces)
 
 
@@ -150,12 +145,7 @@ def test_llama_cpp_tokenizes_text_and_the_chat_template_to_our_ids(tokenizers, t
     if kind == "llama3":  # ignore_merges: the piece that is a token is read whole on both sides
         assert llama_cpp("tokenize", tmp_path / "model.gguf", [UNMERGED], False)["ids"] == [encode(UNMERGED)]
         assert len(encode(UNMERGED)) == 1
-    prompts = [
-        messages[:n]
-        for messages in CONVERSATIONS
-        for n in range(1, len(messages) + 1)
-        if messages[n - 1]["role"] != "assistant"
-    ]
+    prompts = [m[:n] for m in CONVERSATIONS for n in range(1, len(m) + 1) if m[n - 1]["role"] != "assistant"]
     rendered = llama_cpp("render_and_tokenize", tmp_path / "model.gguf", prompts)
     for prompt, ids in zip(prompts, rendered, strict=True):
         assert ids == template.render(prompt, add_generation_prompt=True)[0], (kind, prompt)
@@ -242,16 +232,15 @@ def test_llama_cpp_logits_and_greedy_tokens_are_ours(trained, shape, monkeypatch
         else:
             print(f"llama f32: max |llama.cpp - ours| {diff:.2e} (logits up to {scale:.1f})")
             torch.testing.assert_close(theirs, logits, rtol=0, atol=tol)
-
-    our_tokens = greedy_ours(model, prompt, n_vocab)
-    assert greedy == our_tokens
+        our_tokens = list(prompt)  # greedy by hand, without a cache
+        for _ in range(64):
+            our_tokens.append(int(model(torch.tensor([our_tokens]))[0][0, -1, :n_vocab].argmax()))
+    assert greedy == our_tokens[len(prompt) :]
     for dtype in ("f16", "q8_0"):  # reported, not asserted
-        scores, theirs_tokens = llama_cpp(
-            "scores_and_greedy", trained[shape] / dtype / "model.gguf", ids, prompt, BLOCK
-        )
+        scores, their_ids = llama_cpp("scores_and_greedy", trained[shape] / dtype / "model.gguf", ids, prompt, BLOCK)
         d = (torch.from_numpy(scores) - logits).abs().max().item()
         same_argmax = (torch.from_numpy(scores).argmax(-1) == logits.argmax(-1)).float().mean()
-        agree = next((i for i, (a, b) in enumerate(zip(theirs_tokens, our_tokens)) if a != b), 64)
+        agree = next((i for i, (a, b) in enumerate(zip(their_ids, greedy)) if a != b), 64)
         print(
             f"{shape} {dtype}: max |logit diff| {d:.2e} ({d / scale:.1e} of the range), argmax agrees at "
             f"{same_argmax:.1%} of positions, greedy tokens identical for the first {agree} of 64"
@@ -262,15 +251,6 @@ def test_llama_cpp_logits_and_greedy_tokens_are_ours(trained, shape, monkeypatch
     no_repack, _ = llama_cpp("scores_and_greedy", trained[shape] / "q8_0" / "model.gguf", ids, prompt, BLOCK, 0, True)
     torch.testing.assert_close(torch.from_numpy(no_repack), torch.from_numpy(scores), rtol=0, atol=1e-3 * scale)
     assert (torch.from_numpy(no_repack) - logits).abs().max().item() < 0.05 * scale
-
-
-def greedy_ours(model, prompt, n_vocab, n=64):
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            logits = model(torch.tensor([ids]))[0][0, -1, :n_vocab]
-            ids.append(int(logits.argmax()))
-    return ids[len(prompt) :]
 
 
 # ---------------------------------------------------------------------------- chat
@@ -313,57 +293,51 @@ def assert_refused(out_dir, named, *args):
     assert sorted(p.name for p in out_dir.iterdir()) == before
 
 
-def tokenizer_json(path, change):
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=change == "prefix_space")
-    if change == "whitespace":
-        tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    if change == "normalizer":
-        tok.normalizer = normalizers.NFKC()
-    tok.decoder = decoders.ByteLevel()
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False, initial_alphabet=alphabet
-    )
-    tok.train_from_iterator([make_text(5000, seed=2)], trainer)
-    tok.save(str(path))
-    return tokenizer.make_spec(str(path))
-
-
 LLAMA_QK_NORM = dict(pos_encoding="rope", norm="rmsnorm", mlp="swiglu", qk_norm=True)
 
 
-@pytest.mark.parametrize(
-    "options, change, args, named",
-    [
-        # options None: conftest's tiny_run, a character-level model
-        pytest.param(None, None, [], "character-level vocabulary", id="char-vocabulary"),
-        pytest.param(LLAMA_QK_NORM, None, [], "its llama its qk_norm=True", id="qk_norm"),
-        pytest.param(
-            dict(n_kv_head=1),
-            None,
-            [],
-            "GGUF's gpt2 cannot hold its n_kv_head=1, nor its llama its pos_encoding='learned'",
-            id="gqa-learned",
-        ),
-        pytest.param(dict(norm="rmsnorm"), None, [], "GGUF's gpt2 cannot hold its norm='rmsnorm'", id="rmsnorm"),
-        # tokenizers llama.cpp splits otherwise
-        pytest.param({}, "prefix_space", [], "pre-tokenizer ByteLevel(add_prefix_space=True)", id="prefix-space"),
-        pytest.param({}, "whitespace", [], "pre-tokenizer Whitespace", id="whitespace"),
-        pytest.param({}, "normalizer", [], "normalizer NFKC", id="normalizer"),
-        # bad options
-        pytest.param(None, None, ["--gguf_dtype=q4_0"], "gguf_dtype='q4_0' is not one of", id="q4_0"),
-        pytest.param(None, None, ["--format=onnx"], "format='onnx' is not one of", id="onnx"),
-        pytest.param(None, None, ["--export_dir={out}/ckpt.pt/gguf"], "cannot create export_dir", id="export_dir"),
-    ],
-)
+REFUSED = {  # id: (options, None for conftest's tiny_run: a character-level model; tokenizer change; flags; message)
+    "char-vocabulary": (None, None, [], "character-level vocabulary"),
+    "qk_norm": (LLAMA_QK_NORM, None, [], "its llama its qk_norm=True"),
+    "gqa-learned": (
+        dict(n_kv_head=1),
+        None,
+        [],
+        "GGUF's gpt2 cannot hold its n_kv_head=1, nor its llama its pos_encoding='learned'",
+    ),
+    "rmsnorm": (dict(norm="rmsnorm"), None, [], "GGUF's gpt2 cannot hold its norm='rmsnorm'"),
+    # tokenizers llama.cpp splits otherwise
+    "prefix-space": ({}, "prefix_space", [], "pre-tokenizer ByteLevel(add_prefix_space=True)"),
+    "whitespace": ({}, "whitespace", [], "pre-tokenizer Whitespace"),
+    "normalizer": ({}, "normalizer", [], "normalizer NFKC"),
+    # bad options
+    "q4_0": (None, None, ["--gguf_dtype=q4_0"], "gguf_dtype='q4_0' is not one of"),
+    "onnx": (None, None, ["--format=onnx"], "format='onnx' is not one of"),
+    "export_dir": (None, None, ["--export_dir={out}/ckpt.pt/gguf"], "cannot create export_dir"),
+}
+
+
+@pytest.mark.parametrize("options, change, args, named", REFUSED.values(), ids=list(REFUSED))
 def test_what_gguf_cannot_hold_is_refused(request, tmp_path, options, change, args, named):
     if options is None:
         out_dir = request.getfixturevalue("tiny_run")
     else:
-        spec = tokenizer_json(tmp_path / "tokenizer.json", change) if change else tokenizer.make_spec("gpt2")
+        spec = tokenizer.make_spec("gpt2")
+        if change:  # a BPE tokenizer.json with a change llama.cpp cannot follow
+            tok = Tokenizer(models.BPE())
+            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=change == "prefix_space")
+            if change == "whitespace":
+                tok.pre_tokenizer = pre_tokenizers.Whitespace()
+            if change == "normalizer":
+                tok.normalizer = normalizers.NFKC()
+            tok.decoder = decoders.ByteLevel()
+            alphabet = pre_tokenizers.ByteLevel.alphabet()
+            trainer = trainers.BpeTrainer(
+                vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False, initial_alphabet=alphabet
+            )
+            tok.train_from_iterator([make_text(5000, seed=2)], trainer)
+            tok.save(str(tmp_path / "tokenizer.json"))
+            spec = tokenizer.make_spec(str(tmp_path / "tokenizer.json"))
         model = GPT(GPTConfig(**dict(TINY, n_layer=1, vocab_size=spec["vocab_size"], **options)))
         out_dir = save_checkpoint(tmp_path / "out", model, spec)
     assert_refused(out_dir, named, *(arg.format(out=out_dir) for arg in args))

@@ -14,6 +14,7 @@ from processes import run_python, run_script
 
 needs("transformers")
 import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import hf
 import sample
@@ -31,10 +32,8 @@ LLAMA = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_laye
 LLAMA.update(max_position_embeddings=128, rope_theta=10000.0)
 # with head size 16 and theta 1e4 over a 32-token original context, pair 0 turns ~5 times (kept),
 # pair 1 ~1.6 times (smoothed) and the rest less than once (slowed 8x): every branch of the scaling
-LLAMA3 = dict(
-    rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32
-)
-SCALING = {k: v for k, v in LLAMA3.items() if k != "rope_type"}  # as our model_args hold it
+SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32)  # ours
+LLAMA3 = {"rope_type": "llama3", **SCALING}  # as transformers' rope_scaling holds it
 T = 48  # the Llamas' test length: longer than LLAMA3's original context
 
 LLAMA_CASES = {
@@ -148,46 +147,35 @@ def llama_reference(case, seed=0, std=0.2, **overrides):
     return randomize(transformers.LlamaForCausalLM(llama_config(case, **overrides)), seed, std)
 
 
-def with_tokenizer(directory):
-    """A tokenizer.json of two tokens, as every Llama directory has one."""
-    from tokenizers import Tokenizer, models
-
-    tok = Tokenizer(models.WordLevel({"<|end_of_text|>": 0, "<unk>": 1}, unk_token="<unk>"))
-    tok.save(str(directory / "tokenizer.json"))
-    return directory
-
-
 # ---------------------------------------------------------------------------- in: transformers -> ours
 
 
-@pytest.mark.parametrize(
-    "arch, options, shard_size",
-    [
-        pytest.param("gpt2", dict(activation_function="gelu"), None, id="gpt2-gelu"),  # exact GELU, our default
-        # the released models' tanh approximation
-        pytest.param("gpt2", dict(activation_function="gelu_new"), None, id="gpt2-gelu_new"),
-        pytest.param(
-            "gpt2",
-            dict(activation_function="gelu_new", n_inner=96, tie_word_embeddings=False, layer_norm_epsilon=1e-2),
-            None,
-            id="gpt2-untied-eps1e-2",
-        ),
-        *(pytest.param("llama", case, None, id=f"llama-{case}") for case in LLAMA_CASES),
-        pytest.param("llama", "gqa-llama3-untied-eps1e-6", "40KB", id="llama-sharded"),
-    ],
-)
+IMPORTS = {  # id: (the architecture, transformers' config options or a LLAMA_CASES key, the shard size)
+    "gpt2-gelu": ("gpt2", dict(activation_function="gelu"), None),  # exact GELU, our default
+    "gpt2-gelu_new": ("gpt2", dict(activation_function="gelu_new"), None),  # the released models' tanh approximation
+    "gpt2-untied-eps1e-2": (
+        "gpt2",
+        dict(activation_function="gelu_new", n_inner=96, tie_word_embeddings=False, layer_norm_epsilon=1e-2),
+        None,
+    ),
+    **{f"llama-{case}": ("llama", case, None) for case in LLAMA_CASES},
+    "llama-sharded": ("llama", "gqa-llama3-untied-eps1e-6", "40KB"),
+}
+
+
+@pytest.mark.parametrize("arch, options, shard_size", IMPORTS.values(), ids=list(IMPORTS))
 def test_import_logits_match_transformers(tmp_path, arch, options, shard_size):
     theirs = gpt2_reference(**options) if arch == "gpt2" else llama_reference(options)
+    theirs.save_pretrained(tmp_path / "hf", max_shard_size=shard_size or "5GB")
     if shard_size:  # sharded safetensors: model-*-of-*.safetensors and their index
-        theirs.save_pretrained(tmp_path / "hf", max_shard_size=shard_size)
         assert len(list((tmp_path / "hf").glob("model-*-of-*.safetensors"))) > 2
         assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
-    else:
-        theirs.save_pretrained(tmp_path / "hf")
     if arch == "gpt2":
         expected = huggingface.GPT2_TOKENIZER
-    else:  # the directory's own tokenizer.json
-        expected = {"kind": "tokenizers", "path": str(with_tokenizer(tmp_path / "hf") / "tokenizer.json")}
+    else:  # the directory's own tokenizer.json, of two tokens, as every Llama directory has one
+        tok = Tokenizer(models.WordLevel({"<|end_of_text|>": 0, "<unk>": 1}, unk_token="<unk>"))
+        tok.save(str(tmp_path / "hf" / "tokenizer.json"))
+        expected = {"kind": "tokenizers", "path": str(tmp_path / "hf" / "tokenizer.json")}
     model, tok_spec = load.pretrained(str(tmp_path / "hf"))
     assert isinstance(model, GPT) and {k: tok_spec[k] for k in expected} == expected
     idx = tokens(arch)
@@ -303,48 +291,41 @@ def test_llama_3_2_1b_config_builds_with_its_parameter_count(tmp_path):
     shape = (c.n_layer, c.n_head, c.n_kv_head, c.n_embd, c.mlp_hidden, c.block_size, c.vocab_size)
     assert shape == (16, 32, 8, 2048, 8192, 131072, 128256)
     assert (c.rope_theta, c.norm_eps, c.tie_embeddings, c.bias) == (500000.0, 1e-5, True, False)
-    assert c.rope_scaling == dict(
-        factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
-    )
+    assert c.rope_scaling == dict(SCALING, factor=32.0, original_max_position_embeddings=8192)  # the 1B's
 
 
 # ---------------------------------------------------------------------------- out: ours -> transformers
 
 
-@pytest.mark.parametrize(
-    "arch, options",
-    [
-        pytest.param("gpt2", dict(), id="gpt2-gelu"),  # GPT-2's shape, exact GELU
-        pytest.param("gpt2", dict(mlp="gelu_tanh"), id="gpt2-gelu_tanh"),
-        pytest.param("gpt2", dict(bias=False), id="gpt2-no-bias"),  # exported as zero biases, which add nothing
-        pytest.param(  # norm_eps as layer_norm_epsilon
-            "gpt2", dict(tie_embeddings=False, mlp_hidden=96, norm_eps=1e-2), id="gpt2-untied-eps1e-2"
-        ),
-        # nanoGPT's padded vocabulary: the export keeps GPT-2's 50257 tokens
-        pytest.param("gpt2", dict(vocab_size=50304), id="gpt2-padded-vocab"),
-        *(pytest.param("llama", case, id=f"llama-{case}") for case in LLAMA_CASES),
-        # models neither computes: GPTTrainerForCausalLM (tests/test_hf_recipe.py trains and exports a run of it)
-        # learned positions with RMSNorm: neither GPT-2 nor Llama
-        pytest.param("gpt_trainer", dict(norm="rmsnorm", mlp="gelu_tanh"), id="gpt_trainer-rmsnorm-learned"),
-        pytest.param(  # LayerNorm and biases in a Llama
-            "gpt_trainer",
-            dict(pos_encoding="rope", mlp="swiglu", n_kv_head=1)
-            | dict(rope_scaling=dict(SCALING, factor=4.0, original_max_position_embeddings=16)),
-            id="gpt_trainer-layernorm-llama",
-        ),
-        pytest.param(
-            "gpt_trainer",
-            dict(pos_encoding="rope", norm="rmsnorm", mlp="swiglu", bias=False, qk_norm=True, tie_embeddings=False),
-            id="gpt_trainer-qk_norm-llama",
-        ),
-        pytest.param(  # config/train_shakespeare_char_cpu.py's levers, tied, 4 layers, no softcap
-            "gpt_trainer",
-            dict(bias=False, pos_encoding="rope", norm="rmsnorm", qk_norm=True, mlp="relu2", tie_embeddings=True)
-            | dict(zero_init_proj=True, logit_softcap=0.0, value_embeds=True, unet_skips=True, n_layer=4),
-            id="gpt_trainer-recipe",
-        ),
-    ],
-)
+EXPORTS = {  # id: (the architecture it exports to, our GPTConfig's options or a LLAMA_CASES key)
+    "gpt2-gelu": ("gpt2", dict()),  # GPT-2's shape, exact GELU
+    "gpt2-gelu_tanh": ("gpt2", dict(mlp="gelu_tanh")),
+    "gpt2-no-bias": ("gpt2", dict(bias=False)),  # exported as zero biases, which add nothing
+    "gpt2-untied-eps1e-2": ("gpt2", dict(tie_embeddings=False, mlp_hidden=96, norm_eps=1e-2)),  # as layer_norm_epsilon
+    # nanoGPT's padded vocabulary: the export keeps GPT-2's 50257 tokens
+    "gpt2-padded-vocab": ("gpt2", dict(vocab_size=50304)),
+    **{f"llama-{case}": ("llama", case) for case in LLAMA_CASES},
+    # models neither computes: GPTTrainerForCausalLM (tests/test_hf_recipe.py trains and exports a run of it)
+    # learned positions with RMSNorm: neither GPT-2 nor Llama
+    "gpt_trainer-rmsnorm-learned": ("gpt_trainer", dict(norm="rmsnorm", mlp="gelu_tanh")),
+    "gpt_trainer-layernorm-llama": (  # LayerNorm and biases in a Llama
+        "gpt_trainer",
+        dict(pos_encoding="rope", mlp="swiglu", n_kv_head=1)
+        | dict(rope_scaling=dict(SCALING, factor=4.0, original_max_position_embeddings=16)),
+    ),
+    "gpt_trainer-qk_norm-llama": (
+        "gpt_trainer",
+        dict(pos_encoding="rope", norm="rmsnorm", mlp="swiglu", bias=False, qk_norm=True, tie_embeddings=False),
+    ),
+    "gpt_trainer-recipe": (  # config/train_shakespeare_char_cpu.py's levers, tied, 4 layers, no softcap
+        "gpt_trainer",
+        dict(bias=False, pos_encoding="rope", norm="rmsnorm", qk_norm=True, mlp="relu2", tie_embeddings=True)
+        | dict(zero_init_proj=True, logit_softcap=0.0, value_embeds=True, unet_skips=True, n_layer=4),
+    ),
+}
+
+
+@pytest.mark.parametrize("arch, options", EXPORTS.values(), ids=list(EXPORTS))
 def test_export_logits_match_transformers(tmp_path, arch, options):
     if arch == "gpt2":
         shape = dict(n_layer=2, n_head=4, n_embd=64, block_size=64, vocab_size=50257)
@@ -398,8 +379,6 @@ PROMPT = "The king"
 
 
 def make_bpe_tokenizer(path):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -414,90 +393,75 @@ def make_bpe_tokenizer(path):
     return tok.get_vocab_size()
 
 
-def finetune(source, run, cropped):
-    result = run_script("train.py", *run, f"--init_from={source}", "--max_iters=4")
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def finetuned(request, tmp_path_factory):
+    """4 steps from a small directory: a GPT-2 by config/finetune_shakespeare.py on GPT-2 BPE data, or a tiny
+    Llama with its own tokenizer.json on data prepared with that tokenizer."""
+    arch = request.param
+    root = tmp_path_factory.mktemp(arch)
+    run = [
+        f"--dataset={root / 'data'}",
+        f"--out_dir={root / 'out'}",
+        "--device=cpu",
+        "--compile=False",
+        "--eval_iters=2",
+    ]
+    if arch == "gpt2":
+        reference = gpt2_reference(std=0.05)
+        encode, _ = tokenizer.load(huggingface.GPT2_TOKENIZER)
+        ids = np.array(encode(make_text(20000)), dtype=np.uint16)  # headerless uint16, as prepare.py writes
+        (root / "data").mkdir()
+        ids[: len(ids) * 9 // 10].tofile(root / "data" / "train.bin")
+        ids[len(ids) * 9 // 10 :].tofile(root / "data" / "val.bin")
+        flags = "--block_size=32 --gradient_accumulation_steps=2 --eval_interval=2".split()
+        run, cropped = ["config/finetune_shakespeare.py", *run, *flags], "64 cropped to 32"
+        model_args = dict(n_layer=2, n_head=4, n_embd=64, block_size=32, vocab_size=50257, bias=True, mlp="gelu_tanh")
+        f = SimpleNamespace(
+            tokenizer={"kind": "tiktoken", "name": "gpt2"},
+            tok_spec=huggingface.GPT2_TOKENIZER,
+            pad=50256,
+            eos="<|endoftext|>",
+            bos="<|endoftext|>",
+            known_ids={"Hello world": [15496, 995]},  # GPT-2's own
+            files={"config.json", "generation_config.json", "model.safetensors", "vocab.json", "merges.txt"},
+            model_args=model_args,
+            shapes={"transformer.wpe.weight": (32, 64)},  # cropped from 64 positions
+            # 4 AdamW steps at lr 3e-5 move each weight by about 1e-4 at most
+            start=reference.state_dict()["transformer.h.0.attn.c_attn.weight"].t(),
+            moved=5e-4,
+        )
+    else:
+        (root / "llama").mkdir()
+        vocab = make_bpe_tokenizer(root / "llama" / "tokenizer.json")
+        reference = llama_reference("gqa-llama3-tied-eps1e-5", std=0.05, vocab_size=vocab)
+        (root / "text.txt").write_text(make_text(30000))
+        prepare = ["--input", str(root / "text.txt"), f"--out_dir={root / 'data'}"]
+        prepare += [f"--tokenizer={root / 'llama' / 'tokenizer.json'}", "--txt_separator=\\n"]
+        corpus.main([*prepare, "--val_tokens=1000", "--test_tokens=0", "--workers=1"])
+        run += "--block_size=40 --batch_size=4 --gradient_accumulation_steps=1 --eval_interval=4".split()
+        run += "--learning_rate=1e-4 --warmup_iters=1 --lr_decay_iters=4 --min_lr=1e-5".split()
+        cropped = "128 cropped to 40"
+        f = SimpleNamespace(
+            # the run's tokenizer is the directory's tokenizer.json (the data was prepared with it)
+            tokenizer={"kind": "tokenizers", "path": str(root / "llama" / "tokenizer.json")},
+            tok_spec=huggingface.llama_tokenizer(str(root / "llama")),
+            pad=0,
+            eos="<|end_of_text|>",
+            bos="<|begin_of_text|>",
+            known_ids={},
+            files={"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"},
+            # the scaling recorded, so resume and export keep it
+            model_args=dict(n_kv_head=2, block_size=40, vocab_size=vocab, norm_eps=1e-5, rope_scaling=SCALING),
+            shapes={"transformer.h.0.attn.c_attn.weight": (64 + 2 * 2 * 16, 64)},  # q, and 2 key/value heads
+            # 4 AdamW steps at lr <= 1e-4 move each weight by at most ~4e-4
+            start=torch.cat([reference.state_dict()[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"]),
+            moved=1e-3,
+        )
+    reference.save_pretrained(root / arch)
+    result = run_script("train.py", *run, f"--init_from={root / arch}", "--max_iters=4")
     assert result.returncode == 0, result.stderr
     assert "come from the weights" in result.stdout and f"block_size {cropped}" in result.stdout
-
-
-@pytest.fixture(scope="module")
-def gpt2_finetuned(tmp_path_factory):
-    """config/finetune_shakespeare.py from a small GPT-2 directory, on GPT-2 BPE data."""
-    root = tmp_path_factory.mktemp("gpt2")
-    reference = gpt2_reference(std=0.05)
-    reference.save_pretrained(root / "gpt2")
-    encode, _ = tokenizer.load(huggingface.GPT2_TOKENIZER)
-    ids = np.array(encode(make_text(20000)), dtype=np.uint16)  # headerless uint16, as prepare.py writes
-    (root / "data").mkdir()
-    ids[: len(ids) * 9 // 10].tofile(root / "data" / "train.bin")
-    ids[len(ids) * 9 // 10 :].tofile(root / "data" / "val.bin")
-    run = ["config/finetune_shakespeare.py", f"--dataset={root / 'data'}", f"--out_dir={root / 'out'}"]
-    run += "--device=cpu --compile=False --block_size=32 --gradient_accumulation_steps=2 --eval_iters=2".split()
-    run += ["--eval_interval=2"]
-    finetune(root / "gpt2", run, cropped="64 cropped to 32")
-    return SimpleNamespace(
-        arch="gpt2",
-        root=root,
-        source=root / "gpt2",
-        reference=reference,
-        run=run,
-        tokenizer={"kind": "tiktoken", "name": "gpt2"},
-        tok_spec=huggingface.GPT2_TOKENIZER,
-        pad=50256,
-        eos="<|endoftext|>",
-        bos="<|endoftext|>",
-        known_ids={"Hello world": [15496, 995]},  # GPT-2's own
-        files={"config.json", "generation_config.json", "model.safetensors", "vocab.json", "merges.txt"},
-        model_args=dict(n_layer=2, n_head=4, n_embd=64, block_size=32, vocab_size=50257, bias=True, mlp="gelu_tanh"),
-        shapes={"transformer.wpe.weight": (32, 64)},  # cropped from 64 positions
-        # 4 AdamW steps at lr 3e-5 move each weight by about 1e-4 at most
-        start=reference.state_dict()["transformer.h.0.attn.c_attn.weight"].t(),
-        moved=5e-4,
-    )
-
-
-@pytest.fixture(scope="module")
-def llama_finetuned(tmp_path_factory):
-    """A tiny Llama directory with its own tokenizer.json, and data prepared with that tokenizer."""
-    root = tmp_path_factory.mktemp("llama")
-    (root / "llama").mkdir()
-    vocab = make_bpe_tokenizer(root / "llama" / "tokenizer.json")
-    reference = llama_reference("gqa-llama3-tied-eps1e-5", std=0.05, vocab_size=vocab)
-    reference.save_pretrained(root / "llama")
-    (root / "text.txt").write_text(make_text(30000))
-    prepare = ["--input", str(root / "text.txt"), f"--out_dir={root / 'data'}"]
-    prepare += [f"--tokenizer={root / 'llama' / 'tokenizer.json'}", "--txt_separator=\\n"]
-    corpus.main([*prepare, "--val_tokens=1000", "--test_tokens=0", "--workers=1"])
-    run = [f"--dataset={root / 'data'}", f"--out_dir={root / 'out'}", "--device=cpu", "--compile=False"]
-    run += "--block_size=40 --batch_size=4 --gradient_accumulation_steps=1 --eval_iters=2 --eval_interval=4".split()
-    run += "--learning_rate=1e-4 --warmup_iters=1 --lr_decay_iters=4 --min_lr=1e-5".split()
-    finetune(root / "llama", run, cropped="128 cropped to 40")
-    return SimpleNamespace(
-        arch="llama",
-        root=root,
-        source=root / "llama",
-        reference=reference,
-        run=run,
-        # the run's tokenizer is the directory's tokenizer.json (the data was prepared with it)
-        tokenizer={"kind": "tokenizers", "path": str(root / "llama" / "tokenizer.json")},
-        tok_spec=huggingface.llama_tokenizer(str(root / "llama")),
-        pad=0,
-        eos="<|end_of_text|>",
-        bos="<|begin_of_text|>",
-        known_ids={},
-        files={"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"},
-        # the scaling recorded, so resume and export keep it
-        model_args=dict(n_kv_head=2, block_size=40, vocab_size=vocab, norm_eps=1e-5, rope_scaling=SCALING),
-        shapes={"transformer.h.0.attn.c_attn.weight": (64 + 2 * 2 * 16, 64)},  # q, and 2 key/value heads
-        # 4 AdamW steps at lr <= 1e-4 move each weight by at most ~4e-4
-        start=torch.cat([reference.state_dict()[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"]),
-        moved=1e-3,
-    )
-
-
-@pytest.fixture(scope="module", params=["gpt2", "llama"])
-def finetuned(request):
-    return request.getfixturevalue(f"{request.param}_finetuned")
+    return SimpleNamespace(arch=arch, root=root, source=root / arch, reference=reference, run=run, **vars(f))
 
 
 def test_finetuning_starts_from_the_weights(finetuned):
@@ -520,9 +484,8 @@ def test_sample_py_from_the_directory_is_transformers_greedy(finetuned, capsys):
     encode, decode = tokenizer.load(f.tok_spec)
     prompt = torch.tensor([encode(PROMPT)])
     greedy = f.reference.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=f.pad)
-    assert (
-        out.split("\n", 1)[1] == PROMPT + decode(greedy[0, prompt.size(1) :].tolist()) + "\n" + sample.SEPARATOR + "\n"
-    )
+    expected = PROMPT + decode(greedy[0, prompt.size(1) :].tolist()) + "\n" + sample.SEPARATOR + "\n"
+    assert out.split("\n", 1)[1] == expected
     # and from the finetuned run's checkpoint, decoded with the same tokenizer
     sample.main([f"--out_dir={f.root / 'out'}", *common, "--num_samples=2", "--max_new_tokens=5"])
     assert capsys.readouterr().out.count(PROMPT) == 2
@@ -558,8 +521,11 @@ def test_a_finetuned_run_resumes_with_the_same_command(finetuned):
     assert state["iter_num"] == 6 and {k: state["model_args"][k] for k in f.model_args} == f.model_args
 
 
-def test_finetuning_needs_data_from_the_directorys_tokenizer(llama_finetuned, tmp_path):
-    cfg = parse(TrainConfig, [f"--init_from={llama_finetuned.source}", "--dataset=shakespeare"])
+def test_finetuning_needs_data_from_the_directorys_tokenizer(tmp_path):
+    (tmp_path / "llama").mkdir()
+    vocab = make_bpe_tokenizer(tmp_path / "llama" / "tokenizer.json")
+    llama_reference("gqa-llama3-tied-eps1e-5", vocab_size=vocab).save_pretrained(tmp_path / "llama")
+    cfg = parse(TrainConfig, [f"--init_from={tmp_path / 'llama'}", "--dataset=shakespeare"])
     with pytest.raises(UserError, match="needs data tokenized with its .*tokenizer.json.*--tokenizer="):
         load.for_training(cfg, huggingface.GPT2_TOKENIZER)
     other = tmp_path / "tokenizer.json"
@@ -585,58 +551,49 @@ def test_a_directory_of_another_architecture_is_one_line(tmp_path):
     )
 
 
-@pytest.mark.parametrize(
-    "directory, change, named",
-    [
-        pytest.param("empty", {}, "no config.json", id="no-config"),
-        pytest.param("config", {"model_type": "gpt_neox"}, "'gpt_neox' model; only GPT-2 and Llama", id="gpt_neox"),
-        pytest.param("config", {"model_type": "gpt2"}, "cannot load the GPT-2 model in", id="gpt2-no-weights"),
-        # a GPT-2 or a Llama saved by transformers, its config.json changed, or a file of its weights removed
-        pytest.param("gpt2", {"activation_function": "relu"}, "activation_function", id="relu"),
-        pytest.param(
-            "gpt2",
-            {"scale_attn_by_inverse_layer_idx": True},
-            "scale_attn_by_inverse_layer_idx",
-            id="scale_attn_by_inverse_layer_idx",
-        ),
-        pytest.param(
-            "no-weights", {}, "has no model.safetensors nor model.safetensors.index.json", id="llama-no-weights"
-        ),
-        pytest.param("no-shard-2", {}, r"model-00002-of-\d+\.safetensors is missing", id="llama-missing-shard"),
-        pytest.param(
-            "llama",
-            {"intermediate_size": 128},
-            r"model.layers.0.mlp.gate_proj.weight is \(96, 64\), but config.json makes it \(128, 64\)",
-            id="intermediate_size",
-        ),
-        pytest.param(
-            "llama",
-            {"num_key_value_heads": 2},
-            r"k_proj.weight is \(16, 64\), but config.json makes it \(32, 64\)",
-            id="num_key_value_heads",
-        ),
-        pytest.param("llama", {"num_hidden_layers": 3}, "has no weight model.layers.2.", id="more-layers"),
-        pytest.param(
-            "llama",
-            {"num_hidden_layers": 1},
-            r"has 9 weight\(s\) this Llama has no place for \(model.layers.1.",
-            id="fewer-layers",
-        ),
-        # settings our GPT cannot reproduce, in Llama-3.2-1B's config.json: refused before any weights are looked for
-        pytest.param(
-            "1b", dict(attention_bias=True, mlp_bias=False), "attention_bias=True but mlp_bias=False", id="biases"
-        ),
-        pytest.param(
-            "1b",
-            dict(rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32)),
-            "rope_type='yarn'",
-            id="yarn",
-        ),
-        pytest.param("1b", dict(sliding_window=16), "sliding_window=16", id="sliding_window"),
-        pytest.param("1b", dict(hidden_act="gelu"), "hidden_act='gelu'", id="gelu"),
-        pytest.param("1b", dict(head_dim=32), "head_dim=32", id="head_dim"),
-    ],
-)
+UNLOADABLE = {  # id: (the directory, its config.json's change, what the one line names)
+    "no-config": ("empty", {}, "no config.json"),
+    "gpt_neox": ("config", {"model_type": "gpt_neox"}, "'gpt_neox' model; only GPT-2 and Llama"),
+    "gpt2-no-weights": ("config", {"model_type": "gpt2"}, "cannot load the GPT-2 model in"),
+    # a GPT-2 or a Llama saved by transformers, its config.json changed, or a file of its weights removed
+    "relu": ("gpt2", {"activation_function": "relu"}, "activation_function"),
+    "scale_attn_by_inverse_layer_idx": (
+        "gpt2",
+        {"scale_attn_by_inverse_layer_idx": True},
+        "scale_attn_by_inverse_layer_idx",
+    ),
+    "llama-no-weights": ("no-weights", {}, "has no model.safetensors nor model.safetensors.index.json"),
+    "llama-missing-shard": ("no-shard-2", {}, r"model-00002-of-\d+\.safetensors is missing"),
+    "intermediate_size": (
+        "llama",
+        {"intermediate_size": 128},
+        r"model.layers.0.mlp.gate_proj.weight is \(96, 64\), but config.json makes it \(128, 64\)",
+    ),
+    "num_key_value_heads": (
+        "llama",
+        {"num_key_value_heads": 2},
+        r"k_proj.weight is \(16, 64\), but config.json makes it \(32, 64\)",
+    ),
+    "more-layers": ("llama", {"num_hidden_layers": 3}, "has no weight model.layers.2."),
+    "fewer-layers": (
+        "llama",
+        {"num_hidden_layers": 1},
+        r"has 9 weight\(s\) this Llama has no place for \(model.layers.1.",
+    ),
+    # settings our GPT cannot reproduce, in Llama-3.2-1B's config.json: refused before any weights are looked for
+    "biases": ("1b", dict(attention_bias=True, mlp_bias=False), "attention_bias=True but mlp_bias=False"),
+    "yarn": (
+        "1b",
+        dict(rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32)),
+        "rope_type='yarn'",
+    ),
+    "sliding_window": ("1b", dict(sliding_window=16), "sliding_window=16"),
+    "gelu": ("1b", dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    "head_dim": ("1b", dict(head_dim=32), "head_dim=32"),
+}
+
+
+@pytest.mark.parametrize("directory, change, named", UNLOADABLE.values(), ids=list(UNLOADABLE))
 def test_a_directory_we_cannot_load_is_one_line(tmp_path, directory, change, named):
     config = {"config": {}, "1b": LLAMA_3_2_1B}.get(directory)
     if directory in ("gpt2", "llama", "no-weights", "no-shard-2"):

@@ -53,8 +53,7 @@ def test_muon_half_steps_as_torch_muon_and_the_rest_as_adamw(monkeypatch):
     for it in range(4):
         x, y = torch.randint(0, 65, (4, 16), generator=g), torch.randint(0, 65, (4, 16), generator=g)
         lr = get_lr(it, cfg)
-        scaler = torch.amp.GradScaler("cpu", enabled=False)
-        train_step(model, ours, scaler, lambda: (x, y), lr, 1, 0.0, CPU)
+        train_step(model, ours, torch.amp.GradScaler("cpu", enabled=False), lambda: (x, y), lr, 1, 0.0, CPU)
         ref(x, y)[1].backward()
         # Muon's peak on the same schedule, AdamW's the schedule's
         for opt, opt_lr in ((ref_muon, cfg.muon_lr * lr / cfg.learning_rate), (ref_adamw, lr)):
@@ -135,8 +134,7 @@ def test_batched_muon_steps_every_matrix_as_torch_muon(monkeypatch, options):
 
 
 def test_muon_off_the_cpu_orthogonalizes_in_bfloat16():
-    """The device branch, run on the meta device (any device but the CPU takes it): the batched
-    matmuls run in bfloat16 there and in float32 on the CPU."""
+    """The device branch on the meta device (any but the CPU takes it): bfloat16 matmuls there, float32 on the CPU."""
 
     class Matmuls(TorchDispatchMode):
         def __init__(self):
@@ -208,8 +206,7 @@ def test_a_skipped_muon_step_leaves_weights_and_momenta_bit_unchanged_without_a_
 
 
 def test_polar_express_lands_closer_to_the_polar_factor_than_torchs_iteration():
-    """Against the SVD's U V^T: Polar Express's five quintics (each tuned to what the previous
-    leave) against torch's one quintic five times, on ill-conditioned matrices, in float64."""
+    """Against the SVD's U V^T, on ill-conditioned matrices in float64: five tuned quintics against torch's one."""
     torch.manual_seed(0)
     for shape in ((64, 16), (16, 64), (32, 32)):
         u, s, vh = torch.linalg.svd(torch.randn(shape, dtype=torch.float64), full_matrices=False)
@@ -221,9 +218,8 @@ def test_polar_express_lands_closer_to_the_polar_factor_than_torchs_iteration():
 
 
 def test_normuon_evens_out_the_neurons_and_keeps_the_norm():
-    """A first step (zero second moments): every row of a tall matrix, every column of a wide one,
-    comes out with the same RMS, and each matrix keeps its Frobenius norm; the state is the
-    running mean of the squares, (1 - 0.95) of this step's."""
+    """A first step: every row of a tall matrix (column of a wide one) with the same RMS, each matrix's Frobenius
+    norm kept; the state is the running mean of the squares, (1 - 0.95) of this step's."""
     torch.manual_seed(0)
     for shape, dim in (((3, 48, 16), -1), ((3, 16, 48), -2)):
         o = torch.randn(shape) * torch.linspace(0.1, 3, shape[1])[:, None]
@@ -238,9 +234,8 @@ def test_normuon_evens_out_the_neurons_and_keeps_the_norm():
 def test_cautious_weight_decay_decays_only_where_the_update_agrees_in_sign():
     p = torch.tensor([[1.0, -1.0], [2.0, -2.0]])
     u = torch.tensor([[[0.5, 0.5], [-0.5, -0.5]]])  # agrees with p at (0, 0) and (1, 1)
-    it = muon.Muon([torch.nn.Parameter(p)], cautious=True, weight_decay=0.1).iteration(
-        {"nesterov": True, "ns_coefficients": (1, 0, 0), "ns_steps": 1, "eps": 1e-7, "weight_decay": 0.1}, p.device
-    )
+    group = {"nesterov": True, "ns_coefficients": (1, 0, 0), "ns_steps": 1, "eps": 1e-7, "weight_decay": 0.1}
+    it = muon.Muon([torch.nn.Parameter(p)], cautious=True, weight_decay=0.1).iteration(group, p.device)
     q = p.clone()
     muon.apply([q], u, {"decay": 0.9, "-lr*ratio": -0.1}, None, it)
     decay = torch.tensor([[0.9, 1.0], [1.0, 0.9]])
@@ -321,8 +316,7 @@ def muon_runs(tmp_path_factory):
 
 
 def test_logged_grad_norm_and_update_ratios(muon_runs):
-    """Step 0's logged gradient norm against one computed here: the same seed's model, the same
-    first batch and dropout masks, backward, the square root of the sum of squares."""
+    """Step 0's logged gradient norm against one computed here: the same seed's model, batch and dropout masks."""
     root, data, common = muon_runs
     evals = [r["val_loss"] for r in read_metrics(root / "straight") if "val_loss" in r]
     assert evals[-1] < evals[0] - 0.5  # it learned

@@ -11,6 +11,7 @@ import shutil
 import signal
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
@@ -59,9 +60,8 @@ def keep_copies(monkeypatch, kept, then=None):
 
     def keeping(self, path):
         it = iter_of(path)
-        (shutil.copyfile if os.path.isfile(path) else shutil.copytree)(
-            path, kept / f"ckpt_{it:07d}{'.pt' * os.path.isfile(path)}"
-        )
+        copy = shutil.copyfile if os.path.isfile(path) else shutil.copytree
+        copy(path, kept / f"ckpt_{it:07d}{'.pt' * os.path.isfile(path)}")
         committed(self, path)
         if then is not None:
             then(it)
@@ -77,18 +77,17 @@ def eval_json(capfd, *args):
     return json.loads(capfd.readouterr().out.strip().splitlines()[-1])
 
 
-def as_eval_py_scores(capfd, out, it, kept):
-    """The watcher's record of checkpoint `it` as eval.py scores the kept copy afterwards."""
-    copy = next(kept.glob(f"ckpt_{it:07d}*"))
-    results = eval_json(capfd, *[a for a in watcher_args(out) if a != "--watch=True"], f"--checkpoint={copy}")
-    return {"iter": it, **{f"watch/{k}": v for k, v in metrics.eval_record(results).items()}}
-
-
-def one_record_each(out, saved):
-    """{iter: record}, asserting every saved iteration has exactly one watcher record."""
+def one_record_each(out, saved, released=True):
+    """({iter: record}, the skipped iters): every saved iteration has exactly one watcher record; with released,
+    none is skipped but those training released."""
     records = watch_records(out)
     assert sorted(r["iter"] for r in records) == saved  # none missing, none twice
-    return {r["iter"]: r for r in records}
+    records = {r["iter"]: r for r in records}
+    skipped = sorted(i for i, r in records.items() if "watch/skipped" in r)
+    if released:
+        assert skipped == sorted(watch.released(str(out)))
+        assert all(records[i]["watch/skipped"] == "released unscored (keep_unscored)" for i in skipped)
+    return records, skipped
 
 
 def kill(process):
@@ -202,26 +201,23 @@ def test_a_watcher_started_by_hand_beside_a_run_and_killed_three_times_leaves_on
     assert len(lives) == 4 and [p.returncode for p in lives] == [-9, -9, -9, 0]
     assert all(0 < n < len(saved) for n in at_kill), at_kill  # killed midway, not only before or after the work
 
-    records = one_record_each(out, saved)
-    scored = sorted(i for i, r in records.items() if "watch/skipped" not in r)
-    skipped = sorted(i for i, r in records.items() if "watch/skipped" in r)
-    assert skipped == sorted(watch.released(str(out)))  # none skipped but those training released
-    assert all(records[i]["watch/skipped"] == "released unscored (keep_unscored)" for i in skipped)
+    records, skipped = one_record_each(out, saved)
+    scored = sorted(set(records) - set(skipped))
     progress = json.loads((out / "watch.json").read_text())
     assert (progress["scored"], progress["skipped"], progress["seen"]) == (scored, skipped, [])
     summary = _read(log).strip().splitlines()[-1]
     assert summary.startswith("watch: the run is over; ") and summary.endswith(
         f"of the run's 12: {len(scored)} scored, {len(skipped)} skipped, none without a record"
     )
-    for it in scored:
-        assert records[it] == as_eval_py_scores(capfd, out, it, tmp_path / "kept")  # bitwise
+    for it in scored:  # as eval.py scores the kept copy afterwards, bitwise
+        copy = next((tmp_path / "kept").glob(f"ckpt_{it:07d}*"))
+        results = eval_json(capfd, *[a for a in watcher_args(out) if a != "--watch=True"], f"--checkpoint={copy}")
+        assert records[it] == {"iter": it, **{f"watch/{k}": v for k, v in metrics.eval_record(results).items()}}
     print(f"standalone: kills at {at_kill} records; {len(scored)} scored {scored}, {len(skipped)} skipped {skipped}")
 
 
 def eval_async_run(chars, out, monkeypatch, capfd, kill_at, max_iters):
-    """train.py with eval_async=True, a checkpoint every 10 steps, its watcher SIGKILLed at the checkpoints
-    kill_at once it has recorded something since the last kill. (its eval_async lines, its stdout, the
-    number of records at each kill)."""
+    """(eval_async lines, stdout, records at each kill) of train.py, its watcher killed at kill_at once it records."""
     children, at_kill = [], []
 
     class Child(watch.Child):  # the run's own, kept at hand to kill
@@ -252,8 +248,7 @@ def eval_async_run(chars, out, monkeypatch, capfd, kill_at, max_iters):
 def test_eval_async_starts_a_dead_watcher_again_and_every_checkpoint_ends_with_one_record(
     chars, tmp_path, monkeypatch, capfd
 ):
-    """Killed at 20, 40 and 60: each time one line with the exit code, and started again at once (the delays
-    are test_a_dead_child's); the last one scores what is left at the end, from its progress."""
+    """Killed at 20, 40 and 60: one line each, started again at once; the last scores what is left from its progress."""
     monkeypatch.setattr(watch, "RESTART_DELAYS_S", (0, 0, 0))
     out, saved = tmp_path / "out", list(range(10, 81, 10))
     lines, stdout, at_kill = eval_async_run(chars, out, monkeypatch, capfd, {20, 40, 60}, max_iters=80)
@@ -265,10 +260,7 @@ def test_eval_async_starts_a_dead_watcher_again_and_every_checkpoint_ends_with_o
     assert [line.partition(", ")[2] for line in started] == [
         f"restart {n} of 3); it goes on from its progress" for n in (1, 2, 3)
     ]
-    records = one_record_each(out, saved)
-    skipped = sorted(i for i, r in records.items() if "watch/skipped" in r)
-    assert skipped == sorted(watch.released(str(out)))  # none skipped but those training released
-    assert all(records[i]["watch/skipped"] == "released unscored (keep_unscored)" for i in skipped)
+    _, skipped = one_record_each(out, saved)
     assert "none without a record" in stdout and not any("without a watcher record" in line for line in lines)
     print(f"eval_async restarted: kills at {at_kill} records; skipped {skipped}")
 
@@ -277,8 +269,7 @@ def test_eval_async_starts_a_dead_watcher_again_and_every_checkpoint_ends_with_o
 def test_eval_async_leaves_a_watcher_dead_after_its_restarts_training_goes_on_and_its_end_names_what_is_unscored(
     chars, tmp_path, monkeypatch, capfd
 ):
-    """One restart: killed again at 40, the watcher is left dead with one line, training goes on to 60, and
-    the run's last line names a command that fills in the checkpoints without a record."""
+    """Killed again at 40, left dead with one line; training goes on, its last line names a command that fills in."""
     monkeypatch.setattr(watch, "RESTART_DELAYS_S", (0,))
     out, saved = tmp_path / "out", list(range(10, 61, 10))
     lines, stdout, at_kill = eval_async_run(chars, out, monkeypatch, capfd, {20, 40}, max_iters=60)
@@ -295,9 +286,7 @@ def test_eval_async_leaves_a_watcher_dead_after_its_restarts_training_goes_on_an
     )
     command = shlex.split(lines[-1].partition("): ")[2].partition(" scores those")[0])
     assert EVAL.main(command[2:]) == 0  # the command the line names fills them in
-    records = one_record_each(out, saved)
-    skipped = sorted(i for i, r in records.items() if "watch/skipped" in r)
-    assert skipped == sorted(watch.released(str(out)))
+    _, skipped = one_record_each(out, saved)
     assert "none without a record" in capfd.readouterr().out
     print(f"eval_async given up: kills at {at_kill} records; unscored at the end {unscored}; skipped {skipped}")
 
@@ -308,9 +297,8 @@ def test_a_dead_child_is_started_again_after_longer_and_longer_waits_then_left(t
     monkeypatch.setattr(watch, "RESTART_DELAYS_S", (0.05, 0.1, 0.2))
     (tmp_path / "ckpt_0000010.pt").write_bytes(b"")  # a complete checkpoint nobody scored
     said = []
-    child = watch.Child(
-        [sys.executable, "-c", "raise SystemExit(3)"], str(tmp_path), say=lambda m: said.append((time.monotonic(), m))
-    )
+    say = lambda m: said.append((time.monotonic(), m))
+    child = watch.Child([sys.executable, "-c", "raise SystemExit(3)"], str(tmp_path), say=say)
     deadline = time.monotonic() + 60
     while "no restart left" not in said[-1][1]:
         child.check()
@@ -340,9 +328,8 @@ def test_a_dead_child_is_started_again_after_longer_and_longer_waits_then_left(t
 def test_a_stopped_watcher_costs_at_most_keep_last_plus_keep_unscored_plus_one_checkpoints(
     chars, tmp_path, monkeypatch
 ):
-    """SIGSTOPped for the whole run (keep_last=2, keep_unscored=2): never more than 5 checkpoints on disk
-    (counted right after each save, before rotation); the older unscored ones released and, once it is
-    continued, logged as skipped with one line each; the rest scored."""
+    """SIGSTOPped for the whole run: never more than 5 checkpoints on disk (right after each save, before rotation);
+    the older unscored ones released and, once it is continued, logged as skipped with one line each."""
     out, log, saved, on_disk, watcher = tmp_path / "out", tmp_path / "watch.log", list(range(10, 101, 10)), [], []
     write_config, save = ownership.OutDir.write_config, checkpoint.save
 
@@ -367,9 +354,8 @@ def test_a_stopped_watcher_costs_at_most_keep_last_plus_keep_unscored_plus_one_c
     finally:
         watcher[0].send_signal(signal.SIGCONT)
     assert watcher[0].wait(timeout=180) == 0, _read(log)
-    records = one_record_each(out, saved)
-    assert [i for i in saved if "watch/skipped" in records[i]] == list(range(10, 61, 10))
-    assert all(records[i]["watch/skipped"] == "released unscored (keep_unscored)" for i in range(10, 61, 10))
+    records, skipped = one_record_each(out, saved)
+    assert skipped == list(range(10, 61, 10))
     assert all("watch/val_loss" in records[i] for i in (70, 80, 90, 100))
     output = _read(log).splitlines()
     assert "note: iter 10's checkpoint was released by training before it was scored (keep_unscored); skipped" in output
@@ -410,9 +396,8 @@ def test_retention_keeps_the_one_being_scored_then_the_newest_and_lists_the_othe
 def test_a_checkpoint_removed_before_or_while_it_is_read_gets_a_record_and_a_line(
     finished_run, tmp_path, monkeypatch, capsys
 ):
-    """Iter 4's, which a watcher saw (watch.json's seen), removed by hand before it came back to it, and
-    iter 8's, removed while it is read: neither released by training, both skipped with one line, never
-    missing in silence."""
+    """Iter 4's, which a watcher saw (watch.json's seen), removed by hand before it came back to it, and iter 8's,
+    removed while it is read: neither released by training, both skipped with one line, never missing in silence."""
     out = copy_of(finished_run, tmp_path)
     checkpoint.write_json(str(out / "watch.json"), {"scored": [], "skipped": [], "seen": [2, 4], "scoring": None})
     os.remove(out / "ckpt_0000004.pt")
@@ -430,7 +415,7 @@ def test_a_checkpoint_removed_before_or_while_it_is_read_gets_a_record_and_a_lin
     assert [line for line in stdout.splitlines() if "ckpt_0000008.pt" in line] == [
         "note: ckpt_0000008.pt disappeared while it was read (training removed it); skipped"
     ]
-    records = one_record_each(out, list(range(2, 21, 2)))
+    records, _ = one_record_each(out, list(range(2, 21, 2)), released=False)
     assert records[4] == {"iter": 4, "watch/skipped": "removed before it was scored"}
     assert list(records[8]) == ["iter", "watch/skipped"]
     assert stdout.strip().splitlines()[-1] == (
@@ -466,11 +451,7 @@ for i in range(1000):
 
 @pytest.mark.process
 def test_the_trainers_and_the_watchers_appends_never_tear_or_interleave(tmp_path):
-    from types import SimpleNamespace
-
-    from gpt.outdir.metrics import MetricsLog
-
-    log = MetricsLog(str(tmp_path), None, SimpleNamespace(wandb_log=False, tensorboard_log=False))
+    log = metrics.MetricsLog(str(tmp_path), None, SimpleNamespace(wandb_log=False, tensorboard_log=False))
     other = start_python(["-c", APPENDER, tmp_path / "metrics.jsonl"], stdin=True)
     assert other.stdout.readline() == "ready\n"
     other.stdin.write("go\n")
@@ -536,9 +517,7 @@ def test_under_torchrun_rank_0_alone_starts_the_watcher_and_its_records_join_the
             record = wandb_internal_pb2.Record()
             record.ParseFromString(data)
             if record.WhichOneof("record_type") == "history":
-                items = {
-                    item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item
-                }
+                items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
                 if "watch/iter" in items:
                     logged.append(items)
     assert [(i["watch/iter"], i["watch/val_loss"]) for i in logged] == [
@@ -567,12 +546,9 @@ def wandb_records(path, block=32768):
 
 
 def test_bad_input_is_one_line(tmp_path):
+    missing = tmp_path / "missing"
     cases = [
-        (
-            "eval.py",
-            ["--watch=True", f"--out_dir={tmp_path / 'missing'}"],
-            "out_dir=" + str(tmp_path / "missing") + " does not exist",
-        ),
+        ("eval.py", ["--watch=True", f"--out_dir={missing}"], f"out_dir={missing} does not exist"),
         ("eval.py", ["--watch=True", "--init_from=gpt2"], "--watch follows a training run: give its --out_dir"),
         ("eval.py", [f"--out_dir={tmp_path}", "--checkpoint=ckpt_0000099.pt"], "no checkpoint at"),
         ("train.py", ["--eval_async=True", "--keep_unscored=-1"], "keep_unscored=-1 must be >= 0"),
