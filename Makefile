@@ -109,7 +109,7 @@ rl-demo: venv
 # schemathesis' and hypothesis' pytest plugins are off: tests/test_serve.py calls the two libraries
 # themselves, not their plugins, and each plugin's import costs ~1 s.
 PYTEST := OMP_NUM_THREADS=1 TORCHINDUCTOR_COMPILE_THREADS=1 PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n auto \
-	--dist loadfile --no-loadscope-reorder --max-worker-restart=0 --timeout=300 -p no:schemathesis -p no:hypothesispytest
+	--dist loadfile --max-worker-restart=0 --timeout=300 -p no:schemathesis -p no:hypothesispytest
 test: venv-dev $(VENV)/.llama
 	SHAKESPEARE_TXT=$(abspath $(SHAKESPEARE_TXT)) $(PYTEST) tests
 

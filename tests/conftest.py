@@ -213,18 +213,6 @@ def tree_files(root=REPO):
     return sorted(n for n in names if (root / n).is_file() and not (root / n).is_symlink())
 
 
-# The files that take longest, longest first (BENCHMARKS.md, "The test suite"). `make test` hands whole
-# files to its workers in collection order (--dist loadfile --no-loadscope-reorder), so these start
-# first and the last files to start are short: no worker waits long for the other at the end.
-LONGEST_FIRST = ["recipes", "muon_dist", "readme", "muon_resume", "engine", "replicas", "serve", "headline", "dist"]
-LONGEST_FIRST += ["watch", "diloco", "checkpoint_format", "compare", "fsdp", "bench", "compile", "optim", "hf"]
-
-
-def pytest_collection_modifyitems(items):
-    rank = {f"test_{name}.py": i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order kept
-
-
 def pytest_sessionfinish():
     """Kill what start_python started and a failed test left running (a run of 100,000 steps), children too."""
     for proc in STARTED:

@@ -427,12 +427,15 @@ def test_the_smoke_compares_cache_and_no_cache_with_tf32_off(monkeypatch, tmp_pa
 
     monkeypatch.setattr(sampling, "generate", recording_generate)
     monkeypatch.setattr(battery, "resume_check", lambda *args: {"ok": True})  # train.py subprocesses: tested above
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)  # as setup() leaves a GPU
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
-    report = {}
-    battery.part_smoke(battery.BatteryConfig(out_dir=str(tmp_path)), CPU, battery.suite_scale(CPU), report)
-    assert seen == [(False, False), (False, False)]
-    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (True, True)
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # as setup() leaves a GPU
+    try:  # (monkeypatch cannot put back cuBLAS's flag: its undo deletes it)
+        report = {}
+        battery.part_smoke(battery.BatteryConfig(out_dir=str(tmp_path)), CPU, battery.suite_scale(CPU), report)
+        after = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    assert seen == [(False, False), (False, False)] and after == (True, True)
     assert report["smoke"]["kv_cache_greedy_equals_uncached"]["ok"]
 
 
