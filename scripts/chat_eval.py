@@ -129,8 +129,8 @@ def report(right, asked, misses, seconds, show=5):
 
 def pass_at_k(args):
     """--task: pass@1..pass@k of the model on the task's held-out problems, printed; the scores."""
-    if args.task != "arithmetic" and not args.test_file:
-        raise UserError(f"--task={args.task} reads its held-out problems from a file: set --test_file (jsonl)")
+    if args.task == "jsonl" and not args.test_file:
+        raise UserError("--task=jsonl reads its held-out problems from a file: set --test_file")
     rt = runtime.setup(args.device, args.dtype)
     task = tasks.load(args.task, args.test_file, args.test_file, args.check, args.seed)
     model, spec = load.for_inference(args.out_dir, None, args.checkpoint)
@@ -159,7 +159,9 @@ def main(argv=None):
     p.add_argument("--gguf", help="also ask llama.cpp, with this model.gguf (python hf.py --format=gguf)")
     rl = p.add_argument_group("pass@k on a task with a checker, as scripts/chat_rl.py scores it (its keys' defaults)")
     rl.add_argument("--task", choices=["arithmetic", "gsm8k", "jsonl"], help="score pass@1..k on this task")
-    rl.add_argument("--test_file", default="", help="gsm8k, jsonl: the held-out problems")
+    rl.add_argument(
+        "--test_file", default="", help="jsonl; gsm8k: the held-out problems (default: openai/gsm8k's test split)"
+    )
     rl.add_argument("--check", choices=["exact", "numeric"], default="exact", help="jsonl: how answers are checked")
     rl.add_argument("--examples", type=int, default=100, help="held-out problems scored (default: %(default)s)")
     rl.add_argument("--pass_k", type=int, default=8, help="samples per problem (default: %(default)s)")

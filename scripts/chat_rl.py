@@ -55,7 +55,7 @@ class RLConfig(TrainConfig):
     # meaning; the model's shape and the data keys are the start's. What RL adds:
     # fmt: off
     start_from: str = ""  # the chat model to reinforce: an SFT run's out_dir (its best checkpoint) or a Hugging Face chat directory (Llama 3.2 Instruct)
-    task: Literal["arithmetic", "gsm8k", "jsonl"] = "arithmetic"  # 'arithmetic' (generated from seed), 'gsm8k' (its jsonl: question, answer ending '#### N') or 'jsonl' (your prompt/answer lines, checked by check)
+    task: Literal["arithmetic", "gsm8k", "jsonl"] = "arithmetic"  # 'arithmetic' (generated from seed), 'gsm8k' (its jsonl: question, answer ending '#### N'; without files openai/gsm8k from the Hugging Face hub) or 'jsonl' (your prompt/answer lines, checked by check)
     train_file: str = ""  # gsm8k, jsonl: the training problems
     test_file: str = ""  # gsm8k, jsonl: the held-out problems pass@k is scored on
     check: Literal["exact", "numeric"] = "exact"  # task='jsonl': the completion equals the answer ('exact', stripped) or its last number does ('numeric')

@@ -315,6 +315,7 @@ def test_two_gloo_ranks_equal_one_process(sft, straight, tmp_path, parallelism):
         ("samples=1", ["samples=1: a group of 1 sample", "every advantage is 0"]),
         ("plain run", ["was not trained on conversations"]),
         ("bad line", ["bad.jsonl:2: not JSON"]),
+        ("gsm8k, no files, no network", ["cannot read openai/gsm8k (train) from the Hugging Face hub", "--train_file"]),
     ],
 )
 def test_bad_input_is_one_line(sft, tiny_run, tmp_path, case, said):
@@ -324,5 +325,8 @@ def test_bad_input_is_one_line(sft, tiny_run, tmp_path, case, said):
         "samples=1": dict(samples=1),
         "plain run": dict(start_from=tiny_run),
         "bad line": dict(task="jsonl", train_file=bad, test_file=bad),
+        "gsm8k, no files, no network": dict(task="gsm8k"),
     }[case]
-    one_line_error(run_script("scripts/chat_rl.py", *rl_args(sft, tmp_path / "out", **overrides)), *said)
+    offline = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # read as the hub's library is imported: a process
+    args = rl_args(sft, tmp_path / "out", **overrides)
+    one_line_error(run_script("scripts/chat_rl.py", *args, env=offline, isolated="network" in case), *said)

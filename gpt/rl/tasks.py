@@ -9,7 +9,8 @@ completion, else 0.0.
     task.reward(task.test[0], "3 + 4 = 7\\n#### 7")             # 1.0
 
 Three kinds, one interface:
-    gsm8k       GSM8K's published jsonl: {"question": ..., "answer": "...#### 72"}. The checker is
+    gsm8k       GSM8K's published jsonl: {"question": ..., "answer": "...#### 72"}, or without files
+                openai/gsm8k from the Hugging Face hub where the network allows. The checker is
                 nanochat's: the number after '####' (commas removed) in the completion equals the one
                 in the reference answer, as text.
     arithmetic  word problems of one-digit numbers generated from a seed, in GSM8K's format and
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 from configurator import UserError
 
 KINDS = ("arithmetic", "gsm8k", "jsonl")
+GSM8K = "openai/gsm8k"  # on the Hugging Face hub, config 'main': train (7,473 problems) and test (1,319)
 CHECKS = ("exact", "numeric")
 
 # nanochat's tasks/gsm8k.py: the answer is the number after '#### ', commas removed
@@ -81,6 +83,8 @@ def load(kind, train_file="", test_file="", check="exact", seed=0, n_train=5000,
     """The task of `kind` (KINDS): generated (arithmetic), or read from the jsonl files."""
     if kind == "arithmetic":
         return Task("arithmetic", arithmetic(n_train, seed, False), arithmetic(n_test, seed, True), "gsm8k")
+    if kind == "gsm8k" and not train_file and not test_file:  # from the hub, where the network allows
+        return Task(kind, read_gsm8k(f"{GSM8K}/train", hub("train")), read_gsm8k(f"{GSM8K}/test", hub("test")), kind)
     if not train_file or not test_file:
         raise UserError(f"task='{kind}' reads its problems from files: set --train_file and --test_file (jsonl)")
     read = read_gsm8k if kind == "gsm8k" else lambda path: read_jsonl(path, check)
@@ -120,11 +124,24 @@ def _text(path, n, record, key, example):
     return value
 
 
-def read_gsm8k(path):
-    """GSM8K's jsonl: question, and an answer that ends in '#### N'."""
+def hub(split):
+    """(row number, record) of GSM8K's split on the Hugging Face hub (needs the network)."""
+    try:
+        import datasets
+
+        return list(enumerate(map(dict, datasets.load_dataset(GSM8K, "main", split=split)), 1))
+    except Exception as e:  # no network, or the hub refused: its first line says which
+        raise UserError(
+            f"cannot read {GSM8K} ({split}) from the Hugging Face hub ({(str(e).strip() or type(e).__name__).splitlines()[0]}); "
+            f"set --train_file and --test_file to GSM8K's jsonl files instead"
+        ) from None
+
+
+def read_gsm8k(path, rows=None):
+    """GSM8K's jsonl (or rows read elsewhere, named by path): question, and an answer that ends in '#### N'."""
     example = '{"question": "...", "answer": "... #### 72"}'
     problems = []
-    for n, record in records(path):
+    for n, record in records(path) if rows is None else rows:
         question, answer = (_text(path, n, record, key, example) for key in ("question", "answer"))
         number = gsm8k_answer(answer)
         if number is None:
