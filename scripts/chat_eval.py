@@ -158,11 +158,11 @@ def main(argv=None):
     p.add_argument("--device", default="cpu", help="chat.py's --device (default: %(default)s)")
     p.add_argument("--gguf", help="also ask llama.cpp, with this model.gguf (python hf.py --format=gguf)")
     rl = p.add_argument_group("pass@k on a task with a checker, as scripts/chat_rl.py scores it (its keys' defaults)")
-    rl.add_argument("--task", choices=["arithmetic", "gsm8k", "jsonl"], help="score pass@1..k on this task")
+    rl.add_argument("--task", choices=tasks.KINDS, help="score pass@1..k on this task")
     rl.add_argument(
         "--test_file", default="", help="jsonl; gsm8k: the held-out problems (default: openai/gsm8k's test split)"
     )
-    rl.add_argument("--check", choices=["exact", "numeric"], default="exact", help="jsonl: how answers are checked")
+    rl.add_argument("--check", choices=tasks.CHECKS, default="exact", help="jsonl: how answers are checked")
     rl.add_argument("--examples", type=int, default=100, help="held-out problems scored (default: %(default)s)")
     rl.add_argument("--pass_k", type=int, default=8, help="samples per problem (default: %(default)s)")
     rl.add_argument("--max_new_tokens", type=int, default=64, help="the longest answer (default: %(default)s)")
