@@ -80,6 +80,7 @@ class TrainConfig:
     update_ratio_interval: int = 0  # every this many steps log each layer's |update| / |weight| (one copy of the weights that step); 0: off
     eval_iters: int = 200  # batches per split in each evaluation (the same batches every time)
     eval_only: bool = False  # evaluate once, then exit
+    eval_masked: bool = False  # each eval also scores all of val document-masked in consecutive block_size windows, as val_masked_loss: the speedruns' val loss (docs/speedrun.md)
     hellaswag_interval: int = 0  # score HellaSwag every this many iterations (eval.py); 0: off. Needs a tokenizer that encodes text
     hellaswag_examples: int = 0  # score this fixed subset of HellaSwag (a seeded sample) for speed; 0: all 10,042
     hellaswag_path: str = ""  # a HellaSwag jsonl (ctx, endings, label); '': data/hellaswag/hellaswag_val.jsonl, downloaded once
