@@ -104,7 +104,7 @@ class TrainConfig:
     wandb_run_name: str = "gpt2"  # wandb run name
     tensorboard_log: bool = False  # also write TensorBoard event files to out_dir/tensorboard
     # data
-    dataset: str = "openwebtext"  # reads data/<dataset>/train.bin and val.bin
+    dataset: str = "openwebtext"  # reads data/<dataset>/train.bin and val.bin (or their shards, or llm.c's: docs/data.md); an absolute path as it is
     gradient_accumulation_steps: int = 5 * 8  # micro-steps per optimizer step, summed over all ranks
     batch_size: Union[int, Literal["auto"]] = 12  # micro-batch per rank, or 'auto': the largest that fits (needs total_batch_size)
     total_batch_size: int = 0  # tokens per optimizer step that batch_size='auto' keeps fixed (0: not used)

@@ -21,6 +21,7 @@ for_training (whichever of the three the config asks for) and eval_windows (what
 
 import glob
 import os
+import re
 from collections import deque
 
 import numpy as np
@@ -386,7 +387,7 @@ def open_splits(data_dir, tok_spec, vocab_size, block_size, mode="auto", say=pri
                 say(f"note: the test split ({len(data)} tokens) is shorter than block_size; it is not evaluated")
                 splits[name] = None
                 continue
-            where = data.paths[0] if len(data.paths) == 1 else os.path.join(data_dir, f"{name}_*.bin")
+            where = data.paths[0] if len(data.paths) == 1 else re.sub(r"\d{6}(?=\.bin$)", "*", data.paths[0])
             raise UserError(f"block_size={block_size} is longer than {where} ({len(data)} tokens); lower block_size")
         data.check_vocab(vocab_size)  # an id past the embedding table would fail mid-run, or worse on GPU
     return splits
