@@ -80,6 +80,7 @@ class TrainConfig:
     update_ratio_interval: int = 0  # every this many steps log each layer's |update| / |weight| (one copy of the weights that step); 0: off
     eval_iters: int = 200  # batches per split in each evaluation (the same batches every time)
     eval_only: bool = False  # evaluate once, then exit
+    eval_masked: bool = False  # each eval also scores all of val document-masked in consecutive block_size windows, as val_masked_loss: the speedruns' val loss (docs/speedrun.md)
     hellaswag_interval: int = 0  # score HellaSwag every this many iterations (eval.py); 0: off. Needs a tokenizer that encodes text
     hellaswag_examples: int = 0  # score this fixed subset of HellaSwag (a seeded sample) for speed; 0: all 10,042
     hellaswag_path: str = ""  # a HellaSwag jsonl (ctx, endings, label); '': data/hellaswag/hellaswag_val.jsonl, downloaded once
@@ -103,7 +104,7 @@ class TrainConfig:
     wandb_run_name: str = "gpt2"  # wandb run name
     tensorboard_log: bool = False  # also write TensorBoard event files to out_dir/tensorboard
     # data
-    dataset: str = "openwebtext"  # reads data/<dataset>/train.bin and val.bin
+    dataset: str = "openwebtext"  # reads data/<dataset>/train.bin and val.bin (or their shards, or llm.c's: docs/data.md); an absolute path as it is
     gradient_accumulation_steps: int = 5 * 8  # micro-steps per optimizer step, summed over all ranks
     batch_size: Union[int, Literal["auto"]] = 12  # micro-batch per rank, or 'auto': the largest that fits (needs total_batch_size)
     total_batch_size: int = 0  # tokens per optimizer step that batch_size='auto' keeps fixed (0: not used)

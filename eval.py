@@ -3,6 +3,7 @@ the val and test splits in nats per token and bits per byte.
 
     python eval.py --out_dir=out-gpt2-fineweb-edu            # the run's best checkpoint: hellaswag, val, test
     python eval.py --out_dir=out --checkpoint=latest --tasks=val,test --split_tokens=0   # every token of both splits
+    python eval.py --out_dir=out-speedrun-gpt2 --tasks=val_masked   # the speedruns' val loss: all of val, document-masked
     python eval.py --init_from=gpt2                          # released GPT-2 124M: acc 0.2859, acc_norm_tokens 0.2955
     python eval.py --init_from=gpt2 --hellaswag_style=harness   # as lm-evaluation-harness: acc_norm_chars 0.3114 published
     python eval.py --init_from=gpt2 --tasks=core             # CORE (nanochat reports 0.114 for GPT-2 124M)
@@ -31,11 +32,11 @@ import torch
 from configurator import UserError, parse, require, require_choice, require_choices, require_init_from, run_main
 from gpt.data import token_files, tokenizer
 from gpt.device import runtime
-from gpt.evaluation import core, tasks, watch
+from gpt.evaluation import core, scoring, tasks, watch
 from gpt.outdir import metrics
 from gpt.weights import load
 
-EVAL_TASKS = ("hellaswag", "mc", "val", "test", "core")
+EVAL_TASKS = ("hellaswag", "mc", "val", "test", "val_masked", "core")
 HELLASWAG_STYLES = ("nanogpt", "harness")
 
 
@@ -47,9 +48,9 @@ class EvalConfig:
     out_dir: str = "out"  # the training run to evaluate
     checkpoint: str = "best"  # 'best' (ckpt_best.pt when present), 'latest' (ckpt.pt), or one by name: ckpt_<iter>.pt or ckpt_<iter> in out_dir, or a path
     watch: bool = False  # follow out_dir's run: score each checkpoint once as it lands, then exit when the run is over (docs/watch.md)
-    tasks: str = ""  # comma list of hellaswag, mc, val, test, core; '': hellaswag (unless character-level), mc (with mc_path), and the splits the data has
+    tasks: str = ""  # comma list of hellaswag, mc, val, test, val_masked (all of val, document-masked: the speedruns' val loss), core; '': hellaswag (unless character-level), mc (with mc_path), and the splits the data has
     dataset: str = ""  # data/<dataset> holds val and test; '': the run's own (its config.json)
-    split_tokens: int = 10_000_000  # val/test: score this many tokens from the split's start, each once; 0: the whole split
+    split_tokens: int = 10_000_000  # val/test: score this many tokens from the split's start, each once; 0: the whole split (val_masked: always)
     hellaswag_path: str = ""  # a HellaSwag jsonl (ctx, endings, label); '': data/hellaswag/hellaswag_val.jsonl, downloaded once
     hellaswag_examples: int = 0  # score only this fixed subset of HellaSwag (a seeded sample); 0: all 10,042
     hellaswag_style: str = "nanogpt"  # 'nanogpt': build-nanogpt/llm.c's prompt (ctx); 'harness': lm-evaluation-harness's (preprocessed activity_label: ctx_a Ctx_b)
@@ -76,6 +77,7 @@ class EvalConfig:
         require(
             "mc" not in self.task_list() or self.mc_path, "--tasks has mc but no --mc_path=FILE names the questions"
         )
+        require(not self.watch or "val_masked" not in self.task_list(), "--watch=True has no val_masked: drop it")
         require(self.batch_size >= 1, f"batch_size={self.batch_size} must be at least 1")
         require(
             self.split_tokens >= 0 and self.hellaswag_examples >= 0 and self.core_max_per_task >= 0,
@@ -209,16 +211,23 @@ def evaluate_all(cfg, rt):
             )
         else:
             r = results[task] = _split(cfg, task, forward, model, tok_spec, data_dir, block_size, rt)
-            say(f"{task}: loss {r['loss']:.4f}, {r['bpb']:.4f} bits per byte ({r['tokens']:,} tokens of {data_dir})")
+            bpb = f", {r['bpb']:.4f} bits per byte" if "bpb" in r else f", document-masked, {block_size}-token windows"
+            say(f"{task}: loss {r['loss']:.4f}{bpb} ({r['tokens']:,} tokens of {data_dir})")
     return results
 
 
 def _split(cfg, task, forward, model, tok_spec, data_dir, block_size, rt):
+    split = task.removesuffix("_masked")
     if data_dir is None:
-        raise UserError(f"--tasks has {task} but no data is known: name it with --dataset=NAME (data/NAME/{task}.bin)")
+        raise UserError(f"--tasks has {task} but no data is known: name it with --dataset=NAME (data/NAME/{split}.bin)")
     _check_same_tokenizer(data_dir, tok_spec)
-    data = token_files.Tokens.open(data_dir, task)
+    data = token_files.Tokens.open(data_dir, split)
     data.check_vocab(model.config.vocab_size)
+    if split != task:
+        eot = tokenizer.eot(tok_spec)
+        if eot is None:
+            raise UserError(f"--tasks has {task}, which masks at end-of-text, and this model is character-level")
+        return scoring.masked_loss(forward, data, block_size, rt, eot, cfg.batch_size, desc=task)
     return tasks.split_loss(
         forward, data, block_size, rt, tokenizer.token_bytes(tok_spec), cfg.batch_size, cfg.split_tokens, desc=task
     )

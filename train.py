@@ -29,7 +29,7 @@ from configurator import TrainConfig, UserError, as_dict, parse, run_main
 from gpt.data import batches, tokenizer
 from gpt.device import runtime
 from gpt.device.gpu_flops import device_peak_flops, mfu
-from gpt.evaluation import tasks, watch
+from gpt.evaluation import scoring, tasks, watch
 from gpt.evaluation.core import core_scores, load_tasks
 from gpt.outdir import checkpoint, metrics, ownership
 from gpt.outdir.saver import Checkpointer
@@ -84,7 +84,7 @@ class Data(NamedTuple):
     vocab_size: int
     hellaswag: Optional[list]  # encoded examples, when hellaswag_interval asks for them
     core: Optional[list]  # CORE's tasks (core.Task), when core_interval asks for them
-    eot: Optional[int] = None  # the end-of-text id that ends each document, when batch_order or doc_mask needs it
+    eot: Optional[int] = None  # the end-of-text id that ends each document: batch_order, doc_mask, eval_masked
 
 
 def load_data(cfg, say):
@@ -104,7 +104,7 @@ def load_data(cfg, say):
         )
     if cfg.core_interval and not cfg.eval_async:
         core = load_tasks(cfg.core_bundle, cfg.core_max_per_task)
-    if cfg.batch_order == "documents" or cfg.doc_mask:
+    if cfg.batch_order == "documents" or cfg.doc_mask or cfg.eval_masked:
         eot = batches.end_of_text(cfg, tok_spec, data_dir)
     return Data(splits["train"], splits["val"], splits["test"], tok_spec, vocab_size, hellaswag, core, eot)
 
@@ -311,15 +311,18 @@ def evaluate_losses_and_save(run, last):
     splits = {k: v for k, v in run.eval_splits.items() if k != "test" or final}
     group = eval_group(cfg, run.raw_model.config.padded_vocab_size, rt.world_size)
     losses = evaluate(run.model, splits, cfg.block_size, rt, group)
+    if cfg.eval_masked:  # the speedruns' val loss: all of val, document-masked
+        masked = scoring.masked_loss(run.model, run.data.val, cfg.block_size, rt, run.data.eot, cfg.batch_size)
+        losses["val_masked"] = masked["loss"]
     eval_tokens = cfg.eval_iters * cfg.batch_size * cfg.block_size
     bpb = (
-        {k: tasks.bits_per_byte(losses[k], eval_tokens, run.eval_bytes[k]) for k in losses if k != "train"}
+        {k: tasks.bits_per_byte(losses[k], eval_tokens, run.eval_bytes[k]) for k in losses if k in run.eval_bytes}
         if run.eval_bytes is not None
         else {}
     )
     if rt.master:
         text = lambda k: f"{k} loss {losses[k]:.4f}" + (f" ({bpb[k]:.4f} bpb)" if k in bpb else "")
-        print(f"step {it}: " + ", ".join(text(k) for k in ("train", "val", "test") if k in losses))
+        print(f"step {it}: " + ", ".join(text(k) for k in ("train", "val", "val_masked", "test") if k in losses))
         run.metrics.write(
             {"iter": it, **{f"{k}_loss": v for k, v in losses.items()}, **{f"{k}_bpb": v for k, v in bpb.items()}}
         )

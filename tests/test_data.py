@@ -1,4 +1,5 @@
-"""Data: prepare.py, batches (shift, reproducibility, resume, ranks), nanoGPT data dirs, eval offsets."""
+"""Data: prepare.py, batches (shift, reproducibility, resume, ranks), nanoGPT data dirs, llm.c's shards
+(trained on and scored by train.py and eval.py), eval offsets."""
 
 import json
 import pickle
@@ -6,9 +7,10 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from conftest import CPU, make_text
+from conftest import CPU, make_text, one_line_error, read_metrics, tiny_args
 from processes import load_script, run_script
 
+from configurator import UserError
 from gpt.data import tokenizer
 from gpt.data.batches import TrainBatches, eval_offsets, get_batch, load_split
 from gpt.device import runtime
@@ -173,6 +175,44 @@ def test_nanogpt_data_dir_loads(nanogpt_data):
         np.testing.assert_array_equal(ram, expected)
         np.testing.assert_array_equal(auto, expected)
     assert decode(load_split(str(data_dir), "val", "ram")[:].tolist()) == text[n:]
+
+
+def write_llmc(path, ids, version=1):
+    """A token file as llm.c writes one: 256 int32 (magic 20240520, version, token count), then uint16 ids."""
+    header = np.zeros(256, "<i4")
+    header[:3] = 20240520, version, len(ids)
+    path.write_bytes(header.tobytes() + ids.astype("<u2").tobytes())
+
+
+def test_llmc_shards_train_and_score_the_masked_val_and_bad_ones_are_one_line(tmp_path):
+    """A folder of llm.c's shards as the speedruns download them (val 000000, train from 000001) is
+    a dataset: its splits read as written, train.py trains on it logging val_masked_loss, and eval.py
+    scores the same val_masked from the checkpoint. A truncated, missing or other-version file is one line."""
+    ids = np.random.default_rng(0).integers(0, 1000, 3000).astype(np.uint16)
+    ids[::37] = 50256  # GPT-2's end-of-text: documents
+    data = tmp_path / "fineweb10B"
+    data.mkdir()
+    for name, part in (("val_000000", ids[:600]), ("train_000001", ids[600:1800]), ("train_000002", ids[1800:])):
+        write_llmc(data / f"fineweb_{name}.bin", part)
+    np.testing.assert_array_equal(load_split(str(data), "train", "memmap"), ids[600:])
+    np.testing.assert_array_equal(load_split(str(data), "val"), ids[:600])
+    trained = run_script("train.py", *tiny_args(data, tmp_path / "out", max_iters=4, eval_interval=2, eval_masked=True))
+    assert trained.returncode == 0, trained.stderr
+    masked = [r["val_masked_loss"] for r in read_metrics(tmp_path / "out") if "val_masked_loss" in r]
+    assert len(masked) == 3 and masked[-1] < masked[0]  # at steps 0, 2 and 4
+    eval_args = ["--device=cpu", f"--out_dir={tmp_path / 'out'}", "--checkpoint=latest", "--tasks=val_masked"]
+    scored = run_script("eval.py", *eval_args, "--json=True")
+    assert scored.returncode == 0, scored.stderr
+    result = json.loads(scored.stdout.strip().splitlines()[-1])["val_masked"]
+    assert result["tokens"] == 599 and abs(result["loss"] - masked[-1]) < 1e-5
+    write_llmc(data / "fineweb_val_000000.bin", ids[:600], version=2)
+    one_line_error(run_script("eval.py", *eval_args), "fineweb_val_000000.bin", "llm.c version 2")
+    (data / "fineweb_train_000002.bin").write_bytes((data / "fineweb_train_000002.bin").read_bytes()[:2000])
+    truncated = run_script("train.py", *tiny_args(data, tmp_path / "out2"))
+    one_line_error(truncated, "fineweb_train_000002.bin", "1,200 tokens", "truncated", "download it again")
+    (data / "fineweb_train_000001.bin").unlink()
+    with pytest.raises(UserError, match="lacks shard fineweb_train_000001.bin"):
+        load_split(str(data), "train")
 
 
 # ---------------------------------------------------------------------------- eval offsets

@@ -1,6 +1,7 @@
 """Document-aligned batches (batch_order='documents') and the document mask (doc_mask): rows
 that start at a document, each once per epoch and on one rank only, a sampler state that resumes
-mid-epoch, and a masked row that computes what its documents compute alone. (train.py's exact resume
+mid-epoch, a masked row that computes what its documents compute alone, and the speedruns' masked
+val loss against a brute force. (train.py's exact resume
 across an epoch, 2 ranks as 1 and a kill -9 on documents: tests/test_recipes.py, recipe documents.)"""
 
 import json
@@ -17,6 +18,7 @@ import model as model_module
 from configurator import UserError
 from gpt.data.batches import DocumentBatches, TrainBatches, row_starts
 from gpt.device import runtime
+from gpt.evaluation.scoring import masked_loss
 from gpt.train.step import train_step
 from model import GPT, GPTConfig, document_mask
 
@@ -200,6 +202,30 @@ def test_accumulated_masked_steps_equal_one_big_batch():
         grads.append(train_step(model.train(), optimizer, scaler, lambda: batches(), 0.0, accum, 0.0, CPU).grad_norm)
     torch.testing.assert_close(grads[0], grads[1])
     assert not torch.allclose(grads[0], grads[2])  # the document numbers reached the model
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("window", [32, 24])
+def test_the_masked_val_loss_is_each_documents_loss_alone(window):
+    """masked_loss (the speedruns' val loss) against a brute force: the split cut into consecutive
+    windows (the last one short), each window's piece of each document run through the model alone,
+    the per-token losses averaged. Batches of 3 windows: the last batch is topped up with padding."""
+    data, model, alone, plain = token_documents(n_docs=30), tiny_gpt(pos_encoding="rope"), [], []
+    assert (len(data) - 1) % window and -(-(len(data) - 1) // window) % 3  # a short window, a padded batch
+    for p in model.parameters():
+        p.mul_(4)  # sharper attention: at init the other documents move the mean loss by only ~1e-5
+    for start in range(0, len(data) - 1, window):
+        piece = torch.from_numpy(data[start : start + window + 1].astype(np.int64))
+        x, y = piece[:-1], piece[1:]
+        docs = torch.cumsum(x == 64, 0)  # an end-of-text begins the document after it
+        for d in docs.unique():
+            logits, _ = model(x[docs == d][None], logits_at="all")
+            alone.append(F.cross_entropy(logits[0], y[docs == d], reduction="none").double())
+        plain.append(F.cross_entropy(model(x[None], logits_at="all")[0][0], y, reduction="none").double())
+    result = masked_loss(model, data, window, CPU, eot=64, batch_size=3)
+    assert result["tokens"] == len(data) - 1 == len(torch.cat(alone))
+    assert abs(result["loss"] - torch.cat(alone).mean().item()) < 1e-5
+    assert abs(result["loss"] - torch.cat(plain).mean().item()) > 0.05  # the mask changed the loss
 
 
 # ---------------------------------------------------------------------------- through train.py

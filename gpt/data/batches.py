@@ -1,5 +1,6 @@
 """The training data as the loop sees it: a split's token ids (memory-mapped or in RAM), random
-training windows from a reproducible generator, and the fixed windows every eval scores; and
+training windows from a reproducible generator, the fixed windows every eval scores (and the
+consecutive, document-masked ones of the speedruns' val loss: document_windows); and
 for chat data (data/chat/prepare.py), rows of whole conversations whose targets are only the
 tokens the model is trained to produce (the assistant's).
 
@@ -20,6 +21,7 @@ for_training (whichever of the three the config asks for) and eval_windows (what
 
 import glob
 import os
+import re
 from collections import deque
 
 import numpy as np
@@ -55,31 +57,46 @@ def load_split(data_dir, split, mode="auto", share=1):
 def get_batch(data, offsets, block_size, rt, eot=None):
     """Windows starting at `offsets` (B,) -> x, y (B, T) on the device, y = x shifted by one.
     One vectorized gather of (B, T+1) ids and one host-to-device copy. With eot (the end-of-text
-    id), also docs (B, T): each x token's document number in its row, which goes up by one at
-    every end-of-text, so a separator begins the document after it (model.GPT.forward's docs)."""
+    id), also docs (B, T): document_numbers(x)."""
     rows = data[offsets[:, None] + np.arange(block_size + 1)].astype(np.int64)
     if eot is not None:
-        docs = np.cumsum(rows[:, :-1] == eot, axis=1)
+        docs = document_numbers(rows[:, :-1], eot)
         t = to_device(torch.from_numpy(np.concatenate([rows, docs], axis=1)), rt)
         return t[:, :block_size], t[:, 1 : block_size + 1], t[:, block_size + 1 :]
     t = to_device(torch.from_numpy(rows), rt)
     return t[:, :-1], t[:, 1:]
 
 
+def document_numbers(x, eot):
+    """x (B, T) -> each token's document number in its row (B, T), which goes up by one at every
+    end-of-text, so a separator begins the document after it (model.GPT.forward's docs)."""
+    return np.cumsum(x == eot, axis=1)
+
+
+def document_windows(data, offsets, block_size, rt, eot):
+    """x, y, docs (B, T) of the windows at `offsets` (B,), as get_batch's with eot, where a window
+    may run past the split's end (consecutive windows over a split: the last is short, and a
+    window that starts at len(data) is all padding). There the targets are -1 and the inputs
+    repeat the split's last token: after every real one, so causal attention keeps them out."""
+    index = offsets[:, None] + np.arange(block_size + 1)
+    rows = data[np.minimum(index, len(data) - 1)].astype(np.int64)
+    x, y = rows[:, :-1], np.where(index[:, 1:] < len(data), rows[:, 1:], IGNORE)
+    t = to_device(torch.from_numpy(np.concatenate([x, y, document_numbers(x, eot)], axis=1)), rt)
+    return t[:, :block_size], t[:, block_size : 2 * block_size], t[:, 2 * block_size :]
+
+
 def end_of_text(cfg, tok_spec, data_dir):
     """The token that ends every document (data/corpus.py writes one after each), which
-    batch_order='documents' and doc_mask find the documents by."""
-    keys = f"batch_order={cfg.batch_order!r} doc_mask={cfg.doc_mask}"
+    batch_order='documents', doc_mask and eval_masked find the documents by."""
+    keys = f"batch_order={cfg.batch_order!r} doc_mask={cfg.doc_mask} eval_masked={cfg.eval_masked}"
+    off = "set batch_order='random', doc_mask=False and eval_masked=False"
     if "chat" in tok_spec:
-        raise UserError(
-            f"{keys}: {data_dir} is chat data, whose rows already start at a conversation; "
-            f"set batch_order='random' and doc_mask=False"
-        )
+        raise UserError(f"{keys}: {data_dir} is chat data, whose rows already start at a conversation; {off}")
     eot = tokenizer.eot(tok_spec)
     if eot is None:
         raise UserError(
             f"{keys} needs documents that end with an end-of-text token, and {data_dir} is character-level "
-            f"(meta.json), which has none: set batch_order='random' and doc_mask=False, or use GPT-2 BPE "
+            f"(meta.json), which has none: {off}, or use GPT-2 BPE "
             f"data (python data/shakespeare/prepare.py ends each speech with one)"
         )
     return eot
@@ -370,7 +387,7 @@ def open_splits(data_dir, tok_spec, vocab_size, block_size, mode="auto", say=pri
                 say(f"note: the test split ({len(data)} tokens) is shorter than block_size; it is not evaluated")
                 splits[name] = None
                 continue
-            where = data.paths[0] if len(data.paths) == 1 else os.path.join(data_dir, f"{name}_*.bin")
+            where = data.paths[0] if len(data.paths) == 1 else re.sub(r"\d{6}(?=\.bin$)", "*", data.paths[0])
             raise UserError(f"block_size={block_size} is longer than {where} ({len(data)} tokens); lower block_size")
         data.check_vocab(vocab_size)  # an id past the embedding table would fail mid-run, or worse on GPU
     return splits
@@ -378,11 +395,11 @@ def open_splits(data_dir, tok_spec, vocab_size, block_size, mode="auto", say=pri
 
 def for_training(data, cfg, rt, accum_steps, eot=None, say=print):
     """The training batches cfg asks for from the train split `data`: chat rows, rows that start
-    at a document (batch_order='documents'), or random windows (with eot: doc_mask on them)."""
+    at a document (batch_order='documents'), or random windows (doc_mask: masked at eot)."""
     if isinstance(data, ChatData):
         return ChatBatches(data, cfg.batch_size, cfg.block_size, cfg.seed, rt, accum_steps)
     if cfg.batch_order == "random":
-        return TrainBatches(data, cfg.batch_size, cfg.block_size, cfg.seed, rt, eot)
+        return TrainBatches(data, cfg.batch_size, cfg.block_size, cfg.seed, rt, eot if cfg.doc_mask else None)
     batches = DocumentBatches(data, cfg.batch_size, cfg.block_size, cfg.seed, rt, eot, cfg.doc_mask)
     rows = len(batches.starts)
     say(

@@ -8,10 +8,14 @@ A token file is a 32-byte little-endian header, then the token ids:
     max_id  uint64   the largest id in the file
 The count makes a truncated file (an interrupted write, a partial copy) detectable; max_id
 lets the trainer check the ids against its vocabulary without reading billions of them.
-Files without the magic are nanoGPT's headerless uint16 .bin files and load as before.
+llm.c's files (the speedruns' FineWeb shards) load as they are: 256 little-endian int32
+(magic 20240520, version 1, the token count, then zeros), then uint16 ids. Files with neither
+magic are nanoGPT's headerless uint16 .bin files and load as before.
 
 A split is `<split>.bin`, or shards `<split>_000000.bin`, `<split>_000001.bin`, ... read in
-order as one sequence; a window may cross from one shard into the next.
+order as one sequence; a window may cross from one shard into the next. In a folder of llm.c's
+shards a split is `<name>_<split>_NNNNNN.bin`, numbered on from where it starts: the
+speedruns' fineweb_train_000001.bin, fineweb_train_000002.bin, ... and fineweb_val_000000.bin.
 """
 
 import glob
@@ -27,6 +31,8 @@ MAGIC = b"GPTTOKEN"
 VERSION = 1
 HEADER = struct.Struct("<8sIIQQ")  # magic, version, width, count, max_id
 DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
+LLMC_MAGIC, LLMC_VERSION = struct.pack("<i", 20240520), 1
+LLMC_HEADER = 256 * 4  # bytes: 256 int32, of which magic, version and the token count are set
 CHECK_CHUNK = 1 << 24  # tokens per step of the vocabulary check: bounded memory on a memmapped split
 
 
@@ -65,36 +71,43 @@ def fsync_dir(path):
 
 
 def read_header(path):
-    """(dtype, count, offset of the first token, max_id) of a token file; for a headerless
-    nanoGPT file, uint16 from offset 0 and max_id None (unknown). A file whose size disagrees
-    with its header is an error."""
+    """(dtype, count, offset of the first token, max_id) of a token file, ours or llm.c's; for a
+    headerless nanoGPT file, uint16 from offset 0. max_id None: unknown (llm.c's and nanoGPT's).
+    A file whose size disagrees with its header is an error."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
-        head = f.read(HEADER.size)
-    if head[: len(MAGIC)] != MAGIC:
+        head = f.read(LLMC_HEADER)
+    if head[:4] == LLMC_MAGIC:
+        kind, offset, expected_version, again = "llm.c", LLMC_HEADER, LLMC_VERSION, "download it again"
+    elif head[: len(MAGIC)] == MAGIC:
+        kind, offset, expected_version, again = "token-file", HEADER.size, VERSION, "prepare the data again"
+    else:
         if size % 2:
             raise UserError(
                 f"{path} has no token-file header and an odd size ({size} bytes): it is not uint16 "
                 f"token ids; prepare the data again"
             )
         return DTYPES[2], size // 2, 0, None
-    if len(head) < HEADER.size:
-        raise UserError(f"{path} is cut off inside its header: an interrupted write; prepare the data again")
-    _, version, width, count, max_id = HEADER.unpack(head)
-    if version != VERSION:
+    if size < offset:
+        raise UserError(f"{path} is cut off inside its header ({kind}): an interrupted write or copy; {again}")
+    if kind == "llm.c":
+        (version, count), width, max_id = struct.unpack("<ii", head[4:12]), 2, None
+    else:
+        _, version, width, count, max_id = HEADER.unpack(head[: HEADER.size])
+    if version != expected_version:
         raise UserError(
-            f"{path} is token-file version {version}; this code reads version {VERSION}: update the code "
-            f"or prepare the data again"
+            f"{path} is {kind} version {version}; this code reads version {expected_version}: update the code "
+            f"or {again}"
         )
     if width not in DTYPES:
         raise UserError(f"{path} says its tokens are {width}-byte integers; only 2 and 4 exist: the file is damaged")
-    expected = HEADER.size + width * count
+    expected = offset + width * count
     if size != expected:
         raise UserError(
             f"{path} should hold {count:,} tokens ({expected:,} bytes) but has {size:,} bytes: "
-            f"a truncated or interrupted file; prepare the data again"
+            f"a truncated or interrupted file; {again}"
         )
-    return DTYPES[width], count, HEADER.size, max_id
+    return DTYPES[width], count, offset, max_id
 
 
 def read(path):
@@ -105,32 +118,42 @@ def read(path):
     return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(count,))
 
 
+def numbered(data_dir, pattern):
+    """[(number, path)] of data_dir's files whose names fullmatch `pattern` (group 1: 6 digits), in order."""
+    found = []
+    for path in glob.glob(os.path.join(glob.escape(data_dir), "*.bin")):
+        m = re.fullmatch(pattern, os.path.basename(path))
+        if m:
+            found.append((int(m.group(1)), path))
+    return sorted(found)
+
+
 def split_paths(data_dir, split):
-    """The files of a split in order: [<split>.bin] or its numbered shards."""
+    """The files of a split in order: [<split>.bin], its shards <split>_000000.bin, ..., or
+    llm.c's shards <name>_<split>_NNNNNN.bin, numbered on from the first (val 000000, train 000001)."""
     single = os.path.join(data_dir, f"{split}.bin")
-    pattern = re.compile(re.escape(split) + r"_(\d{6})\.bin$")
-    shards = sorted(
-        p
-        for p in glob.glob(os.path.join(glob.escape(data_dir), f"{split}_*.bin"))
-        if pattern.search(os.path.basename(p))
-    )
+    ours = numbered(data_dir, re.escape(split) + r"_(\d{6})\.bin")
+    llmc = numbered(data_dir, r".+_" + re.escape(split) + r"_(\d{6})\.bin")
     prepare = f"python {os.path.join(data_dir, 'prepare.py')}"
-    if os.path.exists(single) and shards:
-        raise UserError(
-            f"{data_dir} has both {split}.bin and {split}_000000.bin...: two preparations mixed; keep one of them"
-        )
+    prefixes = sorted({os.path.basename(p)[: -len(f"_{split}_000000.bin")] for _, p in llmc})
+    found = [f"{split}.bin"] * os.path.exists(single) + [f"{split}_000000.bin..."] * bool(ours)
+    found += [f"{prefix}_{split}_NNNNNN.bin" for prefix in prefixes]
+    if len(found) > 1:
+        raise UserError(f"{data_dir} has both {found[0]} and {found[1]}: two preparations mixed; keep one of them")
     if os.path.exists(single):
         return [single]
-    if not shards:
-        raise UserError(f"{single} not found (nor {split}_000000.bin): run {prepare} first")
-    numbers = [int(pattern.search(os.path.basename(p)).group(1)) for p in shards]
-    missing = sorted(set(range(max(numbers) + 1)) - set(numbers))
-    if missing:
+    if not found:
         raise UserError(
-            f"{data_dir} lacks shard {split}_{missing[0]:06d}.bin of {len(shards) + len(missing)}: "
-            f"run {prepare} again (it resumes)"
+            f"{single} not found (nor {split}_000000.bin, nor llm.c's <name>_{split}_NNNNNN.bin): run {prepare} first"
         )
-    return shards
+    shards, first = (ours, 0) if ours else (llmc, min(1, llmc[0][0]))  # llm.c's train starts at 000001
+    numbers = [n for n, _ in shards]
+    missing = sorted(set(range(first, numbers[-1] + 1)) - set(numbers))
+    if missing:
+        name = re.sub(r"\d{6}(?=\.bin$)", f"{missing[0]:06d}", os.path.basename(shards[0][1]))
+        again = f"run {prepare} again (it resumes)" if ours else "download it"
+        raise UserError(f"{data_dir} lacks shard {name} of {len(shards) + len(missing)}: {again}")
+    return [p for _, p in shards]
 
 
 class Tokens:

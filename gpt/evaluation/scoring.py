@@ -1,7 +1,8 @@
 """Scoring text with a model, batched and without host waits: the losses of the last tokens of
 many token rows in one forward pass, whether greedy decoding reproduces them, and per example
 the choice with the lowest score. eval.py (HellaSwag, multiple choice) and core.py (CORE)
-share it; the sums they keep stay on the device until one read at the end."""
+share it; the sums they keep stay on the device until one read at the end. And a split's
+document-masked loss, the speedruns' val loss (train.py's eval_masked, eval.py's val_masked)."""
 
 import math
 
@@ -10,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from gpt.data.batches import document_windows
 from gpt.device.runtime import to_device
 
 
@@ -42,6 +44,31 @@ def row_losses(model, rows, rt, greedy=False):
         0, row, (logits.argmax(-1) != y).long()
     )
     return totals, wrong == 0
+
+
+@torch.no_grad()
+def masked_loss(model, data, block_size, rt, eot, batch_size=16, desc=None):
+    """The speedruns' val loss: a split cut into consecutive windows of block_size tokens (the
+    last one short), each token predicted only from the earlier tokens of its own document inside
+    its window (a document begins at its end-of-text: model.GPT.forward's docs), and every token
+    but the first scored once -> {"loss": the mean over them, "tokens"}. Every forward is
+    (batch_size, block_size), on every rank (under FSDP each is a collective): the last batches
+    are topped up with windows past the split's end, whose targets are all ignored."""
+    starts = np.arange(0, len(data) - 1, block_size)
+    per_rank = -(-len(starts) // (rt.world_size * batch_size)) * batch_size
+    mine = np.full(per_rank, len(data))
+    own = starts[rt.rank :: rt.world_size]
+    mine[: len(own)] = own
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), dtype=sum_dtype(rt), device=rt.device)
+    for b in progress(range(0, per_rank, batch_size), desc, rt):
+        x, y, docs = document_windows(data, mine[b : b + batch_size], block_size, rt, eot)
+        with rt.autocast():
+            _, loss = model(x, y, reduction="sum", docs=docs, loss_only=True)
+        total += loss.to(total.dtype)
+    model.train(was_training)
+    return {"loss": all_reduce(total, rt).item() / (len(data) - 1), "tokens": len(data) - 1}
 
 
 def pick(scores, examples, rt):
