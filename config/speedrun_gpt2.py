@@ -4,6 +4,9 @@
 #   python data/fineweb_edu/prepare.py --dataset=HuggingFaceFW/fineweb --name=sample-10BT --out_dir=data/fineweb
 #   python train.py config/speedrun_gpt2.py
 #   torchrun --standalone --nproc_per_node=8 train.py config/speedrun_gpt2.py
+#   or from the speedruns' own llm.c files, scored as they score (all 10.5M tokens of fineweb_val_000000.bin,
+#   document-masked; docs/speedrun.md):
+#   python train.py config/speedrun_gpt2.py --dataset=/path/to/fineweb10B --eval_masked=True
 #
 # What is known, and from where:
 # - The target follows llm.c's GPT-2 (124M) trainer, 3.28 after 10B tokens (45 minutes on 8xH100).
