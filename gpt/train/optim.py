@@ -136,10 +136,11 @@ def schedule(optimizer, it, cfg):
 
 def get_momentum(it, cfg):
     """Muon's momentum: muon_momentum, reached by a straight line from muon_momentum_start over the
-    first muon_momentum_warmup steps (modded-nanogpt's 0.85 -> 0.95 over 300: a young model's
-    gradients turn fast, and a long memory of them slows it), and, with muon_momentum_cooldown, a
-    straight line down to that value over lr_schedule='wsd''s decay (which wins where the two
-    overlap). A function of the step alone, as get_lr is, so a resumed run continues it exactly."""
+    first muon_momentum_warmup steps (modded-nanogpt's 0.85 -> 0.95 over 300), and, with
+    muon_momentum_cooldown, a straight line down to that value over lr_schedule='wsd''s decay (which
+    wins where the two overlap). A function of the step alone, as get_lr is, so a resumed run
+    continues it exactly; with both off, this run's muon_momentum, as a resume takes this run's
+    learning_rate."""
     m = cfg.muon_momentum
     if it < cfg.muon_momentum_warmup:
         m = cfg.muon_momentum_start + it / cfg.muon_momentum_warmup * (m - cfg.muon_momentum_start)
