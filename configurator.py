@@ -150,6 +150,9 @@ class TrainConfig:
     muon_polar_express: bool = False  # Muon's iterations with Polar Express's five quintics (each its own), not torch's one five times
     muon_normuon: bool = False  # NorMuon: each neuron's update divided by its running RMS, the matrix's norm kept (not under FSDP)
     muon_cautious_wd: bool = False  # Muon's weight decay only where the update and the weight agree in sign
+    muon_momentum_warmup: int = 0  # steps over which Muon's momentum climbs linearly from muon_momentum_start to muon_momentum (modded-nanogpt: 300); 0: off
+    muon_momentum_start: float = 0.85  # muon_momentum_warmup: Muon's momentum at step 0
+    muon_momentum_cooldown: float = 0.0  # lr_schedule='wsd': Muon's momentum at max_iters, reached linearly over the decay (e.g. 0.85); 0: off
     # learning-rate schedule
     decay_lr: bool = True  # a linear warmup, then lr_schedule's decay; False keeps learning_rate fixed
     warmup_iters: int = 2000  # linear warmup steps
@@ -253,15 +256,27 @@ class TrainConfig:
             0 < self.decay_frac <= 1,
             f"decay_frac={self.decay_frac} must be in (0, 1]: the fraction of max_iters spent decaying",
         )
+        momenta = (self.muon_momentum, self.muon_momentum_start, self.muon_momentum_cooldown)
         require(
-            self.muon_lr > 0 and 0 <= self.muon_momentum < 1 and self.muon_weight_decay >= 0,
-            "muon_lr must be > 0, muon_momentum in [0, 1) and muon_weight_decay >= 0",
+            self.muon_lr > 0 and all(0 <= m < 1 for m in momenta) and self.muon_weight_decay >= 0,
+            "muon_lr must be > 0, muon_momentum, muon_momentum_start and muon_momentum_cooldown in [0, 1) "
+            "and muon_weight_decay >= 0",
         )
-        levers = [k for k in ("muon_polar_express", "muon_normuon", "muon_cautious_wd") if getattr(self, k)]
+        require(
+            self.muon_momentum_warmup >= 0, f"muon_momentum_warmup={self.muon_momentum_warmup} must be >= 0 (0: off)"
+        )
+        require(
+            not self.muon_momentum_cooldown or self.lr_schedule == "wsd",
+            "muon_momentum_cooldown ramps Muon's momentum down over lr_schedule='wsd''s decay: set --lr_schedule=wsd",
+        )
+        muon_keys = (
+            "muon_polar_express muon_normuon muon_cautious_wd muon_momentum_warmup muon_momentum_cooldown".split()
+        )
+        levers = [k for k in muon_keys if getattr(self, k)]
         require(
             self.optimizer == "muon" or not levers,
-            f"{levers[0] if levers else ''}=True is a lever of Muon, which optimizer={self.optimizer!r} does not run; "
-            "set optimizer='muon' or drop it",
+            f"{levers[0] if levers else ''}={getattr(self, levers[0]) if levers else ''} is a lever of Muon, which "
+            f"optimizer={self.optimizer!r} does not run; set optimizer='muon' or drop it",
         )
         require(
             self.update_ratio_interval >= 0, f"update_ratio_interval={self.update_ratio_interval} must be >= 0 (0: off)"

@@ -263,7 +263,7 @@ def loop(run, stop, watcher=None):
             return EXIT_STOPPED
 
         run.throughput.begin_step()
-        lr = optim.get_lr(run.iter_num, cfg)
+        lr = optim.schedule(run.optimizer, run.iter_num, cfg)  # Muon's momentum set on its groups
         ratio_due = rt.master and cfg.update_ratio_interval > 0 and run.iter_num % cfg.update_ratio_interval == 0
         before = optim.snapshot(run.raw_model) if ratio_due else None  # the N-th step only: off the hot path
         result = train_step(

@@ -2,14 +2,17 @@
 
 import copy
 import math
+import re
 
 import numpy as np
 import pytest
 import torch
-from conftest import CPU, TINY
+from conftest import CPU, TINY, losses, train_tiny_run
 
-from configurator import TrainConfig
-from gpt.train.optim import get_lr
+from configurator import TrainConfig, UserError
+from gpt.outdir import checkpoint
+from gpt.train import optim
+from gpt.train.optim import get_lr, get_momentum
 from gpt.train.step import train_step
 from model import GPT, GPTConfig
 
@@ -127,3 +130,47 @@ def test_accumulation_equals_one_big_batch(kind, grad_clip):
     for state_big, state_small in zip(opt_big.state.values(), opt_small.state.values()):
         for key in state_big:
             torch.testing.assert_close(state_small[key], state_big[key], atol=1e-6, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------- Muon's momentum schedule
+
+MOMENTUM = dict(optimizer="muon", muon_momentum_warmup=4, muon_momentum_start=0.85, muon_momentum=0.95)
+
+
+def test_momentum_warms_up_then_cools_down_over_the_wsd_decay_and_bad_keys_are_one_line():
+    wsd = dict(lr_schedule="wsd", warmup_iters=2, max_iters=20, decay_frac=0.5)
+    cfg = TrainConfig(**MOMENTUM, **wsd, muon_momentum_cooldown=0.9)
+    m = [get_momentum(it, cfg) for it in range(30)]
+    assert m[:11] == pytest.approx([0.85, 0.875, 0.9, 0.925] + [0.95] * 7)  # the decay starts at 10
+    assert m[10:] == pytest.approx([0.95 - 0.005 * i for i in range(10)] + [0.9] * 10)
+    assert {get_momentum(it, TrainConfig(optimizer="muon")) for it in (0, 5, 10**6)} == {0.95}  # off: muon_momentum
+    for bad, expected in [
+        (dict(optimizer="adamw", muon_momentum_warmup=3), "muon_momentum_warmup=3 is a lever of Muon"),
+        (dict(muon_momentum_warmup=-1), "muon_momentum_warmup=-1 must be >= 0"),
+        (dict(muon_momentum_start=1.0), "muon_momentum_start and muon_momentum_cooldown in [0, 1)"),
+        (dict(muon_momentum_cooldown=0.9), "set --lr_schedule=wsd"),
+    ]:
+        with pytest.raises(UserError, match=re.escape(expected)):
+            TrainConfig(**{**MOMENTUM, **bad})
+
+
+def test_a_moving_momentum_is_an_input_of_muons_compiled_step_never_a_recompile(aten_compile):
+    cfg = TrainConfig(**MOMENTUM, compile=True, learning_rate=1e-2)
+    model = GPT(GPTConfig(**TINY))
+    optimizer = optim.configure(model, cfg, "cpu")
+    rows = torch.randint(0, 65, (2, 2, 16), generator=torch.Generator().manual_seed(0)).unbind(0)
+    one_step(model, optimizer, rows, 1, 1.0, optim.schedule(optimizer, 0, cfg))  # the compiles
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for it in (1, 2):
+            one_step(model, optimizer, rows, 1, 1.0, optim.schedule(optimizer, it, cfg))
+    assert aten_compile["stats"]["unique_graphs"] == 4  # one per matrix shape (c_attn, c_proj, c_fc, mlp.c_proj)
+    assert optimizer.optimizers[0].param_groups[0]["momentum"] == get_momentum(2, cfg) == pytest.approx(0.9)
+
+
+def test_a_resume_inside_the_momentum_warmup_is_exact(tmp_path):
+    keys = dict(MOMENTUM, muon_momentum_warmup=6, max_iters=8, lr_decay_iters=8, eval_interval=4)
+    straight, half = train_tiny_run(tmp_path, **keys), train_tiny_run(tmp_path / "half", **{**keys, "max_iters": 4})
+    state = checkpoint.load(str(half / "ckpt.pt"))
+    assert state["optimizer"]["optimizers"][0]["param_groups"][0]["momentum"] == pytest.approx(0.85 + 0.1 * 3 / 6)
+    train_tiny_run(tmp_path / "half", **keys, init_from="resume")
+    assert losses(half) == losses(straight) and len(losses(straight)) == 8 + 2 * 3

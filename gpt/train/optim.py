@@ -123,6 +123,38 @@ def past_decay_note(cfg, start):
     )
 
 
+def schedule(optimizer, it, cfg):
+    """Step `it`'s learning rate (get_lr), which train_step sets on every group, after setting Muon's
+    momentum (get_momentum) on its groups: the only ones with a "momentum" (AdamW's are betas). Under
+    compile Muon takes both as tensors (Muon.hyper): inputs of its graphs, so moving them never
+    recompiles. The same on every rank, as the step is, so DDP and FSDP need nothing more."""
+    for group in optimizer.param_groups:
+        if "momentum" in group:
+            group["momentum"] = get_momentum(it, cfg)
+    return get_lr(it, cfg)
+
+
+def get_momentum(it, cfg):
+    """Muon's momentum: muon_momentum, reached by a straight line from muon_momentum_start over the
+    first muon_momentum_warmup steps (modded-nanogpt's 0.85 -> 0.95 over 300), and, with
+    muon_momentum_cooldown, a straight line down to that value over lr_schedule='wsd''s decay (which
+    wins where the two overlap). A function of the step alone, as get_lr is, so a resumed run
+    continues it exactly; with both off, this run's muon_momentum, as a resume takes this run's
+    learning_rate."""
+    m = cfg.muon_momentum
+    if it < cfg.muon_momentum_warmup:
+        m = cfg.muon_momentum_start + it / cfg.muon_momentum_warmup * (m - cfg.muon_momentum_start)
+    if cfg.muon_momentum_cooldown and it >= decay_start(cfg):
+        progress = min(1.0, (it - decay_start(cfg)) / max(1, cfg.max_iters - decay_start(cfg)))
+        m = cfg.muon_momentum + progress * (cfg.muon_momentum_cooldown - cfg.muon_momentum)
+    return m
+
+
+def decay_start(cfg):
+    """lr_schedule='wsd': the step its decay starts, never inside the warmup."""
+    return max(cfg.warmup_iters, (1 - cfg.decay_frac) * cfg.max_iters)
+
+
 def get_lr(it, cfg):
     """Linear warmup to learning_rate; then cosine decay to min_lr at lr_decay_iters, then flat;
     or (lr_schedule='wsd') warmup-stable-decay: learning_rate until the last decay_frac of
@@ -135,12 +167,12 @@ def get_lr(it, cfg):
     if it < cfg.warmup_iters:
         return cfg.learning_rate * (it + 1) / (cfg.warmup_iters + 1)
     if cfg.lr_schedule == "wsd":
-        decay_start = max(cfg.warmup_iters, (1 - cfg.decay_frac) * cfg.max_iters)  # never inside the warmup
-        if it < decay_start:
+        start = decay_start(cfg)
+        if it < start:
             return cfg.learning_rate
         if it >= cfg.max_iters:
             return cfg.min_lr
-        progress = (it - decay_start) / (cfg.max_iters - decay_start)
+        progress = (it - start) / (cfg.max_iters - start)
         return cfg.learning_rate + progress * (cfg.min_lr - cfg.learning_rate)
     if it >= cfg.lr_decay_iters:
         return cfg.min_lr
