@@ -115,7 +115,8 @@ class _Optimizer(OptimizerWrapper):
         self.replicas.participants = self.manager.num_participants() if committed else 0
         if committed:
             if self.replicas.healed:
-                lr = optim.get_lr(self.manager.current_step() - 1, self.replicas.cfg)  # the commit counted the step
+                # the step's lr and Muon momentum (the commit counted the step)
+                lr = optim.schedule(self.optim, self.manager.current_step() - 1, self.replicas.cfg)
                 for group in self.optim.param_groups:
                     group["lr"] = lr * group.get("lr_scale", 1.0)
                 self.replicas.healed = False
