@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-from conftest import GPT2, bpe_eval_data, count_host_reads, one_line_error, read_metrics, tiny_args
+from conftest import GPT2, bpe_eval_data, count_host_reads, one_line_error, read_metrics, save_checkpoint, tiny_args
 from processes import REPO, run_python, run_script
 
 from configurator import UserError
@@ -319,13 +319,12 @@ def test_an_unreachable_download_is_one_line(monkeypatch, tmp_path):
 
 @pytest.fixture(scope="module")
 def gpt2_tiny(tmp_path_factory):
-    from transformers import GPT2Config, GPT2LMHeadModel
+    """A GPT-2-shaped checkpoint of our own (a Hugging Face one costs each rank transformers' import)."""
+    from model import GPT, GPTConfig
 
-    root = tmp_path_factory.mktemp("gpt2")
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=50257, n_positions=BLOCK, n_embd=32, n_layer=2, n_head=2)
-    GPT2LMHeadModel(config).save_pretrained(root / "gpt2-tiny")
-    return root / "gpt2-tiny"
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=BLOCK, vocab_size=50257, dropout=0.0))
+    return save_checkpoint(tmp_path_factory.mktemp("gpt2") / "gpt2-tiny", model, GPT2)
 
 
 @pytest.mark.process

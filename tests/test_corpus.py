@@ -34,7 +34,7 @@ def make_docs(n, seed):
 @pytest.fixture(scope="module")
 def corpus_files(tmp_path_factory):
     root = tmp_path_factory.mktemp("corpus")
-    a, b, c = make_docs(600, 1), make_docs(300, 2), make_docs(300, 3)
+    a, b, c = make_docs(200, 1), make_docs(100, 2), make_docs(100, 3)  # ~150,000 tokens
     (root / "a.jsonl").write_text("".join(json.dumps({"id": i, "text": d}) + "\n" for i, d in enumerate(a)))
     pq.write_table(pa.table({"text": b, "n": list(range(len(b)))}), root / "b.parquet")
     (root / "c.txt").write_text("\n\n".join(c), encoding="utf-8")
@@ -42,8 +42,8 @@ def corpus_files(tmp_path_factory):
     return files, [d for d in a + b + c if d.strip()]
 
 
-def prepare(out_dir, files, *flags, **options):
-    defaults = dict(val_tokens=3000, test_tokens=2000, shard_tokens=20_000, workers=2, txt_separator="\\n\\n")
+def prepare(out_dir, files, *flags, **options):  # in one process unless asked: a pool costs its workers' startup
+    defaults = dict(val_tokens=3000, test_tokens=2000, shard_tokens=20_000, workers=1, txt_separator="\\n\\n")
     options = {**defaults, **options}
     argv = ["--input", *map(str, files), f"--out_dir={out_dir}", *flags, *(f"--{k}={v}" for k, v in options.items())]
     return corpus.main(argv)
@@ -116,7 +116,7 @@ def test_shuffled_splits_hold_whole_distinct_documents(corpus_files, tmp_path):
     files, docs = corpus_files
     enc = tokenizer.encoding("gpt2")
     encoded = {tuple(enc.encode_ordinary(d) + [EOT]) for d in docs}
-    prepare(tmp_path / "a", files, seed=1, shuffle_buffer=100)
+    prepare(tmp_path / "a", files, seed=1, shuffle_buffer=100, workers=2)
     seen = {}
     for split in ("val", "test", "train"):
         for doc in documents_of(read_split(tmp_path / "a", split)):
@@ -160,7 +160,7 @@ def test_restart_after_an_interruption_writes_the_same_bytes(corpus_files, tmp_p
     out = tmp_path / "cut"
     real_write = token_files.write
 
-    # 1. killed while writing the 6th shard: half of it is on disk under its temporary name
+    # 1. killed while writing the 6th shard (two workers): half of it is on disk under its temporary name
     def write_then_crash(path, ids):
         if len(list(out.glob("*.bin"))) == 5:
             with open(path + ".tmp", "wb") as f:
@@ -170,7 +170,7 @@ def test_restart_after_an_interruption_writes_the_same_bytes(corpus_files, tmp_p
 
     monkeypatch.setattr(token_files, "write", write_then_crash)
     with pytest.raises(Crash):
-        prepare(out, files, **flags)
+        prepare(out, files, **flags, workers=2)
     progress = json.loads((out / "prepare.json").read_text())
     assert sum(len(v) for v in progress["shards"].values()) == 5 and not progress["done"]
     assert (out / "train_000003.bin.tmp").exists()  # val, test, train 0-2 complete; train 3 half-written
@@ -179,11 +179,11 @@ def test_restart_after_an_interruption_writes_the_same_bytes(corpus_files, tmp_p
 
     # 2. killed after the 9th shard was renamed into place but before prepare.json recorded it
     monkeypatch.setattr(token_files, "write", real_write)
-    crash_before_recording(monkeypatch, 8, lambda: prepare(out, files, **flags))
+    crash_before_recording(monkeypatch, 8, lambda: prepare(out, files, **flags, workers=2))
     assert (out / "train_000006.bin").exists()
 
     # 3. the same command again finishes the job, with a different number of workers
-    prepare(out, files, **flags, workers=1)
+    prepare(out, files, **flags)
     assert file_hashes(out) == whole
 
 
@@ -255,7 +255,7 @@ def test_estimate_reports_the_mean_and_the_documents_needed(corpus_files, tmp_pa
 
 def test_benchmark_smoke(corpus_files, tmp_path, capsys):
     files, _ = corpus_files
-    prepare(tmp_path, files, "--benchmark=200")
+    prepare(tmp_path, files, "--benchmark=200", workers=2)
     rows = [line for line in capsys.readouterr().out.splitlines() if "tokens/s" in line]
     labels = [f"encode_ordinary_batch, {n} thread" for n in (1, 2)] + [f"{n} worker process" for n in (1, 2)]
     assert len(rows) == 4 and all(label in row for label, row in zip(labels, rows))
@@ -345,9 +345,9 @@ def test_hub_stream_shuffles_by_seed_and_resumes(corpus_files, tmp_path, monkeyp
 
     monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", lambda self, name, revision=None, timeout=None: None)
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
-    keys = dict(dataset="some/set", name="cfg", val_tokens=3000, test_tokens=2000, shard_tokens=20000, workers=2)
+    keys = dict(dataset="some/set", name="cfg", val_tokens=3000, test_tokens=2000, shard_tokens=20000, workers=1)
     options = [f"--{k}={v}" for k, v in dict(keys, seed=3, shuffle_buffer=200).items()]
-    corpus.main(options + [f"--out_dir={tmp_path / 'whole'}"])
+    corpus.main(options + [f"--out_dir={tmp_path / 'whole'}", "--workers=2"])  # the restart below on one
     assert calls[0] == ("some/set", "cfg", "train", None, True)
     enc = tokenizer.encoding("gpt2")
     encoded = {tuple(enc.encode_ordinary(d) + [EOT]) for d in docs}

@@ -17,19 +17,19 @@ def test_wandb_offline_run_continues_the_same_run_after_resume(char_data, tmp_pa
     out = tmp_path / "out"
     env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     # isolated: wandb keeps a service process and module state per interpreter
-    first = run_script("train.py", *tiny_args(char_data, out, max_iters=10, wandb_log=True), env=env, isolated=True)
+    first = run_script("train.py", *tiny_args(char_data, out, max_iters=4, wandb_log=True), env=env, isolated=True)
     assert first.returncode == 0, first.stderr
     run_id = checkpoint.load(str(out / "ckpt.pt"))["wandb_run_id"]
     assert run_id
 
     resumed = run_script(
-        "train.py", *tiny_args(char_data, out, max_iters=20, wandb_log=True, init_from="resume"), env=env, isolated=True
+        "train.py", *tiny_args(char_data, out, max_iters=8, wandb_log=True, init_from="resume"), env=env, isolated=True
     )
     assert resumed.returncode == 0, resumed.stderr
     assert checkpoint.load(str(out / "ckpt.pt"))["wandb_run_id"] == run_id
     runs = sorted(p.name for p in (out / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all(name.endswith(f"-{run_id}") for name in runs), runs
-    # each offline run holds its own records: the first up to iter 10, the resumed one from 10 on
+    # each offline run holds its own records: the first up to iter 4, the resumed one from 4 on
     assert all((out / "wandb" / name / f"run-{run_id}.wandb").stat().st_size > 0 for name in runs)
 
 

@@ -98,23 +98,6 @@ def test_overwrite_replaces_the_old_run_at_the_new_ones_first_checkpoint(base, t
         assert checkpoint.read_sharded(str(out / "ckpt_best"))["config"]["max_iters"] == 6
 
 
-@pytest.mark.process
-def test_a_kill_before_the_first_checkpoint_leaves_the_old_run_intact_and_resumable(base, tmp_path):
-    out, data = copy_of(base, "full", tmp_path)
-    before = contents(out)
-    proc = start(tiny_args(data, out, max_iters=100_000, lr_decay_iters=100_000, eval_interval=100_000, overwrite=True))
-    wait_for(logged_steps(out / ownership.STAGED / "metrics.jsonl"), proc)  # training, its log still staged
-    proc.kill()
-    proc.communicate()
-    assert {k: v for k, v in contents(out).items() if not k.startswith(ownership.STAGED)} == before
-
-    resumed = run_script("train.py", *tiny_args(data, out, **{**BASE, "max_iters": 12}, init_from="resume"))
-    assert resumed.returncode == 0, resumed.stderr
-    assert f"removed {out / ownership.STAGED}, left by a run that stopped before its first checkpoint" in resumed.stdout
-    assert "resuming at iter 10" in resumed.stdout and not (out / ownership.STAGED).exists()
-    assert [r["iter"] for r in read_metrics(out) if "loss" in r] == list(range(12))  # the old log, continued
-
-
 def test_a_takeover_cut_short_after_the_first_checkpoint_is_finished_by_the_next_run(base, tmp_path):
     out, _ = copy_of(base, "full", tmp_path)
     cfg = parse(TrainConfig, [f"--out_dir={out}", "--overwrite=True"])
@@ -144,13 +127,16 @@ def test_a_takeover_cut_short_after_the_first_checkpoint_is_finished_by_the_next
 
 
 @pytest.mark.process
-def test_a_live_run_refuses_a_second_one_by_name_lets_readers_in_and_kill_9_leaves_no_lock(base, tmp_path):
+def test_a_live_run_refuses_a_second_one_by_name_lets_readers_in_and_kill_9_leaves_no_lock_and_the_old_run_intact(
+    base, tmp_path
+):
+    """The live run takes the old one over (--overwrite=True) and is killed before its first checkpoint."""
     out, data = copy_of(base, "full", tmp_path)
-    live = tiny_args(data, out, **{**BASE, "max_iters": 100_000}, init_from="resume")
-    proc = start(live)
+    before = contents(out)
+    proc = start(tiny_args(data, out, max_iters=100_000, lr_decay_iters=100_000, eval_interval=100_000, overwrite=True))
     lock = out / ownership.LOCK
     wait_for(lambda: f'"pid": {proc.pid}' in lock.read_text(), proc)
-    wait_for(logged_steps(out / "metrics.jsonl"), proc)
+    wait_for(logged_steps(out / ownership.STAGED / "metrics.jsonl"), proc)  # training, its log still staged
     try:
         for init_from in ("resume", "auto", "scratch"):  # the requeued job, the same command, a typo
             result = run_script("train.py", *tiny_args(data, out, max_iters=4, init_from=init_from))
@@ -173,10 +159,13 @@ def test_a_live_run_refuses_a_second_one_by_name_lets_readers_in_and_kill_9_leav
     finally:
         proc.kill()  # kill -9: no chance to let go of the lock
         proc.communicate()
-    stopped_at = checkpoint.load(str(out / "ckpt.pt"))["iter_num"]
-    resumed = run_script("train.py", *tiny_args(data, out, **{**BASE, "max_iters": stopped_at + 2}, init_from="resume"))
+    assert {k: v for k, v in contents(out).items() if not k.startswith(ownership.STAGED)} == before
+
+    resumed = run_script("train.py", *tiny_args(data, out, **{**BASE, "max_iters": 12}, init_from="resume"))
     assert resumed.returncode == 0, resumed.stderr
-    assert f"resuming at iter {stopped_at}" in resumed.stdout
+    assert f"removed {out / ownership.STAGED}, left by a run that stopped before its first checkpoint" in resumed.stdout
+    assert "resuming at iter 10" in resumed.stdout and not (out / ownership.STAGED).exists()
+    assert [r["iter"] for r in read_metrics(out) if "loss" in r] == list(range(12))  # the old log, continued
     assert lock.read_text() == ""  # the resumed run took the lock, and at its end left it naming no holder
 
 

@@ -179,12 +179,12 @@ def test_a_watcher_started_by_hand_beside_a_run_and_killed_three_times_leaves_on
     """issue 50's scenario (keep_last=2, no eval_async): killed at a seeded random moment after it recorded
     something, and started again three checkpoints later, so checkpoints are rotated while none runs.
     Every saved iteration ends with one record: scored, equal bitwise to eval.py afterwards, or released."""
-    out, log, saved = tmp_path / "out", tmp_path / "watch.log", list(range(10, 121, 10))
+    out, log, saved = tmp_path / "out", tmp_path / "watch.log", list(range(2, 25, 2))
     rng, lives, at_kill = random.Random(0), [], []
-    kills = {20: 50, 60: 90, 100: 120}  # killed at the first checkpoint, started again at the second
+    kills = {4: 10, 12: 18, 20: 24}  # killed at the first checkpoint, started again at the second
 
     def beside(it):
-        if it == 10 or it in kills.values():
+        if it == 2 or it in kills.values():
             lives.append(start_watcher(out, log))
             wait_for(lambda: holds_lock(out, lives[-1].pid) and (out / "watch.json").exists(), lives[-1])
         elif it in kills:
@@ -195,7 +195,7 @@ def test_a_watcher_started_by_hand_beside_a_run_and_killed_three_times_leaves_on
             at_kill.append(len(watch_records(out)))
 
     keep_copies(monkeypatch, tmp_path / "kept", then=beside)
-    args = tiny_args(chars, out, max_iters=120, lr_decay_iters=120, eval_interval=10, keep_last=2, log_interval=10)
+    args = tiny_args(chars, out, max_iters=24, lr_decay_iters=24, eval_interval=2, keep_last=2, log_interval=2)
     assert TRAIN.main(args) == 0
     assert lives[-1].wait(timeout=180) == 0, _read(log)  # the run is over: the last life scores what is left
     assert len(lives) == 4 and [p.returncode for p in lives] == [-9, -9, -9, 0]
@@ -236,7 +236,7 @@ def eval_async_run(chars, out, monkeypatch, capfd, kill_at, max_iters):
     committed = ownership.OutDir.committed
     monkeypatch.setattr(watch, "Child", Child)
     monkeypatch.setattr(ownership.OutDir, "committed", beside)
-    keys = dict(eval_interval=10, log_interval=10, keep_last=2, keep_unscored=2, eval_async=True)
+    keys = dict(eval_interval=2, log_interval=2, keep_last=2, keep_unscored=2, eval_async=True)
     code = TRAIN.main(tiny_args(chars, out, max_iters=max_iters, lr_decay_iters=max_iters, **keys))
     stdout, stderr = capfd.readouterr()
     assert code == 0, stderr
@@ -248,10 +248,10 @@ def eval_async_run(chars, out, monkeypatch, capfd, kill_at, max_iters):
 def test_eval_async_starts_a_dead_watcher_again_and_every_checkpoint_ends_with_one_record(
     chars, tmp_path, monkeypatch, capfd
 ):
-    """Killed at 20, 40 and 60: one line each, started again at once; the last scores what is left from its progress."""
+    """Killed at 4, 8 and 12: one line each, started again at once; the last scores what is left from its progress."""
     monkeypatch.setattr(watch, "RESTART_DELAYS_S", (0, 0, 0))
-    out, saved = tmp_path / "out", list(range(10, 81, 10))
-    lines, stdout, at_kill = eval_async_run(chars, out, monkeypatch, capfd, {20, 40, 60}, max_iters=80)
+    out, saved = tmp_path / "out", list(range(2, 17, 2))
+    lines, stdout, at_kill = eval_async_run(chars, out, monkeypatch, capfd, {4, 8, 12}, max_iters=16)
     died = [line for line in lines if line.startswith("warning: eval_async: the watcher (pid")]
     assert [line.partition(" (pid ")[2].partition(") ")[2] for line in died] == [
         f"was killed by SIGKILL (exit code -9); it starts again in 0 s (restart {n} of 3)" for n in (1, 2, 3)
@@ -269,17 +269,17 @@ def test_eval_async_starts_a_dead_watcher_again_and_every_checkpoint_ends_with_o
 def test_eval_async_leaves_a_watcher_dead_after_its_restarts_training_goes_on_and_its_end_names_what_is_unscored(
     chars, tmp_path, monkeypatch, capfd
 ):
-    """Killed again at 40, left dead with one line; training goes on, its last line names a command that fills in."""
+    """Killed again at 8, left dead with one line; training goes on, its last line names a command that fills in."""
     monkeypatch.setattr(watch, "RESTART_DELAYS_S", (0,))
-    out, saved = tmp_path / "out", list(range(10, 61, 10))
-    lines, stdout, at_kill = eval_async_run(chars, out, monkeypatch, capfd, {20, 40}, max_iters=60)
+    out, saved = tmp_path / "out", list(range(2, 13, 2))
+    lines, stdout, at_kill = eval_async_run(chars, out, monkeypatch, capfd, {4, 8}, max_iters=12)
     died = [line for line in lines if line.startswith("warning: eval_async: the watcher (pid")]
     assert [line.partition("; ")[2] for line in died] == [
         "it starts again in 0 s (restart 1 of 1)",
         "no restart left (1 used): training goes on, and its end names the checkpoints left without a record",
     ]
     unscored = sorted(set(saved) - {r["iter"] for r in watch_records(out)})
-    assert 50 in unscored and 60 in unscored  # saved after the last kill
+    assert 10 in unscored and 12 in unscored  # saved after the last kill
     assert lines[-1].startswith(
         f"warning: eval_async: {len(unscored)} checkpoint(s) without a watcher record (iters "
         f"{', '.join(map(str, unscored))}): python {REPO / 'eval.py'} --watch=True"
@@ -330,7 +330,7 @@ def test_a_stopped_watcher_costs_at_most_keep_last_plus_keep_unscored_plus_one_c
 ):
     """SIGSTOPped for the whole run: never more than 5 checkpoints on disk (right after each save, before rotation);
     the older unscored ones released and, once it is continued, logged as skipped with one line each."""
-    out, log, saved, on_disk, watcher = tmp_path / "out", tmp_path / "watch.log", list(range(10, 101, 10)), [], []
+    out, log, saved, on_disk, watcher = tmp_path / "out", tmp_path / "watch.log", list(range(2, 21, 2)), [], []
     write_config, save = ownership.OutDir.write_config, checkpoint.save
 
     def then_a_watcher(self, cfg):  # train.lock is held, no checkpoint yet
@@ -346,19 +346,19 @@ def test_a_stopped_watcher_costs_at_most_keep_last_plus_keep_unscored_plus_one_c
     monkeypatch.setattr(ownership.OutDir, "write_config", then_a_watcher)
     monkeypatch.setattr(checkpoint, "save", counted)
     try:
-        keys = dict(eval_interval=10, keep_last=2, keep_unscored=2)
-        assert TRAIN.main(tiny_args(chars, out, max_iters=100, lr_decay_iters=100, **keys)) == 0
+        keys = dict(eval_interval=2, keep_last=2, keep_unscored=2)
+        assert TRAIN.main(tiny_args(chars, out, max_iters=20, lr_decay_iters=20, **keys)) == 0
         assert len(on_disk) == len(saved) and max(on_disk) == 2 + 2 + 1, on_disk
-        assert sorted(watch.complete_checkpoints(str(out))) == [70, 80, 90, 100]  # keep_last 2, keep_unscored 2
-        assert sorted(watch.released(str(out))) == list(range(10, 61, 10))
+        assert sorted(watch.complete_checkpoints(str(out))) == [14, 16, 18, 20]  # keep_last 2, keep_unscored 2
+        assert sorted(watch.released(str(out))) == list(range(2, 13, 2))
     finally:
         watcher[0].send_signal(signal.SIGCONT)
     assert watcher[0].wait(timeout=180) == 0, _read(log)
     records, skipped = one_record_each(out, saved)
-    assert skipped == list(range(10, 61, 10))
-    assert all("watch/val_loss" in records[i] for i in (70, 80, 90, 100))
+    assert skipped == list(range(2, 13, 2))
+    assert all("watch/val_loss" in records[i] for i in (14, 16, 18, 20))
     output = _read(log).splitlines()
-    assert "note: iter 10's checkpoint was released by training before it was scored (keep_unscored); skipped" in output
+    assert "note: iter 2's checkpoint was released by training before it was scored (keep_unscored); skipped" in output
     assert output[-1] == (
         "watch: the run is over; 4 checkpoint(s) scored, 6 skipped; of the run's 10: 4 scored, 6 skipped, "
         "none without a record"
