@@ -55,7 +55,7 @@ def record(report, setattr):
     """Checkpoint writes to report.writes, the last checkpoint's weights to report.weights.pt."""
     import torch
 
-    from gpt.outdir import checkpoint
+    from gpt.outdir import checkpoint, saver
 
     save, make = checkpoint.save, checkpoint.make_checkpoint
 
@@ -71,6 +71,7 @@ def record(report, setattr):
 
     setattr(checkpoint, "save", recording_save)
     setattr(checkpoint, "make_checkpoint", make_and_keep)
+    setattr(saver, "make_checkpoint", make_and_keep)  # which imports it by name, once for every run
 
 
 def run(report, options, argv, namespace):
