@@ -54,8 +54,6 @@ def compiled(tmp_path_factory):
     chars = char_dataset(root / "chars")
     args = lambda name, *extra: [*COMPILED_ARGS, f"--dataset={chars}", f"--out_dir={root / name}", *extra]
     ddp = ["--compile=True", "--always_save_checkpoint=True", "--keep_last=2"]  # checkpoints at 4 and 8
-    for name in ("ddp", "fsdp", "nan_one_rank"):
-        (root / name).mkdir()
     later = lambda name, *extra, options=RECORD: [str(root / name / "rank"), options, args(name, *extra)]
     fsdp = later("fsdp", "--compile=True", "--parallelism=fsdp")
     succeeded(torchrun(root, "eager", args("eager"), {**RECORD, "then": [later("ddp", *ddp), fsdp]}))

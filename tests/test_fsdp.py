@@ -44,7 +44,6 @@ def runs(tmp_path_factory):
     # the two-node run as it stood at iter 4, resumed by a standalone launch, which then runs ddp
     at_4 = shutil.ignore_patterns("ckpt.pt", "ckpt_best.pt", "ckpt_0000008.pt", "rank*")
     shutil.copytree(root / "two_node", root / "split", ignore=at_4)
-    (root / "ddp").mkdir()
     ddp = [str(root / "ddp" / "rank"), options, args("ddp", "--parallelism=ddp")]
     succeeded(torchrun(root, "split", args("split", FSDP, "--init_from=resume"), {**options, "then": [ddp]}))
     return root, [r["stdout"] for r in two_node]

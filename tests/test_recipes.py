@@ -117,23 +117,21 @@ def at_iter_4(recipes, recipe, to):
 # ---------------------------------------------------------------------------- the properties
 
 
-TWO_RANKS = [
-    (recipe, parallelism) for recipe in RECIPES if recipe not in ("wsd", "llama") for parallelism in ("ddp", "fsdp")
-]
+TWO_RANKS = [(r, p) for r in RECIPES if r not in ("wsd", "llama") for p in ("ddp", "fsdp")]
 
 
 @pytest.fixture(scope="module")
 def two_ranks(recipes, tmp_path_factory):
     """(the launch's exit codes and stderr, {run: its out_dir}): each of TWO_RANKS's runs on 2 gloo ranks,
     dropout off, one after another in one torchrun launch; each rank's reports in its out_dir."""
-    root, runs = tmp_path_factory.mktemp("two_ranks"), {}
-    for recipe, parallelism in TWO_RANKS:
-        (out := root / f"{recipe}-{parallelism}").mkdir()
-        runs[recipe, parallelism] = out, recipes(recipe, out, dropout=0.0, parallelism=parallelism)
-    (first, args), *then = runs.values()
-    then = [[str(out / "rank"), {"record": True}, later] for out, later in then]
-    codes, stderr, _ = torchrun(root, first.name, args, {"record": True, "then": then}, timeout=1200)
-    return (codes, stderr), {run: out for run, (out, _) in runs.items()}
+    root = tmp_path_factory.mktemp("two_ranks")
+    runs = {(r, p): root / f"{r}-{p}" for r, p in TWO_RANKS}
+    first, *then = [
+        [str(out / "rank"), {"record": True}, recipes(r, out, dropout=0.0, parallelism=p)]
+        for (r, p), out in runs.items()
+    ]
+    codes, stderr, _ = torchrun(root, runs[TWO_RANKS[0]].name, first[2], {"record": True, "then": then}, timeout=1200)
+    return (codes, stderr), runs
 
 
 @pytest.mark.process

@@ -1,7 +1,6 @@
 """One rank of a torchrun test: train.py's main(argv) after what the test injects, with what the rank
-alone knows written down for the test; then, in these same processes, each run OPTIONS' `then` lists
-(a launch's three processes, ~11 CPU-s of imports, paid once). Also the NaN losses that in-process
-tests inject.
+alone knows written down for the test; then each run of OPTIONS' `then`, in the same processes (a
+launch's ~11 CPU-s of imports paid once). Also the NaN losses that in-process tests inject.
 
     torchrun --standalone --nproc_per_node=2 tests/train_rank.py REPORT OPTIONS TRAIN_ARGS...
 
@@ -75,15 +74,16 @@ def record(report, setattr):
 
 
 def run(report, options, argv, namespace):
-    """One run: its patches made, train.py loaded afresh after them (it takes train_step by name as it
-    is imported), dynamo's caches and counters fresh (it compiles from nothing, as a new process
-    would); its report written and its patches undone. Its exit code."""
+    """One run: its patches made, train.py loaded afresh after them (it takes train_step by name),
+    dynamo's caches and counters emptied (it compiles from nothing, as a new process would); its report
+    written and its patches undone. Its exit code."""
     import torch
     import torch.distributed as dist
     from torch._dynamo.utils import counters
 
     from configurator import run_main
 
+    os.makedirs(os.path.dirname(report), exist_ok=True)  # a later run's
     report += os.environ["RANK"]
     for fd, suffix in ((1, ".out"), (2, ".err")):
         os.dup2(os.open(report + suffix, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
@@ -91,13 +91,15 @@ def run(report, options, argv, namespace):
         os.environ["LOCAL_WORLD_SIZE"] = str(options["local_world_size"])
     patched = []
 
-    def patch(obj, name, value):
+    def patch(obj, name, value):  # setattr, undone when the run ends
         patched.append((obj, name, getattr(obj, name)))
         setattr(obj, name, value)
 
-    if namespace:  # a run after the first: its process group under keys of its own in torchrun's store,
-        # where a group made again under the same keys would read the last one's addresses (pytorch/pytorch#135712)
-        patch(dist, "init_process_group", functools.partial(dist.init_process_group, **prefixed(namespace)))
+    if namespace:  # a run after the first: its group under keys of its own in torchrun's store (env://); made
+        # again under the same keys, it would read the last one's addresses there (pytorch/pytorch#135712)
+        store, rank, world_size = next(dist.rendezvous("env://"))
+        group = dict(store=dist.PrefixStore(namespace, store), rank=rank, world_size=world_size)
+        patch(dist, "init_process_group", functools.partial(dist.init_process_group, **group))
     if options.get("backend"):
         patch(torch, "compile", functools.partial(torch.compile, backend=options["backend"]))
     if options.get("nan_at"):
@@ -107,9 +109,7 @@ def run(report, options, argv, namespace):
     torch._dynamo.reset()
     counters.clear()
     spec = importlib.util.spec_from_file_location("train", os.path.join(REPO, "train.py"))
-    train = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train)
-
+    spec.loader.exec_module(train := importlib.util.module_from_spec(spec))
     code = 1  # an uncaught exception: its traceback is on stderr
     try:
         run_main(lambda: train.main(argv))
@@ -121,24 +121,13 @@ def run(report, options, argv, namespace):
         with open(report + ".json", "w") as f:
             json.dump({"exit": code, "counters": counted}, f)
         sys.stdout.flush()
-        sys.stderr.flush()
         for obj, name, value in reversed(patched):
             setattr(obj, name, value)
 
 
-def prefixed(namespace):
-    """init_process_group's arguments for torchrun's store (env://), its keys under `namespace`."""
-    import torch.distributed as dist
-
-    store, rank, world_size = next(dist.rendezvous("env://"))
-    return dict(store=dist.PrefixStore(namespace, store), rank=rank, world_size=world_size)
-
-
 def main(report, options, argv):
-    runs = [(report, options, argv), *options.get("then", [])]
-    for i, (report, options, argv) in enumerate(runs):
-        code = run(report, options, argv, i and f"run{i}/")
-        if code:
+    for i, (report, options, argv) in enumerate([(report, options, argv), *options.get("then", [])]):
+        if code := run(report, options, argv, i and f"run{i}/"):
             break
     sys.exit(code)
 
