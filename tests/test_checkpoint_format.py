@@ -2,7 +2,8 @@
 resume on another world size, single-process readers, faults during a background write, and
 one-line messages for damaged checkpoints.
 
-The tests share three torchrun launches (the `runs` fixture):
+The tests share three runs (the `runs` fixture) in two torchrun launches, sharded_split's also running
+sharded_full_disk after it:
   sharded_straight   COMMON's run
   sharded_split      the straight run's out_dir as it stood at iter 10, resumed to 20 by a new launch
   sharded_full_disk  the straight run's checkpoint resumed on 2 ranks, its next write hitting a full disk (FULL_DISK)
@@ -18,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import FULL_DISK, assert_same_run, char_dataset, read_metrics, tiny_args, untimed
-from processes import REPO, run_script, start_python, succeeded, torchrun, wait_for
+from processes import REPO, rank_reports, run_script, start_python, succeeded, torchrun, wait_for
 
 from configurator import UserError
 from gpt.outdir import checkpoint
@@ -49,12 +50,11 @@ def runs(tmp_path_factory):
     """(root, the data, each run's ranks' reports, full_disk's exit codes): the module docstring's runs."""
     root = tmp_path_factory.mktemp("sharded")
     data = char_dataset(root / "chars")
-    sharded = lambda name, **keys: torchrun(root, name, tiny_args(data, root / name, **{**COMMON, **keys}))
-    succeeded(straight := sharded("sharded_straight"))
+    args = lambda name, **keys: tiny_args(data, root / name, **{**COMMON, **keys})
+    succeeded(torchrun(root, "sharded_straight", args("sharded_straight")))
     # iter 10's checkpoint was written in the background while the straight run trained on
     at_10 = shutil.ignore_patterns("ckpt_0000015", "ckpt_0000020", "ckpt_best", "rank*")
     shutil.copytree(root / "sharded_straight", root / "sharded_split", symlinks=True, ignore=at_10)
-    succeeded(split := sharded("sharded_split", init_from="resume"))
     # the straight run's last checkpoint resumed on 2 ranks, its next write (iter 25) failing with ENOSPC
     shutil.copytree(
         root / "sharded_straight", root / "sharded_full_disk", symlinks=True, ignore=shutil.ignore_patterns("rank*")
@@ -62,9 +62,14 @@ def runs(tmp_path_factory):
     (root / "sharded_full_disk" / "ckpt_0000025").mkdir()
     for rank in range(2):
         os.symlink(FULL_DISK, root / "sharded_full_disk" / "ckpt_0000025" / f"__{rank}_0.distcp")
-    full_disk = sharded("sharded_full_disk", init_from="resume", max_iters=30, lr_decay_iters=30)
-    reports = {"sharded_straight": straight[2], "sharded_split": split[2], "sharded_full_disk": full_disk[2]}
-    return root, data, reports, full_disk[0]
+    # in the split run's launch, after it (it fails)
+    full_disk = args("sharded_full_disk", init_from="resume", max_iters=30, lr_decay_iters=30)
+    then = [[str(root / "sharded_full_disk" / "rank"), {}, full_disk]]
+    codes, _, _ = torchrun(root, "sharded_split", args("sharded_split", init_from="resume"), {"then": then})
+    reports = {name: rank_reports(root / name) for name in ("sharded_straight", "sharded_split", "sharded_full_disk")}
+    split = reports["sharded_split"]
+    assert [r["exit"] for r in split] == [0, 0], "".join(r["stderr"][-3000:] for r in split)
+    return root, data, reports, codes
 
 
 @pytest.mark.process

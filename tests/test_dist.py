@@ -2,7 +2,9 @@
 and FSDP2 (losses, graphs, an exact resume), a non-finite loss on one rank only (fp16), one eval
 shape on every rank, and DDP's gradients held once (gradient_as_bucket_view).
 
-The runs, each a torchrun launch of tests/train_rank.py (what a rank alone knows written down):
+The runs, of tests/train_rank.py (what a rank alone knows written down) in two torchrun launches, as
+few as the copy at iter 4 allows (a launch is ~11 CPU-s of imports): eager, ddp and fsdp one after
+another in the first, resumed then nan_one_rank in the second:
   eager         DDP, not compiled: the reference; which rank writes and logs, the replicas' weights
   ddp, fsdp     DDP and FSDP2, compiled, 8 steps
   resumed       ddp's out_dir as it stood at iter 4, resumed to 8, compiling again
@@ -21,7 +23,7 @@ import torch
 import torch.distributed as dist
 from conftest import TINY as TINY_GPT
 from conftest import assert_equal_states, assert_same_run, char_dataset, losses, read_metrics
-from processes import TORCHRUN_ARGS, succeeded, torchrun
+from processes import TORCHRUN_ARGS, rank_reports, succeeded, torchrun
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from configurator import TrainConfig
@@ -46,22 +48,24 @@ NAN_ONE_RANK = ["--dtype=float16", "--max_iters=10", "--eval_interval=100", "--m
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
+    """(root, {run: its ranks' reports, "launch exit": nan_one_rank's launch's exit code}): the module
+    docstring's runs."""
     root = tmp_path_factory.mktemp("dist")
     chars = char_dataset(root / "chars")
-    launch = lambda name, *extra, options=RECORD: torchrun(
-        root, name, [*COMPILED_ARGS, f"--dataset={chars}", f"--out_dir={root / name}", *extra], options
-    )
+    args = lambda name, *extra: [*COMPILED_ARGS, f"--dataset={chars}", f"--out_dir={root / name}", *extra]
     ddp = ["--compile=True", "--always_save_checkpoint=True", "--keep_last=2"]  # checkpoints at 4 and 8
-    runs = {}
-    for name, extra in (("eager", []), ("ddp", ddp), ("fsdp", ["--compile=True", "--parallelism=fsdp"])):
-        runs[name] = succeeded(launch(name, *extra))
+    later = lambda name, *extra, options=RECORD: [str(root / name / "rank"), options, args(name, *extra)]
+    fsdp = later("fsdp", "--compile=True", "--parallelism=fsdp")
+    succeeded(torchrun(root, "eager", args("eager"), {**RECORD, "then": [later("ddp", *ddp), fsdp]}))
     # ddp's out_dir as it stood at iter 4, resumed: compiled again from nothing
     at_4 = shutil.ignore_patterns("ckpt.pt", "ckpt_best.pt", "ckpt_0000008.pt", "rank*")
     shutil.copytree(root / "ddp", root / "resumed", ignore=at_4)
-    runs["resumed"] = succeeded(launch("resumed", *ddp, "--init_from=resume"))
-    codes, _, runs["nan_one_rank"] = launch(
-        "nan_one_rank", *NAN_ONE_RANK, options={**RECORD, "nan_at": [3, 6, 7], "nan_ranks": [1]}
+    nan_one_rank = later("nan_one_rank", *NAN_ONE_RANK, options={**RECORD, "nan_at": [3, 6, 7], "nan_ranks": [1]})
+    codes, _, _ = torchrun(
+        root, "resumed", args("resumed", *ddp, "--init_from=resume"), {**RECORD, "then": [nan_one_rank]}
     )
+    runs = {name: rank_reports(root / name) for name in ("eager", "ddp", "fsdp", "resumed", "nan_one_rank")}
+    assert [r["exit"] for r in runs["resumed"]] == [0, 0], "".join(r["stderr"][-3000:] for r in runs["resumed"])
     return root, {**runs, "launch exit": codes[0]}
 
 

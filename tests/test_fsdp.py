@@ -1,6 +1,7 @@
 """torchrun on CPU (gloo): FSDP2 trains like DDP, saves the same checkpoint format and resumes
-exactly, and two torchrun launches rendezvous as two nodes. The shared runs (tests/train_rank.py),
-with dropout, activation checkpointing and a NaN loss at step 5 that every rank must skip:
+exactly, and two torchrun launches rendezvous as two nodes. The shared runs (tests/train_rank.py; ddp
+in split's launch, after it), with dropout, activation checkpointing and a NaN loss at step 5 that
+every rank must skip:
   ddp       DDP, 8 steps
   two_node  FSDP, 8 steps, by two agents of one rank each (--nnodes=2, c10d rendezvous on localhost)
   split     the two-node run's out_dir as it stood at iter 4, resumed to 8"""
@@ -35,20 +36,16 @@ def runs(tmp_path_factory):
     """The module docstring's runs: their root, and the two-node run's ranks' stdout."""
     root = tmp_path_factory.mktemp("fsdp")
     data = char_dataset(root / "chars")
-    ours = lambda name, *extra, nodes=False: torchrun(
-        root,
-        name,
-        [*DROPOUT_ARGS, f"--dataset={data}", f"--out_dir={root / name}", *extra],
-        {"nan_at": [NAN_STEP]},
-        nodes,
-    )
-    succeeded(ours("ddp", "--parallelism=ddp"))
+    args = lambda name, *extra: [*DROPOUT_ARGS, f"--dataset={data}", f"--out_dir={root / name}", *extra]
+    options = {"nan_at": [NAN_STEP]}
     # checkpoints at iters 4 and 8 (eval_interval=4) besides ckpt.pt
-    two_node = succeeded(ours("two_node", FSDP, "--always_save_checkpoint=True", "--keep_last=2", nodes=True))
-    # the two-node run as it stood at iter 4, resumed by a standalone launch
+    keep = ["--always_save_checkpoint=True", "--keep_last=2"]
+    two_node = succeeded(torchrun(root, "two_node", args("two_node", FSDP, *keep), options, nodes=True))
+    # the two-node run as it stood at iter 4, resumed by a standalone launch, which then runs ddp
     at_4 = shutil.ignore_patterns("ckpt.pt", "ckpt_best.pt", "ckpt_0000008.pt", "rank*")
     shutil.copytree(root / "two_node", root / "split", ignore=at_4)
-    succeeded(ours("split", FSDP, "--init_from=resume"))
+    ddp = [str(root / "ddp" / "rank"), options, args("ddp", "--parallelism=ddp")]
+    succeeded(torchrun(root, "split", args("split", FSDP, "--init_from=resume"), {**options, "then": [ddp]}))
     return root, [r["stdout"] for r in two_node]
 
 

@@ -4,8 +4,9 @@ RECIPES maps an id to the train.py flags of that kind of run, on top of COMMON (
 of 2 micro-steps, an eval and a kept checkpoint at iters 4 and 8); its data is made here (DATA).
 plain runs with dropout, so its resumes must restore the dropout masks' RNG streams too; the others
 without, so that their straight run is also the one-process reference of the 2-rank property. Each
-recipe's straight run happens once per session (`straight`), and every property reads it: resume at
-iter 4 is exact, 2 gloo ranks (DDP, FSDP2) equal 1 (but for two recipes, said there), and a kill -9 then init_from=auto resumes exactly.
+recipe's straight run happens once per session (`straight`), and every property reads it: a kill -9
+then init_from=auto resumes at iter 4 exactly, and 2 gloo ranks (DDP, FSDP2) equal 1 (but for two
+recipes, said there; every 2-rank run in one torchrun launch, `two_ranks`).
 Exact means every logged record but the timings, and the last checkpoint's weights and optimizer
 state (conftest.assert_same_run). A recipe's own checks are the short tests at the end, on the same runs.
 
@@ -32,7 +33,7 @@ from conftest import (
     tiny_args,
     write_chat_dir,
 )
-from processes import needs_gloo, run_python, run_script, signalled_run, succeeded, torchrun
+from processes import needs_gloo, rank_reports, run_python, run_script, signalled_run, succeeded, torchrun
 
 from gpt.data import token_files
 from gpt.outdir import checkpoint
@@ -116,40 +117,48 @@ def at_iter_4(recipes, recipe, to):
 # ---------------------------------------------------------------------------- the properties
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_resume_is_exact(recipes, recipe, tmp_path):
-    straight = recipes.straight(recipe)
-    split = at_iter_4(recipes, recipe, tmp_path / "split")
-    resumed = run_script("train.py", *recipes(recipe, split, init_from="resume"))
-    assert resumed.returncode == 0, resumed.stderr
-    assert "resuming at iter 4" in resumed.stdout
-    assert_same_run(split, straight)
+TWO_RANKS = [(r, p) for r in RECIPES if r not in ("wsd", "llama") for p in ("ddp", "fsdp")]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(recipes, tmp_path_factory):
+    """(the launch's exit codes and stderr, {run: its out_dir}): each of TWO_RANKS's runs on 2 gloo ranks,
+    dropout off, one after another in one torchrun launch; each rank's reports in its out_dir."""
+    root = tmp_path_factory.mktemp("two_ranks")
+    runs = {(r, p): root / f"{r}-{p}" for r, p in TWO_RANKS}
+    first, *then = [
+        [str(out / "rank"), {"record": True}, recipes(r, out, dropout=0.0, parallelism=p)]
+        for (r, p), out in runs.items()
+    ]
+    codes, stderr, _ = torchrun(root, runs[TWO_RANKS[0]].name, first[2], {"record": True, "then": then}, timeout=1200)
+    return (codes, stderr), runs
 
 
 @pytest.mark.process
 @needs_gloo
 # every recipe but wsd, whose schedule each rank computes alone (no collective: plain's runs hold for it),
 # and llama, whose blocks train on 2 gloo ranks under DDP and FSDP2 in test_muon_dist.py's runs
-@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
-@pytest.mark.parametrize("recipe", [r for r in RECIPES if r not in ("wsd", "llama")])
-def test_two_gloo_ranks_equal_one(recipes, recipe, parallelism, tmp_path):
+@pytest.mark.parametrize("recipe, parallelism", TWO_RANKS, ids=["-".join(run) for run in TWO_RANKS])
+def test_two_gloo_ranks_equal_one(recipes, two_ranks, recipe, parallelism):
     """2 ranks x 1 micro-step against 1 process x 2 micro-steps, dropout off (each rank draws its own
     masks): the same losses, gradient norms and trained tokens but for the float order of the
-    reductions. Rank 0 alone logs; under DDP the two replicas end with the same weights, bit for bit."""
+    reductions. Rank 0 alone logs; under DDP the two replicas end with the same weights, bit for bit.
+    The runs are two_ranks's, one launch's."""
     one = recipes.straight(recipe) if not RECIPES[recipe].get("dropout") else recipes.run(recipe, "one", dropout=0.0)
-    args = recipes(recipe, tmp_path / "two", dropout=0.0, parallelism=parallelism)
-    ranks = succeeded(torchrun(tmp_path, "two", args, {"record": True}))
+    launch, runs = two_ranks
+    two = runs[recipe, parallelism]
+    ranks = succeeded((*launch, rank_reports(two)))
     assert all(line in ranks[0]["stdout"] for line in SAYS.get(recipe, [])) and not ranks[1]["stdout"]
     logged = lambda out: (
         losses(out)
         + [r[k] for r in read_metrics(out) if "loss" in r for k in ("grad_norm", "trained_tokens") if k in r]
     )
-    a, b = logged(tmp_path / "two"), logged(one)
+    a, b = logged(two), logged(one)
     assert len(a) == len(b) and len(losses(one)) == 8 + 3 * 2  # 8 steps, and evals at 0, 4 and 8
     assert a == pytest.approx(b, **TOLERANCE.get(recipe, dict(rel=1e-5, abs=1e-6)))
     assert losses(one)[7] < losses(one)[0]  # and it learned
     if parallelism == "ddp":
-        w0, w1 = (torch.load(tmp_path / "two" / f"rank{r}.weights.pt", weights_only=True) for r in range(2))
+        w0, w1 = (torch.load(two / f"rank{r}.weights.pt", weights_only=True) for r in range(2))
         assert_equal_states(w0, w1)
 
 
@@ -166,6 +175,7 @@ def test_kill_9_then_init_from_auto_resumes_exactly(recipes, recipe, tmp_path):
     again = run_script("train.py", *args)
     assert again.returncode == 0, again.stderr
     assert f"init_from='auto': resuming the run in out_dir={out} (iter 4" in again.stdout
+    assert "resuming at iter 4" in again.stdout
     assert_same_run(out, recipes.straight(recipe))
 
 
