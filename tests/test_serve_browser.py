@@ -1,7 +1,6 @@
-"""The chat page (static/chat.html) in headless Chromium driven by Selenium, against serve.py with
-conftest's serve_demo model: replies stream in and equal the API's at temperature 0, turn after turn;
-a refused request shows the server's error; a keyed server is reached once the key is typed in.
-
+"""The chat page (static/chat.html) in headless Chromium driven by Selenium, against serve.py with an API
+key and conftest's serve_demo model: the server's 401 shows until the key is typed in; replies stream in
+and equal the API's at temperature 0, turn after turn; a refused request shows the server's error.
 Needs chromium, chromium-driver and selenium, else the tests skip; GPT_TESTS_BROWSER=required (.ci/run
 sets it) makes that a failure."""
 
