@@ -21,9 +21,10 @@ from gpt.train.build import build
 from gpt.train.step import eval_group, evaluate, train_step
 from model import GPT, GPTConfig
 
-SHAPE = dict(TINY, n_head=4, bias=False)
+# one block: graphs unroll the blocks, and whether a model is one graph does not hang on how many it has
+SHAPE = dict(TINY, n_layer=1, n_head=4, bias=False)
 # every Llama option at once: one compile covers them all
-LLAMA = dict(TINY_LLAMA, n_head=4, n_kv_head=2, qk_norm=True)
+LLAMA = dict(TINY_LLAMA, n_layer=1, n_head=4, n_kv_head=2, qk_norm=True)
 
 
 @pytest.fixture(autouse=True)
@@ -35,7 +36,7 @@ def fresh_dynamo():
 
 
 def test_training_with_evals_compiles_two_graphs_and_never_recompiles(aten_compile):
-    keys = dict(device="cpu", compile=True, batch_size=4, block_size=16, n_layer=2, n_head=4, n_embd=32)
+    keys = dict(device="cpu", compile=True, batch_size=4, block_size=16, n_layer=1, n_head=4, n_embd=32)
     cfg = TrainConfig(**keys, gradient_accumulation_steps=2, eval_iters=3, dropout=0.0)
     torch.manual_seed(0)
     raw_model = GPT(GPTConfig(**SHAPE))
@@ -70,10 +71,9 @@ def test_eval_group_needs_the_fewest_forwards_and_pads_less_than_a_batch_each():
 
 @pytest.mark.slow
 def test_llama_options_and_checkpointing_train_as_one_graph():
-    # one block: every option is in it, and a second block's kernels cost ~20 more CPU-s of g++
+    # one block (LLAMA's): every option is in it, and a second block's kernels cost ~20 more CPU-s of g++
     torch.manual_seed(0)
-    one_block = dict(LLAMA, n_layer=1)
-    model, reference = GPT(GPTConfig(**one_block)), GPT(GPTConfig(**one_block))
+    model, reference = GPT(GPTConfig(**LLAMA)), GPT(GPTConfig(**LLAMA))
     reference.load_state_dict(model.state_dict())
     model.activation_checkpointing = reference.activation_checkpointing = True
     x = torch.randint(0, 65, (2, 16))

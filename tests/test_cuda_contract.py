@@ -153,16 +153,15 @@ def test_a_step_an_eval_and_generation_keep_every_tensor_on_the_gpu(fake_cuda_sh
     fake CUDA device set up by runtime.setup; and a CPU batch meeting the GPU model is caught."""
     load = f"import ctypes; ctypes.CDLL({str(fake_cuda_shim)!r}, mode=ctypes.RTLD_GLOBAL); " if fake_cuda_shim else ""
     path = f"import sys; sys.path[:0] = [{str(REPO)!r}, {str(REPO / 'tests')!r}]; "
-    code = load + path + "import test_cuda_contract as t; t.trace_on_fake_cuda()"
-    result = run_python(["-c", code])
+    result = run_python(["-c", load + path + "import test_cuda_contract as t; t.trace_on_fake_cuda()"])
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.splitlines() == [
         "train_step: loss, grad_norm, stepped on cuda:0; weights and AdamW state on cuda:0",
         "evaluate: val",
-        "generate: (2, 24) on cuda:0, through 9 OneDNNLinear",
+        "generate: (2, 24) on cuda:0, through 5 OneDNNLinear",
         "chat train_step: loss, grad_norm, stepped on cuda:0",
         "chat evaluate: val",
-        "muon train_step: stepped on cuda:0; 26 state tensors",
+        "muon train_step: stepped on cuda:0; 16 state tensors",
         "a CPU batch for the GPU model: devices cuda:0 and cpu",
     ]
 
@@ -197,7 +196,8 @@ def trace_on_fake_cuda():
     for patch in patches:
         patch.start()
     rt = runtime.setup("cuda", "bfloat16")
-    keys = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, block_size=16, bias=False, pos_encoding="rope")
+    # one block: a second one's operations are the first one's again, each costly when faked
+    keys = dict(n_layer=1, n_head=4, n_kv_head=2, n_embd=32, block_size=16, bias=False, pos_encoding="rope")
     cfg = TrainConfig(**keys, batch_size=4, dropout=0.1, compile=False, grad_clip=1.0)
     torch.manual_seed(0)
     raw = GPT(GPTConfig(**build.make_model_args(cfg, 65)))  # built on the CPU, then made fake and moved to the GPU

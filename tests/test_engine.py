@@ -131,7 +131,7 @@ def test_a_compiled_engine_gives_solo_greedy_tokens_and_never_recompiles(shape, 
     """On ATen's kernels (inductor's: test_compile.py); seven requests whose span of keys grows past 64."""
     from torch._dynamo.utils import counters
 
-    model = peaked_model(block_size=128, **shape)
+    model = peaked_model(block_size=128, n_layer=1, **shape)  # one layer, as below: graphs unroll the layers
     prompts, budgets = token_lists(3, 9, 1, 20, 5, 2, 14), [20, 7, 25, 12, 3, 70, 16]
     solo = solo_greedy(model, prompts, budgets)
     torch._dynamo.reset()
@@ -207,7 +207,7 @@ def test_on_a_cpu_the_compiled_step_is_inductors_with_the_weights_frozen_and_its
 
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
 def test_a_prompt_that_starts_as_an_ended_sequence_runs_only_the_rest(compiled):
-    model = peaked_model(block_size=128)
+    model = peaked_model(block_size=128, n_layer=1)
     first, others = token_lists(12)[0], token_lists(5, 8, 3)
     reply = solo_greedy(model, [first], [10])[0]
     prompts = [first, *others, first + reply[:6] + [4, 5, 6], first[:3] + [7, 7, 7], list(first), token_lists(7)[0]]
@@ -247,7 +247,7 @@ ROUNDS, SLOW = [FORWARD, ALTERNATE, FORWARD, ALTERNATE], pytest.mark.slow
 def test_concurrent_conversations_with_repeats_each_get_their_solo_replies(compiled, rows, orders):
     """Eight two-turn conversations, each turn asked twice: rows end, are kept and reused all the time.
     orders: each round joining in one step in that order; None: a thread per conversation."""
-    model = peaked_model(block_size=128)
+    model = peaked_model(block_size=128, n_layer=1)
     firsts, extra = token_lists(*[3 + 4 * i for i in range(8)]), token_lists(*[1 + i % 5 for i in range(8)])
     budgets = [(5 + 3 * i % 11, 4 + 5 * i % 9) for i in range(8)]
     engine = Engine(model, rows=rows)

@@ -331,7 +331,7 @@ def test_the_serving_engine_gives_each_request_the_uncached_greedy_tokens():
 
 
 def test_cached_decoding_with_every_lever_is_one_graph(aten_compile):
-    model = randomized(GPT(GPTConfig(**TINY, **LEVERS)), std=0.2).eval()
+    model = randomized(GPT(GPTConfig(**{**TINY, "n_layer": 2}, **LEVERS)), std=0.2).eval()  # 2 layers hold every lever
     prompt = tokens(1, 4)
     expected = sampling.generate(model, prompt, 3, temperature=0)
     model.compile(fullgraph=True, backend=ATEN_BACKEND)  # as sample.py compiles it; a graph break is an error
@@ -339,7 +339,7 @@ def test_cached_decoding_with_every_lever_is_one_graph(aten_compile):
 
 
 def test_all_levers_compile_to_one_graph_that_never_recompiles(aten_compile):
-    keys = dict(device="cpu", compile=True, batch_size=4, block_size=16, n_layer=4, n_head=4, n_embd=32)
+    keys = dict(device="cpu", compile=True, batch_size=4, block_size=16, n_layer=2, n_head=4, n_embd=32)
     cfg = TrainConfig(**keys, gradient_accumulation_steps=2, dropout=0.0, optimizer="muon", **LEVERS)
     torch.manual_seed(0)
     model, train_model, optimizer, scaler = build(GPT(GPTConfig(**make_model_args(cfg, 65))), cfg, CPU)

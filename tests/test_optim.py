@@ -180,9 +180,9 @@ def test_compiled_muon_steps_as_eager(aten_compile, levers, state):
     assert set(ref.state[eager[0]]) == set(compiled.state[ours[0]]) == state
 
 
-def test_a_skipped_muon_step_leaves_weights_and_momenta_bit_unchanged_without_a_host_read(monkeypatch):
-    """train_step hands Muon beside fused AdamW (optim.Optimizers) its skip flag on the device, as
-    it does fused AdamW alone: a non-finite step changes nothing, and no step reads the device."""
+def test_a_skipped_muon_step_leaves_weights_and_momenta_bit_unchanged_without_a_host_read(aten_compile, monkeypatch):
+    """train_step hands Muon (compiled, run by ATen's kernels) beside fused AdamW its skip flag on the device,
+    as it does fused AdamW alone: a non-finite step changes nothing, and no step reads the device."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(**MODEL))
     opt = optim.configure(model, TrainConfig(optimizer="muon", learning_rate=1e-2, muon_lr=0.02), "cpu")
@@ -256,7 +256,7 @@ def test_muon_unscales_fp16_gradients_it_is_handed_scaled():
     assert all(torch.equal(p, q) for p, q in zip(ours, theirs))  # a power of two: exact
 
 
-def test_optimizers_state_dict_round_trip_keeps_this_runs_muon_lr():
+def test_optimizers_state_dict_round_trip_keeps_this_runs_muon_lr(aten_compile):  # compile=True, the default
     torch.manual_seed(0)
     model = GPT(GPTConfig(**MODEL))
     first = optim.configure(model, TrainConfig(optimizer="muon", learning_rate=1e-2, muon_lr=0.02), "cpu")

@@ -16,7 +16,6 @@ import openai
 import pytest
 import torch
 from conftest import (
-    ATEN_BACKEND,
     TINY_LLAMA,
     concurrently,
     make_llama3_tokenizer,
@@ -268,7 +267,7 @@ def test_on_a_gpu_the_decoding_step_replays_cuda_graphs(base, monkeypatch, devic
 
     def recorded(fn, **options):
         calls.append(options)
-        return compile(fn, dynamic=False, backend=ATEN_BACKEND)
+        return compile(fn, dynamic=False, backend="eager")  # dynamo alone: what it is handed is the point
 
     monkeypatch.setattr(torch, "compile", recorded)
     cfg = parse(ServeConfig, [f"--out_dir={base}", "--compile=True", "--batch_size=2"])
@@ -433,26 +432,27 @@ def test_the_model_in_its_own_process_decodes_together_and_frees_rows(chat_proce
 
 
 @pytest.mark.process
-def test_a_model_process_that_dies_fails_its_requests_and_says_so(base):
-    with running(f"--out_dir={base}", "--engine=process") as s:
-        child = s.server.process.process.pid
-        body = {"model": s.server.name, "prompt": "The", "max_tokens": 20, "temperature": 0}
-        assert post(s, "/v1/completions", body)[0].status_code == 200
-        os.kill(child, signal.SIGSTOP)
-        results = []
-        with watched(s.server) as seen:
-            thread = threading.Thread(target=lambda: results.append(post(s, "/v1/completions", body)))
-            thread.start()
-            with httpx.stream("POST", s.url + "/v1/completions", json={**body, "stream": True}, timeout=30) as r:
-                assert seen.wait(lambda: len(seen.submits) == 2)
-                os.kill(child, signal.SIGKILL)
-                events = [line for line in r.iter_lines() if line]
-            thread.join(30)
-        is_error(results[0][1], 503, results[0][0], "the model's process has stopped (exit code -9); restart serve.py")
-        assert events[-1] == "data: [DONE]" and json.loads(events[-2][6:])["error"]["code"] == "engine_stopped"
-        for r, payload in [post(s, "/v1/completions", body), (lambda r: (r, r.json()))(httpx.get(s.url + "/health"))]:
-            is_error(payload, 503, r, "the model's process has stopped (exit code -9); restart serve.py")
-    missing = run_script("serve.py", f"--out_dir={base}/nothing", "--port=0")
+def test_a_model_process_that_dies_fails_its_requests_and_says_so(serve_demo, chat_process):
+    """chat_process's last test: it kills that server's model process (a second one would cost its start)."""
+    s = chat_process
+    child = s.server.process.process.pid
+    body = {"model": s.server.name, "prompt": "The", "max_tokens": 20, "temperature": 0}
+    assert post(s, "/v1/completions", body)[0].status_code == 200
+    os.kill(child, signal.SIGSTOP)
+    results = []
+    with watched(s.server) as seen:
+        thread = threading.Thread(target=lambda: results.append(post(s, "/v1/completions", body)))
+        thread.start()
+        with httpx.stream("POST", s.url + "/v1/completions", json={**body, "stream": True}, timeout=30) as r:
+            assert seen.wait(lambda: len(seen.submits) == 2)
+            os.kill(child, signal.SIGKILL)
+            events = [line for line in r.iter_lines() if line]
+        thread.join(30)
+    is_error(results[0][1], 503, results[0][0], "the model's process has stopped (exit code -9); restart serve.py")
+    assert events[-1] == "data: [DONE]" and json.loads(events[-2][6:])["error"]["code"] == "engine_stopped"
+    for r, payload in [post(s, "/v1/completions", body), (lambda r: (r, r.json()))(httpx.get(s.url + "/health"))]:
+        is_error(payload, 503, r, "the model's process has stopped (exit code -9); restart serve.py")
+    missing = run_script("serve.py", f"--out_dir={serve_demo[0]}/nothing", "--port=0")
     assert missing.returncode == 2 and len(missing.stderr.splitlines()) == 1 and missing.stderr.startswith("error: ")
 
 

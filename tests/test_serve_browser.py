@@ -1,7 +1,6 @@
-"""The chat page (static/chat.html) in headless Chromium driven by Selenium, against serve.py with
-conftest's serve_demo model: replies stream in and equal the API's at temperature 0, turn after turn;
-a refused request shows the server's error; a keyed server is reached once the key is typed in.
-
+"""The chat page (static/chat.html) in headless Chromium driven by Selenium, against serve.py with an API
+key and conftest's serve_demo model: the server's 401 shows until the key is typed in; replies stream in
+and equal the API's at temperature 0, turn after turn; a refused request shows the server's error.
 Needs chromium, chromium-driver and selenium, else the tests skip; GPT_TESTS_BROWSER=required (.ci/run
 sets it) makes that a failure."""
 
@@ -41,21 +40,24 @@ def browser():
 
 
 @pytest.fixture(scope="module")
-def served(serve_demo):
-    with running(f"--out_dir={serve_demo[0]}", "--batch_size=4") as s:
+def served(serve_demo):  # keyed: open_page types the key in, but for test_the_api_key_field
+    with running(f"--out_dir={serve_demo[0]}", f"--api_key={KEY}", "--batch_size=4") as s:
         yield s
 
 
 # ---------------------------------------------------------------------------- helpers
 
 
-def open_page(driver, s, temperature="0"):
-    """The page, loaded afresh, once it shows the model's name (GET /v1/models) or an error."""
+def open_page(driver, s, temperature="0", key=KEY):
+    """The page, loaded afresh, once it shows the model's name (GET /v1/models) or an error; the key typed in."""
     from selenium.webdriver.support.ui import WebDriverWait
 
     driver.get(s.url + "/")
     WebDriverWait(driver, 30).until(lambda d: text(d, "#model").startswith("model:") or text(d, "#error"))
     page_tools.set_field(driver, "temperature", temperature)
+    if key:
+        page_tools.set_field(driver, "api-key", key + "\t")  # leaving the field (change) asks for the models again
+        WebDriverWait(driver, 30).until(lambda d: text(d, "#model") == f"model: {s.server.name}")
 
 
 def text(driver, selector):
@@ -71,16 +73,15 @@ def log(driver):
     return [tuple(m) for m in driver.execute_script(script)]
 
 
-def api(s, messages, key=None):
+def api(s, messages, key=KEY):
     """The server's own answer to the conversation at temperature 0: (status, JSON body)."""
-    body, headers = {"model": s.server.name, "messages": messages, "temperature": 0}, {}
-    if key:
-        headers["Authorization"] = f"Bearer {key}"
+    body = {"model": s.server.name, "messages": messages, "temperature": 0}
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     r = httpx.post(s.url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
     return r.status_code, r.json()
 
 
-def api_reply(s, messages, key=None):
+def api_reply(s, messages, key=KEY):
     status, body = api(s, messages, key)
     assert status == 200, body
     return body["choices"][0]["message"]["content"], body["usage"]["completion_tokens"]
@@ -162,27 +163,26 @@ def test_a_refused_request_shows_the_servers_error(browser, served):
     assert log(browser) == [] and browser.find_element(By.ID, "input").get_attribute("value") == message
 
 
-def test_the_api_key_field(browser, serve_demo):
+def test_the_api_key_field(browser, served):
     """Against a server with --api_key, the page shows the server's 401 until the key is typed in, then
     replies. Markup in messages and replies is shown as text, never made into elements."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
     first, second = "My name is <b>Zuvaki</b>.", "<img src=x onerror=alert(1)>"
-    with running(f"--out_dir={serve_demo[0]}", f"--api_key={KEY}", "--batch_size=2") as keyed:
-        status, body = api(keyed, [{"role": "user", "content": first}])
-        assert status == 401
-        open_page(browser, keyed)
-        assert text(browser, "#error").startswith(f"Error 401: {body['error']['message']}")
-        assert "API key" in text(browser, "#error") and not text(browser, "#model").startswith("model:")
-        page_tools.set_field(browser, "api-key", KEY + "\t")  # leaving the field (change) asks for the models again
-        WebDriverWait(browser, 30).until(lambda d: text(d, "#model") == f"model: {keyed.server.name}")
-        assert text(browser, "#error") == ""
-        conversation = []
-        for message in (first, second):
-            conversation.append({"role": "user", "content": message})
-            expected, _ = api_reply(keyed, conversation, key=KEY)
-            assert page_tools.type_message(browser, message) == expected  # an empty reply stays on the page too
-            conversation.append({"role": "assistant", "content": expected})
+    status, body = api(served, [{"role": "user", "content": first}], key=None)
+    assert status == 401
+    open_page(browser, served, key=None)
+    assert text(browser, "#error").startswith(f"Error 401: {body['error']['message']}")
+    assert "API key" in text(browser, "#error") and not text(browser, "#model").startswith("model:")
+    page_tools.set_field(browser, "api-key", KEY + "\t")  # leaving the field (change) asks for the models again
+    WebDriverWait(browser, 30).until(lambda d: text(d, "#model") == f"model: {served.server.name}")
+    assert text(browser, "#error") == ""
+    conversation = []
+    for message in (first, second):
+        conversation.append({"role": "user", "content": message})
+        expected, _ = api_reply(served, conversation)
+        assert page_tools.type_message(browser, message) == expected  # an empty reply stays on the page too
+        conversation.append({"role": "assistant", "content": expected})
     assert log(browser) == [(m["role"], m["content"]) for m in conversation]
     assert browser.find_elements(By.CSS_SELECTOR, "#log img, #log b") == []
