@@ -111,8 +111,7 @@ def test_mfu_never_above_100_percent_in_training(auto_batch_run):
 
 @pytest.fixture(scope="module")
 def profiled_bench(tmp_path_factory):
-    """(bench.py's JSON line, its out_dir): this CPU's best matmul as its peak, 3 profiled steps before the timed ones.
-    GPT-2's vocabulary (no dataset given): its logits' matmul, the step's largest, runs near the peak."""
+    """(bench.py's JSON line, its out_dir): 3 profiled steps; GPT-2's vocabulary, whose logits' matmul nears the peak."""
     out = tmp_path_factory.mktemp("bench")
     shape = dict(n_layer=2, n_embd=64, block_size=32, batch_size=8, gradient_accumulation_steps=2, bench_iters=2)
     profile = dict(profile=True, profile_wait=1, profile_warmup=1, profile_active=1, out_dir=out)
@@ -131,9 +130,8 @@ def test_bench_json_and_mfu_bound(profiled_bench):
 
 
 def test_sweep_keeps_tokens_per_step_and_marks_the_best(char_data):
-    # tokens of char_data's 65 characters: GPT-2's 50,257 logits would be most of the step
     sweep = dict(batch_size=8, gradient_accumulation_steps=2, sweep="batch_size=2,4,16,3", json=True, dataset=char_data)
-    result = run_script("bench.py", *tiny_bench_args(**sweep))
+    result = run_script("bench.py", *tiny_bench_args(**sweep))  # char_data: 65 logits a token, not GPT-2's 50,257
     assert result.returncode == 0, result.stderr
     assert "skipping batch_size=3" in result.stdout  # 3 does not divide 16 sequences per step
     assert result.stdout.count("<- best") == 1
