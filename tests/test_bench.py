@@ -111,10 +111,10 @@ def test_mfu_never_above_100_percent_in_training(auto_batch_run):
 
 @pytest.fixture(scope="module")
 def profiled_bench(tmp_path_factory):
-    """(bench.py's JSON line, its out_dir): this CPU's best matmul as its peak, 4 profiled steps before the timed ones."""
+    """(bench.py's JSON line, its out_dir): 3 profiled steps; GPT-2's vocabulary, whose logits' matmul nears the peak."""
     out = tmp_path_factory.mktemp("bench")
-    shape = dict(n_layer=2, n_embd=64, block_size=32, batch_size=8, gradient_accumulation_steps=2, bench_iters=4)
-    profile = dict(profile=True, profile_wait=1, profile_warmup=1, profile_active=2, out_dir=out)
+    shape = dict(n_layer=2, n_embd=64, block_size=32, batch_size=8, gradient_accumulation_steps=2, bench_iters=2)
+    profile = dict(profile=True, profile_wait=1, profile_warmup=1, profile_active=1, out_dir=out)
     result = run_script("bench.py", *tiny_bench_args(**shape, **profile, peak_flops=best_gemm_flops(), json=True))
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1]), out
@@ -129,9 +129,9 @@ def test_bench_json_and_mfu_bound(profiled_bench):
     assert r["peak_mem_mb"] > 0
 
 
-def test_sweep_keeps_tokens_per_step_and_marks_the_best(tmp_path):
-    sweep = tiny_bench_args(batch_size=8, gradient_accumulation_steps=2, sweep="batch_size=2,4,16,3", json=True)
-    result = run_script("bench.py", *sweep)
+def test_sweep_keeps_tokens_per_step_and_marks_the_best(char_data):
+    sweep = dict(batch_size=8, gradient_accumulation_steps=2, sweep="batch_size=2,4,16,3", json=True, dataset=char_data)
+    result = run_script("bench.py", *tiny_bench_args(**sweep))  # char_data: 65 logits a token, not GPT-2's 50,257
     assert result.returncode == 0, result.stderr
     assert "skipping batch_size=3" in result.stdout  # 3 does not divide 16 sequences per step
     assert result.stdout.count("<- best") == 1
@@ -270,7 +270,7 @@ def test_suite_runs_every_part_on_a_cpu_and_writes_its_reports(char_data, tmp_pa
     work = tmp_path / "work"
     (work / "data").mkdir(parents=True)
     char_data.rename(work / "data" / "shakespeare_char")  # the baby part trains on data/shakespeare_char
-    shortened = ["--bench_iters=1", "--bench_warmup=1", "--baby_iters=20"]
+    shortened = ["--bench_iters=1", "--bench_warmup=1", "--baby_iters=4"]
     result = run_script("scripts/gpu_battery.py", "--device=cpu", f"--out_dir={work / 'report'}", *shortened, cwd=work)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((work / "report" / "report.json").read_text())
@@ -288,7 +288,7 @@ def test_suite_runs_every_part_on_a_cpu_and_writes_its_reports(char_data, tmp_pa
     sweep = by_part["sweep"]
     assert len({r["batch_size"] * r["gradient_accumulation_steps"] for r in sweep}) == 1 and len(sweep) == 3
     assert [r["label"] for r in by_part["llama"]] == ["activation_checkpointing=False", "activation_checkpointing=True"]
-    assert report["baby"]["iters"] == 20 and report["baby"]["final_val"] < 4.2  # below a uniform guess, ln(65)
+    assert report["baby"]["iters"] == 4 and report["baby"]["final_val"] < 4.2  # below a uniform guess, ln(65)
     assert all(check["ok"] for check in report["smoke"].values()), report["smoke"]
     markdown = (work / "report" / "report.md").read_text()
     titles = ["Environment", "Attention", "GPT-2 sweep", "config/train_llama_tiny.py", "Baby GPT", "Correctness smoke"]
@@ -481,7 +481,7 @@ def test_profiler_events_are_told_apart_by_kernel(name, kind):
 @pytest.mark.parametrize(
     "keys", [dict(), dict(doc_mask=True), dict(batch_order="documents"), dict(batch_order="documents", doc_mask=True)]
 )
-def test_the_timed_steps_draw_batches_as_training_does(keys, monkeypatch):
+def test_the_timed_steps_draw_batches_as_training_does(keys, monkeypatch, char_data):
     """The timed steps take rows that start at documents (batch_order) and give their document numbers (doc_mask)."""
     seen = []
     forward = GPT.forward
@@ -491,7 +491,7 @@ def test_the_timed_steps_draw_batches_as_training_does(keys, monkeypatch):
         return forward(self, idx, targets, **kwargs)
 
     monkeypatch.setattr(GPT, "forward", recording)
-    cfg = BenchConfig(**{**TINY_BENCH, "block_size": 64, "batch_size": 4, "dataset": "none", **keys})
+    cfg = BenchConfig(**{**TINY_BENCH, "block_size": 64, "batch_size": 4, "dataset": str(char_data), **keys})
     data, vocab = benchmark.bench_data(cfg)
     eot = vocab - 1
     assert benchmark.document_eot(cfg, vocab) == (eot if keys else None)

@@ -105,7 +105,7 @@ def test_a_clearly_worse_side_is_found_worse_and_the_numbers_are_scipys(char_dat
 def test_no_difference_or_one_too_small_for_five_seeds_is_not_called_one(
     against, char_data, tmp_path, fast_runs, capsys, stats
 ):
-    result = compare_run(char_data, tmp_path, seeds=5, against=against)
+    result = compare_run(char_data, tmp_path, seeds=5, max_iters=20, lr_decay_iters=20, against=against)
     verdict = [line for line in capsys.readouterr().out.splitlines() if line.startswith("no significant")]
     assert [r["seed"] for r in result["runs"] if r["side"] == "B"] == [6, 7, 8, 9, 10]  # B's own seeds, none of A's
     a, b = side(result, "A"), side(result, "B")

@@ -173,10 +173,9 @@ def trained(tmp_path_factory):
         data, out = root / f"data_{shape}", root / f"out_{shape}"
         prepare = ["--input", str(root / "text.txt"), f"--out_dir={data}", f"--tokenizer={tokenizers[shape]}"]
         corpus.main([*prepare, "--txt_separator=\\n", "--val_tokens=2000", "--test_tokens=0", "--workers=1"])
-        # one row a step: the gpt2 shape's step is mostly its 50,304-token vocabulary's logits and
-        # their log-softmax (0.52 s a step at 4 rows of 96 on this CPU), and 40 steps of one row
-        # move every weight off its init
-        steps = dict(block_size=BLOCK, batch_size=1, max_iters=40, lr_decay_iters=40, eval_interval=40)
+        # one row a step: the gpt2 shape's step is mostly its 50,304-token vocabulary's logits and their
+        # log-softmax (0.52 s a step at 4 rows of 96 on this CPU); 20 steps of one row move every weight off its init
+        steps = dict(block_size=BLOCK, batch_size=1, max_iters=20, lr_decay_iters=20, eval_interval=20)
         result = run_script("train.py", *tiny_args(data, out, **steps, **overrides))
         assert result.returncode == 0, result.stderr
         for dtype in gguf_export.DTYPES:

@@ -22,6 +22,7 @@ def test_cpu_mode_runs_every_part_and_writes_its_reports(tmp_path, monkeypatch):
     work = tmp_path / "work"
     char_dataset(work / "data" / "shakespeare_char")  # the baby GPT trains on data/shakespeare_char
     monkeypatch.chdir(work)
+    monkeypatch.setenv("PYTEST_ADDOPTS", "-p no:schemathesis -p no:hypothesispytest")  # as make test: 1.5 CPU-s less
     assert headline.main(["--device=cpu", f"--out_dir={work / 'report'}", "--budget_s=0", "--baby_seeds=1"]) == 0
     report = json.loads((work / "report" / "report.json").read_text())
     assert report["torch"] == torch.__version__ and report["gpu"] is None

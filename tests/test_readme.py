@@ -4,8 +4,8 @@ line in bash, in a fresh copy of the tree, after `. .venv/bin/activate` once the
 Where this differs from a user, and why: `.venv` is a link to this suite's venv (building one is
 minutes and ~1.8 GB; tests/test_make_venv.py checks what make installs); Tiny Shakespeare is put in
 data/shakespeare_char/input.txt (from $SHAKESPEARE_TXT, else made-up text), as the README tells a
-user without network to do; SHORTER shortens the training commands; serve.py runs until it answers
-its page on a free port; chat.py gets one line on stdin; SKIPPED says why a block is not run here.
+user without network to do; SHORTER shortens the training commands, FEW_SAMPLES the sampling ones; serve.py
+runs until it answers its page on a free port; chat.py gets one line on stdin; SKIPPED says why a block is not run here.
 A command the README gains fails this test until it is in one of these tables or runs cheaply."""
 
 import os
@@ -20,7 +20,8 @@ from processes import REPO, free_port, output_of, run, start
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 
-SHORT = "--max_iters=20 --lr_decay_iters=20 --warmup_iters=5 --eval_interval=10 --eval_iters=2 --log_interval=10"
+SHORT = "--max_iters=4 --lr_decay_iters=4 --warmup_iters=1 --eval_interval=2 --eval_iters=1 --log_interval=2"
+FEW_SAMPLES = "--num_samples=1 --max_new_tokens=50"  # appended to each `python sample.py` line
 NANOGPT_CPU = (
     "python train.py config/train_shakespeare_char.py --device=cpu --compile=False --eval_iters=20 --log_interval=1 "
     "--block_size=64 --batch_size=12 --n_layer=4 --n_head=4 --n_embd=128 --max_iters=2000 --lr_decay_iters=2000 "
@@ -33,7 +34,7 @@ SHORTER = {  # a README line -> what is appended to it here
     NANOGPT_CPU: SHORT,
     "python train.py config/train_shakespeare_char_cpu.py --init_from=resume": SHORT,
     "python train.py config/train_shakespeare_char_cpu.py --init_from=resume --max_iters=900 --lr_decay_iters=900": (
-        SHORT.replace("=20", "=30")
+        SHORT.replace("=4", "=6")
     ),
     "python train.py config/train_shakespeare_char_cpu.py --eval_async=True --keep_last=2 --out_dir=out-watched": SHORT,
 }
@@ -156,7 +157,7 @@ def test_the_readme_runs_in_order_on_a_fresh_copy(tmp_path):
         if why:
             skipped.append(f"{line}: {why}")
             continue
-        extra = SHORTER.get(line)
+        extra = SHORTER.get(line, FEW_SAMPLES if line.startswith("python sample.py") else None)
         command = f"{line} {extra}" if extra else line
         if line == ". .venv/bin/activate":
             activated = True
