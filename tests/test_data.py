@@ -1,5 +1,4 @@
-"""Data: prepare.py, batches (shift, reproducibility, resume, ranks), nanoGPT data dirs, llm.c's shards
-(trained on and scored by train.py and eval.py), eval offsets."""
+"""Data: prepare.py, batches (shift, reproducibility, resume, ranks), nanoGPT's and llm.c's data dirs, eval offsets."""
 
 import json
 import pickle
@@ -185,13 +184,11 @@ def write_llmc(path, ids, version=1):
 
 
 def test_llmc_shards_train_and_score_the_masked_val_and_bad_ones_are_one_line(tmp_path):
-    """A folder of llm.c's shards as the speedruns download them (val 000000, train from 000001) is
-    a dataset: its splits read as written, train.py trains on it logging val_masked_loss, and eval.py
-    scores the same val_masked from the checkpoint. A truncated, missing or other-version file is one line."""
+    """llm.c's shards as the speedruns download them (val 000000, train from 000001) are a dataset: train.py
+    trains on it logging val_masked_loss, eval.py scores the same; a truncated, missing or other-version file is one line."""
     ids = np.random.default_rng(0).integers(0, 1000, 3000).astype(np.uint16)
     ids[::37] = 50256  # GPT-2's end-of-text: documents
-    data = tmp_path / "fineweb10B"
-    data.mkdir()
+    (data := tmp_path / "fineweb10B").mkdir()
     for name, part in (("val_000000", ids[:600]), ("train_000001", ids[600:1800]), ("train_000002", ids[1800:])):
         write_llmc(data / f"fineweb_{name}.bin", part)
     np.testing.assert_array_equal(load_split(str(data), "train", "memmap"), ids[600:])

@@ -2,9 +2,8 @@
 and FSDP2 (losses, graphs, an exact resume), a non-finite loss on one rank only (fp16), one eval
 shape on every rank, and DDP's gradients held once (gradient_as_bucket_view).
 
-The runs, of tests/train_rank.py (what a rank alone knows written down) in two torchrun launches, as
-few as the copy at iter 4 allows (a launch is ~11 CPU-s of imports): eager, ddp and fsdp one after
-another in the first, resumed then nan_one_rank in the second:
+The runs of tests/train_rank.py, in two torchrun launches (the copy at iter 4 needs a second; a launch
+is ~11 CPU-s of imports): eager, ddp and fsdp in the first, resumed then nan_one_rank in the second:
   eager         DDP, not compiled: the reference; which rank writes and logs, the replicas' weights
   ddp, fsdp     DDP and FSDP2, compiled, 8 steps
   resumed       ddp's out_dir as it stood at iter 4, resumed to 8, compiling again

@@ -1,8 +1,8 @@
 """Document-aligned batches (batch_order='documents') and the document mask (doc_mask): rows
 that start at a document, each once per epoch and on one rank only, a sampler state that resumes
 mid-epoch, a masked row that computes what its documents compute alone, and the speedruns' masked
-val loss against a brute force. (train.py's exact resume
-across an epoch, 2 ranks as 1 and a kill -9 on documents: tests/test_recipes.py, recipe documents.)"""
+val loss against a brute force. (train.py's exact resume across an epoch, 2 ranks as 1 and a kill -9
+on documents: tests/test_recipes.py, recipe documents.)"""
 
 import json
 
@@ -207,17 +207,15 @@ def test_accumulated_masked_steps_equal_one_big_batch():
 @torch.no_grad()
 @pytest.mark.parametrize("window", [32, 24])
 def test_the_masked_val_loss_is_each_documents_loss_alone(window):
-    """masked_loss (the speedruns' val loss) against a brute force: the split cut into consecutive
-    windows (the last one short), each window's piece of each document run through the model alone,
-    the per-token losses averaged. Batches of 3 windows: the last batch is topped up with padding."""
+    """masked_loss (the speedruns' val loss) against each window's piece of each document run alone (the
+    last window short), the per-token losses averaged. Batches of 3 windows: the last one topped up."""
     data, model, alone, plain = token_documents(n_docs=30), tiny_gpt(pos_encoding="rope"), [], []
     assert (len(data) - 1) % window and -(-(len(data) - 1) // window) % 3  # a short window, a padded batch
     for p in model.parameters():
         p.mul_(4)  # sharper attention: at init the other documents move the mean loss by only ~1e-5
     for start in range(0, len(data) - 1, window):
         piece = torch.from_numpy(data[start : start + window + 1].astype(np.int64))
-        x, y = piece[:-1], piece[1:]
-        docs = torch.cumsum(x == 64, 0)  # an end-of-text begins the document after it
+        x, y, docs = piece[:-1], piece[1:], torch.cumsum(piece[:-1] == 64, 0)  # end-of-text starts the next document
         for d in docs.unique():
             logits, _ = model(x[docs == d][None], logits_at="all")
             alone.append(F.cross_entropy(logits[0], y[docs == d], reduction="none").double())

@@ -2,13 +2,11 @@
 
 RECIPES maps an id to the train.py flags of that kind of run, on top of COMMON (a tiny model, 8 steps
 of 2 micro-steps, an eval and a kept checkpoint at iters 4 and 8); its data is made here (DATA).
-plain runs with dropout, so its resumes must restore the dropout masks' RNG streams too; the others
-without, so that their straight run is also the one-process reference of the 2-rank property. Each
-recipe's straight run happens once per session (`straight`), and every property reads it: a kill -9
-then init_from=auto resumes at iter 4 exactly, and 2 gloo ranks (DDP, FSDP2) equal 1 (but for two
-recipes, said there; every 2-rank run in one torchrun launch, `two_ranks`).
-Exact means every logged record but the timings, and the last checkpoint's weights and optimizer
-state (conftest.assert_same_run). A recipe's own checks are the short tests at the end, on the same runs.
+plain runs with dropout (its resumes restore the masks' RNG streams too); the others without, so their
+straight run, made once per session (`straight`), is also the one-process reference of 2 gloo ranks
+(DDP, FSDP2; all in one torchrun launch, `two_ranks`; but for two recipes, said there). A kill -9 then
+init_from=auto resumes at iter 4 exactly: every logged record but the timings, and the last checkpoint's
+weights and optimizer state (conftest.assert_same_run). A recipe's own checks are the short tests at the end.
 
 To add a recipe: a line in RECIPES (`dataset` names a maker in DATA), and, where its 2-rank run may
 differ by more than float order in the reductions, its tolerance in TOLERANCE."""

@@ -23,11 +23,8 @@ sys.path.insert(0, REPO)
 @contextmanager
 def nan_loss(model):
     """Every forward of `model` returns a NaN loss while inside: a diverged step (NaN gradients too)."""
-    handle = model.register_forward_hook(lambda module, args, out: (out[0], out[1] * float("nan")))
-    try:
+    with model.register_forward_hook(lambda module, args, out: (out[0], out[1] * float("nan"))):
         yield
-    finally:
-        handle.remove()
 
 
 def nan_steps(setattr, iters, ranks=None):
@@ -114,8 +111,7 @@ def run(report, options, argv, namespace):
     try:
         run_main(lambda: train.main(argv))
     except SystemExit as e:
-        code = e.code
-        return code
+        return (code := e.code)
     finally:
         counted = {k: {str(a): b for a, b in v.items()} for k, v in counters.items()}
         with open(report + ".json", "w") as f:
